@@ -1,0 +1,55 @@
+"""macrogen: expand macros in PyTorch training code into parallel code and Triton kernels.
+
+Import the markers from here (``import macrogen as mg``); they are no-ops at run
+time. ``expand_source`` is the pass the CLI, the import hook and autotune share.
+"""
+
+from macrogen.markers import (
+    data_parallel,
+    define,
+    fused_allreduce,
+    target,
+    tensor_parallel,
+    tile,
+    tunable,
+)
+
+__version__ = "0.1.0"
+
+# Attributes of ``macrogen`` a file may use that are not macros.
+NON_MACRO_NAMES = frozenset(
+    {
+        "__version__",
+        "autotune",
+        "expand",
+        "expand_source",
+        "ExpansionError",
+        "hook",
+        "kernels",
+        "markers",
+        "runtime",
+    }
+)
+
+
+def __getattr__(name: str):
+    # Lazy so that importing the markers does not import libcst and jinja2.
+    if name in ("expand_source", "ExpansionError"):
+        from macrogen import expand
+
+        return getattr(expand, name)
+    raise AttributeError(f"module 'macrogen' has no attribute {name!r}")
+
+
+__all__ = [
+    "ExpansionError",
+    "__version__",
+    "data_parallel",
+    "define",
+    "expand_source",
+    "fused_allreduce",
+    "target",
+    "tensor_parallel",
+    "tile",
+    "tunable",
+]

@@ -1,0 +1,3 @@
+from macrogen.cli import main
+
+raise SystemExit(main())

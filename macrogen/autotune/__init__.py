@@ -1,0 +1,1 @@
+"""Autotuning of ``tunable`` parameters and the tuning database ``expand`` reads."""

@@ -1,0 +1,83 @@
+"""The one Jinja2 environment: render a template, then prove it is Python.
+
+Values reach generated code only through two filters: ``ident`` (a validated
+identifier) and ``py`` (``repr`` of a number, string, bool, None or a tuple/list
+of them). Nothing from a user's file is pasted in as raw text.
+"""
+
+from __future__ import annotations
+
+import functools
+import keyword
+import math
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import libcst as cst
+
+from macrogen.expand.errors import InternalError
+
+
+def templates_dir() -> Path:
+    package = Path(__file__).resolve().parent
+    installed = package / "templates"  # inside a wheel
+    return installed if installed.is_dir() else package.parent / "templates"  # in the repository
+
+
+def ident(value: Any) -> str:
+    if not isinstance(value, str) or not value.isidentifier() or keyword.iskeyword(value):
+        raise InternalError(f"not an identifier: {value!r}")
+    return value
+
+
+def py(value: Any) -> str:
+    if value is None or isinstance(value, (bool, int, str)):
+        return repr(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InternalError(f"not a finite float: {value!r}")
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        items = ", ".join(py(v) for v in value)
+        if isinstance(value, list):
+            return f"[{items}]"
+        return f"({items},)" if len(value) == 1 else f"({items})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{py(k)}: {py(v)}" for k, v in value.items()) + "}"
+    raise InternalError(f"can't render {type(value).__name__} {value!r} as a Python literal")
+
+
+@functools.cache
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters["ident"] = ident
+    env.filters["py"] = py
+    return env
+
+
+def render(template: str, **params: Any) -> str:
+    """Render ``templates/<template>`` and check that the result parses as Python."""
+    try:
+        text = environment().get_template(template).render(**params)
+    except jinja2.TemplateError as e:
+        raise InternalError(f"template {template} failed to render: {e}") from e
+    try:
+        cst.parse_module(text)
+    except cst.ParserSyntaxError as e:
+        raise InternalError(
+            f"template {template} rendered invalid Python (line {e.raw_line}): {e.message}"
+        ) from e
+    return text
+
+
+def render_statements(template: str, **params: Any) -> list[cst.BaseStatement]:
+    """Render a template into statements to splice into the user's tree."""
+    return list(cst.parse_module(render(template, **params)).body)

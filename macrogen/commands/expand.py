@@ -1,0 +1,180 @@
+"""``macrogen expand SRC... [-o OUT | --out-dir DIR | --in-place] [--check] [--diff]``."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from macrogen.autotune import database
+from macrogen.expand import ExpansionError, InternalError, expand_source
+from macrogen.files import encode_source, read_source, write_atomic
+
+STDIO = "-"
+
+
+class UsageError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Job:
+    src: str  # a path, or "-" for stdin
+    dst: str | None  # a path, or None for stdout
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("expand", help="expand the macros of Python files", description=__doc__)
+    p.add_argument("sources", nargs="+", metavar="SRC", help="files or directories (of *.py); - reads stdin")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-o", "--output", metavar="OUT", help="output file (one SRC only); default: stdout")
+    where.add_argument("--out-dir", metavar="DIR", help="write each output under DIR, mirroring directories")
+    where.add_argument("--in-place", action="store_true", help="overwrite each SRC with its expansion")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if an output is missing or stale")
+    p.add_argument("--diff", action="store_true", help="write nothing; print a unified diff of each change")
+    p.add_argument("--target", choices=("cpu", "cuda"), help="fix target() branches for this device")
+    p.add_argument("--tuning", metavar="FILE", help="tuning database to read winners from")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    return expand_files(
+        args.sources,
+        output=args.output,
+        out_dir=args.out_dir,
+        in_place=args.in_place,
+        check=args.check,
+        diff=args.diff,
+        target=args.target,
+        tuning=args.tuning,
+    )
+
+
+def expand_files(
+    sources: list[str],
+    *,
+    output: str | None = None,
+    out_dir: str | None = None,
+    in_place: bool = False,
+    check: bool = False,
+    diff: bool = False,
+    target: str | None = None,
+    tuning: str | None = None,
+    stdin: IO[bytes] | None = None,
+    stdout: IO[bytes] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Expand files as the CLI does; returns the exit status."""
+    stdin = stdin or sys.stdin.buffer
+    stdout = stdout or sys.stdout.buffer
+    stderr = stderr or sys.stderr
+    try:
+        jobs = plan_jobs(sources, output=output, out_dir=out_dir, in_place=in_place)
+    except UsageError as e:
+        print(f"macrogen expand: error: {e}", file=stderr)
+        return 2
+    status = 0
+    for job in jobs:
+        try:
+            status = max(status, _expand_one(job, check, diff, target, tuning, stdin, stdout, stderr))
+        except InternalError as e:
+            print(f"{job.src}: internal error (a macrogen bug, please report it): {e}", file=stderr)
+            status = 3
+    return status
+
+
+def plan_jobs(sources: list[str], *, output: str | None, out_dir: str | None, in_place: bool) -> list[Job]:
+    if output is not None and len(sources) != 1:
+        raise UsageError("-o takes exactly one SRC; use --out-dir for several")
+    jobs: list[Job] = []
+    for src in sources:
+        if src == STDIO:
+            if in_place or out_dir is not None:
+                raise UsageError("- (stdin) can't be used with --in-place or --out-dir")
+            jobs.append(Job(STDIO, None if output in (None, STDIO) else output))
+            continue
+        path = Path(src)
+        if path.is_dir():
+            if out_dir is None and not in_place:
+                raise UsageError(f"{src} is a directory: give --out-dir DIR or --in-place")
+            for file in sorted(p for p in path.rglob("*.py") if p.is_file()):
+                dst = file if in_place else Path(out_dir) / file.relative_to(path)
+                jobs.append(Job(str(file), str(dst)))
+        elif path.is_file():
+            if in_place:
+                dst: str | None = src
+            elif out_dir is not None:
+                dst = str(Path(out_dir) / path.name)
+            else:
+                dst = None if output in (None, STDIO) else output
+            jobs.append(Job(src, dst))
+        else:
+            raise UsageError(f"{src}: no such file or directory")
+    if not in_place:
+        for job in jobs:
+            if job.src != STDIO and job.dst is not None and _same_file(job.src, job.dst):
+                raise UsageError(f"refusing to overwrite the input {job.src}; pass --in-place to do that")
+    return jobs
+
+
+def _same_file(a: str, b: str) -> bool:
+    pa, pb = Path(a), Path(b)
+    if pb.exists():
+        return pa.resolve() == pb.resolve() or pa.samefile(pb)
+    return pa.resolve() == pb.resolve()
+
+
+def _expand_one(job: Job, check: bool, diff: bool, target: str | None, tuning: str | None, stdin, stdout, stderr) -> int:
+    data = stdin.read() if job.src == STDIO else Path(job.src).read_bytes()
+    display = "<stdin>" if job.src == STDIO else job.src
+    try:
+        source, encoding = read_source(data)
+    except (SyntaxError, UnicodeDecodeError) as e:
+        print(f"{display}:1:1: error: can't decode the file: {e}", file=stderr)
+        return 1
+    values: dict = {}
+    if tuning is not None:
+        try:
+            values, stale = database.winners(Path(tuning), source, file=Path(display).name, target=target)
+        except (OSError, ValueError) as e:
+            print(f"macrogen expand: error: {e}", file=stderr)
+            return 1
+        for key in stale:
+            print(f"{display}: warning: tuning entry {key!r} is stale (the source changed); using its default", file=stderr)
+    try:
+        result = expand_source(source, path=display, target=target, tuning=values)
+    except ExpansionError as e:
+        print(e.report(), file=stderr)
+        return 1
+    new = encode_source(result.code, encoding)
+    if check or diff:
+        old_bytes = _existing(job)
+        stale_out = old_bytes != new
+        if diff and stale_out:
+            old_text = read_source(old_bytes)[0] if old_bytes is not None else ""
+            name = job.dst or display
+            lines = difflib.unified_diff(
+                old_text.splitlines(keepends=True), result.code.splitlines(keepends=True), f"a/{name}", f"b/{name}"
+            )
+            stdout.write("".join(lines).encode("utf-8"))
+        if check and stale_out:
+            print(f"{job.dst or display}: stale (would be rewritten)", file=stderr)
+            return 1
+        return 0
+    if job.dst is None:
+        stdout.write(new)
+        stdout.flush()
+    else:
+        write_atomic(Path(job.dst), new)
+    return 0
+
+
+def _existing(job: Job) -> bytes | None:
+    """What an output is now: the destination file, or for stdout the source itself."""
+    if job.dst is None:
+        return None if job.src == STDIO else Path(job.src).read_bytes()
+    path = Path(job.dst)
+    return path.read_bytes() if path.exists() else None

@@ -1,0 +1,151 @@
+"""What one expansion knows besides the tree: options, tuning values, fresh names.
+
+Nothing here reads files or the environment: the CLI, the import hook and
+autotune build ``Options`` and the pass stays a pure function of its inputs.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import libcst as cst
+
+from macrogen.expand.errors import MacroError
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to expand a file."""
+
+    path: str = "<string>"  # shown in errors and in the generated header
+    target: str | None = None  # "cpu" or "cuda" fixes target() branches; None checks at run time
+    tuning: Mapping[str, Any] = field(default_factory=dict)  # tunable key -> chosen value
+
+
+@dataclass(frozen=True)
+class Tunable:
+    """One ``tunable(default, choices=[...])`` and the value expansion used."""
+
+    key: str  # "BLOCK" for a module constant, "GPT.bucket_mb" for a macro argument
+    default: Any
+    choices: tuple[Any, ...]
+    value: Any
+    line: int
+
+    @property
+    def tuned(self) -> bool:
+        return self.value != self.default
+
+
+@dataclass(frozen=True)
+class Position:
+    line: int  # 1-based
+    col: int  # 1-based
+    width: int = 1
+
+
+class Names:
+    """Fresh identifiers that collide with nothing in the user's file (hygiene)."""
+
+    def __init__(self, source: str):
+        # Every identifier-like word of the source, strings and comments included:
+        # an over-approximation, so a fresh name can never capture a user's name.
+        self._taken = set(_IDENT.findall(source)) | set(keyword.kwlist)
+
+    def fresh(self, hint: str) -> str:
+        base = hint if hint.isidentifier() else "_mg"
+        name, n = base, 1
+        while name in self._taken:
+            n += 1
+            name = f"{base}_{n}"
+        self._taken.add(name)
+        return name
+
+    def is_free(self, name: str) -> bool:
+        return name not in self._taken
+
+
+class Context:
+    """Shared by every macro site of one file."""
+
+    def __init__(self, source: str, options: Options, module_imports: Mapping[str, str]):
+        self.options = options
+        self.lines = source.splitlines()
+        self.names = Names(source)
+        self.constants: dict[str, Any] = {}  # define()d and tunable module constants
+        self.tunables: dict[str, Tunable] = {}
+        self.prelude: list[str] = []  # generated module-level code, in source order
+        self._module_imports = dict(module_imports)  # local name -> module it binds
+        self._imports: dict[str, str] = {}  # import statement -> the name it binds
+        self._sites_per_scope: dict[str, int] = {}
+
+    # -- imports that generated code needs ---------------------------------
+    def import_module(self, module: str) -> str:
+        """The name under which generated code reaches ``module`` (``import x as y``)."""
+        for local, bound in self._module_imports.items():
+            if bound == module:
+                return local
+        leaf = module.rsplit(".", 1)[-1]
+        stmt_prefix = f"import {module} as "
+        for stmt, local in self._imports.items():
+            if stmt.startswith(stmt_prefix):
+                return local
+        local = module if "." not in module and self.names.is_free(module) else None
+        if local is not None:
+            self.names.fresh(local)
+            self._imports[f"import {module}"] = local
+        else:
+            local = self.names.fresh(f"_mg_{leaf}")
+            self._imports[stmt_prefix + local] = local
+        self._module_imports[local] = module
+        return local
+
+    def import_from(self, module: str, name: str) -> str:
+        """The name under which generated code reaches ``module.name``."""
+        key = f"from {module} import {name}"
+        for stmt, local in self._imports.items():
+            if stmt == key or stmt.startswith(key + " as "):
+                return local
+        if self.names.is_free(name):
+            self.names.fresh(name)
+            self._imports[key] = name
+            return name
+        local = self.names.fresh(f"_mg_{name}")
+        self._imports[f"{key} as {local}"] = local
+        return local
+
+    def import_lines(self) -> list[str]:
+        return sorted(self._imports)
+
+    # -- tunables ----------------------------------------------------------
+    def tunable(self, key: str, default: Any, choices: tuple[Any, ...], node: cst.CSTNode, line: int) -> Any:
+        if key in self.tunables:
+            return self.tunables[key].value
+        value = self.options.tuning.get(key, default)
+        if value not in choices:
+            raise MacroError(
+                f"the tuning database chose {value!r} for {key!r}, which is not one of its choices {list(choices)}",
+                node,
+            )
+        self.tunables[key] = Tunable(key, default, choices, value, line)
+        return value
+
+    # -- sites ---------------------------------------------------------------
+    def site_key(self, scope: str, macro: str) -> str:
+        """A stable name for an anonymous site: ``train.fused_allreduce``, then ``#2``..."""
+        base = f"{scope}.{macro}" if scope else macro
+        n = self._sites_per_scope.get(base, 0) + 1
+        self._sites_per_scope[base] = n
+        return base if n == 1 else f"{base}#{n}"
+
+    def source_line(self, line: int) -> str:
+        return self.lines[line - 1] if 0 < line <= len(self.lines) else ""
+
+    def location(self, line: int) -> str:
+        return f"{self.options.path}:{line}"

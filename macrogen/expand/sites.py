@@ -1,0 +1,252 @@
+"""Which names in a file mean macrogen's macros, scope by scope.
+
+Names resolve through the file's own imports (``import macrogen as mg``,
+``from macrogen import tile as t``) with Python's scoping rules: a name a
+function binds itself (a parameter, an assignment, another import) shadows the
+module's import inside that function, so it is not a macro there.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+
+import libcst as cst
+
+from macrogen import NON_MACRO_NAMES
+from macrogen.expand.errors import MacroError
+from macrogen.markers import MACRO_NAMES
+
+PACKAGE = "macrogen"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a name bound by an import of macrogen means."""
+
+    macro: str | None  # the macro's name, or None when the name is the macrogen module
+
+
+MODULE = Binding(None)
+
+
+def dotted(node: cst.CSTNode) -> str | None:
+    """``a.b.c`` for a Name/Attribute chain, else None."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        base = dotted(node.value)
+        return None if base is None else f"{base}.{node.attr.value}"
+    return None
+
+
+def did_you_mean(name: str, known: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def unknown_macro(name: str, node: cst.CSTNode) -> MacroError:
+    return MacroError(
+        f"macrogen has no macro {name!r}{did_you_mean(name, MACRO_NAMES)}"
+        f" (macros: {', '.join(MACRO_NAMES)})",
+        node,
+    )
+
+
+def import_bindings(stmt: cst.Import | cst.ImportFrom, errors: list[MacroError]) -> dict[str, Binding | None]:
+    """Names an import binds: a Binding for macrogen's, None for anything else."""
+    out: dict[str, Binding | None] = {}
+    if isinstance(stmt, cst.Import):
+        for alias in stmt.names:
+            full = dotted(alias.name) or ""
+            if alias.asname is not None:
+                local = dotted(alias.asname.name) or ""
+                out[local] = MODULE if full == PACKAGE else None
+            else:
+                top = full.split(".", 1)[0]
+                out[top] = MODULE if top == PACKAGE else None
+        return out
+    module = dotted(stmt.module) if stmt.module is not None else None
+    from_macrogen = stmt.relative == () or len(stmt.relative) == 0
+    from_macrogen = from_macrogen and module in (PACKAGE, f"{PACKAGE}.markers")
+    if isinstance(stmt.names, cst.ImportStar):
+        if from_macrogen:
+            out.update({name: Binding(name) for name in MACRO_NAMES})
+        return out
+    for alias in stmt.names:
+        name = dotted(alias.name) or ""
+        local = dotted(alias.asname.name) if alias.asname is not None else name
+        if not from_macrogen:
+            out[local or name] = None
+        elif name in MACRO_NAMES:
+            out[local or name] = Binding(name)
+        elif name in NON_MACRO_NAMES or module != PACKAGE:
+            out[local or name] = None
+        else:
+            errors.append(unknown_macro(name, alias.name))
+            out[local or name] = None
+    return out
+
+
+def _target_names(node: cst.CSTNode, into: set[str]) -> None:
+    if isinstance(node, cst.Name):
+        into.add(node.value)
+    elif isinstance(node, (cst.Tuple, cst.List)):
+        for el in node.elements:
+            _target_names(el.value, into)
+    elif isinstance(node, cst.StarredElement):
+        _target_names(node.value, into)
+
+
+@dataclass
+class Scope:
+    """Names one scope binds itself, and which of them are macrogen imports."""
+
+    kind: str  # "module", "function", "class"
+    name: str
+    bound: set[str] = field(default_factory=set)
+    macros: dict[str, Binding] = field(default_factory=dict)
+    globals: set[str] = field(default_factory=set)
+
+
+class _ScopeCollector(cst.CSTVisitor):
+    """Collects the names bound directly in one scope (not in scopes inside it)."""
+
+    def __init__(self, scope: Scope, errors: list[MacroError]):
+        super().__init__()
+        self.scope = scope
+        self.errors = errors
+        self.others: set[str] = set()  # names also bound by something else than macrogen
+
+    def _bind(self, name: str, binding: Binding | None = None) -> None:
+        self.scope.bound.add(name)
+        if binding is not None:
+            self.scope.macros[name] = binding
+        else:
+            self.others.add(name)
+
+    def finish(self) -> Scope:
+        # A name that the scope binds both to macrogen and to something else is
+        # ambiguous; it is a macro only where macrogen is all it can be.
+        for name in self.others:
+            self.scope.macros.pop(name, None)
+        return self.scope
+
+    # Nested scopes: their name is bound here, their body is not visited.
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        self._bind(node.name.value)
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        self._bind(node.name.value)
+        return False
+
+    def visit_Lambda(self, node: cst.Lambda) -> bool:
+        return False
+
+    def visit_Import(self, node: cst.Import) -> bool:
+        for name, binding in import_bindings(node, self.errors).items():
+            self._bind(name, binding)
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        return self.visit_Import(node)  # type: ignore[arg-type]
+
+    def visit_Global(self, node: cst.Global) -> None:
+        self.scope.globals.update(n.name.value for n in node.names)
+
+    def visit_Nonlocal(self, node: cst.Nonlocal) -> None:
+        self.scope.globals.update(n.name.value for n in node.names)
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self._targets(node.target)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._targets(node.target)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._targets(node.target)
+
+    def visit_For(self, node: cst.For) -> None:
+        self._targets(node.target)
+
+    def visit_CompFor(self, node: cst.CompFor) -> None:
+        self._targets(node.target)
+
+    def visit_AsName(self, node: cst.AsName) -> None:
+        self._targets(node.name)
+
+    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        self._targets(node.target)
+
+    def visit_Param(self, node: cst.Param) -> None:
+        self._bind(node.name.value)
+
+    def visit_Del(self, node: cst.Del) -> None:
+        self._targets(node.target)
+
+    def _targets(self, target: cst.CSTNode) -> None:
+        names: set[str] = set()
+        _target_names(target, names)
+        for name in names - self.scope.globals:
+            self._bind(name)
+
+
+def collect_scope(kind: str, name: str, nodes: list[cst.CSTNode], errors: list[MacroError]) -> Scope:
+    collector = _ScopeCollector(Scope(kind, name), errors)
+    for node in nodes:
+        node.visit(collector)
+    return collector.finish()
+
+
+class ScopeStack:
+    """Python's name lookup, reduced to the question 'is this name a macro here?'."""
+
+    def __init__(self, module_scope: Scope):
+        self.stack = [module_scope]
+
+    def push(self, scope: Scope) -> None:
+        self.stack.append(scope)
+
+    def pop(self) -> None:
+        self.stack.pop()
+
+    @property
+    def qualname(self) -> str:
+        return ".".join(s.name for s in self.stack[1:])
+
+    @property
+    def at_module_level(self) -> bool:
+        return len(self.stack) == 1
+
+    def resolve(self, name: str) -> Binding | None:
+        innermost = self.stack[-1]
+        for scope in reversed(self.stack):
+            if scope.kind == "class" and scope is not innermost:
+                continue  # class bodies are not visible from the functions inside them
+            if name in scope.globals:
+                return self.stack[0].macros.get(name)
+            if name in scope.bound:
+                return scope.macros.get(name)
+        return None
+
+    def macro_of(self, expr: cst.CSTNode) -> str | None:
+        """The macro an expression names: ``tile`` for ``mg.tile`` or ``t`` (from-import)."""
+        if isinstance(expr, cst.Call):
+            expr = expr.func
+        if isinstance(expr, cst.Name):
+            binding = self.resolve(expr.value)
+            return binding.macro if binding is not None else None
+        if isinstance(expr, cst.Attribute) and isinstance(expr.value, cst.Name):
+            binding = self.resolve(expr.value.value)
+            if binding is MODULE and expr.attr.value in MACRO_NAMES:
+                return expr.attr.value
+        return None
+
+    def check_attribute(self, node: cst.Attribute) -> None:
+        """``mg.tlie`` is an error with a did-you-mean; ``mg.hook`` is fine."""
+        if not isinstance(node.value, cst.Name) or self.resolve(node.value.value) is not MODULE:
+            return
+        attr = node.attr.value
+        if attr not in MACRO_NAMES and attr not in NON_MACRO_NAMES:
+            raise unknown_macro(attr, node.attr)

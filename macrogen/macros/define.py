@@ -1,0 +1,49 @@
+"""``define(value)``: an expansion-time constant.
+
+    D_MODEL = mg.define(256)          ->   # macrogen: define at model.py:3
+                                           D_MODEL = 256
+
+Macro arguments that name ``D_MODEL`` get 256 at expansion time; ordinary code
+keeps reading the module variable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import libcst as cst
+
+from macrogen.codegen import py
+from macrogen.expand.args import Evaluator
+from macrogen.expand.context import Context
+from macrogen.expand.errors import InternalError, MacroError
+from macrogen.expand.site import Site
+
+FORMS = ("assign",)
+USAGE = "define() is assigned to a module-level name: D_MODEL = define(256)"
+
+
+def constant(name: str, call: cst.Call, evaluator: Evaluator) -> Any:
+    args = evaluator.call_args(call, name).bind({"value": None}, positional=("value",))
+    if "value" not in args:
+        raise MacroError("define() takes the value: define(256)", call)
+    return args["value"].value
+
+
+def expand(site: Site, ctx: Context) -> cst.BaseStatement:
+    return literal_assignment(site, ctx)
+
+
+def literal_assignment(site: Site, ctx: Context, leading: list[cst.EmptyLine] | None = None) -> cst.BaseStatement:
+    """``NAME = <literal>``, keeping the line's own trailing comment."""
+    name = site.qualname
+    if name not in ctx.constants:  # its evaluation failed; that error is already reported
+        raise MacroError(f"{name} has no value", site.original)
+    try:
+        literal = cst.parse_expression(py(ctx.constants[name]))
+    except InternalError as e:
+        raise MacroError(f"{site.macro}() value can't be written back as a literal: {e}", site.original) from None
+    stmt = site.node
+    assert isinstance(stmt, cst.SimpleStatementLine)
+    assign = stmt.body[0]
+    return stmt.with_changes(body=[assign.with_changes(value=literal)], leading_lines=leading or [])

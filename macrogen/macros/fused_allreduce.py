@@ -1,0 +1,147 @@
+"""``with fused_allreduce(): dist.all_reduce(t0) ... dist.all_reduce(tK)``: one collective.
+
+    def sync_metrics(loss, correct, seen):      def sync_metrics(loss, correct, seen):
+        with mg.fused_allreduce():          ->      # macrogen: fused_allreduce at train.py:12
+            dist.all_reduce(loss)                   _fused_allreduce_l12(loss, correct, seen)
+            dist.all_reduce(correct)
+            dist.all_reduce(seen)
+
+``_fused_allreduce_l12`` (in the generated helpers) packs the K tensors into one
+flat buffer per dtype, all-reduces each buffer once, and unpacks in place: with
+a Triton pack and unpack kernel generated for this site (K pointer arguments)
+on CUDA tensors, with ``torch.cat``/``_foreach_copy_`` on CPU tensors.
+
+Every call must use the same ``op`` and ``group`` (written the same way); mixed
+dtypes are fine (one collective each). ``async_op=True`` is rejected: the block
+issues its collectives and waits for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import libcst as cst
+
+from macrogen import codegen
+from macrogen.expand.context import Context
+from macrogen.expand.errors import MacroError
+from macrogen.expand.site import Site
+
+FORMS = ("with",)
+USAGE = "fused_allreduce() opens a with block of dist.all_reduce(tensor) calls: with fused_allreduce(): ..."
+
+_ALL_REDUCE_PARAMS = ("tensor", "op", "group", "async_op")
+
+
+@dataclass(frozen=True)
+class Spec:
+    tensors: tuple[cst.BaseExpression, ...]  # the user's tensor expressions, in order
+    op: cst.BaseExpression | None
+    group: cst.BaseExpression | None
+    block: int  # elements per Triton program
+
+
+def validate(site: Site) -> Spec:
+    args = site.args.bind({"block": 1024})
+    block = args["block"].value if "block" in args else 1024
+    if not isinstance(block, int) or isinstance(block, bool) or block < 16 or block & (block - 1):
+        node = args["block"].node if "block" in args else site.call
+        raise MacroError(f"block must be a power of two >= 16, not {block!r}", node)
+    body = site.original.body
+    if not isinstance(body, cst.IndentedBlock):
+        raise MacroError("put each dist.all_reduce(...) call on its own line", body)
+    calls = [_all_reduce_call(stmt) for stmt in body.body]
+    tensors, ops, groups = [], [], []
+    for call in calls:
+        bound = _bind(call)
+        if "tensor" not in bound:
+            raise MacroError("dist.all_reduce() needs the tensor to reduce", call)
+        tensors.append(bound["tensor"])
+        ops.append(bound.get("op"))
+        groups.append(bound.get("group"))
+        async_op = bound.get("async_op")
+        if async_op is not None and not (isinstance(async_op, cst.Name) and async_op.value == "False"):
+            raise MacroError(
+                "async_op=True is not supported in fused_allreduce: the block issues one collective and waits for it",
+                async_op,
+            )
+    return Spec(tuple(tensors), _same(ops, "op"), _same(groups, "group"), block)
+
+
+def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
+    spec = validate(site)
+    k = len(spec.tensors)
+    fn = ctx.names.fresh(f"_fused_allreduce_l{site.line}")
+    ctx.prelude.append(
+        codegen.render(
+            "fused_allreduce.py.j2",
+            location=ctx.location(site.line),
+            k=k,
+            tensors=[f"t{i}" for i in range(k)],
+            # sizes and offsets change every call: don't recompile for each
+            scalars=[f"{p}{i}" for i in range(k) for p in ("n", "off")] + [f"first_block{i}" for i in range(1, k)],
+            fn=fn,
+            pack=ctx.names.fresh(f"{fn}_pack"),
+            unpack=ctx.names.fresh(f"{fn}_unpack"),
+            block=spec.block,
+            triton=ctx.import_from("macrogen.runtime.triton_support", "triton"),
+            tl=ctx.import_from("macrogen.runtime.triton_support", "tl"),
+            runtime=ctx.import_from("macrogen.runtime.fused", "all_reduce_fused"),
+        )
+    )
+    call_args = [cst.Arg(t) for t in spec.tensors]
+    if spec.op is not None:
+        call_args.append(cst.Arg(spec.op, keyword=cst.Name("op")))
+    if spec.group is not None:
+        call_args.append(cst.Arg(spec.group, keyword=cst.Name("group")))
+    call = cst.Call(cst.Name(fn), call_args)
+    return [cst.SimpleStatementLine([cst.Expr(call)])]
+
+
+def _all_reduce_call(stmt: cst.BaseStatement) -> cst.Call:
+    if (
+        isinstance(stmt, cst.SimpleStatementLine)
+        and len(stmt.body) == 1
+        and isinstance(stmt.body[0], cst.Expr)
+        and isinstance(stmt.body[0].value, cst.Call)
+    ):
+        call = stmt.body[0].value
+        func = call.func
+        name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", None)
+        if name == "all_reduce":
+            return call
+    raise MacroError("a fused_allreduce block may hold only dist.all_reduce(tensor, ...) calls, one per line", stmt)
+
+
+def _bind(call: cst.Call) -> dict[str, cst.BaseExpression]:
+    bound: dict[str, cst.BaseExpression] = {}
+    for i, arg in enumerate(call.args):
+        if arg.star:
+            raise MacroError("dist.all_reduce() arguments can't be unpacked with * or ** here", arg)
+        if arg.keyword is None:
+            if i >= len(_ALL_REDUCE_PARAMS):
+                raise MacroError("dist.all_reduce() takes at most 4 positional arguments", arg)
+            name = _ALL_REDUCE_PARAMS[i]
+        else:
+            name = arg.keyword.value
+            if name not in _ALL_REDUCE_PARAMS:
+                raise MacroError(f"dist.all_reduce() has no argument {name!r}", arg.keyword)
+        if name in bound:
+            raise MacroError(f"argument {name!r} given twice", arg)
+        bound[name] = arg.value
+    return bound
+
+
+def _same(values: list[cst.BaseExpression | None], what: str) -> cst.BaseExpression | None:
+    """One op (or group) for the whole block, compared as written."""
+    empty = cst.Module([])
+    texts = ["" if v is None else empty.code_for_node(v).strip() for v in values]
+    for v, text in zip(values, texts):
+        if text != texts[0]:
+            first = texts[0] or "the default"
+            raise MacroError(
+                f"every all_reduce in a fused_allreduce block must use the same {what}: this one uses"
+                f" {text or 'the default'}, the first uses {first}; split the block by {what}",
+                v if v is not None else values[0],
+            )
+    return values[0]

@@ -1,0 +1,59 @@
+"""``if target(kind):``: code for one kind of device.
+
+With ``--target cuda`` (or ``cpu``) the branch is chosen at expansion time and
+the other one is removed:
+
+    if mg.target("cuda"):        ->   # macrogen: target at train.py:9
+        use_triton()                  use_triton()
+    else:
+        use_torch()
+
+Without ``--target`` it becomes a run-time device check that needs no macrogen:
+``if torch.cuda.is_available():`` (``not ...`` for "cpu").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import libcst as cst
+
+from macrogen.expand.context import Context
+from macrogen.expand.errors import MacroError
+from macrogen.expand.site import Site
+from macrogen.markers import TARGETS
+
+FORMS = ("if", "elif")
+USAGE = 'target() is the whole test of an if statement: if target("cuda"): ...'
+
+
+def expand(site: Site, ctx: Context) -> cst.If | Sequence[cst.BaseStatement]:
+    args = site.args.bind({"kind": None}, positional=("kind",))
+    if "kind" not in args:
+        raise MacroError(f"target() takes the device kind, one of {list(TARGETS)}", site.call)
+    kind = args["kind"].value
+    if kind not in TARGETS:
+        raise MacroError(f"target() takes one of {list(TARGETS)}, not {kind!r}", args["kind"].node)
+    node = site.node
+    assert isinstance(node, cst.If)
+    chosen = ctx.options.target
+    if chosen is None:
+        torch = ctx.import_module("torch")
+        check = cst.parse_expression(f"{torch}.cuda.is_available()")
+        test = check if kind == "cuda" else cst.UnaryOperation(cst.Not(), check)
+        return node.with_changes(test=test)
+    if site.form == "elif":
+        raise MacroError("with --target, target() can't be an elif test; nest the if in the else branch", site.call)
+    if kind == chosen:
+        return _statements(node.body)
+    if node.orelse is None:
+        return []
+    if isinstance(node.orelse, cst.If):  # the elif becomes a plain if
+        return [node.orelse]
+    return _statements(node.orelse.body)
+
+
+def _statements(suite: cst.BaseSuite) -> list[cst.BaseStatement]:
+    if isinstance(suite, cst.SimpleStatementSuite):  # if x: a(); b()
+        return [cst.SimpleStatementLine(body=suite.body)]
+    return list(suite.body)

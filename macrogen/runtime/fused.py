@@ -1,0 +1,105 @@
+"""Fused all-reduce: K tensors, one flat buffer and one collective per dtype.
+
+The Triton pack/unpack kernels are generated for each ``with fused_allreduce()``
+site (they take the K pointers as K arguments, so no pointer table). This
+module plans the buffers and launches them; CPU tensors take a torch path.
+
+Generated kernels take, in order: the buffer, the K tensors, their K element
+counts (0 for a tensor that is not in this buffer), their K offsets in the
+buffer, and the first program id of tensors 1..K-1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from macrogen.runtime.triton_support import triton, use_triton
+
+
+@dataclass(frozen=True)
+class FlatBuffer:
+    """Where each member tensor lives in one flat buffer."""
+
+    dtype: torch.dtype
+    device: torch.device
+    members: tuple[int, ...]  # indices into the K tensors
+    sizes: tuple[int, ...]  # numel of each member
+    offsets: tuple[int, ...]  # start of each member in the buffer
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+
+def plan(tensors: Sequence[torch.Tensor]) -> list[FlatBuffer]:
+    """One buffer per (dtype, device), in order of first appearance; same on every rank."""
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    out = []
+    for (dtype, device), members in groups.items():
+        sizes = tuple(tensors[i].numel() for i in members)
+        offsets, at = [], 0
+        for n in sizes:
+            offsets.append(at)
+            at += n
+        out.append(FlatBuffer(dtype, device, tuple(members), sizes, tuple(offsets)))
+    return out
+
+
+def kernel_args(buf: torch.Tensor, tensors: Sequence[torch.Tensor], flat: FlatBuffer, block: int) -> tuple[list[Any], int]:
+    """Positional arguments of a generated pack/unpack kernel, and its grid size."""
+    k = len(tensors)
+    numel, offset = [0] * k, [0] * k
+    for i, n, off in zip(flat.members, flat.sizes, flat.offsets):
+        numel[i], offset[i] = n, off
+    first_block, at = [], 0
+    for i in range(k):
+        first_block.append(at)
+        at += triton.cdiv(numel[i], block)
+    return [buf, *tensors, *numel, *offset, *first_block[1:]], at
+
+
+def pack_torch(tensors: Sequence[torch.Tensor], flat: FlatBuffer) -> torch.Tensor:
+    return torch.cat([tensors[i].reshape(-1) for i in flat.members])
+
+
+def unpack_torch(buf: torch.Tensor, tensors: Sequence[torch.Tensor], flat: FlatBuffer) -> None:
+    members = [tensors[i] for i in flat.members]
+    chunks = [c.view(t.shape) for c, t in zip(buf.split(flat.sizes), members)]
+    torch._foreach_copy_(members, chunks)
+
+
+def launch(kernel: Callable[..., Any], buf: torch.Tensor, tensors: Sequence[torch.Tensor], flat: FlatBuffer, block: int) -> None:
+    args, grid = kernel_args(buf, tensors, flat, block)
+    if grid:
+        kernel[(grid,)](*args, BLOCK=block)
+
+
+def all_reduce_fused(
+    tensors: Sequence[torch.Tensor],
+    *,
+    op: Any = None,
+    group: dist.ProcessGroup | None = None,
+    pack: Callable[..., Any],
+    unpack: Callable[..., Any],
+    block: int,
+) -> None:
+    """In place, like ``dist.all_reduce`` on each tensor, with one collective per dtype."""
+    op = dist.ReduceOp.SUM if op is None else op
+    for flat in plan(tensors):
+        members = [tensors[i] for i in flat.members]
+        if use_triton(flat.device) and all(t.is_contiguous() for t in members):
+            buf = torch.empty(flat.numel, dtype=flat.dtype, device=flat.device)
+            launch(pack, buf, tensors, flat, block)
+            dist.all_reduce(buf, op=op, group=group)
+            launch(unpack, buf, tensors, flat, block)
+        else:
+            buf = pack_torch(tensors, flat)
+            dist.all_reduce(buf, op=op, group=group)
+            unpack_torch(buf, tensors, flat)

@@ -1,0 +1,98 @@
+"""Run a function on N gloo ranks on 127.0.0.1, with a bounded time.
+
+    results = run_ranks(worker, world_size=2, args=(seed,), timeout=120)
+
+``worker(rank, world_size, *args)`` runs in a fresh process with the default
+process group initialized (gloo) and torchrun's environment variables set, so
+expanded code finds the group as it would under torchrun. Its return value
+(picklable) comes back per rank; an exception on any rank fails the call with
+that rank's traceback; a rank that does not finish in ``timeout`` seconds fails
+the call instead of hanging the test suite.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue, init: bool) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", pickle.dumps(result)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple = (),
+    *,
+    timeout: float = 180,
+    init: bool = True,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, init), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, payload = queue.get(timeout=timeout)
+            except Exception:
+                missing = sorted(set(range(world_size)) - set(results) - set(errors))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+                break  # the other ranks may now hang in a collective; don't wait for them
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
+    return [results[r] for r in range(world_size)]
