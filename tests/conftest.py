@@ -7,7 +7,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--update-goldens", action="store_true", help="rewrite tests/golden/*/expected.* from the current output")
+    parser.addoption(
+        "--update-goldens",
+        action="store_true",
+        help="rewrite tests/golden/*/expected.* from the current output",
+    )
 
 
 @pytest.fixture

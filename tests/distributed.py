@@ -28,7 +28,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue, init: bool) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue, init: bool
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -69,7 +71,10 @@ def run_ranks(
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, init), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, init), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -80,7 +85,9 @@ def run_ranks(
                 rank, status, payload = queue.get(timeout=timeout)
             except Exception:
                 missing = sorted(set(range(world_size)) - set(results) - set(errors))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
+                raise TimeoutError(
+                    f"ranks {missing} did not finish within {timeout:.0f} s"
+                ) from None
             if status == "ok":
                 results[rank] = pickle.loads(payload)
             else:

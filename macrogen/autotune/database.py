@@ -28,7 +28,9 @@ def load(path: Path) -> dict[str, Any]:
     return data
 
 
-def winners(path: Path, source: str, *, file: str, target: str | None = None) -> tuple[dict[str, Any], list[str]]:
+def winners(
+    path: Path, source: str, *, file: str, target: str | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """The winning value per tunable key of ``file`` (its name as recorded); and the stale keys skipped."""
     digest = source_hash(source)
     values: dict[str, Any] = {}

@@ -28,14 +28,30 @@ class Job:
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("expand", help="expand the macros of Python files", description=__doc__)
-    p.add_argument("sources", nargs="+", metavar="SRC", help="files or directories (of *.py); - reads stdin")
+    p.add_argument(
+        "sources", nargs="+", metavar="SRC", help="files or directories (of *.py); - reads stdin"
+    )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("-o", "--output", metavar="OUT", help="output file (one SRC only); default: stdout")
-    where.add_argument("--out-dir", metavar="DIR", help="write each output under DIR, mirroring directories")
-    where.add_argument("--in-place", action="store_true", help="overwrite each SRC with its expansion")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if an output is missing or stale")
-    p.add_argument("--diff", action="store_true", help="write nothing; print a unified diff of each change")
-    p.add_argument("--target", choices=("cpu", "cuda"), help="fix target() branches for this device")
+    where.add_argument(
+        "-o", "--output", metavar="OUT", help="output file (one SRC only); default: stdout"
+    )
+    where.add_argument(
+        "--out-dir", metavar="DIR", help="write each output under DIR, mirroring directories"
+    )
+    where.add_argument(
+        "--in-place", action="store_true", help="overwrite each SRC with its expansion"
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if an output is missing or stale",
+    )
+    p.add_argument(
+        "--diff", action="store_true", help="write nothing; print a unified diff of each change"
+    )
+    p.add_argument(
+        "--target", choices=("cpu", "cuda"), help="fix target() branches for this device"
+    )
     p.add_argument("--tuning", metavar="FILE", help="tuning database to read winners from")
     return p
 
@@ -79,14 +95,18 @@ def expand_files(
     status = 0
     for job in jobs:
         try:
-            status = max(status, _expand_one(job, check, diff, target, tuning, stdin, stdout, stderr))
+            status = max(
+                status, _expand_one(job, check, diff, target, tuning, stdin, stdout, stderr)
+            )
         except InternalError as e:
             print(f"{job.src}: internal error (a macrogen bug, please report it): {e}", file=stderr)
             status = 3
     return status
 
 
-def plan_jobs(sources: list[str], *, output: str | None, out_dir: str | None, in_place: bool) -> list[Job]:
+def plan_jobs(
+    sources: list[str], *, output: str | None, out_dir: str | None, in_place: bool
+) -> list[Job]:
     if output is not None and len(sources) != 1:
         raise UsageError("-o takes exactly one SRC; use --out-dir for several")
     jobs: list[Job] = []
@@ -116,7 +136,9 @@ def plan_jobs(sources: list[str], *, output: str | None, out_dir: str | None, in
     if not in_place:
         for job in jobs:
             if job.src != STDIO and job.dst is not None and _same_file(job.src, job.dst):
-                raise UsageError(f"refusing to overwrite the input {job.src}; pass --in-place to do that")
+                raise UsageError(
+                    f"refusing to overwrite the input {job.src}; pass --in-place to do that"
+                )
     return jobs
 
 
@@ -127,7 +149,9 @@ def _same_file(a: str, b: str) -> bool:
     return pa.resolve() == pb.resolve()
 
 
-def _expand_one(job: Job, check: bool, diff: bool, target: str | None, tuning: str | None, stdin, stdout, stderr) -> int:
+def _expand_one(
+    job: Job, check: bool, diff: bool, target: str | None, tuning: str | None, stdin, stdout, stderr
+) -> int:
     data = stdin.read() if job.src == STDIO else Path(job.src).read_bytes()
     display = "<stdin>" if job.src == STDIO else job.src
     try:
@@ -138,12 +162,17 @@ def _expand_one(job: Job, check: bool, diff: bool, target: str | None, tuning: s
     values: dict = {}
     if tuning is not None:
         try:
-            values, stale = database.winners(Path(tuning), source, file=Path(display).name, target=target)
+            values, stale = database.winners(
+                Path(tuning), source, file=Path(display).name, target=target
+            )
         except (OSError, ValueError) as e:
             print(f"macrogen expand: error: {e}", file=stderr)
             return 1
         for key in stale:
-            print(f"{display}: warning: tuning entry {key!r} is stale (the source changed); using its default", file=stderr)
+            print(
+                f"{display}: warning: tuning entry {key!r} is stale (the source changed); using its default",
+                file=stderr,
+            )
     try:
         result = expand_source(source, path=display, target=target, tuning=values)
     except ExpansionError as e:
@@ -157,7 +186,10 @@ def _expand_one(job: Job, check: bool, diff: bool, target: str | None, tuning: s
             old_text = read_source(old_bytes)[0] if old_bytes is not None else ""
             name = job.dst or display
             lines = difflib.unified_diff(
-                old_text.splitlines(keepends=True), result.code.splitlines(keepends=True), f"a/{name}", f"b/{name}"
+                old_text.splitlines(keepends=True),
+                result.code.splitlines(keepends=True),
+                f"a/{name}",
+                f"b/{name}",
             )
             stdout.write("".join(lines).encode("utf-8"))
         if check and stale_out:

@@ -109,15 +109,35 @@ class _FileExpansion:
         except SyntaxError as e:
             line = e.lineno or 1
             text = e.text if e.text is not None else _line(self.source, line)
-            raise ExpansionError([Diagnostic(self.options.path, line, max(1, e.offset or 1), f"invalid syntax: {e.msg}", text)]) from None
+            raise ExpansionError(
+                [
+                    Diagnostic(
+                        self.options.path,
+                        line,
+                        max(1, e.offset or 1),
+                        f"invalid syntax: {e.msg}",
+                        text,
+                    )
+                ]
+            ) from None
         except ValueError as e:  # null bytes
-            raise ExpansionError([Diagnostic(self.options.path, 1, 1, f"invalid source: {e}")]) from None
+            raise ExpansionError(
+                [Diagnostic(self.options.path, 1, 1, f"invalid source: {e}")]
+            ) from None
         try:
             return cst.parse_module(self.source)
         except cst.ParserSyntaxError as e:
             line = e.editor_line
             raise ExpansionError(
-                [Diagnostic(self.options.path, line, e.editor_column, f"invalid syntax: {e.message}", _line(self.source, line))]
+                [
+                    Diagnostic(
+                        self.options.path,
+                        line,
+                        e.editor_column,
+                        f"invalid syntax: {e.message}",
+                        _line(self.source, line),
+                    )
+                ]
             ) from None
 
     def _statement_lines(self, module: cst.Module) -> None:
@@ -135,7 +155,10 @@ class _FileExpansion:
     def _position(self, node: cst.CSTNode) -> Position:
         i = self.current
         if i not in self._positions:  # positions only for statements that need them
-            wrapper = MetadataWrapper(self.module.with_changes(body=[self.module.body[i]], header=[], footer=[]), unsafe_skip_copy=True)
+            wrapper = MetadataWrapper(
+                self.module.with_changes(body=[self.module.body[i]], header=[], footer=[]),
+                unsafe_skip_copy=True,
+            )
             self._positions[i] = wrapper.resolve(PositionProvider)
         code_range = self._positions[i].get(node)
         if code_range is None:
@@ -147,18 +170,33 @@ class _FileExpansion:
     def _flush_errors(self) -> None:
         for e in self.errors:
             pos = self._position(e.node) if e.node is not None else Position(1, 1)
-            self.diagnostics.append(Diagnostic(self.options.path, pos.line, pos.col, e.message, _line(self.source, pos.line), pos.width))
+            self.diagnostics.append(
+                Diagnostic(
+                    self.options.path,
+                    pos.line,
+                    pos.col,
+                    e.message,
+                    _line(self.source, pos.line),
+                    pos.width,
+                )
+            )
         self.errors.clear()
 
     # -- module constants: define() and tunable() assigned to names ---------------------
-    def _module_constants(self, module: cst.Module, module_scope: Any, candidates: list[int]) -> None:
+    def _module_constants(
+        self, module: cst.Module, module_scope: Any, candidates: list[int]
+    ) -> None:
         scopes = ScopeStack(module_scope)
         for i in candidates:
             stmt = module.body[i]
             if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1):
                 continue
             assign = stmt.body[0]
-            if not (isinstance(assign, cst.Assign) and len(assign.targets) == 1 and isinstance(assign.targets[0].target, cst.Name)):
+            if not (
+                isinstance(assign, cst.Assign)
+                and len(assign.targets) == 1
+                and isinstance(assign.targets[0].target, cst.Name)
+            ):
                 continue
             macro = scopes.macro_of(assign.value) if isinstance(assign.value, cst.Call) else None
             if macro not in ("define", "tunable"):
@@ -172,7 +210,9 @@ class _FileExpansion:
                 self.errors.append(e)
             self._flush_errors()
 
-    def _use_tunable(self, key: str, default: Any, choices: tuple[Any, ...], node: cst.CSTNode) -> Any:
+    def _use_tunable(
+        self, key: str, default: Any, choices: tuple[Any, ...], node: cst.CSTNode
+    ) -> Any:
         return self.ctx.tunable(key, default, choices, node, self._position(node).line)
 
     # -- output --------------------------------------------------------------------
@@ -182,7 +222,8 @@ class _FileExpansion:
             if i > candidates[0]:
                 break
             if isinstance(stmt, cst.SimpleStatementLine) and any(
-                isinstance(s, (cst.Import, cst.ImportFrom)) and PACKAGE in self.texts[i] for s in stmt.body
+                isinstance(s, (cst.Import, cst.ImportFrom)) and PACKAGE in self.texts[i]
+                for s in stmt.body
             ):
                 return i + 1
         return candidates[0]
@@ -191,7 +232,9 @@ class _FileExpansion:
         imports, blocks = self.ctx.import_lines(), self.ctx.prelude
         if not imports and not blocks:
             return []
-        parts = [f"# ---- macrogen: generated from {self.options.path}; edit the source, not this block ----\n"]
+        parts = [
+            f"# ---- macrogen: generated from {self.options.path}; edit the source, not this block ----\n"
+        ]
         parts += [line + "\n" for line in imports]
         for block in blocks:
             parts.append("\n\n" + block.rstrip("\n") + "\n")
@@ -201,8 +244,12 @@ class _FileExpansion:
         except cst.ParserSyntaxError as e:
             raise InternalError(f"generated helpers are invalid Python: {e.message}") from e
         statements = list(prelude.body)
-        first = statements[0]  # the banner parsed as the module header: move it onto the first statement
-        statements[0] = first.with_changes(leading_lines=[cst.EmptyLine(), *prelude.header, *first.leading_lines])
+        first = statements[
+            0
+        ]  # the banner parsed as the module header: move it onto the first statement
+        statements[0] = first.with_changes(
+            leading_lines=[cst.EmptyLine(), *prelude.header, *first.leading_lines]
+        )
         return statements
 
     def _with_header(self, code: str) -> str:
@@ -218,7 +265,9 @@ class _FileExpansion:
             header.append(f"# tunable {t.key} = {t.value!r} ({how}; choices {list(t.choices)})")
         lines = code.splitlines(keepends=True)
         keep = 0  # a shebang and a coding cookie must stay on the first two lines
-        while keep < min(2, len(lines)) and (lines[keep].startswith("#!") and keep == 0 or _CODING.match(lines[keep])):
+        while keep < min(2, len(lines)) and (
+            lines[keep].startswith("#!") and keep == 0 or _CODING.match(lines[keep])
+        ):
             keep += 1
         return "".join(lines[:keep]) + "\n".join(header) + "\n" + "".join(lines[keep:])
 

@@ -44,12 +44,18 @@ class Args:
     keywords: Mapping[str, Arg]
     call: cst.Call | None
 
-    def bind(self, defaults: Mapping[str, Any], *, positional: tuple[str, ...] = ()) -> dict[str, Arg]:
+    def bind(
+        self, defaults: Mapping[str, Any], *, positional: tuple[str, ...] = ()
+    ) -> dict[str, Arg]:
         """Match arguments to parameter names; unknown, repeated or extra ones are errors."""
         out: dict[str, Arg] = {}
         if len(self.positional) > len(positional):
             extra = self.positional[len(positional)]
-            takes = f"takes {len(positional)} positional argument(s)" if positional else "takes keyword arguments only"
+            takes = (
+                f"takes {len(positional)} positional argument(s)"
+                if positional
+                else "takes keyword arguments only"
+            )
             raise MacroError(f"this macro {takes} ({', '.join(defaults) or 'none'})", extra.node)
         for name, arg in zip(positional, self.positional):
             out[name] = arg
@@ -73,7 +79,9 @@ UseTunable = Callable[[str, Any, tuple[Any, ...], cst.CSTNode], Any]
 
 
 class Evaluator:
-    def __init__(self, constants: Mapping[str, Any], is_tunable: IsTunable, use_tunable: UseTunable):
+    def __init__(
+        self, constants: Mapping[str, Any], is_tunable: IsTunable, use_tunable: UseTunable
+    ):
         self.constants = constants
         self.is_tunable = is_tunable
         self.use_tunable = use_tunable
@@ -117,14 +125,19 @@ class Evaluator:
             raise MacroError("tunable() needs a default: tunable(64, choices=[32, 64, 128])", call)
         default = bound["default"].value
         if "choices" not in bound:
-            raise MacroError("tunable() needs choices=[...] to search: tunable(64, choices=[32, 64, 128])", call)
+            raise MacroError(
+                "tunable() needs choices=[...] to search: tunable(64, choices=[32, 64, 128])", call
+            )
         choices = bound["choices"].value
         if not isinstance(choices, (list, tuple)) or not choices:
             raise MacroError("choices must be a non-empty list of literals", bound["choices"].node)
         if len(set(map(repr, choices))) != len(choices):
             raise MacroError("choices must not repeat a value", bound["choices"].node)
         if default not in choices:
-            raise MacroError(f"the default {default!r} is not one of the choices {list(choices)}", bound["default"].node)
+            raise MacroError(
+                f"the default {default!r} is not one of the choices {list(choices)}",
+                bound["default"].node,
+            )
         return default, tuple(choices)
 
     def value(self, node: cst.BaseExpression) -> Any:

@@ -124,7 +124,9 @@ class Context:
         return sorted(self._imports)
 
     # -- tunables ----------------------------------------------------------
-    def tunable(self, key: str, default: Any, choices: tuple[Any, ...], node: cst.CSTNode, line: int) -> Any:
+    def tunable(
+        self, key: str, default: Any, choices: tuple[Any, ...], node: cst.CSTNode, line: int
+    ) -> Any:
         if key in self.tunables:
             return self.tunables[key].value
         value = self.options.tuning.get(key, default)

@@ -53,7 +53,9 @@ def unknown_macro(name: str, node: cst.CSTNode) -> MacroError:
     )
 
 
-def import_bindings(stmt: cst.Import | cst.ImportFrom, errors: list[MacroError]) -> dict[str, Binding | None]:
+def import_bindings(
+    stmt: cst.Import | cst.ImportFrom, errors: list[MacroError]
+) -> dict[str, Binding | None]:
     """Names an import binds: a Binding for macrogen's, None for anything else."""
     out: dict[str, Binding | None] = {}
     if isinstance(stmt, cst.Import):
@@ -192,7 +194,9 @@ class _ScopeCollector(cst.CSTVisitor):
             self._bind(name)
 
 
-def collect_scope(kind: str, name: str, nodes: list[cst.CSTNode], errors: list[MacroError]) -> Scope:
+def collect_scope(
+    kind: str, name: str, nodes: list[cst.CSTNode], errors: list[MacroError]
+) -> Scope:
     collector = _ScopeCollector(Scope(kind, name), errors)
     for node in nodes:
         node.visit(collector)

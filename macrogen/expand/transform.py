@@ -43,7 +43,9 @@ class Expander(cst.CSTTransformer):
 
     # -- scopes ----------------------------------------------------------------
     def visit_FunctionDef_body(self, node: cst.FunctionDef) -> None:
-        self.scopes.push(collect_scope("function", node.name.value, [node.params, node.body], self.errors))
+        self.scopes.push(
+            collect_scope("function", node.name.value, [node.params, node.body], self.errors)
+        )
 
     def leave_FunctionDef_body(self, node: cst.FunctionDef) -> None:
         self.scopes.pop()
@@ -94,11 +96,15 @@ class Expander(cst.CSTTransformer):
         if not found:
             return updated
         for extra in found[1:]:
-            self._error(MacroError("only one macrogen decorator per definition", original.decorators[extra]))
+            self._error(
+                MacroError("only one macrogen decorator per definition", original.decorators[extra])
+            )
         i = found[0]
         expr = original.decorators[i].decorator
         self.consumed.update(original.decorators[j].decorator for j in found)
-        stripped = updated.with_changes(decorators=[d for j, d in enumerate(updated.decorators) if j != i])
+        stripped = updated.with_changes(
+            decorators=[d for j, d in enumerate(updated.decorators) if j != i]
+        )
         qualname = ".".join(filter(None, [self.scopes.qualname, original.name.value]))
         call = expr if isinstance(expr, cst.Call) else None
         return self._expand(self.refs[expr], "decorator", original, stripped, call, expr, qualname)
@@ -129,7 +135,9 @@ class Expander(cst.CSTTransformer):
         qualname = self.ctx.site_key(self.scopes.qualname, macro)
         return self._expand(macro, form, original, updated, test, test, qualname)
 
-    def leave_SimpleStatementLine(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine) -> Any:
+    def leave_SimpleStatementLine(
+        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
+    ) -> Any:
         if len(original.body) != 1 or not isinstance(original.body[0], cst.Assign):
             return updated
         value = original.body[0].value
@@ -142,9 +150,13 @@ class Expander(cst.CSTTransformer):
             self._error(MacroError(f"{macro}() must be assigned to a name at module level", value))
             return updated
         if len(targets) != 1 or not isinstance(targets[0].target, cst.Name):
-            self._error(MacroError(f"{macro}() must be assigned to one name: NAME = {macro}(...)", original))
+            self._error(
+                MacroError(f"{macro}() must be assigned to one name: NAME = {macro}(...)", original)
+            )
             return updated
-        self.consumed.update(c for c in self.refs if self.refs[c] == "tunable" and _inside(c, value))
+        self.consumed.update(
+            c for c in self.refs if self.refs[c] == "tunable" and _inside(c, value)
+        )
         name = targets[0].target.value
         # The value was evaluated before the transform (module constants come first);
         # if that failed, the error is already reported.
@@ -177,16 +189,22 @@ class Expander(cst.CSTTransformer):
         self.expanded.append((macro, pos.line))
         if form == "elif":  # an elif keeps its place in the chain
             return result
-        return self._splice(result, original, f"# macrogen: {macro} at {self.ctx.location(pos.line)}")
+        return self._splice(
+            result, original, f"# macrogen: {macro} at {self.ctx.location(pos.line)}"
+        )
 
-    def _splice(self, result: Sequence[cst.BaseStatement] | cst.BaseStatement, original: Any, comment: str) -> Result:
+    def _splice(
+        self, result: Sequence[cst.BaseStatement] | cst.BaseStatement, original: Any, comment: str
+    ) -> Result:
         statements = [result] if isinstance(result, cst.BaseStatement) else list(result)
         if not statements:
             statements = [cst.SimpleStatementLine([cst.Pass()])]
         first = statements[0]
         original_leading = list(getattr(original, "leading_lines", ()))
         own = list(first.leading_lines)
-        if len(own) == len(original_leading) and all(a.deep_equals(b) for a, b in zip(own, original_leading)):
+        if len(own) == len(original_leading) and all(
+            a.deep_equals(b) for a, b in zip(own, original_leading)
+        ):
             own = []  # the first statement is the site itself: its leading lines move above the comment
         leading = [*original_leading, cst.EmptyLine(comment=cst.Comment(comment)), *own]
         statements[0] = first.with_changes(leading_lines=leading)
@@ -196,7 +214,9 @@ class Expander(cst.CSTTransformer):
         """Macro calls no site took are in a place where that macro means nothing."""
         for node, macro in self.refs.items():
             if node not in self.consumed:
-                self._error(MacroError(f"{macro}() can't be used here: {macros.get(macro).USAGE}", node))
+                self._error(
+                    MacroError(f"{macro}() can't be used here: {macros.get(macro).USAGE}", node)
+                )
 
     # -- callbacks for argument evaluation -----------------------------------------
     def _is_tunable(self, call: cst.Call) -> bool:
@@ -205,7 +225,9 @@ class Expander(cst.CSTTransformer):
             return True
         return False
 
-    def _use_tunable(self, key: str, default: Any, choices: tuple[Any, ...], node: cst.CSTNode) -> Any:
+    def _use_tunable(
+        self, key: str, default: Any, choices: tuple[Any, ...], node: cst.CSTNode
+    ) -> Any:
         return self.ctx.tunable(key, default, choices, node, self.position(node).line)
 
     def _error(self, e: MacroError) -> None:

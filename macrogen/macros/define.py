@@ -34,7 +34,9 @@ def expand(site: Site, ctx: Context) -> cst.BaseStatement:
     return literal_assignment(site, ctx)
 
 
-def literal_assignment(site: Site, ctx: Context, leading: list[cst.EmptyLine] | None = None) -> cst.BaseStatement:
+def literal_assignment(
+    site: Site, ctx: Context, leading: list[cst.EmptyLine] | None = None
+) -> cst.BaseStatement:
     """``NAME = <literal>``, keeping the line's own trailing comment."""
     name = site.qualname
     if name not in ctx.constants:  # its evaluation failed; that error is already reported
@@ -42,7 +44,9 @@ def literal_assignment(site: Site, ctx: Context, leading: list[cst.EmptyLine] | 
     try:
         literal = cst.parse_expression(py(ctx.constants[name]))
     except InternalError as e:
-        raise MacroError(f"{site.macro}() value can't be written back as a literal: {e}", site.original) from None
+        raise MacroError(
+            f"{site.macro}() value can't be written back as a literal: {e}", site.original
+        ) from None
     stmt = site.node
     assert isinstance(stmt, cst.SimpleStatementLine)
     assign = stmt.body[0]

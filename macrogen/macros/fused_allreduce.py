@@ -60,7 +60,9 @@ def validate(site: Site) -> Spec:
         ops.append(bound.get("op"))
         groups.append(bound.get("group"))
         async_op = bound.get("async_op")
-        if async_op is not None and not (isinstance(async_op, cst.Name) and async_op.value == "False"):
+        if async_op is not None and not (
+            isinstance(async_op, cst.Name) and async_op.value == "False"
+        ):
             raise MacroError(
                 "async_op=True is not supported in fused_allreduce: the block issues one collective and waits for it",
                 async_op,
@@ -79,7 +81,8 @@ def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
             k=k,
             tensors=[f"t{i}" for i in range(k)],
             # sizes and offsets change every call: don't recompile for each
-            scalars=[f"{p}{i}" for i in range(k) for p in ("n", "off")] + [f"first_block{i}" for i in range(1, k)],
+            scalars=[f"{p}{i}" for i in range(k) for p in ("n", "off")]
+            + [f"first_block{i}" for i in range(1, k)],
             fn=fn,
             pack=ctx.names.fresh(f"{fn}_pack"),
             unpack=ctx.names.fresh(f"{fn}_unpack"),
@@ -110,7 +113,10 @@ def _all_reduce_call(stmt: cst.BaseStatement) -> cst.Call:
         name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", None)
         if name == "all_reduce":
             return call
-    raise MacroError("a fused_allreduce block may hold only dist.all_reduce(tensor, ...) calls, one per line", stmt)
+    raise MacroError(
+        "a fused_allreduce block may hold only dist.all_reduce(tensor, ...) calls, one per line",
+        stmt,
+    )
 
 
 def _bind(call: cst.Call) -> dict[str, cst.BaseExpression]:

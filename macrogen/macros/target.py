@@ -43,7 +43,10 @@ def expand(site: Site, ctx: Context) -> cst.If | Sequence[cst.BaseStatement]:
         test = check if kind == "cuda" else cst.UnaryOperation(cst.Not(), check)
         return node.with_changes(test=test)
     if site.form == "elif":
-        raise MacroError("with --target, target() can't be an elif test; nest the if in the else branch", site.call)
+        raise MacroError(
+            "with --target, target() can't be an elif test; nest the if in the else branch",
+            site.call,
+        )
     if kind == chosen:
         return _statements(node.body)
     if node.orelse is None:

@@ -52,7 +52,9 @@ def plan(tensors: Sequence[torch.Tensor]) -> list[FlatBuffer]:
     return out
 
 
-def kernel_args(buf: torch.Tensor, tensors: Sequence[torch.Tensor], flat: FlatBuffer, block: int) -> tuple[list[Any], int]:
+def kernel_args(
+    buf: torch.Tensor, tensors: Sequence[torch.Tensor], flat: FlatBuffer, block: int
+) -> tuple[list[Any], int]:
     """Positional arguments of a generated pack/unpack kernel, and its grid size."""
     k = len(tensors)
     numel, offset = [0] * k, [0] * k
@@ -75,7 +77,13 @@ def unpack_torch(buf: torch.Tensor, tensors: Sequence[torch.Tensor], flat: FlatB
     torch._foreach_copy_(members, chunks)
 
 
-def launch(kernel: Callable[..., Any], buf: torch.Tensor, tensors: Sequence[torch.Tensor], flat: FlatBuffer, block: int) -> None:
+def launch(
+    kernel: Callable[..., Any],
+    buf: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    flat: FlatBuffer,
+    block: int,
+) -> None:
     args, grid = kernel_args(buf, tensors, flat, block)
     if grid:
         kernel[(grid,)](*args, BLOCK=block)
