@@ -94,11 +94,16 @@ class _FileExpansion:
             return Expansion(self.source, False, dict(self.ctx.tunables))
 
         out_body: list[cst.BaseStatement] = []
-        prelude_at = self._prelude_index(module, module_scope, candidates)
+        prelude_at = self._prelude_index(body, min(new_body))
+        prelude: list[cst.BaseStatement] = []
         for i, stmt in enumerate(body):
             if i == prelude_at:
-                out_body.extend(self._prelude())
-            out_body.extend(new_body.get(i, [stmt]))
+                prelude = self._prelude()
+                out_body.extend(prelude)
+            replaced = new_body.get(i, [stmt])
+            if prelude and i == prelude_at and replaced:
+                replaced = [_two_blank_lines_after(prelude[-1], replaced[0]), *replaced[1:]]
+            out_body.extend(replaced)
         code = module.with_changes(body=out_body).code
         return Expansion(self._with_header(code), True, dict(self.ctx.tunables), tuple(expanded))
 
@@ -216,17 +221,16 @@ class _FileExpansion:
         return self.ctx.tunable(key, default, choices, node, self._position(node).line)
 
     # -- output --------------------------------------------------------------------
-    def _prelude_index(self, module: cst.Module, module_scope: Any, candidates: list[int]) -> int:
-        """Generated helpers go right after the top-level import of macrogen, else before the first site."""
-        for i, stmt in enumerate(module.body):
-            if i > candidates[0]:
-                break
+    def _prelude_index(self, body: list[cst.BaseStatement], first_site: int) -> int:
+        """Generated helpers go after the imports that precede the first site, else right before it."""
+        at = first_site
+        for i in range(first_site):
+            stmt = body[i]
             if isinstance(stmt, cst.SimpleStatementLine) and any(
-                isinstance(s, (cst.Import, cst.ImportFrom)) and PACKAGE in self.texts[i]
-                for s in stmt.body
+                isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
             ):
-                return i + 1
-        return candidates[0]
+                at = i + 1
+        return at
 
     def _prelude(self) -> list[cst.BaseStatement]:
         imports, blocks = self.ctx.import_lines(), self.ctx.prelude
@@ -283,6 +287,24 @@ def _as_statements(result: Any) -> list[cst.BaseStatement]:
     if isinstance(result, cst.RemovalSentinel):
         return []
     return [result]
+
+
+def _two_blank_lines_after(
+    generated: cst.BaseStatement, stmt: cst.BaseStatement
+) -> cst.BaseStatement:
+    """PEP 8 spacing between the generated helpers (ending in a def) and the user's next statement."""
+    if isinstance(generated, cst.SimpleStatementLine):
+        return stmt
+    blank = 0
+    for line in stmt.leading_lines:
+        if line.comment is not None:
+            break
+        blank += 1
+    if blank >= 2:
+        return stmt
+    return stmt.with_changes(
+        leading_lines=[cst.EmptyLine()] * (2 - blank) + list(stmt.leading_lines)
+    )
 
 
 def _module_imports(module: cst.Module) -> dict[str, str]:

@@ -67,6 +67,7 @@ def validate(site: Site) -> Spec:
                 "async_op=True is not supported in fused_allreduce: the block issues one collective and waits for it",
                 async_op,
             )
+    _distinct(tensors)
     return Spec(tuple(tensors), _same(ops, "op"), _same(groups, "group"), block)
 
 
@@ -94,11 +95,18 @@ def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
     )
     call_args = [cst.Arg(t) for t in spec.tensors]
     if spec.op is not None:
-        call_args.append(cst.Arg(spec.op, keyword=cst.Name("op")))
+        call_args.append(_keyword("op", spec.op))
     if spec.group is not None:
-        call_args.append(cst.Arg(spec.group, keyword=cst.Name("group")))
+        call_args.append(_keyword("group", spec.group))
     call = cst.Call(cst.Name(fn), call_args)
     return [cst.SimpleStatementLine([cst.Expr(call)])]
+
+
+def _keyword(name: str, value: cst.BaseExpression) -> cst.Arg:
+    """``name=value`` written as PEP 8 writes keyword arguments."""
+    no_space = cst.SimpleWhitespace("")
+    equal = cst.AssignEqual(whitespace_before=no_space, whitespace_after=no_space)
+    return cst.Arg(value, keyword=cst.Name(name), equal=equal)
 
 
 def _all_reduce_call(stmt: cst.BaseStatement) -> cst.Call:
@@ -136,6 +144,21 @@ def _bind(call: cst.Call) -> dict[str, cst.BaseExpression]:
             raise MacroError(f"argument {name!r} given twice", arg)
         bound[name] = arg.value
     return bound
+
+
+def _distinct(tensors: list[cst.BaseExpression]) -> None:
+    """Serially a tensor reduced twice is reduced twice; fused it would be reduced once."""
+    empty = cst.Module([])
+    seen: set[str] = set()
+    for t in tensors:
+        text = empty.code_for_node(t).strip()
+        if text in seen:
+            raise MacroError(
+                f"{text} is all-reduced twice in this block; fused it would be reduced once:"
+                " keep one call, or move the second one out of the block",
+                t,
+            )
+        seen.add(text)
 
 
 def _same(values: list[cst.BaseExpression | None], what: str) -> cst.BaseExpression | None:

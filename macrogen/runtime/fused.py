@@ -100,6 +100,7 @@ def all_reduce_fused(
 ) -> None:
     """In place, like ``dist.all_reduce`` on each tensor, with one collective per dtype."""
     op = dist.ReduceOp.SUM if op is None else op
+    _check_distinct(tensors)
     for flat in plan(tensors):
         members = [tensors[i] for i in flat.members]
         if use_triton(flat.device) and all(t.is_contiguous() for t in members):
@@ -111,3 +112,13 @@ def all_reduce_fused(
             buf = pack_torch(tensors, flat)
             dist.all_reduce(buf, op=op, group=group)
             unpack_torch(buf, tensors, flat)
+
+
+def _check_distinct(tensors: Sequence[torch.Tensor]) -> None:
+    """Two calls on the same memory reduce it twice serially, once fused: refuse, don't diverge."""
+    starts = [t.data_ptr() for t in tensors if t.numel()]
+    if len(set(starts)) != len(starts):
+        raise ValueError(
+            "fused_allreduce: two tensors of the block share memory; serially they would be"
+            " reduced twice, fused once. Reduce each tensor once per block."
+        )

@@ -1,0 +1,3 @@
+from macrogen.markers import define
+
+SIZE = define(8)

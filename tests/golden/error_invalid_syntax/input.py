@@ -1,0 +1,4 @@
+import macrogen as mg
+
+def f(:
+    pass

@@ -1,0 +1,7 @@
+import macrogen as mg
+
+if mg.target("tpu"):
+    pass
+
+if mg.target():
+    pass

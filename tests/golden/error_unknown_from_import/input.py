@@ -1,0 +1,1 @@
+from macrogen import fused_allreduse

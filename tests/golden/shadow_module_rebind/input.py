@@ -1,0 +1,5 @@
+import macrogen as mg
+
+mg = object()
+
+SIZE = mg.define(8)

@@ -1,0 +1,4 @@
+from macrogen import target
+
+if target("cuda"): BACKEND = "nccl"
+else: BACKEND = "gloo"
