@@ -93,15 +93,32 @@ def expand_files(
         print(f"macrogen expand: error: {e}", file=stderr)
         return 2
     status = 0
+    outputs: list[tuple[Job, bytes]] = []
     for job in jobs:
         try:
-            status = max(
-                status, _expand_one(job, check, diff, target, tuning, stdin, stdout, stderr)
-            )
+            code, new = _expand_one(job, check, diff, target, tuning, stdin, stdout, stderr)
         except InternalError as e:
             print(f"{job.src}: internal error (a macrogen bug, please report it): {e}", file=stderr)
-            status = 3
-    return status
+            code, new = 3, None
+        status = max(status, code)
+        if new is not None:
+            outputs.append((job, new))
+    if status != 0:  # nothing is written unless every file expanded
+        return status
+    for job, new in outputs:
+        if job.dst is None:
+            stdout.write(new)
+            stdout.flush()
+            continue
+        dst = Path(job.dst)
+        if dst.is_file() and dst.read_bytes() == new:
+            continue  # up to date: leave the file (and its mtime) alone
+        try:
+            write_atomic(dst, new)
+        except OSError as e:
+            print(f"macrogen expand: error: can't write {job.dst}: {e.strerror or e}", file=stderr)
+            return 1
+    return 0
 
 
 def plan_jobs(
@@ -151,14 +168,19 @@ def _same_file(a: str, b: str) -> bool:
 
 def _expand_one(
     job: Job, check: bool, diff: bool, target: str | None, tuning: str | None, stdin, stdout, stderr
-) -> int:
-    data = stdin.read() if job.src == STDIO else Path(job.src).read_bytes()
+) -> tuple[int, bytes | None]:
+    """(exit status, the bytes to write to ``job.dst``; None when there is nothing to write)."""
+    try:
+        data = stdin.read() if job.src == STDIO else Path(job.src).read_bytes()
+    except OSError as e:
+        print(f"macrogen expand: error: can't read {job.src}: {e.strerror or e}", file=stderr)
+        return 1, None
     display = "<stdin>" if job.src == STDIO else job.src
     try:
         source, encoding = read_source(data)
     except (SyntaxError, UnicodeDecodeError) as e:
         print(f"{display}:1:1: error: can't decode the file: {e}", file=stderr)
-        return 1
+        return 1, None
     values: dict = {}
     if tuning is not None:
         try:
@@ -167,7 +189,7 @@ def _expand_one(
             )
         except (OSError, ValueError) as e:
             print(f"macrogen expand: error: {e}", file=stderr)
-            return 1
+            return 1, None
         for key in stale:
             print(
                 f"{display}: warning: tuning entry {key!r} is stale (the source changed); using its default",
@@ -177,7 +199,7 @@ def _expand_one(
         result = expand_source(source, path=display, target=target, tuning=values)
     except ExpansionError as e:
         print(e.report(), file=stderr)
-        return 1
+        return 1, None
     new = encode_source(result.code, encoding)
     if check or diff:
         old_bytes = _existing(job)
@@ -194,14 +216,9 @@ def _expand_one(
             stdout.write("".join(lines).encode("utf-8"))
         if check and stale_out:
             print(f"{job.dst or display}: stale (would be rewritten)", file=stderr)
-            return 1
-        return 0
-    if job.dst is None:
-        stdout.write(new)
-        stdout.flush()
-    else:
-        write_atomic(Path(job.dst), new)
-    return 0
+            return 1, None
+        return 0, None
+    return 0, new
 
 
 def _existing(job: Job) -> bytes | None:
