@@ -1,0 +1,314 @@
+"""``@tensor_parallel(plan={...}, size=None)`` on an ``nn.Module`` class: sharded layers.
+
+    @mg.tensor_parallel(plan={"fc": "colwise", "proj": "rowwise"})
+    class MLP(nn.Module):                          # macrogen: tensor_parallel at model.py:7
+        def __init__(self, d):                     class _MLPSerial(nn.Module):
+            super().__init__()              ->         ... (the user's class, unchanged)
+            self.fc = nn.Linear(d, 4 * d)
+            self.proj = nn.Linear(4 * d, d)        class MLP(_MLPSerial):
+        ...                                            def __init__(self, *args, **kwargs):
+                                                           super().__init__(*args, **kwargs)
+                                                           tp = tensor_parallel_group(None)
+                                                           self.fc = ColwiseLinear(self.fc, tp)
+                                                           self.proj = RowwiseLinear(self.proj, tp)
+
+The generated class first builds the serial module (same layers, same random
+initialization), then replaces each planned layer by this rank's shard (a
+module from ``macrogen.runtime.tensor_parallel`` holding plain tensors under
+the serial parameter names, calling the autograd collectives of
+``macrogen.runtime.collectives``). ``forward`` is the user's, unchanged.
+
+Styles: ``colwise`` and ``rowwise`` on ``nn.Linear``, ``vocab`` on
+``nn.Embedding``, ``divide`` on an int attribute (``n_head``: forward's reshapes
+then use the local count), ``replicate`` on anything (the default). Plan keys
+are attributes the class's ``__init__`` assigns (``self.fc = ...``), or dotted
+paths into submodules (``"mlp.fc"``). ``size=`` is the tensor-parallel degree (a
+literal or ``tunable``); without it, $MACROGEN_TP_SIZE, else the world size.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import libcst as cst
+
+from macrogen import codegen
+from macrogen.expand.context import Context
+from macrogen.expand.errors import MacroError
+from macrogen.expand.site import Site
+from macrogen.expand.sites import did_you_mean, dotted
+
+FORMS = ("decorator",)
+USAGE = (
+    "@tensor_parallel(plan={'attr': 'colwise' | 'rowwise' | 'vocab' | 'divide' | 'replicate'},"
+    " size=N) on an nn.Module class"
+)
+
+STYLES = ("colwise", "rowwise", "vocab", "divide", "replicate")
+SUPPORTED = (
+    "colwise and rowwise on nn.Linear, vocab on nn.Embedding, divide on an int attribute,"
+    " replicate on anything"
+)
+_NEEDS = {"colwise": "Linear", "rowwise": "Linear", "vocab": "Embedding"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: tuple[str, ...]  # ("mlp", "fc") for "mlp.fc"
+    style: str
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str  # the decorated class
+    entries: tuple[Entry, ...]  # in plan order
+    size: int | None  # the tensor-parallel degree; None: from the launch
+
+
+def validate(site: Site, ctx: Context) -> Spec:
+    if not isinstance(site.original, cst.ClassDef):
+        raise MacroError(f"tensor_parallel() decorates an nn.Module class: {USAGE}", site.call)
+    args = site.args.bind({"plan": None, "size": None}, positional=("plan",))
+    anchor = site.call if site.call is not None else site.original.name
+    if "plan" not in args:
+        raise MacroError(f"tensor_parallel() needs a plan: {USAGE}", anchor)
+    size = args["size"].value if "size" in args else None
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise MacroError(f"size must be a positive int, not {size!r}", args["size"].node)
+    plan, node = args["plan"].value, args["plan"].node
+    if not isinstance(plan, dict) or not plan:
+        raise MacroError(
+            "plan must be a non-empty dict of attribute name -> style, e.g."
+            " {'fc': 'colwise', 'proj': 'rowwise'}",
+            node,
+        )
+    classes = _module_classes("\n".join(ctx.lines))
+    entries = []
+    for key, style in plan.items():
+        key_node, style_node = _element(node, key)
+        if not isinstance(key, str) or not all(p.isidentifier() for p in key.split(".")):
+            raise MacroError(
+                f"plan keys are attribute names or dotted paths ('mlp.fc'), not {key!r}", key_node
+            )
+        if style not in STYLES:
+            raise MacroError(
+                f"unknown style {style!r}{did_you_mean(str(style), list(STYLES))}"
+                f" (styles: {', '.join(STYLES)})",
+                style_node,
+            )
+        path = tuple(key.split("."))
+        _check_fits(site.original, path, style, classes, key_node)
+        entries.append(Entry(path, style))
+    _check_super_calls(site.original)
+    return Spec(site.original.name.value, tuple(entries), size)
+
+
+def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
+    spec = validate(site, ctx)
+    serial = ctx.names.fresh(f"_{spec.name}Serial")
+    runtime = "macrogen.runtime.tensor_parallel"
+    layer = {"colwise": "ColwiseLinear", "rowwise": "RowwiseLinear", "vocab": "VocabEmbedding"}
+    sharded = [
+        (e.path, e.style, ctx.import_from(runtime, layer[e.style]), ".".join((spec.name, *e.path)))
+        for e in spec.entries
+        if e.style in layer
+    ]
+    divided = [
+        (e.path, ".".join((spec.name, *e.path))) for e in spec.entries if e.style == "divide"
+    ]
+    generated = codegen.render_statements(
+        "tensor_parallel_class.py.j2",
+        name=spec.name,
+        serial=serial,
+        size=spec.size,
+        sharded=sharded,
+        divided=divided,
+        replicated=[e.path for e in spec.entries if e.style == "replicate"],
+        group=ctx.import_from("macrogen.runtime.mesh", "tensor_parallel_group"),
+        divide=ctx.import_from(runtime, "local_count") if divided else None,
+        gather=ctx.import_from(runtime, "full_state_dict"),
+        scatter=ctx.import_from(runtime, "load_full_state_dict"),
+    )
+    blank = [cst.EmptyLine()] * (1 if "." in site.qualname else 2)
+    generated[0] = generated[0].with_changes(leading_lines=blank)
+    return [site.node.with_changes(name=cst.Name(serial)), *generated]
+
+
+# -- what __init__ assigns ------------------------------------------------------------
+
+
+def _check_fits(
+    cls: cst.ClassDef,
+    path: tuple[str, ...],
+    style: str,
+    classes: dict[str, cst.ClassDef],
+    key_node: cst.CSTNode,
+) -> None:
+    """The attribute at ``path`` is assigned in ``__init__`` and its value fits ``style``."""
+    value: cst.BaseExpression | None = None
+    for i, attr in enumerate(path):
+        assigned = _init_assignments(cls)
+        if assigned is None:
+            raise MacroError(
+                f"{cls.name.value} defines no __init__ of its own: the plan names attributes"
+                " that __init__ assigns (self.fc = nn.Linear(...))",
+                key_node,
+            )
+        if attr not in assigned:
+            known = ", ".join(assigned) or "none"
+            raise MacroError(
+                f"{'.'.join(path[: i + 1])!r} is not an attribute assigned in"
+                f" {cls.name.value}.__init__{did_you_mean(attr, list(assigned))}"
+                f" (assigned there: {known})",
+                key_node,
+            )
+        value = assigned[attr]
+        if i + 1 < len(path):
+            inner = _constructed_class(value, classes)
+            if inner is None:  # built by code we can't see: checked at construction instead
+                return
+            cls = inner
+    assert value is not None
+    what = _describe(value)
+    needed = _NEEDS.get(style)
+    if needed is not None and _callee_leaf(value) != needed:
+        raise MacroError(
+            f"{style} needs self.{path[-1]} = nn.{needed}(...) in __init__, but it is {what}"
+            f" (supported: {SUPPORTED})",
+            key_node,
+        )
+    if style == "divide" and not _may_be_int(value):
+        raise MacroError(
+            f"divide needs an int attribute (like n_head), but self.{path[-1]} is {what}"
+            f" (supported: {SUPPORTED})",
+            key_node,
+        )
+
+
+def _init_assignments(cls: cst.ClassDef) -> dict[str, cst.BaseExpression] | None:
+    """``self.<attr> = value`` anywhere in the class's own ``__init__``: attr -> last value."""
+    init = next(
+        (s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"),
+        None,
+    )
+    if init is None:
+        return None
+    params = init.params.params or init.params.posonly_params
+    me = params[0].name.value if params else "self"
+    found: dict[str, cst.BaseExpression] = {}
+
+    class _Assignments(cst.CSTVisitor):
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            return node is init  # nested functions assign their own locals
+
+        def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+            return False
+
+        def visit_Assign(self, node: cst.Assign) -> None:
+            for target in node.targets:
+                self._target(target.target, node.value)
+
+        def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+            if node.value is not None:
+                self._target(node.target, node.value)
+
+        def _target(self, target: cst.BaseExpression, value: cst.BaseExpression) -> None:
+            if (
+                isinstance(target, cst.Attribute)
+                and isinstance(target.value, cst.Name)
+                and target.value.value == me
+            ):
+                found[target.attr.value] = value
+
+    init.visit(_Assignments())
+    return found
+
+
+def _callee_leaf(value: cst.BaseExpression) -> str | None:
+    """``Linear`` for ``nn.Linear(...)``, ``torch.nn.Linear(...)`` or ``Linear(...)``."""
+    if isinstance(value, cst.Call):
+        name = dotted(value.func)
+        if name is not None:
+            return name.rsplit(".", 1)[-1]
+    return None
+
+
+def _describe(value: cst.BaseExpression) -> str:
+    if isinstance(value, cst.Call):
+        name = dotted(value.func)
+        return f"{name}(...)" if name else "a call"
+    text = cst.Module([]).code_for_node(value).strip()
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _may_be_int(value: cst.BaseExpression) -> bool:
+    """Whether the value could be an int: not a layer, not another literal kind."""
+    if isinstance(value, cst.Integer):
+        return True
+    if isinstance(
+        value,
+        (cst.Float, cst.Imaginary, cst.SimpleString, cst.ConcatenatedString, cst.FormattedString),
+    ):
+        return False
+    if isinstance(value, (cst.List, cst.Tuple, cst.Dict, cst.Set, cst.Lambda)):
+        return False
+    if isinstance(value, cst.Name) and value.value in ("True", "False", "None"):
+        return False
+    leaf = _callee_leaf(value)
+    return leaf is None or not leaf[:1].isupper()  # a class call builds an object, not an int
+
+
+def _constructed_class(
+    value: cst.BaseExpression, classes: dict[str, cst.ClassDef]
+) -> cst.ClassDef | None:
+    """The class of this file that ``value`` constructs (``MLP(...)``), if any."""
+    if isinstance(value, cst.Call) and isinstance(value.func, cst.Name):
+        return classes.get(value.func.value)
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _module_classes(source: str) -> dict[str, cst.ClassDef]:
+    """Top-level classes of the file, for dotted plan paths into submodules."""
+    module = cst.parse_module(source)
+    return {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+
+
+def _element(plan: cst.BaseExpression, key: object) -> tuple[cst.CSTNode, cst.CSTNode]:
+    """The key and value nodes of ``key`` in a literal plan dict (else the whole plan)."""
+    if isinstance(plan, cst.Dict):
+        for el in reversed(plan.elements):  # the last one wins, as in the dict
+            if isinstance(el, cst.DictElement) and _literal(el.key) == key:
+                return el.key, el.value
+    return plan, plan
+
+
+def _literal(node: cst.BaseExpression) -> object:
+    if isinstance(node, (cst.SimpleString, cst.ConcatenatedString)):
+        return node.evaluated_value
+    return None
+
+
+def _check_super_calls(cls: cst.ClassDef) -> None:
+    """``super(Cls, self)`` would name the generated subclass once the serial class is renamed."""
+    name = cls.name.value
+
+    class _Super(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if (
+                isinstance(node.func, cst.Name)
+                and node.func.value == "super"
+                and node.args
+                and isinstance(node.args[0].value, cst.Name)
+                and node.args[0].value.value == name
+            ):
+                raise MacroError(
+                    f"write super() without arguments in a tensor_parallel class: {name} becomes"
+                    " the generated subclass, so super("
+                    + name
+                    + ", self) would skip the serial class",
+                    node,
+                )
+
+    cls.visit(_Super())

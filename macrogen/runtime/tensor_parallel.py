@@ -1,0 +1,206 @@
+"""Sharded layers for ``@tensor_parallel``: one small module per parallel style.
+
+Each layer is built from the full serial layer (the one the user's ``__init__``
+made, with the serial initialization) and keeps only this rank's shard, under
+the serial parameter names (``weight``, ``bias``), so ``state_dict()`` keys are
+the serial ones. ``SHARD_DIMS`` says along which dimension each parameter is
+split; ``full_state_dict`` and ``load_full_state_dict`` use it to move
+checkpoints between serial and tensor-parallel runs.
+
+    style      layer          weight shard            forward
+    colwise    nn.Linear      rows (out features)     f(x) @ W_r.T + b_r        -> output sharded on the last dim
+    rowwise    nn.Linear      columns (in features)   g(x_r @ W_r.T) + b        -> output full (bias added once)
+    vocab      nn.Embedding   rows (vocabulary)       g(mask(E_r[ids - start])) -> output full
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from macrogen.runtime.collectives import (
+    copy_to_tensor_parallel,
+    group_rank,
+    group_size,
+    reduce_from_tensor_parallel,
+    scatter_last_dim,
+)
+
+
+def _shard_size(full: int, group: dist.ProcessGroup | None, what: str) -> int:
+    size = group_size(group)
+    if full % size:
+        raise ValueError(
+            f"{what} = {full} is not divisible by the tensor-parallel size {size};"
+            f" choose a size that divides it"
+        )
+    return full // size
+
+
+def _shard(t: torch.Tensor | None, dim: int, group: dist.ProcessGroup | None) -> Any:
+    if t is None:
+        return None
+    part = t.detach().chunk(group_size(group), dim=dim)[group_rank(group)]
+    return nn.Parameter(part.clone(), requires_grad=t.requires_grad)
+
+
+class ColwiseLinear(nn.Module):
+    """``nn.Linear`` with its output features split over the group: the output is sharded on the last dim."""
+
+    SHARD_DIMS = {"weight": 0, "bias": 0}
+
+    def __init__(self, full: nn.Linear, group: dist.ProcessGroup | None, name: str = "colwise"):
+        super().__init__()
+        _expect(full, nn.Linear, "colwise", name)
+        self.group = group
+        self.in_features = full.in_features
+        self.out_features = _shard_size(full.out_features, group, f"{name}.out_features")
+        self.weight = _shard(full.weight, 0, group)  # (out_features / T, in_features)
+        self.bias = _shard(full.bias, 0, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features} (shard of {self.out_features * group_size(self.group)})"
+
+
+class RowwiseLinear(nn.Module):
+    """``nn.Linear`` with its input features split over the group: partial outputs are all-reduced.
+
+    The input may be sharded on the last dim already (from a colwise layer: no
+    communication) or full (this rank takes its slice).
+    """
+
+    SHARD_DIMS = {"weight": 1}  # the bias is replicated and added once, after the reduction
+
+    def __init__(self, full: nn.Linear, group: dist.ProcessGroup | None, name: str = "rowwise"):
+        super().__init__()
+        _expect(full, nn.Linear, "rowwise", name)
+        self.group = group
+        self.in_features = _shard_size(full.in_features, group, f"{name}.in_features")
+        self.out_features = full.out_features
+        self.weight = _shard(full.weight, 1, group)  # (out_features, in_features / T)
+        self.bias = (
+            None
+            if full.bias is None
+            else nn.Parameter(full.bias.detach().clone(), requires_grad=full.bias.requires_grad)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:  # a full input: keep my slice
+            x = scatter_last_dim(x, self.group)
+        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features} (shard of {self.in_features * group_size(self.group)}), out_features={self.out_features}"
+
+
+class VocabEmbedding(nn.Module):
+    """``nn.Embedding`` split over the vocabulary: each rank looks up its rows, others give zeros, then all-reduce."""
+
+    SHARD_DIMS = {"weight": 0}
+
+    def __init__(self, full: nn.Embedding, group: dist.ProcessGroup | None, name: str = "vocab"):
+        super().__init__()
+        _expect(full, nn.Embedding, "vocab", name)
+        if full.max_norm is not None or full.scale_grad_by_freq or full.sparse:
+            raise ValueError(
+                f"{name}: vocab supports nn.Embedding(num_embeddings, embedding_dim[, padding_idx]);"
+                " max_norm, scale_grad_by_freq and sparse are not supported"
+            )
+        self.group = group
+        self.embedding_dim = full.embedding_dim
+        self.num_embeddings = _shard_size(full.num_embeddings, group, f"{name}.num_embeddings")
+        self.start = group_rank(group) * self.num_embeddings  # first token id of my rows
+        self.padding_idx = full.padding_idx
+        self.weight = _shard(full.weight, 0, group)  # (num_embeddings / T, embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.embedding(ids, self.weight, self.padding_idx)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)  # another rank's tokens
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, self._local_padding_idx())
+        return reduce_from_tensor_parallel(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+    def _local_padding_idx(self) -> int | None:
+        if self.padding_idx is None:
+            return None
+        local = self.padding_idx - self.start
+        return local if 0 <= local < self.num_embeddings else None
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings} of {self.num_embeddings * group_size(self.group)} rows from {self.start}, {self.embedding_dim}"
+
+
+def local_count(value: Any, group: dist.ProcessGroup | None, what: str) -> int:
+    """An int attribute (heads, features) divided by the tensor-parallel size: the local count."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"divide needs an int attribute, but {what} is {type(value).__name__}")
+    return _shard_size(value, group, what)
+
+
+def _expect(layer: nn.Module, kind: type, style: str, name: str) -> None:
+    if type(layer) is not kind:
+        raise TypeError(
+            f"{name}: {style} needs an nn.{kind.__name__}, not {type(layer).__name__}"
+            " (colwise/rowwise: nn.Linear, vocab: nn.Embedding, divide: an int attribute)"
+        )
+
+
+# -- checkpoints --------------------------------------------------------------------
+
+
+SHARDED = (ColwiseLinear, RowwiseLinear, VocabEmbedding)
+
+
+def _sharded_keys(module: nn.Module) -> Iterator[tuple[str, int, dist.ProcessGroup | None]]:
+    """(state-dict key, shard dim, group) of every sharded parameter, in module order."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, SHARDED):
+            for param, dim in sub.SHARD_DIMS.items():
+                if getattr(sub, param) is not None:
+                    yield (f"{name}.{param}" if name else param), dim, sub.group
+
+
+def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group_size(group) == 1:
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(group_size(group))]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The serial model's state dict (same keys, same shapes), gathered on every rank."""
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for key, dim, group in _sharded_keys(module):
+        state[key] = _gather(state[key], dim, group)
+    return state
+
+
+def full_gradients(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Each parameter's gradient at full (serial) shape, by parameter name, gathered on every rank."""
+    grads = {k: (None if p.grad is None else p.grad) for k, p in module.named_parameters()}
+    for key, dim, group in _sharded_keys(module):
+        if grads.get(key) is not None:
+            grads[key] = _gather(grads[key], dim, group)
+    return {k: (None if g is None else g.detach().clone()) for k, g in grads.items()}
+
+
+def load_full_state_dict(
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+) -> Any:
+    """Load a serial model's state dict: every rank keeps its shard of each sharded parameter."""
+    local = dict(state_dict)
+    for key, dim, group in _sharded_keys(module):
+        if key in local:
+            local[key] = local[key].chunk(group_size(group), dim=dim)[group_rank(group)]
+    return module.load_state_dict(local, strict=strict)

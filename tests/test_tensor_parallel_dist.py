@@ -1,0 +1,310 @@
+"""@tensor_parallel on 2 gloo ranks: the expanded modules compute what the serial ones do.
+
+One spawned run checks every block (spawning costs more than the checks):
+forward output, input gradient and gathered parameter gradients against the
+unexpanded module (fp32, rtol 1e-5), collectives per pass, checkpoints both
+ways, and the outputs of torch's own ``parallelize_module`` on the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import textwrap
+from pathlib import Path
+
+import torch
+
+from tests.distributed import run_ranks
+from tests.helpers import expand, load_module
+
+MODELS = textwrap.dedent(
+    """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import macrogen as mg
+
+
+    @mg.tensor_parallel(plan={"fc": "colwise", "proj": "rowwise"})
+    class MLP(nn.Module):
+        def __init__(self, d_model):
+            super().__init__()
+            self.fc = nn.Linear(d_model, 4 * d_model)
+            self.proj = nn.Linear(4 * d_model, d_model)
+
+        def forward(self, x):
+            return self.proj(F.gelu(self.fc(x)))
+
+
+    @mg.tensor_parallel(
+        plan={"qkv": "colwise", "proj": "rowwise", "n_head": "divide", "ln": "replicate"}
+    )
+    class Attention(nn.Module):
+        def __init__(self, d_model, n_head):
+            super().__init__()
+            self.n_head = n_head
+            self.head_dim = d_model // n_head
+            self.ln = nn.LayerNorm(d_model)
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+            self.proj = nn.Linear(d_model, d_model)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            # head-major fused qkv: a colwise shard holds whole heads
+            qkv = self.qkv(self.ln(x)).view(B, T, self.n_head, 3 * self.head_dim)
+            q, k, v = qkv.transpose(1, 2).split(self.head_dim, dim=-1)  # (B, nh, T, hs)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+            return x + self.proj(y)
+
+
+    @mg.tensor_parallel(plan={"wte": "vocab", "head": "rowwise"})
+    class LMRowwiseHead(nn.Module):
+        def __init__(self, vocab, d_model):
+            super().__init__()
+            self.wte = nn.Embedding(vocab, d_model)
+            self.head = nn.Linear(d_model, vocab)
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.wte(ids)))
+
+
+    @mg.tensor_parallel(plan={"wte": "vocab", "head": "colwise"})
+    class LMColwiseHead(nn.Module):
+        def __init__(self, vocab, d_model):
+            super().__init__()
+            self.wte = nn.Embedding(vocab, d_model)
+            self.head = nn.Linear(d_model, vocab, bias=False)
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.wte(ids)))  # logits sharded over the vocabulary
+
+
+    class Inner(nn.Module):
+        def __init__(self, d_model):
+            super().__init__()
+            self.up = nn.Linear(d_model, 2 * d_model)
+            self.down = nn.Linear(2 * d_model, d_model)
+
+
+    @mg.tensor_parallel(plan={"inner.up": "colwise", "inner.down": "rowwise"})
+    class Dotted(nn.Module):
+        def __init__(self, d_model):
+            super().__init__()
+            self.inner = Inner(d_model)
+
+        def forward(self, x):
+            return self.inner.down(torch.relu(self.inner.up(x)))
+    """
+)
+
+D_MODEL, N_HEAD, VOCAB = 16, 4, 24
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _modules(tmp: str):
+    serial = load_module(MODELS, "tp_models_serial", Path(tmp))
+    parallel = load_module(expand(MODELS), "tp_models_parallel", Path(tmp))
+    return serial, parallel
+
+
+class _CountCollectives:
+    """Counts all_reduce / all_gather calls made by the tensor-parallel collectives."""
+
+    def __init__(self):
+        import macrogen.runtime.collectives as collectives
+
+        self.module = collectives
+        self.counts = {"all_reduce": 0, "all_gather": 0}
+
+    def __enter__(self):
+        real = self.module.dist
+
+        class _Counting:
+            def __getattr__(_, name):
+                attr = getattr(real, name)
+                if name in self.counts:
+
+                    def counted(*args, **kwargs):
+                        self.counts[name] += 1
+                        return attr(*args, **kwargs)
+
+                    return counted
+                return attr
+
+        self.module.dist = _Counting()
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        self.module.dist = dist
+
+    def take(self):
+        out, self.counts = dict(self.counts), {k: 0 for k in self.counts}
+        return out
+
+
+def _check_block(name, make_serial, make_parallel, inputs, rank, world, gather_output=False):
+    torch.manual_seed(0)
+    serial = make_serial()
+    torch.manual_seed(0)
+    parallel = make_parallel()
+    x_s = inputs.clone().requires_grad_(inputs.is_floating_point())
+    x_p = inputs.clone().requires_grad_(inputs.is_floating_point())
+    out_s = serial(x_s)
+    seed = torch.Generator().manual_seed(1)
+    weight = torch.randn(out_s.shape, generator=seed)  # a loss with a non-trivial gradient
+    (out_s * weight).sum().backward()
+
+    with _CountCollectives() as comm:
+        out_p = parallel(x_p)
+        forward = comm.take()
+        if gather_output:  # each rank holds its slice of the last dim; the loss sums over ranks
+            mine = weight.chunk(world, dim=-1)[rank]
+            (out_p * mine).sum().backward()
+            out_p = torch.cat(_all_gather(out_p.detach(), world), dim=-1)
+        else:
+            (out_p * weight).sum().backward()
+        backward = comm.take()
+
+    torch.testing.assert_close(out_p, out_s, **TOL, msg=f"{name}: forward output")
+    if x_s.requires_grad:
+        torch.testing.assert_close(x_p.grad, x_s.grad, **TOL, msg=f"{name}: input gradient")
+    from macrogen.runtime.tensor_parallel import full_gradients
+
+    grads = full_gradients(parallel)
+    for key, p in serial.named_parameters():
+        torch.testing.assert_close(grads[key], p.grad, **TOL, msg=f"{name}: gradient of {key}")
+
+    # checkpoints: gathered = serial (keys, order, shapes, values); loading one shards it
+    full = parallel.full_state_dict()
+    assert list(full) == list(serial.state_dict()), f"{name}: state dict keys"
+    for key, value in serial.state_dict().items():
+        torch.testing.assert_close(full[key], value, msg=f"{name}: full_state_dict[{key}]")
+    torch.manual_seed(123)  # a different initialization, overwritten by the checkpoint
+    fresh = make_parallel()
+    fresh.load_full_state_dict(serial.state_dict())
+    again = fresh(inputs)
+    if gather_output:
+        again = torch.cat(_all_gather(again.detach(), world), dim=-1)
+    torch.testing.assert_close(again, out_s.detach(), **TOL, msg=f"{name}: loaded checkpoint")
+    return serial, out_s.detach(), forward, backward
+
+
+def _all_gather(t, world):
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def _torch_tp(serial, plan, world):
+    """torch's own tensor parallelism (DTensor) on a copy of the serial module."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    mesh = init_device_mesh("cpu", (world,))
+    module = copy.deepcopy(serial)
+    return parallelize_module(module, mesh, {k: styles[v]() for k, v in plan.items()})
+
+
+def _two_rank_checks(rank, world, tmp):
+    S, P = _modules(tmp)
+    torch.manual_seed(42)
+    x = torch.randn(2, 6, D_MODEL)
+    ids = torch.randint(0, VOCAB, (2, 6))
+    counts = {}
+
+    serial, out, fwd, bwd = _check_block(
+        "MLP", lambda: S.MLP(D_MODEL), lambda: P.MLP(D_MODEL), x, rank, world
+    )
+    counts["MLP"] = (fwd, bwd)
+    ref = _torch_tp(serial, {"fc": "colwise", "proj": "rowwise"}, world)
+    torch.testing.assert_close(ref(x), out, **TOL, msg="MLP: torch parallelize_module")
+
+    serial, out, fwd, bwd = _check_block(
+        "Attention",
+        lambda: S.Attention(D_MODEL, N_HEAD),
+        lambda: P.Attention(D_MODEL, N_HEAD),
+        x,
+        rank,
+        world,
+    )
+    counts["Attention"] = (fwd, bwd)
+    ref = _torch_tp(serial, {"qkv": "colwise", "proj": "rowwise"}, world)
+    ref.n_head = N_HEAD // world  # torch leaves the head count to the user
+    torch.testing.assert_close(ref(x), out, **TOL, msg="Attention: torch parallelize_module")
+
+    _, _, fwd, bwd = _check_block(
+        "LMRowwiseHead",
+        lambda: S.LMRowwiseHead(VOCAB, D_MODEL),
+        lambda: P.LMRowwiseHead(VOCAB, D_MODEL),
+        ids,
+        rank,
+        world,
+    )
+    counts["LMRowwiseHead"] = (fwd, bwd)
+    _, _, fwd, bwd = _check_block(
+        "LMColwiseHead",
+        lambda: S.LMColwiseHead(VOCAB, D_MODEL),
+        lambda: P.LMColwiseHead(VOCAB, D_MODEL),
+        ids,
+        rank,
+        world,
+        gather_output=True,
+    )
+    counts["LMColwiseHead"] = (fwd, bwd)
+    _, _, fwd, bwd = _check_block(
+        "Dotted", lambda: S.Dotted(D_MODEL), lambda: P.Dotted(D_MODEL), x, rank, world
+    )
+    counts["Dotted"] = (fwd, bwd)
+
+    # shards are plain tensors of the local shape, under the serial names
+    mlp = P.MLP(D_MODEL)
+    shapes = {k: tuple(v.shape) for k, v in mlp.state_dict().items()}
+    assert shapes == {
+        "fc.weight": (4 * D_MODEL // world, D_MODEL),
+        "fc.bias": (4 * D_MODEL // world,),
+        "proj.weight": (D_MODEL, 4 * D_MODEL // world),
+        "proj.bias": (D_MODEL,),
+    }, shapes
+    assert type(mlp.fc.weight) is torch.nn.Parameter
+    assert P.Attention(D_MODEL, N_HEAD).n_head == N_HEAD // world
+
+    # dimensions the degree does not divide: a clear error at construction
+    errors = []
+    for build in (lambda: P.LMRowwiseHead(25, D_MODEL), lambda: P.Attention(D_MODEL, 3)):
+        try:
+            build()
+        except ValueError as e:
+            errors.append(str(e))
+    return counts, errors
+
+
+def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
+    results = run_ranks(_two_rank_checks, 2, args=(str(tmp_path),), timeout=150)
+    counts, errors = results[0]
+    one_each = {"all_reduce": 1, "all_gather": 0}
+    # colwise feeding rowwise: one all-reduce forward (g), one backward (f), nothing between
+    assert counts["MLP"] == (one_each, one_each)
+    assert counts["Attention"] == (one_each, one_each)
+    assert counts["Dotted"] == (one_each, one_each)
+    # vocab (g forward) then a rowwise head on a full input (slice forward, all-gather and g backward)
+    assert counts["LMRowwiseHead"] == (
+        {"all_reduce": 2, "all_gather": 0},
+        {"all_reduce": 0, "all_gather": 1},
+    )
+    # vocab (g forward), colwise head (f backward)
+    assert counts["LMColwiseHead"] == (one_each, one_each)
+    assert errors == [
+        "LMRowwiseHead.wte.num_embeddings = 25 is not divisible by the tensor-parallel size 2; choose a size that divides it",
+        "Attention.n_head = 3 is not divisible by the tensor-parallel size 2; choose a size that divides it",
+    ]
