@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from macrogen.runtime.groups import ensure_initialized
 from macrogen.runtime.triton_support import triton, use_triton
 
 
@@ -98,7 +99,12 @@ def all_reduce_fused(
     unpack: Callable[..., Any],
     block: int,
 ) -> None:
-    """In place, like ``dist.all_reduce`` on each tensor, with one collective per dtype."""
+    """In place, like ``dist.all_reduce`` on each tensor, with one collective per dtype.
+
+    Run without torchrun (no process group), this is world size 1: nothing changes.
+    """
+    if not ensure_initialized():
+        return
     op = dist.ReduceOp.SUM if op is None else op
     _check_distinct(tensors)
     for flat in plan(tensors):
