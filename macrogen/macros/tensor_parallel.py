@@ -70,7 +70,7 @@ def validate(site: Site, ctx: Context) -> Spec:
     if not isinstance(site.original, cst.ClassDef):
         raise MacroError(f"tensor_parallel() decorates an nn.Module class: {USAGE}", site.call)
     args = site.args.bind({"plan": None, "size": None}, positional=("plan",))
-    anchor = site.call if site.call is not None else site.original.name
+    anchor = site.call  # None for a bare decorator: the pass then points at it
     if "plan" not in args:
         raise MacroError(f"tensor_parallel() needs a plan: {USAGE}", anchor)
     size = args["size"].value if "size" in args else None
@@ -148,11 +148,11 @@ def _check_fits(
     """The attribute at ``path`` is assigned in ``__init__`` and its value fits ``style``."""
     value: cst.BaseExpression | None = None
     for i, attr in enumerate(path):
-        assigned = _init_assignments(cls)
+        assigned = _init_assignments(cls, classes)
         if assigned is None:
             raise MacroError(
-                f"{cls.name.value} defines no __init__ of its own: the plan names attributes"
-                " that __init__ assigns (self.fc = nn.Linear(...))",
+                f"{cls.name.value} defines no __init__ (nor does a base class in this file):"
+                " the plan names attributes that __init__ assigns (self.fc = nn.Linear(...))",
                 key_node,
             )
         if attr not in assigned:
@@ -165,6 +165,13 @@ def _check_fits(
             )
         value = assigned[attr]
         if i + 1 < len(path):
+            callee = dotted(value.func) if isinstance(value, cst.Call) else None
+            if callee is not None and callee.split(".")[0] in ("nn", "torch"):
+                raise MacroError(
+                    f"self.{attr} is {callee}(...), a torch layer: plan entries name whole layers"
+                    f" ({'.'.join(path[: i + 1])!r}), or paths through submodules of your classes",
+                    key_node,
+                )
             inner = _constructed_class(value, classes)
             if inner is None:  # built by code we can't see: checked at construction instead
                 return
@@ -186,7 +193,27 @@ def _check_fits(
         )
 
 
-def _init_assignments(cls: cst.ClassDef) -> dict[str, cst.BaseExpression] | None:
+def _init_assignments(
+    cls: cst.ClassDef, classes: dict[str, cst.ClassDef], seen: frozenset[str] = frozenset()
+) -> dict[str, cst.BaseExpression] | None:
+    """``self.<attr> = value`` in ``__init__``: attr -> last value (bases of this file first).
+
+    None when neither the class nor a base of this file defines ``__init__``.
+    """
+    found: dict[str, cst.BaseExpression] | None = None
+    for base in cls.bases:  # super().__init__() runs theirs; a missing __init__ inherits it
+        name = dotted(base.value)
+        if name in classes and name not in seen:
+            inherited = _init_assignments(classes[name], classes, seen | {cls.name.value})
+            if inherited is not None:
+                found = {**(found or {}), **inherited}
+    own = _own_init_assignments(cls)
+    if own is None:
+        return found
+    return {**(found or {}), **own}
+
+
+def _own_init_assignments(cls: cst.ClassDef) -> dict[str, cst.BaseExpression] | None:
     """``self.<attr> = value`` anywhere in the class's own ``__init__``: attr -> last value."""
     init = next(
         (s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"),

@@ -1,0 +1,284 @@
+"""@tensor_parallel(plan=...) -> the user's class renamed, plus a generated subclass that shards it."""
+
+import textwrap
+
+import pytest
+import torch
+
+from tests.helpers import assert_expands, expand, expansion_errors, load_module
+
+MLP = """\
+import torch.nn as nn
+import macrogen as mg
+
+
+@mg.tensor_parallel(plan={PLAN}{EXTRA})
+class MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.n_head = 4
+        self.ratio = 0.5
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+        self.wte = nn.Embedding(10, d)
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.proj(self.fc(x))
+"""
+
+
+def mlp(plan: str, extra: str = "") -> str:
+    return MLP.replace("{PLAN}", plan).replace("{EXTRA}", extra)
+
+
+def test_class_becomes_serial_base_and_generated_subclass():
+    assert_expands(
+        """\
+        import torch.nn as nn
+        import macrogen as mg
+
+
+        @mg.tensor_parallel(plan={"fc": "colwise", "proj": "rowwise"}, size=2)
+        class MLP(nn.Module):
+            def __init__(self, d):
+                super().__init__()
+                self.fc = nn.Linear(d, 4 * d)
+                self.proj = nn.Linear(4 * d, d)
+        """,
+        '''\
+        import torch.nn as nn
+        import macrogen as mg
+
+        # ---- macrogen: generated from test.py; edit the source, not this block ----
+        from macrogen.runtime.mesh import tensor_parallel_group
+        from macrogen.runtime.tensor_parallel import ColwiseLinear
+        from macrogen.runtime.tensor_parallel import RowwiseLinear
+        from macrogen.runtime.tensor_parallel import full_state_dict
+        from macrogen.runtime.tensor_parallel import load_full_state_dict
+
+
+        # macrogen: tensor_parallel at test.py:5
+        class _MLPSerial(nn.Module):
+            def __init__(self, d):
+                super().__init__()
+                self.fc = nn.Linear(d, 4 * d)
+                self.proj = nn.Linear(4 * d, d)
+
+
+        class MLP(_MLPSerial):
+            """MLP, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
+
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
+                tp = tensor_parallel_group(2)  # this rank's group on the data x tensor mesh
+                # fc: output features split; its output is sharded on the last dim
+                self.fc = ColwiseLinear(self.fc, tp, 'MLP.fc')
+                # proj: input features split; partial outputs all-reduced, bias added once
+                self.proj = RowwiseLinear(self.proj, tp, 'MLP.proj')
+
+            def full_state_dict(self):
+                """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
+                return full_state_dict(self)
+
+            def load_full_state_dict(self, state_dict, strict=True):
+                """Load a serial module's state dict; each rank keeps its shards."""
+                return load_full_state_dict(self, state_dict, strict)
+        ''',
+    )
+
+
+def test_every_style_renders_one_line_and_divide_names_the_attribute():
+    code = expand(
+        mlp(
+            '{"fc": "colwise", "proj": "rowwise", "wte": "vocab", "n_head": "divide", "ln": "replicate"}'
+        )
+    )
+    assert "self.fc = ColwiseLinear(self.fc, tp, 'MLP.fc')" in code
+    assert "self.proj = RowwiseLinear(self.proj, tp, 'MLP.proj')" in code
+    assert "self.wte = VocabEmbedding(self.wte, tp, 'MLP.wte')" in code
+    assert "self.n_head = local_count(self.n_head, tp, 'MLP.n_head')" in code
+    assert "# ln: replicated (every rank holds all of it)" in code
+    assert "tp = tensor_parallel_group(None)" in code  # no size=: from the launch
+
+
+def test_size_may_be_tunable_and_the_tuning_database_picks_it():
+    source = mlp('{"fc": "colwise"}', ", size=mg.tunable(2, choices=[1, 2, 4])")
+    assert "tensor_parallel_group(2)" in expand(source)
+    assert "tensor_parallel_group(4)" in expand(source, tuning={"MLP.size": 4})
+
+
+def test_dotted_paths_into_a_submodule_of_this_file():
+    code = expand(
+        """\
+        import torch.nn as nn
+        import macrogen as mg
+
+        class Inner(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.up = nn.Linear(4, 8)
+
+        @mg.tensor_parallel(plan={"inner.up": "colwise"})
+        class Outer(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = Inner()
+        """
+    )
+    assert "self.inner.up = ColwiseLinear(self.inner.up, tp, 'Outer.inner.up')" in code
+
+
+def test_generated_names_are_hygienic():
+    code = expand(
+        """\
+        import torch.nn as nn
+        import macrogen as mg
+
+        ColwiseLinear = _MLPSerial = None
+
+        @mg.tensor_parallel(plan={"fc": "colwise"})
+        class MLP(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 8)
+        """
+    )
+    assert "class _MLPSerial_2(nn.Module):" in code
+    assert "class MLP(_MLPSerial_2):" in code
+    assert "from macrogen.runtime.tensor_parallel import ColwiseLinear as _mg_ColwiseLinear" in code
+
+
+def test_serial_run_of_the_expanded_class_is_the_serial_module(tmp_path):
+    """Without torchrun the expanded module is world size 1: same parameters, same output."""
+    source = textwrap.dedent(mlp('{"fc": "colwise", "proj": "rowwise", "n_head": "divide"}'))
+    serial = load_module(source, "tp_unit_serial", tmp_path)
+    parallel = load_module(expand(source), "tp_unit_parallel", tmp_path)
+    torch.manual_seed(0)
+    a = serial.MLP(8)
+    torch.manual_seed(0)
+    b = parallel.MLP(8)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(b(x), a(x))
+    assert isinstance(b, parallel._MLPSerial) and b.n_head == 4
+    assert list(b.full_state_dict()) == list(a.state_dict())
+
+
+@pytest.mark.parametrize(
+    "plan, extra, message",
+    [
+        (
+            '{"fcc": "colwise"}',
+            "",
+            "7:27: error: 'fcc' is not an attribute assigned in MLP.__init__; did you mean 'fc'?"
+            " (assigned there: n_head, ratio, fc, proj, wte, ln)",
+        ),
+        (
+            '{"wte": "colwise"}',
+            "",
+            "7:27: error: colwise needs self.wte = nn.Linear(...) in __init__, but it is nn.Embedding(...)"
+            " (supported: colwise and rowwise on nn.Linear, vocab on nn.Embedding,"
+            " divide on an int attribute, replicate on anything)",
+        ),
+        (
+            '{"ln": "rowwise"}',
+            "",
+            "7:27: error: rowwise needs self.ln = nn.Linear(...) in __init__, but it is nn.LayerNorm(...)"
+            " (supported: colwise and rowwise on nn.Linear, vocab on nn.Embedding,"
+            " divide on an int attribute, replicate on anything)",
+        ),
+        (
+            '{"fc": "vocab"}',
+            "",
+            "7:27: error: vocab needs self.fc = nn.Embedding(...) in __init__, but it is nn.Linear(...)"
+            " (supported: colwise and rowwise on nn.Linear, vocab on nn.Embedding,"
+            " divide on an int attribute, replicate on anything)",
+        ),
+        (
+            '{"ratio": "divide"}',
+            "",
+            "7:27: error: divide needs an int attribute (like n_head), but self.ratio is 0.5"
+            " (supported: colwise and rowwise on nn.Linear, vocab on nn.Embedding,"
+            " divide on an int attribute, replicate on anything)",
+        ),
+        (
+            '{"fc": "divide"}',
+            "",
+            "7:27: error: divide needs an int attribute (like n_head), but self.fc is nn.Linear(...)"
+            " (supported: colwise and rowwise on nn.Linear, vocab on nn.Embedding,"
+            " divide on an int attribute, replicate on anything)",
+        ),
+        (
+            '{"fc": "colwize"}',
+            "",
+            "7:33: error: unknown style 'colwize'; did you mean 'colwise'?"
+            " (styles: colwise, rowwise, vocab, divide, replicate)",
+        ),
+        (
+            '{"fc.weight": "colwise"}',
+            "",
+            "7:27: error: self.fc is nn.Linear(...), a torch layer: plan entries name whole layers ('fc'),"
+            " or paths through submodules of your classes",
+        ),
+        ("{}", "", "7:26: error: plan must be a non-empty dict of attribute name -> style"),
+        ('{"fc": "colwise"}', ", size=0", "7:50: error: size must be a positive int, not 0"),
+        (
+            '{"fc": "colwise"}',
+            ", sise=2",
+            "7:50: error: unknown argument 'sise'; did you mean 'size'? (arguments: plan, size)",
+        ),
+    ],
+)
+def test_errors_point_at_the_plan_key(plan, extra, message):
+    source = "\n\n" + mlp(plan, extra)  # the decorator on line 7
+    errors = expansion_errors(source)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"test.py:{message}"), errors[0]
+
+
+def test_error_cases_of_the_class_itself():
+    no_init = """\
+        import torch.nn as nn
+        import macrogen as mg
+
+        @mg.tensor_parallel(plan={"fc": "colwise"})
+        class MLP(nn.Module):
+            fc = None
+        """
+    assert expansion_errors(no_init) == [
+        "test.py:4:27: error: MLP defines no __init__ (nor does a base class in this file):"
+        " the plan names attributes that __init__ assigns (self.fc = nn.Linear(...))"
+    ]
+    old_super = """\
+        import torch.nn as nn
+        import macrogen as mg
+
+        @mg.tensor_parallel(plan={"fc": "colwise"})
+        class MLP(nn.Module):
+            def __init__(self):
+                super(MLP, self).__init__()
+                self.fc = nn.Linear(2, 2)
+        """
+    assert expansion_errors(old_super)[0].startswith(
+        "test.py:7:9: error: write super() without arguments in a tensor_parallel class"
+    )
+    no_plan = """\
+        import macrogen as mg
+
+        @mg.tensor_parallel
+        class MLP:
+            pass
+        """
+    assert expansion_errors(no_plan)[0].startswith(
+        "test.py:3:2: error: tensor_parallel() needs a plan"
+    )
+    on_function = """\
+        import macrogen as mg
+
+        @mg.tensor_parallel(plan={"fc": "colwise"})
+        def f():
+            pass
+        """
+    assert expansion_errors(on_function)[0].startswith(
+        "test.py:3:2: error: tensor_parallel() decorates an nn.Module class"
+    )
