@@ -1,49 +1,235 @@
-"""The tuning database: one JSON file of measured candidates and winners.
+"""The tuning database: one JSON file of measured candidates and their winners.
 
-``expand`` needs one thing from it: the winning value of each tunable key of a
-source file, for the current target. Entries whose source hash differs from the
-file's are stale and ignored (with a warning from the caller).
+The file is meant to be read, diffed and committed next to the source it tunes
+(by default ``macrogen_tuning.json`` in the source's directory)::
+
+    {
+      "format": "macrogen-tuning",
+      "version": 2,
+      "records": [
+        {
+          "key": {"device": {"kind": "cpu", "name": "..."}, "entry": "bench:make_step",
+                  "entry_hash": "...", "file": "gpt.py", "macrogen": "0.1.0",
+                  "params": ["GPT.bucket_mb"], "signature": {}, "site_hash": "...",
+                  "target": "cpu", "world_size": 2},
+          "source_hash": "...",           # the exact source the winner was chosen for
+          "generation": 3,                # larger = tuned more recently
+          "candidates": [{"values": {"GPT.bucket_mb": 4}, "time_s": 0.0121, "samples": 10},
+                         {"values": {"GPT.bucket_mb": 64}, "error": "RuntimeError: ..."}],
+          "winner": {"GPT.bucket_mb": 4},
+          "environment": {"python": "3.11.9", "torch": "2.13.0", ...}
+        }
+      ]
+    }
+
+One record is one tuning problem: a file's tunables, measured through one entry
+on one kind of device and world size. Its ``site_hash`` hashes the source with
+every ``tunable(...)`` call's arguments blanked out, so editing a ``choices``
+list keeps the measurements already taken (only new choices are measured),
+while ``source_hash`` is the file's exact hash: ``expand`` uses a winner only
+when it matches, and reports the entry as stale otherwise.
+
+Values that JSON can't hold exactly (tuples, sets, complex numbers) are stored
+as ``{"python": "<repr>"}`` and read back with ``ast.literal_eval``.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+import libcst as cst
+
+from macrogen.files import write_atomic
+
+FORMAT = "macrogen-tuning"
+FORMAT_VERSION = 2
+DEFAULT_NAME = "macrogen_tuning.json"
+KEY_FIELDS = (
+    "device",
+    "entry",
+    "entry_hash",
+    "file",
+    "macrogen",
+    "params",
+    "signature",
+    "site_hash",
+    "target",
+    "world_size",
+)
 
 
+def default_path(source: Path) -> Path:
+    """Where ``autotune`` writes and ``expand`` looks when no ``--tuning`` is given."""
+    return source.parent / DEFAULT_NAME
+
+
+# -- hashes -----------------------------------------------------------------------
 def source_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
+def site_hash(text: str) -> str:
+    """The source's hash with the arguments of every ``tunable(...)`` blanked out.
+
+    What a measurement depends on is the program, not the list of values it may
+    take: adding a choice must not throw away the choices already measured.
+    """
+    try:
+        module = cst.parse_module(text)
+    except cst.ParserSyntaxError:
+        return source_hash(text)
+    blanked = module.visit(_BlankTunables(_tunable_names(module)))
+    return source_hash(blanked.code)
+
+
+def _tunable_names(module: cst.Module) -> set[str]:
+    names = {"tunable"}
+    for stmt in module.body:
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        for small in stmt.body:
+            if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
+                for alias in small.names:
+                    if alias.asname is not None and getattr(alias.name, "value", "") == "tunable":
+                        names.add(alias.asname.name.value)
+    return names
+
+
+class _BlankTunables(cst.CSTTransformer):
+    def __init__(self, names: set[str]):
+        self.names = names
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        func = updated.func
+        name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", None)
+        if name in self.names:
+            return updated.with_changes(args=[])
+        return updated
+
+
+# -- values -----------------------------------------------------------------------
+def encode_value(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list) and all(
+        v is None or isinstance(v, (bool, int, float, str)) for v in value
+    ):
+        return value
+    return {"python": repr(value)}
+
+
+def decode_value(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"python"}:
+        return ast.literal_eval(value["python"])
+    return value
+
+
+def encode_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: encode_value(v) for k, v in sorted(values.items())}
+
+
+def decode_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: decode_value(v) for k, v in values.items()}
+
+
+def canonical(values: Mapping[str, Any]) -> str:
+    """One string per candidate: how candidates are compared and sorted."""
+    return json.dumps(encode_values(values), sort_keys=True)
+
+
+# -- the file -----------------------------------------------------------------------
 def load(path: Path) -> dict[str, Any]:
     if not path.exists():
-        return {"version": FORMAT_VERSION, "records": []}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: not a macrogen tuning database (version {FORMAT_VERSION})")
+        return {"format": FORMAT, "version": FORMAT_VERSION, "records": []}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != FORMAT
+        or not isinstance(data.get("records"), list)
+    ):
+        raise ValueError(f"{path}: not a macrogen tuning database")
+    if data.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: tuning database version {data.get('version')!r}; this macrogen reads version"
+            f" {FORMAT_VERSION} (re-run macrogen autotune)"
+        )
     return data
 
 
+def dumps(data: Mapping[str, Any]) -> str:
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+class Database:
+    """The records of one file, saved atomically after every change."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data = load(path)
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return self.data["records"]
+
+    def find(self, key: Mapping[str, Any], *, ignore: tuple[str, ...] = ()) -> list[dict]:
+        """Records whose key equals ``key`` on every field but ``ignore``; newest first."""
+        fields = [f for f in KEY_FIELDS if f not in ignore]
+        found = [r for r in self.records if all(r["key"].get(f) == key.get(f) for f in fields)]
+        return sorted(found, key=lambda r: -r.get("generation", 0))
+
+    def new_record(self, key: Mapping[str, Any], environment: Mapping[str, Any]) -> dict:
+        record = {
+            "key": dict(key),
+            "source_hash": None,
+            "generation": self.next_generation(),
+            "candidates": [],
+            "winner": None,
+            "environment": dict(environment),
+        }
+        self.records.append(record)
+        return record
+
+    def next_generation(self) -> int:
+        return 1 + max((r.get("generation", 0) for r in self.records), default=0)
+
+    def save(self) -> None:
+        self.records.sort(key=lambda r: json.dumps(r["key"], sort_keys=True))
+        for record in self.records:
+            record["candidates"].sort(key=lambda c: canonical(c["values"]))
+        write_atomic(self.path, dumps(self.data).encode("utf-8"))
+
+
+# -- what expand reads --------------------------------------------------------------------
 def winners(
     path: Path, source: str, *, file: str, target: str | None = None
 ) -> tuple[dict[str, Any], list[str]]:
-    """The winning value per tunable key of ``file`` (its name as recorded); and the stale keys skipped."""
+    """The winning value per tunable key of ``file`` (its name as recorded); and the stale keys skipped.
+
+    Several records may tune the same file (other devices, world sizes): the one
+    tuned most recently wins. A record for another source text is stale.
+    """
     digest = source_hash(source)
     values: dict[str, Any] = {}
-    stale: list[str] = []
-    for record in load(path).get("records", []):
-        if record.get("file") != file:
-            continue
-        if "winner" not in record or record.get("winner") is None:
-            continue
-        if target is not None and record.get("target") not in (None, target):
-            continue
+    stale: set[str] = set()
+    records = [
+        r
+        for r in load(path)["records"]
+        if r["key"].get("file") == file
+        and r.get("winner") is not None
+        and (target is None or r["key"].get("target") in (None, target))
+    ]
+    for record in sorted(records, key=lambda r: -r.get("generation", 0)):
         if record.get("source_hash") != digest:
-            stale.append(record.get("key", "?"))
+            stale.update(record["winner"])
             continue
-        values[record["key"]] = record["winner"]
-    return values, stale
+        for key, value in decode_values(record["winner"]).items():
+            values.setdefault(key, value)
+    return values, sorted(stale - set(values))

@@ -52,7 +52,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--target", choices=("cpu", "cuda"), help="fix target() branches for this device"
     )
-    p.add_argument("--tuning", metavar="FILE", help="tuning database to read winners from")
+    p.add_argument(
+        "--tuning",
+        metavar="FILE",
+        help="tuning database to read winners from (default: macrogen_tuning.json next to SRC, if any)",
+    )
     return p
 
 
@@ -182,6 +186,8 @@ def _expand_one(
         print(f"{display}:1:1: error: can't decode the file: {e}", file=stderr)
         return 1, None
     values: dict = {}
+    if tuning is None and job.src != STDIO and database.default_path(Path(job.src)).is_file():
+        tuning = str(database.default_path(Path(job.src)))  # the file autotune writes by default
     if tuning is not None:
         try:
             values, stale = database.winners(

@@ -1,0 +1,229 @@
+"""How a candidate is timed: expanded into a temporary file, run by worker processes.
+
+Each candidate's values are baked into its own expansion of the source
+(``expand_source(..., tuning=values)``), written to a temporary directory. One
+launch of ``macrogen.autotune.worker`` then times a list of candidates in
+order -- alone for world size 1, under ``torchrun --standalone`` for more
+ranks -- so the start-up (importing torch, the rendezvous) is paid once, not
+per candidate. Results stream back one JSON line per candidate and are handed
+to the caller as they arrive (the caller persists them at once).
+
+A candidate gets ``timeout`` seconds from the previous result (or the launch);
+if it overruns, or the worker dies under it, that candidate is recorded as
+failed and the remaining candidates get a fresh launch. The budget's deadline
+stops everything without recording the candidate in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from macrogen.expand import ExpansionError, expand_source
+
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How long to look at each candidate."""
+
+    warmup: int = 2  # untimed steps first: caches, allocator, Triton compiles, bucket set-up
+    steps: int = 10  # timed steps per candidate when several ranks run in lock step
+    min_time: float = 0.2  # seconds of timing for torch.utils.benchmark / do_bench (one rank)
+    timeout: float = 180.0  # seconds per candidate, its share of the start-up included
+
+
+@dataclass(frozen=True)
+class Measurement:
+    values: dict[str, Any]
+    time_s: float | None = None  # median seconds per step; None when it failed
+    samples: int = 0
+    signature: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Program:
+    """What every candidate shares: the source, the entry and where it runs."""
+
+    source_path: Path
+    source: str
+    entry: str  # "module:factory"
+    entry_in_source: bool  # the factory is defined in the tuned file: take it from the expansion
+    world_size: int
+    target: str  # "cpu" or "cuda"
+    timing: Timing
+
+    def mode(self) -> str:
+        if self.world_size > 1:
+            return "ranks"
+        return "do_bench" if self.target == "cuda" else "benchmark"
+
+
+# Returns False to stop measuring (early stopping); the candidate in flight is dropped.
+OnResult = Callable[[Measurement], bool]
+
+
+def measure(
+    program: Program,
+    candidates: list[dict[str, Any]],
+    on_result: OnResult,
+    *,
+    deadline: float | None = None,
+) -> str:
+    """Measure candidates in order, calling ``on_result`` with each; why it stopped."""
+    with tempfile.TemporaryDirectory(prefix="macrogen-autotune-") as tmp:
+        work = Path(tmp)
+        pending: list[tuple[str, dict[str, Any], Path]] = []
+        for i, values in enumerate(candidates):
+            try:
+                code = expand_source(
+                    program.source,
+                    path=program.source_path.name,
+                    target=program.target,
+                    tuning=values,
+                ).code
+            except ExpansionError as e:
+                message = "; ".join(d.message for d in e.diagnostics)
+                if not on_result(Measurement(values, error=f"expansion failed: {message}")):
+                    return "stopped"
+                continue
+            file = work / f"c{i}" / program.source_path.name
+            file.parent.mkdir()
+            file.write_text(code, encoding="utf-8")
+            pending.append((f"c{i}", values, file))
+        launches = 0
+        while pending:
+            launches += 1
+            outcome = _launch(program, pending, on_result, deadline, work / f"launch{launches}")
+            if outcome != "relaunch":
+                return outcome
+        return "complete"
+
+
+def _launch(
+    program: Program,
+    pending: list[tuple[str, dict[str, Any], Path]],
+    on_result: OnResult,
+    deadline: float | None,
+    work: Path,
+) -> str:
+    """One worker launch over ``pending`` (consumed in place)."""
+    work.mkdir()
+    results = work / "results.jsonl"
+    results.touch()
+    log = work / "worker.log"
+    job = {
+        "candidates": [
+            {"id": cid, "file": str(file), "module": f"{file.stem}_mg_{cid}"}
+            for cid, _, file in pending
+        ],
+        "entry": program.entry,
+        "entry_in_source": program.entry_in_source,
+        "parent_pid": os.getpid(),
+        "results": str(results),
+        "sys_path": [str(program.source_path.parent.resolve()), os.getcwd()],
+        "timing": {
+            "min_time": program.timing.min_time,
+            "mode": program.mode(),
+            "steps": program.timing.steps,
+            "warmup": program.timing.warmup,
+        },
+    }
+    (work / "job.json").write_text(json.dumps(job, indent=2))
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            _command(program, work / "job.json"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # so the whole group (torchrun and its ranks) can be ended
+        )
+    try:
+        return _follow(proc, program, pending, on_result, deadline, results, log)
+    finally:
+        _end(proc)
+
+
+def _follow(proc, program, pending, on_result, deadline, results, log) -> str:
+    by_id = {cid: values for cid, values, _ in pending}
+    offset, last_progress = 0, time.monotonic()
+    while True:
+        exited = proc.poll() is not None
+        with results.open("r", encoding="utf-8") as f:
+            f.seek(offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        offset += len(complete.encode("utf-8"))
+        for line in complete.splitlines():
+            result = json.loads(line)
+            values = by_id[result["id"]]
+            pending[:] = [p for p in pending if p[0] != result["id"]]
+            last_progress = time.monotonic()
+            if not on_result(_measurement(values, result)):
+                return "stopped"
+        if not pending:
+            return "complete"
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return "budget"
+        if exited or now - last_progress > program.timing.timeout:
+            cid, values, _ = pending.pop(0)
+            if exited:
+                error = f"the worker exited with status {proc.returncode}: {_tail(log)}"
+            else:
+                error = f"timed out after {program.timing.timeout:g} s"
+            if not on_result(Measurement(values, error=error)):
+                return "stopped"
+            return "relaunch" if pending else "complete"
+        time.sleep(POLL_S)
+
+
+def _measurement(values: Mapping[str, Any], result: Mapping[str, Any]) -> Measurement:
+    if "error" in result:
+        return Measurement(dict(values), error=result["error"])
+    return Measurement(
+        dict(values),
+        time_s=float(result["time_s"]),
+        samples=int(result["samples"]),
+        signature=dict(result.get("signature") or {}),
+    )
+
+
+def _command(program: Program, job: Path) -> list[str]:
+    worker = ["-m", "macrogen.autotune.worker", str(job)]
+    if program.world_size == 1:
+        return [sys.executable, *worker]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={program.world_size}",
+        *worker,
+    ]
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def _tail(log: Path, lines: int = 6) -> str:
+    text = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+    useful = [line for line in text if line.strip() and not line.startswith("*****")]
+    return " | ".join(useful[-lines:]) or "no output"

@@ -1,0 +1,110 @@
+"""What a tuning run shows: a rich progress bar while it runs, a table of candidates at the end."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from macrogen.autotune import database
+
+if TYPE_CHECKING:
+    from macrogen.autotune.tuner import Outcome
+
+
+def format_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+class _Bar:
+    def __init__(self, progress: Progress, task: Any):
+        self.progress, self.task = progress, task
+
+    def advance(self, candidate: Mapping[str, Any], *, cached: bool, best: float | None) -> None:
+        values = database.decode_values(candidate.get("values", {}))
+        shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        how = "cached" if cached else ("failed" if "error" in candidate else "measured")
+        self.progress.update(
+            self.task,
+            advance=1,
+            description=escape(f"{how} {shown}; best {format_time(best)}"),
+        )
+
+
+class Reporter:
+    """Progress on stderr (``progress_console``), the final table on ``console``."""
+
+    def __init__(self, console: Console | None = None, progress_console: Console | None = None):
+        self.console = console or Console()
+        self.progress_console = progress_console or Console(stderr=True)
+
+    @contextlib.contextmanager
+    def progress(self, total: int) -> Iterator[_Bar]:
+        columns = (
+            TextColumn("autotune"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+        )
+        with Progress(*columns, console=self.progress_console, transient=False) as progress:
+            yield _Bar(progress, progress.add_task("starting the workers", total=total))
+
+    def summary(self, outcome: Outcome, elapsed: float) -> None:
+        self.console.print(table(outcome))
+        winner = outcome.winner
+        chosen = (
+            ", ".join(f"{k}={v!r}" for k, v in winner.items())
+            if winner
+            else "none (every candidate failed; expand uses the defaults)"
+        )
+        self.console.print(
+            f"winner: {chosen}; {outcome.new_measurements} new measurement(s),"
+            f" {outcome.strategy} search ({outcome.stopped}), {elapsed:.1f} s;"
+            f" tuning database: {outcome.database}"
+        )
+
+
+def table(outcome: Outcome) -> Table:
+    keys = [p.key for p in outcome.space.parameters]
+    t = Table(title="macrogen autotune", show_lines=False)
+    for key in keys:
+        t.add_column(key, justify="right")
+    t.add_column("time / step", justify="right")
+    t.add_column("vs best", justify="right")
+    t.add_column("result")
+    record = outcome.record
+    if record is None:
+        return t
+    allowed = {database.canonical(c) for c in outcome.space.candidates}
+    rows = [
+        c
+        for c in record["candidates"]
+        if database.canonical(database.decode_values(c["values"])) in allowed
+    ]
+    best = min((c["time_s"] for c in rows if "time_s" in c), default=None)
+    winner = None if outcome.winner is None else database.canonical(outcome.winner)
+    rows.sort(key=lambda c: (c.get("time_s") is None, c.get("time_s") or 0.0))
+    for c in rows:
+        values = database.decode_values(c["values"])
+        time_s = c.get("time_s")
+        ratio = f"x{time_s / best:.3f}" if time_s is not None and best else "-"
+        if database.canonical(values) == winner:
+            result = "[bold green]winner[/]"
+        elif "error" in c:
+            result = f"[red]failed[/]: {escape(c['error'])}"
+        else:
+            result = ""
+        t.add_row(*(repr(values.get(k)) for k in keys), format_time(time_s), ratio, result)
+    return t

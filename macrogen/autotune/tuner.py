@@ -1,0 +1,274 @@
+"""``autotune``: find a file's tunables, measure candidates, record them and the winner.
+
+    source --expand--> tunables --space.build--> candidates --search.plan--> order
+    order - already in the database --measure--> Measurement --> database (saved at once)
+
+Everything measured is saved the moment it is known, so a run that is killed
+or runs out of budget resumes where it stopped, and a run over an unchanged
+file and entry measures nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from macrogen import __version__
+from macrogen.autotune import database, environment, search, space
+from macrogen.autotune.measure import Measurement, Program, Timing, measure
+from macrogen.autotune.report import Reporter
+from macrogen.expand import expand_source
+from macrogen.files import read_source
+
+
+class AutotuneError(Exception):
+    """A problem with the request itself (no tunables, a bad --entry): nothing is measured."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    database: Path
+    record: dict[str, Any] | None  # None when nothing could be recorded
+    strategy: str  # "exhaustive" or "random"
+    stopped: str  # "complete", "max trials", "early stop", "budget"
+    planned: int  # candidates the search looks at
+    new_measurements: int
+    winner: dict[str, Any] | None  # tunable key -> value; None when every candidate failed
+    space: space.Space
+
+
+def autotune(
+    path: str | os.PathLike[str],
+    *,
+    entry: str,
+    world_size: int = 1,
+    target: str | None = None,
+    tuning: str | os.PathLike[str] | None = None,
+    budget: float | None = None,
+    max_trials: int = 32,
+    timing: Timing | None = None,
+    retry_failed: bool = False,
+    reporter: Reporter | None = None,
+) -> Outcome:
+    """Tune every ``tunable`` of the file at ``path``; see docs/autotune.md."""
+    started = time.monotonic()
+    deadline = None if budget is None else started + budget
+    source_path = Path(path)
+    source = read_source(source_path.read_bytes())[0]
+    _check_request(entry, world_size, max_trials)
+    if target is None:
+        import torch
+
+        target = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = environment.device(target)
+    except RuntimeError as e:
+        raise AutotuneError(str(e)) from None
+    expansion = expand_source(source, path=source_path.name, target=target)
+    params = space.parameters(expansion)
+    if not params:
+        raise AutotuneError(f"{source_path}: no tunable(...) to tune")
+    env = space.TuningEnv(target, world_size, device["name"])
+    site_hash = database.site_hash(source)
+    cspace = space.build(params, env, seed=int(site_hash[:8], 16))
+    if not cspace.candidates:
+        raise AutotuneError(
+            f"{source_path}: every candidate is ruled out ({cspace.excluded[0][1]})"
+        )
+    searcher = search.plan(cspace, max_trials=max_trials, seed=int(site_hash[:8], 16))
+
+    db_path = Path(tuning) if tuning is not None else database.default_path(source_path)
+    db = database.Database(db_path)
+    search_path = [str(source_path.parent.resolve()), os.getcwd()]
+    entry_module = entry.split(":", 1)[0]
+    origin = environment.entry_origin(entry_module, search_path) if entry_module else None
+    in_source = not entry_module or origin == source_path.resolve()
+    timing = timing or Timing()
+    program = Program(source_path, source, entry, in_source, world_size, target, timing)
+    key = {
+        "device": device,
+        "entry": entry,
+        "entry_hash": "" if in_source else environment.file_hash(origin),
+        "file": source_path.name,
+        "macrogen": __version__,
+        "params": sorted(p.key for p in params),
+        "signature": {},
+        "site_hash": site_hash,
+        "target": target,
+        "world_size": world_size,
+    }
+    book = _Book(db, key, source, cspace, retry_failed)
+    reporter = reporter or Reporter()
+
+    with reporter.progress(len(searcher.order)) as progress:
+        index = 0
+
+        def feed_known() -> None:
+            """Observe the candidates already in the database, up to the next one to measure."""
+            nonlocal index
+            while index < len(searcher.order) and not searcher.done:
+                known = book.known(searcher.order[index])
+                if known is None:
+                    return
+                searcher.observe(known.get("time_s"))
+                progress.advance(known, cached=True, best=searcher.best)
+                index += 1
+
+        def on_result(m: Measurement) -> bool:
+            nonlocal index
+            book.record(m)
+            searcher.observe(m.time_s)
+            progress.advance(book.known(m.values) or {}, cached=False, best=searcher.best)
+            index += 1
+            feed_known()
+            return not searcher.done
+
+        feed_known()
+        stopped = "complete"
+        if not searcher.done:
+            todo = [c for c in searcher.order[index:] if book.known(c) is None]
+            stopped = measure(program, todo, on_result, deadline=deadline)
+    if stopped != "budget":
+        stopped = searcher.stop_reason
+    book.finish()
+    outcome = Outcome(
+        db_path,
+        book.record_,
+        searcher.strategy,
+        stopped,
+        len(searcher.order),
+        book.new,
+        book.winner(),
+        cspace,
+    )
+    reporter.summary(outcome, time.monotonic() - started)
+    return outcome
+
+
+def _check_request(entry: str, world_size: int, max_trials: int) -> None:
+    module, sep, factory = entry.partition(":")
+    if not sep or not factory.isidentifier() or (module and not _dotted(module)):
+        raise AutotuneError(
+            f"--entry must be module:factory (e.g. bench_gpt:make_step, or :make_step for a factory in the tuned file), not {entry!r}"
+        )
+    if world_size < 1:
+        raise AutotuneError(f"--world-size must be at least 1, not {world_size}")
+    if max_trials < 1:
+        raise AutotuneError(f"--max-trials must be at least 1, not {max_trials}")
+
+
+def _dotted(name: str) -> bool:
+    return all(part.isidentifier() for part in name.split("."))
+
+
+class _Book:
+    """The database record of this tuning problem, kept current and saved after each change."""
+
+    def __init__(
+        self,
+        db: database.Database,
+        key: dict[str, Any],
+        source: str,
+        cspace: space.Space,
+        retry_failed: bool,
+    ):
+        self.db, self.key, self.cspace = db, key, cspace
+        self.source_hash = database.source_hash(source)
+        found = db.find(key, ignore=("signature",))
+        self.record_: dict[str, Any] | None = found[0] if found else None
+        # failed candidates to measure again (--retry-failed), by canonical values
+        self.retry = (
+            {
+                database.canonical(database.decode_values(c["values"]))
+                for c in self.record_["candidates"]
+                if "error" in c
+            }
+            if retry_failed and self.record_ is not None
+            else set()
+        )
+        self.new = 0
+        self.bumped = False  # the record's generation is raised once per run that changes it
+
+    def known(self, values: Mapping[str, Any]) -> dict[str, Any] | None:
+        if self.record_ is None:
+            return None
+        ident = database.canonical(values)
+        if ident in self.retry:
+            return None
+        for c in self.record_["candidates"]:
+            if database.canonical(database.decode_values(c["values"])) == ident:
+                return c
+        return None
+
+    def record(self, m: Measurement) -> None:
+        record = self._record_for(m.signature if m.error is None else None)
+        entry: dict[str, Any] = {"values": database.encode_values(m.values)}
+        if m.error is None:
+            entry.update(time_s=float(f"{m.time_s:.6g}"), samples=m.samples)
+            if m.signature != record["key"]["signature"]:
+                entry["signature"] = m.signature
+        else:
+            entry["error"] = m.error
+        ident = database.canonical(m.values)
+        self.retry.discard(ident)
+        record["candidates"] = [
+            c
+            for c in record["candidates"]
+            if database.canonical(database.decode_values(c["values"])) != ident
+        ] + [entry]
+        self.new += 1
+        self._update(record)
+
+    def _record_for(self, signature: dict[str, Any] | None) -> dict[str, Any]:
+        """This problem's record, made at its first measurement.
+
+        Its key's signature is the first one the entry reported. A later
+        candidate reporting another one (a shape that depends on the tuned
+        value) stays in the same record with its own signature: what decides
+        whether two runs are the same problem is the key's hashes of the file
+        and the entry.
+        """
+        if self.record_ is None:
+            self.record_ = self.db.new_record(
+                {**self.key, "signature": signature or {}}, environment.versions()
+            )
+            self.bumped = True
+        elif signature and not any("time_s" in c for c in self.record_["candidates"]):
+            self.record_["key"]["signature"] = signature
+        return self.record_
+
+    def winner(self) -> dict[str, Any] | None:
+        if self.record_ is None:
+            return None
+        allowed = {database.canonical(c) for c in self.cspace.candidates}
+        timed = [
+            c
+            for c in self.record_["candidates"]
+            if "time_s" in c and database.canonical(database.decode_values(c["values"])) in allowed
+        ]
+        if not timed:
+            return None
+        best = min(timed, key=lambda c: (c["time_s"], database.canonical(c["values"])))
+        return database.decode_values(best["values"])
+
+    def _update(self, record: dict[str, Any]) -> None:
+        winner = self.winner()
+        encoded = None if winner is None else database.encode_values(winner)
+        changed = record.get("winner") != encoded or record.get("source_hash") != self.source_hash
+        record["winner"] = encoded
+        record["source_hash"] = self.source_hash
+        if (changed or self.new) and not self.bumped:
+            record["generation"] = self.db.next_generation()
+            record["environment"] = environment.versions()
+            self.bumped = True
+        if changed or self.new:
+            self.db.save()
+
+    def finish(self) -> None:
+        """Choices may have changed since the last run: re-pick the winner and claim this source."""
+        if self.record_ is not None:
+            self._update(self.record_)

@@ -1,0 +1,250 @@
+"""The process that times candidates: ``python -m macrogen.autotune.worker JOB.json``.
+
+``measure.py`` launches it alone (world size 1) or under torchrun, one per rank.
+For each candidate of the job, in order, every rank imports that candidate's
+expanded file, builds a step with the entry factory, warms up and times it;
+rank 0 appends one JSON line per candidate to the results file as soon as it
+is known. A candidate that fails (import, factory, step) is reported with its
+error and the next one runs: the ranks agree on failures after each phase, so
+no rank waits alone in a collective.
+
+The entry contract (see docs/autotune.md): ``factory(module)`` gets the
+expanded module and returns ``step`` -- a callable that runs one training step
+-- or ``(step, signature)`` where ``signature`` is a JSON-able dict of the
+dtypes and shapes it runs (recorded in the tuning key). A factory defined in
+the tuned file itself may take no argument.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class CandidateError(Exception):
+    """A failure attributed to one candidate, with the phase it happened in."""
+
+
+def main(job_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    for entry in reversed(job["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        from macrogen.runtime.groups import ensure_initialized
+
+        ensure_initialized()
+    rank = dist.get_rank() if distributed else 0
+    entry_factory = _entry_factory(job)  # a factory, an error text, or None (in the module)
+    results = Path(job["results"])
+    for candidate in job["candidates"]:
+        if not _parent_alive(job["parent_pid"]):
+            return 1  # autotune itself was stopped: nobody reads what we would write
+        result = {"id": candidate["id"]}
+        try:
+            result.update(_measure(candidate, job, entry_factory, distributed))
+        except CandidateError as e:
+            result["error"] = str(e)
+        if rank == 0:
+            with results.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(result, sort_keys=True, default=str) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        gc.collect()
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def _measure(candidate: dict, job: dict, entry_factory: Any, distributed: bool) -> dict:
+    timing = job["timing"]
+    built = _agree(distributed, "setup", lambda: _build(candidate, job, entry_factory))
+    step, signature = built
+    del built  # only ``step`` may hold the model: it is dropped after timing
+    mode = "ranks" if distributed else timing["mode"]
+    _agree(distributed, "warm-up", lambda: _repeat(step, timing["warmup"], distributed))
+    times = _agree(distributed, "timing", lambda: TIMERS[mode](step, timing))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"time_s": statistics.median(times), "samples": len(times), "signature": signature}
+
+
+def _build(candidate: dict, job: dict, entry_factory: Any) -> tuple[Callable[[], Any], dict]:
+    try:
+        module = _import_file(candidate["file"], candidate["module"])
+    except BaseException as e:
+        raise CandidateError(f"importing the expanded file failed: {_describe(e)}") from None
+    if isinstance(entry_factory, str):
+        raise CandidateError(entry_factory)
+    factory = entry_factory
+    if factory is None:  # the factory is defined in the tuned file itself
+        name = job["entry"].split(":", 1)[1]
+        factory = getattr(module, name, None)
+        if not callable(factory):
+            raise CandidateError(f"the tuned file defines no callable {name!r} (--entry)")
+    torch.manual_seed(0)  # every candidate starts from the same model and data
+    try:
+        made = factory(module) if _takes_an_argument(factory) else factory()
+    except BaseException as e:
+        raise CandidateError(f"the entry factory raised {_describe(e)}") from None
+    step, signature = _step_and_signature(made)
+    return step, json.loads(json.dumps(signature, sort_keys=True, default=str))
+
+
+def _step_and_signature(made: Any) -> tuple[Callable[[], Any], dict]:
+    """``step``, or a tuple holding it: its callable that is no nn.Module, and a dict signature."""
+    parts = made if isinstance(made, tuple) else (made,)
+    steps = [p for p in parts if callable(p) and not isinstance(p, torch.nn.Module)]
+    signatures = [p for p in parts if isinstance(p, dict)]
+    if len(steps) != 1 or len(signatures) > 1:
+        raise CandidateError(
+            "the entry factory must return step, (step, signature) or (model, step):"
+            f" got {type(made).__name__} with {len(steps)} step callable(s)"
+        )
+    return steps[0], signatures[0] if signatures else {}
+
+
+def _entry_factory(job: dict) -> Any:
+    """The factory from the entry module; None when it lives in the tuned file."""
+    module_name, name = job["entry"].split(":", 1)
+    if job["entry_in_source"]:
+        return None
+    try:
+        module = importlib.import_module(module_name)
+    except BaseException as e:
+        return f"importing the entry module {module_name!r} failed: {_describe(e)}"
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        return f"the entry module {module_name!r} has no callable {name!r}"
+    return factory
+
+
+def _import_file(path: str, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _takes_an_argument(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params
+    )
+
+
+def _agree(distributed: bool, phase: str, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank; if it fails on any, fail on all with that rank's error."""
+    error, value = None, None
+    try:
+        value = fn()
+    except CandidateError as e:
+        error = str(e)
+    except BaseException as e:
+        error = f"{phase} raised {_describe(e)}"
+    if distributed:
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            rank, error = failed[0]
+            error = f"rank {rank}: {error}"
+    if error is not None:
+        raise CandidateError(error)
+    return value
+
+
+def _describe(e: BaseException) -> str:
+    """``Type: message (at file:line in function)``, the innermost frame."""
+    text = "".join(traceback.format_exception_only(type(e), e)).strip()
+    frames = traceback.extract_tb(e.__traceback__)
+    if frames:
+        last = frames[-1]
+        text += f" (at {Path(last.filename).name}:{last.lineno} in {last.name})"
+    return text
+
+
+def _parent_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- timers: each returns seconds per step ---------------------------------------------
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _repeat(step: Callable[[], Any], n: int, distributed: bool) -> None:
+    for _ in range(n):
+        step()
+        if distributed:
+            dist.barrier()
+    _sync()
+
+
+def time_benchmark(step: Callable[[], Any], timing: dict) -> list[float]:
+    """One process on CPU: torch.utils.benchmark picks the repetitions."""
+    from torch.utils import benchmark
+
+    timer = benchmark.Timer(stmt="step()", globals={"step": step})
+    return list(timer.blocked_autorange(min_run_time=timing["min_time"]).times)
+
+
+def time_do_bench(step: Callable[[], Any], timing: dict) -> list[float]:
+    """One process on CUDA: Triton's do_bench (flushes L2, times with CUDA events)."""
+    from triton.testing import do_bench
+
+    ms = max(1, int(timing["min_time"] * 1000))
+    quantiles = do_bench(step, warmup=ms // 4 + 1, rep=ms, quantiles=[0.2, 0.5, 0.8])
+    return [q / 1000 for q in quantiles]  # the median stays the median
+
+
+def time_ranks(step: Callable[[], Any], timing: dict) -> list[float]:
+    """Several ranks: fixed steps in lock step; a step lasts until the slowest rank ends it."""
+    times = []
+    for _ in range(timing["steps"]):
+        dist.barrier()
+        _sync()
+        start = time.perf_counter()
+        step()
+        _sync()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
+
+
+TIMERS = {"benchmark": time_benchmark, "do_bench": time_do_bench, "ranks": time_ranks}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1]))

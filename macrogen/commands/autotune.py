@@ -1,0 +1,89 @@
+"""``macrogen autotune FILE --entry module:factory [--world-size N] [--target cpu|cuda] [--tuning FILE] [--budget SECONDS] [--max-trials N]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from macrogen.expand import ExpansionError, InternalError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "autotune",
+        help="measure the candidates of every tunable(...) and record the winners",
+        description=__doc__,
+    )
+    p.add_argument("file", metavar="FILE", help="the annotated source file to tune")
+    p.add_argument(
+        "--entry",
+        required=True,
+        metavar="MODULE:FACTORY",
+        help="factory(module) -> step: builds one training step from the expanded module"
+        " (:FACTORY for a factory in FILE itself)",
+    )
+    p.add_argument(
+        "--world-size", type=int, default=1, metavar="N", help="ranks per run (torchrun)"
+    )
+    p.add_argument(
+        "--target", choices=("cpu", "cuda"), help="device to tune for (default: cuda if present)"
+    )
+    p.add_argument(
+        "--tuning",
+        metavar="DB",
+        help="tuning database to update (default: macrogen_tuning.json next to FILE)",
+    )
+    p.add_argument("--budget", type=float, metavar="SECONDS", help="stop measuring after this long")
+    p.add_argument(
+        "--max-trials", type=int, default=32, metavar="N", help="candidates to look at (default 32)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=10, help="timed steps per candidate on several ranks"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=0.2,
+        metavar="SECONDS",
+        help="timing per candidate on one rank (torch.utils.benchmark / do_bench)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=180.0, metavar="SECONDS", help="limit per candidate"
+    )
+    p.add_argument(
+        "--retry-failed", action="store_true", help="measure again candidates that failed before"
+    )
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from macrogen.autotune.measure import Timing
+    from macrogen.autotune.tuner import AutotuneError, autotune
+
+    try:
+        outcome = autotune(
+            args.file,
+            entry=args.entry,
+            world_size=args.world_size,
+            target=args.target,
+            tuning=args.tuning,
+            budget=args.budget,
+            max_trials=args.max_trials,
+            timing=Timing(
+                warmup=args.warmup, steps=args.steps, min_time=args.min_time, timeout=args.timeout
+            ),
+            retry_failed=args.retry_failed,
+        )
+    except ExpansionError as e:
+        print(e.report(), file=sys.stderr)
+        return 1
+    except (AutotuneError, OSError, ValueError) as e:
+        print(f"macrogen autotune: error: {e}", file=sys.stderr)
+        return 1
+    except InternalError as e:
+        print(
+            f"{args.file}: internal error (a macrogen bug, please report it): {e}", file=sys.stderr
+        )
+        return 3
+    return 0 if outcome.winner is not None else 1
