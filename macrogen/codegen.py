@@ -1,8 +1,10 @@
 """The one Jinja2 environment: render a template, then prove it is Python.
 
-Values reach generated code only through two filters: ``ident`` (a validated
-identifier) and ``py`` (``repr`` of a number, string, bool, None or a tuple/list
-of them). Nothing from a user's file is pasted in as raw text.
+Values reach generated code only through three filters: ``ident`` (a validated
+identifier), ``py`` (``repr`` of a number, string, bool, None or a tuple/list
+of them) and ``code`` (a libcst expression node a macro built, such as a kernel
+expression rebuilt from a validated IR). Nothing from a user's file is pasted
+in as raw text.
 """
 
 from __future__ import annotations
@@ -43,9 +45,18 @@ def py(value: Any) -> str:
         if isinstance(value, list):
             return f"[{items}]"
         return f"({items},)" if len(value) == 1 else f"({items})"
+    if isinstance(value, (set, frozenset)):  # sorted: the output must not depend on the hash seed
+        items = sorted((py(v) for v in value), key=lambda text: (len(text), text))
+        return "{" + ", ".join(items) + "}" if items else "set()"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{py(k)}: {py(v)}" for k, v in value.items()) + "}"
     raise InternalError(f"can't render {type(value).__name__} {value!r} as a Python literal")
+
+
+def code(value: Any) -> str:
+    if not isinstance(value, cst.BaseExpression):
+        raise InternalError(f"not a libcst expression: {value!r}")
+    return cst.Module([]).code_for_node(value)
 
 
 @functools.cache
@@ -60,6 +71,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters["ident"] = ident
     env.filters["py"] = py
+    env.filters["code"] = code
     return env
 
 
