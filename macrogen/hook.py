@@ -1,0 +1,341 @@
+"""The import hook: modules that import macrogen are expanded as they are imported.
+
+    import macrogen.hook
+    macrogen.hook.install()        # before importing the modules that use macros
+    import model                   # expanded (from the cache when warm)
+
+or ``python -m macrogen run train.py [args]`` (also ``torchrun -m macrogen run
+train.py``), which expands the script itself as well.
+
+*What is expanded.* A module found as a ``.py`` file whose source imports
+macrogen (``import macrogen``, ``from macrogen import ...``), decided by a regular
+expression on its bytes before anything is parsed. Every other module gets
+exactly the spec it would get without the hook: its own loader, its own ``.pyc``.
+
+*Cache.* See ``macrogen.cache``: keyed by content, not mtime; atomic writes;
+corrupt entries are rebuilt, never run.
+
+*Tracebacks.* Expanded code is compiled twice and spliced function by function.
+What the user wrote keeps the user's file name and line numbers; a line that a
+macro site became reports the site's line (the ``with``, decorator or ``if``
+line). What macrogen generated (helpers, kernels) keeps the expanded file's name
+and lines, so its frames show the generated code and ``inspect.getsource`` (which
+Triton's ``jit`` needs) reads it back correctly.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib.machinery
+import linecache
+import os
+import re
+import sys
+import types
+from pathlib import Path
+from typing import NamedTuple
+
+from macrogen import cache
+
+__all__ = [
+    "MacroExpansionError",
+    "MacroFinder",
+    "MacroLoader",
+    "Options",
+    "Record",
+    "imports_macrogen",
+    "install",
+    "records",
+    "run_script",
+    "uninstall",
+]
+
+DISABLE_ENV = "MACROGEN_DISABLE"  # "1": install() does nothing, `macrogen run` runs plain Python
+CACHE_DIR_ENV = "MACROGEN_CACHE_DIR"
+TUNING_ENV = "MACROGEN_TUNING"
+SHOW_ENV = "MACROGEN_SHOW_EXPANDED"
+# autotune.database.DEFAULT_NAME, written out: importing the database imports libcst,
+# which a warm import must not pay for when no database exists.
+TUNING_FILE = "macrogen_tuning.json"
+
+# The import forms the expander resolves macros through (see expand/sites.py).
+_IMPORTS_MACROGEN = re.compile(
+    rb"(?:^|;)[ \t]*(?:from[ \t]+macrogen(?:\.markers)?[ \t]+import\b"
+    rb"|import[ \t]+(?:[\w.]+(?:[ \t]+as[ \t]+\w+)?[ \t]*,[ \t]*)*macrogen\b)",
+    re.MULTILINE,
+)
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
+def imports_macrogen(source: bytes) -> bool:
+    """The cheap pre-check: does this source import macrogen? Nothing is parsed."""
+    return b"macrogen" in source and _IMPORTS_MACROGEN.search(source) is not None
+
+
+class MacroExpansionError(ImportError):
+    """A module's macros could not be expanded. ``str()`` is the report ``macrogen expand`` prints."""
+
+    def __init__(self, report: str, *, name: str | None = None, path: str | None = None):
+        super().__init__(report, name=name, path=path)
+        self.report = report
+
+
+class Options(NamedTuple):
+    target: str | None = None  # "cpu" / "cuda" fixes target() branches; None: run-time check
+    tuning: Path | None = None  # None: macrogen_tuning.json beside each source, if it exists
+    cache_dir: Path | None = None  # None: __pycache__ beside each source
+    show: bool = False  # print each module macrogen loads, warm or cold, on stderr
+
+
+class Record(NamedTuple):
+    """One module the hook loaded: what ``--show-expanded`` prints."""
+
+    name: str
+    path: str
+    expanded: str | None  # the expanded code's file; None: the module has no macro sites
+    sites: tuple[tuple[str, int], ...]
+    cache: str  # "hit", or why it was expanded: "missing", "stale", "corrupt"
+
+
+_records: list[Record] = []
+
+
+def records() -> list[Record]:
+    """The modules expanded through the hook in this process, in load order."""
+    return list(_records)
+
+
+# -- installing -------------------------------------------------------------------------
+def install(
+    *,
+    target: str | None = None,
+    tuning: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    show: bool | None = None,
+) -> MacroFinder | None:
+    """Expand modules that import macrogen from now on; None when ``MACROGEN_DISABLE=1``.
+
+    ``tuning`` defaults to ``$MACROGEN_TUNING``, ``cache_dir`` to ``$MACROGEN_CACHE_DIR``,
+    ``show`` to ``$MACROGEN_SHOW_EXPANDED``. Installing again replaces the options.
+    Modules imported before ``install()`` stay as they are.
+    """
+    uninstall()
+    if disabled():
+        return None
+    finder = MacroFinder(options(target=target, tuning=tuning, cache_dir=cache_dir, show=show))
+    # Right before PathFinder: finders that go first (editable installs, setuptools'
+    # distutils shim, pytest's assertion rewriting) keep going first.
+    at = next(
+        (i for i, f in enumerate(sys.meta_path) if f is importlib.machinery.PathFinder),
+        len(sys.meta_path),
+    )
+    sys.meta_path.insert(at, finder)
+    return finder
+
+
+def uninstall() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, MacroFinder)]
+
+
+def disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+
+
+def options(
+    *,
+    target: str | None = None,
+    tuning: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    show: bool | None = None,
+) -> Options:
+    """Options from arguments, else the environment; paths made absolute now."""
+    if target not in (None, "cpu", "cuda"):
+        raise ValueError(f"target must be 'cpu', 'cuda' or None, not {target!r}")
+    tuning = tuning or os.environ.get(TUNING_ENV) or None
+    cache_dir = cache_dir or os.environ.get(CACHE_DIR_ENV) or None
+    if show is None:
+        show = os.environ.get(SHOW_ENV, "") not in ("", "0")
+    return Options(
+        target,
+        Path(os.path.abspath(tuning)) if tuning else None,
+        Path(os.path.abspath(cache_dir)) if cache_dir else None,
+        bool(show),
+    )
+
+
+class MacroFinder:
+    """A meta-path finder that hands macro modules to ``MacroLoader`` and nothing else."""
+
+    def __init__(self, options: Options):
+        self.options = options
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if (
+            spec is None
+            or type(spec.loader) is not importlib.machinery.SourceFileLoader
+            or fullname == "macrogen"
+            or fullname.startswith("macrogen.")
+            or _in_stdlib(spec.origin)
+        ):
+            return None  # the next finder (PathFinder) gives this module its usual spec
+        try:
+            with open(spec.origin, "rb") as f:
+                if not imports_macrogen(f.read()):
+                    return None
+        except OSError:
+            return None
+        spec.loader = MacroLoader(fullname, spec.origin, self.options)
+        return spec
+
+    def invalidate_caches(self) -> None:
+        pass  # nothing cached in memory; PathFinder invalidates its own
+
+
+def _in_stdlib(origin: str) -> bool:
+    # The standard library never imports macrogen: skip reading it. site-packages
+    # can live under the same prefix (no venv), so it is read.
+    return (
+        origin.startswith(_STDLIB)
+        and "site-packages" not in origin
+        and "dist-packages" not in origin
+    )
+
+
+class MacroLoader(importlib.machinery.SourceFileLoader):
+    """A SourceFileLoader whose code comes from the expanded source, through the cache."""
+
+    def __init__(self, fullname: str, path: str, options: Options):
+        super().__init__(fullname, path)
+        self.options = options
+
+    def get_code(self, fullname: str) -> types.CodeType:
+        return load(Path(os.path.abspath(self.path)), fullname, self.options)
+
+
+# -- loading ------------------------------------------------------------------------------
+def load(path: Path, name: str, options: Options) -> types.CodeType:
+    """The code of the module at ``path`` (absolute): from the cache, else expanded and cached."""
+    source = path.read_bytes()
+    values, stale = _tuning(path, source, options, name)
+    entry_key = cache.key(source, path=path, target=options.target, tuning=values)
+    where = cache.locate(path, target=options.target, cache_dir=options.cache_dir)
+    entry, status = cache.read(where.entry, entry_key)
+    if entry is None:
+        for key in stale:
+            print(
+                f"{path}: warning: tuning entry {key!r} is stale (the source changed); using its default",
+                file=sys.stderr,
+            )
+        entry = _expand(path, name, source, options, values, where)
+        try:  # (PYTHONDONTWRITEBYTECODE does not apply: this caches expansions)
+            cache.write(where, entry_key, entry)
+        except OSError:
+            pass  # a read-only tree runs uncached, as Python does without its .pyc
+    if entry.expanded is not None:
+        # Generated frames name this file; serve it from memory even if it is deleted.
+        linecache.cache[str(where.expanded)] = (
+            len(entry.expanded),
+            None,
+            entry.expanded.splitlines(keepends=True),
+            str(where.expanded),
+        )
+    record = Record(
+        name,
+        str(path),
+        None if entry.expanded is None else str(where.expanded),
+        entry.sites,
+        status,
+    )
+    _records.append(record)
+    if options.show:
+        print(_describe(record), file=sys.stderr, flush=True)
+    return entry.code
+
+
+def _describe(record: Record) -> str:
+    how = "cached" if record.cache == "hit" else f"expanded now: cache {record.cache}"
+    if record.expanded is None:
+        return f"macrogen: {record.name} ({record.path}): no macro sites [{how}]"
+    sites = ", ".join(f"{macro}:{line}" for macro, line in record.sites)
+    return f"macrogen: {record.name} ({record.path}): {sites} -> {record.expanded} [{how}]"
+
+
+def _tuning(path: Path, source: bytes, options: Options, name: str):
+    """The tuning database's winners for this file (and its stale keys); ({}, []) without one."""
+    db = options.tuning or path.parent / TUNING_FILE
+    if not db.is_file():
+        return {}, []
+    from macrogen.autotune import database
+    from macrogen.files import read_source
+
+    try:
+        return database.winners(db, read_source(source)[0], file=path.name, target=options.target)
+    except (OSError, ValueError, SyntaxError) as e:
+        raise MacroExpansionError(
+            f"{path}: error: can't read the tuning database: {e}", name=name, path=str(path)
+        ) from None
+
+
+def _expand(path, name, source, options, values, where) -> cache.Entry:
+    from macrogen.expand import ExpansionError, expand_source
+    from macrogen.files import read_source
+
+    try:
+        text, _ = read_source(source)
+    except (SyntaxError, UnicodeDecodeError) as e:
+        raise MacroExpansionError(
+            f"{path}:1:1: error: can't decode the file: {e}", name=name, path=str(path)
+        ) from None
+    try:
+        result = expand_source(text, path=str(path), target=options.target, tuning=values)
+    except ExpansionError as e:
+        raise MacroExpansionError(e.report(), name=name, path=str(path)) from None
+    if not result.changed:
+        return cache.Entry(compile(source, str(path), "exec", dont_inherit=True), None, ())
+    from macrogen.linemap import compile_expanded
+
+    code = compile_expanded(text, result.code, str(path), str(where.expanded))
+    return cache.Entry(code, result.code, tuple(result.sites))
+
+
+# -- running a script -------------------------------------------------------------------------
+def run_script(
+    script: str,
+    argv: list[str],
+    *,
+    target: str | None = None,
+    tuning: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    show: bool | None = None,
+) -> None:
+    """Run ``script`` as ``__main__`` the way ``python script args...`` would, with the hook.
+
+    The hook is installed (see ``install``) and the script itself is expanded and
+    cached like any module; ``sys.argv``, ``sys.path[0]`` and ``sys.modules["__main__"]``
+    are set for it and restored afterwards.
+    """
+    path = Path(os.path.abspath(script))
+    finder = install(target=target, tuning=tuning, cache_dir=cache_dir, show=show)
+    source = path.read_bytes()
+    if finder is not None and imports_macrogen(source):
+        code = load(path, "__main__", finder.options)
+    else:
+        code = compile(source, str(path), "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__file__ = str(path)
+    module.__cached__ = None
+    module.__builtins__ = builtins
+    module.__spec__ = None  # as for `python script.py`
+    if finder is not None:
+        module.__loader__ = MacroLoader("__main__", str(path), finder.options)
+    saved = sys.modules.get("__main__"), sys.argv, sys.path[:1]
+    sys.modules["__main__"] = module
+    sys.argv = [script, *argv]
+    sys.path[:1] = [str(path.parent)]
+    try:
+        exec(code, module.__dict__)
+    finally:
+        main, sys.argv, sys.path[:1] = saved
+        if main is not None:
+            sys.modules["__main__"] = main
