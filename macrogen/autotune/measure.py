@@ -8,8 +8,8 @@ ranks -- so the start-up (importing torch, the rendezvous) is paid once, not
 per candidate. Results stream back one JSON line per candidate and are handed
 to the caller as they arrive (the caller persists them at once).
 
-A candidate gets ``timeout`` seconds from the previous result (or the launch);
-if it overruns, or the worker dies under it, that candidate is recorded as
+A candidate gets ``timeout`` seconds from the moment the worker starts it
+(the launch itself gets ``STARTUP_S`` more); if it overruns, or the worker dies under it, that candidate is recorded as
 failed and the remaining candidates get a fresh launch. The budget's deadline
 stops everything without recording the candidate in flight.
 """
@@ -31,6 +31,7 @@ from typing import Any
 from macrogen.expand import ExpansionError, expand_source
 
 POLL_S = 0.05
+STARTUP_S = 120.0  # a launch's own allowance (imports, rendezvous) before its first candidate
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Timing:
     warmup: int = 2  # untimed steps first: caches, allocator, Triton compiles, bucket set-up
     steps: int = 10  # timed steps per candidate when several ranks run in lock step
     min_time: float = 0.2  # seconds of timing for torch.utils.benchmark / do_bench (one rank)
-    timeout: float = 180.0  # seconds per candidate, its share of the start-up included
+    timeout: float = 180.0  # seconds per candidate, from when the worker starts it
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ def _launch(
         "entry_in_source": program.entry_in_source,
         "parent_pid": os.getpid(),
         "results": str(results),
+        "source": str(program.source_path.resolve()),
         "sys_path": [str(program.source_path.parent.resolve()), os.getcwd()],
         "timing": {
             "min_time": program.timing.min_time,
@@ -157,7 +159,7 @@ def _launch(
 
 def _follow(proc, program, pending, on_result, deadline, results, log) -> str:
     by_id = {cid: values for cid, values, _ in pending}
-    offset, last_progress = 0, time.monotonic()
+    offset, last_progress, started = 0, time.monotonic(), False
     while True:
         exited = proc.poll() is not None
         with results.open("r", encoding="utf-8") as f:
@@ -167,6 +169,9 @@ def _follow(proc, program, pending, on_result, deadline, results, log) -> str:
         offset += len(complete.encode("utf-8"))
         for line in complete.splitlines():
             result = json.loads(line)
+            if "start" in result:  # the worker is up and on the next candidate
+                started, last_progress = True, time.monotonic()
+                continue
             values = by_id[result["id"]]
             pending[:] = [p for p in pending if p[0] != result["id"]]
             last_progress = time.monotonic()
@@ -177,7 +182,8 @@ def _follow(proc, program, pending, on_result, deadline, results, log) -> str:
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             return "budget"
-        if exited or now - last_progress > program.timing.timeout:
+        limit = program.timing.timeout + (0 if started else STARTUP_S)
+        if exited or now - last_progress > limit:
             cid, values, _ = pending.pop(0)
             if exited:
                 error = f"the worker exited with status {proc.returncode}: {_tail(log)}"

@@ -83,6 +83,7 @@ def table(outcome: Outcome) -> Table:
         t.add_column(key, justify="right")
     t.add_column("time / step", justify="right")
     t.add_column("vs best", justify="right")
+    t.add_column("measured")
     t.add_column("result")
     record = outcome.record
     if record is None:
@@ -106,5 +107,6 @@ def table(outcome: Outcome) -> Table:
             result = f"[red]failed[/]: {escape(c['error'])}"
         else:
             result = ""
-        t.add_row(*(repr(values.get(k)) for k in keys), format_time(time_s), ratio, result)
+        when = "now" if database.canonical(values) in outcome.measured_now else "before"
+        t.add_row(*(repr(values.get(k)) for k in keys), format_time(time_s), ratio, when, result)
     return t

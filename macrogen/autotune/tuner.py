@@ -39,6 +39,7 @@ class Outcome:
     new_measurements: int
     winner: dict[str, Any] | None  # tunable key -> value; None when every candidate failed
     space: space.Space
+    measured_now: frozenset[str]  # database.canonical(values) of this run's measurements
 
 
 def autotune(
@@ -144,6 +145,7 @@ def autotune(
         book.new,
         book.winner(),
         cspace,
+        frozenset(book.measured_now),
     )
     reporter.summary(outcome, time.monotonic() - started)
     return outcome
@@ -191,6 +193,7 @@ class _Book:
             else set()
         )
         self.new = 0
+        self.measured_now: set[str] = set()
         self.bumped = False  # the record's generation is raised once per run that changes it
 
     def known(self, values: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -215,6 +218,7 @@ class _Book:
             entry["error"] = m.error
         ident = database.canonical(m.values)
         self.retry.discard(ident)
+        self.measured_now.add(ident)
         record["candidates"] = [
             c
             for c in record["candidates"]

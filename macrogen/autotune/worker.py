@@ -44,6 +44,12 @@ def main(job_path: str) -> int:
     for entry in reversed(job["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
+    source = Path(job["source"])
+    _SOURCE.update(
+        work=Path(job["candidates"][0]["file"]).parent.parent,
+        name=source.name,
+        lines=source.read_text(encoding="utf-8").splitlines(),
+    )
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         from macrogen.runtime.groups import ensure_initialized
@@ -55,21 +61,26 @@ def main(job_path: str) -> int:
     for candidate in job["candidates"]:
         if not _parent_alive(job["parent_pid"]):
             return 1  # autotune itself was stopped: nobody reads what we would write
+        if rank == 0:  # the parent's per-candidate clock starts here, after start-up
+            _append(results, {"start": candidate["id"]})
         result = {"id": candidate["id"]}
         try:
             result.update(_measure(candidate, job, entry_factory, distributed))
         except CandidateError as e:
             result["error"] = str(e)
         if rank == 0:
-            with results.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(result, sort_keys=True, default=str) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            _append(results, result)
         gc.collect()
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def _append(results: Path, line: dict) -> None:
+    with results.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(line, sort_keys=True, default=str) + "\n")
+        f.flush()
 
 
 def _measure(candidate: dict, job: dict, entry_factory: Any, distributed: bool) -> dict:
@@ -176,13 +187,28 @@ def _agree(distributed: bool, phase: str, fn: Callable[[], Any]) -> Any:
 
 
 def _describe(e: BaseException) -> str:
-    """``Type: message (at file:line in function)``, the innermost frame."""
+    """``Type: message (at file:line in function)``, the innermost frame, in the user's file."""
     text = "".join(traceback.format_exception_only(type(e), e)).strip()
     frames = traceback.extract_tb(e.__traceback__)
     if frames:
         last = frames[-1]
-        text += f" (at {Path(last.filename).name}:{last.lineno} in {last.name})"
+        text += f" (at {_user_location(last.filename, last.lineno, last.line)} in {last.name})"
     return text
+
+
+# The tuned file: (its expanded copies' directory, its path, its lines); set by main().
+_SOURCE: dict[str, Any] = {}
+
+
+def _user_location(filename: str, lineno: int | None, text: str | None) -> str:
+    """A line of an expanded copy, shown as the source line it came from when that is unambiguous."""
+    name = Path(filename).name
+    if not _SOURCE or Path(filename).parent.parent != _SOURCE["work"] or not text:
+        return f"{name}:{lineno}"
+    matches = [i for i, line in enumerate(_SOURCE["lines"], 1) if line.strip() == text.strip()]
+    if len(matches) == 1:
+        return f"{_SOURCE['name']}:{matches[0]}"
+    return f"{name}:{lineno} of the expansion"
 
 
 def _parent_alive(pid: int) -> bool:

@@ -1,0 +1,207 @@
+"""``macrogen autotune`` on one CPU process: measuring, failures, re-runs and resumption.
+
+Each test writes a small annotated program (and an entry module) to a
+temporary directory; candidates are timed by real worker processes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from macrogen import cli
+from macrogen.autotune import database
+from macrogen.autotune.measure import Timing
+from macrogen.autotune.report import Reporter
+from macrogen.autotune.tuner import autotune
+
+FAST = Timing(warmup=1, min_time=0.02, timeout=60)
+
+
+def _write(directory: Path, name: str, text: str) -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _quiet() -> tuple[Reporter, io.StringIO]:
+    out = io.StringIO()
+    return Reporter(Console(file=out, width=200), Console(file=io.StringIO())), out
+
+
+def _candidates(db: Path) -> dict[str, dict]:
+    records = json.loads(db.read_text())["records"]
+    return {json.dumps(c["values"], sort_keys=True): c for r in records for c in r["candidates"]}
+
+
+def test_failures_are_recorded_and_tuning_goes_on(tmp_path: Path) -> None:
+    src = _write(
+        tmp_path,
+        "prog.py",
+        """\
+        import os
+        import time
+
+        import torch
+
+        import macrogen as mg
+
+        SIZE = mg.tunable(16, choices=[16, 1, 2, 32, 3])
+
+
+        def make_step():
+            if SIZE == 1:
+                raise ValueError("no good size")
+            if SIZE == 2:
+                os._exit(3)  # the whole worker dies
+            if SIZE == 3:
+                time.sleep(60)  # hangs: the per-candidate timeout ends it
+            a = torch.randn(SIZE, SIZE)
+            return (lambda: a @ a), {"dtype": "float32", "n": 4}
+        """,
+    )
+    reporter, out = _quiet()
+    timing = Timing(warmup=1, min_time=0.02, timeout=3)
+    outcome = autotune(src, entry=":make_step", target="cpu", timing=timing, reporter=reporter)
+    db = database.default_path(src)
+    assert outcome.database == db and outcome.strategy == "exhaustive"
+    assert outcome.new_measurements == 5 and outcome.stopped == "complete"
+    assert outcome.winner in ({"SIZE": 16}, {"SIZE": 32})
+    results = {json.loads(k)["SIZE"]: c for k, c in _candidates(db).items()}
+    assert results[16]["time_s"] > 0 and results[32]["time_s"] > 0
+    assert results[1]["error"].startswith("the entry factory raised ValueError: no good size")
+    assert "prog.py:13 in make_step" in results[1]["error"]
+    assert results[2]["error"].startswith("the worker exited with status")
+    assert results[3]["error"] == "timed out after 3 s"
+    record = json.loads(db.read_text())["records"][0]
+    assert record["key"]["signature"] == {"dtype": "float32", "n": 4}
+    assert record["key"]["params"] == ["SIZE"] and record["key"]["world_size"] == 1
+    assert set(record["environment"]) >= {"python", "torch", "platform"}
+    table = out.getvalue()
+    assert "winner" in table and "failed" in table and "timed out" in table
+
+    # Unchanged file and entry: nothing is measured again, failures included.
+    started = time.monotonic()
+    again = autotune(src, entry=":make_step", target="cpu", timing=timing, reporter=_quiet()[0])
+    assert again.new_measurements == 0 and again.winner == outcome.winner
+    assert time.monotonic() - started < 5  # no worker was launched
+
+
+def test_entry_that_fails_to_import_then_is_fixed(tmp_path: Path, capsys) -> None:
+    src = _write(
+        tmp_path,
+        "prog.py",
+        """\
+        import torch
+
+        import macrogen as mg
+
+        SIZE = mg.tunable(8, choices=[8, 16])
+        """,
+    )
+    _write(tmp_path, "entry.py", "import no_such_module_here\n")
+    db = tmp_path / "tuning.json"
+    argv = ["autotune", str(src), "--entry", "entry:make_step", "--tuning", str(db)]
+    argv += ["--target", "cpu", "--min-time", "0.02", "--warmup", "1"]
+    assert cli.main(argv) == 1  # no winner: every candidate failed
+    errors = [c["error"] for c in _candidates(db).values()]
+    assert len(errors) == 2 and all(
+        e.startswith("importing the entry module 'entry' failed: ModuleNotFoundError")
+        for e in errors
+    )
+    assert "winner: none" in capsys.readouterr().out
+
+    # A fixed entry is another key (its hash): both candidates are measured now.
+    _write(
+        tmp_path,
+        "entry.py",
+        """\
+        import torch
+
+
+        def make_step(module):
+            a = torch.randn(module.SIZE, module.SIZE)
+            return lambda: a @ a
+        """,
+    )
+    assert cli.main(argv) == 0
+    records = json.loads(db.read_text())["records"]
+    assert len(records) == 2
+    fixed = max(records, key=lambda r: r["generation"])
+    assert all("time_s" in c for c in fixed["candidates"]) and len(fixed["candidates"]) == 2
+    assert database.winners(db, src.read_text(), file="prog.py")[0] == database.decode_values(
+        fixed["winner"]
+    )
+
+
+def test_bad_requests_are_one_line_errors(tmp_path: Path, capsys) -> None:
+    src = _write(tmp_path, "prog.py", "import macrogen as mg\n\nX = 1\n")
+    assert cli.main(["autotune", str(src), "--entry", ":make_step", "--target", "cpu"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"macrogen autotune: error: {src}: no tunable(...) to tune"
+    )
+    assert cli.main(["autotune", str(src), "--entry", "make_step", "--target", "cpu"]) == 1
+    assert "--entry must be module:factory" in capsys.readouterr().err
+    bad = _write(tmp_path, "bad.py", "import macrogen as mg\n\nX = mg.tunable(1, choices=[2])\n")
+    assert cli.main(["autotune", str(bad), "--entry", ":f", "--target", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("bad.py:3:") and "error: the default 1 is not one of the choices" in err
+
+
+def test_a_killed_run_resumes_without_repeating_candidates(tmp_path: Path) -> None:
+    src = _write(
+        tmp_path,
+        "prog.py",
+        """\
+        import time
+
+        import torch
+
+        import macrogen as mg
+
+        SIZE = mg.tunable(8, choices=[8, 16, 24, 32])
+
+
+        def make_step():
+            if SIZE != 8:
+                time.sleep(1.5)  # slow enough to be killed between candidates
+            a = torch.randn(SIZE, SIZE)
+            return lambda: a @ a
+        """,
+    )
+    db = database.default_path(src)
+    cmd = [sys.executable, "-m", "macrogen", "autotune", str(src), "--entry", ":make_step"]
+    cmd += ["--target", "cpu", "--min-time", "0.02", "--warmup", "1"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (db.exists() and _candidates(db)):
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    before = _candidates(db)
+    assert 1 <= len(before) < 4, "killed after the first measurement, before the last"
+
+    outcome = autotune(src, entry=":make_step", target="cpu", timing=FAST, reporter=_quiet()[0])
+    after = _candidates(db)
+    assert outcome.new_measurements == 4 - len(before)
+    assert len(after) == 4 and all(after[k] == c for k, c in before.items())
+
+    # Adding a choice keeps the measurements: only the new candidate is measured.
+    src.write_text(src.read_text().replace("[8, 16, 24, 32]", "[8, 16, 24, 32, 4]"))
+    grown = autotune(src, entry=":make_step", target="cpu", timing=FAST, reporter=_quiet()[0])
+    assert grown.new_measurements == 1 and len(_candidates(db)) == 5
+    values, stale = database.winners(db, src.read_text(), file="prog.py")
+    assert values == grown.winner and stale == []
