@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         tb = e.__traceback__
         while tb is not None and tb.tb_next is not None and _ours(tb.tb_frame):
             tb = tb.tb_next
-        sys.excepthook(type(e), e, tb)
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
         return 1
     return 0
 
