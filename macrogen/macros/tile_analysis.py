@@ -1,0 +1,841 @@
+"""Recognise ``@tile``'s loop-nest subset in a function and build its ``Nest`` (tile_ir.py).
+
+The grammar (docs/tile.md has it with examples)::
+
+    def f(out, x, b, alpha):              # tensor and scalar parameters
+        M, N = x.shape                    # sizes: NAME, ... = t.shape | NAME = t.shape[d]
+        for i in range(M):                # 1-3 perfectly nested loops: range(stop) | range(start, stop)
+            for j in range(N):            #   bound: size | size +- int | int
+                v = x[i, j] + b[j]        # locals; loads t[i, j + 1, 0] (loop variable +- int, or int)
+                out[i, j] = v * alpha     # stores index every parallel loop variable once
+
+The innermost body may also hold inner loops over one more variable (rows of a
+softmax), whose statements reduce into locals defined before them (``s += e``,
+``m = max(m, e)``, ``m = min(m, e)``), store along the inner variable, or
+accumulate ``out[i] += e``. A last loop whose variable no store uses, holding
+only ``out[...] += e`` (``acc += a[i, k] * b[k, j]`` too), is such a reduction.
+
+Anything else is a ``MacroError`` at the construct, saying what is supported.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import libcst as cst
+
+from macrogen.expand.errors import MacroError
+from macrogen.macros.tile_ir import (
+    Accum,
+    Binary,
+    Bound,
+    Call,
+    Const,
+    Dot,
+    Expr,
+    Index,
+    InnerLoop,
+    Let,
+    Load,
+    Loop,
+    Name,
+    Nest,
+    Size,
+    Statement,
+    Store,
+    Unary,
+)
+
+_UNARY_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs")
+_TORCH_FUNCTIONS = {f: f for f in (*_UNARY_FUNCTIONS, "where")} | {
+    "maximum": "max",
+    "minimum": "min",
+}
+_BUILTINS = {"max": "max", "min": "min", "abs": "abs"}
+_BINARY = {
+    cst.Add: "+",
+    cst.Subtract: "-",
+    cst.Multiply: "*",
+    cst.Divide: "/",
+    cst.BitAnd: "&",
+    cst.BitOr: "|",
+}
+_COMPARE = {
+    cst.LessThan: "<",
+    cst.LessThanEqual: "<=",
+    cst.GreaterThan: ">",
+    cst.GreaterThanEqual: ">=",
+    cst.Equal: "==",
+    cst.NotEqual: "!=",
+}
+SUPPORTED = (
+    "supported: + - * / ** (integer power 2-4), comparisons, & |, min/max,"
+    " torch.exp/log/sqrt/tanh/sigmoid/abs/where/maximum/minimum"
+)
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def analyze(fn: cst.FunctionDef, constants: Mapping[str, Any]) -> Nest:
+    """The ``Nest`` of ``fn`` (its decorator already removed), or a MacroError."""
+    return _Analyzer(fn, constants).nest()
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node).strip()
+
+
+class _Scope:
+    """What names mean at one point of the nest."""
+
+    def __init__(self, loop_vars: tuple[str, ...], local: dict[str, Expr]):
+        self.loop_vars = loop_vars  # usable as indices here
+        self.local = local  # name -> a Name expression with its dims
+        self.carried: set[str] = set()  # accumulators of the inner loop we are in
+        self.gone: dict[str, str] = {}  # names that went out of scope -> why
+
+
+class _Analyzer:
+    def __init__(self, fn: cst.FunctionDef, constants: Mapping[str, Any]):
+        self.fn = fn
+        self.constants = constants
+        self.params = self._params()
+        self.ndim: dict[str, int] = {}  # tensor parameter -> number of indices
+        self.scalars: list[str] = []
+        self.sizes: dict[str, Size] = {}
+        self.loop_vars: set[str] = set()
+        self.stored: dict[str, cst.CSTNode] = {}
+        self.taken = set(_IDENT.findall(_code(fn)))
+        self.outputs = self._outputs(fn.body)
+
+    # -- the function ----------------------------------------------------------------
+    def _params(self) -> tuple[str, ...]:
+        p = self.fn.params
+        for star in (p.star_arg, p.star_kwarg):
+            if isinstance(star, cst.Param):
+                raise MacroError(
+                    "@tile functions take named parameters only, not *args/**kwargs", star
+                )
+        return tuple(q.name.value for q in (*p.posonly_params, *p.params, *p.kwonly_params))
+
+    def nest(self) -> Nest:
+        body = self.fn.body
+        if not isinstance(body, cst.IndentedBlock):
+            raise MacroError("put the @tile loop nest in an indented function body", body)
+        stmts = list(body.body)
+        if stmts and _is_docstring(stmts[0]):
+            stmts = stmts[1:]
+        while stmts and not isinstance(stmts[0], cst.For):
+            self._size_binding(stmts.pop(0))
+        if not stmts:
+            raise MacroError(
+                "an @tile function must end with a loop nest: for i in range(M): ...", self.fn.name
+            )
+        if len(stmts) > 1:
+            raise MacroError("nothing may follow the loop nest in an @tile function", stmts[1])
+        chain, block = self._chain(stmts[0])
+        if self._is_reduction_suffix(chain, block):
+            grid = tuple(chain[:-1])
+            scope = _Scope(tuple(loop.var for loop in grid), {})
+            body_ir: list[Statement] = [
+                *self._inner_loop(chain[-1], self._last_for, block, scope, grid)
+            ]
+        else:
+            grid = tuple(chain)
+            body_ir = self._grid_body(block, grid)
+        tensors = tuple((p, self.ndim[p]) for p in self.params if p in self.ndim)
+        return Nest(
+            name=self.fn.name.value,
+            params=self.params,
+            tensors=tensors,
+            scalars=tuple(s for s in self.params if s in self.scalars),
+            sizes=tuple(self.sizes.values()),
+            grid=grid,
+            body=tuple(body_ir),
+            outputs=tuple(p for p in self.params if p in self.stored),
+        )
+
+    def _outputs(self, body: cst.CSTNode) -> set[str]:
+        """Every tensor the function stores into (known before any load is read)."""
+        found: set[str] = set()
+
+        class _Find(cst.CSTVisitor):
+            def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+                _add(node.target)
+
+            def visit_AugAssign(self, node: cst.AugAssign) -> None:
+                _add(node.target)
+
+        def _add(target: cst.CSTNode) -> None:
+            if isinstance(target, cst.Subscript) and isinstance(target.value, cst.Name):
+                found.add(target.value.value)
+
+        body.visit(_Find())
+        return found
+
+    def _size_binding(self, stmt: cst.BaseStatement) -> None:
+        usage = "before the loop nest only sizes may be bound: M, N = x.shape or N = x.shape[1]"
+        if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1):
+            raise MacroError(self._unsupported(stmt) or usage, stmt)
+        assign = stmt.body[0]
+        if not isinstance(assign, cst.Assign) or len(assign.targets) != 1:
+            raise MacroError(self._unsupported(assign) or usage, assign)
+        target, value = assign.targets[0].target, assign.value
+        if isinstance(target, (cst.Tuple, cst.List)) and _is_shape(value):
+            tensor = self._tensor_param(value.value)
+            names = []
+            for el in target.elements:
+                if not isinstance(el.value, cst.Name) or isinstance(el, cst.StarredElement):
+                    raise MacroError("unpack .shape into plain names: M, N = x.shape", el)
+                names.append(el.value)
+            self._use_tensor(tensor, len(names), value)
+            for dim, name in enumerate(names):
+                if name.value != "_":
+                    self._bind_size(name, tensor, dim)
+            return
+        if (
+            isinstance(target, cst.Name)
+            and isinstance(value, cst.Subscript)
+            and _is_shape(value.value)
+            and len(value.slice) == 1
+            and isinstance(value.slice[0].slice, cst.Index)
+            and isinstance(value.slice[0].slice.value, cst.Integer)
+        ):
+            tensor = self._tensor_param(value.value.value)
+            self._bind_size(target, tensor, int(value.slice[0].slice.value.value))
+            return
+        raise MacroError(usage, assign)
+
+    def _tensor_param(self, node: cst.BaseExpression) -> str:
+        if not isinstance(node, cst.Name) or node.value not in self.params:
+            raise MacroError("sizes come from a tensor parameter's .shape", node)
+        return node.value
+
+    def _bind_size(self, name: cst.Name, tensor: str, dim: int) -> None:
+        if name.value in self.params or name.value in self.sizes:
+            raise MacroError(f"{name.value!r} is already bound; give each size its own name", name)
+        self.sizes[name.value] = Size(name.value, tensor, dim)
+
+    def _use_tensor(self, tensor: str, ndim: int, node: cst.CSTNode) -> None:
+        if tensor in self.scalars:
+            raise MacroError(f"{tensor!r} is used as a number elsewhere; here it is a tensor", node)
+        known = self.ndim.setdefault(tensor, ndim)
+        if known != ndim:
+            raise MacroError(
+                f"{tensor!r} has {known} dimensions elsewhere in this function, {ndim} here", node
+            )
+
+    # -- loops -------------------------------------------------------------------------
+    def _chain(self, first: cst.For) -> tuple[list[Loop], list[cst.BaseStatement]]:
+        """The perfectly nested loops from ``first`` down, and the innermost body."""
+        chain, node = [self._loop(first)], first
+        while True:
+            block = self._block(node)
+            self._last_for = node
+            if len(block) == 1 and isinstance(block[0], cst.For):
+                node = block[0]
+                chain.append(self._loop(node))
+                if chain[-1].var in (loop.var for loop in chain[:-1]):
+                    raise MacroError(
+                        f"loop variable {chain[-1].var!r} is already bound; use a new name",
+                        node.target,
+                    )
+                if len(chain) > 3:
+                    raise MacroError("@tile supports at most 3 nested loops", node)
+                continue
+            return chain, block
+
+    def _block(self, node: cst.For) -> list[cst.BaseStatement]:
+        if not isinstance(node.body, cst.IndentedBlock):
+            return [cst.SimpleStatementLine(node.body.body)]
+        return list(node.body.body)
+
+    def _loop(self, node: cst.For) -> Loop:
+        usage = "@tile loops are for VAR in range(stop) or range(start, stop)"
+        if node.asynchronous is not None:
+            raise MacroError("async for is not supported in @tile", node)
+        if node.orelse is not None:
+            raise MacroError("for ... else is not supported in @tile", node.orelse)
+        if not isinstance(node.target, cst.Name):
+            raise MacroError(usage, node.target)
+        var = node.target.value
+        if var in self.params or var in self.sizes:
+            raise MacroError(f"loop variable {var!r} is already bound; use a new name", node.target)
+        it = node.iter
+        if not (
+            isinstance(it, cst.Call) and isinstance(it.func, cst.Name) and it.func.value == "range"
+        ):
+            raise MacroError(usage, it)
+        if not 1 <= len(it.args) <= 2 or any(a.keyword or a.star for a in it.args):
+            raise MacroError(f"{usage} (no step)", it)
+        bounds = [self._bound(a.value) for a in it.args]
+        start = bounds[0] if len(bounds) == 2 else Bound(None, 0)
+        self.loop_vars.add(var)
+        return Loop(var, start, bounds[-1])
+
+    def _bound(self, node: cst.BaseExpression) -> Bound:
+        usage = "a loop bound is a size from .shape, a size +- an integer, or an integer"
+        if isinstance(node, cst.Integer):
+            return Bound(None, int(node.value))
+        if isinstance(node, cst.Name):
+            if node.value in self.sizes:
+                return Bound(node.value, 0)
+            if isinstance(self.constants.get(node.value), int):
+                return Bound(None, self.constants[node.value])
+            raise MacroError(f"{node.value!r} is not a size bound from .shape; {usage}", node)
+        if isinstance(node, cst.BinaryOperation) and isinstance(
+            node.operator, (cst.Add, cst.Subtract)
+        ):
+            size, const = node.left, node.right
+            if isinstance(size, cst.Integer) and isinstance(node.operator, cst.Add):
+                size, const = const, size
+            if (
+                isinstance(size, cst.Name)
+                and size.value in self.sizes
+                and isinstance(const, cst.Integer)
+            ):
+                sign = -1 if isinstance(node.operator, cst.Subtract) else 1
+                return Bound(size.value, sign * int(const.value))
+        raise MacroError(usage, node)
+
+    def _is_reduction_suffix(self, chain: list[Loop], block: list[cst.BaseStatement]) -> bool:
+        """``for k`` last, holding only ``out[...] += e`` that never index k: a reduction over k."""
+        if len(chain) < 2 or any(not isinstance(s, cst.SimpleStatementLine) for s in block):
+            return False
+        stores = [
+            small
+            for s in block
+            for small in s.body
+            if isinstance(small, (cst.Assign, cst.AugAssign)) and _subscript_target(small)
+        ]
+        last = chain[-1].var
+        return bool(stores) and all(last not in _index_names(_subscript_target(s)) for s in stores)
+
+    # -- bodies ------------------------------------------------------------------------
+    def _grid_body(self, block: list[cst.BaseStatement], grid: tuple[Loop, ...]) -> list[Statement]:
+        scope = _Scope(tuple(loop.var for loop in grid), {})
+        out: list[Statement] = []
+        for stmt in block:
+            if isinstance(stmt, cst.For):
+                loop = self._loop(stmt)
+                out.extend(self._inner_loop(loop, stmt, self._block(stmt), scope, grid))
+                continue
+            for small in self._smalls(stmt):
+                out.extend(self._grid_statement(small, scope, grid))
+        return out
+
+    def _smalls(self, stmt: cst.BaseStatement) -> list[cst.BaseSmallStatement]:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            return [s for s in stmt.body if not isinstance(s, cst.Pass)]
+        raise MacroError(self._unsupported(stmt), stmt)
+
+    def _grid_statement(
+        self, small: cst.BaseSmallStatement, scope: _Scope, grid: tuple[Loop, ...]
+    ) -> list[Statement]:
+        target, value, add = self._assignment(small)
+        if isinstance(target, cst.Name):
+            name = self._local_name(target)
+            if add is not None:
+                if name not in scope.local:
+                    raise MacroError(f"{name!r} is read before it is assigned", target)
+                expr = self._binary(
+                    "+" if add else "-", scope.local[name], self._expr(value, scope)
+                )
+            else:
+                expr = self._expr(value, scope)
+            scope.local[name] = Name(expr.dims, expr.tensor, name)
+            return [Let(name, expr)]
+        index = self._store_index(target, scope.loop_vars)
+        expr = self._expr(value, scope)
+        if add is False:
+            expr = Unary(expr.dims, expr.tensor, "-", expr)
+        return [Store(target.value.value, index, expr, add is not None)]
+
+    def _inner_loop(
+        self,
+        loop: Loop,
+        loop_node: cst.For,
+        block: list[cst.BaseStatement],
+        outer: _Scope,
+        grid: tuple[Loop, ...],
+    ) -> list[Statement]:
+        """The loop over one more variable inside the grid body: reductions and stores along it."""
+        grid_vars = tuple(g.var for g in grid)
+        if loop.var in grid_vars:
+            raise MacroError(
+                f"loop variable {loop.var!r} is already bound by an outer loop; use a new name",
+                loop_node,
+            )
+        scope = _Scope((*grid_vars, loop.var), dict(outer.local))
+        scope.gone = outer.gone
+        scope.carried = self._carried(block, outer)
+        before: list[Statement] = []
+        body: list[Let | Accum | Store] = []
+        after: list[Statement] = []
+        ops: dict[str, str] = {}
+        for stmt in block:
+            if isinstance(stmt, cst.For):
+                raise MacroError(
+                    "a loop inside an inner loop is not supported: @tile takes parallel loops"
+                    " with at most one level of inner loops under them",
+                    stmt,
+                )
+            for small in self._smalls(stmt):
+                target, value, add = self._assignment(small)
+                if isinstance(target, cst.Subscript):
+                    index_names = _index_names(target)
+                    if loop.var in index_names:
+                        index = self._store_index(target, scope.loop_vars)
+                        expr = self._expr(value, scope)
+                        if add is False:
+                            expr = Unary(expr.dims, expr.tensor, "-", expr)
+                        body.append(Store(target.value.value, index, expr, add is not None))
+                        continue
+                    if add is None:
+                        raise MacroError(
+                            f"this store does not index {loop.var!r}, so every iteration of the loop"
+                            f" over {loop.var} writes the same element; accumulate with +=",
+                            small,
+                        )
+                    index = self._store_index(target, grid_vars)
+                    tensor = target.value.value
+                    acc = self._fresh(f"{tensor}_acc")
+                    expr = self._expr(value, scope)
+                    before.append(Let(acc, Const(frozenset(), False, 0.0)))
+                    body.append(Accum(acc, "sum", expr if add else _neg(expr)))
+                    after.append(Store(tensor, index, Name(frozenset(grid_vars), True, acc), True))
+                    ops[acc] = "sum"
+                    continue
+                name = self._local_name(target)
+                if name in scope.carried:
+                    op, expr = self._accumulation(name, target, value, add, scope)
+                    if loop.var not in expr.dims:
+                        raise MacroError(
+                            f"the value reduced into {name!r} does not depend on {loop.var!r};"
+                            " compute it after the loop",
+                            value,
+                        )
+                    if ops.setdefault(name, op) != op:
+                        raise MacroError(
+                            f"{name!r} is reduced with both {ops[name]} and {op} in this loop",
+                            small,
+                        )
+                    body.append(Accum(name, op, expr))
+                    continue
+                if add is not None:
+                    if name not in scope.local or name in outer.local:
+                        raise MacroError(f"{name!r} is read before it is assigned", target)
+                    expr = self._binary(
+                        "+" if add else "-", scope.local[name], self._expr(value, scope)
+                    )
+                else:
+                    expr = self._expr(value, scope)
+                scope.local[name] = Name(expr.dims, expr.tensor, name)
+                body.append(Let(name, expr))
+        for name in scope.local:
+            if name not in outer.local:
+                outer.gone[name] = (
+                    f"{name!r} is assigned inside the loop over {loop.var}; its value is not available after the loop"
+                )
+        outer.gone[loop.var] = f"loop variable {loop.var!r} is only defined inside its loop"
+        for name in ops:
+            if name in outer.local:
+                init = outer.local[name]
+                outer.local[name] = Name(
+                    init.dims | frozenset(grid_vars) & _dims_of(body, name), True, name
+                )
+        dot = self._dot(loop, body, grid_vars)
+        return [*before, InnerLoop(loop, tuple(body), dot), *after]
+
+    def _carried(self, block: list[cst.BaseStatement], outer: _Scope) -> set[str]:
+        """Names defined before the loop that it assigns: they may only be reduced into."""
+        carried = set()
+        for stmt in block:
+            if isinstance(stmt, cst.SimpleStatementLine):
+                for small in stmt.body:
+                    if isinstance(small, (cst.Assign, cst.AugAssign)):
+                        target = (
+                            small.targets[0].target
+                            if isinstance(small, cst.Assign)
+                            else small.target
+                        )
+                        if isinstance(target, cst.Name) and target.value in outer.local:
+                            carried.add(target.value)
+        return carried
+
+    def _accumulation(
+        self,
+        name: str,
+        target: cst.Name,
+        value: cst.BaseExpression,
+        add: bool | None,
+        scope: _Scope,
+    ) -> tuple[str, Expr]:
+        """``s += e``, ``s -= e``, ``s = s + e``, ``m = max(m, e)``, ``m = min(e, m)``: (op, e)."""
+        if add is not None:
+            expr = self._expr(value, scope)
+            return "sum", expr if add else _neg(expr)
+        other: cst.BaseExpression | None = None
+        op = ""
+        if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add):
+            op, other = "sum", _other_operand(name, value.left, value.right)
+        elif isinstance(value, cst.Call) and len(value.args) == 2:
+            fn = self._function_name(value.func)
+            if fn in ("max", "min"):
+                op, other = fn, _other_operand(name, value.args[0].value, value.args[1].value)
+        if other is None:
+            raise MacroError(
+                f"{name!r} is defined before the loop and assigned in it: a value carried from one"
+                f" iteration to the next is supported only as a reduction ({name} += e,"
+                f" {name} = max({name}, e), {name} = min({name}, e))",
+                target,
+            )
+        return op, self._expr(other, scope)
+
+    def _dot(
+        self, loop: Loop, body: list[Let | Accum | Store], grid_vars: tuple[str, ...]
+    ) -> Dot | None:
+        """``acc += a[i, k] * b[k, j]``, alone in its loop under two grid loops: a tl.dot."""
+        if len(grid_vars) != 2 or len(body) != 1 or not isinstance(body[0], Accum):
+            return None
+        acc = body[0]
+        e = acc.value
+        if acc.op != "sum" or not isinstance(e, Binary) or e.op != "*":
+            return None
+        k = loop.var
+        rows, cols = frozenset((grid_vars[0], k)), frozenset((k, grid_vars[1]))
+        if e.left.dims == rows and e.right.dims == cols:
+            return Dot(acc.name, e.left, e.right)
+        if e.right.dims == rows and e.left.dims == cols:
+            return Dot(acc.name, e.right, e.left)
+        return None
+
+    # -- statements' parts -------------------------------------------------------------
+    def _assignment(
+        self, small: cst.BaseSmallStatement
+    ) -> tuple[cst.BaseExpression, cst.BaseExpression, bool | None]:
+        """(target, value, add): add is None for ``=``, True for ``+=``, False for ``-=``."""
+        if isinstance(small, cst.Assign):
+            if len(small.targets) != 1:
+                raise MacroError("assign one target at a time in @tile", small)
+            target = small.targets[0].target
+            add = None
+        elif isinstance(small, cst.AugAssign):
+            if not isinstance(small.operator, (cst.AddAssign, cst.SubtractAssign)):
+                raise MacroError(
+                    f"augmented assignment {_code(small.operator).strip()} is not supported; use += or -=",
+                    small.operator,
+                )
+            target, add = small.target, isinstance(small.operator, cst.AddAssign)
+        else:
+            raise MacroError(self._unsupported(small), small)
+        if isinstance(target, cst.Subscript):
+            if not isinstance(target.value, cst.Name) or target.value.value not in self.params:
+                raise MacroError("stores go into a tensor parameter: out[i, j] = ...", target)
+            tensor = target.value.value
+            if tensor in self.stored:
+                raise MacroError(
+                    f"{tensor!r} is stored more than once; store each output once (accumulate in a local first)",
+                    small,
+                )
+            self.stored[tensor] = small
+        elif not isinstance(target, cst.Name):
+            raise MacroError("assign to a local name or store to out[i, j]", target)
+        return target, small.value, add
+
+    def _store_index(self, target: cst.Subscript, loop_vars: tuple[str, ...]) -> tuple[str, ...]:
+        names = []
+        for el in target.slice:
+            sl = el.slice
+            if not (
+                isinstance(sl, cst.Index)
+                and isinstance(sl.value, cst.Name)
+                and sl.value.value in loop_vars
+            ):
+                raise MacroError(
+                    "a store is indexed by plain loop variables: out[i, j] (no offsets or constants)",
+                    el,
+                )
+            names.append(sl.value.value)
+        if len(set(names)) != len(names) or set(names) != set(loop_vars):
+            raise MacroError(
+                f"this store must index each of the loop variables {', '.join(loop_vars)} exactly once,"
+                " so that each element is written by one iteration",
+                target,
+            )
+        self._use_tensor(target.value.value, len(names), target)
+        return tuple(names)
+
+    def _local_name(self, target: cst.Name) -> str:
+        name = target.value
+        if name in self.params or name in self.sizes or name in self.loop_vars:
+            raise MacroError(
+                f"{name!r} is a parameter, size or loop variable; assign to a new local name",
+                target,
+            )
+        return name
+
+    def _fresh(self, hint: str) -> str:
+        name, n = hint, 1
+        while name in self.taken:
+            n += 1
+            name = f"{hint}_{n}"
+        self.taken.add(name)
+        return name
+
+    # -- expressions ---------------------------------------------------------------------
+    def _expr(self, node: cst.BaseExpression, scope: _Scope) -> Expr:
+        if isinstance(node, (cst.Integer, cst.Float)):
+            return Const(frozenset(), False, node.evaluated_value)
+        if isinstance(node, cst.Name):
+            return self._name(node, scope)
+        if isinstance(node, cst.Attribute):
+            if _code(node) in ("math.inf", "torch.inf"):
+                return Const(frozenset(), False, math.inf)
+            if _code(node) in ("math.pi", "torch.pi"):
+                return Const(frozenset(), False, math.pi)
+            raise MacroError(f"{_code(node)} is not supported in @tile; {SUPPORTED}", node)
+        if isinstance(node, cst.UnaryOperation):
+            if isinstance(node.operator, (cst.Minus, cst.Plus)):
+                operand = self._expr(node.expression, scope)
+                if isinstance(node.operator, cst.Plus):
+                    return operand
+                return _neg(operand)
+            raise MacroError(
+                f"operator {_code(node.operator).strip()} is not supported; {SUPPORTED}", node
+            )
+        if isinstance(node, cst.BinaryOperation):
+            if isinstance(node.operator, cst.Power):
+                base = self._expr(node.left, scope)
+                if not (isinstance(node.right, cst.Integer) and 2 <= int(node.right.value) <= 4):
+                    raise MacroError("** takes an integer power 2, 3 or 4 in @tile", node.right)
+                return Binary(
+                    base.dims,
+                    base.tensor,
+                    "**",
+                    base,
+                    Const(frozenset(), False, int(node.right.value)),
+                )
+            op = _BINARY.get(type(node.operator))
+            if op is None:
+                raise MacroError(
+                    f"operator {_code(node.operator).strip()} is not supported; {SUPPORTED}",
+                    node.operator,
+                )
+            return self._binary(op, self._expr(node.left, scope), self._expr(node.right, scope))
+        if isinstance(node, cst.Comparison):
+            if len(node.comparisons) != 1 or type(node.comparisons[0].operator) not in _COMPARE:
+                raise MacroError(
+                    "write one comparison at a time (a < b), combined with & or |", node
+                )
+            comp = node.comparisons[0]
+            return self._binary(
+                _COMPARE[type(comp.operator)],
+                self._expr(node.left, scope),
+                self._expr(comp.comparator, scope),
+            )
+        if isinstance(node, cst.Call):
+            return self._call(node, scope)
+        if isinstance(node, cst.Subscript):
+            return self._load(node, scope)
+        if isinstance(node, cst.BooleanOperation):
+            raise MacroError(
+                "and/or are not supported on tensors; use & and | on comparisons", node
+            )
+        if isinstance(node, cst.IfExp):
+            raise MacroError(
+                "conditional expressions are not supported; use torch.where(cond, a, b)", node
+            )
+        raise MacroError(
+            f"{type(node).__name__} is not supported in an @tile expression; {SUPPORTED}", node
+        )
+
+    def _name(self, node: cst.Name, scope: _Scope) -> Expr:
+        name = node.value
+        if name in scope.carried:
+            raise MacroError(
+                f"{name!r} is read inside the loop that reduces into it: a loop-carried dependence"
+                " (only reductions are supported; read it after the loop)",
+                node,
+            )
+        if name in scope.local:
+            return scope.local[name]
+        if name in scope.gone:
+            raise MacroError(scope.gone[name], node)
+        if name in self.loop_vars:
+            raise MacroError(f"loop variable {name!r} may only index tensors in @tile", node)
+        if name in self.sizes:
+            return Name(frozenset(), False, name)
+        if name in self.params:
+            if name in self.ndim:
+                raise MacroError(f"tensor {name!r} must be indexed: {name}[...]", node)
+            if name not in self.scalars:
+                self.scalars.append(name)
+            return Name(frozenset(), False, name)
+        value = self.constants.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return Const(frozenset(), False, value)
+        raise MacroError(
+            f"{name!r} is not a parameter, size, local or define()d number of this @tile function",
+            node,
+        )
+
+    def _function_name(self, func: cst.BaseExpression) -> str | None:
+        text = _code(func)
+        if text in _BUILTINS:
+            return _BUILTINS[text]
+        if text.startswith("torch.") and text[6:] in _TORCH_FUNCTIONS:
+            return _TORCH_FUNCTIONS[text[6:]]
+        return None
+
+    def _call(self, node: cst.Call, scope: _Scope) -> Expr:
+        text = _code(node.func)
+        if (
+            text == "float"
+            and len(node.args) == 1
+            and isinstance(node.args[0].value, cst.SimpleString)
+        ):
+            value = node.args[0].value.evaluated_value
+            if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf"):
+                return Const(frozenset(), False, float(value))
+        fn = self._function_name(node.func)
+        if fn is None:
+            raise MacroError(f"unknown call {text}(...) in @tile; {SUPPORTED}", node.func)
+        if any(a.keyword is not None or a.star for a in node.args):
+            raise MacroError(f"{text}() takes positional arguments here", node)
+        want = 3 if fn == "where" else 2 if fn in ("max", "min") else 1
+        if len(node.args) != want:
+            raise MacroError(f"{text}() takes {want} argument(s) here", node)
+        args = tuple(self._expr(a.value, scope) for a in node.args)
+        if (
+            fn in ("max", "min")
+            and not any(a.tensor for a in args)
+            and all(isinstance(a, Const) for a in args)
+        ):
+            pick = max if fn == "max" else min
+            return Const(frozenset(), False, pick(a.value for a in args))  # type: ignore[attr-defined]
+        dims = frozenset().union(*(a.dims for a in args))
+        return Call(dims, any(a.tensor for a in args), fn, args)
+
+    def _load(self, node: cst.Subscript, scope: _Scope) -> Expr:
+        if not isinstance(node.value, cst.Name) or node.value.value not in self.params:
+            raise MacroError("only tensor parameters can be indexed in @tile", node.value)
+        tensor = node.value.value
+        if tensor in self.outputs:
+            raise MacroError(
+                f"{tensor!r} is written by this loop nest, so reading it is not supported"
+                f" (tiles would race); use {tensor}[...] += ... to accumulate",
+                node,
+            )
+        index = []
+        for el in node.slice:
+            index.append(self._index(el, scope))
+        used = [i.var for i in index if i.var is not None]
+        if len(set(used)) != len(used):
+            raise MacroError("a loop variable may index only one dimension of a load", node)
+        self._use_tensor(tensor, len(index), node)
+        return Load(frozenset(used), True, tensor, tuple(index))
+
+    def _index(self, el: cst.SubscriptElement, scope: _Scope) -> Index:
+        usage = (
+            "a tensor index is a loop variable, optionally +- an integer constant, or a non-negative"
+            " integer (data-dependent or computed indices are not supported)"
+        )
+        sl = el.slice
+        if not isinstance(sl, cst.Index):
+            raise MacroError(f"slices are not supported; {usage}", el)
+        v = sl.value
+        if isinstance(v, cst.Integer):
+            return Index(None, int(v.value))
+        if isinstance(v, cst.Name) and v.value in scope.loop_vars:
+            return Index(v.value, 0)
+        if isinstance(v, cst.BinaryOperation) and isinstance(v.operator, (cst.Add, cst.Subtract)):
+            var, const = v.left, v.right
+            if isinstance(var, cst.Integer) and isinstance(v.operator, cst.Add):
+                var, const = const, var
+            if (
+                isinstance(var, cst.Name)
+                and var.value in scope.loop_vars
+                and isinstance(const, cst.Integer)
+            ):
+                sign = -1 if isinstance(v.operator, cst.Subtract) else 1
+                return Index(var.value, sign * int(const.value))
+        if isinstance(v, cst.Name) and v.value in scope.gone:
+            raise MacroError(scope.gone[v.value], v)
+        raise MacroError(usage, v)
+
+    def _binary(self, op: str, left: Expr, right: Expr) -> Expr:
+        return Binary(left.dims | right.dims, left.tensor or right.tensor, op, left, right)
+
+    def _unsupported(self, node: cst.CSTNode) -> str:
+        if isinstance(node, (cst.Return, cst.Break, cst.Continue)):
+            kind = type(node).__name__.lower()
+            return (
+                f"early exits ({kind}) are not supported in @tile: every iteration runs to the end"
+            )
+        if isinstance(node, cst.While):
+            return "while loops are not supported in @tile; use for VAR in range(...)"
+        if isinstance(node, cst.If):
+            return "if statements are not supported in @tile; use torch.where(cond, a, b)"
+        if isinstance(node, cst.Expr):
+            return "an expression statement does nothing here; @tile bodies assign locals and store to outputs"
+        return f"{type(node).__name__} statements are not supported in @tile"
+
+
+def _neg(e: Expr) -> Expr:
+    if isinstance(e, Const):
+        return Const(e.dims, False, -e.value)
+    return Unary(e.dims, e.tensor, "-", e)
+
+
+def _dims_of(body: list[Let | Accum | Store], acc: str) -> frozenset[str]:
+    return frozenset().union(
+        *(s.value.dims for s in body if isinstance(s, Accum) and s.name == acc)
+    )
+
+
+def _other_operand(
+    name: str, a: cst.BaseExpression, b: cst.BaseExpression
+) -> cst.BaseExpression | None:
+    if isinstance(a, cst.Name) and a.value == name:
+        return b
+    if isinstance(b, cst.Name) and b.value == name:
+        return a
+    return None
+
+
+def _is_docstring(stmt: cst.BaseStatement) -> bool:
+    return (
+        isinstance(stmt, cst.SimpleStatementLine)
+        and len(stmt.body) == 1
+        and isinstance(stmt.body[0], cst.Expr)
+        and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+    )
+
+
+def _is_shape(node: cst.BaseExpression) -> bool:
+    return isinstance(node, cst.Attribute) and node.attr.value == "shape"
+
+
+def _subscript_target(small: cst.BaseSmallStatement) -> cst.Subscript | None:
+    target = (
+        small.targets[0].target if isinstance(small, cst.Assign) else getattr(small, "target", None)
+    )
+    return target if isinstance(target, cst.Subscript) else None
+
+
+def _index_names(target: cst.Subscript | None) -> set[str]:
+    """Every name that appears in the subscript (offsets included)."""
+    if target is None:
+        return set()
+    names: set[str] = set()
+
+    class _Names(cst.CSTVisitor):
+        def visit_Name(self, node: cst.Name) -> None:
+            names.add(node.value)
+
+    for el in target.slice:
+        el.visit(_Names())
+    return names

@@ -1,0 +1,208 @@
+"""@tile parity cases: loop nests, their inputs, and the check against the unexpanded loop.
+
+Shared by test_tile_parity.py (the torch path, in process) and tile_interpret.py
+(the Triton kernel under TRITON_INTERPRET=1, in a subprocess). Sizes are small
+(the reference is a Python loop) and never multiples of the tiles.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from macrogen.expand import expand_source
+from tests.helpers import load_module
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str  # the function's name in ``source``
+    source: str
+    inputs: dict  # parameter -> ("randn", shape) | ("nan", shape) | ("positive", shape) | a number
+    rtol: float = 1e-5
+    atol: float = 1e-5
+
+
+HEADER = "import math\nimport torch\nimport macrogen as mg\n\n"
+
+CASES = [
+    Case(
+        "bias_gelu",
+        """
+        @mg.tile(i=16, j=32)
+        def bias_gelu(out, x, b):
+            M, N = x.shape
+            for i in range(M):
+                for j in range(N):
+                    v = x[i, j] + b[j]
+                    out[i, j] = 0.5 * v * (1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v)))
+        """,
+        {"out": ("nan", (37, 53)), "x": ("randn", (37, 53)), "b": ("randn", (53,))},
+    ),
+    Case(
+        "softmax",
+        """
+        @mg.tile(i=4, j=16)
+        def softmax(out, x):
+            M, N = x.shape
+            for i in range(M):
+                m = float("-inf")
+                for j in range(N):
+                    m = max(m, x[i, j])
+                s = 0.0
+                for j in range(N):
+                    s += torch.exp(x[i, j] - m)
+                for j in range(N):
+                    out[i, j] = torch.exp(x[i, j] - m) / s
+        """,
+        {"out": ("nan", (37, 53)), "x": ("randn", (37, 53))},
+    ),
+    Case(
+        "row_sum_max",
+        """
+        @mg.tile(i=8, j=16)
+        def row_sum_max(total, biggest, x):
+            M, N = x.shape
+            for i in range(M):
+                s = 0.0
+                m = -math.inf
+                for j in range(N):
+                    s += x[i, j]
+                    m = max(m, x[i, j])
+                total[i] = s
+                biggest[i] = m
+        """,
+        {"total": ("nan", (37,)), "biggest": ("nan", (37,)), "x": ("randn", (37, 53))},
+    ),
+    Case(
+        "matmul",
+        """
+        @mg.tile(i=16, j=16, k=16)
+        def matmul(out, a, b):
+            M, K = a.shape
+            _, N = b.shape
+            for i in range(M):
+                for j in range(N):
+                    for k in range(K):
+                        out[i, j] += a[i, k] * b[k, j]
+        """,
+        {"out": ("randn", (19, 23)), "a": ("randn", (19, 21)), "b": ("randn", (21, 23))},
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
+        "scaled_matmul",
+        """
+        @mg.tile(i=4, j=8, k=8)
+        def scaled_matmul(out, a, b, alpha):
+            M, K = a.shape
+            N = b.shape[1]
+            for i in range(M):
+                for j in range(N):
+                    acc = 0.0
+                    for k in range(K):
+                        acc += a[i, k] * b[k, j]
+                    out[i, j] = alpha * acc
+        """,
+        {"out": ("nan", (13, 11)), "a": ("randn", (13, 9)), "b": ("randn", (9, 11)), "alpha": 0.5},
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
+        "batched_gate",
+        """
+        @mg.tile(b=2, i=8, j=16)
+        def batched_gate(out, x, w, bias):
+            B, M, N = x.shape
+            for b in range(B):
+                for i in range(M):
+                    acc = 0.0
+                    for j in range(N):
+                        acc += x[b, i, j] * w[j]
+                    out[b, i] = torch.sigmoid(acc + bias[i])
+        """,
+        {
+            "out": ("nan", (5, 13)),
+            "x": ("randn", (5, 13, 21)),
+            "w": ("randn", (21,)),
+            "bias": ("randn", (13,)),
+        },
+    ),
+    Case(
+        "stencil3d",
+        """
+        @mg.tile(b=2, i=4, j=8)
+        def stencil3d(out, x, eps):
+            B, M, N = x.shape
+            for b in range(B):
+                for i in range(1, M - 1):
+                    for j in range(N):
+                        d = x[b, i + 1, j] - 2.0 * x[b, i, j] + x[b, i - 1, j]
+                        out[b, i, j] = torch.where(torch.abs(d) > eps, d, 0.0) + min(x[b, i, j], 0.0) ** 2
+        """,
+        {"out": ("nan", (3, 11, 19)), "x": ("randn", (3, 11, 19)), "eps": 0.25},
+    ),
+    Case(
+        "row_norm_t",
+        """
+        @mg.tile(i=4, j=16)
+        def row_norm_t(out, x, eps):
+            M, N = x.shape
+            for i in range(M):
+                s = 0.0
+                for j in range(N):
+                    s += x[i, j]
+                mean = s / N
+                q = 0.0
+                for j in range(N):
+                    q += (x[i, j] - mean) ** 2
+                rstd = 1.0 / torch.sqrt(q / N + eps)
+                for j in range(N):
+                    out[j, i] = torch.log(1.0 + torch.exp((x[i, j] - mean) * rstd))
+        """,
+        {"out": ("nan", (53, 37)), "x": ("randn", (37, 53)), "eps": 1e-5},
+    ),
+]
+
+
+def make_inputs(case: Case, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, spec in case.inputs.items():
+        if not isinstance(spec, tuple):
+            out[name] = spec
+        elif spec[0] == "nan":  # poisoned: an element nobody writes stays NaN and shows
+            out[name] = torch.full(spec[1], float("nan"))
+        else:
+            out[name] = torch.randn(spec[1], generator=gen)
+    return out
+
+
+def source(case: Case) -> str:
+    return HEADER + textwrap.dedent(case.source)
+
+
+def modules(case: Case, directory: Path):
+    """(the unexpanded module: the reference, the expanded module)."""
+    src = source(case)
+    reference = load_module(src, f"tile_ref_{case.name}", directory)
+    code = expand_source(src, path=f"{case.name}.py").code
+    expanded = load_module(code, f"tile_exp_{case.name}", directory)
+    return reference, expanded
+
+
+def compare(case: Case, reference, run) -> str | None:
+    """Run the reference loop and ``run`` on the same inputs; a message when they differ."""
+    want, got = make_inputs(case), make_inputs(case)
+    getattr(reference, case.name)(**want)
+    run(**got)
+    for name, value in want.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if not torch.allclose(got[name], value, rtol=case.rtol, atol=case.atol, equal_nan=True):
+            diff = (got[name] - value).abs().nan_to_num(float("inf")).max().item()
+            return f"{case.name}: {name} differs from the loop (max abs diff {diff})"
+    return None

@@ -1,0 +1,35 @@
+"""Run every @tile parity case's Triton kernel under TRITON_INTERPRET=1 (a subprocess's main).
+
+TRITON_INTERPRET must be set before triton is first imported, and the test
+session imports triton early, so test_tile_parity.py runs this module as
+``python -m tests.macros.tile_interpret DIR``. It prints one JSON object:
+case name -> null (matches the loop) or the mismatch / error message.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import json  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tests.macros.tile_cases import CASES, compare, modules  # noqa: E402
+
+
+def main(directory: str) -> None:
+    results = {}
+    for case in CASES:
+        try:
+            reference, expanded = modules(case, Path(directory))
+            results[case.name] = compare(case, reference, getattr(expanded, f"_{case.name}_triton"))
+        except Exception:  # report, and go on with the other cases
+            results[case.name] = traceback.format_exc(limit=4)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
