@@ -51,7 +51,7 @@ from macrogen.macros.tile_emit import (
 from macrogen.macros.tile_ir import Accum, InnerLoop, Let, Nest, Store
 
 FORMS = ("decorator",)
-USAGE = "tile(i=64, j=64) decorates a function whose body is a loop nest: @tile(i=64, j=64) def f(out, x): ..."
+USAGE = "@tile(i=64, j=64) decorates a function whose body is a loop nest over range(...)"
 
 OPTIONS = {"num_warps": 4, "num_stages": 2, "dot_precision": "ieee"}
 DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
@@ -82,7 +82,9 @@ def default_tile(nest: Nest) -> int:
 def validate(site: Site, ctx: Context) -> Spec:
     fn = site.original  # the source's nodes, so that errors point into the file
     if not isinstance(fn, cst.FunctionDef):
-        raise MacroError(f"tile() decorates a function: {USAGE}", site.call or site.original)
+        raise MacroError(
+            f"tile() decorates a function, not a class: {USAGE}", site.call or site.original
+        )
     nest = analyze(fn, ctx.constants)
     variables = list(
         dict.fromkeys([g.var for g in nest.grid] + [s.loop.var for s in nest.inner_loops])
@@ -126,9 +128,9 @@ def validate(site: Site, ctx: Context) -> Spec:
             f"dot_precision must be one of {', '.join(map(repr, DOT_PRECISIONS))}, not {precision!r}",
             args["dot_precision"].node,
         )
-    nest = _without_small_dot(nest, tiles)
-    shape = [tiles[g.var] for g in nest.grid] + (
-        [max(tiles[s.loop.var] for s in nest.inner_loops)] if nest.inner_axis else []
+    kernel = kernel_nest(nest, tiles)
+    shape = [tiles[g.var] for g in kernel.grid] + (
+        [max(tiles[s.loop.var] for s in kernel.inner_loops)] if kernel.inner_axis else []
     )
     if math.prod(shape) > MAX_TILE_ELEMENTS:
         raise MacroError(
@@ -138,8 +140,9 @@ def validate(site: Site, ctx: Context) -> Spec:
     return Spec(nest, tuple(tiles.items()), num_warps, num_stages, precision)
 
 
-def _without_small_dot(nest: Nest, tiles: dict[str, int]) -> Nest:
-    """tl.dot needs tiles of at least 16 along each axis; smaller ones reduce elementwise instead."""
+def kernel_nest(nest: Nest, tiles: dict[str, int]) -> Nest:
+    """The nest the kernel computes: tl.dot needs tiles of at least 16 along each axis,
+    smaller ones reduce elementwise instead (the torch path keeps its matmul)."""
     if nest.dot is None:
         return nest
     loop = nest.inner_loops[0]
@@ -205,8 +208,10 @@ def expand(site: Site, ctx: Context) -> cst.FunctionDef:
         )
     )
     pid = names.namer("pid")
-    dot_precision = names.namer("DOT_PRECISION") if nest.dot is not None else ""
-    kernel = KernelEmitter(nest, names.fork(), tl, dot_precision)
+    dot_precision = (
+        names.namer("DOT_PRECISION") if kernel_nest(nest, spec.tile).dot is not None else ""
+    )
+    kernel = KernelEmitter(kernel_nest(nest, spec.tile), names.fork(), tl, dot_precision)
     grid = kernel.grid_setup(pid, spec.tile)
     steps = kernel.steps()
     blocks = list(dict.fromkeys(names.block.values()))

@@ -176,7 +176,10 @@ class _Analyzer:
         return found
 
     def _size_binding(self, stmt: cst.BaseStatement) -> None:
-        usage = "before the loop nest only sizes may be bound: M, N = x.shape or N = x.shape[1]"
+        usage = (
+            "before the loop nest only sizes may be bound (M, N = x.shape or N = x.shape[1]);"
+            " compute other values inside the loops"
+        )
         if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1):
             raise MacroError(self._unsupported(stmt) or usage, stmt)
         assign = stmt.body[0]
@@ -740,8 +743,8 @@ class _Analyzer:
 
     def _index(self, el: cst.SubscriptElement, scope: _Scope) -> Index:
         usage = (
-            "a tensor index is a loop variable, optionally +- an integer constant, or a non-negative"
-            " integer (data-dependent or computed indices are not supported)"
+            "a tensor index is a loop variable, optionally +- an integer constant,"
+            " or a non-negative integer"
         )
         sl = el.slice
         if not isinstance(sl, cst.Index):
@@ -764,6 +767,8 @@ class _Analyzer:
                 return Index(var.value, sign * int(const.value))
         if isinstance(v, cst.Name) and v.value in scope.gone:
             raise MacroError(scope.gone[v.value], v)
+        if _contains(v, cst.Subscript):
+            raise MacroError(f"data-dependent indexing is not supported: {usage}", v)
         raise MacroError(usage, v)
 
     def _binary(self, op: str, left: Expr, right: Expr) -> Expr:
@@ -804,6 +809,19 @@ def _other_operand(
     if isinstance(b, cst.Name) and b.value == name:
         return a
     return None
+
+
+def _contains(node: cst.CSTNode, kind: type) -> bool:
+    found = False
+
+    class _Find(cst.CSTVisitor):
+        def on_visit(self, n: cst.CSTNode) -> bool:
+            nonlocal found
+            found = found or isinstance(n, kind)
+            return not found
+
+    node.visit(_Find())
+    return found
 
 
 def _is_docstring(stmt: cst.BaseStatement) -> bool:

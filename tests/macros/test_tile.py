@@ -1,0 +1,398 @@
+"""@tile: what the expansion looks like, its arguments, its refusals and its run-time checks.
+
+Numerical parity with the unexpanded loop is in test_tile_parity.py; the full
+generated code of several nests is pinned by tests/golden/tile_*.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from macrogen.expand import expand_source
+from macrogen.macros.tile import USAGE
+from tests.helpers import expansion_errors, load_module, strip_header
+
+SCALE = """
+import torch
+import macrogen as mg
+
+
+@mg.tile(i=128)
+def scale(out, x, *, alpha=2.0):
+    \"\"\"out = alpha * x\"\"\"
+    (N,) = x.shape
+    for i in range(N):
+        out[i] = alpha * x[i]
+"""
+
+
+def _expand(source: str, **options) -> str:
+    return expand_source(textwrap.dedent(source), path="test.py", **options).code
+
+
+def test_the_function_keeps_its_signature_and_dispatches_by_device() -> None:
+    code = strip_header(_expand(SCALE))
+    site = code[code.index("# macrogen: tile at test.py:6") :]
+    assert site == textwrap.dedent(
+        '''\
+        # macrogen: tile at test.py:6
+        def scale(out, x, *, alpha=2.0):
+            """out = alpha * x"""
+            if use_triton(out.device):
+                _scale_triton(out, x, alpha)
+            else:
+                _scale_torch(out, x, alpha)
+        '''
+    )
+    for helper in (
+        "def _scale_shapes(",
+        "def _scale_kernel(",
+        "def _scale_triton(",
+        "def _scale_torch(",
+    ):
+        assert helper in code
+
+
+def test_the_cpu_path_writes_in_place_and_is_not_a_loop(tmp_path) -> None:
+    module = load_module(_expand(SCALE), "tile_scale", tmp_path)
+    x = torch.randn(1000)
+    out = torch.full((1000,), float("nan"))
+    keep = out
+    assert module.scale(out, x) is None
+    assert out is keep
+    torch.testing.assert_close(out, 2.0 * x)
+    module.scale(out, x, alpha=-1.0)
+    torch.testing.assert_close(out, -x)
+    torch_path = _expand(SCALE).split("def _scale_torch(")[1].split("\ndef ")[0]
+    assert "for " not in torch_path
+
+
+def test_tile_sizes_and_launch_options_reach_the_kernel() -> None:
+    code = _expand(
+        """
+        import macrogen as mg
+
+        @mg.tile(i=16, j=64, num_warps=8, num_stages=3)
+        def add(out, x, y):
+            M, N = x.shape
+            for i in range(M):
+                for j in range(N):
+                    out[i, j] = x[i, j] + y[i, j]
+        """
+    )
+    assert "BLOCK_I=16," in code and "BLOCK_J=64," in code
+    assert "num_warps=8," in code and "num_stages=3," in code
+    assert "BLOCK_I: tl.constexpr," in code
+
+
+def test_tunable_tiles_are_recorded_and_tuning_picks_them() -> None:
+    source = """
+    import macrogen as mg
+
+    BLOCK = mg.tunable(64, choices=[32, 64, 128])
+
+    @mg.tile(i=BLOCK, num_warps=mg.tunable(4, choices=[2, 4, 8]))
+    def copy(out, x):
+        (N,) = x.shape
+        for i in range(N):
+            out[i] = x[i]
+    """
+    result = expand_source(textwrap.dedent(source), path="test.py")
+    assert set(result.tunables) == {"BLOCK", "copy.num_warps"}
+    assert "BLOCK_I=64," in result.code and "num_warps=4," in result.code
+    tuned = _expand(source, tuning={"BLOCK": 128, "copy.num_warps": 8})
+    assert "BLOCK_I=128," in tuned and "num_warps=8," in tuned
+
+
+def test_matmul_shape_becomes_tl_dot_only_with_tiles_of_16_or_more() -> None:
+    source = """
+    import macrogen as mg
+
+    @mg.tile(i={t}, j=32, k=32)
+    def mm(out, a, b):
+        M, K = a.shape
+        N = b.shape[1]
+        for i in range(M):
+            for j in range(N):
+                for k in range(K):
+                    out[i, j] += a[i, k] * b[k, j]
+    """
+    assert "tl.dot(a_ik, b_kj, out_acc_tile, input_precision=DOT_PRECISION)" in _expand(
+        source.format(t=32)
+    )
+    small = _expand(source.format(t=8))
+    assert "tl.dot" not in small and "tl.sum(out_acc_tile, axis=2, keep_dims=True)" in small
+    # The torch path of a matmul-shaped reduction is a matmul, not a broadcast product.
+    assert "out_acc = a_ik @ b_kj" in small
+
+
+def test_expansion_is_deterministic() -> None:
+    assert _expand(SCALE) == _expand(SCALE)
+
+
+def test_shapes_and_index_ranges_are_checked_at_run_time(tmp_path) -> None:
+    module = load_module(
+        _expand(
+            """
+            import macrogen as mg
+
+            @mg.tile(i=32, j=32)
+            def shift(out, x, b):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N - 1):
+                        out[i, j] = x[i, j + 1] + b[j]
+            """
+        ),
+        "tile_shift",
+        tmp_path,
+    )
+    x, out, b = torch.randn(5, 7), torch.zeros(5, 6), torch.randn(6)
+    module.shift(out, x, b)
+    torch.testing.assert_close(out, x[:, 1:] + b)
+    with pytest.raises(IndexError, match="b: index j leaves dimension 0"):
+        module.shift(out, x, torch.randn(5))
+    with pytest.raises(ValueError, match="x must have 2 dimensions"):
+        module.shift(out, torch.randn(5), b)
+
+
+def test_launcher_refuses_cpu_tensors_outside_the_interpreter(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    module = load_module(_expand(SCALE), "tile_scale_launch", tmp_path)
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        module._scale_triton(torch.zeros(4), torch.zeros(4), 1.0)
+
+
+def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
+    source = "import torch\nimport macrogen as mg\n\n" + decorator + "\n" + textwrap.dedent(body)
+    return expansion_errors(source)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = x[i, j] if x[i, j] > 0 else 0.0
+            """,
+            "test.py:10:25: error: conditional expressions are not supported; use torch.where",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = (x[i, j] > 0) and (x[i, j] < 1)
+            """,
+            "and/or are not supported on tensors",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = x[i, j] // 2
+            """,
+            "operator // is not supported",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = x[i, -1]
+            """,
+            "a tensor index is a loop variable",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = x[i, 1:]
+            """,
+            "slices are not supported",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = x * 2
+            """,
+            "tensor 'x' must be indexed",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = x[i, j] * scale
+            """,
+            "'scale' is not a parameter, size, local or define()d number",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = x[i, j] * i
+            """,
+            "loop variable 'i' may only index tensors",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = x[i, j]
+                        out[i, j] += 1.0
+            """,
+            "'out' is stored more than once",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    s = 0.0
+                    for j in range(N):
+                        t = x[i, j]
+                        s += t
+                    out[i] = s + t
+            """,
+            "'t' is assigned inside the loop over j; its value is not available after the loop",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    s = 0.0
+                    for j in range(N):
+                        s += 1.0
+                    out[i] = s
+            """,
+            "the value reduced into 's' does not depend on 'j'",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        for k in range(N):
+                            out[i, j] = x[i, k]
+            """,
+            "this store does not index 'k'",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    s = 0.0
+                    for j in range(N):
+                        for k in range(N):
+                            s += x[j, k]
+                    out[i] = s
+            """,
+            "a loop inside an inner loop is not supported",
+        ),
+        (
+            """
+            def f(out, x, *rest):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = x[i, j]
+            """,
+            "named parameters only",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = x[i, j] ** 5
+            """,
+            "** takes an integer power 2, 3 or 4",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = x[i, j]
+                    else:
+                        pass
+            """,
+            "for ... else is not supported",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for i2 in range(N):
+                        out[i, i2] = x[i, i2]
+                return out
+            """,
+            "nothing may follow the loop nest",
+        ),
+    ],
+)
+def test_unsupported_constructs_are_errors_at_their_position(body: str, message: str) -> None:
+    errors = _errors(body)
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+@pytest.mark.parametrize(
+    ("decorator", "message"),
+    [
+        (
+            "@mg.tile(i=64, j=64, num_warps=3)",
+            "num_warps must be a power of two from 1 to 32, not 3",
+        ),
+        ("@mg.tile(i=64, j=64, num_stages=0)", "num_stages must be an integer from 1 to 8, not 0"),
+        (
+            "@mg.tile(i=64, j=64, dot_precision='fast')",
+            "dot_precision must be one of 'ieee', 'tf32', 'tf32x3'",
+        ),
+        ("@mg.tile(i=2048, j=1024)", "a tile of 2048x1024 elements is more than Triton's 1048576"),
+        ("@mg.tile(i=64, j=0)", "the tile size of 'j' must be a power of two, not 0"),
+        ("@mg.tile(i=64, j='64')", "the tile size of 'j' must be a power of two, not '64'"),
+    ],
+)
+def test_bad_arguments_are_errors(decorator: str, message: str) -> None:
+    body = """
+    def f(out, x):
+        M, N = x.shape
+        for i in range(M):
+            for j in range(N):
+                out[i, j] = x[i, j]
+    """
+    errors = _errors(body, decorator)
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_tile_on_a_class_is_an_error() -> None:
+    errors = _errors("class C:\n    pass\n", "@mg.tile(i=64)")
+    assert errors == ["test.py:4:2: error: tile() decorates a function, not a class: " + USAGE]
