@@ -292,17 +292,21 @@ def _two_rank_checks(rank, world, tmp):
 def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
     results = run_ranks(_two_rank_checks, 2, args=(str(tmp_path),), timeout=150)
     counts, errors = results[0]
-    one_each = {"all_reduce": 1, "all_gather": 0}
-    # colwise feeding rowwise: one all-reduce forward (g), one backward (f), nothing between
-    assert counts["MLP"] == (one_each, one_each)
-    assert counts["Attention"] == (one_each, one_each)
-    assert counts["Dotted"] == (one_each, one_each)
-    # vocab (g forward) then a rowwise head on a full input (slice forward, all-gather and g backward)
+    # colwise feeding rowwise: nothing in between; forward, the rowwise output is all-reduced
+    # in 4 row chunks (each overlapping the next chunk's matmul); backward, one all-reduce of
+    # the colwise input gradient (overlapping the weight gradient)
+    block = ({"all_reduce": 4, "all_gather": 0}, {"all_reduce": 1, "all_gather": 0})
+    assert counts["MLP"] == block
+    assert counts["Attention"] == block
+    assert counts["Dotted"] == block
+    # vocab (one all-reduce) then a rowwise head on a full input (its slice forward; backward
+    # all-gathers the input gradient)
     assert counts["LMRowwiseHead"] == (
-        {"all_reduce": 2, "all_gather": 0},
+        {"all_reduce": 5, "all_gather": 0},
         {"all_reduce": 0, "all_gather": 1},
     )
-    # vocab (g forward), colwise head (f backward)
+    # vocab (one all-reduce forward), colwise head (one all-reduce backward)
+    one_each = {"all_reduce": 1, "all_gather": 0}
     assert counts["LMColwiseHead"] == (one_each, one_each)
     assert errors == [
         "LMRowwiseHead.wte.num_embeddings = 25 is not divisible by the tensor-parallel size 2; choose a size that divides it",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -113,3 +114,79 @@ def scatter_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.
 def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Every rank's slice, concatenated along the last dimension; backward keeps my slice."""
     return x if group_size(group) == 1 else _GatherLastDim.apply(x, group)
+
+
+# -- linear layers with their collective overlapped -------------------------------------
+#
+# Same results as F.linear(f(x), W, b) and g(F.linear(x, W)), but the collective
+# runs while the next matmul computes (Megatron's async gradient all-reduce, and
+# a chunked forward reduction): the communication hides behind compute.
+
+
+class _ColwiseLinear(torch.autograd.Function):
+    """F.linear(f(x), W, b): backward all-reduces grad x while it computes grad W and grad b."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = work = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(weight)  # (..., in): a partial sum on each rank
+            work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
+        grad2d = grad.reshape(-1, grad.shape[-1])  # (N, out / T)
+        grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if work is not None:
+            work.wait()
+        return grad_x, grad_w, grad_b, None
+
+
+class _RowwiseLinear(torch.autograd.Function):
+    """g(F.linear(x, W)): forward all-reduces each chunk of rows while the next computes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, chunks):
+        ctx.save_for_backward(x, weight)
+        x2d = x.reshape(-1, x.shape[-1])  # (N, in / T)
+        out = x2d.new_empty(x2d.shape[0], weight.shape[0])  # (N, out)
+        works = []
+        for xs, ys in zip(
+            x2d.split(_rows(x2d.shape[0], chunks)), out.split(_rows(x2d.shape[0], chunks))
+        ):
+            torch.mm(xs, weight.t(), out=ys)
+            works.append(dist.all_reduce(ys, group=group, async_op=True))
+        for work in works:
+            work.wait()
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):  # g's backward is the identity: only the linear's remains
+        x, weight = ctx.saved_tensors
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
+def _rows(n: int, chunks: int) -> int:
+    return max(1, -(-n // max(1, chunks)))
+
+
+def colwise_linear(x, weight, bias, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """F.linear(f(x), weight, bias), with f's backward all-reduce overlapping the weight gradient."""
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _ColwiseLinear.apply(x, weight, bias, group)
+
+
+def rowwise_linear(x, weight, group: dist.ProcessGroup | None, chunks: int = 4) -> torch.Tensor:
+    """g(F.linear(x, weight)) (no bias), all-reducing ``chunks`` row blocks as they are computed."""
+    if group_size(group) == 1:
+        return F.linear(x, weight)
+    return _RowwiseLinear.apply(x, weight, group, chunks)

@@ -24,10 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from macrogen.runtime.collectives import (
-    copy_to_tensor_parallel,
+    colwise_linear,
     group_rank,
     group_size,
     reduce_from_tensor_parallel,
+    rowwise_linear,
     scatter_last_dim,
 )
 
@@ -64,7 +65,7 @@ class ColwiseLinear(nn.Module):
         self.bias = _shard(full.bias, 0, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        return colwise_linear(x, self.weight, self.bias, self.group)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (shard of {self.out_features * group_size(self.group)})"
@@ -95,7 +96,7 @@ class RowwiseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:  # a full input: keep my slice
             x = scatter_last_dim(x, self.group)
-        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
+        y = rowwise_linear(x, self.weight, self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

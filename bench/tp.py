@@ -1,0 +1,203 @@
+"""Train-step time of @tensor_parallel vs torch's DTensor tensor parallelism, 2 gloo ranks.
+
+    python bench/tp.py [--d-model 256] [--n-head 8] [--batch 8] [--seq 64] [--steps 40]
+
+Both sides train the same transformer block (attention: qkv colwise, proj
+rowwise, n_head divided; MLP: fc colwise, proj rowwise) from the same weights:
+macrogen's expanded class, and the serial class handed to
+``torch.distributed.tensor.parallel.parallelize_module`` with ColwiseParallel /
+RowwiseParallel on a CPU DeviceMesh. A step is forward, backward and an SGD
+step. Steps alternate between the two in one run (same machine load), each
+starts after a barrier, and the figure is the ratio of median step times
+(rank 0's clock; goal <= 0.70). Before timing, both outputs are checked equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BLOCK = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import macrogen as mg
+
+
+@mg.tensor_parallel(plan={"qkv": "colwise", "proj": "rowwise", "n_head": "divide"})
+class Attention(nn.Module):
+    def __init__(self, d_model, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.head_dim = d_model // n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        qkv = self.qkv(x).view(B, T, self.n_head, 3 * self.head_dim)
+        q, k, v = qkv.transpose(1, 2).split(self.head_dim, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+@mg.tensor_parallel(plan={"fc": "colwise", "proj": "rowwise"})
+class MLP(nn.Module):
+    def __init__(self, d_model):
+        super().__init__()
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, n_head):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = Attention(d_model, n_head)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+"""
+
+
+def _load(code: str, name: str, directory: str):
+    import importlib.util
+
+    path = Path(directory) / f"{name}.py"
+    path.write_text(code)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _torch_tp(serial: torch.nn.Module, world: int) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+    block = copy.deepcopy(serial)
+    plan = {
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(),
+    }
+    block = parallelize_module(block, mesh, plan)
+    block.attn.n_head //= world  # torch leaves head counts to the user
+    return block
+
+
+def _step(model, opt, x):
+    opt.zero_grad(set_to_none=True)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from macrogen.expand import expand_source
+
+    with tempfile.TemporaryDirectory() as tmp:
+        serial_mod = _load(BLOCK, "tp_bench_serial", tmp)
+        ours_mod = _load(expand_source(BLOCK, path="block.py").code, "tp_bench_ours", tmp)
+    torch.manual_seed(0)
+    serial = serial_mod.Block(args.d_model, args.n_head)
+    torch.manual_seed(0)
+    ours = ours_mod.Block(args.d_model, args.n_head)
+    theirs = _torch_tp(serial, world)
+    x = torch.randn(args.batch, args.seq, args.d_model, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+    runs = {
+        "macrogen": (ours, torch.optim.SGD(ours.parameters(), lr=1e-3)),
+        "torch DTensor": (theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3)),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(args.warmup + args.steps):
+        for name, (model, opt) in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            _step(model, opt, x)
+            elapsed = time.perf_counter() - start
+            if i >= args.warmup:
+                times[name].append(elapsed)
+    if rank == 0:
+        out.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--n-head", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=40, help="timed steps of each")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = parser.parse_args(argv)
+
+    from tests.distributed import free_port
+
+    world = 2
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, free_port_, args, out))
+        for free_port_ in [free_port()]
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    times = out.get(timeout=900)
+    for p in procs:
+        p.join()
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    print(
+        f"tensor-parallel train step, 2 gloo ranks, block d_model={args.d_model}"
+        f" n_head={args.n_head}, batch {args.batch}x{args.seq}, {args.steps} steps each"
+        f" (median, rank 0)"
+    )
+    for name, t in times.items():
+        q = statistics.quantiles(t, n=4)
+        print(
+            f"  {name:<14} median {medians[name] * 1e3:8.2f} ms"
+            f"   (quartiles {q[0] * 1e3:.2f} .. {q[2] * 1e3:.2f} ms)"
+        )
+    ratio = medians["macrogen"] / medians["torch DTensor"]
+    print(f"  ratio macrogen / torch DTensor: {ratio:.3f}  (goal <= 0.70)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.exit(main())
