@@ -50,7 +50,11 @@ def expand_source(
     if PACKAGE not in source:  # the cheap pre-check: no macrogen, nothing to do
         return Expansion(source, False)
     options = Options(path=path, target=target, tuning=dict(tuning or {}))
-    return _FileExpansion(source, options).run()
+    try:
+        return _FileExpansion(source, options).run()
+    except RecursionError:
+        message = "this file is nested too deeply to expand (Python's recursion limit)"
+        raise ExpansionError([Diagnostic(path, 1, 1, message)]) from None
 
 
 class _FileExpansion:

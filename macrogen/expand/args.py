@@ -142,7 +142,10 @@ class Evaluator:
 
     def value(self, node: cst.BaseExpression) -> Any:
         if isinstance(node, (cst.Integer, cst.Float, cst.Imaginary)):
-            return node.evaluated_value
+            try:
+                return _small(node.evaluated_value, node)
+            except ValueError:  # more digits than int() converts
+                raise MacroError(_TOO_LARGE, node) from None
         if isinstance(node, (cst.SimpleString, cst.ConcatenatedString)):
             value = node.evaluated_value
             if isinstance(value, str) or isinstance(value, bytes):
@@ -169,8 +172,10 @@ class Evaluator:
         if isinstance(node, cst.BinaryOperation) and type(node.operator) in _BINOPS:
             left, right = self.value(node.left), self.value(node.right)
             if _is_number(left) and _is_number(right):
+                if isinstance(node.operator, cst.Power) and _huge_power(left, right):
+                    raise MacroError(_TOO_LARGE, node)
                 try:
-                    return _BINOPS[type(node.operator)](left, right)
+                    return _small(_BINOPS[type(node.operator)](left, right), node)
                 except (ArithmeticError, ValueError) as e:
                     raise MacroError(f"can't evaluate this at expansion time: {e}", node) from None
         if isinstance(node, (cst.List, cst.Tuple, cst.Set)):
@@ -203,6 +208,23 @@ class Evaluator:
             " a define()d constant or a tunable()",
             node,
         )
+
+
+_TOO_LARGE = "this number is too large for a macro argument"
+_MAX_BITS = 4096
+
+
+def _small(value: Any, node: cst.CSTNode) -> Any:
+    """Numbers stay small enough to compute with and write back (no 10**10**10)."""
+    if isinstance(value, int) and value.bit_length() > _MAX_BITS:
+        raise MacroError(_TOO_LARGE, node)
+    return value
+
+
+def _huge_power(base: Any, exponent: Any) -> bool:
+    if not (isinstance(base, int) and isinstance(exponent, int)) or abs(base) < 2:
+        return False
+    return exponent > _MAX_BITS or exponent * (abs(base).bit_length() - 1) > _MAX_BITS
 
 
 def _is_number(v: Any) -> bool:

@@ -175,9 +175,9 @@ class Expander(cst.CSTTransformer):
         at: cst.CSTNode,
         qualname: str,
     ) -> Any:
-        module = macros.get(macro)
         pos = self.position(at)
         try:
+            module = _macro_module(macro, at)
             if form not in module.FORMS:
                 raise MacroError(f"{macro}() can't be used here: {module.USAGE}", at)
             args = self.evaluator.call_args(call, qualname)
@@ -214,9 +214,12 @@ class Expander(cst.CSTTransformer):
         """Macro calls no site took are in a place where that macro means nothing."""
         for node, macro in self.refs.items():
             if node not in self.consumed:
-                self._error(
-                    MacroError(f"{macro}() can't be used here: {macros.get(macro).USAGE}", node)
-                )
+                try:
+                    usage = _macro_module(macro, node).USAGE
+                except MacroError as e:
+                    self._error(e)
+                    continue
+                self._error(MacroError(f"{macro}() can't be used here: {usage}", node))
 
     # -- callbacks for argument evaluation -----------------------------------------
     def _is_tunable(self, call: cst.Call) -> bool:
@@ -232,6 +235,16 @@ class Expander(cst.CSTTransformer):
 
     def _error(self, e: MacroError) -> None:
         self.errors.append(e)
+
+
+def _macro_module(macro: str, node: cst.CSTNode) -> Any:
+    """The macro's module; a marker whose macro is not in this installation is the user's error."""
+    try:
+        return macros.get(macro)
+    except ModuleNotFoundError as e:
+        if e.name != f"macrogen.macros.{macro}":
+            raise
+        raise MacroError(f"{macro}() is not available in this version of macrogen", node) from None
 
 
 def _inside(node: cst.CSTNode, root: cst.CSTNode) -> bool:
