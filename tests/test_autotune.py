@@ -180,7 +180,7 @@ def test_a_killed_run_resumes_without_repeating_candidates(tmp_path: Path) -> No
     )
     db = database.default_path(src)
     cmd = [sys.executable, "-m", "macrogen", "autotune", str(src), "--entry", ":make_step"]
-    cmd += ["--target", "cpu", "--min-time", "0.02", "--warmup", "1"]
+    cmd += ["--target", "cpu", "--min-time", "0.02", "--warmup", "1", "--group", "1"]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )

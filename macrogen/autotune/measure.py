@@ -2,16 +2,20 @@
 
 Each candidate's values are baked into its own expansion of the source
 (``expand_source(..., tuning=values)``), written to a temporary directory. One
-launch of ``macrogen.autotune.worker`` then times a list of candidates in
-order -- alone for world size 1, under ``torchrun --standalone`` for more
-ranks -- so the start-up (importing torch, the rendezvous) is paid once, not
-per candidate. Results stream back one JSON line per candidate and are handed
-to the caller as they arrive (the caller persists them at once).
+launch of ``macrogen.autotune.worker`` then times a list of candidates -- alone
+for world size 1, under ``torchrun --standalone`` for more ranks -- so the
+start-up (importing torch, the rendezvous) is paid once, not per candidate.
+The worker times candidates in groups (``Timing.group``), interleaved over
+``Timing.rounds`` rounds so that changing load from other processes hits
+every candidate of a group alike. Results stream back one JSON line per
+candidate and are handed to the caller as they arrive (the caller persists
+them at once), so a killed run loses at most the group in flight.
 
-A candidate gets ``timeout`` seconds from the moment the worker starts it
-(the launch itself gets ``STARTUP_S`` more); if it overruns, or the worker dies under it, that candidate is recorded as
-failed and the remaining candidates get a fresh launch. The budget's deadline
-stops everything without recording the candidate in flight.
+The worker reports each phase it starts (a candidate's set-up, warm-up or
+round); a phase gets ``timeout`` seconds (the launch itself ``STARTUP_S``
+more). If one overruns, or the worker dies under it, that candidate is
+recorded as failed and the candidates not yet reported get a fresh launch.
+The budget's deadline stops everything without recording what is in flight.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ class Timing:
     """How long to look at each candidate."""
 
     warmup: int = 2  # untimed steps first: caches, allocator, Triton compiles, bucket set-up
-    steps: int = 10  # timed steps per candidate when several ranks run in lock step
-    min_time: float = 0.2  # seconds of timing for torch.utils.benchmark / do_bench (one rank)
-    timeout: float = 180.0  # seconds per candidate, from when the worker starts it
+    steps: int = 3  # timed steps per candidate and round, when several ranks run in lock step
+    rounds: int = 4  # interleaved rounds: each times every candidate of its group in turn
+    min_time: float = 0.2  # seconds of timing per candidate for torch.utils.benchmark / do_bench
+    group: int = 8  # candidates alive and timed together (interleaved); 1: one after another
+    timeout: float = 180.0  # seconds per candidate phase without progress (set-up, a round)
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,8 @@ def _launch(
             "min_time": program.timing.min_time,
             "mode": program.mode(),
             "steps": program.timing.steps,
+            "rounds": program.timing.rounds,
+            "group": program.timing.group,
             "warmup": program.timing.warmup,
         },
     }
@@ -159,7 +167,8 @@ def _launch(
 
 def _follow(proc, program, pending, on_result, deadline, results, log) -> str:
     by_id = {cid: values for cid, values, _ in pending}
-    offset, last_progress, started = 0, time.monotonic(), False
+    offset, last_progress, current = 0, time.monotonic(), None
+    stopping = False
     while True:
         exited = proc.poll() is not None
         with results.open("r", encoding="utf-8") as f:
@@ -169,27 +178,30 @@ def _follow(proc, program, pending, on_result, deadline, results, log) -> str:
         offset += len(complete.encode("utf-8"))
         for line in complete.splitlines():
             result = json.loads(line)
-            if "start" in result:  # the worker is up and on the next candidate
-                started, last_progress = True, time.monotonic()
-                continue
-            values = by_id[result["id"]]
-            pending[:] = [p for p in pending if p[0] != result["id"]]
             last_progress = time.monotonic()
-            if not on_result(_measurement(values, result)):
-                return "stopped"
+            if "start" in result:  # the worker is on this candidate now
+                current = result["start"]
+                continue
+            pending[:] = [p for p in pending if p[0] != result["id"]]
+            # after a stop, what already arrived is still recorded
+            keep_going = on_result(_measurement(by_id[result["id"]], result))
+            stopping = stopping or not keep_going
+        if stopping:
+            return "stopped"
         if not pending:
             return "complete"
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             return "budget"
-        limit = program.timing.timeout + (0 if started else STARTUP_S)
+        limit = program.timing.timeout + (0 if current is not None else STARTUP_S)
         if exited or now - last_progress > limit:
-            cid, values, _ = pending.pop(0)
+            culprit = next((p for p in pending if p[0] == current), pending[0])
+            pending.remove(culprit)
             if exited:
                 error = f"the worker exited with status {proc.returncode}: {_tail(log)}"
             else:
                 error = f"timed out after {program.timing.timeout:g} s"
-            if not on_result(Measurement(values, error=error)):
+            if not on_result(Measurement(culprit[1], error=error)):
                 return "stopped"
             return "relaunch" if pending else "complete"
         time.sleep(POLL_S)

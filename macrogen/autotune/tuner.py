@@ -108,27 +108,24 @@ def autotune(
     with reporter.progress(len(searcher.order)) as progress:
         index = 0
 
-        def feed_known() -> None:
-            """Observe the candidates already in the database, up to the next one to measure."""
+        def observe_known() -> None:
+            """Feed the search, in its order, every candidate the database now knows."""
             nonlocal index
             while index < len(searcher.order) and not searcher.done:
                 known = book.known(searcher.order[index])
                 if known is None:
                     return
                 searcher.observe(known.get("time_s"))
-                progress.advance(known, cached=True, best=searcher.best)
+                now = database.canonical(searcher.order[index]) in book.measured_now
+                progress.advance(known, cached=not now, best=searcher.best)
                 index += 1
 
         def on_result(m: Measurement) -> bool:
-            nonlocal index
-            book.record(m)
-            searcher.observe(m.time_s)
-            progress.advance(book.known(m.values) or {}, cached=False, best=searcher.best)
-            index += 1
-            feed_known()
+            book.record(m)  # even after the search stopped: it was measured with its group
+            observe_known()
             return not searcher.done
 
-        feed_known()
+        observe_known()
         stopped = "complete"
         if not searcher.done:
             todo = [c for c in searcher.order[index:] if book.known(c) is None]

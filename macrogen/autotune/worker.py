@@ -58,19 +58,17 @@ def main(job_path: str) -> int:
     rank = dist.get_rank() if distributed else 0
     entry_factory = _entry_factory(job)  # a factory, an error text, or None (in the module)
     results = Path(job["results"])
-    for candidate in job["candidates"]:
+    size = job["timing"]["group"]
+    for first in range(0, len(job["candidates"]), size):
         if not _parent_alive(job["parent_pid"]):
             return 1  # autotune itself was stopped: nobody reads what we would write
-        if rank == 0:  # the parent's per-candidate clock starts here, after start-up
-            _append(results, {"start": candidate["id"]})
-        result = {"id": candidate["id"]}
-        try:
-            result.update(_measure(candidate, job, entry_factory, distributed))
-        except CandidateError as e:
-            result["error"] = str(e)
-        if rank == 0:
-            _append(results, result)
+        group = job["candidates"][first : first + size]
+        for result in _measure_group(group, job, entry_factory, distributed, rank, results):
+            if rank == 0:
+                _append(results, result)
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
@@ -83,17 +81,56 @@ def _append(results: Path, line: dict) -> None:
         f.flush()
 
 
-def _measure(candidate: dict, job: dict, entry_factory: Any, distributed: bool) -> dict:
+def _measure_group(
+    group: list[dict], job: dict, entry_factory: Any, distributed: bool, rank: int, results: Path
+) -> list[dict]:
+    """Time a group of candidates interleaved: round r times each candidate's steps in turn.
+
+    Load from other processes comes and goes; interleaving exposes every
+    candidate of the group to the same conditions, so their ratios hold even
+    when their absolute times drift.
+    """
     timing = job["timing"]
-    built = _agree(distributed, "setup", lambda: _build(candidate, job, entry_factory))
-    step, signature = built
-    del built  # only ``step`` may hold the model: it is dropped after timing
     mode = "ranks" if distributed else timing["mode"]
-    _agree(distributed, "warm-up", lambda: _repeat(step, timing["warmup"], distributed))
-    times = _agree(distributed, "timing", lambda: TIMERS[mode](step, timing))
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return {"time_s": statistics.median(times), "samples": len(times), "signature": signature}
+
+    def started(cid: str) -> None:  # the parent's per-candidate clock restarts at each line
+        if rank == 0:
+            _append(results, {"start": cid})
+
+    out: dict[str, dict] = {}
+    steps: dict[str, Callable[[], Any]] = {}
+    signatures: dict[str, dict] = {}
+    times: dict[str, list[float]] = {}
+    for candidate in group:
+        cid = candidate["id"]
+        started(cid)
+        try:
+            step, signatures[cid] = _agree(
+                distributed, "setup", lambda c=candidate: _build(c, job, entry_factory)
+            )
+            _agree(distributed, "warm-up", lambda s=step: _repeat(s, timing["warmup"], distributed))
+            steps[cid], times[cid] = step, []
+        except CandidateError as e:
+            out[cid] = {"id": cid, "error": str(e)}
+    for r in range(timing["rounds"]):
+        live = [c["id"] for c in group if c["id"] in steps]
+        for cid in live[r % len(live) :] + live[: r % len(live)] if live else []:
+            started(cid)
+            try:
+                chunk = _agree(distributed, "timing", lambda s=steps[cid]: TIMERS[mode](s, timing))
+                times[cid].extend(chunk)
+            except CandidateError as e:
+                out[cid] = {"id": cid, "error": str(e)}
+                del steps[cid]
+    for cid in steps:
+        out[cid] = {
+            "id": cid,
+            "time_s": statistics.median(times[cid]),
+            "samples": len(times[cid]),
+            "signature": signatures[cid],
+        }
+    steps.clear()
+    return [out[c["id"]] for c in group]
 
 
 def _build(candidate: dict, job: dict, entry_factory: Any) -> tuple[Callable[[], Any], dict]:
@@ -236,24 +273,25 @@ def _repeat(step: Callable[[], Any], n: int, distributed: bool) -> None:
 
 
 def time_benchmark(step: Callable[[], Any], timing: dict) -> list[float]:
-    """One process on CPU: torch.utils.benchmark picks the repetitions."""
+    """One process on CPU: torch.utils.benchmark picks the repetitions for this round's share."""
     from torch.utils import benchmark
 
     timer = benchmark.Timer(stmt="step()", globals={"step": step})
-    return list(timer.blocked_autorange(min_run_time=timing["min_time"]).times)
+    per_round = timing["min_time"] / timing["rounds"]
+    return list(timer.blocked_autorange(min_run_time=per_round).times)
 
 
 def time_do_bench(step: Callable[[], Any], timing: dict) -> list[float]:
-    """One process on CUDA: Triton's do_bench (flushes L2, times with CUDA events)."""
+    """One process on CUDA: Triton's do_bench (flushes L2, times with CUDA events); this round's share."""
     from triton.testing import do_bench
 
-    ms = max(1, int(timing["min_time"] * 1000))
+    ms = max(1, int(timing["min_time"] * 1000 / timing["rounds"]))
     quantiles = do_bench(step, warmup=ms // 4 + 1, rep=ms, quantiles=[0.2, 0.5, 0.8])
     return [q / 1000 for q in quantiles]  # the median stays the median
 
 
 def time_ranks(step: Callable[[], Any], timing: dict) -> list[float]:
-    """Several ranks: fixed steps in lock step; a step lasts until the slowest rank ends it."""
+    """Several ranks: this round's steps in lock step; a step lasts until the slowest rank ends it."""
     times = []
     for _ in range(timing["steps"]):
         dist.barrier()

@@ -38,7 +38,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--max-trials", type=int, default=32, metavar="N", help="candidates to look at (default 32)"
     )
     p.add_argument(
-        "--steps", type=int, default=10, help="timed steps per candidate on several ranks"
+        "--steps", type=int, default=3, help="timed steps per candidate and round on several ranks"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="interleaved timing rounds over each group of candidates",
+    )
+    p.add_argument(
+        "--group",
+        type=int,
+        default=8,
+        metavar="N",
+        help="candidates timed together, interleaved (1: one after another, each saved as it ends)",
     )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     p.add_argument(
@@ -71,7 +84,12 @@ def run(args: argparse.Namespace) -> int:
             budget=args.budget,
             max_trials=args.max_trials,
             timing=Timing(
-                warmup=args.warmup, steps=args.steps, min_time=args.min_time, timeout=args.timeout
+                warmup=args.warmup,
+                steps=args.steps,
+                rounds=args.rounds,
+                group=args.group,
+                min_time=args.min_time,
+                timeout=args.timeout,
             ),
             retry_failed=args.retry_failed,
         )
