@@ -59,6 +59,23 @@ MODELS = textwrap.dedent(
             return x + self.proj(y)
 
 
+    @mg.tensor_parallel(plan={"qkv": ("colwise", 3), "proj": "rowwise", "n_head": "divide"})
+    class PackedAttention(nn.Module):
+        def __init__(self, d_model, n_head):
+            super().__init__()
+            self.n_head = n_head
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+            self.proj = nn.Linear(d_model, d_model)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q, k, v = self.qkv(x).chunk(3, dim=-1)  # q | k | v packed: each (B, T, local C)
+            hs = q.shape[-1] // self.n_head
+            q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
     @mg.tensor_parallel(plan={"wte": "vocab", "head": "rowwise"})
     class LMRowwiseHead(nn.Module):
         def __init__(self, vocab, d_model):
@@ -244,6 +261,15 @@ def _two_rank_checks(rank, world, tmp):
     torch.testing.assert_close(ref(x), out, **TOL, msg="Attention: torch parallelize_module")
 
     _, _, fwd, bwd = _check_block(
+        "PackedAttention",
+        lambda: S.PackedAttention(D_MODEL, N_HEAD),
+        lambda: P.PackedAttention(D_MODEL, N_HEAD),
+        x,
+        rank,
+        world,
+    )
+    counts["PackedAttention"] = (fwd, bwd)
+    _, _, fwd, bwd = _check_block(
         "LMRowwiseHead",
         lambda: S.LMRowwiseHead(VOCAB, D_MODEL),
         lambda: P.LMRowwiseHead(VOCAB, D_MODEL),
@@ -298,6 +324,7 @@ def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
     block = ({"all_reduce": 4, "all_gather": 0}, {"all_reduce": 1, "all_gather": 0})
     assert counts["MLP"] == block
     assert counts["Attention"] == block
+    assert counts["PackedAttention"] == block
     assert counts["Dotted"] == block
     # vocab (one all-reduce) then a rowwise head on a full input (its slice forward; backward
     # all-gathers the input gradient)

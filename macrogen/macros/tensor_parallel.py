@@ -18,7 +18,8 @@ module from ``macrogen.runtime.tensor_parallel`` holding plain tensors under
 the serial parameter names, calling the autograd collectives of
 ``macrogen.runtime.collectives``). ``forward`` is the user's, unchanged.
 
-Styles: ``colwise`` and ``rowwise`` on ``nn.Linear``, ``vocab`` on
+Styles: ``colwise`` (or ``("colwise", 3)`` for a fused q, k, v output of 3
+packed blocks, each split on its own) and ``rowwise`` on ``nn.Linear``, ``vocab`` on
 ``nn.Embedding``, ``divide`` on an int attribute (``n_head``: forward's reshapes
 then use the local count), ``replicate`` on anything (the default). Plan keys
 are attributes the class's ``__init__`` assigns (``self.fc = ...``), or dotted
@@ -57,6 +58,7 @@ _NEEDS = {"colwise": "Linear", "rowwise": "Linear", "vocab": "Embedding"}
 class Entry:
     path: tuple[str, ...]  # ("mlp", "fc") for "mlp.fc"
     style: str
+    blocks: int = 1  # colwise: packed output blocks, each split on its own (3 for a fused qkv)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,21 @@ def validate(site: Site, ctx: Context) -> Spec:
             raise MacroError(
                 f"plan keys are attribute names or dotted paths ('mlp.fc'), not {key!r}", key_node
             )
+        blocks = 1
+        if isinstance(style, (tuple, list)):  # ("colwise", 3): a fused output of 3 packed blocks
+            if not (
+                len(style) == 2
+                and style[0] == "colwise"
+                and isinstance(style[1], int)
+                and not isinstance(style[1], bool)
+                and style[1] >= 1
+            ):
+                raise MacroError(
+                    "a packed style is ('colwise', blocks): e.g. ('colwise', 3) for a fused q, k, v"
+                    f" projection whose forward chunks its output in 3; not {style!r}",
+                    style_node,
+                )
+            style, blocks = "colwise", style[1]
         if style not in STYLES:
             raise MacroError(
                 f"unknown style {style!r}{did_you_mean(str(style), list(STYLES))}"
@@ -99,7 +116,7 @@ def validate(site: Site, ctx: Context) -> Spec:
             )
         path = tuple(key.split("."))
         _check_fits(site.original, path, style, classes, key_node)
-        entries.append(Entry(path, style))
+        entries.append(Entry(path, style, blocks))
     _check_super_calls(site.original)
     return Spec(site.original.name.value, tuple(entries), size)
 
@@ -110,7 +127,13 @@ def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
     runtime = "macrogen.runtime.tensor_parallel"
     layer = {"colwise": "ColwiseLinear", "rowwise": "RowwiseLinear", "vocab": "VocabEmbedding"}
     sharded = [
-        (e.path, e.style, ctx.import_from(runtime, layer[e.style]), ".".join((spec.name, *e.path)))
+        (
+            e.path,
+            e.style,
+            ctx.import_from(runtime, layer[e.style]),
+            ".".join((spec.name, *e.path)),
+            e.blocks,
+        )
         for e in spec.entries
         if e.style in layer
     ]

@@ -43,32 +43,66 @@ def _shard_size(full: int, group: dist.ProcessGroup | None, what: str) -> int:
     return full // size
 
 
-def _shard(t: torch.Tensor | None, dim: int, group: dist.ProcessGroup | None) -> Any:
+def split(
+    t: torch.Tensor, dim: int, group: dist.ProcessGroup | None, blocks: int = 1
+) -> torch.Tensor:
+    """This rank's shard of a full tensor: its slice of each of ``blocks`` packed blocks along ``dim``."""
+    size, rank = group_size(group), group_rank(group)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in t.chunk(blocks, dim=dim)], dim=dim)
+
+
+def join(parts: list[torch.Tensor], dim: int, blocks: int = 1) -> torch.Tensor:
+    """The full tensor from every rank's shard (``split``'s inverse)."""
+    per_rank = [p.chunk(blocks, dim=dim) for p in parts]
+    return torch.cat([torch.cat([p[b] for p in per_rank], dim=dim) for b in range(blocks)], dim=dim)
+
+
+def _shard(
+    t: torch.Tensor | None, dim: int, group: dist.ProcessGroup | None, blocks: int = 1
+) -> Any:
     if t is None:
         return None
-    part = t.detach().chunk(group_size(group), dim=dim)[group_rank(group)]
+    part = split(t.detach(), dim, group, blocks)
     return nn.Parameter(part.clone(), requires_grad=t.requires_grad)
 
 
 class ColwiseLinear(nn.Module):
-    """``nn.Linear`` with its output features split over the group: the output is sharded on the last dim."""
+    """``nn.Linear`` with its output features split over the group: the output is sharded on the last dim.
+
+    ``blocks > 1``: the output packs that many blocks (a fused q, k, v: 3), each
+    split on its own, so this rank's output is ``[q_r | k_r | v_r]`` and
+    ``forward``'s ``chunk(3, dim=-1)`` still finds q, k and v.
+    """
 
     SHARD_DIMS = {"weight": 0, "bias": 0}
 
-    def __init__(self, full: nn.Linear, group: dist.ProcessGroup | None, name: str = "colwise"):
+    def __init__(
+        self,
+        full: nn.Linear,
+        group: dist.ProcessGroup | None,
+        name: str = "colwise",
+        blocks: int = 1,
+    ):
         super().__init__()
         _expect(full, nn.Linear, "colwise", name)
-        self.group = group
+        self.group, self.blocks = group, blocks
         self.in_features = full.in_features
-        self.out_features = _shard_size(full.out_features, group, f"{name}.out_features")
-        self.weight = _shard(full.weight, 0, group)  # (out_features / T, in_features)
-        self.bias = _shard(full.bias, 0, group)
+        if full.out_features % blocks:
+            raise ValueError(
+                f"{name}.out_features = {full.out_features} is not {blocks} equal blocks"
+            )
+        what = f"{name}.out_features / {blocks} blocks" if blocks > 1 else f"{name}.out_features"
+        self.out_features = blocks * _shard_size(full.out_features // blocks, group, what)
+        self.weight = _shard(full.weight, 0, group, blocks)  # (out_features / T, in_features)
+        self.bias = _shard(full.bias, 0, group, blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return colwise_linear(x, self.weight, self.bias, self.group)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features} (shard of {self.out_features * group_size(self.group)})"
+        full = self.out_features * group_size(self.group)
+        packed = f" in {self.blocks} blocks" if self.blocks > 1 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features} (shard of {full}{packed})"
 
 
 class RowwiseLinear(nn.Module):
@@ -162,37 +196,42 @@ def _expect(layer: nn.Module, kind: type, style: str, name: str) -> None:
 SHARDED = (ColwiseLinear, RowwiseLinear, VocabEmbedding)
 
 
-def _sharded_keys(module: nn.Module) -> Iterator[tuple[str, int, dist.ProcessGroup | None]]:
-    """(state-dict key, shard dim, group) of every sharded parameter, in module order."""
+def _sharded_keys(
+    module: nn.Module,
+) -> Iterator[tuple[str, int, int, dist.ProcessGroup | None]]:
+    """(state-dict key, shard dim, packed blocks, group) of every sharded parameter, in module order."""
     for name, sub in module.named_modules():
         if isinstance(sub, SHARDED):
             for param, dim in sub.SHARD_DIMS.items():
                 if getattr(sub, param) is not None:
-                    yield (f"{name}.{param}" if name else param), dim, sub.group
+                    key = f"{name}.{param}" if name else param
+                    yield key, dim, getattr(sub, "blocks", 1), sub.group
 
 
-def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _gather(
+    t: torch.Tensor, dim: int, blocks: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
     if group_size(group) == 1:
         return t.detach().clone()
     parts = [torch.empty_like(t) for _ in range(group_size(group))]
     dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return join(parts, dim, blocks)
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The serial model's state dict (same keys, same shapes), gathered on every rank."""
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    for key, dim, group in _sharded_keys(module):
-        state[key] = _gather(state[key], dim, group)
+    for key, dim, blocks, group in _sharded_keys(module):
+        state[key] = _gather(state[key], dim, blocks, group)
     return state
 
 
 def full_gradients(module: nn.Module) -> dict[str, torch.Tensor | None]:
     """Each parameter's gradient at full (serial) shape, by parameter name, gathered on every rank."""
-    grads = {k: (None if p.grad is None else p.grad) for k, p in module.named_parameters()}
-    for key, dim, group in _sharded_keys(module):
+    grads = {k: p.grad for k, p in module.named_parameters()}
+    for key, dim, blocks, group in _sharded_keys(module):
         if grads.get(key) is not None:
-            grads[key] = _gather(grads[key], dim, group)
+            grads[key] = _gather(grads[key], dim, blocks, group)
     return {k: (None if g is None else g.detach().clone()) for k, g in grads.items()}
 
 
@@ -201,7 +240,7 @@ def load_full_state_dict(
 ) -> Any:
     """Load a serial model's state dict: every rank keeps its shard of each sharded parameter."""
     local = dict(state_dict)
-    for key, dim, group in _sharded_keys(module):
+    for key, dim, blocks, group in _sharded_keys(module):
         if key in local:
-            local[key] = local[key].chunk(group_size(group), dim=dim)[group_rank(group)]
+            local[key] = split(local[key], dim, group, blocks)
     return module.load_state_dict(local, strict=strict)

@@ -102,6 +102,12 @@ def test_every_style_renders_one_line_and_divide_names_the_attribute():
     assert "tp = tensor_parallel_group(None)" in code  # no size=: from the launch
 
 
+def test_packed_colwise_passes_its_block_count():
+    code = expand(mlp('{"fc": ("colwise", 4), "proj": "rowwise"}'))
+    assert "self.fc = ColwiseLinear(self.fc, tp, 'MLP.fc', blocks=4)" in code
+    assert "# fc: output features split in each of 4 packed blocks" in code
+
+
 def test_size_may_be_tunable_and_the_tuning_database_picks_it():
     source = mlp('{"fc": "colwise"}', ", size=mg.tunable(2, choices=[1, 2, 4])")
     assert "tensor_parallel_group(2)" in expand(source)
@@ -219,6 +225,17 @@ def test_serial_run_of_the_expanded_class_is_the_serial_module(tmp_path):
             "",
             "7:27: error: self.fc is nn.Linear(...), a torch layer: plan entries name whole layers ('fc'),"
             " or paths through submodules of your classes",
+        ),
+        (
+            '{"fc": ("rowwise", 3)}',
+            "",
+            "7:34: error: a packed style is ('colwise', blocks): e.g. ('colwise', 3) for a fused q,"
+            " k, v projection whose forward chunks its output in 3; not ('rowwise', 3)",
+        ),
+        (
+            '{"wte": ("colwise", 3)}',
+            "",
+            "7:27: error: colwise needs self.wte = nn.Linear(...) in __init__, but it is nn.Embedding(...)",
         ),
         ("{}", "", "7:26: error: plan must be a non-empty dict of attribute name -> style"),
         ('{"fc": "colwise"}', ", size=0", "7:50: error: size must be a positive int, not 0"),
