@@ -65,6 +65,10 @@ _IMPORTS_MACROGEN = re.compile(
     re.MULTILINE,
 )
 _STDLIB = os.path.dirname(os.__file__) + os.sep
+# macrogen and the packages it is built on never import macrogen's markers: their
+# ~1,500 modules (an `import torch`) are not even read.
+_NEVER_MACROS = frozenset({"macrogen", "torch", "triton", "libcst", "jinja2", "numpy"})
+_PathFinder = importlib.machinery.PathFinder
 
 
 def imports_macrogen(source: bytes) -> bool:
@@ -171,25 +175,42 @@ class MacroFinder:
 
     def find_spec(self, fullname: str, path=None, target=None):
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if (
-            spec is None
-            or type(spec.loader) is not importlib.machinery.SourceFileLoader
-            or fullname == "macrogen"
-            or fullname.startswith("macrogen.")
-            or _in_stdlib(spec.origin)
-        ):
-            return None  # the next finder (PathFinder) gives this module its usual spec
-        try:
-            with open(spec.origin, "rb") as f:
-                if not imports_macrogen(f.read()):
-                    return None
-        except OSError:
+        if spec is None:
             return None
+        if (
+            type(spec.loader) is not importlib.machinery.SourceFileLoader
+            or fullname.partition(".")[0] in _NEVER_MACROS
+            or _in_stdlib(spec.origin)
+            or not _imports_macrogen_file(spec.origin)
+        ):
+            # The usual spec: PathFinder's own answer when it is next in line (no second
+            # search), else None so that the finders in between get their turn.
+            return spec if self._path_finder_is_next() else None
         spec.loader = MacroLoader(fullname, spec.origin, self.options)
         return spec
 
+    def _path_finder_is_next(self) -> bool:
+        meta_path = sys.meta_path
+        for i, finder in enumerate(meta_path):
+            if finder is self:
+                return i + 1 < len(meta_path) and meta_path[i + 1] is _PathFinder
+        return False
+
     def invalidate_caches(self) -> None:
         pass  # nothing cached in memory; PathFinder invalidates its own
+
+
+def _imports_macrogen_file(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return imports_macrogen(os.read(fd, os.fstat(fd).st_size + 1))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _in_stdlib(origin: str) -> bool:
