@@ -1,0 +1,292 @@
+"""@tile: the generated CPU path against eager torch and the unexpanded loop; the kernel on CUDA.
+
+    python bench/tile.py [--threads 1] [--rounds 7] [--min-run-time 0.3]
+
+CPU, per pattern (medians of torch.utils.benchmark):
+  * the expanded function's torch path over eager torch written as the same
+    expression (goal: <= 1.2);
+  * the unexpanded loop over the torch path, both on a small input (the loop
+    is Python; goal: >= 100x).
+Path and eager are measured in alternating rounds and the median ratio is
+reported, so that load from other processes hits both alike.
+CUDA (only where a GPU exists): the generated Triton kernel and
+torch.compile of the eager expression, timed with triton.testing.do_bench, as
+GB/s (TFLOP/s for the matmul) and as a fraction of the device's measured copy
+bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.utils.benchmark as benchmark
+
+from macrogen.expand import expand_source
+
+HEADER = "import torch\nimport macrogen as mg\n\n"
+
+
+@dataclass(frozen=True)
+class Pattern:
+    name: str
+    source: str
+    eager: object  # the same computation written in eager torch, in place
+    shapes: dict  # parameter -> shape, for the timed run
+    small: dict  # parameter -> shape, for the loop comparison
+    gpu: dict  # parameter -> shape, for the CUDA section
+    flops: object = None  # (shapes) -> floating-point operations, for TFLOP/s
+    gpu_dtype: torch.dtype = torch.float32
+
+
+def _bias_gelu(out, x, b):
+    v = x + b
+    out.copy_(0.5 * v * (1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v))))
+
+
+def _softmax(out, x):
+    m = x.amax(dim=1, keepdim=True)
+    s = torch.exp(x - m).sum(dim=1, keepdim=True)
+    out.copy_(torch.exp(x - m) / s)
+
+
+def _row_sum_max(total, biggest, x):
+    total.copy_(x.sum(dim=1))
+    biggest.copy_(x.amax(dim=1))
+
+
+def _matmul(out, a, b):
+    out += a @ b
+
+
+def _batched_gate(out, x, w, bias):
+    out.copy_(torch.sigmoid((x * w).sum(dim=2) + bias))
+
+
+PATTERNS = [
+    Pattern(
+        "bias_gelu",
+        """
+        @mg.tile(i=32, j=64)
+        def bias_gelu(out, x, b):
+            M, N = x.shape
+            for i in range(M):
+                for j in range(N):
+                    v = x[i, j] + b[j]
+                    out[i, j] = 0.5 * v * (1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v)))
+        """,
+        _bias_gelu,
+        {"out": (2048, 2048), "x": (2048, 2048), "b": (2048,)},
+        {"out": (48, 64), "x": (48, 64), "b": (64,)},
+        {"out": (8192, 8192), "x": (8192, 8192), "b": (8192,)},
+    ),
+    Pattern(
+        "softmax",
+        """
+        @mg.tile(i=4, j=1024)
+        def softmax(out, x):
+            M, N = x.shape
+            for i in range(M):
+                m = float("-inf")
+                for j in range(N):
+                    m = max(m, x[i, j])
+                s = 0.0
+                for j in range(N):
+                    s += torch.exp(x[i, j] - m)
+                for j in range(N):
+                    out[i, j] = torch.exp(x[i, j] - m) / s
+        """,
+        _softmax,
+        {"out": (2048, 2048), "x": (2048, 2048)},
+        {"out": (32, 64), "x": (32, 64)},
+        {"out": (16384, 4096), "x": (16384, 4096)},
+    ),
+    Pattern(
+        "row_sum_max",
+        """
+        @mg.tile(i=16, j=256)
+        def row_sum_max(total, biggest, x):
+            M, N = x.shape
+            for i in range(M):
+                s = 0.0
+                m = float("-inf")
+                for j in range(N):
+                    s += x[i, j]
+                    m = max(m, x[i, j])
+                total[i] = s
+                biggest[i] = m
+        """,
+        _row_sum_max,
+        {"total": (2048,), "biggest": (2048,), "x": (2048, 2048)},
+        {"total": (48,), "biggest": (48,), "x": (48, 64)},
+        {"total": (16384,), "biggest": (16384,), "x": (16384, 4096)},
+    ),
+    Pattern(
+        "matmul",
+        """
+        @mg.tile(i=64, j=64, k=32, num_stages=3)
+        def matmul(out, a, b):
+            M, K = a.shape
+            _, N = b.shape
+            for i in range(M):
+                for j in range(N):
+                    for k in range(K):
+                        out[i, j] += a[i, k] * b[k, j]
+        """,
+        _matmul,
+        {"out": (512, 512), "a": (512, 512), "b": (512, 512)},
+        {"out": (16, 16), "a": (16, 16), "b": (16, 16)},
+        {"out": (4096, 4096), "a": (4096, 4096), "b": (4096, 4096)},
+        flops=lambda s: 2 * s["a"][0] * s["a"][1] * s["b"][1],
+        gpu_dtype=torch.float16,
+    ),
+    Pattern(
+        "batched_gate (3 loops)",
+        """
+        @mg.tile(b=2, i=8, j=64)
+        def batched_gate(out, x, w, bias):
+            B, M, N = x.shape
+            for b in range(B):
+                for i in range(M):
+                    acc = 0.0
+                    for j in range(N):
+                        acc += x[b, i, j] * w[j]
+                    out[b, i] = torch.sigmoid(acc + bias[i])
+        """,
+        _batched_gate,
+        {"out": (16, 512), "x": (16, 512, 512), "w": (512,), "bias": (512,)},
+        {"out": (4, 16), "x": (4, 16, 32), "w": (32,), "bias": (16,)},
+        {"out": (64, 4096), "x": (64, 4096, 1024), "w": (1024,), "bias": (4096,)},
+    ),
+]
+
+
+def _function_name(p: Pattern) -> str:
+    return p.name.split()[0]
+
+
+def load(p: Pattern, directory: Path):
+    """(the unexpanded module, the expanded module) of one pattern."""
+    src = HEADER + textwrap.dedent(p.source)
+    modules = []
+    for kind, code in (("loop", src), ("tiled", expand_source(src, path=f"{p.name}.py").code)):
+        path = directory / f"bench_tile_{_function_name(p)}_{kind}.py"
+        path.write_text(code)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        spec.loader.exec_module(module)
+        modules.append(module)
+    return modules
+
+
+def inputs(shapes: dict, device: str = "cpu", dtype=torch.float32) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    return {k: torch.randn(s, generator=gen, device=device, dtype=dtype) for k, s in shapes.items()}
+
+
+def median(fn, args: dict, min_run_time: float) -> float:
+    timer = benchmark.Timer(stmt="fn(**args)", globals={"fn": fn, "args": args})
+    return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+def paired(a, b, args: dict, rounds: int, min_run_time: float) -> tuple[float, float, float]:
+    """Medians of a and b, and of a/b, over ``rounds`` alternating measurements (drift hits both)."""
+    ta, tb = [], []
+    for _ in range(rounds):
+        ta.append(median(a, args, min_run_time))
+        tb.append(median(b, args, min_run_time))
+    ratios = [x / y for x, y in zip(ta, tb)]
+    return statistics.median(ta), statistics.median(tb), statistics.median(ratios)
+
+
+def cpu_section(directory: Path, rounds: int, min_run_time: float) -> None:
+    loadavg = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"== CPU (torch {torch.__version__}, {torch.get_num_threads()} thread(s), {os.cpu_count()} cores,"
+        f" load average {loadavg:.1f}); medians of {rounds} alternating rounds =="
+    )
+    head = f"{'pattern':<24}{'torch path':>12}{'eager':>12}{'path/eager':>12}{'goal':>7}"
+    head += f"{'loop (small)':>15}{'path (small)':>14}{'speed-up':>11}{'goal':>8}"
+    print(head)
+    for p in PATTERNS:
+        loop, tiled = load(p, directory)
+        fn = _function_name(p)
+        path = getattr(tiled, f"_{fn}_torch")
+        t_path, t_eager, ratio = paired(path, p.eager, inputs(p.shapes), rounds, min_run_time)
+        t_loop, t_small, speedup = paired(getattr(loop, fn), path, inputs(p.small), 1, min_run_time)
+        print(
+            f"{p.name:<24}{t_path * 1e3:>10.3f}ms{t_eager * 1e3:>10.3f}ms{ratio:>12.2f}"
+            f"{'<=1.2':>7}{t_loop * 1e3:>13.2f}ms{t_small * 1e6:>12.1f}us{speedup:>10.0f}x{'>=100x':>8}"
+        )
+
+
+def do_bench(fn, args: dict) -> float:
+    """Seconds per call: the median of triton.testing.do_bench."""
+    import triton.testing
+
+    return triton.testing.do_bench(lambda: fn(**args), return_mode="median") * 1e-3
+
+
+def measured_bandwidth() -> float:
+    """GB/s of a 1 GiB device-to-device copy (it reads and writes every byte)."""
+    src = torch.empty(1 << 28, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / do_bench(dst.copy_, {"src": src}) / 1e9
+
+
+def cuda_section(directory: Path) -> None:
+    if not torch.cuda.is_available():
+        print("== CUDA: skipped (no GPU on this machine) ==")
+        return
+    name = torch.cuda.get_device_name()
+    peak = measured_bandwidth()
+    print(
+        f"== CUDA ({name}): measured copy bandwidth {peak:.0f} GB/s; triton.testing.do_bench medians =="
+    )
+    print(
+        f"{'pattern':<24}{'kernel':>12}{'compiled':>12}{'kernel':>14}{'compiled':>14}{'kernel/peak':>13}"
+    )
+    for p in PATTERNS:
+        _, tiled = load(p, directory)
+        fn = _function_name(p)
+        launcher = getattr(tiled, f"_{fn}_triton")
+        args = inputs(p.gpu, "cuda", p.gpu_dtype)
+        compiled = torch.compile(p.eager)
+        t_kernel = do_bench(launcher, args)
+        t_compiled = do_bench(compiled, args)
+        if p.flops is not None:
+            work = p.flops(p.gpu) / 1e12
+            unit, fraction = "TFLOP/s", ""
+        else:
+            work = sum(t.numel() * t.element_size() for t in args.values()) / 1e9
+            unit, fraction = "GB/s", f"{work / t_kernel / peak:>12.0%}"
+        print(
+            f"{p.name:<24}{t_kernel * 1e3:>10.3f}ms{t_compiled * 1e3:>10.3f}ms"
+            f"{work / t_kernel:>8.1f} {unit:<5}{work / t_compiled:>8.1f} {unit:<5}{fraction:>13}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: least noise)")
+    parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--rounds", type=int, default=7, help="alternating path/eager rounds")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="bench-tile-") as tmp:
+        cpu_section(Path(tmp), args.rounds, args.min_run_time)
+        cuda_section(Path(tmp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
