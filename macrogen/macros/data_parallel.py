@@ -1,0 +1,154 @@
+"""``@data_parallel(...)`` on an ``nn.Module`` class: gradients averaged over the data-parallel ranks.
+
+    @mg.data_parallel(bucket_mb=25, compress="bf16")     # macrogen: data_parallel at train.py:12
+    class GPT(nn.Module):                           ->   class _GPT_serial(nn.Module):
+        def __init__(self, config): ...                  def __init__(self, config): ...
+        def forward(self, idx, targets): ...             def forward(self, idx, targets): ...
+
+                                                     class GPT(_GPT_serial):
+                                                         def __init__(self, *args, **kwargs):
+                                                             super().__init__(*args, **kwargs)
+                                                             self._mg_data_parallel = GradientSync(self, ...)
+
+The user's class keeps its body under a fresh name; the generated subclass
+takes the user's name, so every use of ``GPT`` in the program gets the
+data-parallel model, with the serial model's parameter names and state_dict
+keys. ``macrogen.runtime.data_parallel.GradientSync`` does the work (buckets,
+overlap, accumulation, compression, start-up checks).
+
+Arguments (keyword only; each may be a ``tunable``):
+``bucket_mb`` (25), ``first_bucket_mb`` (1), ``compress`` (None, "bf16" or
+"fp16"), ``accumulate`` (1), ``broadcast_buffers`` (True).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import libcst as cst
+import libcst.matchers as m
+
+from macrogen import codegen
+from macrogen.expand.args import Arg
+from macrogen.expand.context import Context
+from macrogen.expand.errors import MacroError
+from macrogen.expand.site import Site
+
+FORMS = ("decorator",)
+USAGE = (
+    "@data_parallel(bucket_mb=25, first_bucket_mb=1, compress=None, accumulate=1,"
+    " broadcast_buffers=True) decorates an nn.Module class"
+)
+
+DEFAULTS: dict[str, Any] = {
+    "bucket_mb": 25,
+    "first_bucket_mb": 1,
+    "compress": None,
+    "accumulate": 1,
+    "broadcast_buffers": True,
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str  # the user's class name: the generated subclass takes it
+    bucket_mb: int | float  # MiB per bucket after the first
+    first_bucket_mb: int | float  # MiB in the first bucket (starts communication early)
+    compress: str | None  # None, "bf16" or "fp16"
+    accumulate: int  # all-reduce every k-th backward
+    broadcast_buffers: bool  # rank 0's buffers to every rank before each forward
+
+
+def _positive_number(v: Any) -> str | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v:
+        return "a positive number of MiB"
+    return None
+
+
+def _compress(v: Any) -> str | None:
+    return None if v in (None, "bf16", "fp16") else 'None, "bf16" or "fp16"'
+
+
+def _accumulate(v: Any) -> str | None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        return "a whole number of backward passes >= 1"
+    return None
+
+
+def _bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "True or False"
+
+
+CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "bucket_mb": _positive_number,
+    "first_bucket_mb": _positive_number,
+    "compress": _compress,
+    "accumulate": _accumulate,
+    "broadcast_buffers": _bool,
+}
+
+
+def validate(site: Site, ctx: Context) -> Spec:
+    node = site.node
+    if not isinstance(node, cst.ClassDef):
+        raise MacroError(f"data_parallel() decorates a class: {USAGE}", site.call or site.original)
+    if not node.bases:
+        raise MacroError(
+            f"data_parallel() decorates an nn.Module subclass; {node.name.value} has no base class",
+            node.name,
+        )
+    _reject_named_super(node)
+    args = site.args.bind(DEFAULTS)
+    values = {name: args[name].value if name in args else d for name, d in DEFAULTS.items()}
+    for name, arg in args.items():
+        _check(name, arg, ctx)
+    return Spec(name=node.name.value, **values)
+
+
+def _check(name: str, arg: Arg, ctx: Context) -> None:
+    """The value, and every choice of a tunable (autotune may pick any of them)."""
+    candidates = [arg.value]
+    if arg.tunable is not None and arg.tunable in ctx.tunables:
+        candidates = list(ctx.tunables[arg.tunable].choices)
+    for value in candidates:
+        wanted = CHECKS[name](value)
+        if wanted is not None:
+            what = "a choice of" if arg.tunable is not None else ""
+            raise MacroError(
+                f"{name} must be {wanted}, not {what + ' ' if what else ''}{value!r}", arg.node
+            )
+
+
+def _reject_named_super(cls: cst.ClassDef) -> None:
+    """``super(GPT, self)`` would name the generated subclass and recurse forever."""
+    pattern = m.Call(func=m.Name("super"), args=[m.Arg(m.Name(cls.name.value)), m.AtLeastN(n=0)])
+    for call in m.findall(cls.body, pattern):
+        raise MacroError(
+            f"write super() without arguments in a @data_parallel class: super({cls.name.value}, ...)"
+            " would name the generated data-parallel subclass",
+            call,
+        )
+
+
+def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
+    spec = validate(site, ctx)
+    serial = ctx.names.fresh(f"_{spec.name}_serial")
+    user_class = site.node.with_changes(name=cst.Name(serial))
+    generated = codegen.render_statements(
+        "data_parallel.py.j2",
+        name=spec.name,
+        serial=serial,
+        location=ctx.location(site.line),
+        sync=ctx.names.fresh("_mg_data_parallel"),
+        gradient_sync=ctx.import_from("macrogen.runtime.data_parallel", "GradientSync"),
+        config=ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig"),
+        bucket_mb=spec.bucket_mb,
+        first_bucket_mb=spec.first_bucket_mb,
+        compress=spec.compress,
+        accumulate=spec.accumulate,
+        broadcast_buffers=spec.broadcast_buffers,
+    )
+    blank = [cst.EmptyLine(), cst.EmptyLine()]
+    return [user_class, generated[0].with_changes(leading_lines=blank)]

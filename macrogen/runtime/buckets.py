@@ -1,0 +1,133 @@
+"""Gradient buckets: flat buffers whose slices are the parameters' ``.grad``.
+
+    plan = plan_buckets(params, bucket_bytes=25 * 2**20, first_bucket_bytes=2**20)
+    buckets = [Bucket(params, layout) for layout in plan]
+
+Parameters are taken in reverse registration order (roughly the order backward
+produces their gradients), grouped by dtype and device, and cut into buckets
+of about ``bucket_bytes``; the first bucket is smaller so that communication
+starts early in the backward pass. The plan depends only on the parameters'
+order, shapes, dtypes and devices, so it is the same on every rank.
+
+Each ``param.grad`` is a view into its bucket's flat buffer: autograd
+accumulates straight into the buffer and the all-reduce reads it in place,
+with no copy in either direction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from macrogen.kernels.grad_compress import compress, decompress
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Which parameters share one flat buffer, and where each one lives in it."""
+
+    indices: tuple[int, ...]  # into the parameter list, in launch order
+    offsets: tuple[int, ...]  # start of each parameter's gradient in the buffer
+    numel: int  # elements in the buffer
+    dtype: torch.dtype
+    device: torch.device
+
+
+def plan_buckets(
+    params: Sequence[torch.Tensor], *, bucket_bytes: int, first_bucket_bytes: int
+) -> list[BucketLayout]:
+    """Buckets over ``params`` in reverse order; a bucket closes once it holds ``bucket_bytes``."""
+    layouts: list[BucketLayout] = []
+    open_: dict[tuple[torch.dtype, torch.device], list[int]] = {}  # one open bucket per kind
+    held: dict[tuple[torch.dtype, torch.device], int] = {}  # bytes in each open bucket
+
+    def close(key: tuple[torch.dtype, torch.device]) -> None:
+        indices = open_.pop(key)
+        held.pop(key)
+        offsets, at = [], 0
+        for i in indices:
+            offsets.append(at)
+            at += params[i].numel()
+        layouts.append(BucketLayout(tuple(indices), tuple(offsets), at, *key))
+
+    for i in reversed(range(len(params))):
+        p = params[i]
+        key = (p.dtype, p.device)
+        open_.setdefault(key, []).append(i)
+        held[key] = held.get(key, 0) + p.numel() * p.element_size()
+        cap = first_bucket_bytes if not layouts else bucket_bytes
+        if held[key] >= cap:
+            close(key)
+    for key in list(open_):
+        close(key)
+    return layouts
+
+
+class Bucket:
+    """One flat gradient buffer, its parameters' views, and its in-flight all-reduce."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        layout: BucketLayout,
+        *,
+        comm_dtype: torch.dtype | None,
+        extra: int = 0,
+    ):
+        self.layout = layout
+        self.params = [params[i] for i in layout.indices]
+        # ``extra`` trailing elements ride along in the same collective (the used-flags)
+        self.buffer = torch.zeros(layout.numel + extra, dtype=layout.dtype, device=layout.device)
+        self.grads = self.buffer[: layout.numel]
+        self.extra = self.buffer[layout.numel :]
+        self.views = [
+            self.grads[off : off + p.numel()].view_as(p)
+            for p, off in zip(self.params, layout.offsets)
+        ]
+        # a half-precision copy to send, when compressing (same length as the buffer)
+        self.comm = (
+            None
+            if comm_dtype is None or comm_dtype == layout.dtype
+            else torch.empty_like(self.buffer, dtype=comm_dtype)
+        )
+        self.work: dist.Work | None = None
+
+    def attach(self) -> list[int]:
+        """Make every ``param.grad`` a view into the buffer; positions (in this bucket) that were None."""
+        were_none = [i for i, p in enumerate(self.params) if p.grad is None]
+        if len(were_none) == len(self.params):
+            self.grads.zero_()  # optimizer.zero_grad(set_to_none=True): one memset
+        else:
+            for i in were_none:
+                self.views[i].zero_()
+        for i in were_none:
+            self.params[i].grad = self.views[i]
+        return were_none
+
+    def adopt(self, i: int) -> None:
+        """Parameter ``i``'s gradient was made outside the buffer (no forward hook ran): move it in."""
+        p, view = self.params[i], self.views[i]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad is not view:
+            view.copy_(p.grad)
+        p.grad = view
+
+    def launch(self, group: dist.ProcessGroup | None, scale: float) -> None:
+        """Start averaging the buffer over ``group`` (asynchronously)."""
+        if self.comm is None:
+            self.buffer.mul_(scale)
+            self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
+        else:
+            compress(self.buffer, self.comm, scale)
+            self.work = dist.all_reduce(self.comm, group=group, async_op=True)
+
+    def wait(self) -> None:
+        assert self.work is not None, "wait() before launch()"
+        self.work.wait()
+        self.work = None
+        if self.comm is not None:
+            decompress(self.comm, self.buffer)

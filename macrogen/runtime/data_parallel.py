@@ -1,0 +1,228 @@
+"""Gradient averaging for ``@data_parallel`` modules: buckets, overlap, accumulation.
+
+A generated ``@data_parallel`` class makes one ``GradientSync`` at the end of
+its ``__init__``. From then on, with no change to the training loop:
+
+- the first forward (when the model sits on its device) plans the buckets,
+  checks that every rank built the same model, and broadcasts rank 0's
+  parameters and buffers;
+- each forward makes every ``param.grad`` a view into its bucket's buffer;
+- during backward, a bucket's all-reduce starts as soon as all of its
+  gradients are accumulated, in bucket order on every rank;
+- at the end of backward (an autograd-engine callback) the remaining buckets
+  are launched and all are waited for, so ``optimizer.step()`` reads averaged
+  gradients.
+
+With ``accumulate=k`` only every k-th backward communicates; the backwards in
+between accumulate locally into the same buffers.
+
+Unused parameters: a bucket whose parameter got no gradient this backward
+is launched at the end of backward with that parameter's gradient as it is
+(zero after ``zero_grad``). One flag per parameter rides in the last bucket,
+so every rank learns which parameters no rank used; their ``.grad`` is reset
+to ``None`` if it was ``None`` before, as in the serial program.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from macrogen.kernels.grad_compress import COMM_DTYPES
+from macrogen.runtime import groups
+from macrogen.runtime.agreement import Fingerprint, check_agreement, fingerprint
+from macrogen.runtime.buckets import Bucket, plan_buckets
+
+MB = 2**20
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    bucket_mb: float = 25  # MiB per bucket: fewer, larger collectives vs. earlier overlap
+    first_bucket_mb: float = 1  # the first bucket is small so communication starts early
+    compress: str | None = None  # "bf16" / "fp16": all-reduce a half-precision copy
+    accumulate: int = 1  # communicate on every k-th backward only
+    broadcast_buffers: bool = True  # copy rank 0's buffers to all ranks before each forward
+
+    def describe(self) -> str:
+        return (
+            f"bucket_mb={self.bucket_mb!r}, first_bucket_mb={self.first_bucket_mb!r},"
+            f" compress={self.compress!r}, accumulate={self.accumulate!r},"
+            f" broadcast_buffers={self.broadcast_buffers!r}"
+        )
+
+
+class GradientSync:
+    """Averages ``module``'s gradients over the data-parallel group; see the module docstring."""
+
+    def __init__(self, module: nn.Module, config: DataParallelConfig, *, where: str):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"@data_parallel at {where} needs an nn.Module subclass")
+        self.module = module
+        self.config = config
+        self.where = where
+        # Read now, after the user's __init__: a tensor-parallel mesh built there sets the group.
+        self.group = groups.data_parallel_group()
+        self.world_size = groups.world_size(self.group)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.buckets: list[Bucket] = []  # planned at the first forward, on the parameters' device
+        self.slot: list[tuple[int, int]] = []  # parameter -> (bucket, position in it)
+        self.started = False
+        self.backwards = 0  # backward passes so far (accumulate counts them)
+        self._reset_window()
+        if self.world_size == 1:
+            return  # serial: plain autograd gradients, nothing to average
+        module.register_forward_pre_hook(self._before_forward)
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+
+    # -- start-up --------------------------------------------------------------
+    def restart(self) -> None:
+        """Parameters moved or changed dtype (``model.to(...)``): plan again at the next forward."""
+        self.started = False
+
+    def _start(self) -> None:
+        plan = plan_buckets(
+            self.params,
+            bucket_bytes=int(self.config.bucket_mb * MB),
+            first_bucket_bytes=int(self.config.first_bucket_mb * MB),
+        )
+        comm_dtype = COMM_DTYPES.get(self.config.compress or "")
+        self.buckets = [
+            # the last bucket carries one used-flag per parameter (see _settle_unused)
+            Bucket(
+                self.params,
+                layout,
+                comm_dtype=comm_dtype,
+                extra=len(self.params) * (b == len(plan) - 1),
+            )
+            for b, layout in enumerate(plan)
+        ]
+        self.slot = [(0, 0)] * len(self.params)
+        for b, layout in enumerate(plan):
+            for j, i in enumerate(layout.indices):
+                self.slot[i] = (b, j)
+        check_agreement(self._fingerprint(), group=self.group, where=self.where)
+        broadcast(self.params, self.group)
+        broadcast(list(self.module.buffers()), self.group)
+        self.started = True
+        self._reset_window()
+
+    def _fingerprint(self) -> Fingerprint:
+        return fingerprint(
+            self.names,
+            [tuple(p.shape) for p in self.params],
+            [str(p.dtype).removeprefix("torch.") for p in self.params],
+            [b for b, _ in self.slot],
+            self.config.describe(),
+        )
+
+    # -- forward ---------------------------------------------------------------
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if not self.started:
+            self._start()
+        if torch.is_grad_enabled():
+            for bucket in self.buckets:
+                for j in bucket.attach():
+                    self.zeroed.add(bucket.layout.indices[j])
+        if self.config.broadcast_buffers and module.training:
+            broadcast(list(module.buffers()), self.group)
+
+    # -- backward --------------------------------------------------------------
+    def _syncing(self) -> bool:
+        """Whether the backward now running is the one that communicates."""
+        return self.backwards % self.config.accumulate == self.config.accumulate - 1
+
+    def _grad_ready(self, i: int, param: torch.Tensor) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            self.ready = bytearray(len(self.params))
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        if not self.started:
+            raise RuntimeError(
+                f"data_parallel at {self.where}: a gradient reached a parameter before the model's"
+                " first forward; call the model itself (not only its submodules) before backward"
+            )
+        self.used[i] = 1
+        if not self._syncing() or self.ready[i]:
+            return
+        self.ready[i] = 1
+        b, j = self.slot[i]
+        bucket = self.buckets[b]
+        if param.grad is not bucket.views[j]:
+            bucket.adopt(j)
+        self.pending[b] -= 1
+        while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
+            self._launch(self.launched)
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        if b == len(self.buckets) - 1:
+            bucket.extra.copy_(torch.frombuffer(self.used, dtype=torch.uint8))
+        bucket.launch(self.group, 1.0 / self.world_size)
+        self.launched = b + 1
+
+    def _after_backward(self) -> None:
+        self.in_backward = False
+        syncing = self.started and self._syncing()
+        self.backwards += 1
+        if not syncing:
+            return
+        # Buckets with a parameter no gradient reached: launch them as they are, in order.
+        for b in range(self.launched, len(self.buckets)):
+            bucket = self.buckets[b]
+            for j, i in enumerate(bucket.layout.indices):
+                if not self.ready[i]:
+                    if bucket.params[j].grad is None:
+                        self.zeroed.add(i)
+                    bucket.adopt(j)
+            self._launch(b)
+        for bucket in self.buckets:
+            bucket.wait()
+        self._settle_unused()
+        self._reset_window()
+
+    def _settle_unused(self) -> None:
+        """A parameter no rank used keeps the gradient it had: None stays None."""
+        if not self.buckets:
+            return
+        used = self.buckets[-1].extra
+        if bool((used > 0).all()):
+            return
+        for i in torch.nonzero(used == 0).flatten().tolist():
+            if i in self.zeroed:
+                self.params[i].grad = None
+
+    def _reset_window(self) -> None:
+        self.in_backward = False
+        self.used = bytearray(len(self.params))  # gradient seen since the last all-reduce
+        self.ready = bytearray(len(self.params))  # gradient seen in this backward
+        self.zeroed: set[int] = set()  # .grad was None and is now a zeroed view
+        self.pending = [len(b.params) for b in self.buckets]
+        self.launched = 0  # buckets launched so far, in order
+
+
+def broadcast(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Overwrite ``tensors`` with group rank 0's, one collective per dtype and device."""
+    if not tensors:
+        return
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        kinds.setdefault((t.dtype, t.device), []).append(t.detach())
+    with torch.no_grad():
+        for members in kinds.values():
+            flat = torch.cat([t.reshape(-1) for t in members])
+            dist.broadcast(flat, src=src, group=group)
+            torch._foreach_copy_(
+                members,
+                [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in members]), members)],
+            )
