@@ -173,7 +173,7 @@ def test_a_killed_run_resumes_without_repeating_candidates(tmp_path: Path) -> No
 
         def make_step():
             if SIZE != 8:
-                time.sleep(1.5)  # slow enough to be killed between candidates
+                time.sleep(0.8)  # slow enough to be killed between candidates
             a = torch.randn(SIZE, SIZE)
             return lambda: a @ a
         """,
@@ -205,3 +205,70 @@ def test_a_killed_run_resumes_without_repeating_candidates(tmp_path: Path) -> No
     assert grown.new_measurements == 1 and len(_candidates(db)) == 5
     values, stale = database.winners(db, src.read_text(), file="prog.py")
     assert values == grown.winner and stale == []
+
+
+TILE = """\
+import torch
+
+import macrogen as mg
+
+
+@mg.tile(i=mg.tunable(32, choices=[16, 32]), j=mg.tunable(32, choices=[32, 64]))
+def bias_gelu(out, x, b):
+    M, N = x.shape
+    for i in range(M):
+        for j in range(N):
+            v = x[i, j] + b[j]
+            out[i, j] = v * torch.sigmoid(1.702 * v)
+
+
+def make_step():
+    x = torch.randn(64, 96)
+    b = torch.randn(96)
+    out = torch.empty_like(x)
+    return (lambda: bias_gelu(out, x, b)), {"dtype": "float32", "x": [64, 96]}
+"""
+
+
+def test_tile_sizes_tune_on_the_cpu_path(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the worker times the torch path all the same
+    src = _write(tmp_path, "kern.py", TILE)
+    outcome = autotune(src, entry=":make_step", target="cpu", timing=FAST, reporter=_quiet()[0])
+    assert [(p.key, p.macro) for p in outcome.space.parameters] == [
+        ("bias_gelu.i", "tile"),
+        ("bias_gelu.j", "tile"),
+    ]
+    assert outcome.new_measurements == 4 and outcome.winner is not None
+    assert all("time_s" in c for c in _candidates(database.default_path(src)).values())
+    out, err = io.BytesIO(), io.StringIO()
+    from macrogen.commands.expand import expand_files
+
+    assert expand_files([str(src)], stdout=out, stderr=err) == 0, err.getvalue()
+    header = out.getvalue().decode()
+    for key, value in outcome.winner.items():
+        assert f"# tunable {key} = {value} (tuned;" in header
+
+
+def test_cuda_candidates_are_timed_with_do_bench(monkeypatch) -> None:
+    """The CUDA path runs where a GPU exists; here: that it is chosen and what it reports."""
+    import triton.testing
+
+    from macrogen.autotune import worker
+    from macrogen.autotune.measure import Program
+
+    program = Program(Path("k.py"), "", ":f", True, 1, "cuda", FAST)
+    assert program.mode() == "do_bench"
+    assert Program(Path("k.py"), "", ":f", True, 2, "cuda", FAST).mode() == "ranks"
+    assert Program(Path("k.py"), "", ":f", True, 1, "cpu", FAST).mode() == "benchmark"
+    calls = []
+
+    def fake_do_bench(fn, warmup, rep, quantiles):
+        calls.append((warmup, rep, quantiles))
+        fn()
+        return [1.0, 2.0, 3.0]  # milliseconds
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    ran = []
+    times = worker.TIMERS["do_bench"](lambda: ran.append(1), {"min_time": 0.4, "rounds": 4})
+    assert times == [0.001, 0.002, 0.003] and ran == [1]
+    assert calls == [(26, 100, [0.2, 0.5, 0.8])]

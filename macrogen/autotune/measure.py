@@ -151,9 +151,12 @@ def _launch(
         },
     }
     (work / "job.json").write_text(json.dumps(job, indent=2))
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # time the real paths: CUDA kernels or the torch CPU path
     with log.open("wb") as out:
         proc = subprocess.Popen(
             _command(program, work / "job.json"),
+            env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
