@@ -204,6 +204,17 @@ def expand(site: Site, ctx: Context) -> cst.FunctionDef:
             sizes=nest.sizes,
             bounds=bounds,
             checks=_index_checks(nest, names),
+            aliases=[
+                {
+                    "output": o,
+                    "other": t,
+                    "message": f"{o} and {t} share memory; @tile needs outputs apart from"
+                    " the other tensors (pass a fresh tensor, or a clone)",
+                }
+                for o in nest.outputs
+                for t, _ in nest.tensors
+                if t != o
+            ],
             **common,
         )
     )

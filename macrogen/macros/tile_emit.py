@@ -204,7 +204,7 @@ def _statement_loads(s: Let | Accum | Store) -> list[Load]:
 
 # -- expressions, shared by both emitters ------------------------------------------------
 class _Expressions:
-    flavor = ""
+    """Expression code; each flavour (Triton, torch) says how to write powers and calls."""
 
     def __init__(self, loaded: dict[Load, str]):
         self.loaded = loaded
@@ -220,17 +220,11 @@ class _Expressions:
             return f"(-{self.expr(e.operand)})"
         if isinstance(e, Binary):
             if e.op == "**":
-                return self.power(e)
+                return self.power(e)  # type: ignore[attr-defined]
             return f"({self.expr(e.left)} {e.op} {self.expr(e.right)})"
         if isinstance(e, Call):
-            return self.call(e)
+            return self.call(e)  # type: ignore[attr-defined]
         raise AssertionError(e)
-
-    def power(self, e: Binary) -> str:
-        raise NotImplementedError  # each flavour says
-
-    def call(self, e: Call) -> str:
-        raise NotImplementedError  # each flavour says
 
 
 class TritonExpressions(_Expressions):
@@ -410,6 +404,8 @@ class KernelEmitter:
         ptrs = self.names.namer(f"{s.tensor_name}_ptrs")
         out.append(Assign(ptrs, parse(self._address(s.tensor_name, s.index, index))))
         mask = self._mask(list(s.index), masks) or "True"
+        if not s.value.tensor:  # a number: make it a tile so that it has a dtype to cast
+            value = f"{value} + {self.tl}.zeros({self._store_shape(s)}, dtype={self.tl}.float32)"
         if s.add:
             value = f"{self.tl}.load({ptrs}, mask={mask}).to({self.tl}.float32) + {value}"
         ptr = ident(self.names.ptr[s.tensor_name])
@@ -417,6 +413,16 @@ class KernelEmitter:
             TritonStore(parse(ptrs), parse(f"({value}).to({ptr}.dtype.element_ty)"), parse(mask))
         )
         return out
+
+    def _store_shape(self, s: Store) -> str:
+        """The shape of a store's pointer tile: its loop variables' blocks on their axes."""
+        inner = [v for v in s.index if v not in self.grid_vars]
+        axes = (
+            list(self.grid_vars) + (inner or [""])
+            if self.rank > len(self.grid_vars)
+            else self.grid_vars
+        )
+        return "[" + ", ".join(self.names.block[v] if v in s.index else "1" for v in axes) + "]"
 
     def _tile_shape(self) -> str:
         blocks = [self.names.block[v] for v in self.grid_vars]
@@ -561,6 +567,7 @@ class TorchEmitter:
         self.rank = nest.rank
         self.loaded: dict[Load, str] = {}
         self.identity: dict[str, float] = {}  # locals whose value is still a constant
+        self.scalar: set[str] = set()  # locals that are still Python numbers
         self.views: dict[str, str] = {}  # slice code -> its name
 
     def steps(self) -> list:
@@ -612,16 +619,19 @@ class TorchEmitter:
                 self.identity[s.name] = s.value.value
             else:
                 self.identity.pop(s.name, None)
+            if s.value.tensor:
+                self.scalar.discard(s.name)
+            else:
+                self.scalar.add(s.name)
             return [Assign(ident(s.name), parse(value))]
         assert isinstance(s, Store)
         order = list(s.index)
-        if s.value.tensor and s.value.dims:
+        if (
+            s.value.tensor and s.value.dims
+        ):  # a tensor on the nest's axes: drop the inner one, reorder
             if self.nest.inner_axis and not inner:
                 value = f"{value}[..., 0]"
-            axes = list(self.grid_vars) + ([order[-1]] if inner else [])
-            canonical = [v for v in axes]
-            if inner:
-                canonical = list(self.grid_vars) + [v for v in order if v not in self.grid_vars]
+            canonical = list(self.grid_vars) + [v for v in order if v not in self.grid_vars]
             value += _permute(canonical, order)
         subs = [f"{bounds[v].lo}:{bounds[v].hi}" for v in order]
         target = f"{ident(s.tensor_name)}[{', '.join(subs)}]"
@@ -665,11 +675,13 @@ class TorchEmitter:
     def _reduce(self, op: str, acc: str, reduced: str) -> str:
         """Fold ``reduced`` into the local ``acc``; skip the fold when ``acc`` is still the identity."""
         start = self.identity.pop(acc, None)
+        scalar = acc in self.scalar
+        self.scalar.discard(acc)
         if start is not None and start == _IDENTITY[op]:
             return reduced
         if op == "sum":
             return f"{ident(acc)} + {reduced}"
-        if start is not None:  # a Python number: clamp keeps the tensor a tensor
+        if scalar:  # a Python number: clamp keeps the tensor a tensor
             return f"{self.torch}.clamp({reduced}, {'min' if op == 'max' else 'max'}={ident(acc)})"
         return f"{self.torch}.{'maximum' if op == 'max' else 'minimum'}({ident(acc)}, {reduced})"
 

@@ -159,6 +159,15 @@ def test_shapes_and_index_ranges_are_checked_at_run_time(tmp_path) -> None:
         module.shift(out, torch.randn(5), b)
 
 
+def test_outputs_that_share_memory_with_inputs_are_refused(tmp_path) -> None:
+    module = load_module(_expand(SCALE), "tile_scale_alias", tmp_path)
+    x = torch.randn(8)
+    with pytest.raises(ValueError, match="out and x share memory"):
+        module.scale(x, x)
+    with pytest.raises(ValueError, match="out and x share memory"):
+        module.scale(x[:4], x[4:])
+
+
 def test_launcher_refuses_cpu_tensors_outside_the_interpreter(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     module = load_module(_expand(SCALE), "tile_scale_launch", tmp_path)

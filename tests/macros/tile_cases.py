@@ -165,6 +165,29 @@ CASES = [
         """,
         {"out": ("nan", (53, 37)), "x": ("randn", (37, 53)), "eps": 1e-5},
     ),
+    Case(
+        "row_floor",
+        """
+        @mg.tile(i=16, j=8)
+        def row_floor(out, flags, x, like, lo):
+            M = x.shape[0]
+            N = like.shape[1]
+            for i in range(M):
+                m = lo
+                for j in range(N):
+                    m = max(m, x[i, j])
+                flags[i] = 1.0
+                for j in range(N):
+                    out[i, j] = m
+        """,
+        {
+            "out": ("nan", (21, 13)),
+            "flags": ("nan", (21,)),
+            "x": ("randn", (21, 13)),
+            "like": ("randn", (21, 13)),
+            "lo": 0.5,
+        },
+    ),
 ]
 
 

@@ -15,7 +15,9 @@ def _bias_gelu_shapes(out, x, b):
     """Sizes and loop bounds of the loop nest at input.py:5.
 
     Checks what the loops would trip over one element at a time: each tensor's
-    number of dimensions, and that every index stays inside its dimension.
+    number of dimensions, and that every index stays inside its dimension; and
+    that no output shares memory with another tensor argument (the loop would
+    read what it has already written).
     """
     if out.dim() != 2:
         raise ValueError('out must have 2 dimensions (it is indexed so), not %d' % out.dim())
@@ -27,6 +29,10 @@ def _bias_gelu_shapes(out, x, b):
     N = x.shape[1]
     i_lo, i_hi = 0, M
     j_lo, j_hi = 0, N
+    if out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError('out and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
+    if out.numel() and b.numel() and out.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
+        raise ValueError('out and b share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if i_lo < i_hi and (i_lo < 0 or i_hi > x.shape[0]):
         raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
     if j_lo < j_hi and (j_lo < 0 or j_hi > x.shape[1]):

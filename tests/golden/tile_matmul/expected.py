@@ -15,7 +15,9 @@ def _matmul_shapes(out, a, b):
     """Sizes and loop bounds of the loop nest at input.py:5.
 
     Checks what the loops would trip over one element at a time: each tensor's
-    number of dimensions, and that every index stays inside its dimension.
+    number of dimensions, and that every index stays inside its dimension; and
+    that no output shares memory with another tensor argument (the loop would
+    read what it has already written).
     """
     if out.dim() != 2:
         raise ValueError('out must have 2 dimensions (it is indexed so), not %d' % out.dim())
@@ -29,6 +31,10 @@ def _matmul_shapes(out, a, b):
     i_lo, i_hi = 0, M
     j_lo, j_hi = 0, N
     k_lo, k_hi = 0, K
+    if out.numel() and a.numel() and out.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
+        raise ValueError('out and a share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
+    if out.numel() and b.numel() and out.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
+        raise ValueError('out and b share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if i_lo < i_hi and (i_lo < 0 or i_hi > a.shape[0]):
         raise IndexError('a: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
     if k_lo < k_hi and (k_lo < 0 or k_hi > a.shape[1]):

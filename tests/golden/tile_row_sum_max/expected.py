@@ -15,7 +15,9 @@ def _row_sum_max_shapes(total, biggest, x):
     """Sizes and loop bounds of the loop nest at input.py:5.
 
     Checks what the loops would trip over one element at a time: each tensor's
-    number of dimensions, and that every index stays inside its dimension.
+    number of dimensions, and that every index stays inside its dimension; and
+    that no output shares memory with another tensor argument (the loop would
+    read what it has already written).
     """
     if total.dim() != 1:
         raise ValueError('total must have 1 dimension (it is indexed so), not %d' % total.dim())
@@ -27,6 +29,14 @@ def _row_sum_max_shapes(total, biggest, x):
     N = x.shape[1]
     i_lo, i_hi = 0, M
     j_lo, j_hi = 0, N
+    if total.numel() and biggest.numel() and total.untyped_storage().data_ptr() == biggest.untyped_storage().data_ptr():
+        raise ValueError('total and biggest share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
+    if total.numel() and x.numel() and total.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError('total and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
+    if biggest.numel() and total.numel() and biggest.untyped_storage().data_ptr() == total.untyped_storage().data_ptr():
+        raise ValueError('biggest and total share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
+    if biggest.numel() and x.numel() and biggest.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError('biggest and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if i_lo < i_hi and (i_lo < 0 or i_hi > x.shape[0]):
         raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
     if j_lo < j_hi and (j_lo < 0 or j_hi > x.shape[1]):

@@ -11,11 +11,13 @@ from macrogen.runtime.triton_support import use_triton
 
 
 # tile at input.py:5: sizes and loop bounds, checked before either path runs.
-def _laplace_rows_shapes(out, x):
+def _laplace_rows_shapes(out, x, eps):
     """Sizes and loop bounds of the loop nest at input.py:5.
 
     Checks what the loops would trip over one element at a time: each tensor's
-    number of dimensions, and that every index stays inside its dimension.
+    number of dimensions, and that every index stays inside its dimension; and
+    that no output shares memory with another tensor argument (the loop would
+    read what it has already written).
     """
     if out.dim() != 3:
         raise ValueError('out must have 3 dimensions (it is indexed so), not %d' % out.dim())
@@ -27,6 +29,8 @@ def _laplace_rows_shapes(out, x):
     b_lo, b_hi = 0, B
     i_lo, i_hi = 1, M - 1
     j_lo, j_hi = 0, N
+    if out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError('out and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if b_lo < b_hi and (b_lo < 0 or b_hi > x.shape[0]):
         raise IndexError('x: index b leaves dimension 0 for some b in its range (the loop would raise IndexError; negative indices do not wrap here)')
     if i_lo < i_hi and (i_lo + 1 < 0 or i_hi + 1 > x.shape[1]):
@@ -106,7 +110,7 @@ def _laplace_rows_triton(out, x, eps):
     CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
     and of one floating dtype; writes into the output tensors in place.
     """
-    B, M, N, b_lo, b_hi, i_lo, i_hi, j_lo, j_hi = _laplace_rows_shapes(out, x)
+    B, M, N, b_lo, b_hi, i_lo, i_hi, j_lo, j_hi = _laplace_rows_shapes(out, x, eps)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_laplace_rows_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -140,7 +144,7 @@ def _laplace_rows_triton(out, x, eps):
 # tile at input.py:5: the CPU path.
 def _laplace_rows_torch(out, x, eps):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
-    B, M, N, b_lo, b_hi, i_lo, i_hi, j_lo, j_hi = _laplace_rows_shapes(out, x)
+    B, M, N, b_lo, b_hi, i_lo, i_hi, j_lo, j_hi = _laplace_rows_shapes(out, x, eps)
     x_b_ip1_j = x[b_lo:b_hi, (i_lo + 1):(i_hi + 1), j_lo:j_hi]
     x_bij = x[b_lo:b_hi, i_lo:i_hi, j_lo:j_hi]
     x_b_im1_j = x[b_lo:b_hi, (i_lo - 1):(i_hi - 1), j_lo:j_hi]

@@ -13,11 +13,13 @@ from macrogen.runtime.triton_support import use_triton
 
 
 # tile at input.py:8: sizes and loop bounds, checked before either path runs.
-def _scale_shift_shapes(out, x):
+def _scale_shift_shapes(out, x, alpha, beta):
     """Sizes and loop bounds of the loop nest at input.py:8.
 
     Checks what the loops would trip over one element at a time: each tensor's
-    number of dimensions, and that every index stays inside its dimension.
+    number of dimensions, and that every index stays inside its dimension; and
+    that no output shares memory with another tensor argument (the loop would
+    read what it has already written).
     """
     if out.dim() != 1:
         raise ValueError('out must have 1 dimension (it is indexed so), not %d' % out.dim())
@@ -25,6 +27,8 @@ def _scale_shift_shapes(out, x):
         raise ValueError('x must have 1 dimension (it is indexed so), not %d' % x.dim())
     N = x.shape[0]
     i_lo, i_hi = 0, N
+    if out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError('out and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if i_lo < i_hi and (i_lo < 0 or i_hi > x.shape[0]):
         raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
     if i_lo < i_hi and (i_lo < 0 or i_hi > out.shape[0]):
@@ -72,7 +76,7 @@ def _scale_shift_triton(out, x, alpha, beta):
     CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
     and of one floating dtype; writes into the output tensors in place.
     """
-    N, i_lo, i_hi = _scale_shift_shapes(out, x)
+    N, i_lo, i_hi = _scale_shift_shapes(out, x, alpha, beta)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_scale_shift_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -99,7 +103,7 @@ def _scale_shift_triton(out, x, alpha, beta):
 # tile at input.py:8: the CPU path.
 def _scale_shift_torch(out, x, alpha, beta):
     """The loop nest at input.py:8 as whole-tensor torch operations, in place."""
-    N, i_lo, i_hi = _scale_shift_shapes(out, x)
+    N, i_lo, i_hi = _scale_shift_shapes(out, x, alpha, beta)
     x_i = x[i_lo:i_hi]
     out[i_lo:i_hi] = ((alpha * x_i) + beta)
 
