@@ -121,6 +121,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
     torch.set_num_threads(args.threads)
+    os.environ["MACROGEN_TP_SIZE"] = str(world)  # 2-way tensor parallelism
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from macrogen.expand import expand_source
 

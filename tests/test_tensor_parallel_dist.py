@@ -9,6 +9,7 @@ ways, and the outputs of torch's own ``parallelize_module`` on the same weights.
 from __future__ import annotations
 
 import copy
+import os
 import textwrap
 from pathlib import Path
 
@@ -234,6 +235,7 @@ def _torch_tp(serial, plan, world):
 
 
 def _two_rank_checks(rank, world, tmp):
+    os.environ["MACROGEN_TP_SIZE"] = str(world)  # the launch asks for 2-way tensor parallelism
     S, P = _modules(tmp)
     torch.manual_seed(42)
     x = torch.randn(2, 6, D_MODEL)

@@ -2,10 +2,10 @@
 
     @mg.tensor_parallel(plan={"fc": "colwise", "proj": "rowwise"})
     class MLP(nn.Module):                          # macrogen: tensor_parallel at model.py:7
-        def __init__(self, d):                     class _MLPSerial(nn.Module):
+        def __init__(self, d):                     class _MLP_serial(nn.Module):
             super().__init__()              ->         ... (the user's class, unchanged)
             self.fc = nn.Linear(d, 4 * d)
-            self.proj = nn.Linear(4 * d, d)        class MLP(_MLPSerial):
+            self.proj = nn.Linear(4 * d, d)        class MLP(_MLP_serial):
         ...                                            def __init__(self, *args, **kwargs):
                                                            super().__init__(*args, **kwargs)
                                                            tp = tensor_parallel_group(None)
@@ -24,7 +24,7 @@ packed blocks, each split on its own) and ``rowwise`` on ``nn.Linear``, ``vocab`
 then use the local count), ``replicate`` on anything (the default). Plan keys
 are attributes the class's ``__init__`` assigns (``self.fc = ...``), or dotted
 paths into submodules (``"mlp.fc"``). ``size=`` is the tensor-parallel degree (a
-literal or ``tunable``); without it, $MACROGEN_TP_SIZE, else the world size.
+literal or ``tunable``); without it, $MACROGEN_TP_SIZE from the launch, else 1.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def validate(site: Site, ctx: Context) -> Spec:
 
 def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
     spec = validate(site, ctx)
-    serial = ctx.names.fresh(f"_{spec.name}Serial")
+    serial = ctx.names.fresh(f"_{spec.name}_serial")
     runtime = "macrogen.runtime.tensor_parallel"
     layer = {"colwise": "ColwiseLinear", "rowwise": "RowwiseLinear", "vocab": "VocabEmbedding"}
     sharded = [

@@ -23,30 +23,33 @@ import torch.distributed as dist
 
 from macrogen.runtime import groups
 
-SIZE_ENV = "MACROGEN_TP_SIZE"  # the tensor-parallel degree when the plan gives no size=
+SIZE_ENV = "MACROGEN_TP_SIZE"  # the tensor-parallel degree when the plan gives no size= (else 1)
 
 
 @dataclass(frozen=True)
 class Mesh:
     data_size: int  # ranks holding the same shards (data-parallel replicas)
     tensor_size: int  # ranks splitting one layer (the tensor-parallel degree)
-    tensor_group: dist.ProcessGroup | None  # this rank's tensor group; None when serial
-    data_group: dist.ProcessGroup | None  # this rank's data group; None when serial
+    tensor_group: dist.ProcessGroup | None  # this rank's tensor group; None: degree 1 or serial
+    data_group: dist.ProcessGroup | None  # this rank's data group; None: the default group
+    data_rank: int = 0  # which share of the data this rank trains on: rank // tensor_size
 
 
 _mesh: Mesh | None = None
 
 
 def tensor_parallel_size(requested: int | None, world: int) -> int:
-    """``size=`` from the plan, else $MACROGEN_TP_SIZE, else the whole world."""
+    """``size=`` from the plan, else $MACROGEN_TP_SIZE from the launch, else 1.
+
+    Not the world size by default: with ``@data_parallel`` in the same program
+    that would silently make every rank a tensor-parallel peer fed different
+    data. Like Megatron-LM and torchtitan, tensor parallelism is asked for.
+    """
     if requested is None:
         env = os.environ.get(SIZE_ENV, "").strip()
-        if env:
-            if not env.isdigit() or int(env) < 1:
-                raise ValueError(f"{SIZE_ENV}={env!r}: expected a positive integer")
-            requested = int(env)
-        else:
-            requested = world
+        if env and (not env.isdigit() or int(env) < 1):
+            raise ValueError(f"{SIZE_ENV}={env!r}: expected a positive integer")
+        requested = int(env) if env else 1
     if requested < 1 or world % requested:
         raise ValueError(
             f"tensor-parallel size {requested} does not divide the world size {world}:"
@@ -70,6 +73,10 @@ def mesh(size: int | None = None) -> Mesh:
             )
         return _mesh
     data_size, rank = world // tensor_size, dist.get_rank()
+    if tensor_size == 1:  # data parallel (or replicated) only: the default group is the data group
+        _mesh = Mesh(data_size, 1, None, None, rank)
+        groups.set_data_parallel_group(None)
+        return _mesh
     tensor_group = data_group = None
     for d in range(data_size):  # same order on every rank
         g = dist.new_group([d * tensor_size + t for t in range(tensor_size)])
@@ -79,7 +86,7 @@ def mesh(size: int | None = None) -> Mesh:
         g = dist.new_group([d * tensor_size + t for d in range(data_size)])
         if rank % tensor_size == t:
             data_group = g
-    _mesh = Mesh(data_size, tensor_size, tensor_group, data_group)
+    _mesh = Mesh(data_size, tensor_size, tensor_group, data_group, rank // tensor_size)
     groups.set_data_parallel_group(data_group)
     return _mesh
 

@@ -59,14 +59,14 @@ def test_class_becomes_serial_base_and_generated_subclass():
 
 
         # macrogen: tensor_parallel at test.py:5
-        class _MLPSerial(nn.Module):
+        class _MLP_serial(nn.Module):
             def __init__(self, d):
                 super().__init__()
                 self.fc = nn.Linear(d, 4 * d)
                 self.proj = nn.Linear(4 * d, d)
 
 
-        class MLP(_MLPSerial):
+        class MLP(_MLP_serial):
             """MLP, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
 
             def __init__(self, *args, **kwargs):
@@ -141,7 +141,7 @@ def test_generated_names_are_hygienic():
         import torch.nn as nn
         import macrogen as mg
 
-        ColwiseLinear = _MLPSerial = None
+        ColwiseLinear = _MLP_serial = None
 
         @mg.tensor_parallel(plan={"fc": "colwise"})
         class MLP(nn.Module):
@@ -150,8 +150,8 @@ def test_generated_names_are_hygienic():
                 self.fc = nn.Linear(4, 8)
         """
     )
-    assert "class _MLPSerial_2(nn.Module):" in code
-    assert "class MLP(_MLPSerial_2):" in code
+    assert "class _MLP_serial_2(nn.Module):" in code
+    assert "class MLP(_MLP_serial_2):" in code
     assert "from macrogen.runtime.tensor_parallel import ColwiseLinear as _mg_ColwiseLinear" in code
 
 
@@ -166,7 +166,7 @@ def test_serial_run_of_the_expanded_class_is_the_serial_module(tmp_path):
     b = parallel.MLP(8)
     x = torch.randn(3, 8)
     torch.testing.assert_close(b(x), a(x))
-    assert isinstance(b, parallel._MLPSerial) and b.n_head == 4
+    assert isinstance(b, parallel._MLP_serial) and b.n_head == 4
     assert list(b.full_state_dict()) == list(a.state_dict())
 
 

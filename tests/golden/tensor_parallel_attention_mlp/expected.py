@@ -19,7 +19,7 @@ from macrogen.runtime.tensor_parallel import local_count
 
 
 # macrogen: tensor_parallel at input.py:10
-class _AttentionSerial(nn.Module):
+class _Attention_serial(nn.Module):
     def __init__(self, d_model: int, n_head: int):
         super().__init__()
         self.n_head = n_head
@@ -35,7 +35,7 @@ class _AttentionSerial(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
-class Attention(_AttentionSerial):
+class Attention(_Attention_serial):
     """Attention, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
 
     def __init__(self, *args, **kwargs):
@@ -58,7 +58,7 @@ class Attention(_AttentionSerial):
 
 # A tunable degree: `macrogen autotune` may pick it.
 # macrogen: tensor_parallel at input.py:28
-class _MLPSerial(nn.Module):
+class _MLP_serial(nn.Module):
     def __init__(self, d_model: int):
         super().__init__()
         self.ln = nn.LayerNorm(d_model)
@@ -69,7 +69,7 @@ class _MLPSerial(nn.Module):
         return x + self.proj(F.gelu(self.fc(self.ln(x))))
 
 
-class MLP(_MLPSerial):
+class MLP(_MLP_serial):
     """MLP, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
 
     def __init__(self, *args, **kwargs):

@@ -20,7 +20,7 @@ class Head(nn.Module):
 
 # The embedding split over the vocabulary; the head (a submodule) split over its inputs.
 # macrogen: tensor_parallel at input.py:13
-class _TinyLMSerial(nn.Module):
+class _TinyLM_serial(nn.Module):
     def __init__(self, vocab: int = 50304, d_model: int = 768):
         super().__init__()
         self.wte = nn.Embedding(vocab, d_model)
@@ -30,7 +30,7 @@ class _TinyLMSerial(nn.Module):
         return self.head.out(self.wte(idx))
 
 
-class TinyLM(_TinyLMSerial):
+class TinyLM(_TinyLM_serial):
     """TinyLM, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
 
     def __init__(self, *args, **kwargs):

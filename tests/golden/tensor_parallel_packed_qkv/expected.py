@@ -16,7 +16,7 @@ from macrogen.runtime.tensor_parallel import local_count
 
 # nanoGPT's fused q, k, v: forward chunks the output in 3, so each block is split on its own.
 # macrogen: tensor_parallel at input.py:8
-class _CausalSelfAttentionSerial(nn.Module):
+class _CausalSelfAttention_serial(nn.Module):
     def __init__(self, n_embd, n_head):
         super().__init__()
         self.n_head = n_head
@@ -32,7 +32,7 @@ class _CausalSelfAttentionSerial(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class CausalSelfAttention(_CausalSelfAttentionSerial):
+class CausalSelfAttention(_CausalSelfAttention_serial):
     """CausalSelfAttention, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
 
     def __init__(self, *args, **kwargs):
