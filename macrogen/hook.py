@@ -231,7 +231,10 @@ class MacroLoader(importlib.machinery.SourceFileLoader):
         self.options = options
 
     def get_code(self, fullname: str) -> types.CodeType:
-        return load(Path(os.path.abspath(self.path)), fullname, self.options)
+        try:
+            return load(Path(os.path.abspath(self.path)), fullname, self.options)
+        except MacroExpansionError as e:
+            raise e.with_traceback(None) from None  # the report says it all; our frames don't
 
 
 # -- loading ------------------------------------------------------------------------------

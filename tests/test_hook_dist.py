@@ -80,14 +80,15 @@ results = {
     "reference": plain("program_ref", program.__file__).metrics(SEED),
     "caches": [r.cache for r in macrogen.hook.records()],
 }
-print("RESULT " + json.dumps(results), flush=True)
+with open(os.path.join(sys.argv[2], f"rank{results['rank']}.json"), "w") as f:
+    json.dump(results, f)  # a file per rank: the ranks' stdout lines may interleave
 if dist.is_initialized():
     dist.destroy_process_group()
 """
 
 
-def _results(stdout: str) -> list[dict]:
-    found = [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+def _results(folder: Path) -> list[dict]:
+    found = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
     return sorted(found, key=lambda r: r["rank"])
 
 
@@ -107,11 +108,15 @@ def test_hook_equals_cli_on_one_rank_and_on_two_gloo_ranks(tmp_path):
     assert expand_files([str(tmp_path / "program.py")], output=str(expanded)) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MACROGEN_CACHE_DIR": str(tmp_path / "c1")}
     env.pop("MACROGEN_DISABLE", None)
+    out1, out2 = tmp_path / "out1", tmp_path / "out2"
+    out1.mkdir(), out2.mkdir()
     run = [sys.executable, "-m", "macrogen", "run", "driver.py", str(expanded)]
 
-    one = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    one = subprocess.run(
+        [*run, str(out1)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert one.returncode == 0, one.stderr
-    [serial] = _results(one.stdout)
+    [serial] = _results(out1)
     assert serial["caches"] == ["missing", "missing"]  # driver and program, both expanded
     assert serial["hook"] == serial["cli"]
     assert _close(serial["hook"], serial["reference"])
@@ -119,7 +124,7 @@ def test_hook_equals_cli_on_one_rank_and_on_two_gloo_ranks(tmp_path):
     env["MACROGEN_CACHE_DIR"] = str(tmp_path / "c2")  # cold again: both ranks expand at once
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     two = subprocess.run(
-        [*torchrun, "-m", *run[2:]],
+        [*torchrun, "-m", *run[2:], str(out2)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -127,7 +132,7 @@ def test_hook_equals_cli_on_one_rank_and_on_two_gloo_ranks(tmp_path):
         timeout=180,
     )
     assert two.returncode == 0, two.stdout + two.stderr
-    ranks = _results(two.stdout)
+    ranks = _results(out2)
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:
         assert r["hook"] == r["cli"]
