@@ -272,3 +272,36 @@ def test_cuda_candidates_are_timed_with_do_bench(monkeypatch) -> None:
     times = worker.TIMERS["do_bench"](lambda: ran.append(1), {"min_time": 0.4, "rounds": 4})
     assert times == [0.001, 0.002, 0.003] and ran == [1]
     assert calls == [(26, 100, [0.2, 0.5, 0.8])]
+
+
+def test_a_budget_stops_the_run_and_the_next_run_goes_on(tmp_path: Path) -> None:
+    src = _write(
+        tmp_path,
+        "prog.py",
+        """\
+        import time
+
+        import torch
+
+        import macrogen as mg
+
+        SIZE = mg.tunable(8, choices=[8, 16, 24, 32])
+
+
+        def make_step():
+            time.sleep(0.6)
+            a = torch.randn(SIZE, SIZE)
+            return lambda: a @ a
+        """,
+    )
+    timing = Timing(warmup=1, min_time=0.02, group=2, timeout=60)
+    started = time.monotonic()
+    first = autotune(
+        src, entry=":make_step", target="cpu", budget=4, timing=timing, reporter=_quiet()[0]
+    )
+    assert time.monotonic() - started < 4 + 2
+    assert first.stopped == "budget" and first.new_measurements < 4
+    rest = autotune(src, entry=":make_step", target="cpu", timing=timing, reporter=_quiet()[0])
+    assert rest.stopped == "complete"
+    assert first.new_measurements + rest.new_measurements == 4
+    assert len(_candidates(database.default_path(src))) == 4

@@ -15,7 +15,8 @@ The worker reports each phase it starts (a candidate's set-up, warm-up or
 round); a phase gets ``timeout`` seconds (the launch itself ``STARTUP_S``
 more). If one overruns, or the worker dies under it, that candidate is
 recorded as failed and the candidates not yet reported get a fresh launch.
-The budget's deadline stops everything without recording what is in flight.
+Near the budget's deadline the worker stops between rounds and reports what
+it timed; at the deadline the parent ends it, and what is in flight is lost.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ def _launch(
         "entry": program.entry,
         "entry_in_source": program.entry_in_source,
         "parent_pid": os.getpid(),
+        # the worker's own deadline (wall clock, a second early): it stops between rounds
+        "deadline": None if deadline is None else time.time() + deadline - time.monotonic() - 1.0,
         "results": str(results),
         "source": str(program.source_path.resolve()),
         "sys_path": [str(program.source_path.parent.resolve()), os.getcwd()],
@@ -171,7 +174,7 @@ def _launch(
 def _follow(proc, program, pending, on_result, deadline, results, log) -> str:
     by_id = {cid: values for cid, values, _ in pending}
     offset, last_progress, current = 0, time.monotonic(), None
-    stopping = False
+    stopping = out_of_budget = False
     while True:
         exited = proc.poll() is not None
         with results.open("r", encoding="utf-8") as f:
@@ -185,12 +188,17 @@ def _follow(proc, program, pending, on_result, deadline, results, log) -> str:
             if "start" in result:  # the worker is on this candidate now
                 current = result["start"]
                 continue
+            if "budget" in result:  # the worker stopped itself at the deadline
+                out_of_budget = True
+                continue
             pending[:] = [p for p in pending if p[0] != result["id"]]
             # after a stop, what already arrived is still recorded
             keep_going = on_result(_measurement(by_id[result["id"]], result))
             stopping = stopping or not keep_going
         if stopping:
             return "stopped"
+        if out_of_budget:
+            return "budget"
         if not pending:
             return "complete"
         now = time.monotonic()

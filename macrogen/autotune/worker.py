@@ -63,12 +63,17 @@ def main(job_path: str) -> int:
         if not _parent_alive(job["parent_pid"]):
             return 1  # autotune itself was stopped: nobody reads what we would write
         group = job["candidates"][first : first + size]
-        for result in _measure_group(group, job, entry_factory, distributed, rank, results):
+        measured, ran_out = _measure_group(group, job, entry_factory, distributed, rank, results)
+        for result in measured:
             if rank == 0:
                 _append(results, result)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if ran_out:
+            if rank == 0:
+                _append(results, {"budget": True})
+            break
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
@@ -81,14 +86,26 @@ def _append(results: Path, line: dict) -> None:
         f.flush()
 
 
+def _out_of_time(job: dict, distributed: bool, need: float = 0.0) -> bool:
+    """Whether ``need`` more seconds would pass the budget's deadline; rank 0's clock decides."""
+    if job["deadline"] is None:
+        return False
+    decision = [time.time() + need > job["deadline"]]
+    if distributed:
+        dist.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
+
+
 def _measure_group(
     group: list[dict], job: dict, entry_factory: Any, distributed: bool, rank: int, results: Path
-) -> list[dict]:
+) -> tuple[list[dict], bool]:
     """Time a group of candidates interleaved: round r times each candidate's steps in turn.
 
     Load from other processes comes and goes; interleaving exposes every
     candidate of the group to the same conditions, so their ratios hold even
-    when their absolute times drift.
+    when their absolute times drift. Near the budget's deadline it stops
+    early: candidates timed in every round so far are reported (all with the
+    same rounds), the others not at all; the flag says it ran out.
     """
     timing = job["timing"]
     mode = "ranks" if distributed else timing["mode"]
@@ -101,7 +118,11 @@ def _measure_group(
     steps: dict[str, Callable[[], Any]] = {}
     signatures: dict[str, dict] = {}
     times: dict[str, list[float]] = {}
+    ran_out = False
     for candidate in group:
+        if _out_of_time(job, distributed):
+            ran_out = True
+            break
         cid = candidate["id"]
         started(cid)
         try:
@@ -112,7 +133,12 @@ def _measure_group(
             steps[cid], times[cid] = step, []
         except CandidateError as e:
             out[cid] = {"id": cid, "error": str(e)}
+    last_round = 0.0
     for r in range(timing["rounds"]):
+        if ran_out or _out_of_time(job, distributed, need=last_round):
+            ran_out = True
+            break
+        round_started = time.monotonic()
         live = [c["id"] for c in group if c["id"] in steps]
         for cid in live[r % len(live) :] + live[: r % len(live)] if live else []:
             started(cid)
@@ -122,7 +148,10 @@ def _measure_group(
             except CandidateError as e:
                 out[cid] = {"id": cid, "error": str(e)}
                 del steps[cid]
-    for cid in steps:
+        last_round = time.monotonic() - round_started
+    for cid in list(steps):
+        if not times[cid]:  # never timed: the deadline came first
+            continue
         out[cid] = {
             "id": cid,
             "time_s": statistics.median(times[cid]),
@@ -130,7 +159,7 @@ def _measure_group(
             "signature": signatures[cid],
         }
     steps.clear()
-    return [out[c["id"]] for c in group]
+    return [out[c["id"]] for c in group if c["id"] in out], ran_out
 
 
 def _build(candidate: dict, job: dict, entry_factory: Any) -> tuple[Callable[[], Any], dict]:
