@@ -214,6 +214,7 @@ def expand(site: Site, ctx: Context) -> cst.FunctionDef:
                 for o in nest.outputs
                 for t, _ in nest.tensors
                 if t != o
+                and not (t in nest.outputs and nest.outputs.index(t) < nest.outputs.index(o))
             ],
             **common,
         )

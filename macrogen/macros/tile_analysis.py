@@ -145,6 +145,11 @@ class _Analyzer:
         else:
             grid = tuple(chain)
             body_ir = self._grid_body(block, grid)
+        if not self.stored:
+            raise MacroError(
+                "this loop nest stores nothing: an @tile body writes its results with out[i, ...] = ...",
+                self.fn.name,
+            )
         tensors = tuple((p, self.ndim[p]) for p in self.params if p in self.ndim)
         return Nest(
             name=self.fn.name.value,

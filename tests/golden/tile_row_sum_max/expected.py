@@ -33,8 +33,6 @@ def _row_sum_max_shapes(total, biggest, x):
         raise ValueError('total and biggest share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if total.numel() and x.numel() and total.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError('total and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
-    if biggest.numel() and total.numel() and biggest.untyped_storage().data_ptr() == total.untyped_storage().data_ptr():
-        raise ValueError('biggest and total share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if biggest.numel() and x.numel() and biggest.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError('biggest and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if i_lo < i_hi and (i_lo < 0 or i_hi > x.shape[0]):
