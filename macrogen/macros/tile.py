@@ -156,134 +156,142 @@ def kernel_nest(nest: Nest, tiles: dict[str, int]) -> Nest:
 
 def expand(site: Site, ctx: Context) -> cst.FunctionDef:
     spec = validate(site, ctx)
-    nest = spec.nest
-    fn = site.node
-    assert isinstance(fn, cst.FunctionDef)
-    triton = ctx.import_from("macrogen.runtime.triton_support", "triton")
-    tl = ctx.import_from("macrogen.runtime.triton_support", "tl")
-    use_triton = ctx.import_from("macrogen.runtime.triton_support", "use_triton")
-    interpreting = ctx.import_from("macrogen.runtime.triton_support", "interpreting")
-    torch = ctx.import_module("torch")
-    taken = set(_IDENT.findall(cst.Module([]).code_for_node(site.original)))
-    taken |= {triton, tl, use_triton, interpreting, torch}
-    names = make_names(nest, taken)
-    base = nest.name.strip("_") or "tile"
-    fns = {
-        "shapes": ctx.names.fresh(f"_{base}_shapes"),
-        "kernel": ctx.names.fresh(f"_{base}_kernel"),
-        "launcher": ctx.names.fresh(f"_{base}_triton"),
-        "torch_fn": ctx.names.fresh(f"_{base}_torch"),
-    }
-    location = ctx.location(site.line)
-    tensors = [
-        {
+    if not spec.nest.tensors:
+        raise MacroError("an @tile function needs at least one tensor parameter", site.original)
+    out = _Output(spec, site, ctx)
+    ctx.prelude.append(out.shapes())
+    if out.kernel_wanted:
+        ctx.prelude.append(out.kernel())
+        ctx.prelude.append(out.launcher())
+    ctx.prelude.append(out.torch_path())
+    return out.function()
+
+
+class _Output:
+    """The generated functions of one site, rendered from its Spec."""
+
+    def __init__(self, spec: Spec, site: Site, ctx: Context):
+        self.spec, self.site, self.nest = spec, site, spec.nest
+        # With --target cpu no kernel is generated: the function is the torch path.
+        self.kernel_wanted = ctx.options.target != "cpu"
+        runtime = "macrogen.runtime.triton_support"
+        self.mods = {"torch": ctx.import_module("torch")}
+        if self.kernel_wanted:
+            for name in ("triton", "tl", "use_triton", "interpreting"):
+                self.mods[name] = ctx.import_from(runtime, name)
+        taken = set(_IDENT.findall(cst.Module([]).code_for_node(site.original)))
+        self.names = make_names(self.nest, taken | set(self.mods.values()))
+        base = self.nest.name.strip("_") or "tile"
+        self.fns = {
+            kind: ctx.names.fresh(f"_{base}_{suffix}")
+            for kind, suffix in (
+                ("shapes", "shapes"),
+                ("kernel", "kernel"),
+                ("launcher", "triton"),
+                ("torch_fn", "torch"),
+            )
+            if self.kernel_wanted or kind in ("shapes", "torch_fn")
+        }
+        self.bounds = list(dict.fromkeys(self.names.bounds.values()))
+        results = [s.name for s in self.nest.sizes] + [x for b in self.bounds for x in (b.lo, b.hi)]
+        self.common = {
+            "location": ctx.location(site.line),
+            "tensors": [self._tensor(t, ndim) for t, ndim in self.nest.tensors],
+            "params": self.nest.params,
+            "results": parse(", ".join(results) if len(results) != 1 else f"{results[0]},"),
+            **self.fns,
+        }
+        self.kernel_nest = kernel_nest(self.nest, spec.tile)
+        self.dot_precision = (
+            self.names.namer("DOT_PRECISION") if self.kernel_nest.dot is not None else ""
+        )
+
+    def _tensor(self, t: str, ndim: int) -> dict:
+        first = self.nest.tensors[0][0]
+        return {
             "name": t,
             "ndim": ndim,
-            "ptr": names.ptr[t],
-            "strides": names.strides[t],
+            "ptr": self.names.ptr[t],
+            "strides": self.names.strides[t],
             "message": f"{t} must have {ndim} dimension{'s' if ndim != 1 else ''} (it is indexed so), not %d",
-            "same_message": f"{t} must be on the same device and of the same dtype as {nest.tensors[0][0]}",
+            "same_message": f"{t} must be on the same device and of the same dtype as {first}",
         }
-        for t, ndim in nest.tensors
-    ]
-    if not tensors:
-        raise MacroError("an @tile function needs at least one tensor parameter", fn.params)
-    bounds = list(dict.fromkeys(names.bounds.values()))
-    results = [s.name for s in nest.sizes] + [x for b in bounds for x in (b.lo, b.hi)]
-    common = {
-        "location": location,
-        "tensors": tensors,
-        "params": nest.params,
-        "shapes": fns["shapes"],
-        "results": parse(", ".join(results) if len(results) != 1 else f"{results[0]},"),
-        **fns,
-    }
-    ctx.prelude.append(
-        codegen.render(
+
+    def shapes(self) -> str:
+        return codegen.render(
             "tile_shapes.py.j2",
-            sizes=nest.sizes,
-            bounds=bounds,
-            checks=_index_checks(nest, names),
-            aliases=[
-                {
-                    "output": o,
-                    "other": t,
-                    "message": f"{o} and {t} share memory; @tile needs outputs apart from"
-                    " the other tensors (pass a fresh tensor, or a clone)",
-                }
-                for o in nest.outputs
-                for t, _ in nest.tensors
-                if t != o
-                and not (t in nest.outputs and nest.outputs.index(t) < nest.outputs.index(o))
-            ],
-            **common,
+            sizes=self.nest.sizes,
+            bounds=self.bounds,
+            checks=index_checks(self.nest, self.names),
+            aliases=alias_checks(self.nest),
+            **self.common,
         )
-    )
-    pid = names.namer("pid")
-    dot_precision = (
-        names.namer("DOT_PRECISION") if kernel_nest(nest, spec.tile).dot is not None else ""
-    )
-    kernel = KernelEmitter(kernel_nest(nest, spec.tile), names.fork(), tl, dot_precision)
-    grid = kernel.grid_setup(pid, spec.tile)
-    steps = kernel.steps()
-    blocks = list(dict.fromkeys(names.block.values()))
-    ctx.prelude.append(
-        codegen.render(
+
+    def kernel(self) -> str:
+        names = self.names.fork()
+        emitter = KernelEmitter(self.kernel_nest, names, self.mods["tl"], self.dot_precision)
+        pid = names.namer("pid")
+        return codegen.render(
             "tile_kernel.py.j2",
-            triton=triton,
-            tl=tl,
-            scalars=nest.scalars,
-            sizes=[s.name for s in nest.sizes],
-            blocks=blocks,
-            dot_precision=dot_precision,
-            bounds=bounds,
+            triton=self.mods["triton"],
+            tl=self.mods["tl"],
+            scalars=self.nest.scalars,
+            sizes=[s.name for s in self.nest.sizes],
+            blocks=list(dict.fromkeys(self.names.block.values())),
+            dot_precision=self.dot_precision,
+            bounds=self.bounds,
             pid=pid,
-            grid=grid,
-            steps=steps,
-            **common,
+            grid=emitter.grid_setup(pid, self.spec.tile),
+            steps=emitter.steps(),
+            **self.common,
         )
-    )
-    programs = names.namer("programs")
-    tiles_code = " * ".join(
-        f"{triton}.cdiv(max({names.bounds[g].hi} - {names.bounds[g].lo}, 0), {spec.tile[g.var]})"
-        for g in nest.grid
-    )
-    first = nest.tensors[0][0]
-    ctx.prelude.append(
-        codegen.render(
+
+    def launcher(self) -> str:
+        triton, launcher = self.mods["triton"], self.fns["launcher"]
+        programs = " * ".join(
+            f"{triton}.cdiv(max({self.names.bounds[g].hi} - {self.names.bounds[g].lo}, 0),"
+            f" {self.spec.tile[g.var]})"
+            for g in self.nest.grid
+        )
+        return codegen.render(
             "tile_launcher.py.j2",
-            torch=torch,
-            interpreting=interpreting,
-            first=first,
-            device_message=f"{fns['launcher']} runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ",
-            dtype_message=f"{fns['launcher']} takes float16, bfloat16 or float32 tensors, not ",
-            programs=programs,
-            programs_code=parse(tiles_code),
-            scalars=nest.scalars,
-            sizes=[s.name for s in nest.sizes],
-            blocks=[{"name": names.block[v], "value": spec.tile[v]} for v in names.block],
-            dot_precision=dot_precision,
-            dot_precision_value=spec.dot_precision,
-            num_warps=spec.num_warps,
-            num_stages=spec.num_stages,
-            **common,
+            torch=self.mods["torch"],
+            interpreting=self.mods["interpreting"],
+            first=self.nest.tensors[0][0],
+            device_message=f"{launcher} runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ",
+            dtype_message=f"{launcher} takes float16, bfloat16 or float32 tensors, not ",
+            programs=self.names.fork().namer("programs"),
+            programs_code=parse(programs),
+            scalars=self.nest.scalars,
+            sizes=[s.name for s in self.nest.sizes],
+            blocks=[
+                {"name": self.names.block[v], "value": self.spec.tile[v]} for v in self.names.block
+            ],
+            dot_precision=self.dot_precision,
+            dot_precision_value=self.spec.dot_precision,
+            num_warps=self.spec.num_warps,
+            num_stages=self.spec.num_stages,
+            **self.common,
         )
-    )
-    ctx.prelude.append(
-        codegen.render(
-            "tile_torch.py.j2", steps=TorchEmitter(nest, names.fork(), torch).steps(), **common
+
+    def torch_path(self) -> str:
+        steps = TorchEmitter(self.nest, self.names.fork(), self.mods["torch"]).steps()
+        return codegen.render("tile_torch.py.j2", steps=steps, **self.common)
+
+    def function(self) -> cst.FunctionDef:
+        """The user's function, same signature, its body replaced by the dispatch."""
+        fn = self.site.node
+        assert isinstance(fn, cst.FunctionDef)
+        body = codegen.render_statements(
+            "tile_dispatch.py.j2",
+            use_triton=self.mods.get("use_triton", ""),
+            first=self.nest.tensors[0][0],
+            params=self.nest.params,
+            launcher=self.fns.get("launcher", ""),
+            torch_fn=self.fns["torch_fn"],
         )
-    )
-    body = codegen.render_statements(
-        "tile_dispatch.py.j2",
-        use_triton=use_triton,
-        first=first,
-        params=nest.params,
-        launcher=fns["launcher"],
-        torch_fn=fns["torch_fn"],
-    )
-    docstring = [s for s in _block(fn)[:1] if _is_docstring(s)]
-    return fn.with_changes(body=cst.IndentedBlock([*docstring, *body]))
+        docstring = [s for s in _block(fn)[:1] if _is_docstring(s)]
+        return fn.with_changes(body=cst.IndentedBlock([*docstring, *body]))
 
 
 def _block(fn: cst.FunctionDef) -> list[cst.BaseStatement]:
@@ -299,7 +307,25 @@ def _is_docstring(stmt: cst.BaseStatement) -> bool:
     )
 
 
-def _index_checks(nest: Nest, names: Names) -> list[dict]:
+def alias_checks(nest: Nest) -> list[dict]:
+    """One check per (output, other tensor) pair: they must not share memory."""
+    checks = []
+    for o in nest.outputs:
+        for t, _ in nest.tensors:
+            if t == o or (t in nest.outputs and nest.outputs.index(t) < nest.outputs.index(o)):
+                continue
+            checks.append(
+                {
+                    "output": o,
+                    "other": t,
+                    "message": f"{o} and {t} share memory; @tile needs outputs apart from"
+                    " the other tensors (pass a fresh tensor, or a clone)",
+                }
+            )
+    return checks
+
+
+def index_checks(nest: Nest, names: Names) -> list[dict]:
     """One range check per distinct (tensor, dimension, loop, offset) the nest indexes with."""
     accesses: dict[tuple, None] = {}
     loops = {g.var: g for g in nest.grid}

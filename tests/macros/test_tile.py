@@ -70,6 +70,16 @@ def test_the_cpu_path_writes_in_place_and_is_not_a_loop(tmp_path) -> None:
     assert "for " not in torch_path
 
 
+def test_target_cpu_generates_no_kernel(tmp_path) -> None:
+    code = _expand(SCALE, target="cpu")
+    assert "triton" not in code and "_scale_kernel" not in code
+    assert "    _scale_torch(out, x, alpha)\n" in code
+    module = load_module(code, "tile_scale_cpu", tmp_path)
+    x, out = torch.randn(5), torch.empty(5)
+    module.scale(out, x, alpha=3.0)
+    torch.testing.assert_close(out, 3.0 * x)
+
+
 def test_tile_sizes_and_launch_options_reach_the_kernel() -> None:
     code = _expand(
         """

@@ -21,7 +21,7 @@ from tests.helpers import load_module
 class Case:
     name: str  # the function's name in ``source``
     source: str
-    inputs: dict  # parameter -> ("randn", shape) | ("nan", shape) | ("positive", shape) | a number
+    inputs: dict  # parameter -> ("randn" | "randn_t" (a transposed view) | "nan", shape) | a number
     rtol: float = 1e-5
     atol: float = 1e-5
 
@@ -40,7 +40,7 @@ CASES = [
                     v = x[i, j] + b[j]
                     out[i, j] = 0.5 * v * (1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v)))
         """,
-        {"out": ("nan", (37, 53)), "x": ("randn", (37, 53)), "b": ("randn", (53,))},
+        {"out": ("nan", (37, 53)), "x": ("randn_t", (37, 53)), "b": ("randn", (53,))},
     ),
     Case(
         "softmax",
@@ -199,6 +199,8 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
             out[name] = spec
         elif spec[0] == "nan":  # poisoned: an element nobody writes stays NaN and shows
             out[name] = torch.full(spec[1], float("nan"))
+        elif spec[0] == "randn_t":  # not contiguous: strides matter
+            out[name] = torch.randn(spec[1][::-1], generator=gen).t()
         else:
             out[name] = torch.randn(spec[1], generator=gen)
     return out
