@@ -166,6 +166,23 @@ CASES = [
         {"out": ("nan", (53, 37)), "x": ("randn", (37, 53)), "eps": 1e-5},
     ),
     Case(
+        "row_min_diff",
+        """
+        @mg.tile(i=8, j=4)
+        def row_min_diff(out, x):
+            M, N = x.shape
+            for i in range(M):
+                m = float("inf")
+                q = 1.0
+                for j in range(1, N):
+                    m = min(m, x[i, j] - x[i, j - 1])
+                    q = q + x[i, j] * x[i, j]
+                    q -= 0.5 * x[i, j - 1]
+                out[i] = m - q
+        """,
+        {"out": ("nan", (13,)), "x": ("randn", (13, 11))},
+    ),
+    Case(
         "row_floor",
         """
         @mg.tile(i=16, j=8)
