@@ -21,8 +21,9 @@ from macrogen import __version__, macros
 from macrogen.expand.args import Evaluator
 from macrogen.expand.context import Context, Options, Position, Tunable
 from macrogen.expand.errors import Diagnostic, ExpansionError, InternalError, MacroError
+from macrogen.expand.layout import Layout, split_lines
 from macrogen.expand.sites import MODULE, PACKAGE, ScopeStack, collect_scope
-from macrogen.expand.transform import Expander
+from macrogen.expand.transform import Expander, inside
 
 __all__ = ["Expansion", "ExpansionError", "InternalError", "Options", "expand_source"]
 
@@ -58,23 +59,39 @@ def expand_source(
 
 
 class _FileExpansion:
-    def __init__(self, source: str, options: Options):
+    def __init__(self, source: str, options: Options, *, sure_layout: bool = False):
         self.source = source
         self.options = options
+        self.sure_layout = sure_layout  # spans from libcst's codegen, not from ast's lines
         self.errors: list[MacroError] = []
         self.diagnostics: list[Diagnostic] = []
+        self.error_statements: set[int] = set()
+        self.current = -1  # the top-level statement being expanded (-1: none yet)
 
     def run(self) -> Expansion:
-        module = self._parse()
+        module, tree = self._parse()
+        self.module = module
+        self.layout = (
+            Layout.by_codegen(self.source, module)
+            if self.sure_layout
+            else Layout.of(self.source, module, tree)
+        )
+        self._positions: dict[int, Mapping[cst.CSTNode, Any]] = {}
         module_scope = collect_scope("module", "", list(module.body), self.errors)
         imports = {name: PACKAGE for name, b in module_scope.macros.items() if b is MODULE}
         self.ctx = Context(self.source, self.options, _module_imports(module))
         self.ctx._module_imports.update(imports)
-        self._statement_lines(module)
+        self._flush_errors()
 
         aliases = {name for name in module_scope.macros} | {PACKAGE}
         mentions = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b")
-        candidates = [i for i, text in enumerate(self.texts) if mentions.search(text)]
+        candidates = sorted(
+            {
+                self.layout.statement_at(self.layout.line_at(m.start()))
+                for m in mentions.finditer(self.source)
+            }
+            - {-1}
+        )
 
         self._module_constants(module, module_scope, candidates)
         body = list(module.body)
@@ -92,29 +109,49 @@ class _FileExpansion:
                 new_body[i] = _as_statements(result)
 
         self._flush_errors()
+        relied_on = sorted(set(new_body) | self.error_statements)
+        if (
+            not self.sure_layout
+            and self.layout.checked(self.source, module, relied_on) is not self.layout
+        ):
+            # ast's lines and libcst's spans disagree somewhere we rely on: redo it the sure way
+            return _FileExpansion(self.source, self.options, sure_layout=True).run()
         if self.diagnostics:
             raise ExpansionError(self.diagnostics)
         if not expanded:
             return Expansion(self.source, False, dict(self.ctx.tunables))
-
-        out_body: list[cst.BaseStatement] = []
-        prelude_at = self._prelude_index(body, min(new_body))
-        prelude: list[cst.BaseStatement] = []
-        for i, stmt in enumerate(body):
-            if i == prelude_at:
-                prelude = self._prelude()
-                out_body.extend(prelude)
-            replaced = new_body.get(i, [stmt])
-            if prelude and i == prelude_at and replaced:
-                replaced = [_two_blank_lines_after(prelude[-1], replaced[0]), *replaced[1:]]
-            out_body.extend(replaced)
-        code = module.with_changes(body=out_body).code
+        code = self._output(body, new_body)
         return Expansion(self._with_header(code), True, dict(self.ctx.tunables), tuple(expanded))
 
+    def _output(
+        self, body: list[cst.BaseStatement], new_body: dict[int, list[cst.BaseStatement]]
+    ) -> str:
+        """The source text, with each expanded statement's span replaced by its new code."""
+        newline = self.module.default_newline
+        prelude_at = self._prelude_index(body, min(new_body))
+        pieces = [self.layout.header()]
+        for i in range(len(body)):
+            after_helpers = False
+            if i == prelude_at:
+                pieces.append(self._prelude().replace("\n", newline))
+                after_helpers = bool(self.ctx.prelude)  # PEP 8: two blank lines after a def
+            if i in new_body:
+                text = "".join(self.module.code_for_node(stmt) for stmt in new_body[i])
+            else:
+                text = self.layout.text(i)
+            if after_helpers:
+                text = _blank_lines_before(text, 2, newline)
+            pieces.append(text)
+        pieces.append(self.layout.footer())
+        code = "".join(pieces)
+        if not self.source.endswith(("\n", "\r")) and code.endswith(newline):
+            code = code[: -len(newline)]  # the file ended without one: so does the output
+        return code
+
     # -- parsing and positions ----------------------------------------------------
-    def _parse(self) -> cst.Module:
+    def _parse(self) -> tuple[cst.Module, ast.Module]:
         try:
-            ast.parse(self.source, filename=self.options.path)
+            tree = ast.parse(self.source, filename=self.options.path)
         except SyntaxError as e:
             line = e.lineno or 1
             text = e.text if e.text is not None else _line(self.source, line)
@@ -134,7 +171,7 @@ class _FileExpansion:
                 [Diagnostic(self.options.path, 1, 1, f"invalid source: {e}")]
             ) from None
         try:
-            return cst.parse_module(self.source)
+            return cst.parse_module(self.source), tree
         except cst.ParserSyntaxError as e:
             line = e.editor_line
             raise ExpansionError(
@@ -149,36 +186,43 @@ class _FileExpansion:
                 ]
             ) from None
 
-    def _statement_lines(self, module: cst.Module) -> None:
-        """Each top-level statement's text and first line: positions come from these."""
-        self.module = module
-        self.texts = [module.code_for_node(stmt) for stmt in module.body]
-        header = "".join(module.code_for_node(line) for line in module.header)
-        self.first_line = []
-        line = 1 + header.count("\n")
-        for text in self.texts:
-            self.first_line.append(line)
-            line += text.count("\n")
-        self._positions: dict[int, Mapping[cst.CSTNode, Any]] = {}
-
-    def _position(self, node: cst.CSTNode) -> Position:
-        i = self.current
+    def _positions_of(self, i: int) -> Mapping[cst.CSTNode, Any]:
         if i not in self._positions:  # positions only for statements that need them
             wrapper = MetadataWrapper(
                 self.module.with_changes(body=[self.module.body[i]], header=[], footer=[]),
                 unsafe_skip_copy=True,
             )
             self._positions[i] = wrapper.resolve(PositionProvider)
-        code_range = self._positions[i].get(node)
+        return self._positions[i]
+
+    def _statement_of(self, node: cst.CSTNode) -> int:
+        """The top-level statement that holds ``node``: the current one, else a search."""
+        if self.current >= 0 and inside(node, self.module.body[self.current]):
+            return self.current
+        for i, stmt in enumerate(self.module.body):
+            if inside(node, stmt):
+                return i
+        return -1
+
+    def _position(self, node: cst.CSTNode, i: int | None = None) -> Position:
+        i = self.current if i is None else i
+        code_range = self._positions_of(i).get(node) if i >= 0 else None
         if code_range is None:
-            return Position(self.first_line[i], 1)
+            return Position(self.layout.first_lines[i] if i >= 0 else 1, 1)
+        first_line = self.layout.first_lines[i]
         start, end = code_range.start, code_range.end
         width = end.column - start.column if end.line == start.line else 1
-        return Position(self.first_line[i] + start.line - 1, start.column + 1, max(1, width))
+        return Position(first_line + start.line - 1, start.column + 1, max(1, width))
 
     def _flush_errors(self) -> None:
         for e in self.errors:
-            pos = self._position(e.node) if e.node is not None else Position(1, 1)
+            if e.node is None:
+                pos = Position(1, 1)
+            else:
+                i = self._statement_of(e.node)
+                if i >= 0:
+                    self.error_statements.add(i)
+                pos = self._position(e.node, i)
             self.diagnostics.append(
                 Diagnostic(
                     self.options.path,
@@ -236,29 +280,19 @@ class _FileExpansion:
                 at = i + 1
         return at
 
-    def _prelude(self) -> list[cst.BaseStatement]:
+    def _prelude(self) -> str:
+        """The generated imports and helpers, as text (each template was parse-checked)."""
         imports, blocks = self.ctx.import_lines(), self.ctx.prelude
         if not imports and not blocks:
-            return []
+            return ""
         parts = [
-            f"# ---- macrogen: generated from {self.options.path}; edit the source, not this block ----\n"
+            "\n# ---- macrogen: generated from"
+            f" {self.options.path}; edit the source, not this block ----\n"
         ]
         parts += [line + "\n" for line in imports]
         for block in blocks:
             parts.append("\n\n" + block.rstrip("\n") + "\n")
-        text = "".join(parts)
-        try:
-            prelude = cst.parse_module(text)
-        except cst.ParserSyntaxError as e:
-            raise InternalError(f"generated helpers are invalid Python: {e.message}") from e
-        statements = list(prelude.body)
-        first = statements[
-            0
-        ]  # the banner parsed as the module header: move it onto the first statement
-        statements[0] = first.with_changes(
-            leading_lines=[cst.EmptyLine(), *prelude.header, *first.leading_lines]
-        )
-        return statements
+        return "".join(parts)
 
     def _with_header(self, code: str) -> str:
         tuned = [t for t in self.ctx.tunables.values()]
@@ -277,12 +311,13 @@ class _FileExpansion:
             lines[keep].startswith("#!") and keep == 0 or _CODING.match(lines[keep])
         ):
             keep += 1
-        return "".join(lines[:keep]) + "\n".join(header) + "\n" + "".join(lines[keep:])
+        newline = self.module.default_newline
+        return "".join(lines[:keep]) + newline.join(header) + newline + "".join(lines[keep:])
 
 
 def _line(source: str, line: int) -> str:
-    lines = source.splitlines()
-    return lines[line - 1] if 0 < line <= len(lines) else ""
+    lines = split_lines(source)
+    return lines[line - 1].rstrip("\r\n") if 0 < line <= len(lines) else ""
 
 
 def _as_statements(result: Any) -> list[cst.BaseStatement]:
@@ -293,22 +328,13 @@ def _as_statements(result: Any) -> list[cst.BaseStatement]:
     return [result]
 
 
-def _two_blank_lines_after(
-    generated: cst.BaseStatement, stmt: cst.BaseStatement
-) -> cst.BaseStatement:
-    """PEP 8 spacing between the generated helpers (ending in a def) and the user's next statement."""
-    if isinstance(generated, cst.SimpleStatementLine):
-        return stmt
+def _blank_lines_before(text: str, count: int, newline: str) -> str:
+    """``text`` with at least ``count`` blank lines before its first non-blank line."""
+    lines = split_lines(text)
     blank = 0
-    for line in stmt.leading_lines:
-        if line.comment is not None:
-            break
+    while blank < len(lines) and not lines[blank].strip():
         blank += 1
-    if blank >= 2:
-        return stmt
-    return stmt.with_changes(
-        leading_lines=[cst.EmptyLine()] * (2 - blank) + list(stmt.leading_lines)
-    )
+    return newline * max(0, count - blank) + text
 
 
 def _module_imports(module: cst.Module) -> dict[str, str]:

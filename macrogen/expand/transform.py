@@ -154,9 +154,7 @@ class Expander(cst.CSTTransformer):
                 MacroError(f"{macro}() must be assigned to one name: NAME = {macro}(...)", original)
             )
             return updated
-        self.consumed.update(
-            c for c in self.refs if self.refs[c] == "tunable" and _inside(c, value)
-        )
+        self.consumed.update(c for c in self.refs if self.refs[c] == "tunable" and inside(c, value))
         name = targets[0].target.value
         # The value was evaluated before the transform (module constants come first);
         # if that failed, the error is already reported.
@@ -247,7 +245,7 @@ def _macro_module(macro: str, node: cst.CSTNode) -> Any:
         raise MacroError(f"{macro}() is not available in this version of macrogen", node) from None
 
 
-def _inside(node: cst.CSTNode, root: cst.CSTNode) -> bool:
+def inside(node: cst.CSTNode, root: cst.CSTNode) -> bool:
     found = False
 
     class _Find(cst.CSTVisitor):
