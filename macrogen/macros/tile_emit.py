@@ -51,7 +51,7 @@ def parse(text: str) -> cst.BaseExpression:
 def number(value: float | int) -> str:
     if isinstance(value, float) and math.isinf(value):
         return 'float("inf")' if value > 0 else 'float("-inf")'
-    return repr(value)
+    return f"({value!r})" if value < 0 else repr(value)  # (-0.25) ** 2, not -(0.25 ** 2)
 
 
 class Namer:
