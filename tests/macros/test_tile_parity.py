@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.macros.tile_cases import CASES, compare, modules
+from tests.macros.tile_cases import CASES, RANDOM_CASES, compare, modules
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [case.name for case in CASES]
@@ -38,12 +38,19 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_triton_kernel_matches_loop(name: str, interpreted: dict) -> None:
     assert interpreted[name] is None, interpreted[name]
+
+
+def test_triton_kernel_matches_loop_on_random_bodies(interpreted: dict) -> None:
+    random = {name: result for name, result in interpreted.items() if name not in NAMES}
+    assert len(random) == RANDOM_CASES
+    failures = [result for result in random.values() if result is not None]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -9,15 +9,10 @@ mixing in the emitted code are all exercised.
 
 from __future__ import annotations
 
-import itertools
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.macros.tile_cases import Case, compare, modules
-
-LEAVES = ["x[i, j]", "x[i, j + 1]", "r[j]", "c[i]", "alpha", "1.5", "-0.25", "N"]
-_counter = itertools.count()
+from tests.macros.tile_cases import LEAVES, body_case, compare, modules
 
 
 def _expressions(depth: int):
@@ -47,40 +42,6 @@ def _is_tensor(expr: str) -> bool:
     return "[" in expr  # every leaf that is a tensor is a load
 
 
-def _case(expr: str, reduce: str | None) -> Case:
-    name = f"prop{next(_counter)}"
-    if reduce is None:
-        body = f"out[i, j] = {expr}"
-        loops = (
-            "for i in range(M):\n                for j in range(N):\n                    " + body
-        )
-        out = ("nan", (6, 9))
-    else:
-        init = "0.0" if reduce == "sum" else 'float("-inf")'
-        step = f"acc += {expr}" if reduce == "sum" else f"acc = max(acc, {expr})"
-        loops = (
-            f"for i in range(M):\n                acc = {init}\n"
-            f"                for j in range(N):\n                    {step}\n"
-            "                out[i] = acc"
-        )
-        out = ("nan", (6,))
-    source = f"""
-        @mg.tile(i=4, j=4)
-        def {name}(out, x, r, c, alpha):
-            M = c.shape[0]
-            N = r.shape[0]
-            {loops}
-        """
-    inputs = {
-        "out": out,
-        "x": ("randn", (6, 10)),
-        "r": ("randn", (9,)),
-        "c": ("randn", (6,)),
-        "alpha": 0.75,
-    }
-    return Case(name, source, inputs, rtol=1e-4, atol=1e-4)
-
-
 @settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -90,7 +51,7 @@ def test_torch_path_equals_the_loop(expr: str, reduce: str | None, tmp_path_fact
         expr = f"{expr} + x[i, j]"  # a reduction over j must depend on j
     if not _is_tensor(expr):
         expr = f"{expr} + r[j]"
-    case = _case(expr, reduce)
+    case = body_case(expr, reduce)
     reference, expanded = modules(case, tmp_path_factory.mktemp(case.name))
     message = compare(case, reference, getattr(expanded, f"_{case.name}_torch"))
     assert message is None, f"{message}\n{expr}"

@@ -7,6 +7,8 @@ Shared by test_tile_parity.py (the torch path, in process) and tile_interpret.py
 
 from __future__ import annotations
 
+import itertools
+import random
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,6 +208,80 @@ CASES = [
         },
     ),
 ]
+
+
+# -- random bodies: the hypothesis test (torch path) and the interpreter run (kernel) ----------
+LEAVES = ["x[i, j]", "x[i, j + 1]", "r[j]", "c[i]", "alpha", "1.5", "-0.25", "N"]
+RANDOM_CASES = 12  # random bodies the interpreter run checks besides CASES
+_counter = itertools.count()
+
+
+def body_case(expr: str, reduce: str | None) -> Case:
+    """A 2-loop nest whose body stores (or sums or maxes over j) ``expr``."""
+    name = f"prop{next(_counter)}"
+    if reduce is None:
+        body = f"out[i, j] = {expr}"
+        loops = (
+            "for i in range(M):\n                for j in range(N):\n                    " + body
+        )
+        out = ("nan", (6, 9))
+    else:
+        init = "0.0" if reduce == "sum" else 'float("-inf")'
+        step = f"acc += {expr}" if reduce == "sum" else f"acc = max(acc, {expr})"
+        loops = (
+            f"for i in range(M):\n                acc = {init}\n"
+            f"                for j in range(N):\n                    {step}\n"
+            "                out[i] = acc"
+        )
+        out = ("nan", (6,))
+    source = f"""
+        @mg.tile(i=4, j=4)
+        def {name}(out, x, r, c, alpha):
+            M = c.shape[0]
+            N = r.shape[0]
+            {loops}
+        """
+    inputs = {
+        "out": out,
+        "x": ("randn", (6, 10)),
+        "r": ("randn", (9,)),
+        "c": ("randn", (6,)),
+        "alpha": 0.75,
+    }
+    return Case(name, source, inputs, rtol=1e-4, atol=1e-4)
+
+
+def random_expression(rng: random.Random, depth: int) -> str:
+    """The same grammar as the hypothesis test's, drawn from ``rng``."""
+    if depth == 0 or rng.random() < 0.25:
+        return rng.choice(LEAVES)
+    sub = lambda: random_expression(rng, depth - 1)  # noqa: E731
+    kind = rng.randrange(6)
+    if kind == 0:
+        return f"({sub()} {rng.choice('+-*')} {sub()})"
+    if kind == 1:
+        return f"{sub()} / (1.0 + torch.abs({sub()} + r[j]))"
+    if kind == 2:
+        return f"{rng.choice(['torch.tanh', 'torch.sigmoid', 'torch.abs'])}({sub()} - c[i])"
+    if kind == 3:
+        return f"torch.where({sub()} > x[i, j], {sub()}, {sub()})"
+    if kind == 4:
+        return f"{rng.choice(['max', 'min'])}({sub()}, {sub()})"
+    return f"({sub()}) ** 2"
+
+
+def random_cases(seed: int, count: int) -> list[Case]:
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        reduce = rng.choice([None, "sum", "max"])
+        expr = random_expression(rng, 3)
+        if reduce is not None and "j" not in expr:
+            expr = f"{expr} + x[i, j]"
+        if "[" not in expr:
+            expr = f"{expr} + r[j]"
+        cases.append(body_case(expr, reduce))
+    return cases
 
 
 def make_inputs(case: Case, seed: int = 0) -> dict:

@@ -17,18 +17,18 @@ import sys  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from tests.macros.tile_cases import CASES, compare, modules  # noqa: E402
+from tests.macros.tile_cases import CASES, RANDOM_CASES, compare, modules, random_cases  # noqa: E402
 
 
 def main(directory: str) -> None:
     results = {}
-    for case in CASES:
+    for case in CASES + random_cases(seed=0, count=RANDOM_CASES):
         try:
             reference, expanded = modules(case, Path(directory))
             results[case.name] = compare(case, reference, getattr(expanded, f"_{case.name}_triton"))
         except Exception:  # report, and go on with the other cases
             results[case.name] = traceback.format_exc(limit=4)
-    print(json.dumps(results))
+    print(json.dumps({"random": RANDOM_CASES, "results": results}))
 
 
 if __name__ == "__main__":
