@@ -17,6 +17,7 @@ gradients (~13 MB in fp32 at n_embd=256, 4 layers) span several buckets.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import statistics
@@ -25,7 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from macrogen.autotune import database
 from macrogen.autotune.measure import Measurement, Program, Timing, measure
 from macrogen.autotune.tuner import autotune
 
@@ -116,7 +116,7 @@ def main() -> int:
             f" default ({default} MB) vs winner: x{medians[default] / medians[winner]:.3f}"
         )
         record = outcome.record or {}
-        print(f"database key: {database.canonical(record.get('key', {}))}")
+        print(f"database key: {json.dumps(record.get('key', {}), sort_keys=True)}")
         return 0 if ratio <= 1.05 else 1
 
 

@@ -90,18 +90,16 @@ def autotune(
     in_source = not entry_module or origin == source_path.resolve()
     timing = timing or Timing()
     program = Program(source_path, source, entry, in_source, world_size, target, timing)
-    key = {
-        "device": device,
-        "entry": entry,
-        "entry_hash": "" if in_source else environment.file_hash(origin),
-        "file": source_path.name,
-        "macrogen": __version__,
-        "params": sorted(p.key for p in params),
-        "signature": {},
-        "site_hash": site_hash,
-        "target": target,
-        "world_size": world_size,
-    }
+    key = _tuning_key(
+        source_path,
+        entry,
+        "" if in_source else environment.file_hash(origin),
+        device,
+        params,
+        site_hash,
+        target,
+        world_size,
+    )
     book = _Book(db, key, source, cspace, retry_failed)
     reporter = reporter or Reporter()
 
@@ -146,6 +144,31 @@ def autotune(
     )
     reporter.summary(outcome, time.monotonic() - started)
     return outcome
+
+
+def _tuning_key(
+    source_path: Path,
+    entry: str,
+    entry_hash: str,
+    device: dict[str, str],
+    params: tuple[space.Parameter, ...],
+    site_hash: str,
+    target: str,
+    world_size: int,
+) -> dict[str, Any]:
+    """What makes two measurements comparable (database.KEY_FIELDS); the signature comes later."""
+    return {
+        "device": device,
+        "entry": entry,
+        "entry_hash": entry_hash,  # "" when the factory is in the tuned file (site_hash covers it)
+        "file": source_path.name,
+        "macrogen": __version__,
+        "params": sorted(p.key for p in params),
+        "signature": {},  # what the entry reports with its first measurement
+        "site_hash": site_hash,
+        "target": target,
+        "world_size": world_size,
+    }
 
 
 def _check_request(entry: str, world_size: int, max_trials: int) -> None:
