@@ -142,6 +142,14 @@ def canonical(values: Mapping[str, Any]) -> str:
     return json.dumps(encode_values(values), sort_keys=True)
 
 
+def _natural(values: Mapping[str, Any]) -> list[tuple[str, int, Any]]:
+    """Sort numbers as numbers (1, 4, 16), everything else by its repr."""
+    return [
+        (k, 0, v) if isinstance(v, (int, float)) and not isinstance(v, bool) else (k, 1, repr(v))
+        for k, v in sorted(values.items())
+    ]
+
+
 # -- the file -----------------------------------------------------------------------
 def load(path: Path) -> dict[str, Any]:
     if not path.exists():
@@ -203,7 +211,7 @@ class Database:
     def save(self) -> None:
         self.records.sort(key=lambda r: json.dumps(r["key"], sort_keys=True))
         for record in self.records:
-            record["candidates"].sort(key=lambda c: canonical(c["values"]))
+            record["candidates"].sort(key=lambda c: _natural(decode_values(c["values"])))
         write_atomic(self.path, dumps(self.data).encode("utf-8"))
 
 
