@@ -1,4 +1,8 @@
-"""``macrogen autotune FILE --entry module:factory [--world-size N] [--target cpu|cuda] [--tuning FILE] [--budget SECONDS] [--max-trials N]``."""
+"""``macrogen autotune``: time every ``tunable`` of FILE through an entry factory and record the winners.
+
+The winners go to a JSON tuning database (default: macrogen_tuning.json next to
+FILE) that ``macrogen expand`` reads. See docs/autotune.md.
+"""
 
 from __future__ import annotations
 
