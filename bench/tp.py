@@ -1,6 +1,6 @@
 """Train-step time of @tensor_parallel vs torch's DTensor tensor parallelism, 2 gloo ranks.
 
-    python bench/tp.py [--d-model 256] [--n-head 8] [--batch 8] [--seq 64] [--steps 40]
+    python bench/tp.py [--d-model 128 256 512] [--n-head 8] [--batch 8] [--seq 64] [--steps 40]
 
 Both sides train the same transformer block (attention: qkv colwise, proj
 rowwise, n_head divided; MLP: fc colwise, proj rowwise) from the same weights:
@@ -9,7 +9,9 @@ macrogen's expanded class, and the serial class handed to
 RowwiseParallel on a CPU DeviceMesh. A step is forward, backward and an SGD
 step. Steps alternate between the two in one run (same machine load), each
 starts after a barrier, and the figure is the ratio of median step times
-(rank 0's clock; goal <= 0.70). Before timing, both outputs are checked equal.
+(rank 0's clock; goal <= 0.70), for each model width. Before timing, both
+outputs are checked equal. Other processes on the machine add noise: the
+load average is printed with the results.
 """
 
 from __future__ import annotations
@@ -120,45 +122,48 @@ def _step(model, opt, x):
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
-    torch.set_num_threads(args.threads)
     os.environ["MACROGEN_TP_SIZE"] = str(world)  # 2-way tensor parallelism
+    torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from macrogen.expand import expand_source
 
     with tempfile.TemporaryDirectory() as tmp:
         serial_mod = _load(BLOCK, "tp_bench_serial", tmp)
         ours_mod = _load(expand_source(BLOCK, path="block.py").code, "tp_bench_ours", tmp)
-    torch.manual_seed(0)
-    serial = serial_mod.Block(args.d_model, args.n_head)
-    torch.manual_seed(0)
-    ours = ours_mod.Block(args.d_model, args.n_head)
-    theirs = _torch_tp(serial, world)
-    x = torch.randn(args.batch, args.seq, args.d_model, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
-
-    runs = {
-        "macrogen": (ours, torch.optim.SGD(ours.parameters(), lr=1e-3)),
-        "torch DTensor": (theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3)),
-    }
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for i in range(args.warmup + args.steps):
-        for name, (model, opt) in runs.items():
-            dist.barrier()
-            start = time.perf_counter()
-            _step(model, opt, x)
-            elapsed = time.perf_counter() - start
-            if i >= args.warmup:
-                times[name].append(elapsed)
+    results = []
+    for d_model in args.d_model:
+        torch.manual_seed(0)
+        serial = serial_mod.Block(d_model, args.n_head)
+        torch.manual_seed(0)
+        ours = ours_mod.Block(d_model, args.n_head)
+        theirs = _torch_tp(serial, world)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(args.batch, args.seq, d_model, generator=g)
+        with torch.no_grad():  # same weights, same answer
+            torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+        runs = {
+            "macrogen": (ours, torch.optim.SGD(ours.parameters(), lr=1e-3)),
+            "torch DTensor": (theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3)),
+        }
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for i in range(args.warmup + args.steps):
+            for name, (model, opt) in runs.items():  # alternate: both see the same load
+                dist.barrier()
+                start = time.perf_counter()
+                _step(model, opt, x)
+                elapsed = time.perf_counter() - start
+                if i >= args.warmup:
+                    times[name].append(elapsed)
+        results.append((d_model, times))
     if rank == 0:
-        out.put(times)
+        out.put(results)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--d-model", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--n-head", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
@@ -169,33 +174,29 @@ def main(argv: list[str] | None = None) -> int:
 
     from tests.distributed import free_port
 
-    world = 2
+    world, port = 2, free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, free_port_, args, out))
-        for free_port_ in [free_port()]
-        for r in range(world)
-    ]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
     for p in procs:
         p.start()
-    times = out.get(timeout=900)
+    results = out.get(timeout=1800)
     for p in procs:
         p.join()
-    medians = {name: statistics.median(t) for name, t in times.items()}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"tensor-parallel train step, 2 gloo ranks, block d_model={args.d_model}"
-        f" n_head={args.n_head}, batch {args.batch}x{args.seq}, {args.steps} steps each"
-        f" (median, rank 0)"
+        f"tensor-parallel train step (forward, backward, SGD), 2 gloo ranks x {args.threads}"
+        f" thread, transformer block n_head={args.n_head}, batch {args.batch}x{args.seq},"
+        f" {args.steps} steps each, medians on rank 0; load average {load:.1f} on"
+        f" {os.cpu_count()} CPUs"
     )
-    for name, t in times.items():
-        q = statistics.quantiles(t, n=4)
+    print(f"  {'d_model':>7}  {'macrogen':>12}  {'torch DTensor':>14}  {'ratio':>6}")
+    for d_model, times in results:
+        ours, theirs = (statistics.median(times[k]) for k in ("macrogen", "torch DTensor"))
         print(
-            f"  {name:<14} median {medians[name] * 1e3:8.2f} ms"
-            f"   (quartiles {q[0] * 1e3:.2f} .. {q[2] * 1e3:.2f} ms)"
+            f"  {d_model:>7}  {ours * 1e3:>9.2f} ms  {theirs * 1e3:>11.2f} ms  {ours / theirs:>6.3f}"
         )
-    ratio = medians["macrogen"] / medians["torch DTensor"]
-    print(f"  ratio macrogen / torch DTensor: {ratio:.3f}  (goal <= 0.70)")
+    print("  ratio = macrogen / torch DTensor (goal <= 0.70)")
     return 0
 
 

@@ -185,8 +185,19 @@ def colwise_linear(x, weight, bias, group: dist.ProcessGroup | None) -> torch.Te
     return _ColwiseLinear.apply(x, weight, bias, group)
 
 
-def rowwise_linear(x, weight, group: dist.ProcessGroup | None, chunks: int = 4) -> torch.Tensor:
-    """g(F.linear(x, weight)) (no bias), all-reducing ``chunks`` row blocks as they are computed."""
+CHUNK_ELEMENTS = 1 << 20  # rowwise outputs at least this big are reduced in chunks (4 at most)
+
+
+def rowwise_linear(
+    x, weight, group: dist.ProcessGroup | None, chunks: int | None = None
+) -> torch.Tensor:
+    """g(F.linear(x, weight)) (no bias), all-reducing row blocks as they are computed.
+
+    Small outputs go in one collective: below ``CHUNK_ELEMENTS`` a chunk's
+    reduction is latency-bound and there is little matmul left to hide it behind.
+    """
     if group_size(group) == 1:
         return F.linear(x, weight)
+    if chunks is None:
+        chunks = max(1, min(4, x[..., :1].numel() * weight.shape[0] // CHUNK_ELEMENTS))
     return _RowwiseLinear.apply(x, weight, group, chunks)
