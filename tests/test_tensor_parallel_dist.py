@@ -295,6 +295,15 @@ def _two_rank_checks(rank, world, tmp):
     )
     counts["Dotted"] = (fwd, bwd)
 
+    # big activations: the rowwise reduction goes in row chunks, overlapping the matmul
+    import macrogen.runtime.collectives as collectives
+
+    collectives.CHUNK_ELEMENTS = 1
+    _, _, fwd, bwd = _check_block(
+        "MLP chunked", lambda: S.MLP(D_MODEL), lambda: P.MLP(D_MODEL), x, rank, world
+    )
+    counts["MLP chunked"] = (fwd, bwd)
+
     # shards are plain tensors of the local shape, under the serial names
     mlp = P.MLP(D_MODEL)
     shapes = {k: tuple(v.shape) for k, v in mlp.state_dict().items()}
@@ -320,18 +329,20 @@ def _two_rank_checks(rank, world, tmp):
 def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
     results = run_ranks(_two_rank_checks, 2, args=(str(tmp_path),), timeout=150)
     counts, errors = results[0]
-    # colwise feeding rowwise: nothing in between; forward, the rowwise output is all-reduced
-    # in 4 row chunks (each overlapping the next chunk's matmul); backward, one all-reduce of
-    # the colwise input gradient (overlapping the weight gradient)
-    block = ({"all_reduce": 4, "all_gather": 0}, {"all_reduce": 1, "all_gather": 0})
+    # colwise feeding rowwise: nothing in between; one all-reduce forward (g, after the
+    # rowwise matmul) and one backward (f: the colwise input gradient, overlapping the
+    # weight gradient)
+    block = ({"all_reduce": 1, "all_gather": 0}, {"all_reduce": 1, "all_gather": 0})
     assert counts["MLP"] == block
     assert counts["Attention"] == block
     assert counts["PackedAttention"] == block
     assert counts["Dotted"] == block
+    # big outputs: 4 row chunks, each reduced while the next is computed
+    assert counts["MLP chunked"] == ({"all_reduce": 4, "all_gather": 0}, block[1])
     # vocab (one all-reduce) then a rowwise head on a full input (its slice forward; backward
     # all-gathers the input gradient)
     assert counts["LMRowwiseHead"] == (
-        {"all_reduce": 5, "all_gather": 0},
+        {"all_reduce": 2, "all_gather": 0},
         {"all_reduce": 0, "all_gather": 1},
     )
     # vocab (one all-reduce forward), colwise head (one all-reduce backward)
@@ -341,3 +352,4 @@ def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
         "LMRowwiseHead.wte.num_embeddings = 25 is not divisible by the tensor-parallel size 2; choose a size that divides it",
         "Attention.n_head = 3 is not divisible by the tensor-parallel size 2; choose a size that divides it",
     ]
+
