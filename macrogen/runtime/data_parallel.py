@@ -226,3 +226,11 @@ def broadcast(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) 
                 members,
                 [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in members]), members)],
             )
+
+
+def gradient_sync(model: nn.Module) -> GradientSync:
+    """The ``GradientSync`` of a ``@data_parallel`` model (to inspect its buckets, say)."""
+    for value in vars(model).values():
+        if isinstance(value, GradientSync):
+            return value
+    raise ValueError(f"{type(model).__name__} is not a @data_parallel model")

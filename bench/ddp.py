@@ -1,0 +1,194 @@
+"""Data-parallel step time: @data_parallel against torch DDP and per-tensor all-reduce.
+
+    python bench/ddp.py [--steps 20] [--rounds 5]
+
+Two gloo ranks on this machine train the same GPT (examples/gpt.py: 6 layers,
+d=256, 77 parameter tensors) with AdamW. Every variant lives in the same two
+processes and the variants take turns, a few steps each, so that load from
+other programs hits them alike. Prints the median step time of each and the
+ratios against the peers, and the all-reduce calls per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = dict(n_layer=6, n_embd=256, n_head=8, vocab_size=1024, block_size=64)
+BATCH = 2  # sequences per rank
+BUCKET_MB = 25
+
+# The variants subclass the serial GPT; expansion makes each a data-parallel model.
+DATA_PARALLEL_SOURCE = """
+import macrogen as mg
+from examples.gpt import GPT
+
+
+@mg.data_parallel(bucket_mb={bucket_mb}, compress=None)
+class GPTDataParallel(GPT):
+    pass
+
+
+@mg.data_parallel(bucket_mb={bucket_mb}, compress="bf16")
+class GPTDataParallelBF16(GPT):
+    pass
+"""
+
+
+def expanded_module(out_dir: Path):
+    from macrogen.expand import expand_source
+
+    path = out_dir / "bench_ddp_models.py"
+    source = DATA_PARALLEL_SOURCE.format(bucket_mb=BUCKET_MB)
+    path.write_text(expand_source(source, path="bench/ddp.py").code)
+    sys.path.insert(0, str(out_dir))
+    import bench_ddp_models
+
+    return bench_ddp_models
+
+
+class CountAllReduce:
+    """Counts Python-level dist.all_reduce calls (DDP's reducer calls C++: counted from its buckets)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._orig = dist.all_reduce
+
+    def __enter__(self):
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self._orig(*args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce = self._orig
+
+
+def ddp_bf16_hook(state, bucket):
+    """DDP's own bf16_compress_hook; registered under another name, because DDP refuses that
+    name unless it sees CUDA and NCCL (the hook itself runs on gloo)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def variants(models) -> dict[str, tuple[torch.nn.Module, Callable[[], None] | None]]:
+    """name -> (model, what to run after backward); every model starts from the same weights."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from examples.gpt import GPT, GPTConfig
+
+    config = GPTConfig(**MODEL)
+
+    def fresh(cls):
+        torch.manual_seed(0)
+        return cls(config)
+
+    out: dict[str, tuple[torch.nn.Module, Callable[[], None] | None]] = {}
+    out["macrogen"] = (fresh(models.GPTDataParallel), None)
+    out["ddp"] = (DDP(fresh(GPT), bucket_cap_mb=BUCKET_MB), None)
+    per_tensor = fresh(GPT)
+
+    def all_reduce_each() -> None:
+        w = dist.get_world_size()
+        for p in per_tensor.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(w)
+
+    out["per_tensor"] = (per_tensor, all_reduce_each)
+    out["macrogen_bf16"] = (fresh(models.GPTDataParallelBF16), None)
+    ddp_bf16 = DDP(fresh(GPT), bucket_cap_mb=BUCKET_MB)
+    ddp_bf16.register_comm_hook(None, ddp_bf16_hook)
+    out["ddp_bf16"] = (ddp_bf16, None)
+    return out
+
+
+def worker(rank: int, world: int, port: int, steps: int, rounds: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    models = expanded_module(Path(out_dir))
+    from examples.gpt import GPTConfig, batch
+
+    idx, targets = batch(GPTConfig(**MODEL), BATCH, seed=1 + rank)
+    runs = variants(models)
+    optimizers = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, (m, _) in runs.items()}
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    calls: dict[str, int] = {}
+
+    def step(name: str) -> None:
+        model, after_backward = runs[name]
+        optimizers[name].zero_grad()
+        model(idx, targets).backward()
+        if after_backward is not None:
+            after_backward()
+        optimizers[name].step()
+
+    for name in runs:  # warm up, and count the collectives of one step
+        step(name)
+        with CountAllReduce() as count:
+            step(name)
+        calls[name] = count.calls
+    for name in ("ddp", "ddp_bf16"):
+        calls[name] = runs[name][0]._get_ddp_logging_data().get("num_buckets_reduced", 0) or len(
+            runs[name][0]._get_ddp_logging_data().get("bucket_sizes", "").split(",")
+        )
+    for _ in range(rounds):
+        for name in runs:
+            for _ in range(steps):
+                dist.barrier()
+                t = time.perf_counter()
+                step(name)
+                times[name].append(time.perf_counter() - t)
+    if rank == 0:
+        report(times, calls)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(times: dict[str, list[float]], calls: dict[str, int]) -> None:
+    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+    print(f"GPT {MODEL}, batch {BATCH}x{MODEL['block_size']} tokens per rank, 2 gloo ranks, AdamW")
+    print(f"{'variant':<15} {'median ms/step':>15} {'all-reduce calls/step':>22}")
+    for n in times:
+        print(f"{n:<15} {med[n]:>15.1f} {calls[n]:>22}")
+    print()
+    for what, a, b, goal in (
+        ("macrogen / torch DDP (same bucket size)", "macrogen", "ddp", 0.85),
+        ("macrogen / per-tensor all-reduce", "macrogen", "per_tensor", 0.50),
+        ("macrogen bf16 / DDP bf16_compress_hook", "macrogen_bf16", "ddp_bf16", 0.85),
+    ):
+        print(f"{what:<42} {med[a] / med[b]:.3f}  (goal <= {goal})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(2, port, args.steps, args.rounds, tmp), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()
