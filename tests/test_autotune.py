@@ -305,3 +305,57 @@ def test_a_budget_stops_the_run_and_the_next_run_goes_on(tmp_path: Path) -> None
     assert rest.stopped == "complete"
     assert first.new_measurements + rest.new_measurements == 4
     assert len(_candidates(database.default_path(src))) == 4
+
+
+def test_a_large_space_is_sampled_and_a_rerun_measures_nothing(tmp_path: Path) -> None:
+    src = _write(
+        tmp_path,
+        "prog.py",
+        """\
+        import torch
+
+        import macrogen as mg
+
+        ROWS = mg.tunable(8, choices=[8, 16, 24, 32])
+        COLS = mg.tunable(8, choices=[8, 16, 24])
+
+
+        def make_step():
+            a = torch.randn(ROWS, COLS)
+            return lambda: a @ a.T
+        """,
+    )
+    first = autotune(
+        src, entry=":make_step", target="cpu", max_trials=4, timing=FAST, reporter=_quiet()[0]
+    )
+    assert first.strategy == "random" and first.planned == 4
+    assert 1 <= first.new_measurements <= 4
+    assert first.stopped in ("max trials", "early stop")
+    measured = _candidates(database.default_path(src))
+    assert json.dumps({"COLS": 8, "ROWS": 8}) in measured  # the defaults come first
+    again = autotune(
+        src, entry=":make_step", target="cpu", max_trials=4, timing=FAST, reporter=_quiet()[0]
+    )
+    assert again.new_measurements == 0 and again.winner == first.winner
+
+
+def test_retry_failed_measures_failures_again(tmp_path: Path) -> None:
+    from macrogen.autotune import space
+    from macrogen.autotune.measure import Measurement
+    from macrogen.autotune.tuner import _Book
+
+    params = (space.Parameter("X", 1, (1, 2), None, None),)
+    cspace = space.build(params, space.TuningEnv("cpu", 1, "cpu"))
+    db = database.Database(tmp_path / "tuning.json")
+    key = {"file": "p.py", "params": ["X"], "signature": {}}
+    book = _Book(db, key, "source", cspace, retry_failed=False)
+    book.record(Measurement({"X": 1}, time_s=2.0, samples=3))
+    book.record(Measurement({"X": 2}, error="boom"))
+    assert book.winner() == {"X": 1}
+    assert _Book(db, key, "source", cspace, False).known({"X": 2})["error"] == "boom"
+    retry = _Book(db, key, "source", cspace, retry_failed=True)
+    assert retry.known({"X": 2}) is None and retry.known({"X": 1}) is not None
+    retry.record(Measurement({"X": 2}, time_s=1.0, samples=3))
+    assert retry.known({"X": 2})["time_s"] == 1.0 and retry.winner() == {"X": 2}
+    saved = json.loads((tmp_path / "tuning.json").read_text())["records"][0]
+    assert saved["winner"] == {"X": 2} and len(saved["candidates"]) == 2
