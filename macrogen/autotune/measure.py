@@ -11,8 +11,8 @@ every candidate of a group alike. Results stream back one JSON line per
 candidate and are handed to the caller as they arrive (the caller persists
 them at once), so a killed run loses at most the group in flight.
 
-The worker reports each phase it starts (a candidate's set-up, warm-up or
-round); a phase gets ``timeout`` seconds (the launch itself ``STARTUP_S``
+The worker reports each phase it starts (a candidate's set-up with its
+warm-up, or its turn in a round); a phase gets ``timeout`` seconds (the launch itself ``STARTUP_S``
 more). If one overruns, or the worker dies under it, that candidate is
 recorded as failed and the candidates not yet reported get a fresh launch.
 Near the budget's deadline the worker stops between rounds and reports what
