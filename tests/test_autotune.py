@@ -359,3 +359,29 @@ def test_retry_failed_measures_failures_again(tmp_path: Path) -> None:
     assert retry.known({"X": 2})["time_s"] == 1.0 and retry.winner() == {"X": 2}
     saved = json.loads((tmp_path / "tuning.json").read_text())["records"][0]
     assert saved["winner"] == {"X": 2} and len(saved["candidates"]) == 2
+
+
+def test_a_candidate_its_macro_rejects_is_recorded_failed_without_a_run() -> None:
+    from macrogen.autotune.measure import Measurement, Program, measure
+
+    source = textwrap.dedent(
+        """\
+        import macrogen as mg
+
+
+        @mg.tile(i=mg.tunable(32, choices=[32, 48]))
+        def scale(out, x):
+            (N,) = x.shape
+            for i in range(N):
+                out[i] = 2.0 * x[i]
+        """
+    )
+    program = Program(Path("t.py"), source, ":make_step", True, 1, "cpu", FAST)
+    got: list[Measurement] = []
+    assert measure(program, [{"scale.i": 48}], lambda m: got.append(m) or True) == "complete"
+    assert got == [
+        Measurement(
+            {"scale.i": 48},
+            error="expansion failed: the tile size of 'i' must be a power of two, not 48",
+        )
+    ]
