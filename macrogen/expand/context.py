@@ -84,12 +84,15 @@ class Context:
         self._module_imports = dict(module_imports)  # local name -> module it binds
         self._imports: dict[str, str] = {}  # import statement -> the name it binds
         self._sites_per_scope: dict[str, int] = {}
+        # Names the site being expanded sees bound by its own function or class: a module
+        # import of the same name is hidden there, so generated code must not use it.
+        self.shadowed: frozenset[str] = frozenset()
 
     # -- imports that generated code needs ---------------------------------
     def import_module(self, module: str) -> str:
         """The name under which generated code reaches ``module`` (``import x as y``)."""
         for local, bound in self._module_imports.items():
-            if bound == module:
+            if bound == module and local not in self.shadowed:
                 return local
         leaf = module.rsplit(".", 1)[-1]
         stmt_prefix = f"import {module} as "

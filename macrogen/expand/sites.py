@@ -223,6 +223,10 @@ class ScopeStack:
     def at_module_level(self) -> bool:
         return len(self.stack) == 1
 
+    def locally_bound(self) -> frozenset[str]:
+        """Names bound by the enclosing functions and classes (not the module)."""
+        return frozenset().union(*(s.bound - s.globals for s in self.stack[1:]))
+
     def resolve(self, name: str) -> Binding | None:
         innermost = self.stack[-1]
         for scope in reversed(self.stack):

@@ -179,6 +179,7 @@ class Expander(cst.CSTTransformer):
             if form not in module.FORMS:
                 raise MacroError(f"{macro}() can't be used here: {module.USAGE}", at)
             args = self.evaluator.call_args(call, qualname)
+            self.ctx.shadowed = self.scopes.locally_bound()
             site = Site(macro, form, updated, original, call, args, qualname, pos.line, pos.col)
             result = module.expand(site, self.ctx)
         except MacroError as e:

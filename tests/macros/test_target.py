@@ -194,3 +194,33 @@ def test_elif_with_a_fixed_target_says_what_to_do():
     ) == [
         "test.py:4:6: error: with --target, target() can't be an elif test; nest the if in the else branch"
     ]
+
+
+def test_a_local_torch_is_not_taken_for_the_module():
+    assert_expands(
+        """\
+        import torch
+        import macrogen as mg
+        def f(torch):
+            if mg.target("cuda"):
+                return 1
+        def g():
+            if mg.target("cuda"):
+                return 2
+        """,
+        """\
+        import torch
+        import macrogen as mg
+
+        # ---- macrogen: generated from test.py; edit the source, not this block ----
+        import torch as _mg_torch
+        def f(torch):
+            # macrogen: target at test.py:4
+            if _mg_torch.cuda.is_available():
+                return 1
+        def g():
+            # macrogen: target at test.py:7
+            if torch.cuda.is_available():
+                return 2
+        """,
+    )
