@@ -39,6 +39,7 @@ class GPTConfig:
     )
 
 
+@mg.tensor_parallel(plan={"qkv": ("colwise", 3), "proj": "rowwise", "n_head": "divide"})
 class Attention(nn.Module):
     """Causal self-attention; ``qkv`` is column-parallel, ``proj`` row-parallel under tensor parallelism."""
 
@@ -60,6 +61,7 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
+@mg.tensor_parallel(plan={"fc": "colwise", "proj": "rowwise"})
 class MLP(nn.Module):
     """``fc`` is column-parallel, ``proj`` row-parallel under tensor parallelism."""
 

@@ -353,3 +353,83 @@ def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
         "Attention.n_head = 3 is not divisible by the tensor-parallel size 2; choose a size that divides it",
     ]
 
+
+# -- DP x TP: the GPT example on 4 ranks (2 data x 2 tensor) ----------------------------
+
+GPT_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
+GPT_CONFIG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+GLOBAL_BATCH, STEPS = 8, 3
+
+
+def _optimizer(model):
+    # SGD with momentum, not Adam: the key bias of attention has a gradient that is zero
+    # up to rounding (softmax ignores a constant added to every score), and Adam's
+    # division by sqrt(v) would turn that rounding noise into steps of size lr.
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _dp_tp_training(rank, world, source, tmp):
+    from macrogen.expand import expand_source
+    from macrogen.runtime.mesh import mesh
+    from macrogen.runtime.tensor_parallel import (
+        full_gradients,
+        full_state_dict,
+        load_full_state_dict,
+    )
+
+    os.environ["MACROGEN_TP_SIZE"] = "2"
+    tmp = Path(tmp) / f"rank{rank}"
+    tmp.mkdir()
+    S = load_module(source, "gpt_serial", tmp)
+    P = load_module(expand_source(source, path="gpt.py").code, "gpt_dp_tp", tmp)
+    idx, targets = S.batch(S.GPTConfig(**GPT_CONFIG), GLOBAL_BATCH, seed=1)
+
+    # the serial reference: one process, the whole batch
+    torch.manual_seed(0)
+    serial = S.GPT(S.GPTConfig(**GPT_CONFIG))
+    initial = copy.deepcopy(serial.state_dict())
+    optimizer = _optimizer(serial)
+    serial_losses, serial_grads = [], None
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = serial(idx, targets)
+        loss.backward()
+        serial_grads = serial_grads or {k: p.grad.clone() for k, p in serial.named_parameters()}
+        optimizer.step()
+        serial_losses.append(loss.item())
+
+    # DP x TP: each data rank trains on its share; its two tensor ranks split the layers
+    torch.manual_seed(0)
+    model = P.GPT(P.GPTConfig(**GPT_CONFIG))
+    m = mesh()
+    assert (m.data_size, m.tensor_size, m.data_rank) == (2, 2, rank // 2)
+    assert model.blocks[0].attn.qkv.weight.shape == (3 * 32 // 2, 32)
+    load_full_state_dict(model, initial)  # the example re-initializes proj weights in GPT.__init__
+    share = GLOBAL_BATCH // m.data_size
+    rows = slice(m.data_rank * share, (m.data_rank + 1) * share)
+    optimizer = _optimizer(model)
+    losses, grads = [], None
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = model(idx[rows], targets[rows])
+        loss.backward()
+        grads = grads or full_gradients(model)
+        optimizer.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)  # tensor ranks agree; the mean over data ranks
+        losses.append(total.item() / world)
+
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(serial_losses), rtol=1e-5, atol=0)
+    for key, g in serial_grads.items():
+        torch.testing.assert_close(grads[key], g, **TOL, msg=f"first-step gradient of {key}")
+    full = full_state_dict(model)
+    assert list(full) == list(serial.state_dict())
+    for key, value in serial.state_dict().items():
+        torch.testing.assert_close(full[key], value, **TOL, msg=f"{key} after {STEPS} steps")
+    return losses
+
+
+def test_gpt_example_data_x_tensor_parallel_on_four_ranks(tmp_path):
+    source = GPT_EXAMPLE.read_text()
+    losses = run_ranks(_dp_tp_training, 4, args=(source, str(tmp_path)), timeout=240)
+    assert losses[0] == losses[1] == losses[2] == losses[3]
