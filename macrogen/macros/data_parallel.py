@@ -91,7 +91,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
 
 
 def validate(site: Site, ctx: Context) -> Spec:
-    node = site.node
+    node = site.original  # positions are known for the source's nodes
     if not isinstance(node, cst.ClassDef):
         raise MacroError(f"data_parallel() decorates a class: {USAGE}", site.call or site.original)
     if not node.bases:

@@ -64,6 +64,12 @@ class GradientSync:
     def __init__(self, module: nn.Module, config: DataParallelConfig, *, where: str):
         if not isinstance(module, nn.Module):
             raise TypeError(f"@data_parallel at {where} needs an nn.Module subclass")
+        for name, sub in module.named_modules():
+            if sub is not module and any(isinstance(v, GradientSync) for v in vars(sub).values()):
+                raise TypeError(
+                    f"@data_parallel at {where}: its submodule {name!r} is @data_parallel too;"
+                    " put @data_parallel on the outermost model only"
+                )
         self.module = module
         self.config = config
         self.where = where
