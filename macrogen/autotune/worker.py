@@ -23,6 +23,7 @@ import importlib.util
 import inspect
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -61,7 +62,10 @@ def main(job_path: str) -> int:
     size = job["timing"]["group"]
     for first in range(0, len(job["candidates"]), size):
         if not _parent_alive(job["parent_pid"]):
-            return 1  # autotune itself was stopped: nobody reads what we would write
+            # autotune itself was killed: nobody reads what we would write, or cleans up
+            if rank == 0:
+                shutil.rmtree(_SOURCE["work"], ignore_errors=True)
+            return 1
         group = job["candidates"][first : first + size]
         measured, ran_out = _measure_group(group, job, entry_factory, distributed, rank, results)
         for result in measured:
