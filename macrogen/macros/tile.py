@@ -21,9 +21,10 @@ Arguments: one tile size per loop variable (a power of two; may be
 (``tl.dot``'s input precision for matmul-shaped reductions: "ieee", "tf32" or
 "tf32x3"). The accepted loop nests, with examples: docs/tile.md.
 
-Where the rest lives: tile_analysis.py recognises the subset and builds the
-IR (tile_ir.py); tile_emit.py turns the IR into kernel and torch code;
-templates/tile_*.py.j2 lay the generated functions out.
+Where the rest lives: tile_analysis.py recognises the subset (statements and
+loops; expressions in tile_expressions.py) and builds the IR (tile_ir.py);
+tile_emit.py turns the IR into kernel and torch code; templates/tile_*.py.j2
+lay the generated functions out (shapes, kernel, launcher, torch, dispatch).
 """
 
 from __future__ import annotations

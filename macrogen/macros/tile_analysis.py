@@ -20,7 +20,6 @@ Anything else is a ``MacroError`` at the construct, saying what is supported.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -28,18 +27,16 @@ from typing import Any
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
+from macrogen.macros.tile_expressions import ExpressionReader, Scope, code_of, negate
 from macrogen.macros.tile_ir import (
     Accum,
     Binary,
     Bound,
-    Call,
     Const,
     Dot,
     Expr,
-    Index,
     InnerLoop,
     Let,
-    Load,
     Loop,
     Name,
     Nest,
@@ -49,32 +46,6 @@ from macrogen.macros.tile_ir import (
     Unary,
 )
 
-_UNARY_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs")
-_TORCH_FUNCTIONS = {f: f for f in (*_UNARY_FUNCTIONS, "where")} | {
-    "maximum": "max",
-    "minimum": "min",
-}
-_BUILTINS = {"max": "max", "min": "min", "abs": "abs"}
-_BINARY = {
-    cst.Add: "+",
-    cst.Subtract: "-",
-    cst.Multiply: "*",
-    cst.Divide: "/",
-    cst.BitAnd: "&",
-    cst.BitOr: "|",
-}
-_COMPARE = {
-    cst.LessThan: "<",
-    cst.LessThanEqual: "<=",
-    cst.GreaterThan: ">",
-    cst.GreaterThanEqual: ">=",
-    cst.Equal: "==",
-    cst.NotEqual: "!=",
-}
-SUPPORTED = (
-    "supported: + - * / ** (integer power 2-4), comparisons, & |, min/max,"
-    " torch.exp/log/sqrt/tanh/sigmoid/abs/where/maximum/minimum"
-)
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -83,21 +54,7 @@ def analyze(fn: cst.FunctionDef, constants: Mapping[str, Any]) -> Nest:
     return _Analyzer(fn, constants).nest()
 
 
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node).strip()
-
-
-class _Scope:
-    """What names mean at one point of the nest."""
-
-    def __init__(self, loop_vars: tuple[str, ...], local: dict[str, Expr]):
-        self.loop_vars = loop_vars  # usable as indices here
-        self.local = local  # name -> a Name expression with its dims
-        self.carried: set[str] = set()  # accumulators of the inner loop we are in
-        self.gone: dict[str, str] = {}  # names that went out of scope -> why
-
-
-class _Analyzer:
+class _Analyzer(ExpressionReader):
     def __init__(self, fn: cst.FunctionDef, constants: Mapping[str, Any]):
         self.fn = fn
         self.constants = constants
@@ -107,7 +64,7 @@ class _Analyzer:
         self.sizes: dict[str, Size] = {}
         self.loop_vars: set[str] = set()
         self.stored: dict[str, cst.CSTNode] = {}
-        self.taken = set(_IDENT.findall(_code(fn)))
+        self.taken = set(_IDENT.findall(code_of(fn)))
         self.outputs = self._outputs(fn.body)
 
     # -- the function ----------------------------------------------------------------
@@ -138,7 +95,7 @@ class _Analyzer:
         chain, block = self._chain(stmts[0])
         if self._is_reduction_suffix(chain, block):
             grid = tuple(chain[:-1])
-            scope = _Scope(tuple(loop.var for loop in grid), {})
+            scope = Scope(tuple(loop.var for loop in grid), {})
             body_ir: list[Statement] = [
                 *self._inner_loop(chain[-1], self._last_for, block, scope, grid)
             ]
@@ -323,7 +280,7 @@ class _Analyzer:
 
     # -- bodies ------------------------------------------------------------------------
     def _grid_body(self, block: list[cst.BaseStatement], grid: tuple[Loop, ...]) -> list[Statement]:
-        scope = _Scope(tuple(loop.var for loop in grid), {})
+        scope = Scope(tuple(loop.var for loop in grid), {})
         out: list[Statement] = []
         for stmt in block:
             if isinstance(stmt, cst.For):
@@ -340,7 +297,7 @@ class _Analyzer:
         raise MacroError(self._unsupported(stmt), stmt)
 
     def _grid_statement(
-        self, small: cst.BaseSmallStatement, scope: _Scope, grid: tuple[Loop, ...]
+        self, small: cst.BaseSmallStatement, scope: Scope, grid: tuple[Loop, ...]
     ) -> list[Statement]:
         target, value, add = self._assignment(small)
         if isinstance(target, cst.Name):
@@ -366,7 +323,7 @@ class _Analyzer:
         loop: Loop,
         loop_node: cst.For,
         block: list[cst.BaseStatement],
-        outer: _Scope,
+        outer: Scope,
         grid: tuple[Loop, ...],
     ) -> list[Statement]:
         """The loop over one more variable inside the grid body: reductions and stores along it."""
@@ -376,7 +333,7 @@ class _Analyzer:
                 f"loop variable {loop.var!r} is already bound by an outer loop; use a new name",
                 loop_node,
             )
-        scope = _Scope((*grid_vars, loop.var), dict(outer.local))
+        scope = Scope((*grid_vars, loop.var), dict(outer.local))
         scope.gone = outer.gone
         scope.carried = self._carried(block, outer)
         before: list[Statement] = []
@@ -412,7 +369,7 @@ class _Analyzer:
                     acc = self._fresh(f"{tensor}_acc")
                     expr = self._expr(value, scope)
                     before.append(Let(acc, Const(frozenset(), False, 0.0)))
-                    body.append(Accum(acc, "sum", expr if add else _neg(expr)))
+                    body.append(Accum(acc, "sum", expr if add else negate(expr)))
                     after.append(Store(tensor, index, Name(frozenset(grid_vars), True, acc), True))
                     ops[acc] = "sum"
                     continue
@@ -457,7 +414,7 @@ class _Analyzer:
         dot = self._dot(loop, body, grid_vars)
         return [*before, InnerLoop(loop, tuple(body), dot), *after]
 
-    def _carried(self, block: list[cst.BaseStatement], outer: _Scope) -> set[str]:
+    def _carried(self, block: list[cst.BaseStatement], outer: Scope) -> set[str]:
         """Names defined before the loop that it assigns: they may only be reduced into."""
         carried = set()
         for stmt in block:
@@ -479,12 +436,12 @@ class _Analyzer:
         target: cst.Name,
         value: cst.BaseExpression,
         add: bool | None,
-        scope: _Scope,
+        scope: Scope,
     ) -> tuple[str, Expr]:
         """``s += e``, ``s -= e``, ``s = s + e``, ``m = max(m, e)``, ``m = min(e, m)``: (op, e)."""
         if add is not None:
             expr = self._expr(value, scope)
-            return "sum", expr if add else _neg(expr)
+            return "sum", expr if add else negate(expr)
         other: cst.BaseExpression | None = None
         op = ""
         if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add):
@@ -533,7 +490,7 @@ class _Analyzer:
         elif isinstance(small, cst.AugAssign):
             if not isinstance(small.operator, (cst.AddAssign, cst.SubtractAssign)):
                 raise MacroError(
-                    f"augmented assignment {_code(small.operator).strip()} is not supported; use += or -=",
+                    f"augmented assignment {code_of(small.operator).strip()} is not supported; use += or -=",
                     small.operator,
                 )
             target, add = small.target, isinstance(small.operator, cst.AddAssign)
@@ -594,191 +551,6 @@ class _Analyzer:
         return name
 
     # -- expressions ---------------------------------------------------------------------
-    def _expr(self, node: cst.BaseExpression, scope: _Scope) -> Expr:
-        if isinstance(node, (cst.Integer, cst.Float)):
-            return Const(frozenset(), False, node.evaluated_value)
-        if isinstance(node, cst.Name):
-            return self._name(node, scope)
-        if isinstance(node, cst.Attribute):
-            if _code(node) in ("math.inf", "torch.inf"):
-                return Const(frozenset(), False, math.inf)
-            if _code(node) in ("math.pi", "torch.pi"):
-                return Const(frozenset(), False, math.pi)
-            raise MacroError(f"{_code(node)} is not supported in @tile; {SUPPORTED}", node)
-        if isinstance(node, cst.UnaryOperation):
-            if isinstance(node.operator, (cst.Minus, cst.Plus)):
-                operand = self._expr(node.expression, scope)
-                if isinstance(node.operator, cst.Plus):
-                    return operand
-                return _neg(operand)
-            raise MacroError(
-                f"operator {_code(node.operator).strip()} is not supported; {SUPPORTED}", node
-            )
-        if isinstance(node, cst.BinaryOperation):
-            if isinstance(node.operator, cst.Power):
-                base = self._expr(node.left, scope)
-                if not (isinstance(node.right, cst.Integer) and 2 <= int(node.right.value) <= 4):
-                    raise MacroError("** takes an integer power 2, 3 or 4 in @tile", node.right)
-                return Binary(
-                    base.dims,
-                    base.tensor,
-                    "**",
-                    base,
-                    Const(frozenset(), False, int(node.right.value)),
-                )
-            op = _BINARY.get(type(node.operator))
-            if op is None:
-                raise MacroError(
-                    f"operator {_code(node.operator).strip()} is not supported; {SUPPORTED}",
-                    node.operator,
-                )
-            return self._binary(op, self._expr(node.left, scope), self._expr(node.right, scope))
-        if isinstance(node, cst.Comparison):
-            if len(node.comparisons) != 1 or type(node.comparisons[0].operator) not in _COMPARE:
-                raise MacroError(
-                    "write one comparison at a time (a < b), combined with & or |", node
-                )
-            comp = node.comparisons[0]
-            return self._binary(
-                _COMPARE[type(comp.operator)],
-                self._expr(node.left, scope),
-                self._expr(comp.comparator, scope),
-            )
-        if isinstance(node, cst.Call):
-            return self._call(node, scope)
-        if isinstance(node, cst.Subscript):
-            return self._load(node, scope)
-        if isinstance(node, cst.BooleanOperation):
-            raise MacroError(
-                "and/or are not supported on tensors; use & and | on comparisons", node
-            )
-        if isinstance(node, cst.IfExp):
-            raise MacroError(
-                "conditional expressions are not supported; use torch.where(cond, a, b)", node
-            )
-        raise MacroError(
-            f"{type(node).__name__} is not supported in an @tile expression; {SUPPORTED}", node
-        )
-
-    def _name(self, node: cst.Name, scope: _Scope) -> Expr:
-        name = node.value
-        if name in scope.carried:
-            raise MacroError(
-                f"{name!r} is read inside the loop that reduces into it: a loop-carried dependence"
-                " (only reductions are supported; read it after the loop)",
-                node,
-            )
-        if name in scope.local:
-            return scope.local[name]
-        if name in scope.gone:
-            raise MacroError(scope.gone[name], node)
-        if name in self.loop_vars:
-            raise MacroError(f"loop variable {name!r} may only index tensors in @tile", node)
-        if name in self.sizes:
-            return Name(frozenset(), False, name)
-        if name in self.params:
-            if name in self.ndim:
-                raise MacroError(f"tensor {name!r} must be indexed: {name}[...]", node)
-            if name not in self.scalars:
-                self.scalars.append(name)
-            return Name(frozenset(), False, name)
-        value = self.constants.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return Const(frozenset(), False, value)
-        raise MacroError(
-            f"{name!r} is not a parameter, size, local or define()d number of this @tile function",
-            node,
-        )
-
-    def _function_name(self, func: cst.BaseExpression) -> str | None:
-        text = _code(func)
-        if text in _BUILTINS:
-            return _BUILTINS[text]
-        if text.startswith("torch.") and text[6:] in _TORCH_FUNCTIONS:
-            return _TORCH_FUNCTIONS[text[6:]]
-        return None
-
-    def _call(self, node: cst.Call, scope: _Scope) -> Expr:
-        text = _code(node.func)
-        if (
-            text == "float"
-            and len(node.args) == 1
-            and isinstance(node.args[0].value, cst.SimpleString)
-        ):
-            value = node.args[0].value.evaluated_value
-            if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf"):
-                return Const(frozenset(), False, float(value))
-        fn = self._function_name(node.func)
-        if fn is None:
-            raise MacroError(f"unknown call {text}(...) in @tile; {SUPPORTED}", node.func)
-        if any(a.keyword is not None or a.star for a in node.args):
-            raise MacroError(f"{text}() takes positional arguments here", node)
-        want = 3 if fn == "where" else 2 if fn in ("max", "min") else 1
-        if len(node.args) != want:
-            raise MacroError(f"{text}() takes {want} argument(s) here", node)
-        args = tuple(self._expr(a.value, scope) for a in node.args)
-        if (
-            fn in ("max", "min")
-            and not any(a.tensor for a in args)
-            and all(isinstance(a, Const) for a in args)
-        ):
-            pick = max if fn == "max" else min
-            return Const(frozenset(), False, pick(a.value for a in args))  # type: ignore[attr-defined]
-        dims = frozenset().union(*(a.dims for a in args))
-        return Call(dims, any(a.tensor for a in args), fn, args)
-
-    def _load(self, node: cst.Subscript, scope: _Scope) -> Expr:
-        if not isinstance(node.value, cst.Name) or node.value.value not in self.params:
-            raise MacroError("only tensor parameters can be indexed in @tile", node.value)
-        tensor = node.value.value
-        if tensor in self.outputs:
-            raise MacroError(
-                f"{tensor!r} is written by this loop nest, so reading it is not supported"
-                f" (tiles would race); use {tensor}[...] += ... to accumulate",
-                node,
-            )
-        index = []
-        for el in node.slice:
-            index.append(self._index(el, scope))
-        used = [i.var for i in index if i.var is not None]
-        if len(set(used)) != len(used):
-            raise MacroError("a loop variable may index only one dimension of a load", node)
-        self._use_tensor(tensor, len(index), node)
-        return Load(frozenset(used), True, tensor, tuple(index))
-
-    def _index(self, el: cst.SubscriptElement, scope: _Scope) -> Index:
-        usage = (
-            "a tensor index is a loop variable, optionally +- an integer constant,"
-            " or a non-negative integer"
-        )
-        sl = el.slice
-        if not isinstance(sl, cst.Index):
-            raise MacroError(f"slices are not supported; {usage}", el)
-        v = sl.value
-        if isinstance(v, cst.Integer):
-            return Index(None, int(v.value))
-        if isinstance(v, cst.Name) and v.value in scope.loop_vars:
-            return Index(v.value, 0)
-        if isinstance(v, cst.BinaryOperation) and isinstance(v.operator, (cst.Add, cst.Subtract)):
-            var, const = v.left, v.right
-            if isinstance(var, cst.Integer) and isinstance(v.operator, cst.Add):
-                var, const = const, var
-            if (
-                isinstance(var, cst.Name)
-                and var.value in scope.loop_vars
-                and isinstance(const, cst.Integer)
-            ):
-                sign = -1 if isinstance(v.operator, cst.Subtract) else 1
-                return Index(var.value, sign * int(const.value))
-        if isinstance(v, cst.Name) and v.value in scope.gone:
-            raise MacroError(scope.gone[v.value], v)
-        if _contains(v, cst.Subscript):
-            raise MacroError(f"data-dependent indexing is not supported: {usage}", v)
-        raise MacroError(usage, v)
-
-    def _binary(self, op: str, left: Expr, right: Expr) -> Expr:
-        return Binary(left.dims | right.dims, left.tensor or right.tensor, op, left, right)
-
     def _unsupported(self, node: cst.CSTNode) -> str:
         if isinstance(node, (cst.Return, cst.Break, cst.Continue)):
             kind = type(node).__name__.lower()
@@ -792,12 +564,6 @@ class _Analyzer:
         if isinstance(node, cst.Expr):
             return "an expression statement does nothing here; @tile bodies assign locals and store to outputs"
         return f"{type(node).__name__} statements are not supported in @tile"
-
-
-def _neg(e: Expr) -> Expr:
-    if isinstance(e, Const):
-        return Const(e.dims, False, -e.value)
-    return Unary(e.dims, e.tensor, "-", e)
 
 
 def _dims_of(body: list[Let | Accum | Store], acc: str) -> frozenset[str]:
@@ -814,19 +580,6 @@ def _other_operand(
     if isinstance(b, cst.Name) and b.value == name:
         return a
     return None
-
-
-def _contains(node: cst.CSTNode, kind: type) -> bool:
-    found = False
-
-    class _Find(cst.CSTVisitor):
-        def on_visit(self, n: cst.CSTNode) -> bool:
-            nonlocal found
-            found = found or isinstance(n, kind)
-            return not found
-
-    node.visit(_Find())
-    return found
 
 
 def _is_docstring(stmt: cst.BaseStatement) -> bool:
