@@ -120,12 +120,18 @@ def install(
     """Expand modules that import macrogen from now on; None when ``MACROGEN_DISABLE=1``.
 
     ``tuning`` defaults to ``$MACROGEN_TUNING``, ``cache_dir`` to ``$MACROGEN_CACHE_DIR``,
-    ``show`` to ``$MACROGEN_SHOW_EXPANDED``. Installing again replaces the options.
-    Modules imported before ``install()`` stay as they are.
+    ``show`` to ``$MACROGEN_SHOW_EXPANDED``. Modules imported before ``install()`` stay
+    as they are. A second ``install()`` with options replaces the first; without any,
+    it keeps it (a script that installs the hook itself, run by ``macrogen run
+    --target cuda``, keeps the target).
     """
-    uninstall()
     if disabled():
+        uninstall()
         return None
+    installed = [f for f in sys.meta_path if isinstance(f, MacroFinder)]
+    if installed and (target, tuning, cache_dir, show) == (None, None, None, None):
+        return installed[0]
+    uninstall()
     finder = MacroFinder(options(target=target, tuning=tuning, cache_dir=cache_dir, show=show))
     # Right before PathFinder: finders that go first (editable installs, setuptools'
     # distutils shim, pytest's assertion rewriting) keep going first.

@@ -343,3 +343,10 @@ def test_line_map_keeps_user_lines_and_sends_generated_ones_to_their_site():
     assert origin[lines.index("y = X + 1")] == 4 and kept[lines.index("y = X + 1")]
     assert origin[lines.index("X = 1")] == 3 and not kept[lines.index("X = 1")]
     assert origin[0] == 1 and not kept[0]  # the generated header
+
+
+def test_install_without_options_keeps_the_installed_hook(folder):
+    finder = hook.install(target="cpu")
+    assert hook.install() is finder  # e.g. a script's own install() under `macrogen run`
+    assert hook.install(target="cuda").options.target == "cuda"
+    assert sum(isinstance(f, hook.MacroFinder) for f in sys.meta_path) == 1
