@@ -78,6 +78,8 @@ class _Analyzer(ExpressionReader):
         return tuple(q.name.value for q in (*p.posonly_params, *p.params, *p.kwonly_params))
 
     def nest(self) -> Nest:
+        if self.fn.asynchronous is not None:
+            raise MacroError("@tile functions can't be async", self.fn.asynchronous)
         body = self.fn.body
         if not isinstance(body, cst.IndentedBlock):
             raise MacroError("put the @tile loop nest in an indented function body", body)

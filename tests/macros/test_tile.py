@@ -335,6 +335,16 @@ def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
         ),
         (
             """
+            async def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    for j in range(N):
+                        out[i, j] = x[i, j]
+            """,
+            "@tile functions can't be async",
+        ),
+        (
+            """
             def f(out, x, *rest):
                 M, N = x.shape
                 for i in range(M):
