@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import libcst as cst
@@ -50,6 +50,9 @@ def expand_source(
         raise ValueError(f"target must be 'cpu', 'cuda' or None, not {target!r}")
     if PACKAGE not in source:  # the cheap pre-check: no macrogen, nothing to do
         return Expansion(source, False)
+    if source.startswith("\ufeff"):  # a byte order mark decoded as text: keep it, expand the rest
+        result = expand_source(source[1:], path=path, target=target, tuning=tuning)
+        return replace(result, code="\ufeff" + result.code)
     options = Options(path=path, target=target, tuning=dict(tuning or {}))
     try:
         return _FileExpansion(source, options).run()

@@ -122,6 +122,9 @@ class Expander(cst.CSTTransformer):
         if item.asname is not None:
             self._error(MacroError(f"{macro}() takes no 'as' target", item.asname))
             return updated
+        if original.asynchronous is not None:
+            self._error(MacroError(f"{macro}() opens a plain with block, not async with", original))
+            return updated
         qualname = self.ctx.site_key(self.scopes.qualname, macro)
         return self._expand(macro, "with", original, updated, item.item, item.item, qualname)
 

@@ -131,3 +131,13 @@ def test_every_error_of_a_file_in_one_run():
         "test.py:6:35",
         "test.py:9:9",
     ]
+
+
+def test_async_with_is_rejected():
+    src = (
+        "import torch.distributed as dist\nimport macrogen as mg\n"
+        "async def sync(a):\n    async with mg.fused_allreduce():\n        dist.all_reduce(a)\n"
+    )
+    assert expansion_errors(src) == [
+        "test.py:4:5: error: fused_allreduce() opens a plain with block, not async with"
+    ]
