@@ -39,6 +39,16 @@ class GPTConfig:
     )
 
 
+def _scaled_init(proj: nn.Linear, config: GPTConfig) -> None:
+    """GPT-2's scaled init of a residual projection.
+
+    Done in the module that owns the layer, not by GPT afterwards: under
+    tensor parallelism, shards are cut right after the owner's ``__init__``,
+    so a seeded run then starts from exactly the serial weights.
+    """
+    nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+
 @mg.tensor_parallel(plan={"qkv": ("colwise", 3), "proj": "rowwise", "n_head": "divide"})
 class Attention(nn.Module):
     """Causal self-attention; ``qkv`` is column-parallel, ``proj`` row-parallel under tensor parallelism."""
@@ -49,6 +59,7 @@ class Attention(nn.Module):
         self.n_head = config.n_head
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
+        _scaled_init(self.proj, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -69,6 +80,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        _scaled_init(self.proj, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
@@ -99,10 +111,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.unused_head:
             self.unused = nn.Linear(config.n_embd, config.n_embd)
-        # scaled init of the residual projections (GPT-2)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

@@ -1,6 +1,9 @@
 """Train examples/gpt.py serially and data-parallel on 2 CPU ranks; show that they agree.
 
-    python examples/run.py [--steps 5] [--nproc 2]
+    python examples/run.py [--steps 5] [--nproc 2] [--tp 1]
+
+``--tp 2`` runs 2-way tensor parallelism (``--nproc 2``) or, with ``--nproc 4``,
+2 x 2 data x tensor parallelism: ranks of one tensor group see the same data.
 
 1. ``macrogen expand examples/gpt.py`` into a temporary directory;
 2. the serial reference: the unexpanded file, one process, the whole batch;
@@ -24,6 +27,8 @@ import types
 from pathlib import Path
 
 import torch
+
+from macrogen.runtime.tensor_parallel import full_state_dict
 
 HERE = Path(__file__).resolve().parent
 CONFIG = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32)
@@ -54,6 +59,8 @@ def train(gpt: types.ModuleType, steps: int, rank: int, world: int) -> tuple[lis
     # SGD keeps rounding differences at rounding size (Adam divides tiny gradients by tiny norms)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     idx, targets = gpt.batch(config, BATCH, seed=1)
+    tp = int(os.environ.get("MACROGEN_TP_SIZE", "1")) if world > 1 else 1
+    rank, world = rank // tp, world // tp  # the data rank: tensor-parallel peers share data
     share = BATCH // world
     idx, targets = (
         idx[rank * share : (rank + 1) * share],
@@ -69,8 +76,8 @@ def train(gpt: types.ModuleType, steps: int, rank: int, world: int) -> tuple[lis
     if world > 1:  # the loss on the whole batch: the mean of the ranks' (equal shares)
         stacked = torch.stack(losses)
         torch.distributed.all_reduce(stacked)
-        losses = list(stacked / world)
-    return [float(x) for x in losses], model.state_dict()
+        losses = list(stacked / (world * tp))
+    return [float(x) for x in losses], full_state_dict(model)  # tensor-parallel shards gathered
 
 
 def worker(expanded: Path, steps: int, out: Path) -> None:
@@ -87,14 +94,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (divides --nproc)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker, args.steps, args.out)
         return 0
-    if BATCH % args.nproc:
-        parser.error(f"--nproc must divide the batch of {BATCH}")
+    if args.nproc % args.tp or BATCH % (args.nproc // args.tp):
+        parser.error(f"--tp must divide --nproc, and --nproc / --tp the batch of {BATCH}")
 
     from macrogen.expand import expand_source
 
@@ -108,7 +116,7 @@ def main() -> int:
         torch.set_num_threads(1)
         serial_losses, serial_state = train(load(HERE / "gpt.py", "gpt_serial"), args.steps, 0, 1)
 
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", MACROGEN_TP_SIZE=str(args.tp))
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
                f"--master-port={free_port()}", __file__, "--worker", str(expanded), "--steps", str(args.steps),
                "--out", str(out)]  # fmt: skip

@@ -371,11 +371,7 @@ def _optimizer(model):
 def _dp_tp_training(rank, world, source, tmp):
     from macrogen.expand import expand_source
     from macrogen.runtime.mesh import mesh
-    from macrogen.runtime.tensor_parallel import (
-        full_gradients,
-        full_state_dict,
-        load_full_state_dict,
-    )
+    from macrogen.runtime.tensor_parallel import full_gradients, full_state_dict
 
     os.environ["MACROGEN_TP_SIZE"] = "2"
     tmp = Path(tmp) / f"rank{rank}"
@@ -404,7 +400,9 @@ def _dp_tp_training(rank, world, source, tmp):
     m = mesh()
     assert (m.data_size, m.tensor_size, m.data_rank) == (2, 2, rank // 2)
     assert model.blocks[0].attn.qkv.weight.shape == (3 * 32 // 2, 32)
-    load_full_state_dict(model, initial)  # the example re-initializes proj weights in GPT.__init__
+    seeded = full_state_dict(model)  # shards cut from the serial initialization
+    for key, value in initial.items():
+        torch.testing.assert_close(seeded[key], value, rtol=0, atol=0, msg=f"initial {key}")
     share = GLOBAL_BATCH // m.data_size
     rows = slice(m.data_rank * share, (m.data_rank + 1) * share)
     optimizer = _optimizer(model)
