@@ -122,17 +122,23 @@ def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
 # runs while the next matmul computes (Megatron's async gradient all-reduce, and
 # a chunked forward reduction): the communication hides behind compute.
 
+# Under torch.autocast the backward runs with the forward's autocast state, as F.linear's does.
+_autocast_forward = torch.amp.custom_fwd(device_type="cuda")
+_autocast_backward = torch.amp.custom_bwd(device_type="cuda")
+
 
 class _ColwiseLinear(torch.autograd.Function):
     """F.linear(f(x), W, b): backward all-reduces grad x while it computes grad W and grad b."""
 
     @staticmethod
+    @_autocast_forward
     def forward(ctx, x, weight, bias, group):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
+    @_autocast_backward
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = work = None
@@ -151,6 +157,7 @@ class _RowwiseLinear(torch.autograd.Function):
     """g(F.linear(x, W)): forward all-reduces each chunk of rows while the next computes."""
 
     @staticmethod
+    @_autocast_forward
     def forward(ctx, x, weight, group, chunks):
         ctx.save_for_backward(x, weight)
         x2d = x.reshape(-1, x.shape[-1])  # (N, in / T)
@@ -166,6 +173,7 @@ class _RowwiseLinear(torch.autograd.Function):
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
+    @_autocast_backward
     def backward(ctx, grad):  # g's backward is the identity: only the linear's remains
         x, weight = ctx.saved_tensors
         grad2d = grad.reshape(-1, grad.shape[-1])
