@@ -26,6 +26,9 @@ class Case:
     inputs: dict  # parameter -> ("randn" | "randn_t" (a transposed view) | "nan", shape) | a number
     rtol: float = 1e-5
     atol: float = 1e-5
+    dtype: torch.dtype = (
+        torch.float32
+    )  # of the tensors the tiled versions get; the loop runs in float32
 
 
 HEADER = "import math\nimport torch\nimport macrogen as mg\n\n"
@@ -185,6 +188,39 @@ CASES = [
         {"out": ("nan", (13,)), "x": ("randn", (13, 11))},
     ),
     Case(
+        "bias_gelu_half",
+        """
+        @mg.tile(i=16, j=32)
+        def bias_gelu_half(out, x, b):
+            M, N = x.shape
+            for i in range(M):
+                for j in range(N):
+                    v = x[i, j] + b[j]
+                    out[i, j] = 0.5 * v * (1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v)))
+        """,
+        {"out": ("nan", (21, 37)), "x": ("randn", (21, 37)), "b": ("randn", (37,))},
+        rtol=1e-2,
+        atol=1e-2,
+        dtype=torch.float16,
+    ),
+    Case(
+        "matmul_half",
+        """
+        @mg.tile(i=16, j=16, k=16)
+        def matmul_half(out, a, b):
+            M, K = a.shape
+            _, N = b.shape
+            for i in range(M):
+                for j in range(N):
+                    for k in range(K):
+                        out[i, j] += a[i, k] * b[k, j]
+        """,
+        {"out": ("randn", (19, 23)), "a": ("randn", (19, 21)), "b": ("randn", (21, 23))},
+        rtol=1e-2,
+        atol=2e-2,
+        dtype=torch.float16,
+    ),
+    Case(
         "row_floor",
         """
         @mg.tile(i=16, j=8)
@@ -313,14 +349,29 @@ def modules(case: Case, directory: Path):
 
 
 def compare(case: Case, reference, run) -> str | None:
-    """Run the reference loop and ``run`` on the same inputs; a message when they differ."""
+    """Run the reference loop and ``run`` on the same inputs; a message when they differ.
+
+    The loop runs in float32; a half-precision case gives ``run`` the inputs
+    rounded to its dtype and compares with the loop's outputs rounded alike.
+    """
     want, got = make_inputs(case), make_inputs(case)
-    getattr(reference, case.name)(**want)
+    got = {k: v.to(case.dtype) if isinstance(v, torch.Tensor) else v for k, v in got.items()}
+    getattr(reference, case.name)(**{k: _rounded(v, case.dtype) for k, v in want.items()})
     run(**got)
     for name, value in want.items():
         if not isinstance(value, torch.Tensor):
             continue
-        if not torch.allclose(got[name], value, rtol=case.rtol, atol=case.atol, equal_nan=True):
-            diff = (got[name] - value).abs().nan_to_num(float("inf")).max().item()
+        value = value.to(case.dtype).float()
+        if not torch.allclose(
+            got[name].float(), value, rtol=case.rtol, atol=case.atol, equal_nan=True
+        ):
+            diff = (got[name].float() - value).abs().nan_to_num(float("inf")).max().item()
             return f"{case.name}: {name} differs from the loop (max abs diff {diff})"
     return None
+
+
+def _rounded(value, dtype: torch.dtype):
+    """A float32 tensor holding ``value`` rounded to ``dtype`` (in place: the loop writes into it)."""
+    if isinstance(value, torch.Tensor):
+        value.copy_(value.to(dtype))
+    return value
