@@ -93,37 +93,43 @@ class Bucket:
             if comm_dtype is None or comm_dtype == layout.dtype
             else torch.empty_like(self.buffer, dtype=comm_dtype)
         )
+        self.scaled = [False] * len(self.params)  # gradient already multiplied by 1/world size
         self.work: dist.Work | None = None
 
-    def attach(self) -> list[int]:
-        """Make every ``param.grad`` a view into the buffer; positions (in this bucket) that were None."""
-        were_none = [i for i, p in enumerate(self.params) if p.grad is None]
-        if len(were_none) == len(self.params):
-            self.grads.zero_()  # optimizer.zero_grad(set_to_none=True): one memset
-        else:
-            for i in were_none:
-                self.views[i].zero_()
-        for i in were_none:
-            self.params[i].grad = self.views[i]
-        return were_none
+    def take(self, i: int, scale: float) -> None:
+        """Parameter ``i``'s gradient is complete: make it the view, pre-scaled by ``scale``.
 
-    def adopt(self, i: int) -> None:
-        """Parameter ``i``'s gradient was made outside the buffer (no forward hook ran): move it in."""
+        After ``zero_grad()`` (set to None) autograd hands over a fresh gradient;
+        copying it into the buffer with the 1/world-size scaling fused costs one pass,
+        less than zeroing the buffer before backward, accumulating into it, then scaling.
+        A gradient that already is the view (accumulation, ``set_to_none=False``) is
+        scaled at launch instead.
+        """
         p, view = self.params[i], self.views[i]
         if p.grad is None:
             view.zero_()
+        elif p.grad is not view and self.comm is not None:
+            view.copy_(p.grad)  # the compress kernel scales
         elif p.grad is not view:
-            view.copy_(p.grad)
+            torch.mul(p.grad, scale, out=view)
+        else:
+            return
         p.grad = view
+        self.scaled[i] = True
 
     def launch(self, group: dist.ProcessGroup | None, scale: float) -> None:
         """Start averaging the buffer over ``group`` (asynchronously)."""
-        if self.comm is None:
-            self.buffer.mul_(scale)
-            self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
-        else:
-            compress(self.buffer, self.comm, scale)
+        if self.comm is not None:
+            compress(self.buffer, self.comm, scale)  # one pass: scale, round, into the comm copy
             self.work = dist.all_reduce(self.comm, group=group, async_op=True)
+            return
+        unscaled = [v for v, done in zip(self.views, self.scaled) if not done]
+        if len(unscaled) == len(self.views):
+            self.grads.mul_(scale)
+        elif unscaled:
+            torch._foreach_mul_(unscaled, scale)
+        self.scaled = [False] * len(self.views)
+        self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
 
     def wait(self) -> None:
         assert self.work is not None, "wait() before launch()"

@@ -76,6 +76,7 @@ class GradientSync:
         # Read now, after the user's __init__: a tensor-parallel mesh built there sets the group.
         self.group = groups.data_parallel_group()
         self.world_size = groups.world_size(self.group)
+        self.scale = 1.0 / self.world_size  # gradients are averaged: scaled, then summed
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -135,10 +136,6 @@ class GradientSync:
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if not self.started:
             self._start()
-        if torch.is_grad_enabled():
-            for bucket in self.buckets:
-                for j in bucket.attach():
-                    self.zeroed.add(bucket.layout.indices[j])
         if self.config.broadcast_buffers and module.training:
             broadcast(list(module.buffers()), self.group)
 
@@ -163,8 +160,7 @@ class GradientSync:
         self.ready[i] = 1
         b, j = self.slot[i]
         bucket = self.buckets[b]
-        if param.grad is not bucket.views[j]:
-            bucket.adopt(j)
+        bucket.take(j, self.scale)
         self.pending[b] -= 1
         while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
             self._launch(self.launched)
@@ -173,7 +169,7 @@ class GradientSync:
         bucket = self.buckets[b]
         if b == len(self.buckets) - 1:
             bucket.extra.copy_(torch.frombuffer(self.used, dtype=torch.uint8))
-        bucket.launch(self.group, 1.0 / self.world_size)
+        bucket.launch(self.group, self.scale)
         self.launched = b + 1
 
     def _after_backward(self) -> None:
@@ -189,7 +185,7 @@ class GradientSync:
                 if not self.ready[i]:
                     if bucket.params[j].grad is None:
                         self.zeroed.add(i)
-                    bucket.adopt(j)
+                    bucket.take(j, self.scale)
             self._launch(b)
         for bucket in self.buckets:
             bucket.wait()
