@@ -299,3 +299,33 @@ def test_error_cases_of_the_class_itself():
     assert expansion_errors(on_function)[0].startswith(
         "test.py:3:2: error: tensor_parallel() decorates an nn.Module class"
     )
+
+
+def test_run_time_errors_name_the_layer_and_what_is_supported(monkeypatch):
+    import torch.nn as nn
+
+    from macrogen.runtime.mesh import SIZE_ENV, tensor_parallel_size
+    from macrogen.runtime.tensor_parallel import ColwiseLinear, VocabEmbedding, local_count
+
+    with pytest.raises(TypeError, match=r"Block.mlp.fc: colwise needs an nn.Linear, not Conv1d"):
+        ColwiseLinear(nn.Conv1d(2, 2, 1), None, "Block.mlp.fc")
+    with pytest.raises(ValueError, match=r"LM.wte: vocab supports nn.Embedding\(num_embeddings"):
+        VocabEmbedding(nn.Embedding(8, 4, max_norm=1.0), None, "LM.wte")
+    with pytest.raises(ValueError, match=r"Attention.qkv.out_features = 10 is not 3 equal blocks"):
+        ColwiseLinear(nn.Linear(4, 10), None, "Attention.qkv", blocks=3)
+    with pytest.raises(TypeError, match=r"divide needs an int attribute, but MLP.ratio is float"):
+        local_count(0.5, None, "MLP.ratio")
+    assert local_count(6, None, "Attention.n_head") == 6  # serial: nothing divided
+
+    monkeypatch.delenv(SIZE_ENV, raising=False)
+    assert tensor_parallel_size(None, 4) == 1  # asked for, never implied by the world size
+    assert tensor_parallel_size(2, 4) == 2
+    monkeypatch.setenv(SIZE_ENV, "4")
+    assert tensor_parallel_size(None, 8) == 4
+    with pytest.raises(
+        ValueError, match=r"tensor-parallel size 4 does not divide the world size 6"
+    ):
+        tensor_parallel_size(None, 6)
+    monkeypatch.setenv(SIZE_ENV, "two")
+    with pytest.raises(ValueError, match=r"MACROGEN_TP_SIZE='two': expected a positive integer"):
+        tensor_parallel_size(None, 2)
