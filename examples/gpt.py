@@ -3,6 +3,9 @@
 Run as is, this file is the serial reference program. ``macrogen expand``
 turns ``@mg.data_parallel`` into a module that averages gradients over the
 data-parallel ranks (under torchrun), with no change to the training loop.
+``@mg.tensor_parallel`` on ``Attention`` and ``MLP`` splits their layers over
+tensor-parallel ranks when the launch asks for it (``MACROGEN_TP_SIZE=2``, as
+``examples/run.py --tp 2`` does); ranks of one tensor group train on the same data.
 
 Factory for benchmarks and autotuning (``--entry examples.gpt:build``)::
 
