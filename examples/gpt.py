@@ -14,8 +14,8 @@ Factory for benchmarks and autotuning (``--entry examples.gpt:build``)::
 
 ``model`` is a ``GPT`` (data-parallel once expanded); ``step()`` runs one
 training step (forward, backward, AdamW step) on a fixed random batch of
-``batch_size`` sequences and returns the loss as a float. Under torchrun each
-rank passes its own share of the global batch (``batch_size`` is per rank).
+``batch_size`` sequences and returns the loss as a float. ``batch_size`` is
+per rank; every rank draws the same batch (the factory is for timing steps).
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ its ``__init__``. From then on, with no change to the training loop:
 - the first forward (when the model sits on its device) plans the buckets,
   checks that every rank built the same model, and broadcasts rank 0's
   parameters and buffers;
-- each forward makes every ``param.grad`` a view into its bucket's buffer;
-- during backward, a bucket's all-reduce starts as soon as all of its
-  gradients are accumulated, in bucket order on every rank;
+- during backward, each parameter's finished gradient becomes a view into
+  its bucket's flat buffer (a fresh one is moved in, scaled by 1/world size
+  on the way), and a bucket's all-reduce starts as soon as all of its
+  gradients are in, in bucket order on every rank;
 - at the end of backward (an autograd-engine callback) the remaining buckets
   are launched and all are waited for, so ``optimizer.step()`` reads averaged
   gradients.
@@ -145,15 +146,15 @@ class GradientSync:
         return self.backwards % self.config.accumulate == self.config.accumulate - 1
 
     def _grad_ready(self, i: int, param: torch.Tensor) -> None:
-        if not self.in_backward:
-            self.in_backward = True
-            self.ready = bytearray(len(self.params))
-            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         if not self.started:
             raise RuntimeError(
                 f"data_parallel at {self.where}: a gradient reached a parameter before the model's"
                 " first forward; call the model itself (not only its submodules) before backward"
             )
+        if not self.in_backward:
+            self.in_backward = True
+            self.ready = bytearray(len(self.params))
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         self.used[i] = 1
         if not self._syncing() or self.ready[i]:
             return
