@@ -65,7 +65,10 @@ def kernel_args(
     for i in range(k):
         first_block.append(at)
         at += triton.cdiv(numel[i], block)
-    return [buf, *tensors, *numel, *offset, *first_block[1:]], at
+    # A tensor with nothing to copy here (another buffer's, or empty) gets the buffer as its
+    # pointer: never read, and the kernel then compiles for this buffer's dtype and device only.
+    pointers = [t if numel[i] else buf for i, t in enumerate(tensors)]
+    return [buf, *pointers, *numel, *offset, *first_block[1:]], at
 
 
 def pack_torch(tensors: Sequence[torch.Tensor], flat: FlatBuffer) -> torch.Tensor:
