@@ -1,6 +1,6 @@
 """Autotune the GPT example's ``bucket_mb`` on 2 gloo ranks, then check it against an exhaustive sweep.
 
-    python bench/autotune_bucket.py [--budget 120] [--rounds 3] [--steps 10] [--n-embd 256]
+    python bench/autotune_bucket.py [--budget 120] [--rounds 3] [--tune-rounds 8] [--steps 3]
 
 1. ``macrogen autotune`` (the library call) over ``bucket_mb`` choices
    [1, 4, 16, 25, 64] within ``--budget`` seconds, into a fresh database;
@@ -43,6 +43,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=120.0)
     parser.add_argument("--rounds", type=int, default=3, help="sweep launches")
+    parser.add_argument(
+        "--tune-rounds", type=int, default=8, help="autotune's interleaved rounds (one launch)"
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per candidate and round")
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=4)
@@ -54,6 +57,7 @@ def main() -> int:
         shutil.copy(ROOT / "examples" / "gpt.py", src)
         (work / "gpt_entry.py").write_text(ENTRY.format(n_layer=args.n_layer, n_embd=args.n_embd))
         timing = Timing(warmup=3, steps=args.steps, rounds=4, timeout=300)
+        tune_timing = Timing(warmup=3, steps=args.steps, rounds=args.tune_rounds, timeout=300)
 
         started = time.monotonic()
         outcome = autotune(
@@ -62,14 +66,14 @@ def main() -> int:
             world_size=2,
             target="cpu",
             budget=args.budget,
-            timing=timing,
+            timing=tune_timing,
         )
         tuned_s = time.monotonic() - started
         assert outcome.winner is not None, "every candidate failed"
         winner = outcome.winner[KEY]
         print(
-            f"autotune: {tuned_s:.1f} s (budget {args.budget:g} s, {outcome.stopped});"
-            f" winner bucket_mb={winner}"
+            f"autotune: {tuned_s:.1f} s (budget {args.budget:g} s, {outcome.stopped},"
+            f" {tune_timing.rounds} rounds x {args.steps} steps); winner bucket_mb={winner}"
         )
 
         choices = [p.choices for p in outcome.space.parameters if p.key == KEY][0]
