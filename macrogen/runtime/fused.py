@@ -71,14 +71,18 @@ def kernel_args(
     return [buf, *pointers, *numel, *offset, *first_block[1:]], at
 
 
+# The torch path uses the C++ helpers DDP buckets with (one call for all K tensors, not
+# K Python-level views): half the per-call cost of torch.cat plus split for small tensors.
+
+
 def pack_torch(tensors: Sequence[torch.Tensor], flat: FlatBuffer) -> torch.Tensor:
-    return torch.cat([tensors[i].reshape(-1) for i in flat.members])
+    """The members, flattened into one buffer (for one member it may be that member itself)."""
+    return torch._C._nn.flatten_dense_tensors([tensors[i] for i in flat.members])
 
 
 def unpack_torch(buf: torch.Tensor, tensors: Sequence[torch.Tensor], flat: FlatBuffer) -> None:
     members = [tensors[i] for i in flat.members]
-    chunks = [c.view(t.shape) for c, t in zip(buf.split(flat.sizes), members)]
-    torch._foreach_copy_(members, chunks)
+    torch._foreach_copy_(members, torch._C._nn.unflatten_dense_tensors(buf, members))
 
 
 def launch(
