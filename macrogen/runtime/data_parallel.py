@@ -141,30 +141,31 @@ class GradientSync:
             broadcast(list(module.buffers()), self.group)
 
     # -- backward --------------------------------------------------------------
-    def _syncing(self) -> bool:
-        """Whether the backward now running is the one that communicates."""
-        return self.backwards % self.config.accumulate == self.config.accumulate - 1
-
     def _grad_ready(self, i: int, param: torch.Tensor) -> None:
+        # runs once per parameter per backward: keep it short
+        if not self.in_backward:
+            self._begin_backward()
+        self.used[i] = 1
+        if not self.syncing or self.ready[i]:
+            return
+        self.ready[i] = 1
+        b, j = self.slot[i]
+        self.buckets[b].take(j, self.scale)
+        self.pending[b] -= 1
+        while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
+            self._launch(self.launched)
+
+    def _begin_backward(self) -> None:
         if not self.started:
             raise RuntimeError(
                 f"data_parallel at {self.where}: a gradient reached a parameter before the model's"
                 " first forward; call the model itself (not only its submodules) before backward"
             )
-        if not self.in_backward:
-            self.in_backward = True
-            self.ready = bytearray(len(self.params))
-            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
-        self.used[i] = 1
-        if not self._syncing() or self.ready[i]:
-            return
-        self.ready[i] = 1
-        b, j = self.slot[i]
-        bucket = self.buckets[b]
-        bucket.take(j, self.scale)
-        self.pending[b] -= 1
-        while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
-            self._launch(self.launched)
+        self.in_backward = True
+        k = self.config.accumulate
+        self.syncing = self.backwards % k == k - 1  # this backward communicates
+        self.ready = bytearray(len(self.params))
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
@@ -175,9 +176,8 @@ class GradientSync:
 
     def _after_backward(self) -> None:
         self.in_backward = False
-        syncing = self.started and self._syncing()
         self.backwards += 1
-        if not syncing:
+        if not self.syncing:
             return
         # Buckets with a parameter no gradient reached: launch them as they are, in order.
         for b in range(self.launched, len(self.buckets)):
@@ -206,6 +206,7 @@ class GradientSync:
 
     def _reset_window(self) -> None:
         self.in_backward = False
+        self.syncing = False
         self.used = bytearray(len(self.params))  # gradient seen since the last all-reduce
         self.ready = bytearray(len(self.params))  # gradient seen in this backward
         self.zeroed: set[int] = set()  # .grad was None and is now a zeroed view
