@@ -93,42 +93,56 @@ class Bucket:
             if comm_dtype is None or comm_dtype == layout.dtype
             else torch.empty_like(self.buffer, dtype=comm_dtype)
         )
-        self.scaled = [False] * len(self.params)  # gradient already multiplied by 1/world size
+        if self.comm is not None:
+            self.comm_views = [
+                self.comm[off : off + p.numel()] for p, off in zip(self.params, layout.offsets)
+            ]
+            self.comm_extra = self.comm[layout.numel :]
+        # gradient already in the outgoing buffer, scaled by 1/world size (compressed, if so)
+        self.scaled = [False] * len(self.params)
         self.work: dist.Work | None = None
 
     def take(self, i: int, scale: float) -> None:
-        """Parameter ``i``'s gradient is complete: make it the view, pre-scaled by ``scale``.
+        """Parameter ``i``'s gradient is complete: make it the view, and send it scaled.
 
-        After ``zero_grad()`` (set to None) autograd hands over a fresh gradient;
-        copying it into the buffer with the 1/world-size scaling fused costs one pass,
-        less than zeroing the buffer before backward, accumulating into it, then scaling.
-        A gradient that already is the view (accumulation, ``set_to_none=False``) is
-        scaled at launch instead.
+        After ``zero_grad()`` (set to None) autograd hands over a fresh gradient:
+        it goes into the outgoing buffer in one pass, scaled by 1/world size on
+        the way (and rounded, when compressing: the view is then filled when the
+        sum comes back). That is cheaper than zeroing the buffer before backward,
+        accumulating into it and scaling it. A gradient that already is the view
+        (accumulation, ``set_to_none=False``) is scaled at launch instead.
         """
         p, view = self.params[i], self.views[i]
-        if p.grad is None:
-            view.zero_()
-        elif p.grad is not view and self.comm is not None:
-            view.copy_(p.grad)  # the compress kernel scales
-        elif p.grad is not view:
-            torch.mul(p.grad, scale, out=view)
-        else:
+        if p.grad is view:
             return
+        if p.grad is None:  # no gradient reached it (an unused parameter): send zeros
+            view.zero_()
+            if self.comm is not None:
+                self.comm_views[i].zero_()
+        elif self.comm is not None:
+            compress(p.grad.reshape(-1), self.comm_views[i], scale)
+        else:
+            torch.mul(p.grad, scale, out=view)
         p.grad = view
         self.scaled[i] = True
 
     def launch(self, group: dist.ProcessGroup | None, scale: float) -> None:
         """Start averaging the buffer over ``group`` (asynchronously)."""
+        unscaled = [i for i, done in enumerate(self.scaled) if not done]
+        self.scaled = [False] * len(self.params)
         if self.comm is not None:
-            compress(self.buffer, self.comm, scale)  # one pass: scale, round, into the comm copy
+            if len(unscaled) == len(self.params):
+                compress(self.buffer, self.comm, scale)  # one pass: scale, round, into comm
+            else:
+                for i in unscaled:
+                    compress(self.views[i].reshape(-1), self.comm_views[i], scale)
+                compress(self.extra, self.comm_extra, scale)
             self.work = dist.all_reduce(self.comm, group=group, async_op=True)
             return
-        unscaled = [v for v, done in zip(self.views, self.scaled) if not done]
-        if len(unscaled) == len(self.views):
+        if len(unscaled) == len(self.params):
             self.grads.mul_(scale)
         elif unscaled:
-            torch._foreach_mul_(unscaled, scale)
-        self.scaled = [False] * len(self.views)
+            torch._foreach_mul_([self.views[i] for i in unscaled], scale)
         self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
 
     def wait(self) -> None:
