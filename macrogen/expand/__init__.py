@@ -21,8 +21,9 @@ from macrogen import __version__, macros
 from macrogen.expand.args import Evaluator
 from macrogen.expand.context import Context, Options, Position, Tunable
 from macrogen.expand.errors import Diagnostic, ExpansionError, InternalError, MacroError
-from macrogen.expand.layout import Layout, split_lines
+from macrogen.expand.layout import split_lines
 from macrogen.expand.sites import MODULE, PACKAGE, ScopeStack, collect_scope
+from macrogen.expand.statements import Disagree, Pieces, WholeFile
 from macrogen.expand.transform import Expander, inside
 
 __all__ = ["Expansion", "ExpansionError", "InternalError", "Options", "expand_source"]
@@ -62,49 +63,55 @@ def expand_source(
 
 
 class _FileExpansion:
-    def __init__(self, source: str, options: Options, *, sure_layout: bool = False):
+    def __init__(self, source: str, options: Options, *, whole: bool = False):
         self.source = source
         self.options = options
-        self.sure_layout = sure_layout  # spans from libcst's codegen, not from ast's lines
+        self.whole = whole  # libcst parses the whole file (else: only the statements visited)
         self.errors: list[MacroError] = []
         self.diagnostics: list[Diagnostic] = []
-        self.error_statements: set[int] = set()
         self.current = -1  # the top-level statement being expanded (-1: none yet)
 
     def run(self) -> Expansion:
-        module, tree = self._parse()
-        self.module = module
-        self.layout = (
-            Layout.by_codegen(self.source, module)
-            if self.sure_layout
-            else Layout.of(self.source, module, tree)
+        tree = self._parse()
+        try:
+            return self._expand(tree)
+        except Disagree:
+            if self.whole:
+                raise
+            # ast's cut of the file is not libcst's: expand from libcst's whole-file parse
+            return _FileExpansion(self.source, self.options, whole=True).run()
+
+    def _expand(self, tree: ast.Module) -> Expansion:
+        self.statements = (
+            WholeFile(self.source, self._parse_whole(), tree)
+            if self.whole
+            else Pieces(self.source, tree)
         )
+        statements = self.statements
         self._positions: dict[int, Mapping[cst.CSTNode, Any]] = {}
-        module_scope = collect_scope("module", "", list(module.body), self.errors)
+        # The statements that import macrogen tell its names; those that name one of them
+        # (to use it, or to bind it to something else) are all the pass needs to parse.
+        imports_it = self._mentioning({PACKAGE})
+        first = collect_scope("module", "", [statements.node(i) for i in imports_it], [])
+        self.visited = sorted(set(imports_it) | set(self._mentioning(set(first.macros))))
+        module_scope = collect_scope(
+            "module", "", [statements.node(i) for i in self.visited], self.errors
+        )
         imports = {name: PACKAGE for name, b in module_scope.macros.items() if b is MODULE}
-        self.ctx = Context(self.source, self.options, _module_imports(module))
+        self.ctx = Context(self.source, self.options, statements.module_imports())
         self.ctx._module_imports.update(imports)
         self._flush_errors()
-
-        aliases = {name for name in module_scope.macros} | {PACKAGE}
-        mentions = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b")
         candidates = sorted(
-            {
-                self.layout.statement_at(self.layout.line_at(m.start()))
-                for m in mentions.finditer(self.source)
-            }
-            - {-1}
+            set(self._mentioning(set(module_scope.macros) | {PACKAGE})) & set(self.visited)
         )
 
-        self._module_constants(module, module_scope, candidates)
-        body = list(module.body)
+        self._module_constants(module_scope, candidates)
         new_body: dict[int, list[cst.BaseStatement]] = {}
         expanded: list[tuple[str, int]] = []
         for i in candidates:
-            stmt = body[i]
             self.current = i
             expander = Expander(self.ctx, ScopeStack(module_scope), self._position, self.errors)
-            result = stmt.visit(expander)
+            result = statements.node(i).visit(expander)
             expander.check_unconsumed()
             self._flush_errors()
             if expander.expanded:
@@ -112,49 +119,50 @@ class _FileExpansion:
                 new_body[i] = _as_statements(result)
 
         self._flush_errors()
-        relied_on = sorted(set(new_body) | self.error_statements)
-        if (
-            not self.sure_layout
-            and self.layout.checked(self.source, module, relied_on) is not self.layout
-        ):
-            # ast's lines and libcst's spans disagree somewhere we rely on: redo it the sure way
-            return _FileExpansion(self.source, self.options, sure_layout=True).run()
         if self.diagnostics:
             raise ExpansionError(self.diagnostics)
         if not expanded:
             return Expansion(self.source, False, dict(self.ctx.tunables))
-        code = self._output(body, new_body)
+        code = self._output(new_body)
         return Expansion(self._with_header(code), True, dict(self.ctx.tunables), tuple(expanded))
 
-    def _output(
-        self, body: list[cst.BaseStatement], new_body: dict[int, list[cst.BaseStatement]]
-    ) -> str:
-        """The source text, with each expanded statement's span replaced by its new code."""
-        newline = self.module.default_newline
-        prelude_at = self._prelude_index(body, min(new_body))
-        pieces = [self.layout.header()]
-        for i in range(len(body)):
+    def _mentioning(self, names: set[str]) -> list[int]:
+        """The top-level statements whose text has one of ``names`` as a word."""
+        if not names:
+            return []
+        pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(names))) + r")\b")
+        at = self.statements
+        found = {at.statement_at(at.line_at(m.start())) for m in pattern.finditer(self.source)}
+        return sorted(found - {-1})
+
+    def _output(self, new_body: dict[int, list[cst.BaseStatement]]) -> str:
+        """The source text, with each expanded statement's text replaced by its new code."""
+        statements = self.statements
+        newline = statements.newline
+        prelude_at = self._prelude_index(min(new_body))
+        pieces = [statements.header()]
+        for i in range(statements.count):
             after_helpers = False
             if i == prelude_at:
                 pieces.append(self._prelude().replace("\n", newline))
                 after_helpers = bool(self.ctx.prelude)  # PEP 8: two blank lines after a def
             if i in new_body:
-                text = "".join(self.module.code_for_node(stmt) for stmt in new_body[i])
+                text = statements.code(i, new_body[i])
             else:
-                text = self.layout.text(i)
+                text = statements.text(i)
             if after_helpers:
                 text = _blank_lines_before(text, 2, newline)
             pieces.append(text)
-        pieces.append(self.layout.footer())
+        pieces.append(statements.footer())
         code = "".join(pieces)
         if not self.source.endswith(("\n", "\r")) and code.endswith(newline):
             code = code[: -len(newline)]  # the file ended without one: so does the output
         return code
 
     # -- parsing and positions ----------------------------------------------------
-    def _parse(self) -> tuple[cst.Module, ast.Module]:
+    def _parse(self) -> ast.Module:
         try:
-            tree = ast.parse(self.source, filename=self.options.path)
+            return ast.parse(self.source, filename=self.options.path)
         except SyntaxError as e:
             line = e.lineno or 1
             text = e.text if e.text is not None else _line(self.source, line)
@@ -165,7 +173,7 @@ class _FileExpansion:
                         line,
                         max(1, e.offset or 1),
                         f"invalid syntax: {e.msg}",
-                        text,
+                        text.rstrip("\r\n"),
                     )
                 ]
             ) from None
@@ -173,8 +181,10 @@ class _FileExpansion:
             raise ExpansionError(
                 [Diagnostic(self.options.path, 1, 1, f"invalid source: {e}")]
             ) from None
+
+    def _parse_whole(self) -> cst.Module:
         try:
-            return cst.parse_module(self.source), tree
+            return cst.parse_module(self.source)
         except cst.ParserSyntaxError as e:
             line = e.editor_line
             raise ExpansionError(
@@ -191,19 +201,16 @@ class _FileExpansion:
 
     def _positions_of(self, i: int) -> Mapping[cst.CSTNode, Any]:
         if i not in self._positions:  # positions only for statements that need them
-            wrapper = MetadataWrapper(
-                self.module.with_changes(body=[self.module.body[i]], header=[], footer=[]),
-                unsafe_skip_copy=True,
-            )
+            wrapper = MetadataWrapper(self.statements.positions_module(i), unsafe_skip_copy=True)
             self._positions[i] = wrapper.resolve(PositionProvider)
         return self._positions[i]
 
     def _statement_of(self, node: cst.CSTNode) -> int:
         """The top-level statement that holds ``node``: the current one, else a search."""
-        if self.current >= 0 and inside(node, self.module.body[self.current]):
+        if self.current >= 0 and inside(node, self.statements.node(self.current)):
             return self.current
-        for i, stmt in enumerate(self.module.body):
-            if inside(node, stmt):
+        for i in getattr(self, "visited", ()):
+            if inside(node, self.statements.node(i)):
                 return i
         return -1
 
@@ -211,8 +218,8 @@ class _FileExpansion:
         i = self.current if i is None else i
         code_range = self._positions_of(i).get(node) if i >= 0 else None
         if code_range is None:
-            return Position(self.layout.first_lines[i] if i >= 0 else 1, 1)
-        first_line = self.layout.first_lines[i]
+            return Position(self.statements.first_lines[i] if i >= 0 else 1, 1)
+        first_line = self.statements.first_lines[i]
         start, end = code_range.start, code_range.end
         width = end.column - start.column if end.line == start.line else 1
         return Position(first_line + start.line - 1, start.column + 1, max(1, width))
@@ -222,10 +229,7 @@ class _FileExpansion:
             if e.node is None:
                 pos = Position(1, 1)
             else:
-                i = self._statement_of(e.node)
-                if i >= 0:
-                    self.error_statements.add(i)
-                pos = self._position(e.node, i)
+                pos = self._position(e.node, self._statement_of(e.node))
             self.diagnostics.append(
                 Diagnostic(
                     self.options.path,
@@ -239,12 +243,10 @@ class _FileExpansion:
         self.errors.clear()
 
     # -- module constants: define() and tunable() assigned to names ---------------------
-    def _module_constants(
-        self, module: cst.Module, module_scope: Any, candidates: list[int]
-    ) -> None:
+    def _module_constants(self, module_scope: Any, candidates: list[int]) -> None:
         scopes = ScopeStack(module_scope)
         for i in candidates:
-            stmt = module.body[i]
+            stmt = self.statements.node(i)
             if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1):
                 continue
             assign = stmt.body[0]
@@ -272,14 +274,11 @@ class _FileExpansion:
         return self.ctx.tunable(key, default, choices, node, self._position(node).line)
 
     # -- output --------------------------------------------------------------------
-    def _prelude_index(self, body: list[cst.BaseStatement], first_site: int) -> int:
+    def _prelude_index(self, first_site: int) -> int:
         """Generated helpers go after the imports that precede the first site, else right before it."""
         at = first_site
         for i in range(first_site):
-            stmt = body[i]
-            if isinstance(stmt, cst.SimpleStatementLine) and any(
-                isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
-            ):
+            if self.statements.is_import(i):
                 at = i + 1
         return at
 
@@ -314,7 +313,7 @@ class _FileExpansion:
             lines[keep].startswith("#!") and keep == 0 or _CODING.match(lines[keep])
         ):
             keep += 1
-        newline = self.module.default_newline
+        newline = self.statements.newline
         return "".join(lines[:keep]) + newline.join(header) + newline + "".join(lines[keep:])
 
 
@@ -338,20 +337,3 @@ def _blank_lines_before(text: str, count: int, newline: str) -> str:
     while blank < len(lines) and not lines[blank].strip():
         blank += 1
     return newline * max(0, count - blank) + text
-
-
-def _module_imports(module: cst.Module) -> dict[str, str]:
-    """Plain top-level ``import x`` / ``import x.y as z`` statements: local name -> module."""
-    out: dict[str, str] = {}
-    for stmt in module.body:
-        if not isinstance(stmt, cst.SimpleStatementLine):
-            continue
-        for small in stmt.body:
-            if isinstance(small, cst.Import):
-                for alias in small.names:
-                    full = cst.Module([]).code_for_node(alias.name)
-                    if alias.asname is not None:
-                        out[cst.Module([]).code_for_node(alias.asname.name)] = full
-                    elif "." not in full:
-                        out[full] = full
-    return out

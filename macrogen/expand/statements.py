@@ -1,0 +1,180 @@
+"""A file's top-level statements: their text, their lines and, on demand, their libcst trees.
+
+The pass copies every statement it does not change from the source text
+itself (that is what "byte for byte" means), and it only needs libcst trees
+for the statements that mention macrogen. So it starts from ``ast``'s line
+numbers (a tenth of libcst's parse time) to cut the file into top-level
+statements, and parses with libcst only the statements it visits, each on
+its own. Any doubt about a cut (a piece libcst does not read as exactly one
+statement) raises ``Disagree`` and the pass starts over from libcst's parse
+of the whole file (``WholeFile``).
+"""
+
+from __future__ import annotations
+
+import ast
+from bisect import bisect_right
+from itertools import accumulate
+
+import libcst as cst
+
+from macrogen.expand.layout import Layout, split_lines
+
+
+class Disagree(Exception):
+    """ast's cut of the file is not libcst's: expand from the whole-file parse instead."""
+
+
+class Statements:
+    """What the pass needs to know about the file's top-level statements."""
+
+    lines: list[str]
+    first_lines: list[int]  # 1-based first line of each statement (its comments included)
+    newline: str
+
+    @property
+    def count(self) -> int:
+        return len(self.first_lines)
+
+    def line_at(self, offset: int) -> int:
+        """The 1-based line of a character offset into the source."""
+        return bisect_right(self._starts, offset)
+
+    def statement_at(self, line: int) -> int:
+        """The index of the statement that holds ``line`` (-1: none)."""
+        return bisect_right(self.first_lines, line) - 1
+
+    def _init_lines(self, source: str) -> None:
+        self.lines = split_lines(source)
+        self._starts = list(accumulate((len(line) for line in self.lines[:-1]), initial=0))
+        self.newline = next(
+            (
+                line[len(line.rstrip("\r\n")) :]
+                for line in self.lines
+                if line.endswith(("\n", "\r"))
+            ),
+            "\n",
+        )
+
+
+class Pieces(Statements):
+    """Statements cut by ast's lines; each parsed alone by libcst when first asked for."""
+
+    def __init__(self, source: str, tree: ast.Module):
+        self._init_lines(source)
+        self.tree = tree
+        self.groups: list[list[ast.stmt]] = []  # ast statements of one libcst statement (a; b)
+        ends: list[int] = []
+        for node in tree.body:
+            start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", ())])
+            if self.groups and start <= ends[-1]:
+                self.groups[-1].append(node)
+                ends[-1] = max(ends[-1], node.end_lineno or node.lineno)
+            else:
+                self.groups.append([node])
+                ends.append(node.end_lineno or node.lineno)
+        # statement i runs from the line after statement i-1 to its own last line
+        self.first_lines = [1] + [end + 1 for end in ends[:-1]] if ends else []
+        self.indent = _first_indent(tree, self.lines)
+        self._modules: dict[int, cst.Module] = {}
+
+    def text(self, i: int) -> str:
+        stop = self.first_lines[i + 1] - 1 if i + 1 < self.count else len(self.lines)
+        return "".join(self.lines[self.first_lines[i] - 1 : stop])
+
+    def header(self) -> str:
+        return ""  # the first statement's piece starts at line 1
+
+    def footer(self) -> str:
+        return ""  # the last statement's piece runs to the end
+
+    def module(self, i: int) -> cst.Module:
+        """Statement ``i`` parsed alone: its module holds it and its leading comments."""
+        if i not in self._modules:
+            try:
+                module = cst.parse_module(self.text(i))
+            except cst.ParserSyntaxError:
+                raise Disagree from None
+            if len(module.body) != 1 or module.code != self.text(i):
+                raise Disagree
+            self._modules[i] = module.with_changes(
+                default_newline=self.newline,
+                default_indent=self.indent,
+                # libcst misses a final lone "\r"; the piece's own end is what counts
+                has_trailing_newline=self.text(i).endswith(("\n", "\r")),
+            )
+        return self._modules[i]
+
+    def node(self, i: int) -> cst.BaseStatement:
+        return self.module(i).body[0]
+
+    def positions_module(self, i: int) -> cst.Module:
+        return self.module(i)
+
+    def code(self, i: int, statements: list[cst.BaseStatement]) -> str:
+        return self.module(i).with_changes(body=statements).code
+
+    def is_import(self, i: int) -> bool:
+        return any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in self.groups[i])
+
+    def module_imports(self) -> dict[str, str]:
+        """Plain top-level ``import x`` / ``import x.y as z``: local name -> module."""
+        out: dict[str, str] = {}
+        for node in self.tree.body:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname is not None:
+                        out[alias.asname] = alias.name
+                    elif "." not in alias.name:
+                        out[alias.name] = alias.name
+        return out
+
+
+class WholeFile(Statements):
+    """libcst's parse of the whole file, cut where libcst cuts it (the sure, slower way)."""
+
+    def __init__(self, source: str, module: cst.Module, tree: ast.Module):
+        self._init_lines(source)
+        self.whole = module
+        self.tree = tree
+        layout = Layout.by_codegen(source, module)
+        self.layout = layout
+        self.first_lines = layout.first_lines
+        self.newline = module.default_newline
+
+    def text(self, i: int) -> str:
+        return self.layout.text(i)
+
+    def header(self) -> str:
+        return self.layout.header()
+
+    def footer(self) -> str:
+        return self.layout.footer()
+
+    def node(self, i: int) -> cst.BaseStatement:
+        return self.whole.body[i]
+
+    def positions_module(self, i: int) -> cst.Module:
+        return self.whole.with_changes(body=[self.whole.body[i]], header=[], footer=[])
+
+    def code(self, i: int, statements: list[cst.BaseStatement]) -> str:
+        return "".join(self.whole.code_for_node(s) for s in statements)
+
+    def is_import(self, i: int) -> bool:
+        stmt = self.whole.body[i]
+        return isinstance(stmt, cst.SimpleStatementLine) and any(
+            isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
+        )
+
+    def module_imports(self) -> dict[str, str]:
+        return Pieces.module_imports(self)  # type: ignore[arg-type]
+
+
+def _first_indent(tree: ast.Module, lines: list[str]) -> str:
+    """The file's first block indentation, as libcst would infer it from the whole file."""
+    for node in tree.body:
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and body[0].lineno > node.lineno:
+            line = lines[body[0].lineno - 1]
+            return line[: len(line) - len(line.lstrip(" \t"))] or "    "
+    return "    "
