@@ -295,7 +295,8 @@ def _two_rank_checks(rank, world, tmp):
     )
     counts["Dotted"] = (fwd, bwd)
 
-    # big activations: the rowwise reduction goes in row chunks, overlapping the matmul
+    # big rowwise outputs are reduced in row chunks, each while the next is computed;
+    # without overlap, every collective runs alone
     import macrogen.runtime.collectives as collectives
 
     collectives.CHUNK_ELEMENTS = 1
@@ -303,6 +304,20 @@ def _two_rank_checks(rank, world, tmp):
         "MLP chunked", lambda: S.MLP(D_MODEL), lambda: P.MLP(D_MODEL), x, rank, world
     )
     counts["MLP chunked"] = (fwd, bwd)
+    collectives.OVERLAP = False
+    _, _, fwd, bwd = _check_block(
+        "MLP without overlap", lambda: S.MLP(D_MODEL), lambda: P.MLP(D_MODEL), x, rank, world
+    )
+    counts["MLP without overlap"] = (fwd, bwd)
+    _check_block(
+        "PackedAttention without overlap",
+        lambda: S.PackedAttention(D_MODEL, N_HEAD),
+        lambda: P.PackedAttention(D_MODEL, N_HEAD),
+        x,
+        rank,
+        world,
+    )
+    collectives.OVERLAP, collectives.CHUNK_ELEMENTS = True, 1 << 20
 
     # shards are plain tensors of the local shape, under the serial names
     mlp = P.MLP(D_MODEL)
@@ -330,8 +345,8 @@ def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
     results = run_ranks(_two_rank_checks, 2, args=(str(tmp_path),), timeout=150)
     counts, errors = results[0]
     # colwise feeding rowwise: nothing in between; one all-reduce forward (g, after the
-    # rowwise matmul) and one backward (f: the colwise input gradient, overlapping the
-    # weight gradient)
+    # rowwise matmul) and one backward (f: the colwise input gradient, beside the weight
+    # gradient)
     block = ({"all_reduce": 1, "all_gather": 0}, {"all_reduce": 1, "all_gather": 0})
     assert counts["MLP"] == block
     assert counts["Attention"] == block
@@ -339,6 +354,7 @@ def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
     assert counts["Dotted"] == block
     # big outputs: 4 row chunks, each reduced while the next is computed
     assert counts["MLP chunked"] == ({"all_reduce": 4, "all_gather": 0}, block[1])
+    assert counts["MLP without overlap"] == block
     # vocab (one all-reduce) then a rowwise head on a full input (its slice forward; backward
     # all-gathers the input gradient)
     assert counts["LMRowwiseHead"] == (

@@ -116,11 +116,17 @@ def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return x if group_size(group) == 1 else _GatherLastDim.apply(x, group)
 
 
-# -- linear layers with their collective overlapped -------------------------------------
+# -- linear layers with their collective fused in -----------------------------------------
 #
-# Same results as F.linear(f(x), W, b) and g(F.linear(x, W)), but the collective
-# runs while the next matmul computes (Megatron's async gradient all-reduce, and
-# a chunked forward reduction): the communication hides behind compute.
+# Same results as F.linear(f(x), W, b) and g(F.linear(x, W)) in one autograd node
+# each, reducing in place (no copies). With overlap, the collective runs while
+# the next matmul computes (Megatron's async gradient all-reduce, and a chunked
+# forward reduction), hiding the communication behind compute.
+
+# False: each collective runs alone, in order (simpler to profile; on a machine
+# with no core to spare for gloo's threads, overlap gains little: bench/tp.py).
+OVERLAP = True
+
 
 # Under torch.autocast the backward runs with the forward's autocast state, as F.linear's does.
 _autocast_forward = torch.amp.custom_fwd(device_type="cuda")
@@ -128,7 +134,7 @@ _autocast_backward = torch.amp.custom_bwd(device_type="cuda")
 
 
 class _ColwiseLinear(torch.autograd.Function):
-    """F.linear(f(x), W, b): backward all-reduces grad x while it computes grad W and grad b."""
+    """F.linear(f(x), W, b): backward all-reduces grad x (overlapping grad W and grad b)."""
 
     @staticmethod
     @_autocast_forward
@@ -144,17 +150,17 @@ class _ColwiseLinear(torch.autograd.Function):
         grad_x = work = None
         if ctx.needs_input_grad[0]:
             grad_x = grad.matmul(weight)  # (..., in): a partial sum on each rank
-            work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
+            work = dist.all_reduce(grad_x, group=ctx.group, async_op=OVERLAP)
         grad2d = grad.reshape(-1, grad.shape[-1])  # (N, out / T)
         grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
         grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        if work is not None:
+        if work is not None:  # None: it ran synchronously
             work.wait()
         return grad_x, grad_w, grad_b, None
 
 
 class _RowwiseLinear(torch.autograd.Function):
-    """g(F.linear(x, W)): forward all-reduces each chunk of rows while the next computes."""
+    """g(F.linear(x, W)): forward all-reduces the output (each chunk of rows while the next computes)."""
 
     @staticmethod
     @_autocast_forward
@@ -187,7 +193,7 @@ def _rows(n: int, chunks: int) -> int:
 
 
 def colwise_linear(x, weight, bias, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """F.linear(f(x), weight, bias), with f's backward all-reduce overlapping the weight gradient."""
+    """F.linear(f(x), weight, bias); with overlap, f's backward all-reduce runs beside the weight gradient."""
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
     return _ColwiseLinear.apply(x, weight, bias, group)
@@ -199,7 +205,7 @@ CHUNK_ELEMENTS = 1 << 20  # rowwise outputs at least this big are reduced in chu
 def rowwise_linear(
     x, weight, group: dist.ProcessGroup | None, chunks: int | None = None
 ) -> torch.Tensor:
-    """g(F.linear(x, weight)) (no bias), all-reducing row blocks as they are computed.
+    """g(F.linear(x, weight)) (no bias); with overlap, row blocks are reduced as they are computed.
 
     Small outputs go in one collective: below ``CHUNK_ELEMENTS`` a chunk's
     reduction is latency-bound and there is little matmul left to hide it behind.
@@ -207,5 +213,6 @@ def rowwise_linear(
     if group_size(group) == 1:
         return F.linear(x, weight)
     if chunks is None:
-        chunks = max(1, min(4, x[..., :1].numel() * weight.shape[0] // CHUNK_ELEMENTS))
+        big = x[..., :1].numel() * weight.shape[0] // CHUNK_ELEMENTS
+        chunks = max(1, min(4, big)) if OVERLAP else 1
     return _RowwiseLinear.apply(x, weight, group, chunks)
