@@ -136,7 +136,7 @@ def install(
     # Right before PathFinder: finders that go first (editable installs, setuptools'
     # distutils shim, pytest's assertion rewriting) keep going first.
     at = next(
-        (i for i, f in enumerate(sys.meta_path) if f is importlib.machinery.PathFinder),
+        (i for i, f in enumerate(sys.meta_path) if f is _PathFinder),
         len(sys.meta_path),
     )
     sys.meta_path.insert(at, finder)
@@ -180,7 +180,7 @@ class MacroFinder:
         self.options = options
 
     def find_spec(self, fullname: str, path=None, target=None):
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        spec = _PathFinder.find_spec(fullname, path, target)
         if spec is None:
             return None
         if (
