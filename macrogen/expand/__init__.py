@@ -2,8 +2,10 @@
 
 ``expand_source`` is pure (no I/O) and shared by the CLI, the import hook,
 autotune and the tests. Cost matters (it runs on every cold import): a file
-that never mentions macrogen is returned after one substring test, and only
-top-level statements that mention a macrogen name are visited and positioned.
+that never mentions macrogen is returned after one substring test; otherwise
+``ast`` cuts the file into top-level statements (``statements.py``) and only
+those that mention a macrogen name are parsed by libcst, visited and
+positioned. Every other statement is copied from the source text.
 """
 
 from __future__ import annotations
