@@ -329,6 +329,9 @@ def _two_rank_checks(rank, world, tmp):
         "proj.bias": (D_MODEL,),
     }, shapes
     assert type(mlp.fc.weight) is torch.nn.Parameter
+    twin = copy.deepcopy(mlp)  # an EMA copy: same group, own tensors
+    assert twin.fc.group is mlp.fc.group and twin.fc.weight is not mlp.fc.weight
+    torch.testing.assert_close(twin(x), mlp(x))
     assert P.Attention(D_MODEL, N_HEAD).n_head == N_HEAD // world
 
     # dimensions the degree does not divide: a clear error at construction

@@ -15,6 +15,7 @@ checkpoints between serial and tensor-parallel runs.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -66,7 +67,21 @@ def _shard(
     return nn.Parameter(part.clone(), requires_grad=t.requires_grad)
 
 
-class ColwiseLinear(nn.Module):
+class _Sharded(nn.Module):
+    """A sharded layer: it holds its process group, which copies share (a group can't be copied)."""
+
+    group: dist.ProcessGroup | None
+
+    def __deepcopy__(self, memo: dict) -> _Sharded:
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+
+class ColwiseLinear(_Sharded):
     """``nn.Linear`` with its output features split over the group: the output is sharded on the last dim.
 
     ``blocks > 1``: the output packs that many blocks (a fused q, k, v: 3), each
@@ -105,7 +120,7 @@ class ColwiseLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features} (shard of {full}{packed})"
 
 
-class RowwiseLinear(nn.Module):
+class RowwiseLinear(_Sharded):
     """``nn.Linear`` with its input features split over the group: partial outputs are all-reduced.
 
     The input may be sharded on the last dim already (from a colwise layer: no
@@ -137,7 +152,7 @@ class RowwiseLinear(nn.Module):
         return f"in_features={self.in_features} (shard of {self.in_features * group_size(self.group)}), out_features={self.out_features}"
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(_Sharded):
     """``nn.Embedding`` split over the vocabulary: each rank looks up its rows, others give zeros, then all-reduce."""
 
     SHARD_DIMS = {"weight": 0}
