@@ -142,6 +142,14 @@ def _gpt_cases(rank: int, world: int, out_dir: str) -> dict:
         assert_params_close(ours, serial, f"{name} vs serial", **tol)
         assert_params_close(ours, ddp_model, f"{name} vs DDP", **tol)
         report[cls.__name__] = len(sync.buckets)
+        if cls is models.Plain and set_to_none:
+            # .double() moves the parameters: buckets are planned again, in float64
+            serial.double()
+            ours.double()
+            train(serial, micro_batches(inputs, k, 0, 1))
+            train(ours, micro_batches(inputs, k, rank, world))
+            assert sync.buckets[0].buffer.dtype == torch.float64
+            assert_params_close(ours, serial, "Plain after .double()", **fp32)
     return report
 
 
