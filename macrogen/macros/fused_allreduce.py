@@ -58,7 +58,9 @@ def validate(site: Site) -> Spec:
             raise MacroError("dist.all_reduce() needs the tensor to reduce", call)
         tensors.append(bound["tensor"])
         ops.append(bound.get("op"))
-        groups.append(bound.get("group"))
+        group = bound.get("group")
+        is_default = isinstance(group, cst.Name) and group.value == "None"
+        groups.append(None if is_default else group)  # group=None is the default group
         async_op = bound.get("async_op")
         if async_op is not None and not (
             isinstance(async_op, cst.Name) and async_op.value == "False"

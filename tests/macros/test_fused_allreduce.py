@@ -141,3 +141,8 @@ def test_async_with_is_rejected():
     assert expansion_errors(src) == [
         "test.py:4:5: error: fused_allreduce() opens a plain with block, not async with"
     ]
+
+
+def test_group_none_is_the_default_group():
+    body = "dist.all_reduce(a, group=None)\ndist.all_reduce(b)"
+    assert call_line(expand_source(site(body), path="test.py").code) == "_fused_allreduce_l4(a, b)"
