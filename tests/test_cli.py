@@ -394,3 +394,10 @@ def test_python_dash_m_macrogen(project: Path, tmp_path: Path):
     assert b"Traceback" not in failed.stderr and not (tmp_path / "out.py").exists()
     usage = _macrogen("expand", cwd=tmp_path)
     assert usage.returncode == 2 and b"usage:" in usage.stderr
+
+
+def test_two_inputs_for_one_output_is_a_usage_error(project: Path, tmp_path: Path):
+    (project / "pkg" / "train.py").write_text(GOOD)
+    run = Run(project / "train.py", project / "pkg" / "train.py", out_dir=str(tmp_path / "out"))
+    assert run.status == 2 and "would both be written to" in run.err
+    assert not (tmp_path / "out").exists()

@@ -154,6 +154,14 @@ def plan_jobs(
             jobs.append(Job(src, dst))
         else:
             raise UsageError(f"{src}: no such file or directory")
+    seen: dict[str, str] = {}
+    for job in jobs:
+        if job.dst is None:
+            continue
+        key = str(Path(job.dst).resolve())
+        if key in seen and seen[key] != job.src:
+            raise UsageError(f"{seen[key]} and {job.src} would both be written to {job.dst}")
+        seen[key] = job.src
     if not in_place:
         for job in jobs:
             if job.src != STDIO and job.dst is not None and _same_file(job.src, job.dst):
