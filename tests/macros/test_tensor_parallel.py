@@ -4,6 +4,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.helpers import assert_expands, expand, expansion_errors, load_module
 
@@ -329,3 +331,35 @@ def test_run_time_errors_name_the_layer_and_what_is_supported(monkeypatch):
     monkeypatch.setenv(SIZE_ENV, "two")
     with pytest.raises(ValueError, match=r"MACROGEN_TP_SIZE='two': expected a positive integer"):
         tensor_parallel_size(None, 2)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    size=st.sampled_from([1, 2, 3, 4]),
+    blocks=st.sampled_from([1, 2, 3]),
+    per_shard=st.integers(1, 3),
+    other=st.integers(1, 3),
+    dim=st.sampled_from([0, 1]),
+)
+def test_checkpoint_split_and_join_are_inverse(size, blocks, per_shard, other, dim):
+    """Every rank's shard of a full tensor, joined, gives it back (packed blocks too)."""
+    from unittest import mock
+
+    import macrogen.runtime.tensor_parallel as tp
+
+    shape = [other, other]
+    shape[dim] = size * blocks * per_shard
+    full = torch.arange(shape[0] * shape[1], dtype=torch.float32).view(shape)
+    parts = []
+    for rank in range(size):
+        with (
+            mock.patch.object(tp, "group_size", lambda g: size),
+            mock.patch.object(tp, "group_rank", lambda g, r=rank: r),
+        ):
+            parts.append(tp.split(full, dim, object(), blocks))
+    assert all(p.shape[dim] == blocks * per_shard for p in parts)
+    torch.testing.assert_close(tp.join(parts, dim, blocks), full, rtol=0, atol=0)
+    if blocks > 1:  # rank r holds its slice of every block: [q_r | k_r | v_r]
+        block = full.chunk(blocks, dim=dim)[-1]
+        mine = block.chunk(size, dim=dim)[-1]
+        torch.testing.assert_close(parts[-1].chunk(blocks, dim=dim)[-1], mine)
