@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import os
+import subprocess
 import sys
 import textwrap
 import types
@@ -57,3 +59,23 @@ def load_module(code: str, name: str, directory: Path) -> types.ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_interpreted(module: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``python -m module args`` with TRITON_INTERPRET=1 (kernels on CPU tensors).
+
+    Triton picks the interpreter when it is imported, so kernel checks run in a
+    fresh process rather than in the test process, where triton is already loaded.
+    """
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -4,28 +4,15 @@ The interpreter is chosen when triton is imported, so the Triton check runs in
 a fresh process with TRITON_INTERPRET=1 (see ``tests/grad_compress_check.py``).
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from macrogen.kernels import grad_compress
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import run_interpreted
 
 
 def test_triton_kernels_match_torch_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.grad_compress_check"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = run_interpreted("tests.grad_compress_check")
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("ok: 36 cases"), done.stdout
 

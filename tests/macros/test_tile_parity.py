@@ -11,16 +11,13 @@ is imported, and this session has imported it already).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_interpreted
 from tests.macros.tile_cases import CASES, RANDOM_CASES, compare, modules
 
-ROOT = Path(__file__).resolve().parents[2]
 NAMES = [case.name for case in CASES]
 
 
@@ -28,15 +25,7 @@ NAMES = [case.name for case in CASES]
 def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Each case's result from the Triton interpreter: None when it matches the loop."""
     directory = tmp_path_factory.mktemp("tile_interpret")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.macros.tile_interpret", str(directory)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = run_interpreted("tests.macros.tile_interpret", str(directory))
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
 
