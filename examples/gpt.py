@@ -37,9 +37,7 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64
-    unused_head: bool = (
-        False  # an extra parameter no forward uses (tests unused-parameter handling)
-    )
+    unused_head: bool = False  # a layer no forward uses (tests unused parameters)
 
 
 def _scaled_init(proj: nn.Linear, config: GPTConfig) -> None:

@@ -138,10 +138,12 @@ def main() -> int:
         for k in serial_state
     )
     print(f"\nstate_dict keys identical: {same_names}; largest parameter difference: {worst:.2e}")
+    tp = max(1, args.tp)
+    mode = f"{args.nproc // tp} x {tp} data x tensor parallel" if tp > 1 else "data-parallel"
     if losses_agree and params_agree:
-        print(f"serial and data-parallel training agree (rtol {RTOL})")
+        print(f"serial and {mode} training agree (rtol {RTOL})")
         return 0
-    print("serial and data-parallel training DISAGREE", file=sys.stderr)
+    print(f"serial and {mode} training DISAGREE", file=sys.stderr)
     return 1
 
 
