@@ -100,8 +100,7 @@ class _FileExpansion:
             "module", "", [statements.node(i) for i in self.visited], self.errors
         )
         imports = {name: PACKAGE for name, b in module_scope.macros.items() if b is MODULE}
-        self.ctx = Context(self.source, self.options, statements.module_imports())
-        self.ctx._module_imports.update(imports)
+        self.ctx = Context(self.source, self.options, {**statements.module_imports(), **imports})
         self._flush_errors()
         candidates = sorted(
             set(self._mentioning(set(module_scope.macros) | {PACKAGE})) & set(self.visited)
