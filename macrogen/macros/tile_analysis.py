@@ -290,7 +290,7 @@ class _Analyzer(ExpressionReader):
                 out.extend(self._inner_loop(loop, stmt, self._block(stmt), scope, grid))
                 continue
             for small in self._smalls(stmt):
-                out.extend(self._grid_statement(small, scope, grid))
+                out.extend(self._grid_statement(small, scope))
         return out
 
     def _smalls(self, stmt: cst.BaseStatement) -> list[cst.BaseSmallStatement]:
@@ -298,9 +298,7 @@ class _Analyzer(ExpressionReader):
             return [s for s in stmt.body if not isinstance(s, cst.Pass)]
         raise MacroError(self._unsupported(stmt), stmt)
 
-    def _grid_statement(
-        self, small: cst.BaseSmallStatement, scope: Scope, grid: tuple[Loop, ...]
-    ) -> list[Statement]:
+    def _grid_statement(self, small: cst.BaseSmallStatement, scope: Scope) -> list[Statement]:
         target, value, add = self._assignment(small)
         if isinstance(target, cst.Name):
             name = self._local_name(target)

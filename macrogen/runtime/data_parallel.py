@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from macrogen.kernels.grad_compress import COMM_DTYPES
-from macrogen.runtime import groups
+from macrogen.runtime import fused, groups
 from macrogen.runtime.agreement import Fingerprint, check_agreement, fingerprint
 from macrogen.runtime.buckets import Bucket, plan_buckets
 
@@ -219,17 +219,12 @@ def broadcast(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) 
     if not tensors:
         return
     src = 0 if group is None else dist.get_global_rank(group, 0)
-    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        kinds.setdefault((t.dtype, t.device), []).append(t.detach())
+    members = [t.detach() for t in tensors]
     with torch.no_grad():
-        for members in kinds.values():
-            flat = torch.cat([t.reshape(-1) for t in members])
-            dist.broadcast(flat, src=src, group=group)
-            torch._foreach_copy_(
-                members,
-                [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in members]), members)],
-            )
+        for flat in fused.plan(members):  # the same flat buffers as fused_allreduce
+            buf = fused.pack_torch(members, flat)
+            dist.broadcast(buf, src=src, group=group)
+            fused.unpack_torch(buf, members, flat)
 
 
 def gradient_sync(model: nn.Module) -> GradientSync:
