@@ -9,7 +9,7 @@ Anything else would need the program to run, so it is an error at its position.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +33,10 @@ _BINOPS: dict[type, Callable[[Any, Any], Any]] = {
 class Arg:
     """One evaluated argument and where it is in the source."""
 
-    value: Any
+    value: Any  # for a code argument: the expression node itself
     node: cst.BaseExpression
     tunable: str | None = None  # the tuning key, when the value came from tunable()
+    code: bool = False  # ordinary code the program runs (a macro's CODE_ARGUMENTS), not a value
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,9 @@ class Evaluator:
         """An evaluator for the arguments of an argument-form macro: no macros inside."""
         return Evaluator(self.constants, no_argument_macros, self.use_tunable)
 
-    def call_args(self, call: cst.Call | None, key_prefix: str) -> Args:
+    def call_args(self, call: cst.Call | None, key_prefix: str, code: Collection[str] = ()) -> Args:
+        """Evaluate a macro call's arguments; those named in ``code`` (a keyword, or a
+        position "0", "1"...) stay expressions, for the program to run."""
         if call is None:
             return Args((), {}, None)
         positional: list[Arg] = []
@@ -112,8 +115,11 @@ class Evaluator:
             if name is not None and name in keywords:
                 raise MacroError(f"argument {name!r} given twice", arg.keyword)
             key = f"{key_prefix}.{name if name is not None else i}"
-            value, tunable = self.argument(arg.value, key)
-            evaluated = Arg(value, arg.value, tunable)
+            if (name if name is not None else str(i)) in code:
+                evaluated = Arg(arg.value, arg.value, None, code=True)
+            else:
+                value, tunable = self.argument(arg.value, key)
+                evaluated = Arg(value, arg.value, tunable)
             if name is None:
                 if keywords:
                     raise MacroError("positional argument follows keyword argument", arg)

@@ -57,6 +57,7 @@ class SiteArguments:
     @classmethod
     def of(cls, macro: str, qualname: str, args: Args) -> SiteArguments:
         named = {**{str(i): a for i, a in enumerate(args.positional)}, **args.keywords}
+        named = {k: a for k, a in named.items() if not a.code}  # code has no value to check
         return cls(
             macro,
             qualname,

@@ -8,7 +8,15 @@ a worked example of adding one.
     USAGE: str                   # one line showing the supported syntax, for error messages
     def expand(site: Site, ctx: Context) -> Expanded
 
-and optionally these hooks:
+and optionally
+
+    CODE_ARGUMENTS: frozenset[str]   # arguments that are the program's own code, not
+                                     # expansion-time values: keyword names, or positions
+                                     # "0", "1"... (shard_optimizer's optimizer expression).
+                                     # ``site.args`` holds them as expressions (``Arg.code``);
+                                     # take the expanded expression from ``site.node``.
+
+and these hooks:
 
     def constant(name: str, call: cst.Call, evaluator: Evaluator) -> object
         # ``NAME = m(...)`` at module level gives NAME an expansion-time value (define,

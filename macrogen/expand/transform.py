@@ -295,7 +295,8 @@ class Expander(cst.CSTTransformer):
             macro = _macro(name, at)
             if form not in macro.FORMS:
                 raise MacroError(f"{name}() can't be used here: {macro.USAGE}", at)
-            args = self.evaluator.call_args(call, qualname)
+            code = getattr(macro, "CODE_ARGUMENTS", ())
+            args = self.evaluator.call_args(call, qualname, code)
             self.ctx.shadowed = self.scopes.locally_bound()
             self.ctx.requested = []
             site = Site(
