@@ -47,8 +47,8 @@ def py(value: Any) -> str:
             return f"[{items}]"
         return f"({items},)" if len(value) == 1 else f"({items})"
     if isinstance(value, (set, frozenset)):  # sorted: the output must not depend on the hash seed
-        items = sorted((py(v) for v in value), key=lambda text: (len(text), text))
-        return "{" + ", ".join(items) + "}" if items else "set()"
+        texts = sorted((py(v) for v in value), key=lambda text: (len(text), text))
+        return "{" + ", ".join(texts) + "}" if texts else "set()"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{py(k)}: {py(v)}" for k, v in value.items()) + "}"
     raise InternalError(f"can't render {type(value).__name__} {value!r} as a Python literal")

@@ -1,9 +1,15 @@
 import os
+from pathlib import Path
 
 import pytest
 
 # Generated code must not depend on the hash seed; tests also run under others.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Files whose every test spawns processes (gloo ranks, torchrun, a wheel build, ptxas):
+# slow by name, so a new distributed test file is in the slow tier without a marker.
+_SLOW_FILES = ("_dist.py", "_processes.py", "_ranks.py")
+_SLOW_NAMES = ("test_wheel.py", "test_tile_compile.py")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -12,6 +18,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="rewrite tests/golden/*/expected.* from the current output",
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        name = Path(str(item.fspath)).name
+        if name.endswith(_SLOW_FILES) or name in _SLOW_NAMES:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

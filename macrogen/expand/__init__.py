@@ -227,7 +227,8 @@ class _FileExpansion:
         """The top-level statement that holds ``node``: the current one, else a search."""
         if self.current >= 0 and inside(node, self.statements.node(self.current)):
             return self.current
-        for i in getattr(self, "visited", ()):
+        visited: list[int] = getattr(self, "visited", [])
+        for i in visited:
             if inside(node, self.statements.node(i)):
                 return i
         return -1

@@ -188,14 +188,14 @@ class Evaluator:
             return items if isinstance(node, cst.List) else tuple(items)
         if isinstance(node, cst.Dict):
             out: dict[Any, Any] = {}
-            for el in node.elements:
-                if not isinstance(el, cst.DictElement):
-                    raise MacroError("unpacking with ** is not allowed in a macro argument", el)
-                k = self.value(el.key)
+            for entry in node.elements:
+                if not isinstance(entry, cst.DictElement):
+                    raise MacroError("unpacking with ** is not allowed in a macro argument", entry)
+                k = self.value(entry.key)
                 try:
-                    out[k] = self.value(el.value)
+                    out[k] = self.value(entry.value)
                 except TypeError:
-                    raise MacroError("dict keys must be hashable", el.key) from None
+                    raise MacroError("dict keys must be hashable", entry.key) from None
             return out
         if isinstance(node, cst.Call):
             found = self.argument_macro(node)

@@ -42,7 +42,7 @@ class Tunable:
 
     @property
     def tuned(self) -> bool:
-        return self.value != self.default
+        return bool(self.value != self.default)
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,8 @@ class Context:
         for stmt, local in self._names.items():
             if stmt.startswith(stmt_prefix):
                 return self._requested_now(Import(local, module, None, stmt))
-        local = module if "." not in module and self.names.is_free(module) else None
-        if local is not None:
-            self.names.fresh(local)
+        if "." not in module and self.names.is_free(module):
+            local = self.names.fresh(module)
             stmt = f"import {module}"
         else:
             local = self.names.fresh(f"_mg_{leaf}")

@@ -100,7 +100,7 @@ def import_bindings(
         return out
     for alias in stmt.names:
         name = dotted(alias.name) or ""
-        local = dotted(alias.asname.name) if alias.asname is not None else name
+        local = (dotted(alias.asname.name) or "") if alias.asname is not None else name
         if not from_macrogen:
             out[local or name] = None
         elif name in known:

@@ -109,7 +109,7 @@ def validate(site: Site, ctx: Context) -> Spec:
                     f" projection whose forward chunks its output in 3; not {style!r}",
                     style_node,
                 )
-            style, blocks = "colwise", style[1]
+            style, blocks = "colwise", int(style[1])
         if style not in STYLES:
             raise MacroError(
                 f"unknown style {style!r}{did_you_mean(str(style), list(STYLES))}"

@@ -32,8 +32,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import libcst as cst
 
@@ -223,7 +224,7 @@ class _Output:
             self.names.namer("DOT_PRECISION") if self.kernel_nest.dot is not None else ""
         )
 
-    def _tensor(self, t: str, ndim: int) -> dict:
+    def _tensor(self, t: str, ndim: int) -> dict[str, object]:
         first = self.nest.tensors[0][0]
         return {
             "name": t,
@@ -324,7 +325,7 @@ def _is_docstring(stmt: cst.BaseStatement) -> bool:
     )
 
 
-def alias_checks(nest: Nest) -> list[dict]:
+def alias_checks(nest: Nest) -> list[dict[str, str]]:
     """One check per (output, other tensor) pair: they must not share memory."""
     checks = []
     for o in nest.outputs:
@@ -342,12 +343,12 @@ def alias_checks(nest: Nest) -> list[dict]:
     return checks
 
 
-def index_checks(nest: Nest, names: Names) -> list[dict]:
+def index_checks(nest: Nest, names: Names) -> list[dict[str, object]]:
     """One range check per distinct (tensor, dimension, loop, offset) the nest indexes with."""
-    accesses: dict[tuple, None] = {}
+    accesses: dict[tuple[Any, ...], None] = {}
     loops = {g.var: g for g in nest.grid}
 
-    def visit(stmts, inner=None) -> None:
+    def visit(stmts: Sequence[object], inner: Any = None) -> None:
         for s in stmts:
             if isinstance(s, InnerLoop):
                 visit(s.body, s.loop)
