@@ -6,9 +6,10 @@ import pytest
 # Generated code must not depend on the hash seed; tests also run under others.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Files whose every test spawns processes (gloo ranks, torchrun, a wheel build, ptxas):
+# Files whose tests spawn processes (gloo ranks, torchrun, the Triton interpreter, a wheel
+# build, ptxas) or run numerics over many cases:
 # slow by name, so a new distributed test file is in the slow tier without a marker.
-_SLOW_FILES = ("_dist.py", "_processes.py", "_ranks.py")
+_SLOW_FILES = ("_dist.py", "_processes.py", "_ranks.py", "_parity.py")
 _SLOW_NAMES = ("test_wheel.py", "test_tile_compile.py")
 
 

@@ -371,7 +371,7 @@ def valid_file(draw) -> tuple[str, dict, int]:
     return "\n".join(lines) + "\n", {"target": target, "tuning": tuning}, sites
 
 
-@settings(FUZZ, max_examples=int(os.environ.get("MACROGEN_FUZZ_EXAMPLES", "40")))
+@settings(FUZZ, max_examples=int(os.environ.get("MACROGEN_FUZZ_EXAMPLES", "15")))
 @given(case=valid_file())
 def test_valid_files_expand_without_error(case):
     source, options, sites = case
