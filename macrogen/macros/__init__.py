@@ -49,7 +49,8 @@ def _discovered() -> dict[str, str]:
     return found
 
 
-_FORMS = re.compile(r"^FORMS\b", re.M)
+# ``FORMS = ...`` at top level, or imported into the module (a package's __init__.py)
+_FORMS = re.compile(r"^FORMS\b|^from \S+ import [^\n]*\bFORMS\b|^\s+FORMS,?\s*$", re.M)
 _NAME = re.compile(r"^NAME\s*=\s*[\"']([A-Za-z_][A-Za-z0-9_]*)[\"']", re.M)
 
 
