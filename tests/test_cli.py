@@ -383,7 +383,7 @@ def _macrogen(*args: str, cwd: Path, stdin: bytes = b"") -> subprocess.Completed
     )
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # runs the command in subprocesses
 def test_python_dash_m_macrogen(project: Path, tmp_path: Path):
     ok = _macrogen("expand", "-", cwd=tmp_path, stdin=GOOD.encode())
     assert ok.returncode == 0 and ok.stdout == expanded(GOOD, "<stdin>")

@@ -11,7 +11,6 @@ from macrogen.kernels import grad_compress
 from tests.helpers import run_interpreted
 
 
-@pytest.mark.slow
 def test_triton_kernels_match_torch_under_the_interpreter():
     done = run_interpreted("tests.grad_compress_check")
     assert done.returncode == 0, done.stdout + done.stderr

@@ -6,12 +6,9 @@ interpreter process with the variable set (see ``tests/fused_kernels_check.py``)
 
 from pathlib import Path
 
-import pytest
-
 from tests.helpers import run_interpreted
 
 
-@pytest.mark.slow
 def test_generated_kernels_match_torch_under_the_interpreter(tmp_path: Path):
     done = run_interpreted("tests.fused_kernels_check", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
