@@ -236,11 +236,13 @@ def do_bench(fn, args: dict) -> float:
     return triton.testing.do_bench(lambda: fn(**args), return_mode="median") * 1e-3
 
 
-def measured_bandwidth() -> float:
+def measured_bandwidth(device: str = "cuda", numel: int = 1 << 28) -> float:
     """GB/s of a 1 GiB device-to-device copy (it reads and writes every byte)."""
-    src = torch.empty(1 << 28, device="cuda", dtype=torch.float32)
+    src = torch.empty(numel, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / do_bench(dst.copy_, {"src": src}) / 1e9
+    # copy_'s argument is positional: its name differs across torch versions
+    seconds = do_bench(lambda src: dst.copy_(src), {"src": src})
+    return 2 * src.numel() * src.element_size() / seconds / 1e9
 
 
 def cuda_section(directory: Path) -> None:

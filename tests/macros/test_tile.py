@@ -185,6 +185,14 @@ def test_launcher_refuses_cpu_tensors_outside_the_interpreter(tmp_path, monkeypa
         module._scale_triton(torch.zeros(4), torch.zeros(4), 1.0)
 
 
+def test_benchmark_bandwidth_passes_copy_source_positionally(monkeypatch) -> None:
+    """copy_'s argument name differs across torch versions: the benchmark must not name it."""
+    import bench.tile
+
+    monkeypatch.setattr(bench.tile, "do_bench", lambda fn, args: (fn(**args), 1e-3)[1])
+    assert bench.tile.measured_bandwidth("cpu", 1024) > 0
+
+
 def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
     source = "import torch\nimport macrogen as mg\n\n" + decorator + "\n" + textwrap.dedent(body)
     return expansion_errors(source)
