@@ -21,16 +21,22 @@ Arguments: one tile size per loop variable (a power of two; may be
 (``tl.dot``'s input precision for matmul-shaped reductions: "ieee", "tf32" or
 "tf32x3"). The accepted loop nests, with examples: docs/tile.md.
 
-Where the rest lives: tile_analysis.py recognises the subset (statements and
-loops; expressions in tile_expressions.py) and builds the IR (tile_ir.py);
-tile_emit.py turns the IR into kernel and torch code; templates/tile_*.py.j2
-lay the generated functions out (shapes, kernel, launcher, torch, dispatch).
+Where the rest lives (this package):
+
+- analysis.py recognises the subset (statements and loops; expressions in
+  expressions.py) and builds the loop-nest IR of ir.py;
+- kernel.py and torch_path.py turn that IR into steps (steps.py: assignments,
+  stores, tiled loops; dead stores dropped) whose expressions printer.py and
+  code.py write, parenthesized by precedence; names.py names what they share;
+- checks.py: the shapes function's run-time checks; constraints.py: what a
+  tile size must satisfy (also for autotune);
+- templates/tile_*.py.j2 lay the generated functions out (shapes, kernel,
+  launcher, torch path, dispatch).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass
 
@@ -40,23 +46,20 @@ from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.site import Site
-from macrogen.macros.tile_analysis import analyze
-from macrogen.macros.tile_emit import (
-    KernelEmitter,
-    Names,
-    TorchEmitter,
-    loads_in,
-    make_names,
-    parse,
-)
-from macrogen.macros.tile_ir import Accum, InnerLoop, Let, Nest, Store
+from macrogen.macros.tile.analysis import analyze
+from macrogen.macros.tile.checks import alias_checks, index_checks
+from macrogen.macros.tile.code import parse
+from macrogen.macros.tile.constraints import block_shape, too_big
+from macrogen.macros.tile.ir import InnerLoop, Nest
+from macrogen.macros.tile.kernel import KernelEmitter
+from macrogen.macros.tile.names import make_names
+from macrogen.macros.tile.torch_path import TorchEmitter
 
 FORMS = ("decorator",)
 USAGE = "@tile(i=64, j=64) decorates a function whose body is a loop nest over range(...)"
 
 OPTIONS = {"num_warps": 4, "num_stages": 2, "dot_precision": "ieee"}
 DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
-MAX_TILE_ELEMENTS = 1 << 20  # Triton's limit on the elements of one block
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -129,15 +132,9 @@ def validate(site: Site, ctx: Context) -> Spec:
             f"dot_precision must be one of {', '.join(map(repr, DOT_PRECISIONS))}, not {precision!r}",
             args["dot_precision"].node,
         )
-    kernel = kernel_nest(nest, tiles)
-    shape = [tiles[g.var] for g in kernel.grid] + (
-        [max(tiles[s.loop.var] for s in kernel.inner_loops)] if kernel.inner_axis else []
-    )
-    if math.prod(shape) > MAX_TILE_ELEMENTS:
-        raise MacroError(
-            f"a tile of {'x'.join(map(str, shape))} elements is more than Triton's {MAX_TILE_ELEMENTS}; use smaller tiles",
-            site.call or site.original,
-        )
+    problem = too_big(block_shape(kernel_nest(nest, tiles), tiles))
+    if problem:
+        raise MacroError(problem, site.call or site.original)
     return Spec(nest, tuple(tiles.items()), num_warps, num_stages, precision)
 
 
@@ -306,78 +303,3 @@ def _is_docstring(stmt: cst.BaseStatement) -> bool:
         and isinstance(stmt.body[0], cst.Expr)
         and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
     )
-
-
-def alias_checks(nest: Nest) -> list[dict]:
-    """One check per (output, other tensor) pair: they must not share memory."""
-    checks = []
-    for o in nest.outputs:
-        for t, _ in nest.tensors:
-            if t == o or (t in nest.outputs and nest.outputs.index(t) < nest.outputs.index(o)):
-                continue
-            checks.append(
-                {
-                    "output": o,
-                    "other": t,
-                    "message": f"{o} and {t} share memory; @tile needs outputs apart from"
-                    " the other tensors (pass a fresh tensor, or a clone)",
-                }
-            )
-    return checks
-
-
-def index_checks(nest: Nest, names: Names) -> list[dict]:
-    """One range check per distinct (tensor, dimension, loop, offset) the nest indexes with."""
-    accesses: dict[tuple, None] = {}
-    loops = {g.var: g for g in nest.grid}
-
-    def visit(stmts, inner=None) -> None:
-        for s in stmts:
-            if isinstance(s, InnerLoop):
-                visit(s.body, s.loop)
-                continue
-            scope = {**loops, **({inner.var: inner} if inner else {})}
-            if isinstance(s, (Let, Accum, Store)):
-                for ld in loads_in(s.value):
-                    for d, ix in enumerate(ld.index):
-                        accesses[
-                            (
-                                ld.tensor_name,
-                                d,
-                                scope.get(ix.var) if ix.var else None,
-                                ix.offset,
-                                ix.var,
-                            )
-                        ] = None
-            if isinstance(s, Store):
-                for d, var in enumerate(s.index):
-                    accesses[(s.tensor_name, d, scope[var], 0, var)] = None
-
-    visit(nest.body)
-    checks = []
-    for tensor, d, loop, offset, var in accesses:
-        size = f"{tensor}.shape[{d}]"
-        if loop is None:
-            checks.append(
-                {
-                    "test": parse(f"{offset} >= {size}"),
-                    "message": f"index {offset} is out of range for dimension {d} of {tensor}",
-                }
-            )
-            continue
-        b = names.bounds[loop]
-        term = var if offset == 0 else f"{var} {'+' if offset > 0 else '-'} {abs(offset)}"
-        checks.append(
-            {
-                "test": parse(
-                    f"{b.lo} < {b.hi} and ({_plus(b.lo, offset)} < 0 or {_plus(b.hi, offset)} > {size})"
-                ),
-                "message": f"{tensor}: index {term} leaves dimension {d} for some {var} in its range"
-                " (the loop would raise IndexError; negative indices do not wrap here)",
-            }
-        )
-    return checks
-
-
-def _plus(code: str, offset: int) -> str:
-    return code if offset == 0 else f"{code} {'+' if offset > 0 else '-'} {abs(offset)}"

@@ -15,7 +15,7 @@ from typing import Any
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
-from macrogen.macros.tile_ir import Binary, Call, Const, Expr, Index, Load, Name, Size, Unary
+from macrogen.macros.tile.ir import Binary, Call, Const, Expr, Index, Load, Name, Size, Unary
 
 _UNARY_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs")
 _TORCH_FUNCTIONS = {f: f for f in (*_UNARY_FUNCTIONS, "where")} | {

@@ -27,8 +27,8 @@ from typing import Any
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
-from macrogen.macros.tile_expressions import ExpressionReader, Scope, code_of, negate
-from macrogen.macros.tile_ir import (
+from macrogen.macros.tile.expressions import ExpressionReader, Scope, code_of, negate
+from macrogen.macros.tile.ir import (
     Accum,
     Binary,
     Bound,

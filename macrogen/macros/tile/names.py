@@ -1,0 +1,107 @@
+"""Generated names of one @tile nest, shared by the shapes function, kernel, launcher and torch path."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import libcst as cst
+
+from macrogen.codegen import ident
+from macrogen.macros.tile.code import Code, name, number, parse, plus
+from macrogen.macros.tile.ir import Binary, Bound, Call, Expr, Load, Loop, Nest, Unary
+
+
+class Namer:
+    """Names for generated locals that collide with none of the user's names."""
+
+    def __init__(self, taken: set[str]):
+        self.taken = set(taken)
+
+    def __call__(self, hint: str) -> str:
+        candidate, n = hint, 1
+        while candidate in self.taken:
+            n += 1
+            candidate = f"{hint}_{n}"
+        self.taken.add(candidate)
+        return ident(candidate)
+
+
+@dataclass(frozen=True)
+class LoopBounds:
+    """``lo``/``hi`` names of one loop and their code in terms of sizes."""
+
+    var: str
+    lo: str
+    hi: str
+    lo_code: cst.BaseExpression
+    hi_code: cst.BaseExpression
+
+
+@dataclass
+class Names:
+    """Every generated name of one nest, shared by the launcher, kernel and torch path."""
+
+    namer: Namer
+    ptr: dict[str, str] = field(default_factory=dict)  # tensor -> pointer argument
+    strides: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    block: dict[str, str] = field(default_factory=dict)  # loop variable -> BLOCK_ constexpr
+    bounds: dict[Loop, LoopBounds] = field(default_factory=dict)
+    mask: dict[str, str] = field(default_factory=dict)  # grid variable -> its mask
+
+    def fork(self) -> Names:
+        """The same names, with a namer of its own for one generated function's locals."""
+        return dataclasses.replace(self, namer=Namer(self.namer.taken))
+
+
+def make_names(nest: Nest, taken: set[str]) -> Names:
+    namer = Namer(taken)
+    names = Names(namer)
+    for tensor, ndim in nest.tensors:
+        names.ptr[tensor] = namer(f"{tensor}_ptr")
+        names.strides[tensor] = tuple(namer(f"stride_{tensor}{d}") for d in range(ndim))
+    for loop in [*nest.grid, *(s.loop for s in nest.inner_loops)]:
+        if loop.var not in names.block:
+            names.block[loop.var] = namer(f"BLOCK_{loop.var.upper()}")
+        if loop not in names.bounds:
+            names.bounds[loop] = LoopBounds(
+                loop.var,
+                namer(f"{loop.var}_lo"),
+                namer(f"{loop.var}_hi"),
+                parse(bound_code(loop.start)),
+                parse(bound_code(loop.stop)),
+            )
+    for loop in nest.grid:
+        names.mask[loop.var] = namer(f"{loop.var}_mask")
+    return names
+
+
+def bound_code(b: Bound) -> Code:
+    if b.size is None:
+        return number(b.offset)
+    return plus(name(b.size), b.offset)
+
+
+def load_name(load: Load) -> str:
+    """``x_ij``, ``x_i_jp1``, ``w_0k``: the tensor and its index pattern."""
+    parts = []
+    for ix in load.index:
+        if ix.var is None:
+            parts.append(str(ix.offset))
+        else:
+            sign = "" if ix.offset == 0 else f"{'p' if ix.offset > 0 else 'm'}{abs(ix.offset)}"
+            parts.append(ix.var + sign)
+    sep = "" if all(len(p) == 1 for p in parts) else "_"
+    return f"{load.tensor_name}_{sep.join(parts)}"
+
+
+def loads_in(e: Expr) -> list[Load]:
+    if isinstance(e, Load):
+        return [e]
+    if isinstance(e, Unary):
+        return loads_in(e.operand)
+    if isinstance(e, Binary):
+        return loads_in(e.left) + loads_in(e.right)
+    if isinstance(e, Call):
+        return [ld for a in e.args for ld in loads_in(a)]
+    return []

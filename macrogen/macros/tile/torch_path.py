@@ -1,0 +1,158 @@
+"""The torch path of a ``Nest``: the same computation on whole tensors (templates/tile_torch.py.j2).
+
+Each load is a slice of its tensor arranged on the nest's axes
+(``b[None, j_lo:j_hi]``), reductions are ``.sum``/``.amax`` with ``keepdim``,
+and a matmul-shaped reduction is ``@``. Never a Python loop.
+"""
+
+from __future__ import annotations
+
+from macrogen.macros.tile.code import Code, binary, call, method, name, parse, plus, suffix
+from macrogen.macros.tile.ir import Accum, Const, InnerLoop, Let, Load, Nest, Store
+from macrogen.macros.tile.kernel import IDENTITY
+from macrogen.macros.tile.names import LoopBounds, Names, load_name, loads_in
+from macrogen.macros.tile.printer import TorchPrinter
+from macrogen.macros.tile.steps import Assign, Step, TorchStore, drop_dead_stores
+
+
+class TorchEmitter:
+    def __init__(self, nest: Nest, names: Names, torch: str):
+        self.nest = nest
+        self.names = names
+        self.torch = torch
+        self.grid_vars = tuple(loop.var for loop in nest.grid)
+        self.rank = nest.rank
+        self.loaded: dict[Load, str] = {}
+        self.identity: dict[str, float] = {}  # locals whose value is still a constant
+        self.scalar: set[str] = set()  # locals that are still Python numbers
+        self.views: dict[str, str] = {}  # slice code -> its name
+
+    def steps(self) -> list[Step]:
+        out: list[Step] = []
+        grid_bounds = {loop.var: self.names.bounds[loop] for loop in self.nest.grid}
+        axes = list(self.grid_vars) + ([None] if self.nest.inner_axis else [])
+        for s in self.nest.body:
+            if isinstance(s, InnerLoop):
+                out.extend(self._inner(s, grid_bounds))
+                continue
+            out.extend(self._loads(s, self.loaded, grid_bounds, axes))
+            out.extend(self._statement(s, self.loaded, grid_bounds, inner=False))
+        return drop_dead_stores(out)
+
+    def _slice(self, ld: Load, bounds: dict[str, LoopBounds], axes: list[str | None]) -> Code:
+        subs, order = [], []
+        for ix in ld.index:
+            if ix.var is None:
+                subs.append(repr(ix.offset))
+                continue
+            b = bounds[ix.var]
+            subs.append(f"{plus(name(b.lo), ix.offset)}:{plus(name(b.hi), ix.offset)}")
+            order.append(ix.var)
+        return suffix(name(ld.tensor_name), f"[{', '.join(subs)}]" + _arrange(order, axes))
+
+    def _loads(self, s, loaded, bounds, axes) -> list[Assign]:
+        out = []
+        for ld in loads_in(s.value):
+            if ld not in loaded:
+                out.extend(self._view(ld, loaded, bounds, axes))
+        return out
+
+    def _view(
+        self, ld: Load, loaded: dict[Load, str], bounds: dict[str, LoopBounds], axes: list
+    ) -> list[Assign]:
+        """``loaded[ld]``: a view of the tensor, named once per distinct slice and arrangement."""
+        code = self._slice(ld, bounds, axes)
+        if code.text in self.views:
+            loaded[ld] = self.views[code.text]
+            return []
+        local = loaded[ld] = self.views[code.text] = self.names.namer(load_name(ld))
+        return [Assign(local, parse(code))]
+
+    def _statement(self, s: Let | Store, loaded, bounds, *, inner: bool) -> list[Step]:
+        value = TorchPrinter(loaded, self.torch).expr(s.value)
+        if isinstance(s, Let):
+            if isinstance(s.value, Const):
+                self.identity[s.name] = s.value.value
+            else:
+                self.identity.pop(s.name, None)
+            if s.value.tensor:
+                self.scalar.discard(s.name)
+            else:
+                self.scalar.add(s.name)
+            return [Assign(s.name, parse(value))]
+        order = list(s.index)
+        if (
+            s.value.tensor and s.value.dims
+        ):  # a tensor on the nest's axes: drop the inner one, reorder
+            if self.nest.inner_axis and not inner:
+                value = suffix(value, "[..., 0]")
+            canonical = list(self.grid_vars) + [v for v in order if v not in self.grid_vars]
+            value = suffix(value, _permute(canonical, order))
+        subs = [f"{bounds[v].lo}:{bounds[v].hi}" for v in order]
+        target = suffix(name(s.tensor_name), f"[{', '.join(subs)}]")
+        return [TorchStore(parse(target), parse(value), s.add)]
+
+    def _inner(self, s: InnerLoop, grid_bounds: dict[str, LoopBounds]) -> list[Step]:
+        bounds = {**grid_bounds, s.loop.var: self.names.bounds[s.loop]}
+        out: list[Step] = []
+        if self.nest.dot is not None:
+            dot = self.nest.dot
+            g0, g1 = self.grid_vars
+            operands = []
+            for e, axes in ((dot.left, [g0, s.loop.var]), (dot.right, [s.loop.var, g1])):
+                loaded: dict[Load, str] = {}
+                for ld in loads_in(e):
+                    if ld not in loaded:
+                        out.extend(self._view(ld, loaded, bounds, list(axes)))
+                operands.append(TorchPrinter(loaded, self.torch).expr(e))
+            product = binary("@", operands[0], operands[1])
+            out.append(Assign(dot.acc, parse(self._reduce("sum", dot.acc, product))))
+            return out
+        axes = list(self.grid_vars) + [s.loop.var]
+        grid_axes = list(self.grid_vars) + [None]
+        loaded = dict(self.loaded)
+        for st in s.body:
+            for ld in loads_in(st.value):
+                if ld not in loaded:
+                    inner = s.loop.var in ld.dims
+                    out.extend(self._view(ld, loaded, bounds, axes if inner else grid_axes))
+                    if not inner:
+                        self.loaded[ld] = loaded[ld]
+            if isinstance(st, Accum):
+                value = TorchPrinter(loaded, self.torch).expr(st.value)
+                fn = {"sum": "sum", "max": "amax", "min": "amin"}[st.op]
+                reduced = method(value, fn, dim=str(self.rank - 1), keepdim="True")
+                out.append(Assign(st.name, parse(self._reduce(st.op, st.name, reduced))))
+            else:
+                out.extend(self._statement(st, loaded, bounds, inner=True))
+        return out
+
+    def _reduce(self, op: str, acc: str, reduced: Code) -> Code:
+        """Fold ``reduced`` into the local ``acc``; skip the fold when ``acc`` is still the identity."""
+        start = self.identity.pop(acc, None)
+        scalar = acc in self.scalar
+        self.scalar.discard(acc)
+        if start is not None and start == IDENTITY[op]:
+            return reduced
+        if op == "sum":
+            return binary("+", name(acc), reduced)
+        if scalar:  # a Python number: clamp keeps the tensor a tensor
+            return call(f"{self.torch}.clamp", reduced, **{"min" if op == "max" else "max": acc})
+        return call(f"{self.torch}.{'maximum' if op == 'max' else 'minimum'}", acc, reduced)
+
+
+def _arrange(order: list[str], axes: list[str | None]) -> str:
+    """Indexing that puts a slice's dimensions (loop variables ``order``) on ``axes``."""
+    if not order:
+        return ""
+    present = [a for a in axes if a in order]
+    code = _permute(order, present)
+    if len(present) < len(axes):
+        code += "[" + ", ".join(":" if a in order else "None" for a in axes) + "]"
+    return code
+
+
+def _permute(have: list[str], want: list[str]) -> str:
+    if have == want:
+        return ""
+    return f".permute({', '.join(str(have.index(v)) for v in want)})"
