@@ -394,6 +394,30 @@ def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
             """,
             "nothing may follow the loop nest",
         ),
+        (
+            """
+            def f(out, x, idx):
+                for i in range(idx[0]):
+                    out[i] = x[i]
+            """,
+            "a loop bound may not depend on tensor values",
+        ),
+        (
+            """
+            def f(out, x):
+                for i in range(x.shape[-1]):
+                    out[i] = x[i]
+            """,
+            "a loop bound is a size (N from .shape, x.shape[d], x.size(d), len(x))",
+        ),
+        (
+            """
+            def f(out, x, idx):
+                for i in range(len(x)):
+                    out[i] = x[idx[i]]
+            """,
+            "data-dependent indexing is not supported",
+        ),
     ],
 )
 def test_unsupported_constructs_are_errors_at_their_position(body: str, message: str) -> None:

@@ -221,6 +221,22 @@ CASES = [
         dtype=torch.float16,
     ),
     Case(
+        "shape_bounds",
+        """
+        @mg.tile(i=8, j=16)
+        def shape_bounds(out, x, b, n):
+            for i in range(len(x)):
+                s = 0.0
+                for j in range(1, x.size(1) - 1):
+                    s += x[i, j] * b[j]
+                for j in range(n):
+                    out[i, j] = s + x[i, j]
+        """,
+        {"out": ("nan", (37, 23)), "x": ("randn", (37, 53)), "b": ("randn", (53,)), "n": 20},
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
         "row_floor",
         """
         @mg.tile(i=16, j=8)

@@ -243,29 +243,55 @@ class _Analyzer(ExpressionReader):
         return Loop(var, start, bounds[-1])
 
     def _bound(self, node: cst.BaseExpression) -> Bound:
-        usage = "a loop bound is a size from .shape, a size +- an integer, or an integer"
+        usage = (
+            "a loop bound is a size (N from .shape, x.shape[d], x.size(d), len(x)), an integer"
+            " parameter, either +- an integer, or an integer"
+        )
         if isinstance(node, cst.Integer):
             return Bound(None, int(node.value))
-        if isinstance(node, cst.Name):
-            if node.value in self.sizes:
-                return Bound(node.value, 0)
-            if isinstance(self.constants.get(node.value), int):
-                return Bound(None, self.constants[node.value])
-            raise MacroError(f"{node.value!r} is not a size bound from .shape; {usage}", node)
+        if isinstance(node, cst.Name) and isinstance(self.constants.get(node.value), int):
+            return Bound(None, self.constants[node.value])
+        size = self._size_of(node)
+        if size is not None:
+            return Bound(size, 0)
         if isinstance(node, cst.BinaryOperation) and isinstance(
             node.operator, (cst.Add, cst.Subtract)
         ):
-            size, const = node.left, node.right
-            if isinstance(size, cst.Integer) and isinstance(node.operator, cst.Add):
-                size, const = const, size
-            if (
-                isinstance(size, cst.Name)
-                and size.value in self.sizes
-                and isinstance(const, cst.Integer)
-            ):
+            left, const = node.left, node.right
+            if isinstance(left, cst.Integer) and isinstance(node.operator, cst.Add):
+                left, const = const, left
+            size = self._size_of(left)
+            if size is not None and isinstance(const, cst.Integer):
                 sign = -1 if isinstance(node.operator, cst.Subtract) else 1
-                return Bound(size.value, sign * int(const.value))
+                return Bound(size, sign * int(const.value))
+        if isinstance(node, cst.Name):
+            raise MacroError(f"{node.value!r} is not a size or a parameter; {usage}", node)
+        if _contains(node, cst.Subscript) and not _is_shape_subscript(node):
+            raise MacroError(f"a loop bound may not depend on tensor values; {usage}", node)
         raise MacroError(usage, node)
+
+    def _size_of(self, node: cst.BaseExpression) -> str | None:
+        """The name of the size ``node`` reads: a bound size, an integer parameter,
+        ``x.shape[d]``, ``x.size(d)`` or ``len(x)`` (named here), else None."""
+        if isinstance(node, cst.Name):
+            if node.value in self.sizes:
+                return node.value
+            if node.value in self.params and node.value not in self.ndim:
+                if node.value not in self.scalars:
+                    self.scalars.append(node.value)  # a scalar argument: the kernel takes it
+                return node.value
+            return None
+        tensor_dim = _shape_read(node)
+        if tensor_dim is None:
+            return None
+        tensor_node, dim = tensor_dim
+        tensor = self._tensor_param(tensor_node)
+        for size in self.sizes.values():
+            if (size.tensor, size.dim) == (tensor, dim):
+                return size.name
+        name = self._fresh(f"{tensor}_size{dim}")
+        self.sizes[name] = Size(name, tensor, dim)
+        return name
 
     def _is_reduction_suffix(self, chain: list[Loop], block: list[cst.BaseStatement]) -> bool:
         """``for k`` last, holding only ``out[...] += e`` that never index k: a reduction over k."""
@@ -589,6 +615,46 @@ def _is_docstring(stmt: cst.BaseStatement) -> bool:
         and isinstance(stmt.body[0], cst.Expr)
         and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
     )
+
+
+def _shape_read(node: cst.BaseExpression) -> tuple[cst.BaseExpression, int] | None:
+    """(tensor, dim) of ``x.shape[d]``, ``x.size(d)`` or ``len(x)`` (d a non-negative integer)."""
+    if (
+        isinstance(node, cst.Subscript)
+        and _is_shape(node.value)
+        and len(node.slice) == 1
+        and isinstance(node.slice[0].slice, cst.Index)
+        and isinstance(node.slice[0].slice.value, cst.Integer)
+    ):
+        return node.value.value, int(node.slice[0].slice.value.value)  # type: ignore[attr-defined]
+    if isinstance(node, cst.Call) and len(node.args) == 1 and not node.args[0].keyword:
+        arg = node.args[0].value
+        if (
+            isinstance(node.func, cst.Attribute)
+            and node.func.attr.value == "size"
+            and isinstance(arg, cst.Integer)
+        ):
+            return node.func.value, int(arg.value)
+        if isinstance(node.func, cst.Name) and node.func.value == "len":
+            return arg, 0
+    return None
+
+
+def _is_shape_subscript(node: cst.BaseExpression) -> bool:
+    return _shape_read(node) is not None
+
+
+def _contains(node: cst.CSTNode, kind: type) -> bool:
+    found = False
+
+    class _Find(cst.CSTVisitor):
+        def on_visit(self, n: cst.CSTNode) -> bool:
+            nonlocal found
+            found = found or isinstance(n, kind)
+            return not found
+
+    node.visit(_Find())
+    return found
 
 
 def _is_shape(node: cst.BaseExpression) -> bool:
