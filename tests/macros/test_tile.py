@@ -193,6 +193,35 @@ def test_benchmark_bandwidth_passes_copy_source_positionally(monkeypatch) -> Non
     assert bench.tile.measured_bandwidth("cpu", 1024) > 0
 
 
+def test_an_empty_range_writes_nothing_even_where_a_slice_would_wrap(tmp_path) -> None:
+    """range(2, n) with n < 2 and range(0, N - 1, 2) with N = 0 are empty; x[2:-1] is not."""
+    source = """
+    import torch
+    import macrogen as mg
+
+
+    @mg.tile(i=4)
+    def copy_from(out, x, n):
+        for i in range(2, n):
+            out[i] = x[i]
+
+
+    @mg.tile(i=4)
+    def every_other(out, x, like):
+        (N,) = like.shape
+        for i in range(0, N - 1, 2):
+            out[i] = x[i]
+    """
+    module = load_module(_expand(source), "tile_empty_ranges", tmp_path)
+    out, x = torch.full((6,), float("nan")), torch.randn(6)
+    module.copy_from(out, x, -1)
+    module.every_other(out, x, torch.zeros(0))
+    assert out.isnan().all()
+    module.copy_from(out, x, 5)
+    module.every_other(out, x, torch.zeros(6))
+    assert torch.equal(out[[0, 2, 3, 4]], x[[0, 2, 3, 4]]) and out[[1, 5]].isnan().all()
+
+
 def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
     source = "import torch\nimport macrogen as mg\n\n" + decorator + "\n" + textwrap.dedent(body)
     return expansion_errors(source)

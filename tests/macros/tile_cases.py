@@ -237,6 +237,40 @@ CASES = [
         atol=1e-4,
     ),
     Case(
+        "strided",
+        """
+        @mg.tile(i=4, j=8)
+        def strided(out, x, total):
+            M, N = x.shape
+            for i in range(1, M, 2):
+                s = 0.0
+                for j in range(0, N - 1, 3):
+                    s += x[i, j + 1]
+                total[i] = s
+                for j in range(2, N, 2):
+                    out[i, j] = x[i - 1, j] * s
+        """,
+        {"out": ("nan", (22, 37)), "x": ("randn", (22, 37)), "total": ("nan", (22,))},
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
+        "strided_matmul",
+        """
+        @mg.tile(i=16, j=16, k=16)
+        def strided_matmul(out, a, b):
+            M, K = a.shape
+            _, N = b.shape
+            for i in range(0, M, 2):
+                for j in range(N):
+                    for k in range(1, K, 2):
+                        out[i, j] += a[i, k] * b[k, j]
+        """,
+        {"out": ("randn", (37, 23)), "a": ("randn", (37, 41)), "b": ("randn", (41, 23))},
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
         "row_floor",
         """
         @mg.tile(i=16, j=8)

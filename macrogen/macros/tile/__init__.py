@@ -247,8 +247,7 @@ class _Output:
     def launcher(self) -> str:
         triton, launcher = self.mods["triton"], self.fns["launcher"]
         programs = " * ".join(
-            f"{triton}.cdiv(max({self.names.bounds[g].hi} - {self.names.bounds[g].lo}, 0),"
-            f" {self.spec.tile[g.var]})"
+            f"{triton}.cdiv({_iterations(self.names.bounds[g], g.step, triton)}, {self.spec.tile[g.var]})"
             for g in self.nest.grid
         )
         return codegen.render(
@@ -303,3 +302,9 @@ def _is_docstring(stmt: cst.BaseStatement) -> bool:
         and isinstance(stmt.body[0], cst.Expr)
         and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
     )
+
+
+def _iterations(b, step: int, triton: str) -> str:
+    """The number of iterations of a loop, as launcher code."""
+    span = f"max({b.hi} - {b.lo}, 0)"
+    return span if step == 1 else f"{triton}.cdiv({span}, {step})"

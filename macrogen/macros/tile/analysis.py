@@ -220,7 +220,7 @@ class _Analyzer(ExpressionReader):
         return list(node.body.body)
 
     def _loop(self, node: cst.For) -> Loop:
-        usage = "@tile loops are for VAR in range(stop) or range(start, stop)"
+        usage = "@tile loops are for VAR in range(stop), range(start, stop) or range(start, stop, step)"
         if node.asynchronous is not None:
             raise MacroError("async for is not supported in @tile", node)
         if node.orelse is not None:
@@ -235,12 +235,28 @@ class _Analyzer(ExpressionReader):
             isinstance(it, cst.Call) and isinstance(it.func, cst.Name) and it.func.value == "range"
         ):
             raise MacroError(usage, it)
-        if not 1 <= len(it.args) <= 2 or any(a.keyword or a.star for a in it.args):
-            raise MacroError(f"{usage} (no step)", it)
-        bounds = [self._bound(a.value) for a in it.args]
+        if not 1 <= len(it.args) <= 3 or any(a.keyword or a.star for a in it.args):
+            raise MacroError(usage, it)
+        bounds = [self._bound(a.value) for a in it.args[:2]]
         start = bounds[0] if len(bounds) == 2 else Bound(None, 0)
+        step = self._step(it.args[2].value) if len(it.args) == 3 else 1
         self.loop_vars.add(var)
-        return Loop(var, start, bounds[-1])
+        return Loop(var, start, bounds[-1], step)
+
+    def _step(self, node: cst.BaseExpression) -> int:
+        """A positive integer constant: a literal or a define()d int."""
+        value: object = None
+        if isinstance(node, cst.Integer):
+            value = int(node.value)
+        elif isinstance(node, cst.Name):
+            value = self.constants.get(node.value)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise MacroError(
+                "a range step in @tile is a positive integer constant (a literal or a define()d"
+                " int): tiles are laid out at compile time; for a reversed loop index n - 1 - i",
+                node,
+            )
+        return value
 
     def _bound(self, node: cst.BaseExpression) -> Bound:
         usage = (

@@ -27,6 +27,7 @@ class Loop:
     var: str
     start: Bound
     stop: Bound
+    step: int = 1  # a positive constant
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,10 @@ class KernelEmitter:
     def arange(self, block: str, axis: int) -> Code:
         return suffix(call(f"{self.tl}.arange", "0", block), self.axis_suffix(axis))
 
+    def _spaced(self, code: Code, step: int) -> Code:
+        """Tile positions times a loop's step: the indices the loop visits."""
+        return code if step == 1 else binary("*", code, number(step))
+
     def grid_setup(self, pid: str, tiles: dict[str, int]) -> list[dict]:
         """Per grid loop: this program's tile index, index vector and mask (last loop fastest)."""
         namer = self.names.namer
@@ -75,17 +79,28 @@ class KernelEmitter:
             if axis > 0:
                 pid_code = binary("%", pid_code, name(counts[axis]))
             block = self.names.block[loop.var]
+            bounds = self.names.bounds[loop]
+            pid_var = namer(f"pid_{loop.var}")
+            iterations = binary("-", name(bounds.hi), name(bounds.lo))
+            if loop.step != 1:
+                iterations = call(f"{self.tl}.cdiv", iterations, number(loop.step))
+            first = binary("*", name(pid_var), name(block))
+            if loop.step == 1:  # integers: the grouping does not matter, leave it out
+                index = chain("+", [name(bounds.lo), first, self.arange(block, axis)])
+            else:
+                offsets = binary("+", first, self.arange(block, axis))
+                index = binary("+", name(bounds.lo), self._spaced(offsets, loop.step))
             out.append(
                 {
                     "var": loop.var,
-                    "lo": self.names.bounds[loop].lo,
-                    "hi": self.names.bounds[loop].hi,
-                    "block": block,
+                    "lo": bounds.lo,
+                    "hi": bounds.hi,
                     "block_value": tiles[loop.var],
                     "tiles": counts[axis],
-                    "pid": namer(f"pid_{loop.var}"),
+                    "count": parse(call(f"{self.tl}.cdiv", iterations, block)),
+                    "pid": pid_var,
                     "pid_code": parse(pid_code),
-                    "arange": parse(self.arange(block, axis)),
+                    "index": parse(index),
                     "mask": self.names.mask[loop.var],
                 }
             )
@@ -198,8 +213,9 @@ class KernelEmitter:
         start = namer(f"{loop.var}_start")
         block = self.names.block[loop.var]
         inner_mask = namer(f"{loop.var}_mask")
+        offsets = self._spaced(self.arange(block, self.rank - 1), loop.step)
         setup: list[Assign] = [
-            Assign(loop.var, parse(binary("+", name(start), self.arange(block, self.rank - 1)))),
+            Assign(loop.var, parse(binary("+", name(start), offsets))),
             Assign(inner_mask, parse(binary("<", name(loop.var), name(bounds.hi)))),
         ]
         scope = _Scope(
@@ -238,6 +254,8 @@ class KernelEmitter:
             lo=bounds.lo,
             hi=bounds.hi,
             block=block,
+            stride=parse(self._spaced(name(block), loop.step)),
+            step=loop.step,
             before=tuple(before),
             setup=tuple(setup),
             body=tuple(body),
@@ -257,9 +275,11 @@ class KernelEmitter:
         left_k, right_k = namer(f"{loop.var}_left"), namer(f"{loop.var}_right")
         left_mask, right_mask = namer(f"{loop.var}_left_mask"), namer(f"{loop.var}_right_mask")
         arange = call(f"{tl}.arange", "0", block)
+        row = self._spaced(suffix(arange, "[None, :]"), loop.step)
+        column = self._spaced(suffix(arange, "[:, None]"), loop.step)
         setup: list[Assign] = [
-            Assign(left_k, parse(binary("+", name(start), suffix(arange, "[None, :]")))),
-            Assign(right_k, parse(binary("+", name(start), suffix(arange, "[:, None]")))),
+            Assign(left_k, parse(binary("+", name(start), row))),
+            Assign(right_k, parse(binary("+", name(start), column))),
             Assign(left_mask, parse(binary("<", name(left_k), name(bounds.hi)))),
             Assign(right_mask, parse(binary("<", name(right_k), name(bounds.hi)))),
         ]
@@ -290,6 +310,8 @@ class KernelEmitter:
             lo=bounds.lo,
             hi=bounds.hi,
             block=block,
+            stride=parse(self._spaced(name(block), loop.step)),
+            step=loop.step,
             before=(Assign(tile, parse(zeros)),),
             setup=tuple(setup),
             body=tuple(body),

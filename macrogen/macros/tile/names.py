@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from macrogen.codegen import ident
-from macrogen.macros.tile.code import Code, name, number, parse, plus
+from macrogen.macros.tile.code import Code, binary, call, name, number, parse, plus
 from macrogen.macros.tile.ir import Binary, Bound, Call, Expr, Load, Loop, Nest, Unary
 
 
@@ -36,6 +36,10 @@ class LoopBounds:
     hi: str
     lo_code: cst.BaseExpression
     hi_code: cst.BaseExpression
+    step: str = ""  # the slice suffix of a stepped loop, ":2"
+    # the stop as the shapes function computes it: never below the start, so that
+    # an empty range is an empty slice (x[0:-1] is not)
+    clamped_hi_code: cst.BaseExpression | None = None
 
 
 @dataclass
@@ -69,7 +73,9 @@ def make_names(nest: Nest, taken: set[str]) -> Names:
                 namer(f"{loop.var}_lo"),
                 namer(f"{loop.var}_hi"),
                 parse(bound_code(loop.start)),
-                parse(bound_code(loop.stop)),
+                parse(stop_code(loop)),
+                f":{loop.step}" if loop.step != 1 else "",
+                parse(clamped_stop_code(loop, {s.name for s in nest.sizes})),
             )
     for loop in nest.grid:
         names.mask[loop.var] = namer(f"{loop.var}_mask")
@@ -80,6 +86,33 @@ def bound_code(b: Bound) -> Code:
     if b.size is None:
         return number(b.offset)
     return plus(name(b.size), b.offset)
+
+
+def stop_code(loop: Loop) -> Code:
+    """The loop's stop; for a step above 1, one past the last index it visits
+    (``lo + (hi - lo - 1) // step * step + 1``), so that range checks are exact."""
+    stop = bound_code(loop.stop)
+    if loop.step == 1:
+        return stop
+    start, step = loop.start, number(loop.step)
+    if start.size is None and loop.stop.size is None:
+        count = len(range(start.offset, loop.stop.offset, loop.step))
+        return number(start.offset + (count - 1) * loop.step + 1 if count else start.offset)
+    if start.size is None:  # hi - lo - 1 folds into one offset
+        span = plus(name(loop.stop.size), loop.stop.offset - start.offset - 1)
+        return plus(binary("*", binary("//", span, step), step), start.offset + 1)
+    span = plus(binary("-", stop, bound_code(start)), -1)
+    return plus(binary("+", bound_code(start), binary("*", binary("//", span, step), step)), 1)
+
+
+def clamped_stop_code(loop: Loop, sizes: set[str]) -> Code:
+    """``stop_code``, or ``max(start, stop)`` where the stop may fall below the start."""
+    start, stop = loop.start, loop.stop
+    if start.size is None and stop.size is None:
+        return number(max(start.offset, stop.offset)) if loop.step == 1 else stop_code(loop)
+    if start == Bound(None, 0) and stop.size in sizes and stop.offset >= 0 and loop.step == 1:
+        return stop_code(loop)  # a size is never negative
+    return call("max", bound_code(start), stop_code(loop))
 
 
 def load_name(load: Load) -> str:

@@ -44,6 +44,8 @@ class LoopBlock:
     lo: str
     hi: str
     block: str  # the BLOCK_ constexpr
+    stride: cst.BaseExpression  # BLOCK_J, or BLOCK_J * step
+    step: int
     before: tuple[Assign, ...]  # accumulator tiles
     setup: tuple[Assign, ...]  # index vectors and masks, once per tile
     body: tuple

@@ -46,7 +46,7 @@ class TorchEmitter:
                 subs.append(repr(ix.offset))
                 continue
             b = bounds[ix.var]
-            subs.append(f"{plus(name(b.lo), ix.offset)}:{plus(name(b.hi), ix.offset)}")
+            subs.append(f"{plus(name(b.lo), ix.offset)}:{plus(name(b.hi), ix.offset)}{b.step}")
             order.append(ix.var)
         return suffix(name(ld.tensor_name), f"[{', '.join(subs)}]" + _arrange(order, axes))
 
@@ -88,7 +88,7 @@ class TorchEmitter:
                 value = suffix(value, "[..., 0]")
             canonical = list(self.grid_vars) + [v for v in order if v not in self.grid_vars]
             value = suffix(value, _permute(canonical, order))
-        subs = [f"{bounds[v].lo}:{bounds[v].hi}" for v in order]
+        subs = [f"{bounds[v].lo}:{bounds[v].hi}{bounds[v].step}" for v in order]
         target = suffix(name(s.tensor_name), f"[{', '.join(subs)}]")
         return [TorchStore(parse(target), parse(value), s.add)]
 

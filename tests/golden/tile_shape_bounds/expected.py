@@ -28,8 +28,8 @@ def _shape_bounds_shapes(out, x, b, n):
     x_size0 = x.shape[0]
     x_size1 = x.shape[1]
     i_lo, i_hi = 0, x_size0
-    j_lo, j_hi = 1, x_size1 - 1
-    j_lo_2, j_hi_2 = 0, n
+    j_lo, j_hi = 1, max(1, x_size1 - 1)
+    j_lo_2, j_hi_2 = 0, max(0, n)
     if out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError('out and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if out.numel() and b.numel() and out.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():

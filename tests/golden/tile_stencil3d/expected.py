@@ -27,7 +27,7 @@ def _laplace_rows_shapes(out, x, eps):
     M = x.shape[1]
     N = x.shape[2]
     b_lo, b_hi = 0, B
-    i_lo, i_hi = 1, M - 1
+    i_lo, i_hi = 1, max(1, M - 1)
     j_lo, j_hi = 0, N
     if out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError('out and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
