@@ -306,9 +306,9 @@ def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
                 M, N = x.shape
                 for i in range(M):
                     for j in range(N):
-                        out[i, j] = x[i, j] * i
+                        out[i, j] = x[i, j] * k
             """,
-            "loop variable 'i' may only index tensors",
+            "'k' is not a parameter, size, local or define()d number",
         ),
         (
             """
@@ -446,6 +446,50 @@ def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
                     out[i] = x[idx[i]]
             """,
             "data-dependent indexing is not supported",
+        ),
+        (
+            """
+            def f(out, x):
+                (N,) = x.shape
+                for i in range(N):
+                    if not x[i] > 0:
+                        out[i] = x[i]
+            """,
+            "not is not supported in an @tile if; swap the branches",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    if x[i, 0] > 0:
+                        for j in range(N):
+                            out[i, j] = x[i, j]
+            """,
+            "a loop inside an if is not supported in @tile",
+        ),
+        (
+            """
+            def f(out, x):
+                (N,) = x.shape
+                for i in range(N):
+                    if x[i] > 0:
+                        v = x[i]
+                    out[i] = v
+            """,
+            "'v' is assigned in only some branches of the if above",
+        ),
+        (
+            """
+            def f(out, x):
+                (N,) = x.shape
+                for i in range(N):
+                    if x[i] > 0:
+                        out[i] = x[i]
+                    else:
+                        out[i] += x[i]
+            """,
+            "store 'out' the same way (same indices, = or +=) in every branch",
         ),
     ],
 )

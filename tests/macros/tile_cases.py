@@ -271,6 +271,56 @@ CASES = [
         atol=1e-4,
     ),
     Case(
+        "causal",
+        """
+        @mg.tile(i=4, j=8)
+        def causal(out, rows, x, alpha):
+            M, N = x.shape
+            for i in range(M):
+                m = float("-inf")
+                for j in range(N):
+                    if j <= i:
+                        m = max(m, x[i, j])
+                s = 0.0
+                for j in range(N):
+                    if j <= i:
+                        s += torch.exp(x[i, j] - m)
+                for j in range(N):
+                    if j <= i:
+                        out[i, j] = torch.exp(x[i, j] - m) / s
+                if s > alpha:
+                    r = s
+                elif m < 0.5:
+                    r = -m
+                else:
+                    r = 0.0
+                rows[i] = r
+        """,
+        {"out": ("nan", (21, 19)), "rows": ("nan", (21,)), "x": ("randn", (21, 19)), "alpha": 3.0},
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
+        "three_way",
+        """
+        @mg.tile(i=8, j=8)
+        def three_way(out, x, t):
+            M, N = x.shape
+            for i in range(M):
+                for j in range(N):
+                    v = x[i, j]
+                    if v > t and j > 2:
+                        w = v
+                        out[i, j] = w * 2.0
+                    elif v < -t:
+                        v = -v
+                        out[i, j] = v * 0.5
+                    else:
+                        out[i, j] = 0.0
+        """,
+        {"out": ("nan", (13, 11)), "x": ("randn", (13, 11)), "t": 0.3},
+    ),
+    Case(
         "row_floor",
         """
         @mg.tile(i=16, j=8)

@@ -20,6 +20,8 @@ Anything else is a ``MacroError`` at the construct, saying what is supported.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -32,6 +34,7 @@ from macrogen.macros.tile.ir import (
     Accum,
     Binary,
     Bound,
+    Call,
     Const,
     Dot,
     Expr,
@@ -45,6 +48,7 @@ from macrogen.macros.tile.ir import (
     Store,
     Unary,
 )
+from macrogen.macros.tile.names import vars_in
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -331,6 +335,9 @@ class _Analyzer(ExpressionReader):
                 loop = self._loop(stmt)
                 out.extend(self._inner_loop(loop, stmt, self._block(stmt), scope, grid))
                 continue
+            if isinstance(stmt, cst.If):
+                out.extend(self._if(stmt, scope, self._grid_statement))
+                continue
             for small in self._smalls(stmt):
                 out.extend(self._grid_statement(small, scope))
         return out
@@ -379,9 +386,57 @@ class _Analyzer(ExpressionReader):
         scope.gone = outer.gone
         scope.carried = self._carried(block, outer)
         before: list[Statement] = []
-        body: list[Let | Accum | Store] = []
         after: list[Statement] = []
         ops: dict[str, str] = {}
+        def handle(small: cst.BaseSmallStatement, scope: Scope) -> list[Statement]:
+            target, value, add = self._assignment(small)
+            if isinstance(target, cst.Subscript):
+                index_names = _index_names(target)
+                if loop.var in index_names:
+                    index = self._store_index(target, scope.loop_vars)
+                    expr = self._expr(value, scope)
+                    if add is False:
+                        expr = Unary(expr.dims, expr.tensor, "-", expr)
+                    return [Store(target.value.value, index, expr, add is not None)]
+                if add is None:
+                    raise MacroError(
+                        f"this store does not index {loop.var!r}, so every iteration of the loop"
+                        f" over {loop.var} writes the same element; accumulate with +=",
+                        small,
+                    )
+                index = self._store_index(target, grid_vars)
+                tensor = target.value.value
+                acc = self._fresh(f"{tensor}_acc")
+                expr = self._expr(value, scope)
+                before.append(Let(acc, Const(frozenset(), False, 0.0)))
+                after.append(Store(tensor, index, Name(frozenset(grid_vars), True, acc), True))
+                ops[acc] = "sum"
+                return [Accum(acc, "sum", expr if add else negate(expr))]
+            name = self._local_name(target)
+            if name in scope.carried:
+                op, expr = self._accumulation(name, target, value, add, scope)
+                if loop.var not in expr.dims:
+                    raise MacroError(
+                        f"the value reduced into {name!r} does not depend on {loop.var!r};"
+                        " compute it after the loop",
+                        value,
+                    )
+                if ops.setdefault(name, op) != op:
+                    raise MacroError(
+                        f"{name!r} is reduced with both {ops[name]} and {op} in this loop",
+                        small,
+                    )
+                return [Accum(name, op, expr)]
+            if add is not None:
+                if name not in scope.local or name in outer.local:
+                    raise MacroError(f"{name!r} is read before it is assigned", target)
+                expr = self._binary("+" if add else "-", scope.local[name], self._expr(value, scope))
+            else:
+                expr = self._expr(value, scope)
+            scope.local[name] = Name(expr.dims, expr.tensor, name)
+            return [Let(name, expr)]
+
+        body: list = []
         for stmt in block:
             if isinstance(stmt, cst.For):
                 raise MacroError(
@@ -389,58 +444,11 @@ class _Analyzer(ExpressionReader):
                     " with at most one level of inner loops under them",
                     stmt,
                 )
+            if isinstance(stmt, cst.If):
+                body.extend(self._if(stmt, scope, handle))
+                continue
             for small in self._smalls(stmt):
-                target, value, add = self._assignment(small)
-                if isinstance(target, cst.Subscript):
-                    index_names = _index_names(target)
-                    if loop.var in index_names:
-                        index = self._store_index(target, scope.loop_vars)
-                        expr = self._expr(value, scope)
-                        if add is False:
-                            expr = Unary(expr.dims, expr.tensor, "-", expr)
-                        body.append(Store(target.value.value, index, expr, add is not None))
-                        continue
-                    if add is None:
-                        raise MacroError(
-                            f"this store does not index {loop.var!r}, so every iteration of the loop"
-                            f" over {loop.var} writes the same element; accumulate with +=",
-                            small,
-                        )
-                    index = self._store_index(target, grid_vars)
-                    tensor = target.value.value
-                    acc = self._fresh(f"{tensor}_acc")
-                    expr = self._expr(value, scope)
-                    before.append(Let(acc, Const(frozenset(), False, 0.0)))
-                    body.append(Accum(acc, "sum", expr if add else negate(expr)))
-                    after.append(Store(tensor, index, Name(frozenset(grid_vars), True, acc), True))
-                    ops[acc] = "sum"
-                    continue
-                name = self._local_name(target)
-                if name in scope.carried:
-                    op, expr = self._accumulation(name, target, value, add, scope)
-                    if loop.var not in expr.dims:
-                        raise MacroError(
-                            f"the value reduced into {name!r} does not depend on {loop.var!r};"
-                            " compute it after the loop",
-                            value,
-                        )
-                    if ops.setdefault(name, op) != op:
-                        raise MacroError(
-                            f"{name!r} is reduced with both {ops[name]} and {op} in this loop",
-                            small,
-                        )
-                    body.append(Accum(name, op, expr))
-                    continue
-                if add is not None:
-                    if name not in scope.local or name in outer.local:
-                        raise MacroError(f"{name!r} is read before it is assigned", target)
-                    expr = self._binary(
-                        "+" if add else "-", scope.local[name], self._expr(value, scope)
-                    )
-                else:
-                    expr = self._expr(value, scope)
-                scope.local[name] = Name(expr.dims, expr.tensor, name)
-                body.append(Let(name, expr))
+                body.extend(handle(small, scope))
         for name in scope.local:
             if name not in outer.local:
                 outer.gone[name] = (
@@ -456,10 +464,145 @@ class _Analyzer(ExpressionReader):
         dot = self._dot(loop, body, grid_vars)
         return [*before, InnerLoop(loop, tuple(body), dot), *after]
 
+    def _if(self, node: cst.If, scope: Scope, handle) -> list[Statement]:
+        """``if``/``elif``/``else`` as straight-line code, each branch computed on the whole tile.
+
+        A condition is bound to a fresh local; each branch's assignments go to
+        fresh names; then every local a branch assigns becomes
+        ``where(c1, v_1, where(c2, v_2, v))``, reductions reduce such a chain
+        (the identity where the taken branch does not reduce), and an output
+        stored in every branch stores one; stored only in the first branch, it is
+        a store masked by its condition. No early exits: every lane runs every
+        branch, and ``where`` picks.
+        """
+        out: list[Statement] = []
+        branches: list[tuple[Name | None, list[cst.BaseStatement]]] = []
+        current: cst.If | cst.Else | None = node
+        while isinstance(current, cst.If):
+            test = self._condition(current.test, scope)
+            cname = self._fresh("cond")
+            out.append(Let(cname, test))
+            branches.append((Name(test.dims, test.tensor, cname), list(current.body.body)))
+            current = current.orelse  # type: ignore[assignment]
+        if isinstance(current, cst.Else):
+            branches.append((None, list(current.body.body)))
+        local, stored = dict(scope.local), dict(self.stored)
+        stored_after = dict(stored)
+        results = []  # per branch: (renamed locals, accumulations, stores)
+        for _, stmts in branches:
+            scope.local, self.stored = dict(local), dict(stored)  # each branch may store an output
+            ir: list[Statement] = []
+            for stmt in stmts:
+                if isinstance(stmt, cst.For):
+                    raise MacroError(
+                        "a loop inside an if is not supported in @tile; put the if inside the loop",
+                        stmt,
+                    )
+                if isinstance(stmt, cst.If):
+                    ir.extend(self._if(stmt, scope, handle))
+                    continue
+                for small in self._smalls(stmt):
+                    ir.extend(handle(small, scope))
+            stored_after.update(self.stored)
+            renamed, lets, accums, stores = self._rename_branch(ir)
+            out.extend(lets)
+            results.append((renamed, accums, stores, {n: scope.local[n] for n in renamed}))
+        scope.local, self.stored = local, stored_after
+        complete = branches[-1][0] is None
+        conds = [c for c, _ in branches]
+        # locals: a where chain over the branches
+        for name in dict.fromkeys(n for r in results for n in r[0]):
+            default: Expr | None = local.get(name)
+            if default is None and not (complete and all(name in r[0] for r in results)):
+                scope.gone[name] = (
+                    f"{name!r} is assigned in only some branches of the if above and not before it"
+                )
+                continue
+            values = [
+                Name(r[3][name].dims, r[3][name].tensor, r[0][name]) if name in r[0] else default
+                for r in results
+            ]
+            chain = _where_chain(conds, values, default)
+            scope.local[name] = Name(chain.dims, chain.tensor, name)
+            out.append(Let(name, chain))
+        # reductions: the value the taken branch reduces, or the identity
+        for name in dict.fromkeys(n for r in results for n in r[1]):
+            ops = {r[1][name][0] for r in results if name in r[1]}
+            if len(ops) > 1:
+                raise MacroError(f"{name!r} is reduced with both {' and '.join(sorted(ops))}", node)
+            op = ops.pop()
+            identity = Const(frozenset(), False, _IDENTITY[op])
+            values = [r[1][name][1] if name in r[1] else identity for r in results]
+            out.append(Accum(name, op, _where_chain(conds, values, identity)))
+        # stores
+        for tensor in dict.fromkeys(t for r in results for t in r[2]):
+            mine = [r[2].get(tensor) for r in results]
+            first = next(s for s in mine if s is not None)
+            if any(s is not None and (s.index, s.add) != (first.index, first.add) for s in mine):
+                raise MacroError(
+                    f"store {tensor!r} the same way (same indices, = or +=) in every branch", node
+                )
+            if any(s is not None and s.cond is not None for s in mine):
+                raise MacroError(
+                    f"{tensor!r} is stored under a nested if; assign a local in the branches and store it once",
+                    node,
+                )
+            if first.add or (complete and all(s is not None for s in mine)):
+                zero = Const(frozenset(), False, 0.0)
+                values = [s.value if s is not None else zero for s in mine]
+                chain = _where_chain(conds, values, zero)
+                out.append(Store(tensor, first.index, chain, first.add))
+            elif mine[0] is not None and all(s is None for s in mine[1:]):
+                out.append(Store(tensor, first.index, first.value, False, conds[0]))
+            else:
+                raise MacroError(
+                    f"store {tensor!r} in every branch of this if/elif/else or only under its first"
+                    " condition (or assign a local in the branches and store it after the if)",
+                    node,
+                )
+        return out
+
+    def _condition(self, test: cst.BaseExpression, scope: Scope) -> Expr:
+        """An if's test: an expression, with ``and``/``or`` as ``&``/``|``."""
+        if isinstance(test, cst.BooleanOperation):
+            op = "&" if isinstance(test.operator, cst.And) else "|"
+            left, right = self._condition(test.left, scope), self._condition(test.right, scope)
+            return self._binary(op, left, right)
+        if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+            raise MacroError("not is not supported in an @tile if; swap the branches", test)
+        return self._expr(test, scope)
+
+    def _rename_branch(self, ir: list[Statement]):
+        """A branch's statements with its locals renamed apart: (new names, lets, reductions, stores)."""
+        renamed: dict[str, str] = {}
+        lets: list[Statement] = []
+        accums: dict[str, tuple[str, Expr]] = {}
+        stores: dict[str, Store] = {}
+        for st in ir:
+            if isinstance(st, Let):
+                value = _rename(st.value, renamed)
+                renamed[st.name] = self._fresh(st.name)
+                lets.append(Let(renamed[st.name], value))
+            elif isinstance(st, Accum):
+                accums[st.name] = (st.op, _rename(st.value, renamed))
+            elif isinstance(st, Store):
+                cond = _rename(st.cond, renamed) if st.cond is not None else None
+                stores[st.tensor_name] = dataclasses.replace(
+                    st, value=_rename(st.value, renamed), cond=cond
+                )
+            else:
+                lets.append(st)
+        return renamed, lets, accums, stores
+
     def _carried(self, block: list[cst.BaseStatement], outer: Scope) -> set[str]:
         """Names defined before the loop that it assigns: they may only be reduced into."""
         carried = set()
         for stmt in block:
+            if isinstance(stmt, cst.If):  # the branches of an if, elif and else
+                node: cst.BaseSuite | cst.If | cst.Else | None = stmt
+                while isinstance(node, (cst.If, cst.Else)):
+                    carried |= self._carried(list(node.body.body), outer)
+                    node = node.orelse if isinstance(node, cst.If) else None
             if isinstance(stmt, cst.SimpleStatementLine):
                 for small in stmt.body:
                     if isinstance(small, (cst.Assign, cst.AugAssign)):
@@ -509,6 +652,8 @@ class _Analyzer(ExpressionReader):
             return None
         acc = body[0]
         e = acc.value
+        if vars_in(e):  # a loop variable's value: the operands are not plain tiles
+            return None
         if acc.op != "sum" or not isinstance(e, Binary) or e.op != "*":
             return None
         k = loop.var
@@ -602,10 +747,45 @@ class _Analyzer(ExpressionReader):
         if isinstance(node, cst.While):
             return "while loops are not supported in @tile; use for VAR in range(...)"
         if isinstance(node, cst.If):
-            return "if statements are not supported in @tile; use torch.where(cond, a, b)"
+            return "an if is supported inside the loops of @tile, not here"
         if isinstance(node, cst.Expr):
             return "an expression statement does nothing here; @tile bodies assign locals and store to outputs"
         return f"{type(node).__name__} statements are not supported in @tile"
+
+
+_IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
+
+
+def _where_chain(conds: list[Name | None], values: list, default: Expr | None) -> Expr:
+    """``where(c1, v1, where(c2, v2, v3))``: v3 is the else branch's value, or ``default``."""
+    pairs = list(zip(conds, values))
+    if conds[-1] is None:
+        result, pairs = values[-1], pairs[:-1]
+    else:
+        result = default
+    assert result is not None
+    for cond, value in reversed(pairs):
+        assert cond is not None and value is not None
+        result = Call(
+            cond.dims | value.dims | result.dims,
+            cond.tensor or value.tensor or result.tensor,
+            "where",
+            (cond, value, result),
+        )
+    return result
+
+
+def _rename(e: Expr, names: dict[str, str]) -> Expr:
+    """``e`` reading ``names[n]`` wherever it read the local ``n``."""
+    if isinstance(e, Name) and e.name in names:
+        return dataclasses.replace(e, name=names[e.name])
+    if isinstance(e, Unary):
+        return dataclasses.replace(e, operand=_rename(e.operand, names))
+    if isinstance(e, Binary):
+        return dataclasses.replace(e, left=_rename(e.left, names), right=_rename(e.right, names))
+    if isinstance(e, Call):
+        return dataclasses.replace(e, args=tuple(_rename(a, names) for a in e.args))
+    return e
 
 
 def _dims_of(body: list[Let | Accum | Store], acc: str) -> frozenset[str]:

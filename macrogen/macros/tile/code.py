@@ -17,7 +17,7 @@ import libcst as cst
 
 from macrogen.codegen import ident
 
-ATOM, POWER, UNARY, MUL, ADD, AND, OR, COMPARE = 100, 14, 13, 12, 11, 8, 6, 5
+ATOM, POWER, UNARY, MUL, ADD, AND, OR, COMPARE, CONDITIONAL = 100, 14, 13, 12, 11, 8, 6, 5, 1
 _BINARY = {
     "**": POWER,
     "*": MUL,
@@ -91,6 +91,12 @@ def plus(code: Code, offset: int) -> Code:
 
 def neg(operand: Code) -> Code:
     return Code(f"-{operand.at(UNARY)}", UNARY)
+
+
+def conditional(test: Code, then: Code, otherwise: Code) -> Code:
+    """``then if test else otherwise``."""
+    text = f"{then.at(CONDITIONAL + 1)} if {test.at(CONDITIONAL + 1)} else {otherwise.at(CONDITIONAL)}"
+    return Code(text, CONDITIONAL)
 
 
 def call(fn: str, *args: Arg, **kwargs: Arg) -> Code:

@@ -15,7 +15,7 @@ from typing import Any
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
-from macrogen.macros.tile.ir import Binary, Call, Const, Expr, Index, Load, Name, Size, Unary
+from macrogen.macros.tile.ir import Binary, Call, Const, Expr, Index, Load, Name, Size, Unary, Var
 
 _UNARY_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs")
 _TORCH_FUNCTIONS = {f: f for f in (*_UNARY_FUNCTIONS, "where")} | {
@@ -147,10 +147,12 @@ class ExpressionReader:
             )
         if name in scope.local:
             return scope.local[name]
+        if name in scope.loop_vars:
+            return Var(frozenset((name,)), True, name)
         if name in scope.gone:
             raise MacroError(scope.gone[name], node)
         if name in self.loop_vars:
-            raise MacroError(f"loop variable {name!r} may only index tensors in @tile", node)
+            raise MacroError(f"loop variable {name!r} is not defined here", node)
         if name in self.sizes:
             return Name(frozenset(), False, name)
         if name in self.params:

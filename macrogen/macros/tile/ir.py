@@ -59,6 +59,13 @@ class Name(Expr):
 
 
 @dataclass(frozen=True)
+class Var(Expr):
+    """A loop variable's value (``j <= i``): the tile's index vector, or an arange."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class Index:
     """One subscript of a load or store: ``var + offset`` (``var`` None: the constant ``offset``)."""
 
@@ -113,6 +120,7 @@ class Store:
     index: tuple[str, ...]  # loop variables, in the tensor's dimension order
     value: Expr
     add: bool  # ``out[...] += value``
+    cond: Expr | None = None  # stored only where this holds (under an ``if`` without ``else``)
 
 
 @dataclass(frozen=True)

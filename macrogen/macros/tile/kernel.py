@@ -183,6 +183,10 @@ class KernelEmitter:
         tl = self.tl
         pointer = self._address(s.tensor_name, tuple(Index(v, 0) for v in s.index), scope)
         mask = self._mask(list(s.index), scope)
+        if s.cond is not None:  # stored only where the if's condition holds
+            self._loads(s.cond, scope, into)
+            cond = TritonPrinter(scope.loaded, tl).expr(s.cond)
+            mask = binary("&", mask, cond) if mask is not None else cond
         if not s.value.tensor:  # a number: make it a tile so that it has a dtype to cast
             zeros = call(f"{tl}.zeros", self._store_shape(s), dtype=f"{tl}.float32")
             value = binary("+", value, zeros)

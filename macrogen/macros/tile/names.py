@@ -9,7 +9,7 @@ import libcst as cst
 
 from macrogen.codegen import ident
 from macrogen.macros.tile.code import Code, binary, call, name, number, parse, plus
-from macrogen.macros.tile.ir import Binary, Bound, Call, Expr, Load, Loop, Nest, Unary
+from macrogen.macros.tile.ir import Binary, Bound, Call, Expr, Load, Loop, Nest, Unary, Var
 
 
 class Namer:
@@ -126,6 +126,19 @@ def load_name(load: Load) -> str:
             parts.append(ix.var + sign)
     sep = "" if all(len(p) == 1 for p in parts) else "_"
     return f"{load.tensor_name}_{sep.join(parts)}"
+
+
+def vars_in(e: Expr) -> list[str]:
+    """Loop variables whose values ``e`` reads (not as indices), in order."""
+    if isinstance(e, Var):
+        return [e.name]
+    if isinstance(e, Unary):
+        return vars_in(e.operand)
+    if isinstance(e, Binary):
+        return list(dict.fromkeys(vars_in(e.left) + vars_in(e.right)))
+    if isinstance(e, Call):
+        return list(dict.fromkeys(v for a in e.args for v in vars_in(a)))
+    return []
 
 
 def loads_in(e: Expr) -> list[Load]:

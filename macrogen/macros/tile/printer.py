@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from macrogen.macros.tile.code import Code, binary, call, chain, name, neg, number
-from macrogen.macros.tile.ir import Binary, Call, Const, Expr, Load, Name, Unary
+from macrogen.macros.tile.code import Code, binary, call, chain, conditional, name, neg, number
+from macrogen.macros.tile.ir import Binary, Call, Const, Expr, Load, Name, Unary, Var
 
 
 class Printer:
     """Expression code; each flavour says how to write powers and calls."""
 
-    def __init__(self, loaded: dict[Load, str]):
+    def __init__(self, loaded: dict[Load, str], indices: dict[str, str] | None = None):
         self.loaded = loaded  # each load's local
+        self.indices = indices or {}  # loop variable -> the local holding its values
 
     def expr(self, e: Expr) -> Code:
         if isinstance(e, Const):
@@ -19,6 +20,8 @@ class Printer:
             return name(e.name)
         if isinstance(e, Load):
             return name(self.loaded[e])
+        if isinstance(e, Var):
+            return name(self.indices.get(e.name, e.name))
         if isinstance(e, Unary):
             return neg(self.expr(e.operand))
         if isinstance(e, Binary):
@@ -56,8 +59,8 @@ class TritonPrinter(Printer):
 
 
 class TorchPrinter(Printer):
-    def __init__(self, loaded: dict[Load, str], torch: str):
-        super().__init__(loaded)
+    def __init__(self, loaded: dict[Load, str], torch: str, indices: dict[str, str] | None = None):
+        super().__init__(loaded, indices)
         self.torch = torch
 
     def power(self, e: Binary) -> Code:
@@ -75,4 +78,6 @@ class TorchPrinter(Printer):
                 return call(e.fn, *args)
             t, s = (args[0], args[1]) if a.tensor else (args[1], args[0])
             return call(f"{torch}.clamp", t, **{"min" if e.fn == "max" else "max": s})
+        if e.fn == "where" and not e.args[0].tensor:  # a Python bool: torch.where wants a tensor
+            return conditional(args[0], args[1], args[2])
         return call(f"{torch}.{e.fn}", *args)

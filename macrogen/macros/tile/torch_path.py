@@ -7,10 +7,21 @@ and a matmul-shaped reduction is ``@``. Never a Python loop.
 
 from __future__ import annotations
 
-from macrogen.macros.tile.code import Code, binary, call, method, name, parse, plus, suffix
+from macrogen.macros.tile.code import (
+    Code,
+    binary,
+    call,
+    conditional,
+    method,
+    name,
+    number,
+    parse,
+    plus,
+    suffix,
+)
 from macrogen.macros.tile.ir import Accum, Const, InnerLoop, Let, Load, Nest, Store
 from macrogen.macros.tile.kernel import IDENTITY
-from macrogen.macros.tile.names import LoopBounds, Names, load_name, loads_in
+from macrogen.macros.tile.names import LoopBounds, Names, load_name, loads_in, vars_in
 from macrogen.macros.tile.printer import TorchPrinter
 from macrogen.macros.tile.steps import Assign, Step, TorchStore, drop_dead_stores
 
@@ -26,6 +37,7 @@ class TorchEmitter:
         self.identity: dict[str, float] = {}  # locals whose value is still a constant
         self.scalar: set[str] = set()  # locals that are still Python numbers
         self.views: dict[str, str] = {}  # slice code -> its name
+        self.indices: dict[str, str] = {}  # loop variable -> its values here (an arange view)
 
     def steps(self) -> list[Step]:
         out: list[Step] = []
@@ -55,6 +67,21 @@ class TorchEmitter:
         for ld in loads_in(s.value):
             if ld not in loaded:
                 out.extend(self._view(ld, loaded, bounds, axes))
+        out.extend(self._indices(s.value, bounds, axes))
+        return out
+
+    def _indices(self, e, bounds: dict[str, LoopBounds], axes: list) -> list[Assign]:
+        """Views of ``torch.arange`` for the loop variables ``e`` reads as values (``j <= i``)."""
+        out = []
+        for var in vars_in(e):
+            b = bounds[var]
+            args = [b.lo, b.hi] + ([b.step[1:]] if b.step else [])
+            device = f"{self.nest.tensors[0][0]}.device"
+            code = suffix(call(f"{self.torch}.arange", *args, device=device), _arrange([var], axes))
+            if code.text not in self.views:
+                self.views[code.text] = self.names.namer(f"{var}_index")
+                out.append(Assign(self.views[code.text], parse(code)))
+            self.indices[var] = self.views[code.text]
         return out
 
     def _view(
@@ -69,7 +96,8 @@ class TorchEmitter:
         return [Assign(local, parse(code))]
 
     def _statement(self, s: Let | Store, loaded, bounds, *, inner: bool) -> list[Step]:
-        value = TorchPrinter(loaded, self.torch).expr(s.value)
+        printer = TorchPrinter(loaded, self.torch, self.indices)
+        value = printer.expr(s.value)
         if isinstance(s, Let):
             if isinstance(s.value, Const):
                 self.identity[s.name] = s.value.value
@@ -81,15 +109,27 @@ class TorchEmitter:
                 self.scalar.add(s.name)
             return [Assign(s.name, parse(value))]
         order = list(s.index)
-        if (
-            s.value.tensor and s.value.dims
-        ):  # a tensor on the nest's axes: drop the inner one, reorder
+
+        def placed(e, code: Code) -> Code:
+            """A tensor on the nest's axes, on the store's: drop the inner axis, reorder."""
+            if not (e.tensor and e.dims):
+                return code
             if self.nest.inner_axis and not inner:
-                value = suffix(value, "[..., 0]")
+                code = suffix(code, "[..., 0]")
             canonical = list(self.grid_vars) + [v for v in order if v not in self.grid_vars]
-            value = suffix(value, _permute(canonical, order))
+            return suffix(code, _permute(canonical, order))
+
+        value = placed(s.value, value)
         subs = [f"{bounds[v].lo}:{bounds[v].hi}{bounds[v].step}" for v in order]
         target = suffix(name(s.tensor_name), f"[{', '.join(subs)}]")
+        if s.cond is not None:  # stored only where cond holds: elsewhere keep (or add) nothing
+            cond = placed(s.cond, printer.expr(s.cond))
+            keep = number(0.0) if s.add else target
+            value = (
+                call(f"{self.torch}.where", cond, value, keep)
+                if s.cond.tensor
+                else conditional(cond, value, keep)
+            )
         return [TorchStore(parse(target), parse(value), s.add)]
 
     def _inner(self, s: InnerLoop, grid_bounds: dict[str, LoopBounds]) -> list[Step]:
@@ -118,8 +158,9 @@ class TorchEmitter:
                     out.extend(self._view(ld, loaded, bounds, axes if inner else grid_axes))
                     if not inner:
                         self.loaded[ld] = loaded[ld]
+            out.extend(self._indices(st.value, bounds, axes))
             if isinstance(st, Accum):
-                value = TorchPrinter(loaded, self.torch).expr(st.value)
+                value = TorchPrinter(loaded, self.torch, self.indices).expr(st.value)
                 fn = {"sum": "sum", "max": "amax", "min": "amin"}[st.op]
                 reduced = method(value, fn, dim=str(self.rank - 1), keepdim="True")
                 out.append(Assign(st.name, parse(self._reduce(st.op, st.name, reduced))))
