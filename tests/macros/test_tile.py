@@ -222,6 +222,30 @@ def test_an_empty_range_writes_nothing_even_where_a_slice_would_wrap(tmp_path) -
     assert torch.equal(out[[0, 2, 3, 4]], x[[0, 2, 3, 4]]) and out[[1, 5]].isnan().all()
 
 
+def test_gathered_indices_are_checked_like_the_loop_would(tmp_path, monkeypatch) -> None:
+    source = """
+    import torch
+    import macrogen as mg
+
+
+    @mg.tile(i=4)
+    def embed(out, table, idx):
+        (N,) = idx.shape
+        for i in range(N):
+            out[i] = table[idx[i]]
+    """
+    module = load_module(_expand(source), "tile_embed_checks", tmp_path)
+    table, out = torch.randn(5), torch.full((3,), float("nan"))
+    module.embed(out, table, torch.tensor([4, 0, 2]))
+    assert torch.equal(out, table[[4, 0, 2]])
+    for bad in ([0, 5, 1], [0, -1, 1]):  # too large; negative (the loop would wrap it)
+        with pytest.raises(IndexError, match="an index read from idx leaves dimension 0"):
+            module.embed(out, table, torch.tensor(bad))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the device check, to the dtype checks
+    with pytest.raises(ValueError, match="idx indexes other tensors: it must be an int32 or int64"):
+        module._embed_triton(out, table, torch.tensor([0.0, 1.0, 2.0]))
+
+
 def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
     source = "import torch\nimport macrogen as mg\n\n" + decorator + "\n" + textwrap.dedent(body)
     return expansion_errors(source)
@@ -441,11 +465,19 @@ def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
         ),
         (
             """
+            def f(out, x, idx, perm):
+                for i in range(len(x)):
+                    out[i] = x[idx[perm[i]]]
+            """,
+            "data-dependent indexing is supported one level deep",
+        ),
+        (
+            """
             def f(out, x, idx):
                 for i in range(len(x)):
-                    out[i] = x[idx[i]]
+                    out[i] = x[idx[i]] + idx[i]
             """,
-            "data-dependent indexing is not supported",
+            "'idx' is read both as an index (integers) and as a value",
         ),
         (
             """

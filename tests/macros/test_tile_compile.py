@@ -26,7 +26,9 @@ from tests.macros.tile_cases import CASES, source
 TARGET = GPUTarget("cuda", 90, 32)  # H100
 
 
-def compile_kernel(code: str, name: str, scalars: dict, dtype: str, directory) -> None:
+def compile_kernel(
+    code: str, name: str, scalars: dict, dtype: str, directory, indices: frozenset = frozenset()
+) -> None:
     """Compile ``_<name>_kernel`` of the expanded ``code`` with the launcher's meta-parameters."""
     module = load_module(code, f"tile_compile_{name}_{dtype}", directory)
     kernel = getattr(module, f"_{name}_kernel")
@@ -36,7 +38,9 @@ def compile_kernel(code: str, name: str, scalars: dict, dtype: str, directory) -
         for key, value in re.findall(r"^\s+([A-Z_]+)=([0-9]+|'\w+'),$", launcher, re.M)
     }
     signature = {
-        arg: f"*{dtype}"
+        arg: "*i64"
+        if arg.endswith("_ptr") and arg[: -len("_ptr")] in indices
+        else f"*{dtype}"
         if arg.endswith("_ptr")
         else "fp32"
         if isinstance(scalars.get(arg), float)
@@ -57,7 +61,8 @@ def compile_kernel(code: str, name: str, scalars: dict, dtype: str, directory) -
 def test_case_kernels_compile_for_sm90(case, dtype: str, tmp_path) -> None:
     code = expand_source(source(case), path=f"{case.name}.py").code
     scalars = {name: spec for name, spec in case.inputs.items() if not isinstance(spec, tuple)}
-    compile_kernel(code, case.name, scalars, dtype, tmp_path)
+    indices = frozenset(n for n, spec in case.inputs.items() if spec[0:1] == ("randint",))
+    compile_kernel(code, case.name, scalars, dtype, tmp_path, indices)
 
 
 def test_benchmark_kernels_compile_for_sm90(tmp_path) -> None:

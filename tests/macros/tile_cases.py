@@ -321,6 +321,31 @@ CASES = [
         {"out": ("nan", (13, 11)), "x": ("randn", (13, 11)), "t": 0.3},
     ),
     Case(
+        "gather",
+        """
+        @mg.tile(i=8, j=16)
+        def gather(out, sums, table, idx, perm, x):
+            M, N = out.shape
+            for i in range(M):
+                s = 0.0
+                for j in range(N):
+                    s += table[idx[i], j] * x[i, perm[j]]
+                sums[i] = s
+                for j in range(N):
+                    out[i, j] = table[idx[i], j] + x[i, perm[j]]
+        """,
+        {
+            "out": ("nan", (13, 21)),
+            "sums": ("nan", (13,)),
+            "table": ("randn", (7, 21)),
+            "idx": ("randint", (13,), 7),
+            "perm": ("randint", (21,), 21),
+            "x": ("randn", (13, 21)),
+        },
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
         "row_floor",
         """
         @mg.tile(i=16, j=8)
@@ -428,6 +453,8 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
             out[name] = spec
         elif spec[0] == "nan":  # poisoned: an element nobody writes stays NaN and shows
             out[name] = torch.full(spec[1], float("nan"))
+        elif spec[0] == "randint":  # indices into another tensor: ("randint", shape, high)
+            out[name] = torch.randint(0, spec[2], spec[1], generator=gen)
         elif spec[0] == "randn_t":  # not contiguous: strides matter
             out[name] = torch.randn(spec[1][::-1], generator=gen).t()
         else:
@@ -455,11 +482,11 @@ def compare(case: Case, reference, run) -> str | None:
     rounded to its dtype and compares with the loop's outputs rounded alike.
     """
     want, got = make_inputs(case), make_inputs(case)
-    got = {k: v.to(case.dtype) if isinstance(v, torch.Tensor) else v for k, v in got.items()}
+    got = {k: v.to(case.dtype) if _floating(v) else v for k, v in got.items()}
     getattr(reference, case.name)(**{k: _rounded(v, case.dtype) for k, v in want.items()})
     run(**got)
     for name, value in want.items():
-        if not isinstance(value, torch.Tensor):
+        if not _floating(value):
             continue
         value = value.to(case.dtype).float()
         if not torch.allclose(
@@ -470,8 +497,12 @@ def compare(case: Case, reference, run) -> str | None:
     return None
 
 
+def _floating(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
 def _rounded(value, dtype: torch.dtype):
     """A float32 tensor holding ``value`` rounded to ``dtype`` (in place: the loop writes into it)."""
-    if isinstance(value, torch.Tensor):
+    if _floating(value):
         value.copy_(value.to(dtype))
     return value

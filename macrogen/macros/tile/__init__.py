@@ -170,6 +170,8 @@ class _Output:
 
     def __init__(self, spec: Spec, site: Site, ctx: Context):
         self.spec, self.site, self.nest = spec, site, spec.nest
+        # the tensor whose device and dtype the others must share (index tensors hold integers)
+        self.first = next(t for t, _ in self.nest.tensors if t not in self.nest.index_tensors)
         # With --target cpu no kernel is generated: the function is the torch path.
         self.kernel_wanted = ctx.options.target != "cpu"
         runtime = "macrogen.runtime.triton_support"
@@ -205,7 +207,7 @@ class _Output:
         )
 
     def _tensor(self, t: str, ndim: int) -> dict:
-        first = self.nest.tensors[0][0]
+        first = self.first
         return {
             "name": t,
             "ndim": ndim,
@@ -213,6 +215,9 @@ class _Output:
             "strides": self.names.strides[t],
             "message": f"{t} must have {ndim} dimension{'s' if ndim != 1 else ''} (it is indexed so), not %d",
             "same_message": f"{t} must be on the same device and of the same dtype as {first}",
+            "index": t in self.nest.index_tensors,  # integers: device checked, dtype int32/int64
+            "index_message": f"{t} indexes other tensors: it must be an int32 or int64 tensor on"
+            f" the same device as {first}",
         }
 
     def shapes(self) -> str:
@@ -254,7 +259,7 @@ class _Output:
             "tile_launcher.py.j2",
             torch=self.mods["torch"],
             interpreting=self.mods["interpreting"],
-            first=self.nest.tensors[0][0],
+            first=self.first,
             device_message=f"{launcher} runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ",
             dtype_message=f"{launcher} takes float16, bfloat16 or float32 tensors, not ",
             programs=self.names.fork().namer("programs"),
@@ -282,7 +287,7 @@ class _Output:
         body = codegen.render_statements(
             "tile_dispatch.py.j2",
             use_triton=self.mods.get("use_triton", ""),
-            first=self.nest.tensors[0][0],
+            first=self.first,
             params=self.nest.params,
             launcher=self.fns.get("launcher", ""),
             torch_fn=self.fns["torch_fn"],

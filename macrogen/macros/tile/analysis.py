@@ -48,7 +48,7 @@ from macrogen.macros.tile.ir import (
     Store,
     Unary,
 )
-from macrogen.macros.tile.names import vars_in
+from macrogen.macros.tile.names import loads_in, vars_in
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -70,6 +70,8 @@ class _Analyzer(ExpressionReader):
         self.stored: dict[str, cst.CSTNode] = {}
         self.taken = set(_IDENT.findall(code_of(fn)))
         self.outputs = self._outputs(fn.body)
+        self.index_tensors: set[str] = set()  # tensors read as indices (integers)
+        self.value_tensors: set[str] = set()  # tensors read as values
 
     # -- the function ----------------------------------------------------------------
     def _params(self) -> tuple[str, ...]:
@@ -123,6 +125,7 @@ class _Analyzer(ExpressionReader):
             grid=grid,
             body=tuple(body_ir),
             outputs=tuple(p for p in self.params if p in self.stored),
+            index_tensors=tuple(p for p in self.params if p in self.index_tensors),
         )
 
     def _outputs(self, body: cst.CSTNode) -> set[str]:
@@ -224,7 +227,9 @@ class _Analyzer(ExpressionReader):
         return list(node.body.body)
 
     def _loop(self, node: cst.For) -> Loop:
-        usage = "@tile loops are for VAR in range(stop), range(start, stop) or range(start, stop, step)"
+        usage = (
+            "@tile loops are for VAR in range(stop), range(start, stop) or range(start, stop, step)"
+        )
         if node.asynchronous is not None:
             raise MacroError("async for is not supported in @tile", node)
         if node.orelse is not None:
@@ -388,6 +393,7 @@ class _Analyzer(ExpressionReader):
         before: list[Statement] = []
         after: list[Statement] = []
         ops: dict[str, str] = {}
+
         def handle(small: cst.BaseSmallStatement, scope: Scope) -> list[Statement]:
             target, value, add = self._assignment(small)
             if isinstance(target, cst.Subscript):
@@ -430,7 +436,9 @@ class _Analyzer(ExpressionReader):
             if add is not None:
                 if name not in scope.local or name in outer.local:
                     raise MacroError(f"{name!r} is read before it is assigned", target)
-                expr = self._binary("+" if add else "-", scope.local[name], self._expr(value, scope))
+                expr = self._binary(
+                    "+" if add else "-", scope.local[name], self._expr(value, scope)
+                )
             else:
                 expr = self._expr(value, scope)
             scope.local[name] = Name(expr.dims, expr.tensor, name)
@@ -652,8 +660,8 @@ class _Analyzer(ExpressionReader):
             return None
         acc = body[0]
         e = acc.value
-        if vars_in(e):  # a loop variable's value: the operands are not plain tiles
-            return None
+        if vars_in(e) or any(ix.gather for ld in loads_in(e) for ix in ld.index):
+            return None  # a loop variable's value, or a gather: the operands are not plain tiles
         if acc.op != "sum" or not isinstance(e, Binary) or e.op != "*":
             return None
         k = loop.var
@@ -701,6 +709,13 @@ class _Analyzer(ExpressionReader):
         names = []
         for el in target.slice:
             sl = el.slice
+            if isinstance(sl, cst.Index) and _contains(sl.value, cst.Subscript):
+                raise MacroError(
+                    f"indirect writes are not supported: {code_of(sl.value)} may send two iterations"
+                    " to one element (a race between tiles); stores are indexed by loop variables,"
+                    " indirect reads are supported",
+                    sl.value,
+                )
             if not (
                 isinstance(sl, cst.Index)
                 and isinstance(sl.value, cst.Name)

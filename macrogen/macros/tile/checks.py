@@ -28,7 +28,17 @@ def alias_checks(nest: Nest) -> list[dict]:
 def index_checks(nest: Nest, names: Names) -> list[dict]:
     """One range check per distinct (tensor, dimension, loop, offset) the nest indexes with."""
     accesses: dict[tuple, None] = {}
+    gathers: dict[tuple, None] = {}  # (tensor, dim, the index load, its loops)
     loops = {g.var: g for g in nest.grid}
+
+    def load(ld, scope) -> None:
+        for d, ix in enumerate(ld.index):
+            if ix.gather is not None:
+                load(ix.gather, scope)
+                gathers[(ld.tensor_name, d, ix.gather, tuple(scope.items()))] = None
+                continue
+            key = (ld.tensor_name, d, scope.get(ix.var) if ix.var else None, ix.offset, ix.var)
+            accesses[key] = None
 
     def visit(stmts, inner=None) -> None:
         for s in stmts:
@@ -38,16 +48,7 @@ def index_checks(nest: Nest, names: Names) -> list[dict]:
             scope = {**loops, **({inner.var: inner} if inner else {})}
             if isinstance(s, (Let, Accum, Store)):
                 for ld in loads_in(s.value):
-                    for d, ix in enumerate(ld.index):
-                        accesses[
-                            (
-                                ld.tensor_name,
-                                d,
-                                scope.get(ix.var) if ix.var else None,
-                                ix.offset,
-                                ix.var,
-                            )
-                        ] = None
+                    load(ld, scope)
             if isinstance(s, Store):
                 for d, var in enumerate(s.index):
                     accesses[(s.tensor_name, d, scope[var], 0, var)] = None
@@ -73,6 +74,26 @@ def index_checks(nest: Nest, names: Names) -> list[dict]:
                     f" or {plus(name(b.hi), offset)} > {size})"
                 ),
                 "message": f"{tensor}: index {term} leaves dimension {d} for some {var} in its range"
+                " (the loop would raise IndexError; negative indices do not wrap here)",
+            }
+        )
+    for tensor, d, index, scope in gathers:
+        # the values the loop would index with: the index tensor over the loops' ranges
+        bounds = {v: names.bounds[loop] for v, loop in scope}
+        subs = [
+            repr(ix.offset)
+            if ix.var is None
+            else f"{plus(name(bounds[ix.var].lo), ix.offset)}:{plus(name(bounds[ix.var].hi), ix.offset)}"
+            f"{bounds[ix.var].step}"
+            for ix in index.index
+        ]
+        values = f"{index.tensor_name}[{', '.join(subs)}]"
+        checks.append(
+            {
+                "test": parse(
+                    f"{values}.numel() and ({values}.min() < 0 or {values}.max() >= {tensor}.shape[{d}])"
+                ),
+                "message": f"{tensor}: an index read from {index.tensor_name} leaves dimension {d}"
                 " (the loop would raise IndexError; negative indices do not wrap here)",
             }
         )

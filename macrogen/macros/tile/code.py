@@ -95,7 +95,9 @@ def neg(operand: Code) -> Code:
 
 def conditional(test: Code, then: Code, otherwise: Code) -> Code:
     """``then if test else otherwise``."""
-    text = f"{then.at(CONDITIONAL + 1)} if {test.at(CONDITIONAL + 1)} else {otherwise.at(CONDITIONAL)}"
+    text = (
+        f"{then.at(CONDITIONAL + 1)} if {test.at(CONDITIONAL + 1)} else {otherwise.at(CONDITIONAL)}"
+    )
     return Code(text, CONDITIONAL)
 
 

@@ -67,10 +67,12 @@ class Var(Expr):
 
 @dataclass(frozen=True)
 class Index:
-    """One subscript of a load or store: ``var + offset`` (``var`` None: the constant ``offset``)."""
+    """One subscript of a load or store: ``var + offset`` (``var`` None: the constant ``offset``),
+    or ``gather``: the value of an integer load (``table[idx[i], j]``)."""
 
     var: str | None
     offset: int
+    gather: Load | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class Nest:
     grid: tuple[Loop, ...]  # one program per tile of these
     body: tuple[Statement, ...]
     outputs: tuple[str, ...]  # tensors the nest stores into
+    index_tensors: tuple[str, ...] = ()  # integer tensors read only as indices of others
 
     @property
     def inner_loops(self) -> tuple[InnerLoop, ...]:

@@ -26,7 +26,7 @@ from macrogen.macros.tile.code import (
     suffix,
 )
 from macrogen.macros.tile.ir import Accum, Const, Index, InnerLoop, Let, Load, Nest, Store
-from macrogen.macros.tile.names import Names, load_name, loads_in
+from macrogen.macros.tile.names import Names, load_name, load_vars, loads_in
 from macrogen.macros.tile.printer import TritonPrinter
 from macrogen.macros.tile.steps import Assign, LoopBlock, Step, TritonStore, drop_dead_stores
 
@@ -123,14 +123,20 @@ class KernelEmitter:
         """Loads inside the loop that don't depend on its variable are loaded once, before it."""
         for st in s.body:
             for ld in loads_in(st.value):
-                if s.loop.var not in ld.dims and ld not in grid.loaded:
-                    grid.sink.append(self._load(ld, grid, upcast=True))
+                if s.loop.var not in ld.dims:
+                    self._ensure(ld, grid, grid.sink)
+                for ix in ld.index:  # the indices of a gather along the loop, loaded once
+                    if ix.gather is not None and s.loop.var not in ix.gather.dims:
+                        self._ensure(ix.gather, grid, grid.sink, index=True)
 
     # -- addresses, masks, loads -------------------------------------------------------------
     def _address(self, tensor: str, index: tuple[Index, ...], scope: _Scope) -> Code:
         terms = [name(self.names.ptr[tensor])]
         for d, ix in enumerate(index):
             stride = name(self.names.strides[tensor][d])
+            if ix.gather is not None:  # an indirect read: the loaded index, in 64 bits
+                terms.append(binary("*", name(scope.loaded[ix.gather]), stride))
+                continue
             if ix.var is None:
                 if ix.offset:
                     terms.append(binary("*", number(ix.offset), stride))
@@ -151,11 +157,11 @@ class KernelEmitter:
             scope.sink.append(Assign(scope.combined[key], parse(both)))
         return name(scope.combined[key])
 
-    def _load(self, ld: Load, scope: _Scope, upcast: bool) -> Assign:
-        mask = self._mask([ix.var for ix in ld.index if ix.var is not None], scope)
+    def _load(self, ld: Load, scope: _Scope, upcast: bool, other: str = "0.0") -> Assign:
+        mask = self._mask(load_vars(ld), scope)
         address = self._address(ld.tensor_name, ld.index, scope)
         code = (
-            call(f"{self.tl}.load", address, mask=mask, other="0.0")
+            call(f"{self.tl}.load", address, mask=mask, other=other)
             if mask is not None
             else call(f"{self.tl}.load", address)
         )
@@ -166,8 +172,17 @@ class KernelEmitter:
 
     def _loads(self, value, scope: _Scope, into: list) -> None:
         for ld in loads_in(value):
-            if ld not in scope.loaded:
-                into.append(self._load(ld, scope, upcast=True))
+            self._ensure(ld, scope, into)
+
+    def _ensure(self, ld: Load, scope: _Scope, into: list, index: bool = False) -> None:
+        """Load ``ld`` into a local (after the indices it gathers by) unless it already is;
+        an ``index`` (a gather's integers) stays integer."""
+        if ld in scope.loaded:
+            return
+        for ix in ld.index:
+            if ix.gather is not None:
+                self._ensure(ix.gather, scope, into, index=True)
+        into.append(self._load(ld, scope, upcast=not index, other="0" if index else "0.0"))
 
     # -- statements ------------------------------------------------------------------------------
     def _statement(self, s: Let | Store, scope: _Scope, into: list) -> None:

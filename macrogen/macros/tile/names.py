@@ -115,11 +115,21 @@ def clamped_stop_code(loop: Loop, sizes: set[str]) -> Code:
     return call("max", bound_code(start), stop_code(loop))
 
 
+def load_vars(load: Load) -> list[str]:
+    """The loop variables a load's tile varies along, in index order (gathered ones too)."""
+    out: list[str] = []
+    for ix in load.index:
+        out += [ix.var] if ix.var is not None else load_vars(ix.gather) if ix.gather else []
+    return list(dict.fromkeys(out))
+
+
 def load_name(load: Load) -> str:
     """``x_ij``, ``x_i_jp1``, ``w_0k``: the tensor and its index pattern."""
     parts = []
     for ix in load.index:
-        if ix.var is None:
+        if ix.gather is not None:
+            parts.append(ix.gather.tensor_name)
+        elif ix.var is None:
             parts.append(str(ix.offset))
         else:
             sign = "" if ix.offset == 0 else f"{'p' if ix.offset > 0 else 'm'}{abs(ix.offset)}"

@@ -51,6 +51,20 @@ class TorchEmitter:
             out.extend(self._statement(s, self.loaded, grid_bounds, inner=False))
         return drop_dead_stores(out)
 
+    def _gather(self, ld: Load, loaded, bounds, axes, into: list) -> Code:
+        """``table[idx_i, j_index]``: advanced indexing by index tensors arranged on the axes."""
+        subs = []
+        for ix in ld.index:
+            if ix.gather is not None:
+                into.extend(self._view(ix.gather, loaded, bounds, axes))
+                subs.append(loaded[ix.gather])
+            elif ix.var is None:
+                subs.append(repr(ix.offset))
+            else:
+                into.extend(self._index_view(ix.var, bounds, axes))
+                subs.append(plus(name(self.indices[ix.var]), ix.offset).text)
+        return suffix(name(ld.tensor_name), f"[{', '.join(subs)}]")
+
     def _slice(self, ld: Load, bounds: dict[str, LoopBounds], axes: list[str | None]) -> Code:
         subs, order = [], []
         for ix in ld.index:
@@ -72,28 +86,32 @@ class TorchEmitter:
 
     def _indices(self, e, bounds: dict[str, LoopBounds], axes: list) -> list[Assign]:
         """Views of ``torch.arange`` for the loop variables ``e`` reads as values (``j <= i``)."""
-        out = []
-        for var in vars_in(e):
-            b = bounds[var]
-            args = [b.lo, b.hi] + ([b.step[1:]] if b.step else [])
-            device = f"{self.nest.tensors[0][0]}.device"
-            code = suffix(call(f"{self.torch}.arange", *args, device=device), _arrange([var], axes))
-            if code.text not in self.views:
-                self.views[code.text] = self.names.namer(f"{var}_index")
-                out.append(Assign(self.views[code.text], parse(code)))
-            self.indices[var] = self.views[code.text]
-        return out
+        return [a for var in vars_in(e) for a in self._index_view(var, bounds, axes)]
+
+    def _index_view(self, var: str, bounds: dict[str, LoopBounds], axes: list) -> list[Assign]:
+        """``self.indices[var]``: ``torch.arange`` of the loop's values, arranged on ``axes``."""
+        b = bounds[var]
+        args = [b.lo, b.hi] + ([b.step[1:]] if b.step else [])
+        device = f"{self.nest.tensors[0][0]}.device"
+        code = suffix(call(f"{self.torch}.arange", *args, device=device), _arrange([var], axes))
+        self.indices[var] = self.views.get(code.text, "")
+        if self.indices[var]:
+            return []
+        self.indices[var] = self.views[code.text] = self.names.namer(f"{var}_index")
+        return [Assign(self.indices[var], parse(code))]
 
     def _view(
         self, ld: Load, loaded: dict[Load, str], bounds: dict[str, LoopBounds], axes: list
     ) -> list[Assign]:
         """``loaded[ld]``: a view of the tensor, named once per distinct slice and arrangement."""
-        code = self._slice(ld, bounds, axes)
+        pre: list[Assign] = []
+        gathers = any(ix.gather is not None for ix in ld.index)
+        code = self._gather(ld, {}, bounds, axes, pre) if gathers else self._slice(ld, bounds, axes)
         if code.text in self.views:
             loaded[ld] = self.views[code.text]
             return []
         local = loaded[ld] = self.views[code.text] = self.names.namer(load_name(ld))
-        return [Assign(local, parse(code))]
+        return [*pre, Assign(local, parse(code))]
 
     def _statement(self, s: Let | Store, loaded, bounds, *, inner: bool) -> list[Step]:
         printer = TorchPrinter(loaded, self.torch, self.indices)
