@@ -246,6 +246,28 @@ def test_gathered_indices_are_checked_like_the_loop_would(tmp_path, monkeypatch)
         module._embed_triton(out, table, torch.tensor([0.0, 1.0, 2.0]))
 
 
+def test_fp32_matmul_uses_tf32_only_where_torch_or_the_macro_allows_it() -> None:
+    source = """
+    import torch
+    import macrogen as mg
+
+
+    @mg.tile(i=32, j=32, k=32{extra})
+    def mm(out, a, b):
+        M, K = a.shape
+        _, N = b.shape
+        for i in range(M):
+            for j in range(N):
+                for k in range(K):
+                    out[i, j] += a[i, k] * b[k, j]
+    """
+    code = _expand(source.format(extra=""))
+    assert 'DOT_PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"' in code
+    assert "GROUP_SIZE=8," in code and "first_row = pid // in_group * GROUP_SIZE" in code
+    code = _expand(source.format(extra=", dot_precision='tf32x3', group_size=1"))
+    assert "DOT_PRECISION='tf32x3'," in code and "GROUP_SIZE" not in code
+
+
 def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
     source = "import torch\nimport macrogen as mg\n\n" + decorator + "\n" + textwrap.dedent(body)
     return expansion_errors(source)
@@ -540,7 +562,7 @@ def test_unsupported_constructs_are_errors_at_their_position(body: str, message:
         ("@mg.tile(i=64, j=64, num_stages=0)", "num_stages must be an integer from 1 to 8, not 0"),
         (
             "@mg.tile(i=64, j=64, dot_precision='fast')",
-            "dot_precision must be one of 'ieee', 'tf32', 'tf32x3'",
+            "dot_precision must be one of 'torch', 'ieee', 'tf32', 'tf32x3'",
         ),
         ("@mg.tile(i=2048, j=1024)", "a tile of 2048x1024 elements is more than Triton's 1048576"),
         ("@mg.tile(i=64, j=0)", "the tile size of 'j' must be a power of two, not 0"),

@@ -37,6 +37,8 @@ def compile_kernel(
         key: int(value) if value.isdigit() else value.strip("'")
         for key, value in re.findall(r"^\s+([A-Z_]+)=([0-9]+|'\w+'),$", launcher, re.M)
     }
+    if "DOT_PRECISION" in kernel.arg_names:  # chosen at run time from torch's allow_tf32
+        constexprs.setdefault("DOT_PRECISION", "ieee")
     signature = {
         arg: "*i64"
         if arg.endswith("_ptr") and arg[: -len("_ptr")] in indices
@@ -61,7 +63,9 @@ def compile_kernel(
 def test_case_kernels_compile_for_sm90(case, dtype: str, tmp_path) -> None:
     code = expand_source(source(case), path=f"{case.name}.py").code
     scalars = {name: spec for name, spec in case.inputs.items() if not isinstance(spec, tuple)}
-    indices = frozenset(n for n, spec in case.inputs.items() if spec[0:1] == ("randint",))
+    indices = frozenset(
+        n for n, s in case.inputs.items() if isinstance(s, tuple) and s[0] == "randint"
+    )
     compile_kernel(code, case.name, scalars, dtype, tmp_path, indices)
 
 

@@ -17,7 +17,7 @@ checks, grid, launch; CPU tensors work under ``TRITON_INTERPRET=1``) and
 its outputs in place; CUDA tensors take the kernel, others the torch path.
 
 Arguments: one tile size per loop variable (a power of two; may be
-``tunable``), ``num_warps=4``, ``num_stages=2`` and ``dot_precision="ieee"``
+``tunable``), ``num_warps=4``, ``num_stages=2`` and ``dot_precision="torch"``
 (``tl.dot``'s input precision for matmul-shaped reductions: "ieee", "tf32" or
 "tf32x3"). The accepted loop nests, with examples: docs/tile.md.
 
@@ -58,8 +58,10 @@ from macrogen.macros.tile.torch_path import TorchEmitter
 FORMS = ("decorator",)
 USAGE = "@tile(i=64, j=64) decorates a function whose body is a loop nest over range(...)"
 
-OPTIONS = {"num_warps": 4, "num_stages": 2, "dot_precision": "ieee"}
-DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
+OPTIONS = {"num_warps": 4, "num_stages": 2, "dot_precision": "torch", "group_size": 8}
+# "torch": TF32 only where torch.backends.cuda.matmul.allow_tf32 allows it (off by default),
+# so that an fp32 matmul keeps fp32 semantics unless the user opts in, here or in torch
+DOT_PRECISIONS = ("torch", "ieee", "tf32", "tf32x3")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -69,7 +71,12 @@ class Spec:
     tiles: tuple[tuple[str, int], ...]  # loop variable -> tile size
     num_warps: int  # warps per program on the GPU
     num_stages: int  # software-pipelining depth of the kernel's loops
-    dot_precision: str  # tl.dot input precision; "ieee" matches the fp32 loop
+    dot_precision: (
+        str  # tl.dot input precision; "ieee" matches the fp32 loop, "torch" follows allow_tf32
+    )
+    group_size: int = (
+        8  # a matmul's row tiles that walk the columns together (L2 reuse); 1: row-major
+    )
 
     @property
     def tile(self) -> dict[str, int]:
@@ -135,7 +142,12 @@ def validate(site: Site, ctx: Context) -> Spec:
     problem = too_big(block_shape(kernel_nest(nest, tiles), tiles))
     if problem:
         raise MacroError(problem, site.call or site.original)
-    return Spec(nest, tuple(tiles.items()), num_warps, num_stages, precision)
+    group = args["group_size"].value if "group_size" in args else OPTIONS["group_size"]
+    if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+        raise MacroError(
+            f"group_size must be a positive integer, not {group!r}", args["group_size"].node
+        )
+    return Spec(nest, tuple(tiles.items()), num_warps, num_stages, precision, group)
 
 
 def kernel_nest(nest: Nest, tiles: dict[str, int]) -> Nest:
@@ -205,6 +217,7 @@ class _Output:
         self.dot_precision = (
             self.names.namer("DOT_PRECISION") if self.kernel_nest.dot is not None else ""
         )
+        self.group = self.names.namer("GROUP_SIZE") if self.kernel_nest.dot is not None else ""
 
     def _tensor(self, t: str, ndim: int) -> dict:
         first = self.first
@@ -234,6 +247,7 @@ class _Output:
         names = self.names.fork()
         emitter = KernelEmitter(self.kernel_nest, names, self.mods["tl"], self.dot_precision)
         pid = names.namer("pid")
+        grouped = self.kernel_nest.dot is not None and self.spec.group_size > 1
         return codegen.render(
             "tile_kernel.py.j2",
             triton=self.mods["triton"],
@@ -244,7 +258,9 @@ class _Output:
             dot_precision=self.dot_precision,
             bounds=self.bounds,
             pid=pid,
-            grid=emitter.grid_setup(pid, self.spec.tile),
+            grid=emitter.grid_setup(pid, self.spec.tile, self.group if grouped else ""),
+            grouping=emitter.grouping,
+            group=self.group if grouped else "",
             steps=emitter.steps(),
             **self.common,
         )
@@ -271,6 +287,11 @@ class _Output:
             ],
             dot_precision=self.dot_precision,
             dot_precision_value=self.spec.dot_precision,
+            group=self.group
+            if self.kernel_nest.dot is not None and self.spec.group_size > 1
+            else "",
+            group_size=self.spec.group_size,
+            allow_tf32=f"{self.mods['torch']}.backends.cuda.matmul.allow_tf32",
             num_warps=self.spec.num_warps,
             num_stages=self.spec.num_stages,
             **self.common,

@@ -66,10 +66,36 @@ class KernelEmitter:
         """Tile positions times a loop's step: the indices the loop visits."""
         return code if step == 1 else binary("*", code, number(step))
 
-    def grid_setup(self, pid: str, tiles: dict[str, int]) -> list[dict]:
-        """Per grid loop: this program's tile index, index vector and mask (last loop fastest)."""
+    def grid_setup(self, pid: str, tiles: dict[str, int], group: str = "") -> list[dict]:
+        """Per grid loop: this program's tile index, index vector and mask (last loop fastest).
+
+        With ``group`` (a matmul), tiles go in grouped order as in Triton's matmul
+        tutorial: ``group`` rows of tiles walk the columns together, so the
+        columns they read stay in L2 (``self.grouping`` computes where a group starts).
+        """
         namer = self.names.namer
         counts = [namer(f"tiles_{loop.var}") for loop in self.nest.grid]
+        self.grouping: list[Assign] = []
+        if group:
+            in_group, first, rows = namer("in_group"), namer("first_row"), namer("group_rows")
+            per_group = binary("*", name(group), name(counts[1]))
+            self.grouping = [
+                Assign(in_group, parse(per_group)),
+                Assign(
+                    first, parse(binary("*", binary("//", name(pid), name(in_group)), name(group)))
+                ),
+                Assign(
+                    rows,
+                    parse(
+                        call(f"{self.tl}.minimum", binary("-", name(counts[0]), name(first)), group)
+                    ),
+                ),
+            ]
+            local = binary("%", name(pid), name(in_group))
+            grouped = [
+                binary("+", name(first), binary("%", local, name(rows))),
+                binary("//", local, name(rows)),
+            ]
         out = []
         for axis, loop in enumerate(self.nest.grid):
             pid_code = name(pid)
@@ -78,6 +104,8 @@ class KernelEmitter:
                 pid_code = binary("//", pid_code, chain("*", later))
             if axis > 0:
                 pid_code = binary("%", pid_code, name(counts[axis]))
+            if group:
+                pid_code = grouped[axis]
             block = self.names.block[loop.var]
             bounds = self.names.bounds[loop]
             pid_var = namer(f"pid_{loop.var}")

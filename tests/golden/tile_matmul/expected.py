@@ -73,6 +73,7 @@ def _matmul_kernel(
     BLOCK_J: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, M
@@ -83,10 +84,13 @@ def _matmul_kernel(
     pid = tl.program_id(0)
     tiles_i = tl.cdiv(i_hi - i_lo, BLOCK_I)
     tiles_j = tl.cdiv(j_hi - j_lo, BLOCK_J)
-    pid_i = pid // tiles_j
+    in_group = GROUP_SIZE * tiles_j
+    first_row = pid // in_group * GROUP_SIZE
+    group_rows = tl.minimum(tiles_i - first_row, GROUP_SIZE)
+    pid_i = first_row + pid % in_group % group_rows
     i = i_lo + pid_i * BLOCK_I + tl.arange(0, BLOCK_I)[:, None]
     i_mask = i < i_hi
-    pid_j = pid % tiles_j
+    pid_j = pid % in_group // group_rows
     j = j_lo + pid_j * BLOCK_J + tl.arange(0, BLOCK_J)[None, :]
     j_mask = j < j_hi
 
@@ -142,7 +146,8 @@ def _matmul_triton(out, a, b):
         BLOCK_I=64,
         BLOCK_J=64,
         BLOCK_K=32,
-        DOT_PRECISION='ieee',
+        GROUP_SIZE=8,
+        DOT_PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
         num_warps=4,
         num_stages=3,
     )
