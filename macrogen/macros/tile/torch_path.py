@@ -19,7 +19,7 @@ from macrogen.macros.tile.code import (
     plus,
     suffix,
 )
-from macrogen.macros.tile.ir import Accum, Const, InnerLoop, Let, Load, Nest, Store
+from macrogen.macros.tile.ir import Accum, Binary, Const, InnerLoop, Let, Load, Nest, Store
 from macrogen.macros.tile.kernel import IDENTITY
 from macrogen.macros.tile.names import LoopBounds, Names, load_name, loads_in, vars_in
 from macrogen.macros.tile.printer import TorchPrinter
@@ -178,13 +178,36 @@ class TorchEmitter:
                         self.loaded[ld] = loaded[ld]
             out.extend(self._indices(st.value, bounds, axes))
             if isinstance(st, Accum):
-                value = TorchPrinter(loaded, self.torch, self.indices).expr(st.value)
+                printer = TorchPrinter(loaded, self.torch, self.indices)
                 fn = {"sum": "sum", "max": "amax", "min": "amin"}[st.op]
-                reduced = method(value, fn, dim=str(self.rank - 1), keepdim="True")
+                reduced = (
+                    st.op == "sum" and self._matvec(st.value, printer, s.loop.var)
+                ) or method(printer.expr(st.value), fn, dim=str(self.rank - 1), keepdim="True")
                 out.append(Assign(st.name, parse(self._reduce(st.op, st.name, reduced))))
             else:
                 out.extend(self._statement(st, loaded, bounds, inner=True))
         return out
+
+    def _matvec(self, e, printer: TorchPrinter, var: str) -> Code | None:
+        """``sum over k of t * v[k]`` as ``t @ v``: one matrix-vector product, no temporary.
+
+        ``v`` is a plain load that varies along the inner loop only; ``t`` is a
+        floating tensor with the inner loop on its last axis (``x[b, i, j] * w[j]``).
+        """
+        if not (isinstance(e, Binary) and e.op == "*"):
+            return None
+        for vec, other in ((e.right, e.left), (e.left, e.right)):
+            if (
+                isinstance(vec, Load)
+                and vec.dims == frozenset((var,))
+                and all(ix.gather is None for ix in vec.index)
+                and var in other.dims
+                and other.tensor
+                and not vars_in(other)
+            ):
+                product = binary("@", printer.expr(other), method(printer.expr(vec), "flatten"))
+                return suffix(product, "[..., None]")
+        return None
 
     def _reduce(self, op: str, acc: str, reduced: Code) -> Code:
         """Fold ``reduced`` into the local ``acc``; skip the fold when ``acc`` is still the identity."""

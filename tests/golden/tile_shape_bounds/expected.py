@@ -147,7 +147,7 @@ def _shape_bounds_torch(out, x, b, n):
     x_size0, x_size1, i_lo, i_hi, j_lo, j_hi, j_lo_2, j_hi_2 = _shape_bounds_shapes(out, x, b, n)
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     b_j = b[j_lo:j_hi][None, :]
-    s = (x_ij * b_j).sum(dim=1, keepdim=True)
+    s = (x_ij @ b_j.flatten())[..., None]
     x_ij_2 = x[i_lo:i_hi, j_lo_2:j_hi_2]
     out[i_lo:i_hi, j_lo_2:j_hi_2] = s + x_ij_2
 
