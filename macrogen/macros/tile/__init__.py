@@ -45,17 +45,21 @@ import libcst as cst
 from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
-from macrogen.expand.site import Site
+from macrogen.expand.protocol import Expanded, Form, Site
 from macrogen.macros.tile.analysis import analyze
 from macrogen.macros.tile.checks import alias_checks, index_checks
 from macrogen.macros.tile.code import parse
 from macrogen.macros.tile.constraints import block_shape, too_big
+from macrogen.macros.tile.constraints import (
+    tuning_constraint as tuning_constraint,  # autotune's hook
+)
 from macrogen.macros.tile.ir import InnerLoop, Nest
 from macrogen.macros.tile.kernel import KernelEmitter
 from macrogen.macros.tile.names import make_names
 from macrogen.macros.tile.torch_path import TorchEmitter
 
-FORMS = ("decorator",)
+NAME = "tile"
+FORMS: frozenset[Form] = frozenset({"decorator"})
 USAGE = "@tile(i=64, j=64) decorates a function whose body is a loop nest over range(...)"
 
 OPTIONS = {"num_warps": 4, "num_stages": 2, "dot_precision": "torch", "group_size": 8}
@@ -164,17 +168,16 @@ def kernel_nest(nest: Nest, tiles: dict[str, int]) -> Nest:
     return dataclasses.replace(nest, body=body)
 
 
-def expand(site: Site, ctx: Context) -> cst.FunctionDef:
+def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
     if not spec.nest.tensors:
         raise MacroError("an @tile function needs at least one tensor parameter", site.original)
     out = _Output(spec, site, ctx)
-    ctx.prelude.append(out.shapes())
+    helpers = [out.shapes()]
     if out.kernel_wanted:
-        ctx.prelude.append(out.kernel())
-        ctx.prelude.append(out.launcher())
-    ctx.prelude.append(out.torch_path())
-    return out.function()
+        helpers += [out.kernel(), out.launcher()]
+    helpers.append(out.torch_path())
+    return Expanded([out.function()], helpers=tuple(helpers), imports=tuple(out.mods.values()))
 
 
 class _Output:
