@@ -14,6 +14,7 @@ from typing import Any
 
 import libcst as cst
 
+from macrogen import codegen
 from macrogen.expand.errors import MacroError
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -153,4 +154,5 @@ class Context:
         return self.lines[line - 1] if 0 < line <= len(self.lines) else ""
 
     def location(self, line: int) -> str:
-        return f"{self.options.path}:{line}"
+        """``path:line`` for generated comments and docstrings (the path made safe: codegen.text)."""
+        return f"{codegen.text(self.options.path)}:{line}"
