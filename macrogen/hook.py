@@ -302,9 +302,19 @@ def _tuning(path: Path, source: bytes, options: Options, name: str):
     try:
         return database.winners(db, read_source(source)[0], file=path.name, target=options.target)
     except (OSError, ValueError, SyntaxError) as e:
-        raise MacroExpansionError(
-            f"{path}: error: can't read the tuning database: {e}", name=name, path=str(path)
-        ) from None
+        # A bad database must not break every import beside it: the defaults run
+        # (what `macrogen expand` reports as an error, the hook warns about once).
+        _warn_once(f"macrogen: warning: can't use the tuning database, using defaults: {e}")
+        return {}, []
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(message, file=sys.stderr, flush=True)
 
 
 def _expand(path, name, source, options, values, where) -> cache.Entry:

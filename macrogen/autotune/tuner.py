@@ -290,7 +290,7 @@ class _Book:
             record["environment"] = environment.versions()
             self.bumped = True
         if changed or self.new:
-            self.db.save()
+            self.db.save(record)
 
     def finish(self) -> None:
         """Choices may have changed since the last run: re-pick the winner and claim this source."""

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     except ExpansionError as e:
         print(e.report(), file=sys.stderr)
         return 1
-    except (AutotuneError, OSError, ValueError) as e:
+    except (AutotuneError, OSError, ValueError, SyntaxError) as e:
         print(f"macrogen autotune: error: {e}", file=sys.stderr)
         return 1
     except InternalError as e:

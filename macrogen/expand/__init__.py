@@ -24,12 +24,13 @@ from macrogen.expand.args import Evaluator
 from macrogen.expand.context import Context, Options, Position, Tunable
 from macrogen.expand.errors import Diagnostic, ExpansionError, InternalError, MacroError
 from macrogen.expand.layout import split_lines
-from macrogen.expand.sites import MODULE, PACKAGE, ScopeStack, collect_scope
+from macrogen.expand.sites import MODULE, PACKAGE, ScopeStack, collect_scope, nfkc
 from macrogen.expand.statements import MAX_NODES, Disagree, Pieces, TooLarge, WholeFile
 from macrogen.expand.transform import Expander, inside
 
 __all__ = ["Expansion", "ExpansionError", "InternalError", "Options", "expand_source"]
 
+_NON_ASCII_WORD = re.compile(r"\w*[^\x00-\x7f]\w*")
 _CODING = re.compile(r"^[ \t\f]*#.*?coding[:=]")
 
 
@@ -157,6 +158,10 @@ class _FileExpansion:
         pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(names))) + r")\b")
         at = self.statements
         found = {at.statement_at(at.line_at(m.start())) for m in pattern.finditer(self.source)}
+        if not self.source.isascii():  # Python reads identifiers NFKC-normalized: ｍg is mg
+            for m in _NON_ASCII_WORD.finditer(self.source):
+                if nfkc(m.group()) in names:
+                    found.add(at.statement_at(at.line_at(m.start())))
         return sorted(found - {-1})
 
     def _output(self, new_body: dict[int, list[cst.BaseStatement]]) -> str:

@@ -44,6 +44,17 @@ class Tunable:
         return self.value != self.default
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Equal and of the same type, all the way down: ``True != 1``, ``4.0 != 4``, ``[1] != (1,)``."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
 @dataclass(frozen=True)
 class Position:
     line: int  # 1-based
@@ -134,7 +145,11 @@ class Context:
         if key in self.tunables:
             return self.tunables[key].value
         value = self.options.tuning.get(key, default)
-        if value not in choices:
+        if key in self.options.tuning:  # True is not 1, 4.0 is not 4
+            allowed = any(same_value(value, c) for c in choices)
+        else:
+            allowed = value in choices
+        if not allowed:
             raise MacroError(
                 f"the tuning database chose {value!r} for {key!r}, which is not one of its choices {list(choices)}",
                 node,
