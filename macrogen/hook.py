@@ -98,7 +98,7 @@ class Record(NamedTuple):
     path: str
     expanded: str | None  # the expanded code's file; None: the module has no macro sites
     sites: tuple[tuple[str, int], ...]
-    cache: str  # "hit", or why it was expanded: "missing", "stale", "corrupt"
+    cache: str  # "hit", or why it was expanded: "missing", "stale", "corrupt", "untrusted"
 
 
 _records: list[Record] = []
@@ -250,7 +250,17 @@ def load(path: Path, name: str, options: Options) -> types.CodeType:
     values, stale = _tuning(path, source, options, name)
     entry_key = cache.key(source, path=path, target=options.target, tuning=values)
     where = cache.locate(path, target=options.target, cache_dir=options.cache_dir)
-    entry, status = cache.read(where.entry, entry_key)
+    distrust = cache.trust(where, options.cache_dir)
+    if distrust is None:
+        entry, status = cache.read(where.entry, entry_key)
+    else:
+        entry, status = None, "untrusted"
+    if status == "untrusted":
+        _warn_once(
+            f"macrogen: warning: not using the import cache in {where.entry.parent}:"
+            f" {distrust or 'an entry there belongs to another user or is writable by others'};"
+            " expanding afresh (see docs/hook.md)"
+        )
     if entry is None:
         for key in stale:
             print(
@@ -259,7 +269,8 @@ def load(path: Path, name: str, options: Options) -> types.CodeType:
             )
         entry = _expand(path, name, source, options, values, where)
         try:  # (PYTHONDONTWRITEBYTECODE does not apply: this caches expansions)
-            cache.write(where, entry_key, entry)
+            if distrust is None:  # never write into a folder that is not ours alone
+                cache.write(where, entry_key, entry)
         except OSError:
             pass  # a read-only tree runs uncached, as Python does without its .pyc
     if entry.expanded is not None:

@@ -19,6 +19,7 @@ from typing import IO
 
 from macrogen import files
 from macrogen.autotune import database
+from macrogen.commands import HelpFormatter, describe
 from macrogen.expand import ExpansionError, InternalError, expand_source
 from macrogen.files import encode_source, read_source
 
@@ -43,8 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "expand",
         help="expand the macros of Python files",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=describe(__doc__),
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "sources", nargs="+", metavar="SRC", help="files or directories (of *.py); - reads stdin"
