@@ -35,6 +35,9 @@ class WriteError(OSError):
     """An output that can't be written; ``str()`` names it and says why."""
 
 
+_PROBE = "# -*- coding: x -*-\nimport macrogen as mg  # (1) [2] {3} 'a' \"b\" \\ \t\r\n"
+
+
 def read_source(data: bytes) -> tuple[str, str]:
     """Decode a Python file as Python does (coding cookie, BOM); returns (text, encoding).
 
@@ -43,9 +46,16 @@ def read_source(data: bytes) -> tuple[str, str]:
     """
     encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
     try:
+        if encoding != "utf-8-sig" and _PROBE.encode(encoding) != _PROBE.encode("ascii"):
+            # As Python: a source encoding must read ASCII as ASCII (not utf-16, not punycode)
+            raise SyntaxError(f"encoding problem: {encoding}")
         text = data.decode(encoding)
+    except UnicodeDecodeError:
+        raise
     except LookupError:  # a codec that is not a text encoding: rot13, base64, ...
         raise SyntaxError(f"encoding problem: {encoding} is not a text encoding") from None
+    except (UnicodeError, ValueError, TypeError) as e:  # a codec that fails its own way (idna)
+        raise SyntaxError(f"encoding problem: {encoding}: {e}") from None
     if encoding == "utf-8-sig" and text.startswith("\ufeff"):
         text = text[1:]
     return text, encoding
@@ -59,7 +69,10 @@ def encode_source(text: str, encoding: str) -> bytes:
     the encoding lacks, and there a backslash escape means the same: in a string
     literal ``\\u4e2d`` is the character, in a comment it names it.
     """
-    return text.encode(encoding, errors="backslashreplace")
+    try:
+        return text.encode(encoding, errors="backslashreplace")
+    except (UnicodeError, LookupError, ValueError, TypeError) as e:  # codecs without the handler
+        raise UnicodeError(f"can't write the expansion in the file's encoding {encoding}: {e}") from None
 
 
 # -- staging and committing -------------------------------------------------------------

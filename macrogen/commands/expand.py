@@ -294,7 +294,11 @@ def _expand_one(
     except ExpansionError as e:
         print(e.report(), file=stderr)
         return 1, None
-    new = encode_source(result.code, encoding)
+    try:
+        new = encode_source(result.code, encoding)
+    except UnicodeError as e:
+        print(f"{display}:1:1: error: {e}", file=stderr)
+        return 1, None
     if check or diff:
         old_bytes = _existing(job)
         stale_out = old_bytes != new
