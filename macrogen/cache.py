@@ -170,12 +170,12 @@ def write(location: Location, entry_key: bytes, entry: Entry) -> None:
 
     _make_private(location.entry.parent)
     if entry.expanded is not None:
-        write_atomic(location.expanded, entry.expanded.encode("utf-8"))
+        write_atomic(location.expanded, entry.expanded.encode("utf-8"), mode=0o644)
     else:
         location.expanded.unlink(missing_ok=True)  # left by a version that had sites
     payload = marshal.dumps((entry.code, entry.expanded, tuple(entry.sites)))
     header = HEADER.pack(MAGIC, entry_key, len(payload), hashlib.sha256(payload).digest())
-    write_atomic(location.entry, header + payload)
+    write_atomic(location.entry, header + payload, mode=0o644)  # never writable by others
 
 
 def _make_private(folder: Path) -> None:

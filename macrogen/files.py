@@ -72,7 +72,9 @@ def encode_source(text: str, encoding: str) -> bytes:
     try:
         return text.encode(encoding, errors="backslashreplace")
     except (UnicodeError, LookupError, ValueError, TypeError) as e:  # codecs without the handler
-        raise UnicodeError(f"can't write the expansion in the file's encoding {encoding}: {e}") from None
+        raise UnicodeError(
+            f"can't write the expansion in the file's encoding {encoding}: {e}"
+        ) from None
 
 
 # -- staging and committing -------------------------------------------------------------
@@ -111,8 +113,11 @@ def check_writable(path: Path) -> None:
         )
 
 
-def stage(path: Path, data: bytes) -> Staged:
-    """Write ``data`` beside ``path`` (after symlinks) in a temporary file, flushed to disk."""
+def stage(path: Path, data: bytes, *, mode: int | None = None) -> Staged:
+    """Write ``data`` beside ``path`` (after symlinks) in a temporary file, flushed to disk.
+
+    The file gets ``mode``, else the mode of the file it replaces, else 0644.
+    """
     check_writable(path)
     target = target_of(path)
     if target.exists() and not target.is_file():
@@ -127,7 +132,8 @@ def stage(path: Path, data: bytes) -> Staged:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        mode = target.stat().st_mode & 0o7777 if target.exists() else 0o644
+        if mode is None:
+            mode = target.stat().st_mode & 0o7777 if target.exists() else 0o644
         os.chmod(tmp, mode)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -166,9 +172,9 @@ def _write_through(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, *, mode: int | None = None) -> None:
     """Write one file: readers see the old contents or the new, never half."""
-    commit(stage(path, data))
+    commit(stage(path, data, mode=mode))
 
 
 def clean_stale(folder: Path) -> int:
