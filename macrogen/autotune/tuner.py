@@ -76,7 +76,7 @@ def autotune(
         raise AutotuneError(f"{source_path}: no tunable(...) to tune")
     env = space.TuningEnv(target, world_size, device["name"])
     skipped = tuple((p, why) for p in params if (why := no_effect(p, env)) is not None)
-    params = tuple(p for p in params if p not in {s for s, _ in skipped})
+    params = tuple(p for p in params if p.key not in {s.key for s, _ in skipped})
     if not params:
         notes = "; ".join(f"{p.key}: {why}" for p, why in skipped)
         raise AutotuneError(f"{source_path}: nothing to tune on {target} ({notes})")
@@ -180,7 +180,7 @@ def _macro_module(macro: str):
 
     try:
         return macros.get(macro)
-    except ModuleNotFoundError:
+    except (KeyError, ModuleNotFoundError):
         return None
 
 
