@@ -339,4 +339,5 @@ def _existing(job: Job) -> bytes | None:
     if job.dst is None:
         return None if job.src == STDIO else Path(job.src).read_bytes()
     path = Path(job.dst)
-    return path.read_bytes() if path.exists() else None
+    # only a regular file (through symlinks) has contents to compare: never read a FIFO
+    return path.read_bytes() if path.is_file() else None
