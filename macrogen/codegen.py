@@ -1,10 +1,11 @@
 """The one Jinja2 environment: render a template, then prove it is Python.
 
-Values reach generated code only through three filters: ``ident`` (a validated
+Values reach generated code only through four filters: ``ident`` (a validated
 identifier), ``py`` (``repr`` of a number, string, bool, None or a tuple/list
-of them) and ``code`` (a libcst expression node a macro built, such as a kernel
-expression rebuilt from a validated IR). Nothing from a user's file is pasted
-in as raw text.
+of them: user text inside string literals), ``text`` (user text such as a file
+path inside a comment or docstring, see ``text``) and ``code`` (a libcst
+expression node a macro built, such as a kernel expression rebuilt from a
+validated IR). Nothing from a user's file is pasted in as raw text.
 """
 
 from __future__ import annotations
@@ -32,6 +33,26 @@ def ident(value: Any) -> str:
     if not isinstance(value, str) or not value.isidentifier() or keyword.iskeyword(value):
         raise InternalError(f"not an identifier: {value!r}")
     return value
+
+
+def text(value: Any) -> str:
+    """User text (a path, a name) made safe for a comment or a docstring.
+
+    One line, whatever the text holds: every character ``str.isprintable`` refuses
+    (newline, carriage return, NUL, U+2028, lone surrogates of undecodable file
+    names), and the backslash and double quote, are written as Python escapes, so
+    a comment can't end early and a docstring reads back the exact text (a
+    newline in a path is written as backslash-n).
+    """
+    out = []
+    for ch in str(value):
+        if ch in '\\"':
+            out.append("\\" + ch)
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            out.append(repr(ch)[1:-1])  # \n, \r, \x00, \u2028, \udcff
+    return "".join(out)
 
 
 def py(value: Any) -> str:
@@ -82,6 +103,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters["ident"] = ident
     env.filters["py"] = py
+    env.filters["text"] = text
     env.filters["code"] = code
     return env
 

@@ -38,6 +38,7 @@ FORMS: frozenset[Form] = frozenset({"with"})
 USAGE = "fused_allreduce() opens a with block of dist.all_reduce(tensor) calls: with fused_allreduce(): ..."
 
 _ALL_REDUCE_PARAMS = ("tensor", "op", "group", "async_op")
+MAX_BLOCK = 2**20  # Triton's largest block (TRITON_MAX_TENSOR_NUMEL)
 ALL_REDUCE = "torch.distributed.all_reduce"  # the one function a block may call
 
 
@@ -56,9 +57,14 @@ def validate(site: Site) -> Spec:
         raise MacroError("fused_allreduce() takes no 'as' target", item.asname)
     args = site.args.bind({"block": 1024})
     block = args["block"].value if "block" in args else 1024
+    node = args["block"].node if "block" in args else site.call
     if not isinstance(block, int) or isinstance(block, bool) or block < 16 or block & (block - 1):
-        node = args["block"].node if "block" in args else site.call
         raise MacroError(f"block must be a power of two >= 16, not {block!r}", node)
+    if block > MAX_BLOCK:
+        raise MacroError(
+            f"block must be at most 2**20 (Triton's largest block), not 2**{block.bit_length() - 1}",
+            node,
+        )
     body = site.original.body
     if not isinstance(body, cst.IndentedBlock):
         raise MacroError("put each dist.all_reduce(...) call on its own line", body)
