@@ -95,6 +95,7 @@ SOURCE = textwrap.dedent(
             return x + self.mlp(self.ln_2(x))
 
 
+    @mg.tensor_parallel(plan={"transformer.wte": "vocab", "lm_head": "colwise"})
     class LanguageModel(nn.Module):
         def __init__(self, config):
             super().__init__()
@@ -229,7 +230,8 @@ def _training_parity(rank, world, tmp, tensor):
         torch.testing.assert_close(value, initial[key], rtol=0, atol=0, msg=f"initial {key}")
     block = model.transformer.h[0]
     assert block.attn.c_attn.weight.shape == (3 * CONFIG["n_embd"] // tensor, CONFIG["n_embd"])
-    assert model.transformer.wte.weight is model.lm_head.weight  # still tied
+    assert model.transformer.wte.weight is model.lm_head.weight  # still tied: one shard
+    assert model.lm_head.weight.shape == (CONFIG["vocab_size"] // tensor, CONFIG["n_embd"])
     assert num_parameters(model) == sum(p.numel() for p in serial.parameters())
 
     share = BATCH // m.data_size
@@ -344,6 +346,12 @@ def test_width_arithmetic_is_rewritten_to_the_local_width():
     assert "k = k.view(B, T, self.n_head, C // self.tp_size // self.n_head).transpose(1, 2)" in code
     assert "y = y.transpose(1, 2).contiguous().view(B, T, C // self.tp_size)" in code
     assert "B, T, C = x.size()  # batch, time, channels" in code  # the binding stays
+    assert "b, t = idx.size()" in code  # token ids: no width to rewrite
+    # the loss of the vocabulary-sharded head, without gathering the logits
+    assert (
+        "return vocab_parallel_cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),"
+        " getattr(self.lm_head, 'group', None))"
+    ) in code
 
 
 @pytest.mark.parametrize(

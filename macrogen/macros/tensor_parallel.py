@@ -30,6 +30,7 @@ literal or ``tunable``); without it, $MACROGEN_TP_SIZE from the launch, else 1.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import libcst as cst
@@ -224,6 +225,7 @@ def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
     serial = ctx.names.fresh(f"_{spec.name}_serial")
     plan_module = "macrogen.runtime.tensor_parallel_plan"
     runtime = "macrogen.runtime.tensor_parallel"
+    runtime_collectives = "macrogen.runtime.collectives"
     entries = [
         (e.key, ctx.import_from(plan_module, e.style.runtime), e.style.arguments(), e.style.comment)
         for e in spec.entries
@@ -241,8 +243,9 @@ def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
     )
     blank = [cst.EmptyLine()] * (1 if "." in site.qualname else 2)
     generated[0] = generated[0].with_changes(leading_lines=blank)
-    rewrite_widths(site.original, spec)  # errors at the user's positions
-    cls = rewrite_widths(site.node, spec)
+    loss = functools.partial(ctx.import_from, runtime_collectives, "vocab_parallel_cross_entropy")
+    rewrite_widths(site.original, spec, lambda: "_")  # errors at the user's positions
+    cls = rewrite_widths(site.node, spec, loss)
     return [cls.with_changes(name=cst.Name(serial)), *generated]
 
 
@@ -445,7 +448,7 @@ def _check_super_calls(cls: cst.ClassDef) -> None:
     cls.visit(_Super())
 
 
-def rewrite_widths(cls: cst.ClassDef, spec: Spec) -> cst.ClassDef:
+def rewrite_widths(cls: cst.ClassDef, spec: Spec, loss: Callable[[], str]) -> cst.ClassDef:
     """The class with its ``forward``'s full-width arithmetic made local (tensor_parallel_width)."""
     mine = {e.key for e in spec.entries if len(e.path) == 1}  # forward sees its own layers
     colwise = {e.key for e in spec.entries if e.key in mine and isinstance(e.style, Colwise)}
@@ -454,6 +457,6 @@ def rewrite_widths(cls: cst.ClassDef, spec: Spec) -> cst.ClassDef:
     body = []
     for stmt in cls.body.body:
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
-            stmt = rewrite_forward(stmt, colwise, rowwise, divided)
+            stmt = rewrite_forward(stmt, colwise, rowwise, divided, loss)
         body.append(stmt)
     return cls.with_changes(body=cls.body.with_changes(body=body))

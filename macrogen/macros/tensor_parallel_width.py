@@ -27,26 +27,63 @@ full again once assigned through a rowwise layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
+from macrogen.expand.sites import dotted
 
 SHAPE_METHODS = ("view", "reshape", "split", "unflatten", "expand")
+CROSS_ENTROPY = (
+    "F.cross_entropy",
+    "torch.nn.functional.cross_entropy",
+    "nn.functional.cross_entropy",
+)
+CROSS_ENTROPY_OPTIONS = ("ignore_index", "reduction")
 COMPREHENSIONS = (cst.GeneratorExp, cst.ListComp, cst.SetComp, cst.DictComp)
 
 
 def rewrite_forward(
-    forward: cst.FunctionDef, colwise: set[str], rowwise: set[str], divided: set[str]
+    forward: cst.FunctionDef,
+    colwise: set[str],
+    rowwise: set[str],
+    divided: set[str],
+    cross_entropy: Callable[[], str],
 ) -> cst.FunctionDef:
-    """``forward`` with full-width names rewritten to the local width where they meet a shard."""
+    """``forward`` with full-width names rewritten to the local width where they meet a shard,
+    and ``F.cross_entropy`` of vocabulary-sharded logits made vocab-parallel.
+
+    ``cross_entropy()`` gives the name generated code calls for the latter (imported on use).
+    """
     params = [p.name.value for p in (*forward.params.posonly_params, *forward.params.params)]
     if len(params) < 2 or not colwise:
         return forward
-    me, inputs = params[0], set(params[1:])
+    me = params[0]
+    inputs = _feeding(forward, me, set(params[1:]), colwise)  # whose last dim is the width
     full = _full_width_names(forward, me, inputs)
-    if not full:
-        return forward
-    return forward.visit(_Widths(me, full, colwise, rowwise, divided))
+    return forward.visit(_Widths(me, full, colwise, rowwise, divided, cross_entropy))
+
+
+def _feeding(forward: cst.FunctionDef, me: str, inputs: set[str], colwise: set[str]) -> set[str]:
+    """The inputs passed to a colwise layer (``self.c_attn(x)``): their last dim is the width
+    the layer splits; other inputs (token ids) have no width to rewrite."""
+    found: set[str] = set()
+
+    class _Find(cst.CSTVisitor):
+        def visit_Call(self, call: cst.Call) -> None:
+            func = call.func
+            if (
+                isinstance(func, cst.Attribute)
+                and isinstance(func.value, cst.Name)
+                and func.value.value == me
+                and func.attr.value in colwise
+            ):
+                for arg in call.args:
+                    found.update(_names(arg.value) & inputs)
+
+    forward.visit(_Find())
+    return found
 
 
 def _full_width_names(forward: cst.FunctionDef, me: str, inputs: set[str]) -> dict[str, str]:
@@ -117,20 +154,28 @@ def _is_minus_one(node: cst.BaseExpression) -> bool:
 
 class _Widths(cst.CSTTransformer):
     def __init__(
-        self, me: str, full: dict[str, str], colwise: set[str], rowwise: set[str], divided: set[str]
+        self,
+        me: str,
+        full: dict[str, str],
+        colwise: set[str],
+        rowwise: set[str],
+        divided: set[str],
+        cross_entropy: Callable[[], str],
     ):
         super().__init__()
         self.me, self.full = me, full
         self.colwise, self.rowwise, self.divided = colwise, rowwise, divided
-        self.sharded: set[str] = set()  # names holding a tensor computed from a colwise output
+        self.cross_entropy = cross_entropy
+        self.sharded: dict[str, str] = {}  # name -> the colwise layer its tensor comes from
         self.stack: list[cst.CSTNode] = []
 
     # -- following tensors by name -----------------------------------------------------------
     def on_visit(self, node: cst.CSTNode) -> bool:
         if isinstance(node, COMPREHENSIONS):  # (t.view(...) for t in (q, k, v)): t is sharded
             comp = node.for_in
-            if self._mentions_shard(comp.iter):
-                self.sharded |= _names(comp.target)
+            layer = self._shard_source(comp.iter)
+            if layer is not None:
+                self.sharded.update(dict.fromkeys(_names(comp.target), layer))
         self.stack.append(node)
         return True
 
@@ -138,15 +183,42 @@ class _Widths(cst.CSTTransformer):
         self.stack.pop()
         if isinstance(original, cst.Assign):
             targets = set().union(*(_names(t.target) for t in original.targets))
-            if self._calls(original.value, self.rowwise):
-                self.sharded -= targets
-            elif self._mentions_shard(original.value):
-                self.sharded |= targets
-            else:
-                self.sharded -= targets
+            layer = self._shard_source(original.value)
+            for name in targets:
+                self.sharded.pop(name, None)
+                if layer is not None and not self._calls(original.value, self.rowwise):
+                    self.sharded[name] = layer
         if isinstance(original, cst.Name) and original.value in self.full:
             return self._use(original, updated)
+        if isinstance(original, cst.Call) and dotted(original.func) in CROSS_ENTROPY:
+            return self._cross_entropy(original, updated)
         return updated
+
+    def _cross_entropy(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        """``F.cross_entropy(logits, target)`` of vocabulary-sharded logits: vocab-parallel."""
+        if not original.args:
+            return updated
+        layer = self._shard_source(original.args[0].value)
+        if layer is None:
+            return updated
+        positional = [a for a in original.args if a.keyword is None]
+        options = [a for a in original.args if a.keyword is not None]
+        bad = [a for a in options if a.keyword.value not in CROSS_ENTROPY_OPTIONS]
+        if len(positional) != 2 or bad or any(a.star for a in original.args):
+            raise MacroError(
+                f"cross_entropy of self.{layer}'s output, whose vocabulary is split over the"
+                " tensor-parallel ranks, becomes a vocab-parallel cross-entropy that takes"
+                " (logits, target) and ignore_index=, reduction=; write the call in that form",
+                bad[0] if bad else original,
+            )
+        # the head's group: None serially (the layer is then the full nn.Linear)
+        group = cst.parse_expression(f"getattr({self.me}.{layer}, 'group', None)")
+        comma = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+        args = list(updated.args)
+        last = len(args) == 2
+        args[1] = args[1].with_changes(comma=comma)
+        args.insert(2, cst.Arg(group, comma=updated.args[1].comma if last else comma))
+        return updated.with_changes(func=cst.Name(self.cross_entropy()), args=args)
 
     def _self_attr(self, node: cst.CSTNode, names: set[str]) -> bool:
         return (
@@ -167,8 +239,23 @@ class _Widths(cst.CSTTransformer):
         node.visit(_Find())
         return found
 
+    def _shard_source(self, node: cst.CSTNode) -> str | None:
+        """The colwise layer whose (sharded) output ``node`` is computed from, if any."""
+        found: str | None = None
+
+        class _Find(cst.CSTVisitor):
+            def visit_Call(_, call: cst.Call) -> None:
+                nonlocal found
+                if found is None and self._self_attr(call.func, self.colwise):
+                    found = call.func.attr.value  # type: ignore[attr-defined]
+
+        node.visit(_Find())
+        if found is None:
+            found = next((self.sharded[n] for n in _names(node) if n in self.sharded), None)
+        return found
+
     def _mentions_shard(self, node: cst.CSTNode) -> bool:
-        return self._calls(node, self.colwise) or bool(_names(node, loads=True) & self.sharded)
+        return self._shard_source(node) is not None
 
     # -- one use of a full-width name --------------------------------------------------------
     def _use(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:

@@ -221,8 +221,11 @@ def parallelize(
     module.__dict__["_tensor_parallel_plan"] = name
     planned = _Planned(module, name, group, plan)
     frame = _outermost_init(module)
-    if frame is None:  # this module is the model: nothing else can re-initialize it
-        _apply([planned], module)
+    if frame is None:  # this module is the model: cut its shards and those waiting for it
+        waiting = [root for root in _roots if root.module is module]
+        for root in waiting:
+            _forget(root)
+        _apply([*(p for root in waiting for p in root.planned), planned], module)
         return
     for root in _roots:
         if root.frame is frame:
@@ -285,11 +288,15 @@ def _on_event(frame, event: str, arg: Any) -> None:
 
 
 def _finish(root: _Root) -> None:
+    _forget(root)
+    _apply(root.planned, root.module)
+
+
+def _forget(root: _Root) -> None:
     _roots.remove(root)
     if not _roots and sys.getprofile() is _on_event:
         sys.setprofile(None)
     root.frame = None
-    _apply(root.planned, root.module)
 
 
 def _apply(planned: list[_Planned], root: nn.Module) -> None:
