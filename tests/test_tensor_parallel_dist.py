@@ -367,6 +367,27 @@ def _two_rank_checks(rank, world, tmp):
     tied = P.TiedLM(VOCAB, D_MODEL)
     assert tied.head.weight is tied.wte.weight and len(list(tied.parameters())) == 1
 
+    # vocab-parallel cross-entropy from this rank's logit columns equals the serial loss
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from macrogen.runtime.collectives import vocab_parallel_cross_entropy
+
+    logits = torch.randn(12, VOCAB, generator=torch.Generator().manual_seed(7)) * 3
+    target = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(8))
+    target[::5] = -1
+    for reduction in ("mean", "sum", "none"):
+        full = logits.clone().requires_grad_()
+        want = F.cross_entropy(full, target, ignore_index=-1, reduction=reduction)
+        want.sum().backward()
+        mine = logits.chunk(world, dim=-1)[rank].clone().requires_grad_()
+        with _CountCollectives() as comm:
+            got = vocab_parallel_cross_entropy(mine, target, dist.group.WORLD, -1, reduction)
+            got.sum().backward()
+            counts[f"cross_entropy {reduction}"] = comm.take()
+        torch.testing.assert_close(got, want, **TOL, msg=f"cross_entropy {reduction}")
+        torch.testing.assert_close(mine.grad, full.grad.chunk(world, dim=-1)[rank], **TOL)
+
     # big rowwise outputs are reduced in row chunks, each while the next is computed;
     # without overlap, every collective runs alone
     import macrogen.runtime.collectives as collectives
@@ -454,6 +475,8 @@ def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
         {"all_reduce": 4, "all_gather": 0},
     )
     assert counts["TiedLM"] == (one_each, one_each)
+    # the row maxima, then the sums of exp and of the target logits together; nothing backward
+    assert counts["cross_entropy mean"] == {"all_reduce": 2, "all_gather": 0}
     assert errors == [
         "LMRowwiseHead.wte.num_embeddings = 25 is not divisible by the tensor-parallel size 2; choose a size that divides it",
         "Attention.n_head = 3 is not divisible by the tensor-parallel size 2; choose a size that divides it",
