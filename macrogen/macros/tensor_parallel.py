@@ -30,7 +30,7 @@ literal or ``tunable``); without it, $MACROGEN_TP_SIZE from the launch, else 1.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import libcst as cst
@@ -38,11 +38,12 @@ import libcst as cst
 from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
-from macrogen.expand.site import Site
+from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
 from macrogen.expand.sites import did_you_mean, dotted
 from macrogen.macros.tensor_parallel_width import rewrite_forward
 
-FORMS = ("decorator",)
+NAME = "tensor_parallel"
+FORMS: frozenset[Form] = frozenset({"decorator"})
 USAGE = (
     "@tensor_parallel(plan={'attr': 'colwise' | 'rowwise' | 'vocab' | 'divide' | 'replicate'},"
     " size=N) on an nn.Module class"
@@ -220,33 +221,57 @@ def _style(value: object, node: cst.CSTNode) -> Style:
     return STYLES[value]()
 
 
-def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
+def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
+    """A tensor-parallel size must divide the world size."""
+    size = arguments.get("size")
+    if isinstance(size, int) and (size < 1 or env.world_size % size):
+        return f"size={size} does not divide the world size {env.world_size}"
+    return None
+
+
+def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
+    assert isinstance(site.node, cst.ClassDef) and isinstance(site.original, cst.ClassDef)
     serial = ctx.names.fresh(f"_{spec.name}_serial")
     plan_module = "macrogen.runtime.tensor_parallel_plan"
     runtime = "macrogen.runtime.tensor_parallel"
-    runtime_collectives = "macrogen.runtime.collectives"
+    styles = {s: ctx.import_from(plan_module, s) for s in _styles(spec)}
     entries = [
-        (e.key, ctx.import_from(plan_module, e.style.runtime), e.style.arguments(), e.style.comment)
+        (e.key, styles[e.style.runtime], e.style.arguments(), e.style.comment)
         for e in spec.entries
     ]
+    parallelize = ctx.import_from(plan_module, "parallelize")
+    group = ctx.import_from("macrogen.runtime.mesh", "tensor_parallel_group")
+    gather = ctx.import_from(runtime, "serial_state_dict")
+    scatter = ctx.import_from(runtime, "load_serial_state_dict")
     generated = codegen.render_statements(
         "tensor_parallel_class.py.j2",
         name=spec.name,
         serial=serial,
         size=spec.size,
         entries=entries,
-        parallelize=ctx.import_from(plan_module, "parallelize"),
-        group=ctx.import_from("macrogen.runtime.mesh", "tensor_parallel_group"),
-        gather=ctx.import_from(runtime, "serial_state_dict"),
-        scatter=ctx.import_from(runtime, "load_serial_state_dict"),
+        parallelize=parallelize,
+        group=group,
+        gather=gather,
+        scatter=scatter,
     )
     blank = [cst.EmptyLine()] * (1 if "." in site.qualname else 2)
     generated[0] = generated[0].with_changes(leading_lines=blank)
-    loss = functools.partial(ctx.import_from, runtime_collectives, "vocab_parallel_cross_entropy")
+    used = []  # the vocab-parallel loss, imported only where forward computes one
+
+    def loss() -> str:
+        used.append(ctx.import_from("macrogen.runtime.collectives", "vocab_parallel_cross_entropy"))
+        return used[-1]
+
     rewrite_widths(site.original, spec, lambda: "_")  # errors at the user's positions
     cls = rewrite_widths(site.node, spec, loss)
-    return [cls.with_changes(name=cst.Name(serial)), *generated]
+    imports = (*styles.values(), parallelize, group, gather, scatter, *used[:1])
+    return Expanded([cls.with_changes(name=cst.Name(serial)), *generated], imports=imports)
+
+
+def _styles(spec: Spec) -> list[str]:
+    """The runtime styles of the plan, in order of first use (imports are asked for in order)."""
+    return list(dict.fromkeys(e.style.runtime for e in spec.entries))
 
 
 # -- what __init__ assigns ------------------------------------------------------------

@@ -35,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
+from macrogen.runtime import groups
 from macrogen.runtime.collectives import group_size
 from macrogen.runtime.tensor_parallel import (
     ColwiseLinear,
@@ -347,6 +348,7 @@ def _check_agreement(planned: list[_Planned]) -> None:
         )
         for p in live
     )
+    groups.barrier("tensor_parallel: the rank-agreement check")  # a stopped peer is named
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)  # every rank cuts the same roots in the same order
     for rank, other in enumerate(gathered):
