@@ -25,11 +25,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from macrogen.runtime.collectives import (
+    all_reduce_gradient,
+    colwise_from_sequence,
     colwise_linear,
     group_rank,
     group_size,
     reduce_from_tensor_parallel,
     rowwise_linear,
+    rowwise_to_sequence,
     scatter_last_dim,
 )
 
@@ -70,7 +73,9 @@ def make_shard(
 
 def _shard(t, dim, group, blocks, name, shard) -> Any:
     # ``shard``: the planner's cache, so that a parameter tied between layers gets one shard
-    return make_shard(t, dim, group, blocks) if shard is None else shard(t, dim, blocks, group, name)
+    return (
+        make_shard(t, dim, group, blocks) if shard is None else shard(t, dim, blocks, group, name)
+    )
 
 
 class _Sharded(nn.Module):
@@ -104,10 +109,12 @@ class ColwiseLinear(_Sharded):
         name: str = "colwise",
         blocks: int = 1,
         shard: Any = None,
+        sequence: bool = False,
     ):
         super().__init__()
         _expect(full, nn.Linear, "colwise", name)
         self.group, self.blocks = group, blocks
+        self.sequence = sequence  # the input is this rank's slice of the sequence: all-gathered
         self.in_features = full.in_features
         if full.out_features % blocks:
             raise ValueError(
@@ -115,10 +122,14 @@ class ColwiseLinear(_Sharded):
             )
         what = f"{name}.out_features / {blocks} blocks" if blocks > 1 else f"{name}.out_features"
         self.out_features = blocks * _shard_size(full.out_features // blocks, group, what)
-        self.weight = _shard(full.weight, 0, group, blocks, f"{name}.weight", shard)  # (out / T, in)
+        self.weight = _shard(
+            full.weight, 0, group, blocks, f"{name}.weight", shard
+        )  # (out / T, in)
         self.bias = _shard(full.bias, 0, group, blocks, f"{name}.bias", shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence:
+            return colwise_from_sequence(x, self.weight, self.bias, self.group)
         return colwise_linear(x, self.weight, self.bias, self.group)
 
     def extra_repr(self) -> str:
@@ -142,10 +153,14 @@ class RowwiseLinear(_Sharded):
         group: dist.ProcessGroup | None,
         name: str = "rowwise",
         shard: Any = None,
+        sequence: bool = False,
     ):
         super().__init__()
         _expect(full, nn.Linear, "rowwise", name)
-        self.group = group
+        self.group, self.name = group, name
+        self.sequence = (
+            sequence  # the output is this rank's slice of the sequence: reduce-scattered
+        )
         self.in_features = _shard_size(full.in_features, group, f"{name}.in_features")
         self.out_features = full.out_features
         self.weight = _shard(full.weight, 1, group, 1, f"{name}.weight", shard)  # (out, in / T)
@@ -154,11 +169,17 @@ class RowwiseLinear(_Sharded):
             if full.bias is None
             else nn.Parameter(full.bias.detach().clone(), requires_grad=full.bias.requires_grad)
         )
+        if sequence and group is not None and self.bias is not None and self.bias.requires_grad:
+            # added to this rank's tokens only: its gradient is summed over the ranks
+            self.bias.register_hook(all_reduce_gradient(group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:  # a full input: keep my slice
             x = scatter_last_dim(x, self.group)
-        y = rowwise_linear(x, self.weight, self.group)
+        if self.sequence:
+            y = rowwise_to_sequence(x, self.weight, self.group, self.name)
+        else:
+            y = rowwise_linear(x, self.weight, self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
