@@ -23,7 +23,10 @@ packed blocks, each split on its own) and ``rowwise`` on ``nn.Linear``, ``vocab`
 ``nn.Embedding``, ``divide`` on an int attribute (``n_head``: forward's reshapes
 then use the local count), ``replicate`` on anything (the default). Plan keys
 are attributes the class's ``__init__`` assigns (``self.fc = ...``), or dotted
-paths into submodules (``"mlp.fc"``). ``size=`` is the tensor-parallel degree (a
+paths into submodules (``"mlp.fc"``). Sequence parallelism: ``sequence`` on a layer
+norm or dropout (run on this rank's slice of the sequence), ``from sequence`` on
+a module (its input gathered on entry), ``colwise from sequence`` and ``rowwise
+to sequence`` on ``nn.Linear`` (gather in, reduce-scatter out). ``size=`` is the tensor-parallel degree (a
 literal or ``tunable``); without it, $MACROGEN_TP_SIZE from the launch, else 1.
 """
 

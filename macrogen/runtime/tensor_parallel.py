@@ -11,6 +11,10 @@ checkpoints between serial and tensor-parallel runs.
     colwise    nn.Linear      rows (out features)     f(x) @ W_r.T + b_r        -> output sharded on the last dim
     rowwise    nn.Linear      columns (in features)   g(x_r @ W_r.T) + b        -> output full (bias added once)
     vocab      nn.Embedding   rows (vocabulary)       g(mask(E_r[ids - start])) -> output full
+
+With sequence parallelism (``sequence=True``) a colwise layer all-gathers its
+input along the sequence (dim 1) first, and a rowwise layer reduce-scatters
+its output along the sequence instead of all-reducing it.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from macrogen.runtime.collectives import (
-    all_reduce_gradient,
     colwise_from_sequence,
     colwise_linear,
+    copy_to_tensor_parallel,
     group_rank,
     group_size,
     reduce_from_tensor_parallel,
@@ -169,18 +173,16 @@ class RowwiseLinear(_Sharded):
             if full.bias is None
             else nn.Parameter(full.bias.detach().clone(), requires_grad=full.bias.requires_grad)
         )
-        if sequence and group is not None and self.bias is not None and self.bias.requires_grad:
-            # added to this rank's tokens only: its gradient is summed over the ranks
-            self.bias.register_hook(all_reduce_gradient(group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:  # a full input: keep my slice
             x = scatter_last_dim(x, self.group)
-        if self.sequence:
-            y = rowwise_to_sequence(x, self.weight, self.group, self.name)
-        else:
+        if not self.sequence:
             y = rowwise_linear(x, self.weight, self.group)
-        return y if self.bias is None else y + self.bias
+            return y if self.bias is None else y + self.bias
+        y = rowwise_to_sequence(x, self.weight, self.group, self.name)
+        # the bias meets this rank's tokens only: f sums its gradient over the ranks
+        return y if self.bias is None else y + copy_to_tensor_parallel(self.bias, self.group)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (shard of {self.in_features * group_size(self.group)}), out_features={self.out_features}"

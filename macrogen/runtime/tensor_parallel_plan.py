@@ -29,6 +29,7 @@ shard, shared; a plan that cannot keep a tie is an error naming both names.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
@@ -207,9 +208,7 @@ class Sequence(Style):
                 " a per-token module of yours)"
             )
         if group is not None:
-            for param in module.parameters():
-                if param.requires_grad:
-                    param.register_hook(all_reduce_gradient(group))
+            module.register_forward_pre_hook(_sum_parameter_gradients(group))
 
 
 class FromSequence(Style):
@@ -228,6 +227,23 @@ class FromSequence(Style):
             )
         if group is not None:
             module.register_forward_pre_hook(_gather_first_input(group, name))
+
+
+def _sum_parameter_gradients(group):
+    """A forward pre-hook giving each parameter of the module, once, a gradient hook summing
+    its gradient over the group. Hooked on first use, not at planning: a parameter's own hooks
+    are lost by ``copy.deepcopy``, the module's pre-hooks are kept (the copy's parameters,
+    new objects, are hooked on its first forward)."""
+    hooked: dict[int, weakref.ref] = {}  # by id, checked by identity (tensors' == is elementwise)
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        for param in module.parameters():
+            seen = hooked.get(id(param))
+            if param.requires_grad and (seen is None or seen() is not param):
+                param.register_hook(all_reduce_gradient(group))
+                hooked[id(param)] = weakref.ref(param)
+
+    return hook
 
 
 def _gather_first_input(group, name: str):
