@@ -304,22 +304,26 @@ def _check_sequence(length: int, size: int, what: str) -> None:
 
 
 def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """(B, T / tp, ...) on each rank -> (B, T, ...), ranks' slices in order."""
+    """(B, T / tp, ...) on each rank -> (B, T, ...), ranks' slices in order, contiguous."""
     size = dist.get_world_size(group)
-    front = x.transpose(0, SEQUENCE_DIM).contiguous()  # (T / tp, B, ...): one block per rank
-    out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
-    dist.all_gather_single(out, front, group=group)
-    return out.transpose(0, SEQUENCE_DIM)
+    x = x.contiguous()
+    blocks = x.new_empty((size * x.shape[0], *x.shape[1:]))  # rank r's slice is block r
+    dist.all_gather_single(blocks, x, group=group)
+    # (tp, B, T / tp, ...) -> (B, T, ...): one copy, to the layout the next layer reads
+    return blocks.view(size, *x.shape).movedim(0, SEQUENCE_DIM).reshape(
+        x.shape[0], size * x.shape[1], *x.shape[2:]
+    )
 
 
 def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, what: str) -> torch.Tensor:
     """(B, T, ...) partial sums on each rank -> this rank's (B, T / tp, ...) of their sum."""
     size = dist.get_world_size(group)
     _check_sequence(x.shape[SEQUENCE_DIM], size, what)
-    front = x.transpose(0, SEQUENCE_DIM).contiguous()  # (T, B, ...)
-    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    dist.reduce_scatter_single(out, front, group=group)
-    return out.transpose(0, SEQUENCE_DIM)
+    B, T = x.shape[0], x.shape[1]
+    blocks = x.reshape(B, size, T // size, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T / tp, ...)
+    out = x.new_empty(blocks.shape[1:])  # contiguous (B, T / tp, ...)
+    dist.reduce_scatter_single(out, blocks.flatten(0, 1), group=group)
+    return out
 
 
 def _my_sequence_slice(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -371,14 +375,16 @@ class _ColwiseFromSequence(torch.autograd.Function):
 
 
 class _RowwiseToSequence(torch.autograd.Function):
-    """reduce_scatter_T(F.linear(x, W)): backward all-gathers the output gradient along T."""
+    """reduce_scatter_T(F.linear(x, W)) + b: backward all-gathers the output gradient along T
+    (so the bias gradient, a sum over every token, needs no collective)."""
 
     @staticmethod
     @_autocast_forward
-    def forward(ctx, x, weight, group, what):
+    def forward(ctx, x, weight, bias, group, what):
         ctx.save_for_backward(x, weight)
-        ctx.group = group
-        return _reduce_scatter_sequence(F.linear(x, weight), group, what)
+        ctx.group, ctx.has_bias = group, bias is not None
+        out = _reduce_scatter_sequence(F.linear(x, weight), group, what)
+        return out if bias is None else out.add_(bias)
 
     @staticmethod
     @_autocast_backward
@@ -388,7 +394,8 @@ class _RowwiseToSequence(torch.autograd.Function):
         grad2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None
+        grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def colwise_from_sequence(x, weight, bias, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -399,12 +406,12 @@ def colwise_from_sequence(x, weight, bias, group: dist.ProcessGroup | None) -> t
 
 
 def rowwise_to_sequence(
-    x, weight, group: dist.ProcessGroup | None, what: str = "rowwise"
+    x, weight, bias, group: dist.ProcessGroup | None, what: str = "rowwise"
 ) -> torch.Tensor:
-    """This rank's sequence slice of the sum over ranks of F.linear(x, weight) (no bias)."""
+    """This rank's sequence slice of the sum over ranks of F.linear(x, weight), plus bias."""
     if group_size(group) == 1:
-        return F.linear(x, weight)
-    return _RowwiseToSequence.apply(x, weight, group, what)
+        return F.linear(x, weight, bias)
+    return _RowwiseToSequence.apply(x, weight, bias, group, what)
 
 
 def all_reduce_gradient(group: dist.ProcessGroup):

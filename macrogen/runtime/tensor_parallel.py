@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from macrogen.runtime.collectives import (
     colwise_from_sequence,
     colwise_linear,
-    copy_to_tensor_parallel,
     group_rank,
     group_size,
     reduce_from_tensor_parallel,
@@ -180,9 +179,7 @@ class RowwiseLinear(_Sharded):
         if not self.sequence:
             y = rowwise_linear(x, self.weight, self.group)
             return y if self.bias is None else y + self.bias
-        y = rowwise_to_sequence(x, self.weight, self.group, self.name)
-        # the bias meets this rank's tokens only: f sums its gradient over the ranks
-        return y if self.bias is None else y + copy_to_tensor_parallel(self.bias, self.group)
+        return rowwise_to_sequence(x, self.weight, self.bias, self.group, self.name)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (shard of {self.in_features * group_size(self.group)}), out_features={self.out_features}"
