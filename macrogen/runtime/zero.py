@@ -35,6 +35,7 @@ to average its gradients: the reduce-scatter here does it.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -179,9 +180,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if mine:
                 local_groups.append({**_settings(g), "params": mine})
                 self._local_of.append(g_index)
-        self.local = (
-            kind(local_groups, **optimizer.defaults) if local_groups else None
-        )  # None: this rank's chunk holds only padding
+        # the constructor's own arguments only (AdamW's defaults also hold internal keys)
+        accepted = inspect.signature(kind.__init__).parameters
+        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        # None: this rank's chunk holds only padding
+        self.local = kind(local_groups, **kwargs) if local_groups else None
         self._num_params = len(order)
         self._disable_gradient_sync(order)
         if saved is not None:
