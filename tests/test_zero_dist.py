@@ -136,7 +136,8 @@ def _zero_vs_torch(rank: int, world: int, out_dir: str) -> dict:
                                        betas=(0.9, 0.95)), mine)  # fmt: skip
     torch.manual_seed(0)
     ours = models.Plain(config)
-    opt = ShardedOptimizer(adamw(ours.parameters()))
+    opt = models.sharded_adamw(ours.parameters())  # an expanded mg.shard_optimizer site
+    assert isinstance(opt, ShardedOptimizer)
     train(ours, opt, mine)
     assert_params_close(
         ours, ref_model, f"ZeRO on {world} ranks vs torch ZeRO", skip=NOISE_ONLY, **FP32
