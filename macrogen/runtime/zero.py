@@ -183,6 +183,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # the constructor's own arguments only (AdamW's defaults also hold internal keys)
         accepted = inspect.signature(kind.__init__).parameters
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        self._forced: dict[str, Any] = {}  # settings of the pieces' groups that are ours
+        if kwargs.get("foreach", False) is None and not kwargs.get("fused"):
+            # left to torch (a per-tensor loop on CPU): one multi-tensor step over the share
+            self._forced["foreach"] = kwargs["foreach"] = True
+            for g in local_groups:
+                g.update(self._forced)
         # None: this rank's chunk holds only padding
         self.local = kind(local_groups, **kwargs) if local_groups else None
         self._num_params = len(order)
@@ -195,11 +201,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         from macrogen.runtime.data_parallel import syncs_of
 
         for sync in syncs_of(params):
+            if sync.local_sgd is not None:
+                raise TypeError(
+                    f"{self.where}: shard_optimizer over a @data_parallel(sync_every=k > 1) model"
+                    f" ({sync.where}) is not supported: the sharded step averages every step"
+                )
             sync.gradients_elsewhere = True
 
     # -- the step -------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -213,7 +224,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 pc.tensor.grad = None if id(pc.param) in unused else grad
         if self.local is not None:
             for local, user in zip(self.local.param_groups, self._local_of):
-                local.update(_settings(self.param_groups[user]))
+                local.update(_settings(self.param_groups[user]), **self._forced)
             self.local.step()
         for space in self.spaces:
             space.all_gather(self.group)
@@ -289,7 +300,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     piece_state[key] = value.clone() if torch.is_tensor(value) else value
             self.local.state[pc.tensor] = piece_state
         for local, user in zip(self.local.param_groups, self._local_of):
-            local.update(_settings(self.param_groups[user]))
+            local.update(_settings(self.param_groups[user]), **self._forced)
 
     # -- measurement ---------------------------------------------------------------------------
     def state_bytes(self) -> int:
