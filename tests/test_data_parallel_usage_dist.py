@@ -73,6 +73,8 @@ def _replaced(models, rank, world) -> dict:
         assert_params_close(ours, serial, f"replaced {when}", **FP32)
         sync = gradient_sync(ours)
         assert any(p is ours.w for p in sync.params), when
+        if when == "after 2 steps":
+            assert sync.replanned == ["'w' was replaced, removed or frozen"], sync.replanned
         out[when] = len(sync.params)
     return out
 
@@ -146,3 +148,19 @@ def test_replaced_parameters_clip_autocast_and_inference(tmp_path):
     assert results[0]["replaced"] == {"before first forward": 3, "after 2 steps": 3}
     assert results[0]["inference"] == {"evaluated": 3}
     assert results[1]["inference"] == {"evaluated": 0}
+
+
+def test_the_parameter_check_names_what_changed():
+    from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync
+
+    net = nn.Sequential(nn.Linear(2, 2))
+    sync = GradientSync(net, DataParallelConfig(), where="t.py:1")
+    assert sync.params_changed() is None
+    net[0].weight = nn.Parameter(torch.zeros(2, 2))
+    assert sync.params_changed() == "'0.weight' was replaced, removed or frozen"
+    sync._collect()
+    net.add_module("1", nn.Linear(2, 2))
+    assert sync.params_changed() == "'1.weight' is new"
+    sync._collect()
+    net[1].bias.requires_grad_(False)  # frozen: no longer averaged
+    assert sync.params_changed() == "'1.bias' was replaced, removed or frozen"

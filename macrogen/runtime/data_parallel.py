@@ -96,6 +96,7 @@ class GradientSync:
         self.started = False
         self.backwards = 0  # backward passes so far (accumulate counts them)
         self.gradients_elsewhere = False  # a sharded optimizer reduces the gradients itself
+        self.replanned: list[str] = []  # why the buckets were planned again (a replaced parameter)
         self.local_sgd = LocalSGD(self) if config.sync_every > 1 else None
         self._collect()
         self._reset_window()
@@ -135,7 +136,7 @@ class GradientSync:
         named = {id(p): n for n, p in self.module.named_parameters() if p.requires_grad}
         for p, name in zip(self.params, self.names):
             if id(p) not in named:
-                return f"{name!r} was replaced or removed"
+                return f"{name!r} was replaced, removed or frozen"
         planned = {id(p) for p in self.params}
         for pid, name in named.items():
             if pid not in planned:
@@ -190,8 +191,10 @@ class GradientSync:
         # it neither starts up nor re-plans nor broadcasts buffers, as DDP under no_grad.
         if not torch.is_grad_enabled():
             return
-        if self.started and self.params_changed() is not None:
-            self.started = False  # a parameter was replaced: plan the buckets again
+        changed = self.params_changed() if self.started else None
+        if changed is not None:  # a parameter was replaced: plan the buckets again
+            self.replanned.append(changed)
+            self.started = False
         if not self.started:
             self._start()
         if self.config.broadcast_buffers and module.training:
