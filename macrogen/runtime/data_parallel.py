@@ -149,7 +149,8 @@ class GradientSync:
         self.started = False
 
     def _start(self) -> None:
-        self._collect()
+        if self.params_changed() is not None:  # e.g. replaced between __init__ and this forward
+            self._collect()
         plan = plan_buckets(
             self.params,
             bucket_bytes=int(self.config.bucket_mb * MB),

@@ -15,7 +15,8 @@ Every rank keeps optimizer state for 1/world of the parameters' elements only:
    sum of its chunk, scaled by 1/world: the averaged gradients of its share;
 2. the user's optimizer class, rebuilt over this rank's *pieces* (the parts of
    each parameter in its chunk, 1-D views of one flat tensor), steps them
-   with the user's hyperparameters (``foreach``/``fused`` as the user chose);
+   with the user's hyperparameters: ``fused=True`` as the user chose, else one
+   ``foreach`` (multi-tensor) step over the share;
 3. one ``all_gather`` of the chunks and one ``_foreach_copy_`` put the updated
    values back into every parameter.
 
@@ -191,7 +192,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 g.update(self._forced)
         # None: this rank's chunk holds only padding
         self.local = kind(local_groups, **kwargs) if local_groups else None
-        self._num_params = len(order)
         self._disable_gradient_sync(order)
         if saved is not None:
             self.load_state_dict(saved)
