@@ -56,6 +56,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         before, cst.ParenthesizedWhitespace
     ):  # one argument per line, as the user wrote it: ours on a line of its own
         indented = after.with_changes(last_line=before.last_line)
+        assert isinstance(user.comma, cst.Comma)  # given one above
         user = user.with_changes(comma=user.comma.with_changes(whitespace_after=indented))
         plain = after.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=())
         rest[-1] = rest[-1].with_changes(comma=cst.Comma(whitespace_after=plain))

@@ -210,7 +210,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- the step -------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -236,10 +236,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mine: list[tuple[int, int, int, int, dict[str, Any]]] = []
         if self.local is not None:
             for pc in self.pieces:
-                state = self.local.state.get(pc.tensor)
-                if state:
+                piece = self.local.state.get(pc.tensor)
+                if piece:
                     numel = pc.param.numel()
-                    mine.append((pc.index, pc.start, pc.stop, numel, _to_cpu(state)))
+                    mine.append((pc.index, pc.start, pc.stop, numel, _to_cpu(piece)))
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         params = [p for g in self.param_groups for p in g["params"]]
