@@ -64,10 +64,17 @@ def fused_allreduce(**options: Any):
     yield
 
 
+def shard_optimizer(optimizer: T) -> T:
+    """``opt = shard_optimizer(torch.optim.AdamW(...))``: the optimizer itself until expanded
+    (then its state is sharded over the data-parallel ranks, ZeRO-1)."""
+    return optimizer
+
+
 MACRO_NAMES = (
     "data_parallel",
     "define",
     "fused_allreduce",
+    "shard_optimizer",
     "target",
     "tensor_parallel",
     "tile",
