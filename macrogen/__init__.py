@@ -8,6 +8,8 @@ from macrogen.markers import (
     data_parallel,
     define,
     fused_allreduce,
+    pipeline,
+    pipeline_step,
     target,
     tensor_parallel,
     tile,
@@ -27,6 +29,7 @@ NON_MACRO_NAMES = frozenset(
         "hook",
         "kernels",
         "markers",
+        "pipeline_step",
         "runtime",
     }
 )
@@ -48,6 +51,8 @@ __all__ = [
     "define",
     "expand_source",
     "fused_allreduce",
+    "pipeline",
+    "pipeline_step",
     "target",
     "tensor_parallel",
     "tile",

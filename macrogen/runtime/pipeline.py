@@ -50,7 +50,9 @@ class PipelineConfig:
     stages: int  # pipeline stages: the world is stages x data ranks
     microbatches: int = 4  # micro-batches per step: more shrink the bubble, fewer are larger
     schedule: str = "1f1b"  # "gpipe" (all forwards, then all backwards) or "1f1b"
-    split: tuple[str, ...] | None = None  # names that start stages 1..: ("blocks.3",); None: balanced
+    split: tuple[str, ...] | None = (
+        None  # names that start stages 1..: ("blocks.3",); None: balanced
+    )
 
 
 @dataclass(frozen=True)
@@ -137,24 +139,10 @@ class Plan:
         stages = []
         for s in range(len(self.starts) + 1):
             a, b = self.bounds(s)
-            stages.append(f"stage {s}: {_runs([part for u in self.units[a:b] for part in u.parts])}")
+            stages.append(
+                f"stage {s}: {pf.runs([part for u in self.units[a:b] for part in u.parts])}"
+            )
         return " | ".join(stages)
-
-
-def _runs(names: list[str]) -> str:
-    """``blocks.0, blocks.1, blocks.2`` -> ``blocks.0-2``."""
-    out: list[str] = []
-    for name in names:
-        head, _, tail = name.rpartition(".")
-        if out and tail.isdigit() and head:
-            prev = out[-1]
-            ph, _, pt = prev.rpartition(".")
-            last = pt.split("-")[-1]
-            if ph == head and last.isdigit() and int(last) + 1 == int(tail):
-                out[-1] = f"{ph}.{pt.split('-')[0]}-{tail}"
-                continue
-        out.append(name)
-    return ", ".join(out)
 
 
 def forward_of(model: nn.Module) -> tuple[pf.Forward, Callable[..., Any]]:
@@ -190,10 +178,7 @@ def plan(model: nn.Module, stages: int, split: tuple[str, ...] | None) -> Plan:
     try:
         if split is not None:
             if len(split) != stages - 1:
-                raise pf.SplitError(
-                    f"split names where stages 1..{stages - 1} start: {stages - 1} names for"
-                    f" {stages} stages, not {len(split)} ({list(split)})"
-                )
+                raise pf.SplitError(pf.split_count_message(stages, len(split)))
             starts = pf.resolve_split(forward, units, list(split))
         else:
             starts = _balance(model, forward, units, stages)
@@ -363,7 +348,9 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, config: PipelineConfig, *, where: str = ""):
         if config.schedule not in SCHEDULES:
-            raise ValueError(f"{_at(where)}schedule must be one of {SCHEDULES}, not {config.schedule!r}")
+            raise ValueError(
+                f"{_at(where)}schedule must be one of {SCHEDULES}, not {config.schedule!r}"
+            )
         if config.microbatches < 1 or config.stages < 1:
             raise ValueError(f"{_at(where)}stages and microbatches must be >= 1")
         if config.schedule == "1f1b" and config.microbatches < config.stages:

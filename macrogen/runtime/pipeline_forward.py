@@ -236,7 +236,9 @@ def unit_code(forward: Forward, unit: Unit) -> list[ast.stmt]:
     pick = ast.Assign(
         targets=[ast.Name(loop.target.id, ast.Store())],
         value=ast.Subscript(
-            value=ast.Attribute(ast.Name(forward.self_name, ast.Load()), unit.statement.loop, ast.Load()),
+            value=ast.Attribute(
+                ast.Name(forward.self_name, ast.Load()), unit.statement.loop, ast.Load()
+            ),
             slice=ast.Constant(unit.block),
             ctx=ast.Load(),
         ),
@@ -301,7 +303,8 @@ def unknown_split_message(forward: Forward, units: list[Unit], name: str) -> str
     hint = f"; did you mean {close[0]!r}?" if close else ""
     head, _, tail = name.partition(".")
     if head in forward.loops and tail.isdigit():
-        return f"split name {name!r}: self.{head} has {sum(1 for u in units if u.statement.loop == head)} blocks{hint}"
+        n = sum(1 for u in units if u.statement.loop == head)
+        return f"split name {name!r}: self.{head} has {n} blocks (blocks.0 to blocks.{n - 1})"
     shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
     return (
         f"split name {name!r} is no submodule forward calls at top level{hint}"
@@ -370,7 +373,9 @@ def stage_function(
 ) -> ast.Module:
     """``def stage(self, <inputs>): <units[first:end]>; return <output>`` (None: the final return)."""
     fn = forward.node
-    body: list[ast.stmt] = [copy.deepcopy(st) for u in units[first:end] for st in unit_code(forward, u)]
+    body: list[ast.stmt] = [
+        copy.deepcopy(st) for u in units[first:end] for st in unit_code(forward, u)
+    ]
     if output is not None:
         ret = ast.Return(ast.Name(output, ast.Load()))
         ast.copy_location(ret, body[-1])
@@ -389,3 +394,30 @@ def stage_function(
     new.name, new.args, new.body, new.decorator_list, new.returns = "forward", args, body, [], None
     module = ast.Module([new], type_ignores=[])
     return ast.fix_missing_locations(module)
+
+
+def runs(names: list[str]) -> str:
+    """``blocks.0, blocks.1, blocks.2, ln_f`` -> ``blocks.0-2, ln_f``."""
+    out: list[str] = []
+    for name in names:
+        head, _, tail = name.rpartition(".")
+        if out and head and tail.isdigit():
+            prev_head, _, prev_tail = out[-1].rpartition(".")
+            first, _, last = prev_tail.partition("-")
+            if (
+                prev_head == head
+                and (last or first).isdigit()
+                and int(last or first) + 1 == int(tail)
+            ):
+                out[-1] = f"{head}.{first}-{tail}"
+                continue
+        out.append(name)
+    return ", ".join(out)
+
+
+def split_count_message(stages: int, given: int) -> str:
+    wanted = "stage 1 starts" if stages == 2 else f"stages 1 to {stages - 1} start"
+    return (
+        f"split names where {wanted}: {stages - 1} name{'s' if stages > 2 else ''} for"
+        f" {stages} stages, not {given}"
+    )
