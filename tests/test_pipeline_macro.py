@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import macrogen as mg
+from macrogen.runtime import pipeline as rp
 from tests.distributed import run_ranks
 from tests.helpers import expand, expansion_errors, load_module
 
@@ -104,15 +105,24 @@ def _data():
     return data[:, :-1], data[:, 1:]
 
 
-def _train(module):
+def _train(module, cls="GPT"):
     torch.manual_seed(0)
-    model = module.GPT()
+    model = getattr(module, cls)()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     idx, targets = _data()
+    pipe = rp.pipeline_of(model)
+    if pipe is not None and pipe.layout.data_size > 1:  # each data replica trains on its rows
+        share = len(idx) // pipe.layout.data_size
+        rows = slice(pipe.layout.data_rank * share, (pipe.layout.data_rank + 1) * share)
+        idx, targets = idx[rows], targets[rows]
     losses = []
     for _ in range(STEPS):
         module.train(model, [(idx, targets)], optimizer)
         losses.append(module.last_loss)
+    if pipe is not None and pipe.layout.data_size > 1:  # the batch's loss: the replicas' mean
+        t = torch.tensor(losses)
+        torch.distributed.all_reduce(t, group=pipe.layout.data_group)
+        losses = (t / pipe.layout.data_size).tolist()
     return losses, model.full_state_dict() if hasattr(
         model, "full_state_dict"
     ) else model.state_dict()
@@ -126,10 +136,10 @@ def _source(code: str) -> str:
     )
 
 
-def _worker(rank, world, expanded, directory):
+def _worker(rank, world, expanded, directory, cls="GPT"):
     sys.path.insert(0, directory)
-    module = load_module(_source(expanded), f"pipelined_gpt_{rank}", Path(directory))
-    return _train(module)
+    module = load_module(_source(expanded), f"pipelined_gpt_{world}_{rank}", Path(directory))
+    return _train(module, cls)
 
 
 def test_expanded_gpt_on_two_ranks_matches_the_unexpanded_file(tmp_path):
@@ -141,5 +151,26 @@ def test_expanded_gpt_on_two_ranks_matches_the_unexpanded_file(tmp_path):
     for losses, state in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         assert list(state) == list(ref_state)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+
+
+DATA_PARALLEL = """
+
+@mg.data_parallel(bucket_mb=1)
+class GPTData(GPT):
+    pass
+"""
+
+
+def test_pipeline_by_data_parallel_on_four_ranks_matches_the_unexpanded_file(tmp_path):
+    """2 stages x 2 data ranks; @data_parallel averages each stage over its data group."""
+    source = GOLDEN.read_text() + DATA_PARALLEL
+    serial = _train(load_module(_source(source), "serial_gpt_data", tmp_path), "GPTData")
+    expanded = mg.expand_source(source, path=str(GOLDEN)).code
+    results = run_ranks(_worker, 4, args=(expanded, str(tmp_path), "GPTData"), timeout=300)
+    ref_losses, ref_state = serial
+    for losses, state in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)

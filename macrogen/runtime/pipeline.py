@@ -417,6 +417,10 @@ class Pipeline:
         if self._schedule is None or shape != self._shape:
             self._schedule, self._shape = self._build(), shape  # new shapes: new p2p buffers
         self._loss_fn = loss_fn
+        # The schedule calls this stage's code, not the model: run the model's forward
+        # pre-hooks once, as model(x) would (@data_parallel's start-up and buffer broadcast).
+        for hook in list(self.model._forward_pre_hooks.values()):
+            hook(self.model, (x,))
         stage, lay = self._schedule._stage, self.layout
         losses: list[torch.Tensor] = []
         if stage.is_first:
@@ -425,8 +429,8 @@ class Pipeline:
             self._schedule.step(target=y, losses=losses, return_outputs=False)
         else:
             self._schedule.step(return_outputs=False)
-        if lay.data_size > 1:
-            self._average_over_data()
+        if lay.data_size > 1 and not _has_gradient_sync(self.model):
+            self._average_over_data()  # (@data_parallel on the model averages in its buckets)
         device = self._device()
         loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
         last = dist.get_global_rank(lay.pipeline_group, lay.stages - 1)
@@ -501,6 +505,12 @@ class Pipeline:
         return self.model.load_state_dict(
             {k: v for k, v in state_dict.items() if k in local}, strict=strict
         )
+
+
+def _has_gradient_sync(model: nn.Module) -> bool:
+    from macrogen.runtime.data_parallel import GradientSync
+
+    return any(isinstance(v, GradientSync) for v in vars(model).values())
 
 
 # -- what users and generated code call ------------------------------------------------------
