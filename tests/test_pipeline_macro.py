@@ -155,20 +155,15 @@ def test_expanded_gpt_on_two_ranks_matches_the_unexpanded_file(tmp_path):
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
 
 
-DATA_PARALLEL = """
-
-@mg.data_parallel(bucket_mb=1)
-class GPTData(GPT):
-    pass
-"""
-
-
 def test_pipeline_by_data_parallel_on_four_ranks_matches_the_unexpanded_file(tmp_path):
-    """2 stages x 2 data ranks; @data_parallel averages each stage over its data group."""
-    source = GOLDEN.read_text() + DATA_PARALLEL
-    serial = _train(load_module(_source(source), "serial_gpt_data", tmp_path), "GPTData")
+    """Stacked on the golden GPT: 2 stages x 2 data ranks, @data_parallel averaging each stage."""
+    source = GOLDEN.read_text().replace(
+        "@mg.pipeline(", "@mg.data_parallel(bucket_mb=1)\n@mg.pipeline("
+    )
+    serial = _train(load_module(_source(source), "serial_gpt_data", tmp_path))
     expanded = mg.expand_source(source, path=str(GOLDEN)).code
-    results = run_ranks(_worker, 4, args=(expanded, str(tmp_path), "GPTData"), timeout=300)
+    assert "GradientSync(" in expanded and "attach(" in expanded
+    results = run_ranks(_worker, 4, args=(expanded, str(tmp_path)), timeout=300)
     ref_losses, ref_state = serial
     for losses, state in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)

@@ -44,10 +44,11 @@ from macrogen import codegen
 from macrogen.expand.args import Arg
 from macrogen.expand.context import Context
 from macrogen.expand.errors import InternalError, MacroError
-from macrogen.expand.site import Site
+from macrogen.expand.protocol import Expanded, Form, Site
 from macrogen.runtime import pipeline_forward as pf
 
-FORMS = ("decorator",)
+NAME = "pipeline"
+FORMS: frozenset[Form] = frozenset({"decorator"})
 USAGE = (
     "@pipeline(stages=2, microbatches=4, schedule='1f1b', split=['blocks.3'])"
     " decorates an nn.Module class whose forward is a sequence of submodule calls"
@@ -338,12 +339,20 @@ def _element(node: cst.BaseExpression, k: int) -> cst.CSTNode:
 # -- expansion ----------------------------------------------------------------------------
 
 
-def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
+def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
     if not re.fullmatch(r"[\w.,:|()\- ]*", spec.cut):  # it goes into a comment: names only
         raise InternalError(f"pipeline: unexpected text in the cut description {spec.cut!r}")
+    assert isinstance(site.node, cst.ClassDef)
     serial = ctx.names.fresh(f"_{spec.name}_serial")
     runtime = "macrogen.runtime.pipeline"
+    imports = (
+        ctx.import_from(runtime, "attach"),
+        ctx.import_from(runtime, "PipelineConfig"),
+        ctx.import_from(runtime, "full_state_dict"),
+        ctx.import_from(runtime, "load_full_state_dict"),
+    )
+    attach, config, gather, scatter = imports
     generated = codegen.render_statements(
         "pipeline_class.py.j2",
         name=spec.name,
@@ -354,11 +363,11 @@ def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
         schedule=spec.schedule,
         split=spec.split,
         cut=spec.cut,
-        attach=ctx.import_from(runtime, "attach"),
-        config=ctx.import_from(runtime, "PipelineConfig"),
-        gather=ctx.import_from(runtime, "full_state_dict"),
-        scatter=ctx.import_from(runtime, "load_full_state_dict"),
+        attach=attach,
+        config=config,
+        gather=gather,
+        scatter=scatter,
     )
-    blank = [cst.EmptyLine()] * (1 if "." in site.qualname else 2)
+    blank = [cst.EmptyLine()] * (1 if site.scope else 2)  # PEP 8: one blank line inside a class
     generated[0] = generated[0].with_changes(leading_lines=blank)
-    return [site.node.with_changes(name=cst.Name(serial)), *generated]
+    return Expanded([site.node.with_changes(name=cst.Name(serial)), *generated], imports=imports)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from macrogen.runtime import groups
+from macrogen.runtime import groups, mesh
 from macrogen.runtime import pipeline_forward as pf
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -57,23 +56,18 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where this rank sits on the (pipeline x data) mesh."""
+    """Where this rank sits on the program's (pipeline x data) mesh."""
 
     stages: int
     data_size: int
     stage: int  # rank // data_size
     data_rank: int  # rank % data_size: which share of the data this rank trains on
     pipeline_group: dist.ProcessGroup  # this rank and its peers of the other stages
-    data_group: dist.ProcessGroup  # ranks holding the same stage
-    device_mesh: Any  # torch's DeviceMesh, dims ("pipeline", "data")
-
-
-_layout: Layout | None = None  # one pipeline layout per program, like the mesh
+    data_group: dist.ProcessGroup  # ranks holding the same stage (one rank: its own group)
 
 
 def layout(stages: int, *, where: str = "") -> Layout | None:
     """This rank's place on the (pipeline x data) mesh; None when serial (no group, world 1)."""
-    global _layout
     if not groups.ensure_initialized() or dist.get_world_size() == 1:
         return None
     world = dist.get_world_size()
@@ -82,37 +76,48 @@ def layout(stages: int, *, where: str = "") -> Layout | None:
             f"{_at(where)}world size {world} does not divide into {stages} pipeline stages:"
             f" launch a multiple of {stages} processes (pipeline x data)"
         )
-    if _layout is not None:
-        if _layout.stages != stages:
-            raise ValueError(
-                f"{_at(where)}this program already pipelines over {_layout.stages} stages; a model"
-                f" asks for {stages}: one pipeline layout per program"
-            )
-        return _layout
-    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        m = mesh.install(lambda: build_mesh(world, stages), pipeline_size=stages)
+    except ValueError as e:
+        raise ValueError(f"{_at(where)}{e}") from None
+    if m.tensor_size != 1:  # (install only makes pipeline x data meshes)
+        raise ValueError(f"{_at(where)}tensor parallelism inside pipeline stages is not supported")
+    assert m.pipeline_group is not None and m.data_group is not None
+    rank = dist.get_rank()
+    return Layout(stages, m.data_size, rank // m.data_size, m.data_rank, m.pipeline_group,
+                  m.data_group)  # fmt: skip
 
+
+def build_mesh(world: int, stages: int) -> mesh.Mesh:
+    """The (pipeline x data) groups, pipeline outermost, and torch's DeviceMesh over them.
+
+    Rank r holds stage r // data_size. Every rank makes every group, in the same order.
+    A data size of 1 still gets its one-rank groups: the default group would mix stages.
+    """
     data_size, rank = world // stages, dist.get_rank()
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device_type, (stages, data_size), mesh_dim_names=("pipeline", "data"))
-    _layout = Layout(
-        stages,
-        data_size,
-        rank // data_size,
-        rank % data_size,
-        mesh.get_group("pipeline"),
-        mesh.get_group("data"),
-        mesh,
+    grid = torch.arange(world).view(stages, data_size)  # (pipeline, data)
+    pipeline_group = data_group = None
+    for line in grid.t().tolist():
+        g = dist.new_group(line, timeout=groups.timeout())
+        if rank in line:
+            pipeline_group = g
+    for line in grid.tolist():
+        g = dist.new_group(line, timeout=groups.timeout())
+        if rank in line:
+            data_group = g
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device_type = torch.device(groups.placement().device).type
+    device_mesh = DeviceMesh.from_group(
+        [pipeline_group, data_group], device_type, mesh=grid, mesh_dim_names=("pipeline", "data")
     )
-    # @data_parallel in the same program averages over the ranks of this stage only
-    groups.set_data_parallel_group(_layout.data_group)
-    return _layout
+    return mesh.Mesh(data_size, 1, None, data_group, rank % data_size, stages, pipeline_group,
+                     device_mesh)  # fmt: skip
 
 
 def reset() -> None:
-    """Forget the layout (tests that build several programs in one process)."""
-    global _layout
-    _layout = None
-    groups.set_data_parallel_group(None)
+    """Forget the mesh (tests that build several programs in one process)."""
+    mesh.reset()
 
 
 def _at(where: str) -> str:
@@ -321,7 +326,7 @@ def stage_code(model: nn.Module, p: Plan, stage: int) -> Callable[..., Any]:
     inputs = [] if stage == 0 else [p.carried[stage - 1]]
     output = p.carried[stage] if stage < len(p.starts) else None
     module = pf.stage_function(forward, p.units, a, b, inputs, output)
-    lines, first = inspect.getsourcelines(fn)
+    first = inspect.getsourcelines(fn)[1]
     ast.increment_lineno(module, first - 1)
     filename = inspect.getsourcefile(fn) or "<forward>"
     namespace = fn.__globals__
@@ -330,17 +335,7 @@ def stage_code(model: nn.Module, p: Plan, stage: int) -> Callable[..., Any]:
         namespace.update(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
     local: dict[str, Any] = {}
     exec(compile(module, filename, "exec"), namespace, local)
-    del lines
     return local["forward"]
-
-
-def _unparse_stage(model: nn.Module, p: Plan, stage: int) -> str:
-    """The stage's code as text (for docs and debugging)."""
-    forward, _ = forward_of(model)
-    a, b = p.bounds(stage)
-    inputs = [] if stage == 0 else [p.carried[stage - 1]]
-    output = p.carried[stage] if stage < len(p.starts) else None
-    return textwrap.dedent(ast.unparse(pf.stage_function(forward, p.units, a, b, inputs, output)))
 
 
 class Pipeline:

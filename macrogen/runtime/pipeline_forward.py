@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import difflib
 import textwrap
 from dataclasses import dataclass
 
@@ -296,8 +297,6 @@ def split_names(units: list[Unit]) -> list[str]:
 
 
 def unknown_split_message(forward: Forward, units: list[Unit], name: str) -> str:
-    import difflib
-
     names = split_names(units)
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else ""
