@@ -21,6 +21,7 @@ from macrogen import __version__
 from macrogen.autotune import database, environment, search, space
 from macrogen.autotune.measure import Measurement, Program, Timing, measure
 from macrogen.autotune.report import Reporter
+from macrogen.autotune.space import Parameter
 from macrogen.expand import expand_source
 from macrogen.files import read_source
 
@@ -40,7 +41,7 @@ class Outcome:
     winner: dict[str, Any] | None  # tunable key -> value; None when every candidate failed
     space: space.Space
     measured_now: frozenset[str]  # database.canonical(values) of this run's measurements
-    skipped: tuple[tuple[space.Parameter, str], ...] = ()  # not tuned here (no effect), and why
+    skipped: tuple[tuple[Parameter, str], ...] = ()  # not tuned here (no effect), and why
 
 
 def autotune(
@@ -153,16 +154,9 @@ def autotune(
     return outcome
 
 
-# Macro arguments that change nothing on a target: measuring them would pick a
-# "winner" from noise. A macro module may declare its own rule as
+# A macro module may declare which of its arguments change nothing on a target
+# (measuring them would pick a "winner" from noise):
 # ``tuning_no_effect(argument, env) -> reason | None``.
-_NO_EFFECT = {
-    (
-        "fused_allreduce",
-        "block",
-        "cpu",
-    ): "the CPU path (torch.cat) does not use block; it sizes the Triton kernels",
-}
 
 
 def no_effect(param: space.Parameter, env: space.TuningEnv) -> str | None:
@@ -171,8 +165,9 @@ def no_effect(param: space.Parameter, env: space.TuningEnv) -> str | None:
         return None  # a module constant: used by the user's own code
     rule = getattr(_macro_module(param.macro), "tuning_no_effect", None)
     if rule is not None:
-        return rule(param.argument, env)
-    return _NO_EFFECT.get((param.macro, param.argument, env.target))
+        reason: str | None = rule(param.argument, env)
+        return reason
+    return None
 
 
 def _macro_module(macro: str):

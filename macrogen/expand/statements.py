@@ -42,7 +42,7 @@ class TooLarge(Exception):
 
 def _check_size(nodes: list[ast.stmt]) -> None:
     """Count a statement's ast nodes, stopping at MAX_NODES + 1 (so the check costs at most that)."""
-    count, stack = 0, list(nodes)
+    count, stack = 0, list[ast.AST](nodes)
     while stack:
         count += 1
         if count > MAX_NODES:

@@ -31,7 +31,7 @@ import libcst as cst
 from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
 
 NAME = "fused_allreduce"
 FORMS: frozenset[Form] = frozenset({"with"})
@@ -48,6 +48,13 @@ class Spec:
     op: cst.BaseExpression | None
     group: cst.BaseExpression | None
     block: int  # accepted, no effect: the runtime packs with a foreach copy, not a Triton kernel
+
+
+def tuning_no_effect(argument: str, env: TuningEnv) -> str | None:
+    """Autotune's hook: ``block`` is accepted for old files but sizes nothing any more."""
+    if argument == "block":
+        return "block has no effect: the buffers are packed by a foreach copy on every device"
+    return None
 
 
 def validate(site: Site) -> Spec:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import libcst as cst
 
@@ -59,7 +60,7 @@ class Style:
 
     name = ""
     runtime = ""
-    needs = None  # type: ignore[assignment]  # "Linear", "Embedding", "int"; None: anything
+    needs: ClassVar[str | None] = None  # "Linear", "Embedding", "int"; None: anything
     comment = ""
 
     def check(self, value: cst.BaseExpression, attr: str, key_node: cst.CSTNode) -> None:

@@ -62,7 +62,9 @@ def rewrite_forward(
     me = params[0]
     inputs = _feeding(forward, me, set(params[1:]), colwise)  # whose last dim is the width
     full = _full_width_names(forward, me, inputs)
-    return forward.visit(_Widths(me, full, colwise, rowwise, divided, cross_entropy))
+    rewritten = forward.visit(_Widths(me, full, colwise, rowwise, divided, cross_entropy))
+    assert isinstance(rewritten, cst.FunctionDef)
+    return rewritten
 
 
 def _feeding(forward: cst.FunctionDef, me: str, inputs: set[str], colwise: set[str]) -> set[str]:
@@ -179,7 +181,9 @@ class _Widths(cst.CSTTransformer):
         self.stack.append(node)
         return True
 
-    def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode):  # type: ignore[override]
+    def on_leave(  # type: ignore[override]
+        self, original: cst.CSTNode, updated: cst.CSTNode
+    ) -> cst.CSTNode:
         self.stack.pop()
         if isinstance(original, cst.Assign):
             targets = set().union(*(_names(t.target) for t in original.targets))
@@ -188,9 +192,9 @@ class _Widths(cst.CSTTransformer):
                 self.sharded.pop(name, None)
                 if layer is not None and not self._calls(original.value, self.rowwise):
                     self.sharded[name] = layer
-        if isinstance(original, cst.Name) and original.value in self.full:
+        if isinstance(original, cst.Name) and isinstance(updated, cst.Name) and original.value in self.full:
             return self._use(original, updated)
-        if isinstance(original, cst.Call) and dotted(original.func) in CROSS_ENTROPY:
+        if isinstance(original, cst.Call) and isinstance(updated, cst.Call) and dotted(original.func) in CROSS_ENTROPY:
             return self._cross_entropy(original, updated)
         return updated
 
@@ -203,7 +207,7 @@ class _Widths(cst.CSTTransformer):
             return updated
         positional = [a for a in original.args if a.keyword is None]
         options = [a for a in original.args if a.keyword is not None]
-        bad = [a for a in options if a.keyword.value not in CROSS_ENTROPY_OPTIONS]
+        bad = [a for a in options if a.keyword is not None and a.keyword.value not in CROSS_ENTROPY_OPTIONS]
         if len(positional) != 2 or bad or any(a.star for a in original.args):
             raise MacroError(
                 f"cross_entropy of self.{layer}'s output, whose vocabulary is split over the"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
@@ -92,6 +93,7 @@ def _layer(owner: nn.Module, attr: str, name: str, kind: type, style: str) -> nn
             f"{name}: {style} needs an nn.{kind.__name__}, not {type(layer).__name__}"
             " (colwise/rowwise: nn.Linear, vocab: nn.Embedding, divide: an int attribute)"
         )
+    assert isinstance(layer, nn.Module)
     return layer
 
 
@@ -259,7 +261,7 @@ def _self_of(frame) -> Any:
 def _outermost_init(module: nn.Module):
     """The outermost ``__init__`` frame of another nn.Module on the stack (a parent being built)."""
     outer = None
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "__init__":
             me = _self_of(frame)
