@@ -237,8 +237,10 @@ def _count(value: ast.expr, ctx: Context) -> int | None:
             n = it.args[0]
             if isinstance(n, ast.Constant) and isinstance(n.value, int):
                 return n.value
-            if isinstance(n, ast.Name) and isinstance(ctx.constants.get(n.id), int):
-                return ctx.constants[n.id]
+            if isinstance(n, ast.Name):
+                constant = ctx.constants.get(n.id)
+                if isinstance(constant, int):
+                    return constant
     return None
 
 
@@ -269,8 +271,8 @@ def _check_split(
                 args["stages"].node,
             )
         # a cut between two blocks must carry one value
-        counts = {lp: max(2, blocks[lp] or 2) for lp in loops}
-        units = forward.units(counts)
+        at_least_two = {lp: max(2, blocks[lp] or 2) for lp in loops}
+        units = forward.units(at_least_two)
         first = next(k for k, u in enumerate(units) if u.block == 1)
         _cuts(forward, fn, units, [first], None, anchor)
         return f"at run time, between blocks of self.{loops[0]}, balancing parameter counts"
@@ -284,7 +286,8 @@ def _check_split(
     counts: dict[str, int] = {}
     for lp in loops:
         wanted = [int(s.split(".", 1)[1]) for s in split if _block_of(s, lp) is not None]
-        counts[lp] = blocks[lp] if blocks[lp] is not None else max([1, *wanted]) + 1
+        known = blocks[lp]
+        counts[lp] = known if known is not None else max([1, *wanted]) + 1
     units = forward.units(counts)
     for k, name in enumerate(split):
         el = _element(node, k)

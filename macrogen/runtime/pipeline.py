@@ -108,6 +108,7 @@ def build_mesh(world: int, stages: int) -> mesh.Mesh:
     from torch.distributed.device_mesh import DeviceMesh
 
     device_type = torch.device(groups.placement().device).type
+    assert pipeline_group is not None and data_group is not None  # every rank is in one line
     device_mesh = DeviceMesh.from_group(
         [pipeline_group, data_group], device_type, mesh=grid, mesh_dim_names=("pipeline", "data")
     )
@@ -308,6 +309,9 @@ class Elsewhere(nn.Module):
 class StageModule(nn.Module):
     """This rank's stage for ``PipelineStage``: the stage's code over the model's own parts."""
 
+    model: nn.Module
+    code: Callable[..., Any]
+
     def __init__(self, model: nn.Module, code: Callable[..., Any], parts: list[Any]):
         super().__init__()
         self.__dict__["model"] = model  # not a submodule: its parameters are not all ours
@@ -462,7 +466,7 @@ class Pipeline:
         for p in params:
             if p.grad is None:  # a flat buffer needs every gradient; unused ones add zeros
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
+        grads = [g for p in params if (g := p.grad) is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=lay.data_group)
         flat /= lay.data_size

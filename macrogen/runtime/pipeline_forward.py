@@ -154,7 +154,9 @@ def _statement(i: int, stmt: ast.stmt, me: str, last: bool) -> Statement:
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             bad = "global/nonlocal in forward can't be split"
         if bad is not None:
-            raise SplitError(f"{bad} (supported: {SUPPORTED})", (i,), node.lineno)
+            raise SplitError(
+                f"{bad} (supported: {SUPPORTED})", (i,), getattr(node, "lineno", stmt.lineno)
+            )
     loop = _module_list_loop(stmt, me)
     if loop is not None:
         for j, inner in enumerate(stmt.body):  # type: ignore[attr-defined]
@@ -164,10 +166,12 @@ def _statement(i: int, stmt: ast.stmt, me: str, last: bool) -> Statement:
                         f"break/continue in the loop over self.{loop}: every block must run"
                         f" (supported: {SUPPORTED})",
                         (i, j),
-                        node.lineno,
+                        getattr(node, "lineno", stmt.lineno),
                     )
     found = sorted(
-        (n.lineno, n.col_offset, a) for n in ast.walk(stmt) if (a := _self_attr(n, me)) is not None
+        (getattr(n, "lineno", 0), getattr(n, "col_offset", 0), a)
+        for n in ast.walk(stmt)
+        if (a := _self_attr(n, me)) is not None
     )
     parts = tuple(dict.fromkeys(a for _, _, a in found if a != loop))
     return Statement(i, stmt, loop, _calls(stmt, me), _attrs(stmt, me), parts)
@@ -214,7 +218,8 @@ def _names(nodes: list[ast.stmt]) -> tuple[set[str], set[str]]:
     exposed: set[str] = set()
     assigned: set[str] = set()
     for stmt in nodes:
-        reads, writes = set(), set()
+        reads: set[str] = set()
+        writes: set[str] = set()
         for n in ast.walk(stmt):
             if isinstance(n, ast.Name):
                 (reads if isinstance(n.ctx, ast.Load) else writes).add(n.id)
@@ -234,6 +239,7 @@ def unit_code(forward: Forward, unit: Unit) -> list[ast.stmt]:
         return [stmt]
     loop = stmt
     assert isinstance(loop, ast.For) and isinstance(loop.target, ast.Name)
+    assert unit.statement.loop is not None
     pick = ast.Assign(
         targets=[ast.Name(loop.target.id, ast.Store())],
         value=ast.Subscript(
