@@ -8,6 +8,8 @@ from macrogen.markers import (
     data_parallel,
     define,
     fused_allreduce,
+    pipeline,
+    pipeline_step,
     shard_optimizer,
     target,
     tensor_parallel,
@@ -29,6 +31,7 @@ NON_MACRO_NAMES = frozenset(
         "kernels",
         "launch",
         "markers",
+        "pipeline_step",
         "runtime",
     }
 )
@@ -55,6 +58,8 @@ __all__ = [
     "expand_source",
     "fused_allreduce",
     "launch",
+    "pipeline",
+    "pipeline_step",
     "shard_optimizer",
     "target",
     "tensor_parallel",

@@ -56,6 +56,21 @@ def _decorator_marker(name: str) -> Callable[..., Any]:
 data_parallel = _decorator_marker("data_parallel")
 tensor_parallel = _decorator_marker("tensor_parallel")
 tile = _decorator_marker("tile")
+pipeline = _decorator_marker("pipeline")
+
+
+def pipeline_step(model: Any, x: Any, y: Any, loss_fn: Callable[..., Any]) -> Any:
+    """``loss = pipeline_step(model, x, y, loss_fn)``: one training step's forward and backward.
+
+    Serially ``loss = loss_fn(model(x), y); loss.backward(); return loss``. A model
+    made ``@pipeline`` runs its schedule instead (a schedule interleaves the
+    micro-batches' backwards with forwards, so it must own the backward) and
+    returns the batch's mean loss, detached, on every rank. Not a macro: the
+    same function runs in the unexpanded and the expanded program.
+    """
+    from macrogen.runtime.pipeline import pipeline_step as step  # torch only when used
+
+    return step(model, x, y, loss_fn)
 
 
 @contextlib.contextmanager
@@ -74,6 +89,7 @@ MACRO_NAMES = (
     "data_parallel",
     "define",
     "fused_allreduce",
+    "pipeline",
     "shard_optimizer",
     "target",
     "tensor_parallel",
