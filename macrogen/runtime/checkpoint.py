@@ -56,6 +56,11 @@ from macrogen.runtime import groups
 
 T = TypeVar("T")
 
+# Serially DCP says, on every save and load, that it assumes one process: it does.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
+
 MARKER = "macrogen_complete.json"
 PREFIX = "step_"
 FORMAT = 1  # version of the marker's contents
@@ -97,6 +102,21 @@ def resumable(
     items = _skip(iterable, start)
     loop.restore_rng()  # after the skip: the draws of skipped items happened before the save
     return loop.run(items, start)
+
+
+def init_process_group(backend: str | None = None) -> None:
+    """``dist.init_process_group`` from torchrun's environment, safe across torchrun restarts.
+
+    torchrun keeps one store for the whole job, and a restarted worker group would
+    read the previous attempt's addresses from it (gloo: "connectFullMesh failed ...
+    Connection refused"), so each attempt's keys go under a prefix of their own.
+    """
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"macrogen/attempt_{attempt}", store)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 
 def _config(dir: Any, every: Any, keep: Any) -> CheckpointConfig:
@@ -373,6 +393,7 @@ def write_marker(path: Path, step: int, world_size: int) -> None:
     )
     fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{MARKER}.")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it private; the checkpoint's other files are not
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
