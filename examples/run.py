@@ -7,7 +7,10 @@
 
 1. ``macrogen expand examples/gpt.py`` into a temporary directory;
 2. the serial reference: the unexpanded file, one process, the whole batch;
-3. the expanded file under torchrun (gloo), each rank on its share of the batch;
+3. the expanded file under torchrun, each rank on its share of the batch: every
+   rank calls ``mg.launch()`` for its rank, world size and device, and prints
+   them with the backend (on a GPU machine each rank takes its own GPU with
+   NCCL; with more ranks than GPUs they share the GPUs over gloo);
 4. the losses side by side, and the largest parameter difference after training.
 
 Exits 1 if they don't agree (fp32: within summation-order rounding).
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import macrogen as mg
 from macrogen.runtime.tensor_parallel import full_state_dict
 
 HERE = Path(__file__).resolve().parent
@@ -51,11 +55,13 @@ def load(path: Path, name: str) -> types.ModuleType:
     return module
 
 
-def train(gpt: types.ModuleType, steps: int, rank: int, world: int) -> tuple[list[float], dict]:
+def train(
+    gpt: types.ModuleType, steps: int, rank: int, world: int, device: torch.device
+) -> tuple[list[float], dict]:
     """The same loop for both runs: rank ``rank`` of ``world`` trains on its rows of the batch."""
     torch.manual_seed(0)
     config = gpt.GPTConfig(**CONFIG)
-    model = gpt.GPT(config)
+    model = gpt.GPT(config).to(device)  # built on the CPU (same initial weights), then moved
     # SGD keeps rounding differences at rounding size (Adam divides tiny gradients by tiny norms)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     idx, targets = gpt.batch(config, BATCH, seed=1)
@@ -63,8 +69,8 @@ def train(gpt: types.ModuleType, steps: int, rank: int, world: int) -> tuple[lis
     rank, world = rank // tp, world // tp  # the data rank: tensor-parallel peers share data
     share = BATCH // world
     idx, targets = (
-        idx[rank * share : (rank + 1) * share],
-        targets[rank * share : (rank + 1) * share],
+        idx[rank * share : (rank + 1) * share].to(device),
+        targets[rank * share : (rank + 1) * share].to(device),
     )
     losses = []
     for _ in range(steps):
@@ -77,14 +83,16 @@ def train(gpt: types.ModuleType, steps: int, rank: int, world: int) -> tuple[lis
         stacked = torch.stack(losses)
         torch.distributed.all_reduce(stacked)
         losses = list(stacked / (world * tp))
-    return [float(x) for x in losses], full_state_dict(model)  # tensor-parallel shards gathered
+    state = full_state_dict(model)  # tensor-parallel shards gathered
+    return [float(x) for x in losses], {k: v.cpu() for k, v in state.items()}
 
 
 def worker(expanded: Path, steps: int, out: Path) -> None:
+    run = mg.launch()  # rank, world size and device; the process group from torchrun's env
+    print(f"  {run.describe()}", flush=True)
     gpt = load(expanded, "gpt_data_parallel")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    losses, state = train(gpt, steps, rank, world)
-    if rank == 0:
+    losses, state = train(gpt, steps, run.rank, run.world_size, run.device)
+    if run.rank == 0:
         torch.save(state, out / "state.pt")
         (out / "losses.json").write_text(json.dumps(losses))
     torch.distributed.destroy_process_group()
@@ -114,7 +122,11 @@ def main() -> int:
         print(f"expanded examples/gpt.py -> {expanded}")
 
         torch.set_num_threads(1)
-        serial_losses, serial_state = train(load(HERE / "gpt.py", "gpt_serial"), args.steps, 0, 1)
+        # the reference on the kind of device the ranks use (cuda:0, or the CPU)
+        device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        gpt = load(HERE / "gpt.py", "gpt_serial")
+        serial_losses, serial_state = train(gpt, args.steps, 0, 1, device)
+        print(f"serial reference on {device}")
 
         env = dict(os.environ, OMP_NUM_THREADS="1", MACROGEN_TP_SIZE=str(args.tp))
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",

@@ -26,6 +26,7 @@ NON_MACRO_NAMES = frozenset(
         "ExpansionError",
         "hook",
         "kernels",
+        "launch",
         "markers",
         "runtime",
     }
@@ -38,6 +39,10 @@ def __getattr__(name: str):
         from macrogen import expand
 
         return getattr(expand, name)
+    if name == "launch":  # rank, world size and device (docs/launching.md); imports torch
+        from macrogen.runtime.launch import launch
+
+        return launch
     raise AttributeError(f"module 'macrogen' has no attribute {name!r}")
 
 
@@ -48,6 +53,7 @@ __all__ = [
     "define",
     "expand_source",
     "fused_allreduce",
+    "launch",
     "target",
     "tensor_parallel",
     "tile",

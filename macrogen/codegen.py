@@ -60,10 +60,20 @@ def code(value: Any) -> str:
     return cst.Module([]).code_for_node(value)
 
 
+_extra_dirs: list[Path] = []  # template folders of macros that live outside macrogen
+
+
+def add_templates(directory: Path) -> None:
+    """Also look for templates in ``directory`` (a macro shipped elsewhere, e.g. a test's)."""
+    if directory not in _extra_dirs:
+        _extra_dirs.append(directory)
+        environment.cache_clear()
+
+
 @functools.cache
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        loader=jinja2.FileSystemLoader([str(templates_dir()), *map(str, _extra_dirs)]),
         undefined=jinja2.StrictUndefined,
         autoescape=False,
         trim_blocks=True,

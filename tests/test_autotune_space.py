@@ -59,21 +59,52 @@ def test_space_is_the_product_with_the_defaults_first() -> None:
 
 
 def test_tensor_parallel_size_must_divide_the_world_size() -> None:
-    params = (Parameter("Attn.size", 2, (1, 2, 3, 4), "tensor_parallel", "size"),)
+    params = _params(
+        """\
+        import torch.nn as nn
+        import macrogen as mg
+
+        @mg.tensor_parallel(plan={"fc": "colwise"}, size=mg.tunable(2, choices=[1, 2, 3, 4]))
+        class Attn(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+        """
+    )
     built = space.build(params, TuningEnv("cpu", 4, "cpu"))
     assert [c["Attn.size"] for c in built.candidates] == [2, 1, 4]
     assert built.excluded == (({"Attn.size": 3}, "Attn: size=3 does not divide the world size 4"),)
 
 
+TILE = """\
+    import macrogen as mg
+
+    @mg.tile(i=mg.tunable(64, choices=[64, 2048]), j={j})
+    def k(out, x):
+        M, N = x.shape
+        for i in range(M):
+            for j in range(N):
+                out[i, j] = x[i, j] * 2.0
+    """
+
+
 def test_a_triton_tile_must_fit_one_block_on_cuda_only() -> None:
-    params = (
-        Parameter("k.i", 64, (64, 2048), "tile", "i"),
-        Parameter("k.j", 64, (64, 1024), "tile", "j"),
-    )
+    params = _params(TILE.format(j="mg.tunable(64, choices=[64, 1024])"))
     assert len(space.build(params, CPU1).candidates) == 4
     cuda = space.build(params, TuningEnv("cuda", 1, "gpu"))
     assert {"k.i": 2048, "k.j": 1024} not in cuda.candidates and len(cuda.candidates) == 3
     assert "more than Triton's 1048576" in cuda.excluded[0][1]
+
+
+def test_a_constraint_sees_the_arguments_that_are_not_tunable() -> None:
+    """j=1024 is written, not tuned: the tile macro still counts it."""
+    params = _params(TILE.format(j="1024"))
+    cuda = space.build(params, TuningEnv("cuda", 1, "gpu"))
+    assert cuda.candidates == ({"k.i": 64},)
+    assert (
+        cuda.excluded[0][1]
+        == "k: a 2048x1024 tile has 2097152 elements, more than Triton's 1048576"
+    )
 
 
 def test_a_macro_may_declare_its_own_constraint(monkeypatch) -> None:
@@ -83,7 +114,16 @@ def test_a_macro_may_declare_its_own_constraint(monkeypatch) -> None:
         return "too big" if arguments["block"] > 512 else None
 
     monkeypatch.setattr(fused_allreduce, "tuning_constraint", only_small, raising=False)
-    params = (Parameter("f.fused_allreduce.block", 256, (256, 1024), "fused_allreduce", "block"),)
+    params = _params(
+        """\
+        import torch.distributed as dist
+        import macrogen as mg
+
+        def f(a):
+            with mg.fused_allreduce(block=mg.tunable(256, choices=[256, 1024])):
+                dist.all_reduce(a)
+        """
+    )
     built = space.build(params, CPU1)
     assert built.candidates == ({"f.fused_allreduce.block": 256},)
     assert built.excluded[0][1] == "f.fused_allreduce: too big"

@@ -3,15 +3,15 @@
 A candidate is a dict ``tunable key -> value``. The space is the product of the
 ``choices`` of every ``tunable`` of the file, minus the combinations a macro
 rules out for this machine. A macro declares its rules with an optional
-function in its module::
+function in its module (the protocol's ``tuning_constraint`` hook)::
 
-    def tuning_constraint(arguments: Mapping[str, Any], env: TuningEnv) -> str | None:
+    def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
         '''The reason a combination can't run here, or None.'''
 
-called with the site's tunable arguments (argument name -> value). Macros that
-declare none get the built-in rules below (a tensor-parallel size must divide
-the world size; a Triton tile must fit in one Triton block). Module-level
-``tunable`` constants have no macro, so no rule applies to them.
+called for each site with a tunable argument, with every argument of the site
+(keyword name, or position "0", "1"... -> value: the candidate's value for a
+tunable one, the written value for the others). This module knows no macro.
+Module-level ``tunable`` constants have no site, so no rule applies to them.
 """
 
 from __future__ import annotations
@@ -19,26 +19,19 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from macrogen import macros
 from macrogen.expand import Expansion
+from macrogen.expand.context import SiteArguments
+from macrogen.expand.protocol import Constraint, TuningEnv
+
+__all__ = ["Constraint", "Parameter", "Space", "TuningEnv", "build", "parameters", "violation"]
 
 # Beyond this many combinations the space is sampled (seeded), not enumerated.
 MAX_ENUMERATED = 100_000
-# Triton's largest block (triton.language.TRITON_MAX_TENSOR_NUMEL).
-TRITON_MAX_BLOCK_NUMEL = 1 << 20
-
-
-@dataclass(frozen=True)
-class TuningEnv:
-    """What a constraint may depend on."""
-
-    target: str  # "cpu" or "cuda": the device the candidates run on
-    world_size: int  # ranks per measured run
-    device_name: str
 
 
 @dataclass(frozen=True)
@@ -50,9 +43,8 @@ class Parameter:
     choices: tuple[Any, ...]
     macro: str | None  # the macro whose argument it is; None for a module constant
     argument: str | None  # that argument's name ("bucket_mb"), or its position ("0")
-
-
-Constraint = Callable[[Mapping[str, Any], TuningEnv], "str | None"]
+    # every argument of its site, as written (None for a module constant)
+    site: SiteArguments | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -68,16 +60,13 @@ class Space:
 
 
 def parameters(expansion: Expansion) -> tuple[Parameter, ...]:
-    """The file's tunables, each with the macro whose argument it is (by source position)."""
-    sites = sorted(expansion.sites, key=lambda s: s[1])
+    """The file's tunables, each with the site whose argument it is."""
+    owner = {key: (site, arg) for site in expansion.arguments for arg, key in site.tunables.items()}
     out = []
     for t in expansion.tunables.values():
-        macro = argument = None
-        if "." in t.key:  # a macro argument: "<site qualname>.<argument>"
-            enclosing = [m for m, line in sites if line <= t.line]
-            macro = enclosing[-1] if enclosing else None
-            argument = t.key.rsplit(".", 1)[1]
-        out.append(Parameter(t.key, t.default, tuple(t.choices), macro, argument))
+        site, argument = owner.get(t.key, (None, None))
+        macro = site.macro if site is not None else None
+        out.append(Parameter(t.key, t.default, tuple(t.choices), macro, argument, site))
     return tuple(out)
 
 
@@ -105,62 +94,30 @@ def build(params: tuple[Parameter, ...], env: TuningEnv, *, seed: int = 0) -> Sp
     return Space(params, tuple(allowed), tuple(excluded), size > MAX_ENUMERATED)
 
 
-def violation(params: tuple[Parameter, ...], candidate: Mapping[str, Any], env: TuningEnv):
+def violation(
+    params: tuple[Parameter, ...], candidate: Mapping[str, Any], env: TuningEnv
+) -> str | None:
     """Why a macro rules this candidate out, or None."""
-    by_site: dict[tuple[str, str], dict[str, Any]] = {}
+    sites: dict[str, SiteArguments] = {}
     for p in params:
-        if p.macro is not None and p.argument is not None:
-            site = p.key.rsplit(".", 1)[0]
-            by_site.setdefault((p.macro, site), {})[p.argument] = candidate[p.key]
-    for (macro, site), arguments in sorted(by_site.items()):
-        reason = constraint_for(macro)(arguments, env)
+        if p.site is not None:
+            sites.setdefault(p.site.qualname, p.site)
+    for qualname, site in sorted(sites.items()):
+        constraint = constraint_for(site.macro)
+        if constraint is None:
+            continue
+        arguments = dict(site.values)
+        for argument, key in site.tunables.items():
+            if key in candidate:
+                arguments[argument] = candidate[key]
+        reason = constraint(arguments, env)
         if reason is not None:
-            return f"{site}: {reason}"
+            return f"{qualname}: {reason}"
     return None
 
 
-def constraint_for(macro: str) -> Constraint:
+def constraint_for(macro: str) -> Constraint | None:
     try:
-        declared = getattr(macros.get(macro), "tuning_constraint", None)
-    except (KeyError, ImportError):
-        declared = None
-    if declared is not None:
-        return declared
-    return BUILTIN.get(macro, _no_constraint)
-
-
-def _no_constraint(arguments: Mapping[str, Any], env: TuningEnv) -> str | None:
-    return None
-
-
-# -- built-in rules for macros that declare none ----------------------------------
-_PARALLEL_SIZE_ARGUMENTS = ("size", "tp", "tp_size", "degree", "tensor_parallel_size")
-_NOT_TILE_ARGUMENTS = ("num_warps", "num_stages")
-
-
-def tensor_parallel_divides_world(arguments: Mapping[str, Any], env: TuningEnv) -> str | None:
-    for name in _PARALLEL_SIZE_ARGUMENTS:
-        size = arguments.get(name)
-        if isinstance(size, int) and (size < 1 or env.world_size % size):
-            return f"{name}={size} does not divide the world size {env.world_size}"
-    return None
-
-
-def tile_fits_a_triton_block(arguments: Mapping[str, Any], env: TuningEnv) -> str | None:
-    tiles = {
-        k: v
-        for k, v in arguments.items()
-        if k not in _NOT_TILE_ARGUMENTS and isinstance(v, int) and not isinstance(v, bool)
-    }
-    if env.target != "cuda" or not tiles:
-        return None  # the CPU path is vectorized torch: any tile runs
-    numel = math.prod(tiles.values())
-    if numel > TRITON_MAX_BLOCK_NUMEL:
-        return f"a {'x'.join(map(str, tiles.values()))} tile has {numel} elements, more than Triton's {TRITON_MAX_BLOCK_NUMEL}"
-    return None
-
-
-BUILTIN: dict[str, Constraint] = {
-    "tensor_parallel": tensor_parallel_divides_world,
-    "tile": tile_fits_a_triton_block,
-}
+        return macros.tuning_constraint(macros.get(macro))
+    except KeyError:
+        return None

@@ -20,11 +20,11 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from macrogen import __version__, macros
-from macrogen.expand.args import Evaluator
-from macrogen.expand.context import Context, Options, Position, Tunable
+from macrogen.expand.args import Evaluator, no_argument_macros
+from macrogen.expand.context import Context, Options, Position, SiteArguments, Tunable
 from macrogen.expand.errors import Diagnostic, ExpansionError, InternalError, MacroError
 from macrogen.expand.layout import split_lines
-from macrogen.expand.sites import MODULE, PACKAGE, ScopeStack, collect_scope
+from macrogen.expand.sites import MODULE, PACKAGE, Scope, ScopeStack, collect_scope
 from macrogen.expand.statements import Disagree, Pieces, WholeFile
 from macrogen.expand.transform import Expander, inside
 
@@ -39,6 +39,7 @@ class Expansion:
     changed: bool  # False when the file has no macro sites (code is then the input)
     tunables: Mapping[str, Tunable] = field(default_factory=dict)  # every tunable, by key
     sites: tuple[tuple[str, int], ...] = ()  # (macro, line) of each expanded site
+    arguments: tuple[SiteArguments, ...] = ()  # each expanded site's arguments (for autotune)
 
 
 def expand_source(
@@ -106,17 +107,27 @@ class _FileExpansion:
             set(self._mentioning(set(module_scope.macros) | {PACKAGE})) & set(self.visited)
         )
 
-        self._module_constants(module_scope, candidates)
+        constants = self._module_constants(module_scope, candidates)
+        module_names = statements.imported_names()
         new_body: dict[int, list[cst.BaseStatement]] = {}
         expanded: list[tuple[str, int]] = []
+        arguments: list[SiteArguments] = []
         for i in candidates:
             self.current = i
-            expander = Expander(self.ctx, ScopeStack(module_scope), self._position, self.errors)
+            expander = Expander(
+                self.ctx,
+                ScopeStack(module_scope),
+                self._position,
+                self.errors,
+                constants=constants,
+                module_names=module_names,
+            )
             result = statements.node(i).visit(expander)
             expander.check_unconsumed()
             self._flush_errors()
             if expander.expanded:
                 expanded.extend(expander.expanded)
+                arguments.extend(expander.arguments)
                 new_body[i] = _as_statements(result)
 
         self._flush_errors()
@@ -125,7 +136,13 @@ class _FileExpansion:
         if not expanded:
             return Expansion(self.source, False, dict(self.ctx.tunables))
         code = self._output(new_body)
-        return Expansion(self._with_header(code), True, dict(self.ctx.tunables), tuple(expanded))
+        return Expansion(
+            self._with_header(code),
+            True,
+            dict(self.ctx.tunables),
+            tuple(expanded),
+            tuple(arguments),
+        )
 
     def _mentioning(self, names: set[str]) -> list[int]:
         """The top-level statements whose text has one of ``names`` as a word."""
@@ -243,9 +260,15 @@ class _FileExpansion:
             )
         self.errors.clear()
 
-    # -- module constants: define() and tunable() assigned to names ---------------------
-    def _module_constants(self, module_scope: Any, candidates: list[int]) -> None:
+    # -- module constants: NAME = m(...) where the macro has a ``constant`` hook --------
+    def _module_constants(
+        self, module_scope: Scope, candidates: list[int]
+    ) -> dict[cst.CSTNode, bool]:
+        """Evaluate every module constant first, so that every site of the file knows them.
+
+        Returns the calls evaluated -> whether their hook succeeded."""
         scopes = ScopeStack(module_scope)
+        evaluated: dict[cst.CSTNode, bool] = {}
         for i in candidates:
             stmt = self.statements.node(i)
             if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1):
@@ -255,19 +278,28 @@ class _FileExpansion:
                 isinstance(assign, cst.Assign)
                 and len(assign.targets) == 1
                 and isinstance(assign.targets[0].target, cst.Name)
+                and isinstance(assign.value, cst.Call)
             ):
                 continue
-            macro = scopes.macro_of(assign.value) if isinstance(assign.value, cst.Call) else None
-            if macro not in ("define", "tunable"):
+            name = scopes.macro_of(assign.value)
+            try:
+                macro = macros.get(name) if name is not None else None
+            except KeyError:
+                continue
+            hook = macros.constant_hook(macro) if macro is not None else None
+            if macro is None or hook is None or "assign" not in macro.FORMS:
                 continue
             self.current = i
-            name = assign.targets[0].target.value
-            evaluator = Evaluator(self.ctx.constants, lambda c: False, self._use_tunable)
+            target = assign.targets[0].target.value
+            evaluator = Evaluator(self.ctx.constants, no_argument_macros, self._use_tunable)
             try:
-                self.ctx.constants[name] = macros.get(macro).constant(name, assign.value, evaluator)
+                self.ctx.constants[target] = hook(target, assign.value, evaluator)
+                evaluated[assign.value] = True
             except MacroError as e:
                 self.errors.append(e)
+                evaluated[assign.value] = False
             self._flush_errors()
+        return evaluated
 
     def _use_tunable(
         self, key: str, default: Any, choices: tuple[Any, ...], node: cst.CSTNode

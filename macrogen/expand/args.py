@@ -9,7 +9,7 @@ Anything else would need the program to run, so it is an error at its position.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +33,10 @@ _BINOPS: dict[type, Callable[[Any, Any], Any]] = {
 class Arg:
     """One evaluated argument and where it is in the source."""
 
-    value: Any
+    value: Any  # for a code argument: the expression node itself
     node: cst.BaseExpression
     tunable: str | None = None  # the tuning key, when the value came from tunable()
+    code: bool = False  # ordinary code the program runs (a macro's CODE_ARGUMENTS), not a value
 
 
 @dataclass(frozen=True)
@@ -72,21 +73,37 @@ class Args:
         return out
 
 
-# A callback that says whether a call is ``tunable(...)`` (and marks it used).
-IsTunable = Callable[[cst.Call], bool]
-# A callback that records a tunable and returns its value: (key, default, choices, node).
+# Which macro of the "argument" form a call is, if any (and marks it used):
+# (macro name, its USAGE, its ``argument`` hook).
+ArgumentMacro = Callable[[cst.Call], "tuple[str, str, ArgumentHook] | None"]
+# The hook: (the call, its tuning key, this evaluator) -> (value, tuning key or None).
+ArgumentHook = Callable[[cst.Call, str, "Evaluator"], "tuple[Any, str | None]"]
+# Records a tunable and returns its value: (key, default, choices, node).
 UseTunable = Callable[[str, Any, tuple[Any, ...], cst.CSTNode], Any]
+
+
+def no_argument_macros(call: cst.Call) -> None:
+    return None
 
 
 class Evaluator:
     def __init__(
-        self, constants: Mapping[str, Any], is_tunable: IsTunable, use_tunable: UseTunable
+        self,
+        constants: Mapping[str, Any],
+        argument_macro: ArgumentMacro,
+        use_tunable: UseTunable,
     ):
         self.constants = constants
-        self.is_tunable = is_tunable
+        self.argument_macro = argument_macro
         self.use_tunable = use_tunable
 
-    def call_args(self, call: cst.Call | None, key_prefix: str) -> Args:
+    def plain(self) -> Evaluator:
+        """An evaluator for the arguments of an argument-form macro: no macros inside."""
+        return Evaluator(self.constants, no_argument_macros, self.use_tunable)
+
+    def call_args(self, call: cst.Call | None, key_prefix: str, code: Collection[str] = ()) -> Args:
+        """Evaluate a macro call's arguments; those named in ``code`` (a keyword, or a
+        position "0", "1"...) stay expressions, for the program to run."""
         if call is None:
             return Args((), {}, None)
         positional: list[Arg] = []
@@ -98,8 +115,11 @@ class Evaluator:
             if name is not None and name in keywords:
                 raise MacroError(f"argument {name!r} given twice", arg.keyword)
             key = f"{key_prefix}.{name if name is not None else i}"
-            value, tunable = self.argument(arg.value, key)
-            evaluated = Arg(value, arg.value, tunable)
+            if (name if name is not None else str(i)) in code:
+                evaluated = Arg(arg.value, arg.value, None, code=True)
+            else:
+                value, tunable = self.argument(arg.value, key)
+                evaluated = Arg(value, arg.value, tunable)
             if name is None:
                 if keywords:
                     raise MacroError("positional argument follows keyword argument", arg)
@@ -109,36 +129,12 @@ class Evaluator:
         return Args(tuple(positional), keywords, call)
 
     def argument(self, node: cst.BaseExpression, key: str) -> tuple[Any, str | None]:
-        """A whole argument: the only place an inline ``tunable(...)`` may stand."""
-        if isinstance(node, cst.Call) and self.is_tunable(node):
-            return self.tunable(node, key), key
+        """A whole argument: the only place an argument-form macro (``tunable(...)``) may stand."""
+        if isinstance(node, cst.Call):
+            found = self.argument_macro(node)
+            if found is not None:
+                return found[2](node, key, self)
         return self.value(node), None
-
-    def tunable(self, call: cst.Call, key: str) -> Any:
-        default, choices = self.tunable_spec(call)
-        return self.use_tunable(key, default, choices, call)
-
-    def tunable_spec(self, call: cst.Call) -> tuple[Any, tuple[Any, ...]]:
-        args = Evaluator(self.constants, lambda c: False, self.use_tunable).call_args(call, "")
-        bound = args.bind({"default": None, "choices": None}, positional=("default", "choices"))
-        if "default" not in bound:
-            raise MacroError("tunable() needs a default: tunable(64, choices=[32, 64, 128])", call)
-        default = bound["default"].value
-        if "choices" not in bound:
-            raise MacroError(
-                "tunable() needs choices=[...] to search: tunable(64, choices=[32, 64, 128])", call
-            )
-        choices = bound["choices"].value
-        if not isinstance(choices, (list, tuple)) or not choices:
-            raise MacroError("choices must be a non-empty list of literals", bound["choices"].node)
-        if len(set(map(repr, choices))) != len(choices):
-            raise MacroError("choices must not repeat a value", bound["choices"].node)
-        if default not in choices:
-            raise MacroError(
-                f"the default {default!r} is not one of the choices {list(choices)}",
-                bound["default"].node,
-            )
-        return default, tuple(choices)
 
     def value(self, node: cst.BaseExpression) -> Any:
         if isinstance(node, (cst.Integer, cst.Float, cst.Imaginary)):
@@ -201,8 +197,10 @@ class Evaluator:
                 except TypeError:
                     raise MacroError("dict keys must be hashable", el.key) from None
             return out
-        if isinstance(node, cst.Call) and self.is_tunable(node):
-            raise MacroError("tunable() must be a whole macro argument or a module constant", node)
+        if isinstance(node, cst.Call):
+            found = self.argument_macro(node)
+            if found is not None:
+                raise MacroError(f"{found[0]}() can't be used here: {found[1]}", node)
         raise MacroError(
             "this is not known at expansion time: a macro argument must be a literal,"
             " a define()d constant or a tunable()",

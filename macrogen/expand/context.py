@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import keyword
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import libcst as cst
 
+from macrogen.expand.args import Args
 from macrogen.expand.errors import MacroError
+from macrogen.expand.protocol import Import
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -41,6 +43,27 @@ class Tunable:
     @property
     def tuned(self) -> bool:
         return self.value != self.default
+
+
+@dataclass(frozen=True)
+class SiteArguments:
+    """A site's arguments as expanded: what autotune's constraints see."""
+
+    macro: str
+    qualname: str
+    values: Mapping[str, Any]  # argument (keyword, or position "0", "1"...) -> value
+    tunables: Mapping[str, str]  # argument -> its tuning key, for tunable() arguments
+
+    @classmethod
+    def of(cls, macro: str, qualname: str, args: Args) -> SiteArguments:
+        named = {**{str(i): a for i, a in enumerate(args.positional)}, **args.keywords}
+        named = {k: a for k, a in named.items() if not a.code}  # code has no value to check
+        return cls(
+            macro,
+            qualname,
+            {k: a.value for k, a in named.items()},
+            {k: a.tunable for k, a in named.items() if a.tunable is not None},
+        )
 
 
 @dataclass(frozen=True)
@@ -80,48 +103,69 @@ class Context:
         self.names = Names(source)
         self.constants: dict[str, Any] = {}  # define()d and tunable module constants
         self.tunables: dict[str, Tunable] = {}
-        self.prelude: list[str] = []  # generated module-level code, in source order
+        self.prelude: list[str] = []  # the sites' helpers, in the order they expanded
         self._module_imports = dict(module_imports)  # local name -> module it binds
-        self._imports: dict[str, str] = {}  # import statement -> the name it binds
+        self._names: dict[str, str] = {}  # generated import statement -> the name it binds
+        self._imports: set[str] = set()  # the statements of the imports the sites returned
+        self.requested: list[Import] = []  # imports asked for by the site being expanded
         self._sites_per_scope: dict[str, int] = {}
         # Names the site being expanded sees bound by its own function or class: a module
         # import of the same name is hidden there, so generated code must not use it.
         self.shadowed: frozenset[str] = frozenset()
 
     # -- imports that generated code needs ---------------------------------
-    def import_module(self, module: str) -> str:
+    # A macro asks for a name here, uses ``str(imp)`` (its local name) in the code it
+    # renders, and returns every Import in ``Expanded.imports``; the pass then writes
+    # the statements of the imports returned by the sites that expanded.
+    def import_module(self, module: str) -> Import:
         """The name under which generated code reaches ``module`` (``import x as y``)."""
         for local, bound in self._module_imports.items():
             if bound == module and local not in self.shadowed:
-                return local
+                return self._requested_now(Import(local, module, None, self._statement_of(local)))
         leaf = module.rsplit(".", 1)[-1]
         stmt_prefix = f"import {module} as "
-        for stmt, local in self._imports.items():
+        for stmt, local in self._names.items():
             if stmt.startswith(stmt_prefix):
-                return local
+                return self._requested_now(Import(local, module, None, stmt))
         local = module if "." not in module and self.names.is_free(module) else None
         if local is not None:
             self.names.fresh(local)
-            self._imports[f"import {module}"] = local
+            stmt = f"import {module}"
         else:
             local = self.names.fresh(f"_mg_{leaf}")
-            self._imports[stmt_prefix + local] = local
+            stmt = stmt_prefix + local
+        self._names[stmt] = local
         self._module_imports[local] = module
-        return local
+        return self._requested_now(Import(local, module, None, stmt))
 
-    def import_from(self, module: str, name: str) -> str:
+    def import_from(self, module: str, name: str) -> Import:
         """The name under which generated code reaches ``module.name``."""
         key = f"from {module} import {name}"
-        for stmt, local in self._imports.items():
+        for stmt, local in self._names.items():
             if stmt == key or stmt.startswith(key + " as "):
-                return local
+                return self._requested_now(Import(local, module, name, stmt))
         if self.names.is_free(name):
             self.names.fresh(name)
-            self._imports[key] = name
-            return name
-        local = self.names.fresh(f"_mg_{name}")
-        self._imports[f"{key} as {local}"] = local
-        return local
+            stmt, local = key, name
+        else:
+            local = self.names.fresh(f"_mg_{name}")
+            stmt = f"{key} as {local}"
+        self._names[stmt] = local
+        return self._requested_now(Import(local, module, name, stmt))
+
+    def _statement_of(self, local: str) -> str | None:
+        """The generated statement that binds ``local`` (None: the file's own import)."""
+        return next((stmt for stmt, name in self._names.items() if name == local), None)
+
+    def _requested_now(self, imp: Import) -> Import:
+        self.requested.append(imp)
+        return imp
+
+    def add_imports(self, imports: Iterable[Import]) -> None:
+        """The pass: these imports are used by a site that expanded."""
+        for imp in imports:
+            if imp.statement is not None:
+                self._imports.add(imp.statement)
 
     def import_lines(self) -> list[str]:
         return sorted(self._imports)

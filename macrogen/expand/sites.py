@@ -9,13 +9,13 @@ module's import inside that function, so it is not a macro there.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import libcst as cst
 
-from macrogen import NON_MACRO_NAMES
+from macrogen import NON_MACRO_NAMES, macros
 from macrogen.expand.errors import MacroError
-from macrogen.markers import MACRO_NAMES
 
 PACKAGE = "macrogen"
 
@@ -46,11 +46,33 @@ def did_you_mean(name: str, known: tuple[str, ...] | list[str]) -> str:
 
 
 def unknown_macro(name: str, node: cst.CSTNode) -> MacroError:
+    names = macros.names()
     return MacroError(
-        f"macrogen has no macro {name!r}{did_you_mean(name, MACRO_NAMES)}"
-        f" (macros: {', '.join(MACRO_NAMES)})",
+        f"macrogen has no macro {name!r}{did_you_mean(name, names)} (macros: {', '.join(names)})",
         node,
     )
+
+
+def imported_names(stmt: cst.Import | cst.ImportFrom) -> dict[str, str]:
+    """What an absolute import binds: local name -> the module or object it names."""
+    out: dict[str, str] = {}
+    if isinstance(stmt, cst.Import):
+        for alias in stmt.names:
+            full = dotted(alias.name) or ""
+            if alias.asname is not None:
+                out[dotted(alias.asname.name) or ""] = full
+            else:
+                top = full.split(".", 1)[0]
+                out[top] = top
+        return out
+    if stmt.relative or stmt.module is None or isinstance(stmt.names, cst.ImportStar):
+        return out
+    module = dotted(stmt.module) or ""
+    for alias in stmt.names:
+        name = dotted(alias.name) or ""
+        local = dotted(alias.asname.name) if alias.asname is not None else name
+        out[local or name] = f"{module}.{name}"
+    return out
 
 
 def import_bindings(
@@ -71,16 +93,17 @@ def import_bindings(
     module = dotted(stmt.module) if stmt.module is not None else None
     from_macrogen = stmt.relative == () or len(stmt.relative) == 0
     from_macrogen = from_macrogen and module in (PACKAGE, f"{PACKAGE}.markers")
+    known = macros.names()
     if isinstance(stmt.names, cst.ImportStar):
         if from_macrogen:
-            out.update({name: Binding(name) for name in MACRO_NAMES})
+            out.update({name: Binding(name) for name in known})
         return out
     for alias in stmt.names:
         name = dotted(alias.name) or ""
         local = dotted(alias.asname.name) if alias.asname is not None else name
         if not from_macrogen:
             out[local or name] = None
-        elif name in MACRO_NAMES:
+        elif name in known:
             out[local or name] = Binding(name)
         elif name in NON_MACRO_NAMES or module != PACKAGE:
             out[local or name] = None
@@ -109,6 +132,7 @@ class Scope:
     bound: set[str] = field(default_factory=set)
     macros: dict[str, Binding] = field(default_factory=dict)
     globals: set[str] = field(default_factory=set)
+    imports: dict[str, str] = field(default_factory=dict)  # bound by imports alone -> what
 
 
 class _ScopeCollector(cst.CSTVisitor):
@@ -119,9 +143,13 @@ class _ScopeCollector(cst.CSTVisitor):
         self.scope = scope
         self.errors = errors
         self.others: set[str] = set()  # names also bound by something else than macrogen
+        self.imported: dict[str, str] = {}  # names an import binds -> what it names
+        self.bound_otherwise: set[str] = set()  # names also bound by something else than an import
 
-    def _bind(self, name: str, binding: Binding | None = None) -> None:
+    def _bind(self, name: str, binding: Binding | None = None, *, imported: bool = False) -> None:
         self.scope.bound.add(name)
+        if not imported:
+            self.bound_otherwise.add(name)
         if binding is not None:
             self.scope.macros[name] = binding
         else:
@@ -132,6 +160,9 @@ class _ScopeCollector(cst.CSTVisitor):
         # ambiguous; it is a macro only where macrogen is all it can be.
         for name in self.others:
             self.scope.macros.pop(name, None)
+        self.scope.imports = {
+            n: q for n, q in self.imported.items() if n not in self.bound_otherwise
+        }
         return self.scope
 
     # Nested scopes: their name is bound here, their body is not visited.
@@ -148,7 +179,8 @@ class _ScopeCollector(cst.CSTVisitor):
 
     def visit_Import(self, node: cst.Import) -> bool:
         for name, binding in import_bindings(node, self.errors).items():
-            self._bind(name, binding)
+            self._bind(name, binding, imported=True)
+        self.imported.update(imported_names(node))
         return False
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
@@ -223,6 +255,20 @@ class ScopeStack:
     def at_module_level(self) -> bool:
         return len(self.stack) == 1
 
+    def import_map(self, module_imports: Mapping[str, str]) -> dict[str, str]:
+        """What names reach by import here: the module's imports, then each enclosing scope's."""
+        names = dict(module_imports)
+        innermost = self.stack[-1]
+        for scope in self.stack[1:]:
+            if scope.kind == "class" and scope is not innermost:
+                continue  # class bodies are not visible from the functions inside them
+            for name in scope.bound - scope.globals:
+                if name in scope.imports:
+                    names[name] = scope.imports[name]
+                else:
+                    names.pop(name, None)
+        return names
+
     def locally_bound(self) -> frozenset[str]:
         """Names bound by the enclosing functions and classes (not the module)."""
         return frozenset().union(*(s.bound - s.globals for s in self.stack[1:]))
@@ -247,7 +293,7 @@ class ScopeStack:
             return binding.macro if binding is not None else None
         if isinstance(expr, cst.Attribute) and isinstance(expr.value, cst.Name):
             binding = self.resolve(expr.value.value)
-            if binding is MODULE and expr.attr.value in MACRO_NAMES:
+            if binding is MODULE and expr.attr.value in macros.names():
                 return expr.attr.value
         return None
 
@@ -256,5 +302,5 @@ class ScopeStack:
         if not isinstance(node.value, cst.Name) or self.resolve(node.value.value) is not MODULE:
             return
         attr = node.attr.value
-        if attr not in MACRO_NAMES and attr not in NON_MACRO_NAMES:
+        if attr not in macros.names() and attr not in NON_MACRO_NAMES:
             raise unknown_macro(attr, node.attr)

@@ -129,6 +129,20 @@ class Pieces(Statements):
                         out[alias.name] = alias.name
         return out
 
+    def imported_names(self) -> dict[str, str]:
+        """Every top-level absolute import: local name -> what it names (``from`` imports too)."""
+        out: dict[str, str] = {}
+        for node in self.tree.body:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    top = alias.name.split(".", 1)[0]
+                    out[alias.asname or top] = alias.name if alias.asname else top
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                for alias in node.names:
+                    if alias.name != "*":
+                        out[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        return out
+
 
 class WholeFile(Statements):
     """libcst's parse of the whole file, cut where libcst cuts it (the sure, slower way)."""
@@ -168,6 +182,9 @@ class WholeFile(Statements):
 
     def module_imports(self) -> dict[str, str]:
         return Pieces.module_imports(self)  # type: ignore[arg-type]
+
+    def imported_names(self) -> dict[str, str]:
+        return Pieces.imported_names(self)  # type: ignore[arg-type]
 
 
 def _first_indent(tree: ast.Module, lines: list[str]) -> str:

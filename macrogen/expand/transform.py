@@ -1,25 +1,32 @@
 """The transformer that finds macro sites in one top-level statement and expands them.
 
-Sites are expanded bottom-up (libcst's ``leave_*``), so a macro sees its body
-with inner sites already expanded. Argument nodes and positions always come
-from the original tree.
+It knows the site forms of ``protocol.py``, never a particular macro. On the
+way down it decides each macro call's form (the statement form the macro
+declares, else "call"); on the way up (libcst's ``leave_*``) it expands, so a
+macro sees its body with inner sites already expanded. Argument nodes and
+positions always come from the original tree.
+
+Stacked decorators expand like Python applies them, bottom-up: the macro
+nearest the ``def``/``class`` first; each further one gets the definition that
+carries the user's name in the statements the previous one returned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import libcst as cst
 
 from macrogen import macros
-from macrogen.expand.args import Evaluator
-from macrogen.expand.context import Context, Position
-from macrogen.expand.errors import MacroError
-from macrogen.expand.site import Site
+from macrogen.expand.args import ArgumentHook, Evaluator
+from macrogen.expand.context import Context, Position, SiteArguments
+from macrogen.expand.errors import InternalError, MacroError
+from macrogen.expand.protocol import Expanded, Form, Macro, Site
 from macrogen.expand.sites import ScopeStack, collect_scope
 
-Result = cst.BaseStatement | cst.FlattenSentinel | cst.RemovalSentinel
+Result = cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement] | cst.RemovalSentinel
+_STATEMENT_FORMS: tuple[Form, ...] = ("decorator", "with", "loop", "assign", "if", "elif")
 
 
 class Expander(cst.CSTTransformer):
@@ -29,17 +36,27 @@ class Expander(cst.CSTTransformer):
         scopes: ScopeStack,
         position: Callable[[cst.CSTNode], Position],
         errors: list[MacroError],
+        *,
+        constants: Mapping[cst.CSTNode, bool],
+        module_names: Mapping[str, str],
     ):
         super().__init__()
         self.ctx = ctx
         self.scopes = scopes
         self.position = position
         self.errors = errors
+        # assign sites whose ``constant`` hook ran before the transform -> whether it succeeded
+        self.constants = constants
+        self.module_names = module_names  # the file's top-level imports: local name -> what
         self.refs: dict[cst.CSTNode, str] = {}  # original macro call (or bare decorator) -> macro
+        self.claimed: dict[cst.CSTNode, Form] = {}  # macro calls a statement form takes
         self.consumed: set[cst.CSTNode] = set()
         self.elifs: set[cst.If] = set()
+        self.in_macro_call = 0  # > 0 inside a macro call's arguments
+        self.statements: list[list[str]] = []  # per enclosing statement: call-site comments
         self.expanded: list[tuple[str, int]] = []  # (macro, line) of each expanded site
-        self.evaluator = Evaluator(ctx.constants, self._is_tunable, self._use_tunable)
+        self.arguments: list[SiteArguments] = []
+        self.evaluator = Evaluator(ctx.constants, self._argument_macro, self._use_tunable)
 
     # -- scopes ----------------------------------------------------------------
     def visit_FunctionDef_body(self, node: cst.FunctionDef) -> None:
@@ -62,17 +79,43 @@ class Expander(cst.CSTTransformer):
     def leave_Lambda_body(self, node: cst.Lambda) -> None:
         self.scopes.pop()
 
-    # -- finding macro references ------------------------------------------------
+    # -- statements: where a call-form site's comment goes -------------------------
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, cst.BaseStatement):
+            self.statements.append([])
+        return super().on_visit(node)
+
+    def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> Any:
+        result = super().on_leave(original, updated)
+        if isinstance(original, cst.BaseStatement):
+            comments = self.statements.pop()
+            if comments:
+                result = _with_comments(result, comments)
+        return result
+
+    # -- finding macro references and deciding their form ----------------------------
+    def _claim(self, node: cst.CSTNode, *forms: Form) -> None:
+        """``node`` (a macro call) is a site of the first of ``forms`` its macro declares."""
+        name = self.scopes.macro_of(node)
+        macro = _lookup(name) if name is not None else None
+        if macro is None:
+            return
+        declared = next((f for f in forms if f in macro.FORMS), None)
+        if declared is not None:
+            self.claimed[node] = declared
+
     def visit_Call(self, node: cst.Call) -> None:
         macro = self.scopes.macro_of(node.func)
         if macro is not None:
             self.refs[node] = macro
+            self.in_macro_call += 1
 
     def visit_Decorator(self, node: cst.Decorator) -> None:
         if not isinstance(node.decorator, cst.Call):
             macro = self.scopes.macro_of(node.decorator)
             if macro is not None:
                 self.refs[node.decorator] = macro
+        self._claim(node.decorator, "decorator")
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         try:
@@ -83,34 +126,84 @@ class Expander(cst.CSTTransformer):
     def visit_If(self, node: cst.If) -> None:
         if isinstance(node.orelse, cst.If):
             self.elifs.add(node.orelse)
+        self._claim(node.test, "elif" if node in self.elifs else "if")
 
-    # -- sites -----------------------------------------------------------------
+    def visit_With(self, node: cst.With) -> None:
+        for item in node.items:
+            self._claim(item.item, "with")
+
+    def visit_For(self, node: cst.For) -> None:
+        self._claim(node.iter, "loop")
+
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+        value = _assigned(node)
+        if value is not None:
+            self._claim(value, "assign")
+
+    # -- the call form -----------------------------------------------------------
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        if original not in self.refs:
+            return updated
+        self.in_macro_call -= 1
+        if original in self.claimed or self.in_macro_call > 0:
+            return updated  # a statement form's, or another macro's argument
+        macro = _lookup(self.refs[original])
+        if macro is None or "call" not in macro.FORMS:
+            return updated  # reported by check_unconsumed, with what is supported
+        self.consumed.add(original)
+        qualname = self.ctx.site_key(self.scopes.qualname, self.refs[original])
+        result = self._expand("call", original, updated, original, original, qualname)
+        if result is None:
+            return updated
+        if not isinstance(result.replacement, cst.BaseExpression):
+            raise InternalError(f"{self.refs[original]}: a call site expands to an expression")
+        self.statements[-1].append(self._comment(self.refs[original], original))
+        return result.replacement
+
+    # -- statement forms -------------------------------------------------------------
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> Any:
         return self._decorated(original, updated)
 
     def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> Any:
         return self._decorated(original, updated)
 
-    def _decorated(self, original: cst.FunctionDef | cst.ClassDef, updated: Any) -> Any:
-        found = [i for i, d in enumerate(original.decorators) if d.decorator in self.refs]
+    def _decorated(
+        self, original: cst.FunctionDef | cst.ClassDef, updated: cst.FunctionDef | cst.ClassDef
+    ) -> Result:
+        found = [i for i, d in enumerate(original.decorators) if d.decorator in self.claimed]
         if not found:
             return updated
-        for extra in found[1:]:
-            self._error(
-                MacroError("only one macrogen decorator per definition", original.decorators[extra])
-            )
-        i = found[0]
-        expr = original.decorators[i].decorator
-        self.consumed.update(original.decorators[j].decorator for j in found)
+        self.consumed.update(original.decorators[i].decorator for i in found)
         stripped = updated.with_changes(
-            decorators=[d for j, d in enumerate(updated.decorators) if j != i]
+            decorators=[d for i, d in enumerate(updated.decorators) if i not in found]
         )
-        qualname = ".".join(filter(None, [self.scopes.qualname, original.name.value]))
-        call = expr if isinstance(expr, cst.Call) else None
-        return self._expand(self.refs[expr], "decorator", original, stripped, call, expr, qualname)
+        name = original.name.value
+        base = ".".join(filter(None, [self.scopes.qualname, name]))
+        statements: list[cst.BaseStatement] = [stripped]
+        for n, i in enumerate(reversed(found)):  # bottom-up, as Python applies decorators
+            expr = original.decorators[i].decorator
+            macro = self.refs[expr]
+            at = _definition_of(name, statements)
+            if at is None:
+                self._error(
+                    MacroError(
+                        f"{macro}() can't be stacked here: the macro below it leaves no"
+                        f" definition named {name}",
+                        expr,
+                    )
+                )
+                return updated
+            target = statements[at]
+            qualname = base if n == 0 else f"{base}.{macro}"
+            call = expr if isinstance(expr, cst.Call) else None
+            result = self._expand("decorator", original, target, call, expr, qualname)
+            if result is None:
+                return updated
+            statements[at : at + 1] = self._splice(result, target, self._comment(macro, expr))
+        return cst.FlattenSentinel(statements)
 
-    def leave_With(self, original: cst.With, updated: cst.With) -> Any:
-        found = [item for item in original.items if item.item in self.refs]
+    def leave_With(self, original: cst.With, updated: cst.With) -> Result:
+        found = [item for item in original.items if item.item in self.claimed]
         if not found:
             return updated
         item = found[0]
@@ -119,90 +212,133 @@ class Expander(cst.CSTTransformer):
         if len(original.items) > 1:
             self._error(MacroError(f"{macro}() must be the only item of its with statement", item))
             return updated
-        if item.asname is not None:
-            self._error(MacroError(f"{macro}() takes no 'as' target", item.asname))
-            return updated
         if original.asynchronous is not None:
             self._error(MacroError(f"{macro}() opens a plain with block, not async with", original))
             return updated
-        qualname = self.ctx.site_key(self.scopes.qualname, macro)
-        return self._expand(macro, "with", original, updated, item.item, item.item, qualname)
+        return self._statement_site("with", original, updated, item.item)
 
-    def leave_If(self, original: cst.If, updated: cst.If) -> Any:
-        test = original.test
-        if test not in self.refs:
+    def leave_For(self, original: cst.For, updated: cst.For) -> Result:
+        if original.iter not in self.claimed:
             return updated
-        self.consumed.add(test)
-        macro = self.refs[test]
-        form = "elif" if original in self.elifs else "if"
-        qualname = self.ctx.site_key(self.scopes.qualname, macro)
-        return self._expand(macro, form, original, updated, test, test, qualname)
+        self.consumed.add(original.iter)
+        if original.asynchronous is not None:
+            macro = self.refs[original.iter]
+            self._error(MacroError(f"{macro}() opens a plain for loop, not async for", original))
+            return updated
+        return self._statement_site("loop", original, updated, original.iter)
+
+    def leave_If(self, original: cst.If, updated: cst.If) -> Result | cst.If:
+        if original.test not in self.claimed:
+            return updated
+        self.consumed.add(original.test)
+        form = self.claimed[original.test]
+        if form == "elif":  # an elif keeps its place in the chain: one If
+            result = self._site_expansion(form, original, updated, original.test)
+            if result is None:
+                return updated
+            replacement = result.replacement
+            if isinstance(replacement, cst.BaseExpression) or len(replacement) != 1:
+                raise InternalError(f"{self.refs[original.test]}: an elif expands to one If")
+            elif_ = replacement[0]
+            if not isinstance(elif_, cst.If):
+                raise InternalError(f"{self.refs[original.test]}: an elif expands to one If")
+            return elif_
+        return self._statement_site(form, original, updated, original.test)
 
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
-    ) -> Any:
-        if len(original.body) != 1 or not isinstance(original.body[0], cst.Assign):
+    ) -> Result:
+        value = _assigned(original)
+        if value is None or value not in self.claimed:
             return updated
-        value = original.body[0].value
-        if value not in self.refs or self.refs[value] not in ("define", "tunable"):
-            return updated
-        macro = self.refs[value]
         self.consumed.add(value)
-        targets = original.body[0].targets
-        if not self.scopes.at_module_level:
-            self._error(MacroError(f"{macro}() must be assigned to a name at module level", value))
-            return updated
-        if len(targets) != 1 or not isinstance(targets[0].target, cst.Name):
-            self._error(
-                MacroError(f"{macro}() must be assigned to one name: NAME = {macro}(...)", original)
-            )
-            return updated
-        self.consumed.update(c for c in self.refs if self.refs[c] == "tunable" and inside(c, value))
-        name = targets[0].target.value
-        # The value was evaluated before the transform (module constants come first);
-        # if that failed, the error is already reported.
-        if name not in self.ctx.constants:
-            return updated
-        return self._expand(macro, "assign", original, updated, None, value, name)
+        if value in self.constants:
+            # The constant hook evaluated the arguments (and reported their errors).
+            self.consumed.update(c for c in self.refs if c is not value and _inside(c, value))
+            if not self.constants[value]:
+                return updated
+        return self._statement_site("assign", original, updated, value)
 
     # -- expansion ---------------------------------------------------------------
+    def _statement_site(
+        self, form: Form, original: cst.BaseStatement, updated: cst.BaseStatement, at: cst.CSTNode
+    ) -> Result:
+        result = self._site_expansion(form, original, updated, at)
+        if result is None:
+            return updated
+        return cst.FlattenSentinel(self._splice(result, updated, self._comment(self.refs[at], at)))
+
+    def _site_expansion(
+        self, form: Form, original: cst.CSTNode, updated: cst.CSTNode, at: cst.CSTNode
+    ) -> Expanded | None:
+        macro = self.refs[at]
+        target = _assign_target(original) if form == "assign" else None
+        if isinstance(target, cst.Name):
+            qualname = ".".join(filter(None, [self.scopes.qualname, target.value]))
+        else:
+            qualname = self.ctx.site_key(self.scopes.qualname, macro)
+        call = at if isinstance(at, cst.Call) else None
+        return self._expand(form, original, updated, call, at, qualname)
+
     def _expand(
         self,
-        macro: str,
-        form: str,
+        form: Form,
         original: cst.CSTNode,
         updated: cst.CSTNode,
         call: cst.Call | None,
         at: cst.CSTNode,
         qualname: str,
-    ) -> Any:
+    ) -> Expanded | None:
+        name = self.refs[at]
         pos = self.position(at)
         try:
-            module = _macro_module(macro, at)
-            if form not in module.FORMS:
-                raise MacroError(f"{macro}() can't be used here: {module.USAGE}", at)
-            args = self.evaluator.call_args(call, qualname)
+            macro = _macro(name, at)
+            if form not in macro.FORMS:
+                raise MacroError(f"{name}() can't be used here: {macro.USAGE}", at)
+            code = getattr(macro, "CODE_ARGUMENTS", ())
+            args = self.evaluator.call_args(call, qualname, code)
             self.ctx.shadowed = self.scopes.locally_bound()
-            site = Site(macro, form, updated, original, call, args, qualname, pos.line, pos.col)
-            result = module.expand(site, self.ctx)
+            self.ctx.requested = []
+            site = Site(
+                macro=name,
+                form=form,
+                node=updated,
+                original=original,
+                call=call,
+                args=args,
+                qualname=qualname,
+                line=pos.line,
+                col=pos.col,
+                scope=self.scopes.qualname,
+                names=self.scopes.import_map(self.module_names),
+            )
+            result = macro.expand(site, self.ctx)
         except MacroError as e:
             self._error(e if e.node is not None else MacroError(e.message, at))
-            return updated
-        self.expanded.append((macro, pos.line))
-        if form == "elif":  # an elif keeps its place in the chain
-            return result
-        return self._splice(
-            result, original, f"# macrogen: {macro} at {self.ctx.location(pos.line)}"
-        )
+            return None
+        _check_result(name, form, result, self.ctx)
+        self.ctx.add_imports(result.imports)
+        self.ctx.prelude.extend(result.helpers)
+        self.expanded.append((name, pos.line))
+        self.arguments.append(SiteArguments.of(name, qualname, args))
+        return result
+
+    def _comment(self, macro: str, at: cst.CSTNode) -> str:
+        return f"# macrogen: {macro} at {self.ctx.location(self.position(at).line)}"
 
     def _splice(
-        self, result: Sequence[cst.BaseStatement] | cst.BaseStatement, original: Any, comment: str
-    ) -> Result:
-        statements = [result] if isinstance(result, cst.BaseStatement) else list(result)
-        if not statements:
-            statements = [cst.SimpleStatementLine([cst.Pass()])]
+        self, result: Expanded, replaced: cst.CSTNode, comment: str
+    ) -> list[cst.BaseStatement]:
+        """The replacement statements, the site's comment on the first one.
+
+        The replaced statement's own leading lines (comments, blank lines) stay above the
+        site's comment."""
+        replacement = result.replacement
+        if isinstance(replacement, cst.BaseExpression):
+            raise InternalError("a statement site expands to statements, not an expression")
+        statements = list(replacement) or [cst.SimpleStatementLine([cst.Pass()])]
         first = statements[0]
-        original_leading = list(getattr(original, "leading_lines", ()))
+        original_leading = list(getattr(replaced, "leading_lines", ()))
         own = list(first.leading_lines)
         if len(own) == len(original_leading) and all(
             a.deep_equals(b) for a, b in zip(own, original_leading)
@@ -210,25 +346,28 @@ class Expander(cst.CSTTransformer):
             own = []  # the first statement is the site itself: its leading lines move above the comment
         leading = [*original_leading, cst.EmptyLine(comment=cst.Comment(comment)), *own]
         statements[0] = first.with_changes(leading_lines=leading)
-        return cst.FlattenSentinel(statements)
+        return statements
 
     def check_unconsumed(self) -> None:
         """Macro calls no site took are in a place where that macro means nothing."""
-        for node, macro in self.refs.items():
+        for node, name in self.refs.items():
             if node not in self.consumed:
                 try:
-                    usage = _macro_module(macro, node).USAGE
+                    usage = _macro(name, node).USAGE
                 except MacroError as e:
                     self._error(e)
                     continue
-                self._error(MacroError(f"{macro}() can't be used here: {usage}", node))
+                self._error(MacroError(f"{name}() can't be used here: {usage}", node))
 
     # -- callbacks for argument evaluation -----------------------------------------
-    def _is_tunable(self, call: cst.Call) -> bool:
-        if self.refs.get(call) == "tunable":
-            self.consumed.add(call)
-            return True
-        return False
+    def _argument_macro(self, call: cst.Call) -> tuple[str, str, ArgumentHook] | None:
+        name = self.refs.get(call)
+        macro = _lookup(name) if name is not None else None
+        hook = macros.argument_hook(macro) if macro is not None else None
+        if name is None or macro is None or hook is None or "argument" not in macro.FORMS:
+            return None
+        self.consumed.add(call)
+        return name, macro.USAGE, hook
 
     def _use_tunable(
         self, key: str, default: Any, choices: tuple[Any, ...], node: cst.CSTNode
@@ -239,14 +378,83 @@ class Expander(cst.CSTTransformer):
         self.errors.append(e)
 
 
-def _macro_module(macro: str, node: cst.CSTNode) -> Any:
-    """The macro's module; a marker whose macro is not in this installation is the user's error."""
+def _lookup(name: str) -> Macro | None:
     try:
-        return macros.get(macro)
-    except ModuleNotFoundError as e:
-        if e.name != f"macrogen.macros.{macro}":
-            raise
-        raise MacroError(f"{macro}() is not available in this version of macrogen", node) from None
+        return macros.get(name)
+    except KeyError:
+        return None
+
+
+def _macro(name: str, node: cst.CSTNode) -> Macro:
+    """The macro; a marker whose macro is not in this installation is the user's error."""
+    macro = _lookup(name)
+    if macro is None:
+        raise MacroError(f"{name}() is not available in this version of macrogen", node)
+    return macro
+
+
+def _check_result(name: str, form: Form, result: object, ctx: Context) -> None:
+    """A macro that breaks the protocol is macrogen's bug: say which and how."""
+    if not isinstance(result, Expanded):
+        raise InternalError(f"macro {name}: expand returned {type(result).__name__}, not Expanded")
+    returned = {imp.local for imp in result.imports}
+    missing = sorted({imp.local for imp in ctx.requested} - returned)
+    if missing:
+        raise InternalError(
+            f"macro {name}: expand used the imports {missing} but did not return them in"
+            " Expanded.imports"
+        )
+    if form == "call" and not isinstance(result.replacement, cst.BaseExpression):
+        raise InternalError(f"macro {name}: a call site expands to an expression")
+
+
+def _assigned(stmt: cst.SimpleStatementLine) -> cst.BaseExpression | None:
+    """The value of ``x = value`` (or ``x: T = value``) standing alone on its line."""
+    if len(stmt.body) != 1:
+        return None
+    small = stmt.body[0]
+    if isinstance(small, cst.Assign):
+        return small.value
+    if isinstance(small, cst.AnnAssign):
+        return small.value
+    return None
+
+
+def _assign_target(stmt: cst.CSTNode) -> cst.BaseExpression | None:
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return None
+    small = stmt.body[0]
+    if isinstance(small, cst.Assign) and len(small.targets) == 1:
+        return small.targets[0].target
+    if isinstance(small, cst.AnnAssign):
+        return small.target
+    return None
+
+
+def _definition_of(name: str, statements: Sequence[cst.BaseStatement]) -> int | None:
+    """The index of the last def or class named ``name``: what the name is bound to."""
+    for i in reversed(range(len(statements))):
+        stmt = statements[i]
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) and stmt.name.value == name:
+            return i
+    return None
+
+
+def _with_comments(result: Any, comments: list[str]) -> Any:
+    """The statement (or the first of several) with the call sites' comments above it."""
+    lines = [cst.EmptyLine(comment=cst.Comment(c)) for c in comments]
+    if isinstance(result, cst.FlattenSentinel):
+        nodes = list(result.nodes)
+        if nodes:
+            nodes[0] = nodes[0].with_changes(leading_lines=[*nodes[0].leading_lines, *lines])
+        return cst.FlattenSentinel(nodes)
+    if isinstance(result, cst.BaseStatement) and hasattr(result, "leading_lines"):
+        return result.with_changes(leading_lines=[*result.leading_lines, *lines])
+    return result
+
+
+def _inside(node: cst.CSTNode, root: cst.CSTNode) -> bool:
+    return inside(node, root)
 
 
 def inside(node: cst.CSTNode, root: cst.CSTNode) -> bool:

@@ -1,21 +1,93 @@
-"""One module per macro. Each exposes:
+"""The macros, one module per macro, and the registry that finds them.
 
-- ``FORMS``: the syntactic places it may stand ("decorator", "with", "if",
-  "elif", "assign", "argument");
-- ``USAGE``: one line showing the supported syntax, used in error messages;
-- ``expand(site, ctx)``: validates ``site.args`` into a frozen spec and returns
-  the statements that replace the site (rendered from its templates).
+Every module (or package) of this package that has ``FORMS``, ``USAGE`` and
+``expand`` is a macro, named by its ``NAME`` (else its module name): adding a
+macro is adding a module here plus its templates (docs/macros.md). The
+protocol a macro implements is ``macrogen.expand.protocol``. Tests register
+macros of their own with ``register``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from types import ModuleType
+import pkgutil
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from macrogen.markers import MACRO_NAMES
 
+if TYPE_CHECKING:
+    from macrogen.expand.protocol import ArgumentHook, ConstantHook, Constraint, Macro
 
-def get(name: str) -> ModuleType:
-    if name not in MACRO_NAMES:
-        raise KeyError(name)
-    return importlib.import_module(f"macrogen.macros.{name}")
+_registered: dict[str, Macro] = {}
+_names: tuple[str, ...] | None = None  # cached: names() is asked for every macrogen attribute
+
+
+@functools.cache
+def _discovered() -> dict[str, Macro]:
+    found: dict[str, Macro] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if is_macro(module):
+            found[_name(module)] = cast("Macro", module)
+    return found
+
+
+def is_macro(obj: object) -> bool:
+    return all(hasattr(obj, a) for a in ("FORMS", "USAGE", "expand"))
+
+
+def _name(obj: object) -> str:
+    name = getattr(obj, "NAME", None) or getattr(obj, "__name__", "").rsplit(".", 1)[-1]
+    if not isinstance(name, str) or not name.isidentifier():
+        raise TypeError(f"{obj!r} has no usable NAME")
+    return name
+
+
+def names() -> tuple[str, ...]:
+    """Every name a file may use as a macro (a marker without a module is reported at use)."""
+    global _names
+    if _names is None:
+        _names = tuple(sorted({*_discovered(), *_registered, *MACRO_NAMES}))
+    return _names
+
+
+def get(name: str) -> Macro:
+    """The macro called ``name``; KeyError when this installation has none."""
+    if name in _registered:
+        return _registered[name]
+    return _discovered()[name]
+
+
+def register(macro: object) -> None:
+    """Add a macro that does not live in this package (tests); replaces one of the same name."""
+    if not is_macro(macro):
+        raise TypeError(f"{macro!r} is not a macro: it needs FORMS, USAGE and expand")
+    global _names
+    _registered[_name(macro)] = cast("Macro", macro)
+    _names = None
+
+
+def unregister(name: str) -> None:
+    global _names
+    _registered.pop(name, None)
+    _names = None
+
+
+# -- the optional hooks, looked up at each use (so a test may patch a module) -------------
+def _hook(macro: Macro, hook: str) -> Callable[..., Any] | None:
+    found = getattr(macro, hook, None)
+    return found if callable(found) else None
+
+
+def constant_hook(macro: Macro) -> ConstantHook | None:
+    return cast("ConstantHook | None", _hook(macro, "constant"))
+
+
+def argument_hook(macro: Macro) -> ArgumentHook | None:
+    return cast("ArgumentHook | None", _hook(macro, "argument"))
+
+
+def tuning_constraint(macro: Macro) -> Constraint | None:
+    return cast("Constraint | None", _hook(macro, "tuning_constraint"))

@@ -34,9 +34,10 @@ from macrogen import codegen
 from macrogen.expand.args import Arg
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
-from macrogen.expand.site import Site
+from macrogen.expand.protocol import Expanded, Form, Site
 
-FORMS = ("decorator",)
+NAME = "data_parallel"
+FORMS: frozenset[Form] = frozenset({"decorator"})
 USAGE = (
     "@data_parallel(bucket_mb=25, first_bucket_mb=1, compress=None, accumulate=1,"
     " broadcast_buffers=True) decorates an nn.Module class"
@@ -132,18 +133,21 @@ def _reject_named_super(cls: cst.ClassDef) -> None:
         )
 
 
-def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
+def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
     serial = ctx.names.fresh(f"_{spec.name}_serial")
+    assert isinstance(site.node, cst.ClassDef)
     user_class = site.node.with_changes(name=cst.Name(serial))
+    gradient_sync = ctx.import_from("macrogen.runtime.data_parallel", "GradientSync")
+    config = ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig")
     generated = codegen.render_statements(
         "data_parallel.py.j2",
         name=spec.name,
         serial=serial,
         location=ctx.location(site.line),
         sync=ctx.names.fresh("_mg_data_parallel"),
-        gradient_sync=ctx.import_from("macrogen.runtime.data_parallel", "GradientSync"),
-        config=ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig"),
+        gradient_sync=gradient_sync,
+        config=config,
         bucket_mb=spec.bucket_mb,
         first_bucket_mb=spec.first_bucket_mb,
         compress=spec.compress,
@@ -151,4 +155,7 @@ def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
         broadcast_buffers=spec.broadcast_buffers,
     )
     blank = [cst.EmptyLine(), cst.EmptyLine()]
-    return [user_class, generated[0].with_changes(leading_lines=blank)]
+    return Expanded(
+        [user_class, generated[0].with_changes(leading_lines=blank)],
+        imports=(gradient_sync, config),
+    )

@@ -11,6 +11,12 @@ flat buffer per dtype, all-reduces each buffer once, and unpacks in place: with
 a Triton pack and unpack kernel generated for this site (K pointer arguments)
 on CUDA tensors, with ``torch.cat``/``_foreach_copy_`` on CPU tensors.
 
+The calls are recognised by what they name through the file's imports, not by
+their spelling: ``dist.all_reduce`` after ``import torch.distributed as dist``,
+``torch.distributed.all_reduce``, or ``all_reduce`` after ``from
+torch.distributed import all_reduce``. Anything else (``comm.all_reduce(a)`` on
+the user's own object) is refused, since fusing it would change what it does.
+
 Every call must use the same ``op`` and ``group`` (written the same way); mixed
 dtypes are fine (one collective each). ``async_op=True`` is rejected: the block
 issues its collectives and waits for them.
@@ -25,12 +31,14 @@ import libcst as cst
 from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
-from macrogen.expand.site import Site
+from macrogen.expand.protocol import Expanded, Form, Site
 
-FORMS = ("with",)
+NAME = "fused_allreduce"
+FORMS: frozenset[Form] = frozenset({"with"})
 USAGE = "fused_allreduce() opens a with block of dist.all_reduce(tensor) calls: with fused_allreduce(): ..."
 
 _ALL_REDUCE_PARAMS = ("tensor", "op", "group", "async_op")
+ALL_REDUCE = "torch.distributed.all_reduce"  # the one function a block may call
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,10 @@ class Spec:
 
 
 def validate(site: Site) -> Spec:
+    assert isinstance(site.original, cst.With)
+    item = site.original.items[0]
+    if item.asname is not None:
+        raise MacroError("fused_allreduce() takes no 'as' target", item.asname)
     args = site.args.bind({"block": 1024})
     block = args["block"].value if "block" in args else 1024
     if not isinstance(block, int) or isinstance(block, bool) or block < 16 or block & (block - 1):
@@ -50,7 +62,7 @@ def validate(site: Site) -> Spec:
     body = site.original.body
     if not isinstance(body, cst.IndentedBlock):
         raise MacroError("put each dist.all_reduce(...) call on its own line", body)
-    calls = [_all_reduce_call(stmt) for stmt in body.body]
+    calls = [_all_reduce_call(stmt, site) for stmt in body.body]
     tensors, ops, groups = [], [], []
     for call in calls:
         bound = _bind(call)
@@ -73,27 +85,28 @@ def validate(site: Site) -> Spec:
     return Spec(tuple(tensors), _same(ops, "op"), _same(groups, "group"), block)
 
 
-def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
+def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site)
     k = len(spec.tensors)
     fn = ctx.names.fresh(f"_fused_allreduce_l{site.line}")
-    ctx.prelude.append(
-        codegen.render(
-            "fused_allreduce.py.j2",
-            location=ctx.location(site.line),
-            k=k,
-            tensors=[f"t{i}" for i in range(k)],
-            # sizes and offsets change every call: don't recompile for each
-            scalars=[f"{p}{i}" for i in range(k) for p in ("n", "off")]
-            + [f"first_block{i}" for i in range(1, k)],
-            fn=fn,
-            pack=ctx.names.fresh(f"{fn}_pack"),
-            unpack=ctx.names.fresh(f"{fn}_unpack"),
-            block=spec.block,
-            triton=ctx.import_from("macrogen.runtime.triton_support", "triton"),
-            tl=ctx.import_from("macrogen.runtime.triton_support", "tl"),
-            runtime=ctx.import_from("macrogen.runtime.fused", "all_reduce_fused"),
-        )
+    triton = ctx.import_from("macrogen.runtime.triton_support", "triton")
+    tl = ctx.import_from("macrogen.runtime.triton_support", "tl")
+    runtime = ctx.import_from("macrogen.runtime.fused", "all_reduce_fused")
+    helper = codegen.render(
+        "fused_allreduce.py.j2",
+        location=ctx.location(site.line),
+        k=k,
+        tensors=[f"t{i}" for i in range(k)],
+        # sizes and offsets change every call: don't recompile for each
+        scalars=[f"{p}{i}" for i in range(k) for p in ("n", "off")]
+        + [f"first_block{i}" for i in range(1, k)],
+        fn=fn,
+        pack=ctx.names.fresh(f"{fn}_pack"),
+        unpack=ctx.names.fresh(f"{fn}_unpack"),
+        block=spec.block,
+        triton=triton,
+        tl=tl,
+        runtime=runtime,
     )
     call_args = [cst.Arg(t) for t in spec.tensors]
     if spec.op is not None:
@@ -101,7 +114,11 @@ def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
     if spec.group is not None:
         call_args.append(_keyword("group", spec.group))
     call = cst.Call(cst.Name(fn), call_args)
-    return [cst.SimpleStatementLine([cst.Expr(call)])]
+    return Expanded(
+        [cst.SimpleStatementLine([cst.Expr(call)])],
+        helpers=(helper,),
+        imports=(triton, tl, runtime),
+    )
 
 
 def _keyword(name: str, value: cst.BaseExpression) -> cst.Arg:
@@ -111,7 +128,7 @@ def _keyword(name: str, value: cst.BaseExpression) -> cst.Arg:
     return cst.Arg(value, keyword=cst.Name(name), equal=equal)
 
 
-def _all_reduce_call(stmt: cst.BaseStatement) -> cst.Call:
+def _all_reduce_call(stmt: cst.BaseStatement, site: Site) -> cst.Call:
     if (
         isinstance(stmt, cst.SimpleStatementLine)
         and len(stmt.body) == 1
@@ -119,10 +136,23 @@ def _all_reduce_call(stmt: cst.BaseStatement) -> cst.Call:
         and isinstance(stmt.body[0].value, cst.Call)
     ):
         call = stmt.body[0].value
-        func = call.func
-        name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", None)
-        if name == "all_reduce":
+        qualified = site.qualified(call.func)
+        if qualified == ALL_REDUCE:
             return call
+        written = cst.Module([]).code_for_node(call.func)
+        supported = (
+            f"a fused_allreduce block holds only {ALL_REDUCE}(tensor, ...) calls, reached through"
+            " the file's imports (import torch.distributed as dist ... dist.all_reduce(t))"
+        )
+        looks_like = "all_reduce" in (written.rsplit(".", 1)[-1], (qualified or "").rsplit(".")[-1])
+        if qualified is not None and looks_like:
+            raise MacroError(f"{written} is {qualified}, not {ALL_REDUCE}: {supported}", call.func)
+        if qualified is None and looks_like:
+            raise MacroError(
+                f"{written} is not {ALL_REDUCE} (it is not reached through an import of"
+                f" torch.distributed): {supported}",
+                call.func,
+            )
     raise MacroError(
         "a fused_allreduce block may hold only dist.all_reduce(tensor, ...) calls, one per line",
         stmt,

@@ -14,20 +14,19 @@ Without ``--target`` it becomes a run-time device check that needs no macrogen:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import libcst as cst
 
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
-from macrogen.expand.site import Site
+from macrogen.expand.protocol import Expanded, Form, Site
 from macrogen.markers import TARGETS
 
-FORMS = ("if", "elif")
+NAME = "target"
+FORMS: frozenset[Form] = frozenset({"if", "elif"})
 USAGE = 'target() is the whole test of an if statement: if target("cuda"): ...'
 
 
-def expand(site: Site, ctx: Context) -> cst.If | Sequence[cst.BaseStatement]:
+def expand(site: Site, ctx: Context) -> Expanded:
     args = site.args.bind({"kind": None}, positional=("kind",))
     if "kind" not in args:
         raise MacroError(f"target() takes the device kind, one of {list(TARGETS)}", site.call)
@@ -41,19 +40,19 @@ def expand(site: Site, ctx: Context) -> cst.If | Sequence[cst.BaseStatement]:
         torch = ctx.import_module("torch")
         check = cst.parse_expression(f"{torch}.cuda.is_available()")
         test = check if kind == "cuda" else cst.UnaryOperation(cst.Not(), check)
-        return node.with_changes(test=test)
+        return Expanded([node.with_changes(test=test)], imports=(torch,))
     if site.form == "elif":
         raise MacroError(
             "with --target, target() can't be an elif test; nest the if in the else branch",
             site.call,
         )
     if kind == chosen:
-        return _statements(node.body)
+        return Expanded(_statements(node.body))
     if node.orelse is None:
-        return []
+        return Expanded([])
     if isinstance(node.orelse, cst.If):  # the elif becomes a plain if
-        return [node.orelse]
-    return _statements(node.orelse.body)
+        return Expanded([node.orelse])
+    return Expanded(_statements(node.orelse.body))
 
 
 def _statements(suite: cst.BaseSuite) -> list[cst.BaseStatement]:

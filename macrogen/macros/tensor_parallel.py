@@ -30,6 +30,7 @@ literal or ``tunable``); without it, $MACROGEN_TP_SIZE from the launch, else 1.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import libcst as cst
@@ -37,10 +38,11 @@ import libcst as cst
 from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
-from macrogen.expand.site import Site
+from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
 from macrogen.expand.sites import did_you_mean, dotted
 
-FORMS = ("decorator",)
+NAME = "tensor_parallel"
+FORMS: frozenset[Form] = frozenset({"decorator"})
 USAGE = (
     "@tensor_parallel(plan={'attr': 'colwise' | 'rowwise' | 'vocab' | 'divide' | 'replicate'},"
     " size=N) on an nn.Module class"
@@ -121,25 +123,32 @@ def validate(site: Site, ctx: Context) -> Spec:
     return Spec(site.original.name.value, tuple(entries), size)
 
 
-def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
+def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
+    """A tensor-parallel size must divide the world size."""
+    size = arguments.get("size")
+    if isinstance(size, int) and (size < 1 or env.world_size % size):
+        return f"size={size} does not divide the world size {env.world_size}"
+    return None
+
+
+def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
     serial = ctx.names.fresh(f"_{spec.name}_serial")
     runtime = "macrogen.runtime.tensor_parallel"
     layer = {"colwise": "ColwiseLinear", "rowwise": "RowwiseLinear", "vocab": "VocabEmbedding"}
+    layers = {s: ctx.import_from(runtime, layer[s]) for s in _styles(spec) if s in layer}
     sharded = [
-        (
-            e.path,
-            e.style,
-            ctx.import_from(runtime, layer[e.style]),
-            ".".join((spec.name, *e.path)),
-            e.blocks,
-        )
+        (e.path, e.style, layers[e.style], ".".join((spec.name, *e.path)), e.blocks)
         for e in spec.entries
         if e.style in layer
     ]
     divided = [
         (e.path, ".".join((spec.name, *e.path))) for e in spec.entries if e.style == "divide"
     ]
+    group = ctx.import_from("macrogen.runtime.mesh", "tensor_parallel_group")
+    divide = ctx.import_from(runtime, "local_count") if divided else None
+    gather = ctx.import_from(runtime, "full_state_dict")
+    scatter = ctx.import_from(runtime, "load_full_state_dict")
     generated = codegen.render_statements(
         "tensor_parallel_class.py.j2",
         name=spec.name,
@@ -148,14 +157,21 @@ def expand(site: Site, ctx: Context) -> list[cst.BaseStatement]:
         sharded=sharded,
         divided=divided,
         replicated=[e.path for e in spec.entries if e.style == "replicate"],
-        group=ctx.import_from("macrogen.runtime.mesh", "tensor_parallel_group"),
-        divide=ctx.import_from(runtime, "local_count") if divided else None,
-        gather=ctx.import_from(runtime, "full_state_dict"),
-        scatter=ctx.import_from(runtime, "load_full_state_dict"),
+        group=group,
+        divide=divide,
+        gather=gather,
+        scatter=scatter,
     )
     blank = [cst.EmptyLine()] * (1 if "." in site.qualname else 2)
     generated[0] = generated[0].with_changes(leading_lines=blank)
-    return [site.node.with_changes(name=cst.Name(serial)), *generated]
+    assert isinstance(site.node, cst.ClassDef)
+    imports = (*layers.values(), group, *([divide] if divide else []), gather, scatter)
+    return Expanded([site.node.with_changes(name=cst.Name(serial)), *generated], imports=imports)
+
+
+def _styles(spec: Spec) -> list[str]:
+    """The styles of the plan, in order of first use (so imports are asked for in that order)."""
+    return list(dict.fromkeys(e.style for e in spec.entries))
 
 
 # -- what __init__ assigns ------------------------------------------------------------

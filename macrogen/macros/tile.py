@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import libcst as cst
@@ -39,7 +40,7 @@ import libcst as cst
 from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
-from macrogen.expand.site import Site
+from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
 from macrogen.macros.tile_analysis import analyze
 from macrogen.macros.tile_emit import (
     KernelEmitter,
@@ -51,7 +52,8 @@ from macrogen.macros.tile_emit import (
 )
 from macrogen.macros.tile_ir import Accum, InnerLoop, Let, Nest, Store
 
-FORMS = ("decorator",)
+NAME = "tile"
+FORMS: frozenset[Form] = frozenset({"decorator"})
 USAGE = "@tile(i=64, j=64) decorates a function whose body is a loop nest over range(...)"
 
 OPTIONS = {"num_warps": 4, "num_stages": 2, "dot_precision": "ieee"}
@@ -155,17 +157,31 @@ def kernel_nest(nest: Nest, tiles: dict[str, int]) -> Nest:
     return dataclasses.replace(nest, body=body)
 
 
-def expand(site: Site, ctx: Context) -> cst.FunctionDef:
+def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
+    """On CUDA, the site's tile sizes must fit in one Triton block (the CPU path is torch)."""
+    tiles = [
+        v
+        for k, v in arguments.items()
+        if k not in OPTIONS and isinstance(v, int) and not isinstance(v, bool)
+    ]
+    if env.target != "cuda" or not tiles:
+        return None
+    numel = math.prod(tiles)
+    if numel > MAX_TILE_ELEMENTS:
+        return f"a {'x'.join(map(str, tiles))} tile has {numel} elements, more than Triton's {MAX_TILE_ELEMENTS}"
+    return None
+
+
+def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
     if not spec.nest.tensors:
         raise MacroError("an @tile function needs at least one tensor parameter", site.original)
     out = _Output(spec, site, ctx)
-    ctx.prelude.append(out.shapes())
+    helpers = [out.shapes()]
     if out.kernel_wanted:
-        ctx.prelude.append(out.kernel())
-        ctx.prelude.append(out.launcher())
-    ctx.prelude.append(out.torch_path())
-    return out.function()
+        helpers += [out.kernel(), out.launcher()]
+    helpers.append(out.torch_path())
+    return Expanded([out.function()], helpers=tuple(helpers), imports=tuple(out.mods.values()))
 
 
 class _Output:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from macrogen.runtime import groups
+
 
 class RankMismatchError(RuntimeError):
     """Ranks built different models (or data-parallel settings)."""
@@ -54,6 +56,7 @@ def first_difference(reference: Fingerprint, other: Fingerprint) -> tuple[str, s
 
 def check_agreement(mine: Fingerprint, *, group: dist.ProcessGroup | None, where: str) -> None:
     """Raise ``RankMismatchError`` on every rank if any rank's fingerprint differs from rank 0's."""
+    groups.barrier(f"data_parallel at {where}: the rank-agreement check", group)
     gathered: list[Fingerprint | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     reference = gathered[0]

@@ -1,4 +1,4 @@
-"""The data x tensor mesh: which ranks share a tensor-parallel group, which a data group.
+"""The program's one mesh: torch's ``DeviceMesh`` over (pipeline x) data x tensor.
 
 With world size W and tensor-parallel size T, ranks form a (W/T) x T grid:
 
@@ -6,24 +6,37 @@ With world size W and tensor-parallel size T, ranks form a (W/T) x T grid:
     data groups (strided):       [0, 2], [1, 3]
 
 Contiguous tensor groups keep the chatty tensor-parallel collectives on
-neighbouring ranks (the same node, under torchrun). The mesh is made once per
-program, the first time a tensor-parallel module is built; every rank builds
-its modules in the same order, so every rank calls ``new_group`` in the same
-order, as torch.distributed requires. Making it also tells data-parallel modules
-(``groups.set_data_parallel_group``) to reduce over the data group only:
-different tensor-parallel ranks hold different shards, never to be averaged.
+neighbouring ranks (the same node, under torchrun). Every runtime piece takes
+its group from the dimension it needs: tensor-parallel layers from
+``mesh().tensor_group``, data-parallel modules from ``mesh().data_group``
+(different tensor-parallel ranks hold different shards, never to be averaged).
+The pipeline dimension is a slot for ``@pipeline``: size 1 until it exists.
+
+The mesh is made once per program, on first use (a tensor-parallel module's
+``__init__``, or a data-parallel module's). Before any group is made, every
+rank shows the others what it asks for (``size=`` and ``$MACROGEN_TP_SIZE``):
+ranks that disagree get the same clear error, instead of some waiting in
+``new_group`` while others wait in a collective. A monitored barrier first
+names a rank that is stopped or hung (``MACROGEN_TIMEOUT``), and every group
+gets that timeout.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from macrogen.runtime import groups
 
 SIZE_ENV = "MACROGEN_TP_SIZE"  # the tensor-parallel degree when the plan gives no size= (else 1)
+
+
+class MeshMismatchError(RuntimeError):
+    """Ranks asked for different meshes (tensor-parallel sizes)."""
 
 
 @dataclass(frozen=True)
@@ -33,9 +46,19 @@ class Mesh:
     tensor_group: dist.ProcessGroup | None  # this rank's tensor group; None: degree 1 or serial
     data_group: dist.ProcessGroup | None  # this rank's data group; None: the default group
     data_rank: int = 0  # which share of the data this rank trains on: rank // tensor_size
+    pipeline_size: int = 1  # pipeline stages (a slot for @pipeline: always 1 today)
+    pipeline_group: dist.ProcessGroup | None = None  # this rank's pipeline group; None: 1 stage
+    device_mesh: Any = None  # torch's DeviceMesh, dims ("data",) or ("data", "tensor"); None: serial
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(pipeline, data, tensor) sizes."""
+        return (self.pipeline_size, self.data_size, self.tensor_size)
 
 
-_mesh: Mesh | None = None
+SERIAL = Mesh(1, 1, None, None)
+
+_mesh: Mesh | None = None  # the program's mesh, once made (like torch's own mesh registry)
 
 
 def tensor_parallel_size(requested: int | None, world: int) -> int:
@@ -59,36 +82,81 @@ def tensor_parallel_size(requested: int | None, world: int) -> int:
 
 
 def mesh(size: int | None = None) -> Mesh:
-    """The program's mesh, made on first use; later calls must ask for the same size."""
+    """The program's mesh, made on first use; a later ``size`` must be the mesh's.
+
+    ``size=None`` takes the mesh as it is, or, when none exists yet, makes it
+    with $MACROGEN_TP_SIZE (else 1).
+    """
     global _mesh
     if not groups.ensure_initialized():
-        return Mesh(1, 1, None, None)  # run without torchrun: serial
-    world = dist.get_world_size()
-    tensor_size = tensor_parallel_size(size, world)
+        return SERIAL  # run without torchrun: serial
     if _mesh is not None:
-        if _mesh.tensor_size != tensor_size:
+        if size is not None and size != _mesh.tensor_size:
             raise ValueError(
                 f"this program already uses tensor-parallel size {_mesh.tensor_size};"
-                f" a module asks for {tensor_size}: one mesh per program"
+                f" a module asks for {size}: one mesh per program"
             )
         return _mesh
-    data_size, rank = world // tensor_size, dist.get_rank()
-    if tensor_size == 1:  # data parallel (or replicated) only: the default group is the data group
-        _mesh = Mesh(data_size, 1, None, None, rank)
-        groups.set_data_parallel_group(None)
-        return _mesh
-    tensor_group = data_group = None
-    for d in range(data_size):  # same order on every rank
-        g = dist.new_group([d * tensor_size + t for t in range(tensor_size)])
-        if rank // tensor_size == d:
-            tensor_group = g
-    for t in range(tensor_size):
-        g = dist.new_group([d * tensor_size + t for d in range(data_size)])
-        if rank % tensor_size == t:
-            data_group = g
-    _mesh = Mesh(data_size, tensor_size, tensor_group, data_group, rank // tensor_size)
-    groups.set_data_parallel_group(data_group)
+    world = dist.get_world_size()
+    tensor_size = agree_on_tensor_size(size, world)
+    _mesh = build(world, tensor_size)
     return _mesh
+
+
+def agree_on_tensor_size(size: int | None, world: int) -> int:
+    """Every rank's request, compared on every rank before any group exists; the agreed size."""
+    request = (size, os.environ.get(SIZE_ENV, "").strip())
+    if world > 1:
+        groups.barrier("macrogen: building the data x tensor mesh")
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, request)
+        if any(r != gathered[0] for r in gathered):
+            asks = "; ".join(f"rank {r}: {_describe(q)}" for r, q in enumerate(gathered))
+            raise MeshMismatchError(
+                f"ranks ask for different tensor-parallel sizes ({asks}). Set {SIZE_ENV}"
+                f" the same on every rank (torchrun passes one environment to all)"
+                f" (raised on rank {dist.get_rank()})"
+            )
+    return tensor_parallel_size(size, world)  # same inputs on every rank: same size or same error
+
+
+def _describe(request: tuple[int | None, str]) -> str:
+    size, env = request
+    env_text = f"{SIZE_ENV}={env}" if env else f"{SIZE_ENV} unset"
+    return f"size={size}, {env_text}" if size is not None else env_text
+
+
+def build(world: int, tensor_size: int) -> Mesh:
+    """The groups of a world/T x T mesh and torch's DeviceMesh over them (on every rank)."""
+    data_size, rank = world // tensor_size, dist.get_rank()
+    device_type = torch.device(groups.placement().device).type
+    if tensor_size == 1:  # data parallel (or replicated) only: the default group is the data group
+        device_mesh = _device_mesh(device_type, dist.group.WORLD, torch.arange(world), ("data",))
+        return Mesh(data_size, 1, None, None, rank, device_mesh=device_mesh)
+    grid = torch.arange(world).view(data_size, tensor_size)  # (data, tensor)
+    # One group per row (tensor) and per column (data), made in the same order on every rank.
+    # Even a data size of 1 gets its (one-rank) groups: the default group would mix shards.
+    tensor_group = data_group = None
+    for line in grid.tolist():
+        g = dist.new_group(line, timeout=groups.timeout())
+        if rank in line:
+            tensor_group = g
+    for line in grid.t().tolist():
+        g = dist.new_group(line, timeout=groups.timeout())
+        if rank in line:
+            data_group = g
+    device_mesh = _device_mesh(device_type, [data_group, tensor_group], grid, ("data", "tensor"))
+    return Mesh(data_size, tensor_size, tensor_group, data_group, rank // tensor_size,
+                device_mesh=device_mesh)  # fmt: skip
+
+
+def _device_mesh(device_type: str, dim_groups: Any, grid: torch.Tensor, names: tuple[str, ...]):
+    """torch's DeviceMesh over groups already made (for DTensor users); None when serial."""
+    if grid.numel() == 1:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(dim_groups, device_type, mesh=grid, mesh_dim_names=names)
 
 
 def tensor_parallel_group(size: int | None = None) -> dist.ProcessGroup | None:
@@ -97,8 +165,12 @@ def tensor_parallel_group(size: int | None = None) -> dist.ProcessGroup | None:
     return m.tensor_group if m.tensor_size > 1 else None
 
 
+def data_parallel_group() -> dist.ProcessGroup | None:
+    """This rank's data-parallel group (None: the default group, or serial)."""
+    return mesh().data_group
+
+
 def reset() -> None:
     """Forget the mesh (tests that build several programs in one process)."""
     global _mesh
     _mesh = None
-    groups.set_data_parallel_group(None)

@@ -8,9 +8,9 @@ from macrogen.expand import expand_source
 from tests.helpers import expansion_errors, strip_header
 
 
-def site(body: str, args: str = "") -> str:
+def site(body: str, args: str = "", imports: str = "import torch.distributed as dist") -> str:
     return (
-        "import torch.distributed as dist\n"
+        f"{imports}\n"
         "import macrogen as mg\n"
         "def sync(a, b, c, g):\n"
         f"    with mg.fused_allreduce({args}):\n"
@@ -57,12 +57,65 @@ def test_k_calls_become_one_call_of_a_generated_function():
         ("dist.all_reduce(a, dist.ReduceOp.MIN, g)\ndist.all_reduce(tensor=b, group=g, op=dist.ReduceOp.MIN)",
          "_fused_allreduce_l4(a, b, op=dist.ReduceOp.MIN, group=g)"),
         ("dist.all_reduce(a, async_op=False)", "_fused_allreduce_l4(a)"),
-        ("torch.distributed.all_reduce(a[0])\nall_reduce(b.grad)", "_fused_allreduce_l4(a[0], b.grad)"),
         ("# a comment\ndist.all_reduce(a)\n\ndist.all_reduce(b)  # trailing", "_fused_allreduce_l4(a, b)"),
     ],
 )  # fmt: skip
 def test_call_forms(body, expected):
     assert call_line(expand_source(site(body), path="test.py").code) == expected
+
+
+@pytest.mark.parametrize(
+    "imports, body",
+    [
+        ("import torch.distributed as dist", "dist.all_reduce(a)\ndist.all_reduce(b)"),
+        ("import torch", "torch.distributed.all_reduce(a)\ntorch.distributed.all_reduce(b)"),
+        ("import torch.distributed", "torch.distributed.all_reduce(a)\ntorch.distributed.all_reduce(b)"),
+        ("from torch.distributed import all_reduce", "all_reduce(a)\nall_reduce(b)"),
+        ("from torch.distributed import all_reduce as ar", "ar(a)\nar(b)"),
+        ("from torch import distributed as d", "d.all_reduce(a)\nd.all_reduce(b)"),
+    ],
+)  # fmt: skip
+def test_calls_are_recognised_by_what_the_imports_make_them(imports, body):
+    code = expand_source(site(body, imports=imports), path="test.py").code
+    assert call_line(code) == "_fused_allreduce_l4(a, b)"
+
+
+def test_a_function_local_import_counts_in_that_function():
+    src = (
+        "import macrogen as mg\n"
+        "def sync(a):\n    import torch.distributed as dist\n"
+        "    with mg.fused_allreduce():\n        dist.all_reduce(a)\n"
+    )
+    assert "_fused_allreduce_l4(a)" in expand_source(src, path="test.py").code
+
+
+@pytest.mark.parametrize(
+    "imports, body, error",
+    [
+        ("import torch.distributed as dist", "comm.all_reduce(a)",
+         "test.py:5:9: error: comm.all_reduce is not torch.distributed.all_reduce (it is not reached"
+         " through an import of torch.distributed): a fused_allreduce block holds only"
+         " torch.distributed.all_reduce(tensor, ...) calls"),
+        ("import torch.distributed as dist", "all_reduce(a)",
+         "test.py:5:9: error: all_reduce is not torch.distributed.all_reduce"),
+        ("import mycomm as dist", "dist.all_reduce(a)",
+         "test.py:5:9: error: dist.all_reduce is mycomm.all_reduce, not torch.distributed.all_reduce"),
+        ("from torch.distributed import all_reduce\nfrom torch.distributed import broadcast as all_reduce", "all_reduce(a)",
+         "test.py:6:9: error: all_reduce is torch.distributed.broadcast, not"),
+    ],
+)  # fmt: skip
+def test_an_all_reduce_of_something_else_is_refused(imports, body, error):
+    (got,) = expansion_errors(site(body, imports=imports))
+    assert got.startswith(error)
+
+
+def test_a_parameter_named_dist_is_not_torch_distributed():
+    src = (
+        "import torch.distributed as dist\nimport macrogen as mg\n"
+        "def sync(a, dist):\n    with mg.fused_allreduce():\n        dist.all_reduce(a)\n"
+    )
+    (got,) = expansion_errors(src)
+    assert got.startswith("test.py:5:9: error: dist.all_reduce is not torch.distributed.all_reduce")
 
 
 def test_block_argument_reaches_the_launcher():

@@ -1,24 +1,24 @@
-import torch.distributed as dist
-
 import macrogen as mg
+
+SIZE = mg.define(8)
 
 
 class Trainer:
     def step(self, loss, seen):
-        def sync():
-            with mg.fused_allreduce():
-                dist.all_reduce(loss)
-                dist.all_reduce(seen)
+        def place():
+            if mg.target("cuda"):
+                return loss.cuda()
+            return loss
 
-        sync()
-        if mg.target("cuda"):
-            return loss.cuda()
+        place()
+        if mg.target("cpu"):
+            return loss.cpu()
         return loss
 
 
 def outer(x):
     def inner(y):
-        with mg.fused_allreduce():
-            dist.all_reduce(y)
+        if mg.target("cuda"):
+            y.cuda()
 
     inner(x)

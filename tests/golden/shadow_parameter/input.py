@@ -1,14 +1,14 @@
-import torch.distributed as dist
-
 import macrogen as mg
 
+SIZE = mg.define(8)
 
-def sync(a, mg):
+
+def place(a, mg):
     # mg is a parameter here, not macrogen: nothing to expand
-    with mg.fused_allreduce():
-        dist.all_reduce(a)
+    if mg.target("cuda"):
+        a.cuda()
 
 
-def sync_real(a):
-    with mg.fused_allreduce():
-        dist.all_reduce(a)
+def place_real(a):
+    if mg.target("cuda"):
+        a.cuda()

@@ -1,0 +1,177 @@
+"""The macro protocol: what the pass hands a macro, and what the macro hands back.
+
+A macro is a module (or any object) with these attributes; docs/macros.md has
+a worked example of adding one.
+
+    NAME: str                    # "shard_optimizer": the name users write, mg.shard_optimizer
+    FORMS: frozenset[Form]       # the places it may stand (below)
+    USAGE: str                   # one line showing the supported syntax, for error messages
+    def expand(site: Site, ctx: Context) -> Expanded
+
+and optionally
+
+    CODE_ARGUMENTS: frozenset[str]   # arguments that are the program's own code, not
+                                     # expansion-time values: keyword names, or positions
+                                     # "0", "1"... (shard_optimizer's optimizer expression).
+                                     # ``site.args`` holds them as expressions (``Arg.code``);
+                                     # take the expanded expression from ``site.node``.
+
+and these hooks:
+
+    def constant(name: str, call: cst.Call, evaluator: Evaluator) -> object
+        # ``NAME = m(...)`` at module level gives NAME an expansion-time value (define,
+        # tunable): macro arguments naming it get that value. Runs before any expand,
+        # so a constant is known to every site of the file. A MacroError here is
+        # reported, and the site is then left alone.
+    def argument(call: cst.Call, key: str, evaluator: Evaluator) -> tuple[object, str | None]
+        # an "argument" site: the macro's call is a whole argument of another macro
+        # (tunable); returns the value and, for a tunable, its tuning key
+    def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None
+        # why this combination of the site's arguments can't run on env (autotune skips it)
+
+The forms, with the node the macro gets as ``site.node`` and what it returns:
+
+    "decorator"  @m(...) on a def or class   the definition  -> statements
+    "with"       with m(...): body           the With        -> statements
+    "loop"       for x in m(...): body       the For         -> statements
+    "assign"     x = m(...)                  the statement   -> statements
+    "if"/"elif"  if m(...): / elif m(...):   the If          -> statements (an elif: one If)
+    "call"       m(...) anywhere else        the Call        -> an expression
+    "argument"   other(x=m(...))             (no expand: the ``argument`` hook)
+
+A site whose statement form the macro does not declare falls back to "call"
+when the macro declares that (``x = m(...)`` is then the call form); else it is
+an error that shows ``USAGE``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import libcst as cst
+
+from macrogen.expand.args import Args, ArgumentHook, Evaluator
+
+if TYPE_CHECKING:
+    from macrogen.expand.context import Context
+
+Form = Literal["decorator", "with", "loop", "assign", "if", "elif", "call", "argument"]
+FORMS: tuple[Form, ...] = ("decorator", "with", "loop", "assign", "if", "elif", "call", "argument")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One use of a macro in the user's file."""
+
+    macro: str
+    form: Form
+    # The node the macro replaces (see the table above), inner sites already expanded
+    # and, for a decorator, every macro decorator removed. Build the replacement from it.
+    node: cst.CSTNode
+    # The same node as it is in the source: analyse it, and raise errors at its parts
+    # (only the source's nodes have positions).
+    original: cst.CSTNode
+    call: cst.Call | None  # the macro call (None for a bare decorator)
+    args: Args  # the call's arguments, evaluated
+    qualname: str  # "GPT", "Block.forward", "sync_metrics.fused_allreduce", "BLOCK"
+    line: int  # 1-based line of the macro call in the source
+    col: int
+    scope: str = ""  # the enclosing functions and classes: "Trainer.step"; "" at module level
+    # What the file's code reaches by name at this site: local name -> module, from
+    # the file's plain imports (``import torch.distributed as dist`` -> "dist":
+    # "torch.distributed") and ``from`` imports (``from torch.distributed import
+    # all_reduce`` -> "all_reduce": "torch.distributed.all_reduce"), minus the names
+    # the enclosing functions and classes bind themselves.
+    names: Mapping[str, str] = field(default_factory=dict)
+
+    def qualified(self, expr: cst.BaseExpression) -> str | None:
+        """``torch.distributed.all_reduce`` for ``dist.all_reduce`` (through ``names``), else None."""
+        parts: list[str] = []
+        while isinstance(expr, cst.Attribute):
+            parts.append(expr.attr.value)
+            expr = expr.value
+        if not isinstance(expr, cst.Name) or expr.value not in self.names:
+            return None
+        return ".".join([self.names[expr.value], *reversed(parts)])
+
+
+class Import(str):
+    """A name generated code uses, and the import that binds it.
+
+    The string is the local name, so it goes straight into templates and f-strings.
+    """
+
+    module: str  # "macrogen.runtime.fused"
+    name: str | None  # "all_reduce_fused"; None for ``import module``
+    statement: str | None  # "from macrogen.runtime.fused import all_reduce_fused"; None: the file's
+
+    def __new__(cls, local: str, module: str, name: str | None, statement: str | None) -> Import:
+        imp = super().__new__(cls, local)
+        imp.module, imp.name, imp.statement = module, name, statement
+        return imp
+
+    @property
+    def local(self) -> str:
+        return str.__str__(self)
+
+
+Replacement = Sequence[cst.BaseStatement] | cst.BaseExpression
+
+
+@dataclass(frozen=True)
+class Expanded:
+    """What a macro's ``expand`` returns.
+
+    ``replacement`` takes the site's place: statements for a statement form (an
+    empty sequence leaves ``pass``), one ``cst.If`` for an "elif", an expression
+    for "call". ``helpers`` are module-level code blocks (rendered templates) for
+    the generated-helpers block after the file's imports, in the order given.
+    ``imports`` are every ``Import`` the replacement and the helpers use (from
+    ``ctx.import_from``/``ctx.import_module``): the pass writes their statements.
+    """
+
+    replacement: Replacement
+    helpers: tuple[str, ...] = ()
+    imports: tuple[Import, ...] = ()
+
+
+@dataclass(frozen=True)
+class TuningEnv:
+    """What a tuning constraint may depend on: the machine the candidates run on."""
+
+    target: str  # "cpu" or "cuda"
+    world_size: int  # ranks per measured run
+    device_name: str
+
+
+Constraint = Callable[[Mapping[str, object], TuningEnv], "str | None"]
+
+
+class Macro(Protocol):
+    """The attributes every macro has (see the module docstring for the optional hooks)."""
+
+    @property
+    def NAME(self) -> str: ...
+
+    @property
+    def FORMS(self) -> frozenset[Form]: ...
+
+    @property
+    def USAGE(self) -> str: ...
+
+    def expand(self, site: Site, ctx: Context, /) -> Expanded: ...
+
+
+ConstantHook = Callable[[str, cst.Call, Evaluator], object]
+__all__ = [
+    "ArgumentHook",
+    "ConstantHook",
+    "Constraint",
+    "Expanded",
+    "Form",
+    "Import",
+    "Macro",
+    "Site",
+]
