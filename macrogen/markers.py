@@ -64,10 +64,19 @@ def fused_allreduce(**options: Any):
     yield
 
 
+def resumable(iterable: Iterable[T], **options: Any) -> Iterable[T]:
+    """``for step in resumable(range(n), model=..., dir=..., every=50):`` -- the plain loop.
+
+    Expanded, the loop saves and resumes checkpoints (``macrogen.runtime.checkpoint``).
+    """
+    return iterable
+
+
 MACRO_NAMES = (
     "data_parallel",
     "define",
     "fused_allreduce",
+    "resumable",
     "target",
     "tensor_parallel",
     "tile",
