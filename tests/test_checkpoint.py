@@ -150,3 +150,25 @@ def test_other_iterables_skip_the_consumed_items(tmp_path: Path) -> None:
     assert seen == list("abcdefg")
     shutil.rmtree(tmp_path / "step_00000006")  # resume from step 4
     assert list(resumable(iter("abcdefg"), model=model, dir=tmp_path, every=2)) == list("efg")
+
+
+def test_cli_converts_the_newest_complete_checkpoint(tmp_path: Path, capsys) -> None:
+    from macrogen.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    model = train(ckpt, stop=7)  # checkpoints at 3 and 6
+    (ckpt / "step_00000006" / MARKER).unlink()
+    out = tmp_path / "model.pt"
+    assert main(["checkpoint", "convert", str(ckpt), str(out), "--model-only"]) == 0
+    assert "from " + str(ckpt / "step_00000003") in capsys.readouterr().out
+    assert main(["checkpoint", "list", str(ckpt)]) == 0
+    assert "step_00000006  INCOMPLETE: no completion marker" in capsys.readouterr().out
+    at3 = torch.load(out)
+    assert at3.keys() == model.state_dict().keys()
+    whole = tmp_path / "whole.pt"
+    assert main(["checkpoint", "convert", str(ckpt / "step_00000003"), str(whole)]) == 0
+    saved = torch.load(whole, weights_only=False)
+    assert saved["loop"]["step"] == 3 and "rng" in saved and "optim" in saved
+    assert all(torch.equal(at3[k], saved["model"][k]) for k in at3)
+    assert main(["checkpoint", "convert", str(ckpt / "step_00000006"), str(whole)]) == 1
+    assert "is not complete" in capsys.readouterr().err

@@ -199,7 +199,7 @@ class _Checkpointer:
         if self.rank == 0:
             # Folders past the starting point are partial or unreadable, and would be
             # written again by this run: clear them before any rank saves there.
-            for path in _step_dirs(self.config.dir):
+            for path in step_dirs(self.config.dir):
                 if (_step_of(path) or 0) > start:
                     _remove(path)
         self._barrier()
@@ -342,7 +342,7 @@ def _writable_error(root: Path, rank: int) -> str | None:
     return None
 
 
-def _step_dirs(root: Path) -> list[Path]:
+def step_dirs(root: Path) -> list[Path]:
     """Checkpoint folders under ``root``, oldest first."""
     if not root.is_dir():
         return []
@@ -354,7 +354,7 @@ def find_checkpoints(root: Path) -> tuple[list[int], list[tuple[str, str]]]:
     """Steps of the complete checkpoints, newest first, and the newer folders skipped (why)."""
     complete: list[int] = []
     skipped: list[tuple[str, str]] = []
-    for path in reversed(_step_dirs(root)):
+    for path in reversed(step_dirs(root)):
         why = check_complete(path)
         if why is None:
             complete.append(_step_of(path) or 0)
@@ -420,11 +420,11 @@ def _fsync_dir(path: Path) -> None:
 
 def prune(root: Path, keep: int) -> None:
     """Delete every folder older than the ``keep`` newest complete checkpoints."""
-    complete = [p for p in _step_dirs(root) if check_complete(p) is None]
+    complete = [p for p in step_dirs(root) if check_complete(p) is None]
     if len(complete) <= keep:
         return
     oldest_kept = _step_of(complete[-keep]) or 0
-    for path in _step_dirs(root):
+    for path in step_dirs(root):
         if (_step_of(path) or 0) < oldest_kept:
             _remove(path)
 
@@ -470,3 +470,41 @@ def _near(key: str, saved: Any) -> str:
     head = key.split(".", 1)[0] + "."
     same_kind = [k for k in saved if k.startswith(head)]
     return f" (it has {same_kind[0]!r}, ...)" if same_kind else ""
+
+
+# ---- conversion (``macrogen checkpoint convert``) -------------------------------------------
+
+
+def latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (None if there is none)."""
+    complete, _ = find_checkpoints(root)
+    return step_dir(root, complete[0]) if complete else None
+
+
+def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, model_only: bool) -> Path:
+    """Write a DCP checkpoint as one ``torch.save`` file, for loading without torch.distributed.
+
+    ``src`` is a checkpoint folder (``ckpt/step_00000050``) or a directory of them (its
+    newest complete one). The file holds ``{"model", "optim", "loop", "rng"}`` as
+    ``get_state_dict`` gave them, or with ``model_only`` the model's state_dict alone
+    (``model.load_state_dict(torch.load(out))``). Returns the folder converted.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = Path(src)
+    if _step_of(path) is None:
+        found = latest(path)
+        if found is None:
+            raise CheckpointError(f"no complete checkpoint under {str(path)!r}")
+        path = found
+    why = check_complete(path)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not complete: {why}")
+    if not model_only:
+        dcp_to_torch_save(path, out)
+        return path
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(path, whole)
+        torch.save(torch.load(whole, weights_only=False)["model"], out)
+    return path
