@@ -4,7 +4,7 @@
 
 CPU, per pattern (medians of torch.utils.benchmark):
   * the expanded function's torch path over eager torch written as the same
-    expression (goal: <= 1.2);
+    expression (goal: <= 1.0);
   * the unexpanded loop over the torch path, both on a small input (the loop
     is Python; goal: >= 100x).
 Path and eager are measured in alternating rounds and the median ratio is
@@ -225,7 +225,7 @@ def cpu_section(directory: Path, rounds: int, min_run_time: float) -> None:
         t_loop, t_small, speedup = paired(getattr(loop, fn), path, inputs(p.small), 1, min_run_time)
         print(
             f"{p.name:<24}{t_path * 1e3:>10.3f}ms{t_eager * 1e3:>10.3f}ms{ratio:>12.2f}"
-            f"{'<=1.2':>7}{t_loop * 1e3:>13.2f}ms{t_small * 1e6:>12.1f}us{speedup:>10.0f}x{'>=100x':>8}"
+            f"{'<=1.0':>7}{t_loop * 1e3:>13.2f}ms{t_small * 1e6:>12.1f}us{speedup:>10.0f}x{'>=100x':>8}"
         )
 
 
@@ -236,11 +236,13 @@ def do_bench(fn, args: dict) -> float:
     return triton.testing.do_bench(lambda: fn(**args), return_mode="median") * 1e-3
 
 
-def measured_bandwidth() -> float:
+def measured_bandwidth(device: str = "cuda", numel: int = 1 << 28) -> float:
     """GB/s of a 1 GiB device-to-device copy (it reads and writes every byte)."""
-    src = torch.empty(1 << 28, device="cuda", dtype=torch.float32)
+    src = torch.empty(numel, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / do_bench(dst.copy_, {"src": src}) / 1e9
+    # copy_'s argument is positional: its name differs across torch versions
+    seconds = do_bench(lambda src: dst.copy_(src), {"src": src})
+    return 2 * src.numel() * src.element_size() / seconds / 1e9
 
 
 def cuda_section(directory: Path) -> None:

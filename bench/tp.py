@@ -1,6 +1,7 @@
 """Train-step time of @tensor_parallel vs torch's DTensor tensor parallelism, 2 gloo ranks.
 
     python bench/tp.py [--d-model 128 256 512] [--n-head 8] [--batch 8] [--seq 64] [--steps 40]
+                       [--vocab 8192]
 
 Both sides train the same transformer block (attention: qkv colwise, proj
 rowwise, n_head divided; MLP: fc colwise, proj rowwise) from the same weights:
@@ -11,7 +12,9 @@ step. Steps alternate between the two in one run (same machine load), each
 starts after a barrier, and the figure is the ratio of median step times
 (rank 0's clock; goal <= 0.70), for each model width. Before timing, both
 outputs are checked equal. Other processes on the machine add noise: the
-load average is printed with the results.
+load average is printed with the results. Last, it measures the logits one
+rank holds for the loss of a vocabulary-split head (``F.cross_entropy``
+rewritten to the vocab-parallel loss) against the serial head's.
 """
 
 from __future__ import annotations
@@ -63,6 +66,17 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.proj(F.gelu(self.fc(x)))
+
+
+@mg.tensor_parallel(plan={"head": "colwise"})
+class Head(nn.Module):
+    def __init__(self, d_model, vocab):
+        super().__init__()
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, x, targets):
+        logits = self.head(x)  # vocab-split: (B, T, vocab / tp) on each rank
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
 class Block(nn.Module):
@@ -119,6 +133,28 @@ def _step(model, opt, x):
     opt.step()
 
 
+def _logit_memory(serial_mod, ours_mod, args, world):
+    """Bytes of logits one rank holds for the loss: serial vs vocab-parallel (the loss equal)."""
+    d_model, vocab = args.d_model[0], args.vocab
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(args.batch, args.seq, d_model, generator=g)
+    targets = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+    sizes = []
+    for mod in (serial_mod, ours_mod):
+        torch.manual_seed(0)
+        head = mod.Head(d_model, vocab)
+        seen = []
+        head.head.register_forward_hook(
+            lambda m, i, o, seen=seen: seen.append(o.untyped_storage().nbytes())
+        )
+        loss = head(x, targets)
+        loss.backward()
+        sizes.append((seen[0], loss.item()))
+    (serial_bytes, serial_loss), (ours_bytes, ours_loss) = sizes
+    assert abs(ours_loss - serial_loss) <= 1e-5 * abs(serial_loss), (ours_loss, serial_loss)
+    return serial_bytes, ours_bytes, vocab
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
@@ -160,8 +196,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
                     times[name].append(elapsed)
         collectives.OVERLAP = True
         results.append((d_model, times))
+    logits = _logit_memory(serial_mod, ours_mod, args, world)
     if rank == 0:
-        out.put(results)
+        out.put((results, logits))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -175,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="timed steps of each")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary of the loss check")
     args = parser.parse_args(argv)
 
     from tests.distributed import free_port
@@ -185,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
     for p in procs:
         p.start()
-    results = out.get(timeout=1800)
+    results, (serial_bytes, ours_bytes, vocab) = out.get(timeout=1800)
     for p in procs:
         p.join()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -209,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "  ratio = median step / median DTensor step; paired = median of the per-round"
         " ratios (robust to load changes). Goal for macrogen: <= 0.70"
+    )
+    print(
+        f"vocab-parallel cross-entropy, vocab {vocab}, batch {args.batch}x{args.seq}: logits per"
+        f" rank {ours_bytes / 2**20:.2f} MiB vs serial {serial_bytes / 2**20:.2f} MiB"
+        f" (/ {serial_bytes / ours_bytes:.2f}; tp = {world}), loss equal to serial"
     )
     return 0
 

@@ -43,9 +43,10 @@ class GPTConfig:
 def _scaled_init(proj: nn.Linear, config: GPTConfig) -> None:
     """GPT-2's scaled init of a residual projection.
 
-    Done in the module that owns the layer, not by GPT afterwards: under
-    tensor parallelism, shards are cut right after the owner's ``__init__``,
-    so a seeded run then starts from exactly the serial weights.
+    Done here, in the module that owns the layer; nanoGPT's way (GPT
+    re-drawing ``c_proj.weight`` by name after building its blocks) gives the
+    same weights under tensor parallelism too: shards are cut once the
+    outermost module is built.
     """
     nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 

@@ -14,6 +14,13 @@ A short, truncated or garbled file fails the length or checksum test and is
 rebuilt; it is never unmarshalled, let alone executed. Entries are written with
 temp file + rename, so ranks that expand the same module at once all succeed and
 leave one whole entry.
+
+*Whose code runs.* The key and checksum are computable from public facts, so
+they authenticate nothing: an entry is used only if it, and every directory from
+the cache root down to it, belongs to the current user and is not writable by
+group or others (``trust``). Anything else is ignored (the module is expanded
+afresh and nothing is written there), with one warning per directory. Cache
+directories are created with mode 0700.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import importlib.util
 import json
 import marshal
 import os
+import stat
 import struct
 import sys
 import types
@@ -78,18 +86,65 @@ def key(source: bytes, *, path: Path, target: str | None, tuning: Mapping[str, A
     return h.digest()
 
 
+def _ours(st: os.stat_result) -> bool:
+    """Owned by the current user, and no one else may write it."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def trust(location: Location, cache_dir: Path | None) -> str | None:
+    """None if the entry's directories may be trusted; else why not (a sentence).
+
+    Checked: every directory from the cache root down to the entry's folder (the
+    ``__pycache__`` folder beside the source, or the mirrored folders under
+    ``MACROGEN_CACHE_DIR``). The cache root itself may be shared if it is sticky
+    (like /tmp): others can't then move our folders in it.
+    """
+    folder = location.entry.parent
+    root = Path(cache_dir) if cache_dir is not None else folder
+    chain = [folder, *folder.parents]
+    chain = chain[: chain.index(root) + 1] if root in chain else [folder]
+    for directory in chain:
+        try:
+            st = os.lstat(directory)
+        except FileNotFoundError:
+            continue  # not made yet: write() makes it, ours and 0700
+        except OSError as e:
+            return f"{directory} can't be examined ({e.strerror or e})"
+        if stat.S_ISLNK(st.st_mode):
+            st = os.stat(directory)
+        shared_root = directory == root and cache_dir is not None and st.st_mode & stat.S_ISVTX
+        if not _ours(st) and not shared_root:
+            owner = "another user" if st.st_uid != os.geteuid() else "you"
+            return (
+                f"{directory} belongs to {owner} and mode {stat.filemode(st.st_mode)}:"
+                " a cache folder must be yours and writable by you alone"
+            )
+    return None
+
+
 def read(path: Path, expected_key: bytes) -> tuple[Entry | None, str]:
-    """The entry at ``path`` if it is whole and for ``expected_key``; else None and why not.
+    """The entry at ``path`` if it is whole, ours and for ``expected_key``; else None and why not.
 
     The reason is "hit", "missing", "stale" (another key: the source, options or
-    macrogen changed) or "corrupt" (short, garbled, not ours).
+    macrogen changed), "corrupt" (short, garbled) or "untrusted" (owned by another
+    user, or writable by others: never unmarshalled).
     """
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None, "missing"
     except OSError:
         return None, "corrupt"
+    try:
+        st = os.fstat(fd)  # the file we opened, not whatever the path names now
+        if not stat.S_ISREG(st.st_mode) or not _ours(st):
+            return None, "untrusted"
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read()
+    except OSError:
+        return None, "corrupt"
+    finally:
+        os.close(fd)
     if len(data) < HEADER.size:
         return None, "corrupt"
     magic, entry_key, length, digest = HEADER.unpack_from(data)
@@ -113,13 +168,30 @@ def write(location: Location, entry_key: bytes, entry: Entry) -> None:
     """Write both files atomically: concurrent writers of one key write the same bytes."""
     from macrogen.files import write_atomic  # only the cold path needs tempfile
 
+    _make_private(location.entry.parent)
     if entry.expanded is not None:
-        write_atomic(location.expanded, entry.expanded.encode("utf-8"))
+        write_atomic(location.expanded, entry.expanded.encode("utf-8"), mode=0o644)
     else:
         location.expanded.unlink(missing_ok=True)  # left by a version that had sites
     payload = marshal.dumps((entry.code, entry.expanded, tuple(entry.sites)))
     header = HEADER.pack(MAGIC, entry_key, len(payload), hashlib.sha256(payload).digest())
-    write_atomic(location.entry, header + payload)
+    write_atomic(location.entry, header + payload, mode=0o644)  # never writable by others
+
+
+def _make_private(folder: Path) -> None:
+    """Create ``folder`` and its missing parents with mode 0700."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        if folder.parent == folder:
+            break
+        folder = folder.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
 
 
 # -- `macrogen cache clear | info` -------------------------------------------------------

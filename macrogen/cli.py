@@ -14,11 +14,32 @@ import sys
 
 from macrogen import __version__
 
+EPILOG = """\
+commands:
+  macrogen expand train.py -o train_dp.py     write the expanded program
+  macrogen run train.py [ARGS...]             run it, expanding on import (also under torchrun)
+  macrogen autotune train.py --entry :build   measure tunable(...) choices, record the winners
+  macrogen cache info|clear                   the import hook's cache
+
+exit status:
+  0  success
+  1  errors in the input (reported as path:line:col: error: ...), an unreadable
+     input or unwritable output; for expand --check: an output is stale
+  2  usage: bad options or arguments
+  3  a macrogen bug (an internal error; please report it)
+
+documentation: README.md and docs/ (expand.md, autotune.md, hook.md,
+data_parallel.md, tensor_parallel.md, tile.md) in the macrogen repository.
+Each command has its own --help.
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="macrogen",
         description="Expand macrogen macros in PyTorch training code into parallel code and Triton kernels.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"macrogen {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -1,10 +1,11 @@
 """The one Jinja2 environment: render a template, then prove it is Python.
 
-Values reach generated code only through three filters: ``ident`` (a validated
+Values reach generated code only through four filters: ``ident`` (a validated
 identifier), ``py`` (``repr`` of a number, string, bool, None or a tuple/list
-of them) and ``code`` (a libcst expression node a macro built, such as a kernel
-expression rebuilt from a validated IR). Nothing from a user's file is pasted
-in as raw text.
+of them: user text inside string literals), ``text`` (user text such as a file
+path inside a comment or docstring, see ``text``) and ``code`` (a libcst
+expression node a macro built, such as a kernel expression rebuilt from a
+validated IR). Nothing from a user's file is pasted in as raw text.
 """
 
 from __future__ import annotations
@@ -34,6 +35,26 @@ def ident(value: Any) -> str:
     return value
 
 
+def text(value: Any) -> str:
+    """User text (a path, a name) made safe for a comment or a docstring.
+
+    One line, whatever the text holds: every character ``str.isprintable`` refuses
+    (newline, carriage return, NUL, U+2028, lone surrogates of undecodable file
+    names), and the backslash and double quote, are written as Python escapes, so
+    a comment can't end early and a docstring reads back the exact text (a
+    newline in a path is written as backslash-n).
+    """
+    out = []
+    for ch in str(value):
+        if ch in '\\"':
+            out.append("\\" + ch)
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            out.append(repr(ch)[1:-1])  # \n, \r, \x00, \u2028, \udcff
+    return "".join(out)
+
+
 def py(value: Any) -> str:
     if value is None or isinstance(value, (bool, int, str)):
         return repr(value)
@@ -47,8 +68,8 @@ def py(value: Any) -> str:
             return f"[{items}]"
         return f"({items},)" if len(value) == 1 else f"({items})"
     if isinstance(value, (set, frozenset)):  # sorted: the output must not depend on the hash seed
-        items = sorted((py(v) for v in value), key=lambda text: (len(text), text))
-        return "{" + ", ".join(items) + "}" if items else "set()"
+        texts = sorted((py(v) for v in value), key=lambda text: (len(text), text))
+        return "{" + ", ".join(texts) + "}" if texts else "set()"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{py(k)}: {py(v)}" for k, v in value.items()) + "}"
     raise InternalError(f"can't render {type(value).__name__} {value!r} as a Python literal")
@@ -82,6 +103,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters["ident"] = ident
     env.filters["py"] = py
+    env.filters["text"] = text
     env.filters["code"] = code
     return env
 

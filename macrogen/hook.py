@@ -98,7 +98,7 @@ class Record(NamedTuple):
     path: str
     expanded: str | None  # the expanded code's file; None: the module has no macro sites
     sites: tuple[tuple[str, int], ...]
-    cache: str  # "hit", or why it was expanded: "missing", "stale", "corrupt"
+    cache: str  # "hit", or why it was expanded: "missing", "stale", "corrupt", "untrusted"
 
 
 _records: list[Record] = []
@@ -250,7 +250,17 @@ def load(path: Path, name: str, options: Options) -> types.CodeType:
     values, stale = _tuning(path, source, options, name)
     entry_key = cache.key(source, path=path, target=options.target, tuning=values)
     where = cache.locate(path, target=options.target, cache_dir=options.cache_dir)
-    entry, status = cache.read(where.entry, entry_key)
+    distrust = cache.trust(where, options.cache_dir)
+    if distrust is None:
+        entry, status = cache.read(where.entry, entry_key)
+    else:
+        entry, status = None, "untrusted"
+    if status == "untrusted":
+        _warn_once(
+            f"macrogen: warning: not using the import cache in {where.entry.parent}:"
+            f" {distrust or 'an entry there belongs to another user or is writable by others'};"
+            " expanding afresh (see docs/hook.md)"
+        )
     if entry is None:
         for key in stale:
             print(
@@ -259,7 +269,8 @@ def load(path: Path, name: str, options: Options) -> types.CodeType:
             )
         entry = _expand(path, name, source, options, values, where)
         try:  # (PYTHONDONTWRITEBYTECODE does not apply: this caches expansions)
-            cache.write(where, entry_key, entry)
+            if distrust is None:  # never write into a folder that is not ours alone
+                cache.write(where, entry_key, entry)
         except OSError:
             pass  # a read-only tree runs uncached, as Python does without its .pyc
     if entry.expanded is not None:
@@ -302,9 +313,19 @@ def _tuning(path: Path, source: bytes, options: Options, name: str):
     try:
         return database.winners(db, read_source(source)[0], file=path.name, target=options.target)
     except (OSError, ValueError, SyntaxError) as e:
-        raise MacroExpansionError(
-            f"{path}: error: can't read the tuning database: {e}", name=name, path=str(path)
-        ) from None
+        # A bad database must not break every import beside it: the defaults run
+        # (what `macrogen expand` reports as an error, the hook warns about once).
+        _warn_once(f"macrogen: warning: can't use the tuning database, using defaults: {e}")
+        return {}, []
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(message, file=sys.stderr, flush=True)
 
 
 def _expand(path, name, source, options, values, where) -> cache.Entry:

@@ -16,6 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from macrogen import cli
@@ -43,6 +44,7 @@ def _candidates(db: Path) -> dict[str, dict]:
     return {json.dumps(c["values"], sort_keys=True): c for r in records for c in r["candidates"]}
 
 
+@pytest.mark.slow
 def test_failures_are_recorded_and_tuning_goes_on(tmp_path: Path) -> None:
     src = _write(
         tmp_path,
@@ -96,6 +98,7 @@ def test_failures_are_recorded_and_tuning_goes_on(tmp_path: Path) -> None:
     assert time.monotonic() - started < 5  # no worker was launched
 
 
+@pytest.mark.slow
 def test_entry_that_fails_to_import_then_is_fixed(tmp_path: Path, capsys) -> None:
     src = _write(
         tmp_path,
@@ -157,6 +160,7 @@ def test_bad_requests_are_one_line_errors(tmp_path: Path, capsys) -> None:
     assert err.startswith("bad.py:3:") and "error: the default 1 is not one of the choices" in err
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_without_repeating_candidates(tmp_path: Path) -> None:
     src = _write(
         tmp_path,
@@ -230,6 +234,7 @@ def make_step():
 """
 
 
+@pytest.mark.slow
 def test_tile_sizes_tune_on_the_cpu_path(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the worker times the torch path all the same
     src = _write(tmp_path, "kern.py", TILE)
@@ -274,6 +279,7 @@ def test_cuda_candidates_are_timed_with_do_bench(monkeypatch) -> None:
     assert calls == [(26, 100, [0.2, 0.5, 0.8])]
 
 
+@pytest.mark.slow
 def test_a_budget_stops_the_run_and_the_next_run_goes_on(tmp_path: Path) -> None:
     src = _write(
         tmp_path,
@@ -307,6 +313,7 @@ def test_a_budget_stops_the_run_and_the_next_run_goes_on(tmp_path: Path) -> None
     assert len(_candidates(database.default_path(src))) == 4
 
 
+@pytest.mark.slow
 def test_a_large_space_is_sampled_and_a_rerun_measures_nothing(tmp_path: Path) -> None:
     src = _write(
         tmp_path,

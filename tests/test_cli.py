@@ -319,14 +319,17 @@ def test_internal_error_exits_3(project: Path, monkeypatch):
 def test_check_is_1_when_missing_or_stale_and_0_when_fresh(project: Path, tmp_path: Path):
     out = tmp_path / "out"
     missing = Run(project, out_dir=str(out), check=True)
-    assert missing.status == 1 and "stale (would be rewritten)" in missing.err
+    assert missing.status == 1 and "missing (the expansion was never written)" in missing.err
     assert not out.exists()  # --check writes nothing
     assert Run(project, out_dir=str(out)).status == 0
     fresh = Run(project, out_dir=str(out), check=True)
     assert (fresh.status, fresh.err) == (0, "")
     (project / "train.py").write_text(GOOD.replace("define(4)", "define(5)"))
     stale = Run(project, out_dir=str(out), check=True)
-    assert stale.status == 1 and stale.err == f"{out / 'train.py'}: stale (would be rewritten)\n"
+    assert stale.status == 1 and stale.err == (
+        f"{out / 'train.py'}: stale: differs from the expansion of"
+        f" {project / 'train.py'} (would be rewritten)\n"
+    )
 
 
 def test_check_in_place_on_a_file_without_macros_is_fresh(tmp_path: Path):
@@ -383,6 +386,7 @@ def _macrogen(*args: str, cwd: Path, stdin: bytes = b"") -> subprocess.Completed
     )
 
 
+@pytest.mark.slow  # runs the command in subprocesses
 def test_python_dash_m_macrogen(project: Path, tmp_path: Path):
     ok = _macrogen("expand", "-", cwd=tmp_path, stdin=GOOD.encode())
     assert ok.returncode == 0 and ok.stdout == expanded(GOOD, "<stdin>")

@@ -4,7 +4,9 @@ Both run on the same random tensors on 2 gloo ranks: random shapes (0-d,
 empty, ragged), non-contiguous views, float32/float64/int64/bfloat16 mixed in
 one block, op SUM and MAX, with and without ``group=``. Results must be equal
 bit for bit (each element is reduced by the same collective either way), and
-the expanded block must issue one collective per dtype.
+the expanded block must issue one collective per dtype (and one for each member
+large enough to be reduced on its own). In the steady state a block dispatches
+nothing but, per dtype, a foreach copy, the collective and a foreach copy.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from macrogen.expand import expand_source
@@ -129,9 +132,68 @@ def _parity(rank: int, world_size: int, reference_path: str, expanded_path: str,
             for i, (g, w) in enumerate(zip(got, want)):
                 assert g.dtype == w.dtype and g.shape == w.shape, (name, trial, i)
                 assert torch.equal(g, w), f"{name} trial {trial}: tensor {i} ({g.dtype}) differs"
-            assert collectives == len({t.dtype for t in tensors}), (name, trial, collectives)
+            assert collectives == _expected_collectives(tensors), (name, trial, collectives)
             checked.append((name, [str(t.dtype) for t in tensors]))
     return checked
+
+
+def _expected_collectives(tensors: list[torch.Tensor]) -> int:
+    """One per dtype, plus one per member of DIRECT_BYTES or more that has company."""
+    from macrogen.runtime.fused import DIRECT_BYTES
+
+    count = 0
+    for dtype in {t.dtype for t in tensors}:
+        sizes = [t.numel() * t.element_size() for t in tensors if t.dtype == dtype]
+        large = sum(n >= DIRECT_BYTES for n in sizes) if len(sizes) > 1 else 0
+        count += large + (len(sizes) > large)
+    return count
+
+
+def _steady_state(rank: int, world_size: int):
+    """The ops one block dispatches once its plan exists: nothing allocates, nothing else runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from macrogen.runtime.fused import FusedAllReduce
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    def tensors(step: int) -> list[torch.Tensor]:  # new tensors every step, same signature
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        return [torch.randn(n, generator=g) for n in (1, 3, 100, 7)] + [
+            torch.randint(0, 9, (5,), generator=g),
+            torch.randint(0, 9, (2, 2), generator=g),
+            torch.randn(4, generator=g).to(torch.bfloat16),
+        ]
+
+    block = FusedAllReduce(7, where="test.py:1")
+    block(*tensors(0))  # plans and allocates
+    buffers = [s.buffer.data_ptr() for s in block.steps(tensors(0)) if hasattr(s, "buffer")]
+    logs = []
+    for step in (1, 2):
+        ts = tensors(step)
+        want = [t.clone() for t in ts]
+        for t in want:
+            torch.distributed.all_reduce(t)
+        with Log() as log:
+            block(*ts)
+        assert all(torch.equal(a, b) for a, b in zip(ts, want))
+        logs.append(log.ops)
+    assert buffers == [s.buffer.data_ptr() for s in block.steps(tensors(0)) if hasattr(s, "buffer")]
+    return logs
+
+
+def test_steady_state_is_one_pack_one_collective_one_unpack_per_dtype():
+    for logs in run_ranks(_steady_state, 2, timeout=120):
+        copy, reduce = "aten._foreach_copy_", "c10d.allreduce_"
+        # float32 (4 tensors) and int64 (2) packed; the lone bfloat16 reduced in place
+        assert logs == [[copy, reduce, copy, copy, reduce, copy, reduce]] * 2
 
 
 def _world_size_one(rank: int, world_size: int, expanded_path: str) -> bool:
@@ -166,6 +228,42 @@ def test_expanded_block_equals_k_separate_all_reduces_on_two_ranks(tmp_path: Pat
 def test_world_size_one_under_torchrun_environment(tmp_path: Path):
     _, expanded = _write_modules(tmp_path)
     assert run_ranks(_world_size_one, 1, args=(expanded,), timeout=120, init=False) == [True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (and NCCL)")
+def test_a_block_is_captured_in_a_cuda_graph(tmp_path: Path):
+    _, expanded = _write_modules(tmp_path)
+    assert run_ranks(_cuda_graph, 1, args=(expanded,), timeout=180, init=False) == [True]
+
+
+def _cuda_graph(rank: int, world_size: int, expanded_path: str) -> bool:
+    """World size 1 on NCCL: warm up, capture the block, replay on new values in place."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    exp = _load(expanded_path, "fused_graph_expanded")
+    ts = [torch.randn(n, device="cuda") for n in (1, 3, 100, 7, 5)] + [
+        torch.arange(4, device="cuda")
+    ]  # float32 x 5 and one int64: pack, reduce, unpack and a direct reduce
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # plans, allocates, and warms NCCL up outside the capture
+            exp.sync_sum(*ts)
+    torch.cuda.current_stream().wait_stream(stream)
+    before = torch.cuda.memory_allocated()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        exp.sync_sum(*ts)
+    for t in ts:
+        t.copy_(torch.arange(t.numel(), device="cuda").view(t.shape).to(t.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    same = all(
+        torch.equal(t, torch.arange(t.numel(), device="cuda").to(t.dtype)) for t in ts
+    )  # world size 1: a sum over one rank leaves the values as they are
+    return same and torch.cuda.memory_allocated() == before
 
 
 def test_without_torchrun_the_block_is_world_size_one(tmp_path: Path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The fused all-reduce runtime's bookkeeping: buffer plans and kernel arguments."""
+"""The fused all-reduce runtime's bookkeeping: buffer plans, steps and their cache."""
 
 import pytest
 import torch
@@ -21,17 +21,54 @@ def test_plan_groups_by_dtype_in_order_of_first_appearance():
     ]
 
 
-def test_kernel_args_give_the_buffer_for_tensors_with_nothing_to_copy():
-    ts = [torch.ones(3000), torch.ones(2, dtype=torch.int64), torch.ones(0), torch.ones(17)]
-    flat = fused.plan(ts)[0]
-    buf = torch.empty(flat.numel)
-    args, grid = fused.kernel_args(buf, ts, flat, 1024)
-    assert args[0] is buf
-    assert args[1] is ts[0] and args[2] is buf and args[3] is buf and args[4] is ts[3]
-    assert args[5:9] == [3000, 0, 0, 17]  # elements
-    assert args[9:13] == [0, 0, 3000, 3000]  # offsets in the buffer
-    assert args[13:] == [3, 3, 3]  # first program of tensors 1..3
-    assert grid == 4
+def kinds(steps) -> list[tuple[str, tuple[int, ...]]]:
+    return [(type(s).__name__, s.members) for s in steps]
+
+
+def test_steps_pack_each_dtype_once_and_reduce_lone_or_large_members_in_place(monkeypatch):
+    monkeypatch.setattr(fused, "DIRECT_BYTES", 4000)
+    ts = [
+        torch.ones(3),
+        torch.ones(2, dtype=torch.int64),  # alone in its dtype: reduced in place
+        torch.ones(1000),  # 4000 bytes: on its own
+        torch.ones(4, 5),
+        torch.ones(0),
+        torch.ones(2, dtype=torch.bfloat16),
+        torch.ones(7, dtype=torch.bfloat16),
+    ]
+    block = fused.FusedAllReduce(len(ts), where="test.py:1")
+    assert kinds(block.steps(ts)) == [
+        ("Direct", (2,)),
+        ("Packed", (0, 3, 4)),
+        ("Direct", (1,)),
+        ("Packed", (5, 6)),
+    ]
+
+
+def test_steps_are_planned_once_per_signature_and_reuse_their_buffers():
+    block = fused.FusedAllReduce(2, where="test.py:1")
+    a, b = [torch.ones(3), torch.ones(4, 5)], [torch.zeros(3), torch.zeros(4, 5)]
+    steps = block.steps(a)
+    assert block.steps(b) is steps  # same shapes, dtypes, devices: the same plan, same buffers
+    (packed,) = steps
+    assert packed.buffer.shape == (23,)
+    assert [v.data_ptr() for v in packed.views] == [
+        packed.buffer.data_ptr(),
+        packed.buffer.data_ptr() + 3 * 4,
+    ]
+    assert block.steps([torch.ones(4), torch.ones(4, 5)]) is not steps  # a new signature
+    for n in range(1, 2 * fused.CACHE_SIZE):  # the cache keeps the latest few
+        block.steps([torch.ones(n), torch.ones(1)])
+    assert len(block._plans) == fused.CACHE_SIZE
+
+
+def test_a_block_without_a_process_group_changes_nothing():
+    block = fused.FusedAllReduce(2, where="test.py:1")
+    a, b = torch.arange(3.0), torch.arange(2)
+    block(a, b)
+    assert a.tolist() == [0.0, 1.0, 2.0] and b.tolist() == [0, 1]
+    with pytest.raises(TypeError, match="test.py:1: 2 tensors, not 1"):
+        block(a)
 
 
 def test_torch_path_packs_and_unpacks_non_contiguous_tensors():

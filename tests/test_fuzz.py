@@ -2,7 +2,8 @@
 
 Random source text, random mutations of the golden inputs, and random macro
 calls with random arguments, in every syntactic place. When the pass succeeds,
-its output must be valid Python. Bounded: a few hundred examples in all.
+its output must be valid Python. And valid files, built from documented uses
+only, which must expand without any error. Bounded: a few hundred examples in all.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import warnings
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -214,6 +216,7 @@ def macro_file(draw) -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.mark.slow
 @FUZZ
 @given(source=macro_file(), options=OPTIONS)
 def test_random_macro_calls(source, options):
@@ -272,6 +275,7 @@ def plausible_file(draw) -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.mark.slow
 @FUZZ
 @given(source=plausible_file(), options=OPTIONS)
 def test_plausible_macro_files(source, options):
@@ -283,3 +287,98 @@ def test_deep_nesting_is_reported_not_crashed():
     check(deep, {})
     nested = "import macrogen as mg\nA = mg.define(" + "[" * 150 + "]" * 150 + ")\n"
     check(nested, {})
+
+
+# -- valid files: these must expand, without any error ------------------------------------------
+# The oracle above accepts any ExpansionError, so a regression that refuses valid input would
+# pass it. Files built here only use macros as documented, so expanding them must succeed, give
+# one site per use, compile, and give the same bytes again.
+BLOCKS = st.sampled_from([16, 64, 256, 1024, 4096])
+
+
+@st.composite
+def valid_file(draw) -> tuple[str, dict, int]:
+    """(source, options, number of macro sites)"""
+    target = draw(st.sampled_from([None, "cpu", "cuda"]))
+    tuning: dict = {}
+    lines = [
+        "import torch.distributed as dist",
+        "import torch.nn as nn",
+        draw(
+            st.sampled_from(
+                ["import macrogen as mg", "import macrogen as mg\nfrom macrogen import *"]
+            )
+        ),
+        "",
+        "A = mg.define(4)",
+    ]
+    sites = 1
+    for n in range(draw(st.integers(1, 6))):
+        form = draw(
+            st.sampled_from(
+                ["define", "tunable", "target", "fused", "fused_nested", "data_parallel"]
+            )
+        )
+        sites += 1
+        if form == "define":
+            value = draw(
+                st.sampled_from(["A * 2", "'bf16'", "[1, 2.5, None]", "{'a': (1, 2)}", "-A"])
+            )
+            lines.append(f"D{n} = mg.define({value})  # note {n}")
+        elif form == "tunable":
+            choices = draw(st.lists(st.integers(1, 512), min_size=1, max_size=4, unique=True))
+            lines.append(f"T{n} = mg.tunable({draw(st.sampled_from(choices))}, choices={choices})")
+            if draw(st.booleans()):
+                tuning[f"T{n}"] = draw(st.sampled_from(choices))
+        elif form == "target":
+            kind = draw(st.sampled_from(["'cuda'", "'cpu'", "kind='cpu'"]))
+            tails = ["", "\nelse:\n    y = 2"]
+            if target is None:  # an elif target() needs the run-time check
+                tails.append(f"\nelif mg.target({kind}):\n    y = 3")
+            tail = draw(st.sampled_from(tails))
+            sites += tail.count("mg.target")
+            lines.append(f"if mg.target({kind}):\n    y = 1{tail}")
+        elif form in ("fused", "fused_nested"):
+            k = draw(st.integers(1, 4))
+            op = draw(
+                st.sampled_from(
+                    ["", ", op=dist.ReduceOp.MAX", ", group=g", ", dist.ReduceOp.SUM, g"]
+                )
+            )
+            block = draw(st.one_of(st.just(""), BLOCKS.map(lambda b: f"block={b}")))
+            if draw(st.booleans()):
+                choices = draw(st.lists(BLOCKS, min_size=1, max_size=3, unique=True))
+                block = f"block=mg.tunable({choices[0]}, choices={choices})"
+            body = "".join(f"        dist.all_reduce(t{i}{op})\n" for i in range(k))
+            params = ", ".join(f"t{i}" for i in range(k))
+            fn = f"def sync{n}(g, {params}):\n    with mg.fused_allreduce({block}):\n{body}"
+            if form == "fused_nested":
+                fn = f"class C{n}:\n" + "".join("    " + line + "\n" for line in fn.splitlines())
+            lines.append(fn)
+        else:
+            args = draw(
+                st.sampled_from(
+                    ["", "(bucket_mb=4)", "(compress='bf16', accumulate=2)",
+                     "(bucket_mb=mg.tunable(25, choices=[1, 25]))", "(broadcast_buffers=False)"]
+                )
+            )  # fmt: skip
+            lines.append(
+                f"@mg.data_parallel{args}\nclass Net{n}(nn.Module):\n"
+                "    def __init__(self):\n        super().__init__()\n"
+                "        self.fc = nn.Linear(A, A)\n\n"
+                "    def forward(self, x):\n        return self.fc(x)\n"
+            )
+    return "\n".join(lines) + "\n", {"target": target, "tuning": tuning}, sites
+
+
+@settings(FUZZ, max_examples=int(os.environ.get("MACROGEN_FUZZ_EXAMPLES", "15")))
+@given(case=valid_file())
+def test_valid_files_expand_without_error(case):
+    source, options, sites = case
+    try:
+        result = expand_source(source, path="fuzz.py", **options)
+    except ExpansionError as e:
+        pytest.fail(f"a valid file was refused:\n{e}\n--- options {options}\n{source}")
+    assert result.changed and len(result.sites) == sites, (result.sites, source)
+    compile(result.code, "fuzz.py", "exec")
+    assert expand_source(source, path="fuzz.py", **options).code == result.code

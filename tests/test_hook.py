@@ -47,6 +47,19 @@ def later():
     return y
 """
 
+# generated functions and a Triton kernel whose source comes from the cache entry
+TILE = """\
+import torch
+import macrogen as mg
+
+
+@mg.tile(i=16)
+def double(out, x):
+    (N,) = x.shape
+    for i in range(N):
+        out[i] = 2.0 * x[i]
+"""
+
 CONSTANTS = """\
 import macrogen as mg
 
@@ -246,37 +259,43 @@ def test_a_corrupt_entry_is_rebuilt_never_run(folder, corrupt):
 
 
 def test_traceback_names_the_users_line_and_the_generated_code(folder, monkeypatch):
+    from macrogen.runtime import fused
+
     src = folder.write("mg_trace", FUSED)
     module, record = folder.load("mg_trace")
 
     def failing_collective(*args, **kwargs):
         raise RuntimeError("collective failed")
 
-    monkeypatch.setattr(module, "all_reduce_fused", failing_collective)
+    monkeypatch.setattr(fused.FusedAllReduce, "__call__", failing_collective)
     with pytest.raises(RuntimeError) as info:
         module.sync(None, None)
     text = "".join(traceback.format_exception(info.value))
     assert f'File "{src}", line 10, in sync\n    with mg.fused_allreduce():\n' in text
-    generated = Path(record.expanded).read_text().splitlines()
-    call = next(i for i, line in enumerate(generated) if "all_reduce_fused(" in line) + 1
-    assert f'File "{record.expanded}", line {call}, in _fused_allreduce_l10\n' in text
     # user code below the generated helpers keeps its own line numbers and text
     with pytest.raises(IndexError) as info:
         module.later()
     text = "".join(traceback.format_exception(info.value))
     assert f'File "{src}", line 17, in later\n    y = [1, 2][N]  # IndexError, line 17\n' in text
+    # a failure inside generated code names the expanded file
+    folder.write("mg_trace_tile", TILE)
+    module, record = folder.load("mg_trace_tile")
+    with pytest.raises(AttributeError) as info:
+        module.double(None, None)
+    text = "".join(traceback.format_exception(info.value))
+    assert f'File "{record.expanded}", line ' in text
 
 
 def test_generated_kernels_read_their_source_even_without_the_file(folder):
-    folder.write("mg_kernel", FUSED)
+    folder.write("mg_kernel", TILE)
     _, record = folder.load("mg_kernel")
     Path(record.expanded).unlink()  # served from the entry through linecache
     module, record = folder.load("mg_kernel")
     assert record.cache == "hit"
-    kernel = getattr(module._fused_allreduce_l10_pack, "fn", module._fused_allreduce_l10_pack)
-    assert inspect.getsource(kernel).startswith("@triton.jit(")
-    assert "def _fused_allreduce_l10_pack(" in inspect.getsource(kernel)
-    assert "with mg.fused_allreduce():" in inspect.getsource(module.sync)  # the user's text
+    kernel = getattr(module._double_kernel, "fn", module._double_kernel)
+    assert inspect.getsource(kernel).startswith("@triton.jit")
+    assert "def _double_kernel(" in inspect.getsource(kernel)
+    assert "_double_triton(out, x)" in inspect.getsource(module.double)  # generated, from the entry
 
 
 def test_macro_errors_raise_one_exception_with_the_cli_report(folder):

@@ -58,6 +58,7 @@ def _line_of(source: str) -> int:
     return next(i for i, line in enumerate(split_lines(source), 1) if "A = mg.define" in line)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "path",
     sorted((TORCH_NN / "modules").glob("*.py")) + sorted(GOLDEN.glob("*/input.py")),

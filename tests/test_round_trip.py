@@ -34,6 +34,7 @@ def test_torch_nn_has_the_files_we_expect():
     assert len([f for f in FILES if f.parent.name == "modules"]) >= 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(TORCH_NN)))
 def test_torch_nn_file_round_trips(path: Path):
     source = path.read_text(encoding="utf-8")
@@ -84,6 +85,7 @@ EXPAND = (
 )
 
 
+@pytest.mark.slow
 def test_output_is_the_same_under_any_hash_seed():
     outputs = []
     for seed in ("0", "1", "4242"):

@@ -114,6 +114,61 @@ MODELS = textwrap.dedent(
 
         def forward(self, x):
             return self.inner.down(torch.relu(self.inner.up(x)))
+
+
+    @mg.tensor_parallel(
+        plan={
+            "blocks.*.up": "colwise",
+            "blocks.*.down": "rowwise",
+            "seq.0": "colwise",
+            "seq.2": "rowwise",
+            "named.mlp.up": "colwise",
+            "named.mlp.down": "rowwise",
+        }
+    )
+    class Containers(nn.Module):
+        # plan paths through ModuleList (with *), Sequential and ModuleDict, as torch's plans
+
+        def __init__(self, d_model):
+            super().__init__()
+            self.blocks = nn.ModuleList([Inner(d_model) for _ in range(2)])
+            self.seq = nn.Sequential(
+                nn.Linear(d_model, 2 * d_model), nn.ReLU(), nn.Linear(2 * d_model, d_model)
+            )
+            self.named = nn.ModuleDict({"mlp": Inner(d_model)})
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b.down(torch.relu(b.up(x)))
+            x = self.seq(x)
+            m = self.named["mlp"]
+            return m.down(torch.relu(m.up(x)))
+
+
+    class Tied(nn.Module):
+        def __init__(self, vocab, d_model):
+            super().__init__()
+            self.wte = nn.Embedding(vocab, d_model)
+            self.head = nn.Linear(d_model, vocab, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.wte(ids)))
+
+
+    @mg.tensor_parallel(plan={"wte": "vocab", "head": "colwise"})
+    class TiedLM(Tied):
+        pass  # vocab rows and colwise rows are one shard, shared; logits sharded
+
+
+    @mg.tensor_parallel(plan={"wte": "vocab", "head": "rowwise"})
+    class TiedRowwise(Tied):
+        pass
+
+
+    @mg.tensor_parallel(plan={"head": "colwise"})
+    class TiedHalfPlanned(Tied):
+        pass
     """
 )
 
@@ -295,6 +350,44 @@ def _two_rank_checks(rank, world, tmp):
     )
     counts["Dotted"] = (fwd, bwd)
 
+    _, _, fwd, bwd = _check_block(
+        "Containers", lambda: S.Containers(D_MODEL), lambda: P.Containers(D_MODEL), x, rank, world
+    )
+    counts["Containers"] = (fwd, bwd)
+    _, _, fwd, bwd = _check_block(
+        "TiedLM",
+        lambda: S.TiedLM(VOCAB, D_MODEL),
+        lambda: P.TiedLM(VOCAB, D_MODEL),
+        ids,
+        rank,
+        world,
+        gather_output=True,
+    )
+    counts["TiedLM"] = (fwd, bwd)
+    tied = P.TiedLM(VOCAB, D_MODEL)
+    assert tied.head.weight is tied.wte.weight and len(list(tied.parameters())) == 1
+
+    # vocab-parallel cross-entropy from this rank's logit columns equals the serial loss
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from macrogen.runtime.collectives import vocab_parallel_cross_entropy
+
+    logits = torch.randn(12, VOCAB, generator=torch.Generator().manual_seed(7)) * 3
+    target = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(8))
+    target[::5] = -1
+    for reduction in ("mean", "sum", "none"):
+        full = logits.clone().requires_grad_()
+        want = F.cross_entropy(full, target, ignore_index=-1, reduction=reduction)
+        want.sum().backward()
+        mine = logits.chunk(world, dim=-1)[rank].clone().requires_grad_()
+        with _CountCollectives() as comm:
+            got = vocab_parallel_cross_entropy(mine, target, dist.group.WORLD, -1, reduction)
+            got.sum().backward()
+            counts[f"cross_entropy {reduction}"] = comm.take()
+        torch.testing.assert_close(got, want, **TOL, msg=f"cross_entropy {reduction}")
+        torch.testing.assert_close(mine.grad, full.grad.chunk(world, dim=-1)[rank], **TOL)
+
     # big rowwise outputs are reduced in row chunks, each while the next is computed;
     # without overlap, every collective runs alone
     import macrogen.runtime.collectives as collectives
@@ -334,13 +427,23 @@ def _two_rank_checks(rank, world, tmp):
     torch.testing.assert_close(twin(x), mlp(x))
     assert P.Attention(D_MODEL, N_HEAD).n_head == N_HEAD // world
 
-    # dimensions the degree does not divide: a clear error at construction
+    # dimensions the degree does not divide, ties a plan can't keep: a clear error at construction
     errors = []
-    for build in (lambda: P.LMRowwiseHead(25, D_MODEL), lambda: P.Attention(D_MODEL, 3)):
+    for build in (
+        lambda: P.LMRowwiseHead(25, D_MODEL),
+        lambda: P.Attention(D_MODEL, 3),
+        lambda: P.TiedRowwise(VOCAB, D_MODEL),
+        lambda: P.TiedHalfPlanned(VOCAB, D_MODEL),
+    ):
         try:
             build()
         except ValueError as e:
             errors.append(str(e))
+    # a divided attribute that differs between ranks (same parameter shapes): refused on all ranks
+    try:
+        P.Attention(D_MODEL, N_HEAD * (1 + rank))
+    except RuntimeError as e:
+        errors.append(str(e).split(" (raised on rank")[0])
     return counts, errors
 
 
@@ -367,9 +470,24 @@ def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
     # vocab (one all-reduce forward), colwise head (one all-reduce backward)
     one_each = {"all_reduce": 1, "all_gather": 0}
     assert counts["LMColwiseHead"] == (one_each, one_each)
+    assert counts["Containers"] == (
+        {"all_reduce": 4, "all_gather": 0},
+        {"all_reduce": 4, "all_gather": 0},
+    )
+    assert counts["TiedLM"] == (one_each, one_each)
+    # the row maxima, then the sums of exp and of the target logits together; nothing backward
+    assert counts["cross_entropy mean"] == {"all_reduce": 2, "all_gather": 0}
     assert errors == [
         "LMRowwiseHead.wte.num_embeddings = 25 is not divisible by the tensor-parallel size 2; choose a size that divides it",
         "Attention.n_head = 3 is not divisible by the tensor-parallel size 2; choose a size that divides it",
+        "TiedRowwise.head.weight is tied to TiedRowwise.wte.weight, but the plan splits them"
+        " differently (dim 1 vs 0): a tie keeps one shard, so plan both with the same split (a"
+        " vocab embedding and a colwise head share rows) or untie them",
+        "TiedHalfPlanned.wte.weight is tied to TiedHalfPlanned.head.weight, which the plan shards;"
+        " plan both with the same split (a vocab embedding and a colwise head share rows) or"
+        " untie them",
+        "tensor_parallel: rank 1 built a different model than rank 0: Attention's divided"
+        " attributes: (('Attention.n_head', 2),) on rank 0 but (('Attention.n_head', 4),)",
     ]
 
 

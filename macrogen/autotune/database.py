@@ -36,9 +36,12 @@ as ``{"python": "<repr>"}`` and read back with ``ast.literal_eval``.
 from __future__ import annotations
 
 import ast
+import contextlib
+import fcntl
 import hashlib
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +128,15 @@ def encode_value(value: Any) -> Any:
 
 def decode_value(value: Any) -> Any:
     if isinstance(value, dict) and set(value) == {"python"}:
-        return ast.literal_eval(value["python"])
+        text = value["python"]
+        if not isinstance(text, str):
+            raise ValueError(f"{{'python': ...}} must hold a string, not {text!r}")
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            raise ValueError(f"{text[:80]!r} is not a Python literal") from None
+    if isinstance(value, dict):
+        raise ValueError(f"a value is a JSON value or {{'python': '<literal>'}}, not {value!r}")
     return value
 
 
@@ -152,12 +163,17 @@ def _natural(values: Mapping[str, Any]) -> list[tuple[str, int, Any]]:
 
 # -- the file -----------------------------------------------------------------------
 def load(path: Path) -> dict[str, Any]:
+    """The database at ``path`` (empty if there is none); ValueError naming the file and the record if malformed."""
     if not path.exists():
         return {"format": FORMAT, "version": FORMAT_VERSION, "records": []}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a macrogen tuning database (nested too deeply)") from None
     if (
         not isinstance(data, dict)
         or data.get("format") != FORMAT
@@ -169,19 +185,86 @@ def load(path: Path) -> dict[str, Any]:
             f"{path}: tuning database version {data.get('version')!r}; this macrogen reads version"
             f" {FORMAT_VERSION} (re-run macrogen autotune)"
         )
+    for i, record in enumerate(data["records"]):
+        problem = _record_problem(record)
+        if problem is not None:
+            raise ValueError(
+                f"{path}: record {i + 1} of {len(data['records'])}: {problem}"
+                " (fix or remove the record, or delete the file and run macrogen autotune again)"
+            )
     return data
+
+
+def _record_problem(record: Any) -> str | None:
+    """What is wrong with one record's structure, or None."""
+    if not isinstance(record, dict):
+        return f"a record is a JSON object, not {type(record).__name__}"
+    if not isinstance(record.get("key"), dict):
+        return 'no "key" object'
+    generation = record.get("generation", 0)
+    if not isinstance(generation, int) or isinstance(generation, bool):
+        return f'"generation" must be a whole number, not {generation!r}'
+    if not isinstance(record.get("source_hash"), (str, type(None))):
+        return '"source_hash" must be a string'
+    candidates = record.get("candidates", [])
+    if not isinstance(candidates, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("values"), dict) for c in candidates
+    ):
+        return '"candidates" must be a list of objects with "values"'
+    for c in candidates:
+        if "time_s" in c and (
+            not isinstance(c["time_s"], (int, float)) or isinstance(c["time_s"], bool)
+        ):
+            return f'"time_s" must be a number, not {c["time_s"]!r}'
+    winner = record.get("winner")
+    if winner is not None and not isinstance(winner, dict):
+        return f'"winner" must be an object of tunable values or null, not {winner!r}'
+    for values in [winner or {}] + [c["values"] for c in candidates]:
+        try:
+            decode_values(values)
+        except ValueError as e:
+            return str(e)
+    return None
 
 
 def dumps(data: Mapping[str, Any]) -> str:
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
+def _identity(record: Mapping[str, Any]) -> str:
+    """Which tuning problem a record is (its key; the signature is filled in later)."""
+    key = {k: v for k, v in record["key"].items() if k != "signature"}
+    return json.dumps(key, sort_keys=True, default=repr)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on the database's folder (fcntl), held for one read-merge-write.
+
+    The folder, not the file, because the file is replaced by a rename at every save.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 class Database:
-    """The records of one file, saved atomically after every change."""
+    """The records of one file, saved atomically after every change.
+
+    Several processes may tune into one file at once (``macrogen autotune a.py``
+    and ``b.py``): every save locks the file's folder, reads the file again,
+    replaces only the records this process changed, and writes the result, so
+    each run keeps the others' records.
+    """
 
     def __init__(self, path: Path):
         self.path = path
         self.data = load(path)
+        self._mine: dict[int, dict[str, Any]] = {}  # records this process created or changed
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -203,16 +286,26 @@ class Database:
             "environment": dict(environment),
         }
         self.records.append(record)
+        self._mine[id(record)] = record
         return record
 
     def next_generation(self) -> int:
         return 1 + max((r.get("generation", 0) for r in self.records), default=0)
 
-    def save(self) -> None:
-        self.records.sort(key=lambda r: json.dumps(r["key"], sort_keys=True))
-        for record in self.records:
-            record["candidates"].sort(key=lambda c: _natural(decode_values(c["values"])))
-        write_atomic(self.path, dumps(self.data).encode("utf-8"))
+    def save(self, *changed: dict[str, Any]) -> None:
+        """Write the records this process created, and ``changed``, merged into the file as it is now."""
+        for record in changed:
+            self._mine[id(record)] = record
+        with _locked(self.path):
+            mine = list(self._mine.values())
+            ours = {_identity(r) for r in mine}
+            on_disk = load(self.path)
+            others = [r for r in on_disk["records"] if _identity(r) not in ours]
+            self.data = {**on_disk, "records": others + mine}
+            self.records.sort(key=lambda r: json.dumps(r["key"], sort_keys=True))
+            for record in self.records:
+                record["candidates"].sort(key=lambda c: _natural(decode_values(c["values"])))
+            write_atomic(self.path, dumps(self.data).encode("utf-8"))
 
 
 # -- what expand reads --------------------------------------------------------------------

@@ -85,6 +85,10 @@ def table(outcome: Outcome) -> Table:
     t.add_column("vs best", justify="right")
     t.add_column("measured")
     t.add_column("result")
+    if outcome.skipped:  # parameters that change nothing here: left at their defaults
+        t.caption = "not tuned here (default kept): " + "; ".join(
+            escape(f"{p.key}={p.default!r}: {why}") for p, why in outcome.skipped
+        )
     record = outcome.record
     if record is None:
         return t

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,7 @@ def parameters(expansion: Expansion) -> tuple[Parameter, ...]:
 
 def build(params: tuple[Parameter, ...], env: TuningEnv, *, seed: int = 0) -> Space:
     size = math.prod(len(p.choices) for p in params)
+    combos: Iterable[tuple[Any, ...]]
     if size <= MAX_ENUMERATED:
         combos = itertools.product(*(p.choices for p in params))
     else:

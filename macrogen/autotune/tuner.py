@@ -21,6 +21,7 @@ from macrogen import __version__
 from macrogen.autotune import database, environment, search, space
 from macrogen.autotune.measure import Measurement, Program, Timing, measure
 from macrogen.autotune.report import Reporter
+from macrogen.autotune.space import Parameter
 from macrogen.expand import expand_source
 from macrogen.files import read_source
 
@@ -40,6 +41,7 @@ class Outcome:
     winner: dict[str, Any] | None  # tunable key -> value; None when every candidate failed
     space: space.Space
     measured_now: frozenset[str]  # database.canonical(values) of this run's measurements
+    skipped: tuple[tuple[Parameter, str], ...] = ()  # not tuned here (no effect), and why
 
 
 def autotune(
@@ -74,6 +76,11 @@ def autotune(
     if not params:
         raise AutotuneError(f"{source_path}: no tunable(...) to tune")
     env = space.TuningEnv(target, world_size, device["name"])
+    skipped = tuple((p, why) for p in params if (why := no_effect(p, env)) is not None)
+    params = tuple(p for p in params if p.key not in {s.key for s, _ in skipped})
+    if not params:
+        notes = "; ".join(f"{p.key}: {why}" for p, why in skipped)
+        raise AutotuneError(f"{source_path}: nothing to tune on {target} ({notes})")
     site_hash = database.site_hash(source)
     cspace = space.build(params, env, seed=int(site_hash[:8], 16))
     if not cspace.candidates:
@@ -141,9 +148,35 @@ def autotune(
         book.winner(),
         cspace,
         frozenset(book.measured_now),
+        skipped,
     )
     reporter.summary(outcome, time.monotonic() - started)
     return outcome
+
+
+# A macro module may declare which of its arguments change nothing on a target
+# (measuring them would pick a "winner" from noise):
+# ``tuning_no_effect(argument, env) -> reason | None``.
+
+
+def no_effect(param: space.Parameter, env: space.TuningEnv) -> str | None:
+    """Why tuning ``param`` on ``env`` would measure nothing but noise; None if it matters."""
+    if param.macro is None:
+        return None  # a module constant: used by the user's own code
+    rule = getattr(_macro_module(param.macro), "tuning_no_effect", None)
+    if rule is not None:
+        reason: str | None = rule(param.argument, env)
+        return reason
+    return None
+
+
+def _macro_module(macro: str):
+    from macrogen import macros
+
+    try:
+        return macros.get(macro)
+    except (KeyError, ModuleNotFoundError):
+        return None
 
 
 def _tuning_key(
@@ -290,7 +323,7 @@ class _Book:
             record["environment"] = environment.versions()
             self.bumped = True
         if changed or self.new:
-            self.db.save()
+            self.db.save(record)
 
     def finish(self) -> None:
         """Choices may have changed since the last run: re-pick the winner and claim this source."""

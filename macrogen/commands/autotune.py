@@ -1,4 +1,4 @@
-"""``macrogen autotune``: time every ``tunable`` of FILE through an entry factory and record the winners.
+"""Time every tunable(...) of FILE through an entry factory and record the winners.
 
 The winners go to a JSON tuning database (default: macrogen_tuning.json next to
 FILE) that ``macrogen expand`` reads. See docs/autotune.md.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from macrogen.commands import HelpFormatter, describe
 from macrogen.expand import ExpansionError, InternalError
 
 
@@ -16,7 +17,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "autotune",
         help="measure the candidates of every tunable(...) and record the winners",
-        description=__doc__,
+        description=describe(__doc__),
+        formatter_class=HelpFormatter,
     )
     p.add_argument("file", metavar="FILE", help="the annotated source file to tune")
     p.add_argument(
@@ -30,17 +32,22 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--world-size", type=int, default=1, metavar="N", help="ranks per run (torchrun)"
     )
     p.add_argument(
-        "--target", choices=("cpu", "cuda"), help="device to tune for (default: cuda if present)"
+        "--target",
+        choices=("cpu", "cuda"),
+        help="device to tune for (default: cuda if present, else cpu)",
     )
     p.add_argument(
         "--tuning",
         metavar="DB",
         help="tuning database to update (default: macrogen_tuning.json next to FILE)",
     )
-    p.add_argument("--budget", type=float, metavar="SECONDS", help="stop measuring after this long")
     p.add_argument(
-        "--max-trials", type=int, default=32, metavar="N", help="candidates to look at (default 32)"
+        "--budget",
+        type=float,
+        metavar="SECONDS",
+        help="stop measuring after this long (default: no limit)",
     )
+    p.add_argument("--max-trials", type=int, default=32, metavar="N", help="candidates to look at")
     p.add_argument(
         "--steps", type=int, default=3, help="timed steps per candidate and round on several ranks"
     )
@@ -100,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     except ExpansionError as e:
         print(e.report(), file=sys.stderr)
         return 1
-    except (AutotuneError, OSError, ValueError) as e:
+    except (AutotuneError, OSError, ValueError, SyntaxError) as e:
         print(f"macrogen autotune: error: {e}", file=sys.stderr)
         return 1
     except InternalError as e:

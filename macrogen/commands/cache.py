@@ -1,4 +1,4 @@
-"""``macrogen cache clear|info [PATH...] [--cache-dir DIR]``: the import hook's cache.
+"""List (info) or remove (clear) the import hook's cached expansions.
 
 In each PATH (default: the current directory) macrogen's files in ``__pycache__``
 folders are affected, never the interpreter's ``.pyc`` files; ``--cache-dir``
@@ -13,14 +13,15 @@ import sys
 from pathlib import Path
 
 from macrogen import cache, hook
+from macrogen.commands import HelpFormatter, describe
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "cache",
         help="clear or list the import hook's cache",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=describe(__doc__),
+        formatter_class=HelpFormatter,
     )
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     for name, help_text in (

@@ -1,23 +1,37 @@
-"""``macrogen expand SRC... [-o OUT | --out-dir DIR | --in-place] [--check] [--diff]``."""
+"""Expand the macros of Python files: write the expanded program (stdout by default).
+
+Nothing is written unless every file expanded: outputs are staged beside their
+targets and renamed into place together. See docs/expand.md.
+
+exit status: 0 success (--check: up to date), 1 errors in the input or an
+unwritable output (--check: something is stale), 2 usage, 3 a macrogen bug.
+"""
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from macrogen import files
 from macrogen.autotune import database
+from macrogen.commands import HelpFormatter, describe
 from macrogen.expand import ExpansionError, InternalError, expand_source
-from macrogen.files import encode_source, read_source, write_atomic
+from macrogen.files import encode_source, read_source
 
 STDIO = "-"
 
 
 class UsageError(Exception):
-    pass
+    """Bad arguments: exit 2."""
+
+
+class InputError(Exception):
+    """An input that can't be read (an unreadable folder): exit 1."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +41,12 @@ class Job:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("expand", help="expand the macros of Python files", description=__doc__)
+    p = sub.add_parser(
+        "expand",
+        help="expand the macros of Python files",
+        description=describe(__doc__),
+        formatter_class=HelpFormatter,
+    )
     p.add_argument(
         "sources", nargs="+", metavar="SRC", help="files or directories (of *.py); - reads stdin"
     )
@@ -36,18 +55,25 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "-o", "--output", metavar="OUT", help="output file (one SRC only); default: stdout"
     )
     where.add_argument(
-        "--out-dir", metavar="DIR", help="write each output under DIR, mirroring directories"
+        "--out-dir",
+        metavar="DIR",
+        help="write each output under DIR, mirroring directories (DIR itself is not read as input)",
     )
     where.add_argument(
-        "--in-place", action="store_true", help="overwrite each SRC with its expansion"
+        "--in-place",
+        action="store_true",
+        help="overwrite each SRC with its expansion (read-only files are refused)",
     )
     p.add_argument(
         "--check",
         action="store_true",
-        help="write nothing; exit 1 if an output is missing or stale",
+        help="write nothing; exit 1 if an output is missing or differs from the expansion"
+        " (with no -o/--out-dir, or with --in-place: compares against the source file itself)",
     )
     p.add_argument(
-        "--diff", action="store_true", help="write nothing; print a unified diff of each change"
+        "--diff",
+        action="store_true",
+        help="write nothing; print a unified diff from what is there now to the expansion",
     )
     p.add_argument(
         "--target", choices=("cpu", "cuda"), help="fix target() branches for this device"
@@ -55,7 +81,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--tuning",
         metavar="FILE",
-        help="tuning database to read winners from (default: macrogen_tuning.json next to SRC, if any)",
+        help="tuning database to read winners from; it must exist"
+        " (default: macrogen_tuning.json next to SRC, if any)",
     )
     return p
 
@@ -93,9 +120,14 @@ def expand_files(
     stderr = stderr or sys.stderr
     try:
         jobs = plan_jobs(sources, output=output, out_dir=out_dir, in_place=in_place)
+        if tuning is not None and not Path(tuning).is_file():
+            raise UsageError(f"--tuning {tuning}: no such file")
     except UsageError as e:
         print(f"macrogen expand: error: {e}", file=stderr)
         return 2
+    except InputError as e:
+        print(f"macrogen expand: error: {e}", file=stderr)
+        return 1
     status = 0
     outputs: list[tuple[Job, bytes]] = []
     for job in jobs:
@@ -109,19 +141,39 @@ def expand_files(
             outputs.append((job, new))
     if status != 0:  # nothing is written unless every file expanded
         return status
+    return _write_all(outputs, stdout, stderr)
+
+
+def _write_all(outputs: list[tuple[Job, bytes]], stdout: IO[bytes], stderr: IO[str]) -> int:
+    """Stage every file output, then put them all in place; on any failure, none of them."""
+    staged: list[files.Staged] = []
+    # Temporary files of killed runs go even where every output is already up to date.
+    for folder in {Path(job.dst).parent for job, _ in outputs if job.dst is not None}:
+        files.clean_stale(folder)
+    try:
+        for job, new in outputs:
+            if job.dst is None:
+                continue
+            dst = Path(job.dst)
+            if dst.is_file() and dst.read_bytes() == new:
+                continue  # up to date: leave the file (and its mtime) alone
+            try:
+                staged.append(files.stage(dst, new))
+            except files.WriteError as e:
+                raise files.WriteError(str(e)) from None
+            except OSError as e:
+                raise files.WriteError(f"can't write {job.dst}: {e.strerror or e}") from None
+        for s in staged:
+            files.commit(s)
+    except OSError as e:
+        files.discard(staged)
+        message = str(e) if isinstance(e, files.WriteError) else f"can't write: {e.strerror or e}"
+        print(f"macrogen expand: error: {message}", file=stderr)
+        return 1
     for job, new in outputs:
         if job.dst is None:
             stdout.write(new)
             stdout.flush()
-            continue
-        dst = Path(job.dst)
-        if dst.is_file() and dst.read_bytes() == new:
-            continue  # up to date: leave the file (and its mtime) alone
-        try:
-            write_atomic(dst, new)
-        except OSError as e:
-            print(f"macrogen expand: error: can't write {job.dst}: {e.strerror or e}", file=stderr)
-            return 1
     return 0
 
 
@@ -141,7 +193,7 @@ def plan_jobs(
         if path.is_dir():
             if out_dir is None and not in_place:
                 raise UsageError(f"{src} is a directory: give --out-dir DIR or --in-place")
-            for file in sorted(p for p in path.rglob("*.py") if p.is_file()):
+            for file in _python_files(path, skip=out_dir):
                 dst = file if in_place else Path(out_dir) / file.relative_to(path)
                 jobs.append(Job(str(file), str(dst)))
         elif path.is_file():
@@ -152,6 +204,8 @@ def plan_jobs(
             else:
                 dst = None if output in (None, STDIO) else output
             jobs.append(Job(src, dst))
+        elif path.exists():
+            raise UsageError(f"{src}: not a regular file or a directory")
         else:
             raise UsageError(f"{src}: no such file or directory")
     seen: dict[str, str] = {}
@@ -169,6 +223,35 @@ def plan_jobs(
                     f"refusing to overwrite the input {job.src}; pass --in-place to do that"
                 )
     return jobs
+
+
+def _python_files(root: Path, *, skip: str | None) -> list[Path]:
+    """Every ``*.py`` file below ``root``, sorted; symlinks are not followed.
+
+    ``skip`` (the --out-dir) is left out, so earlier outputs inside the source
+    tree are never read as inputs. A folder that can't be read is an error.
+    """
+    skip_real = os.path.realpath(skip) if skip is not None else None
+    unreadable: list[str] = []
+    found: list[Path] = []
+
+    def failed(e: OSError) -> None:
+        unreadable.append(f"{e.filename}: {e.strerror or e}")
+
+    for folder, dirs, names in os.walk(root, onerror=failed):
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if not os.path.islink(os.path.join(folder, d))
+            and os.path.realpath(os.path.join(folder, d)) != skip_real
+        )
+        for name in names:
+            file = Path(folder) / name
+            if name.endswith(".py") and not file.is_symlink() and file.is_file():
+                found.append(file)
+    if unreadable:
+        raise InputError("can't read " + "; ".join(unreadable))
+    return sorted(found)
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -214,7 +297,11 @@ def _expand_one(
     except ExpansionError as e:
         print(e.report(), file=stderr)
         return 1, None
-    new = encode_source(result.code, encoding)
+    try:
+        new = encode_source(result.code, encoding)
+    except UnicodeError as e:
+        print(f"{display}:1:1: error: {e}", file=stderr)
+        return 1, None
     if check or diff:
         old_bytes = _existing(job)
         stale_out = old_bytes != new
@@ -229,10 +316,25 @@ def _expand_one(
             )
             stdout.write("".join(lines).encode("utf-8"))
         if check and stale_out:
-            print(f"{job.dst or display}: stale (would be rewritten)", file=stderr)
+            print(f"{job.dst or display}: {_stale_message(job, old_bytes)}", file=stderr)
             return 1, None
         return 0, None
     return 0, new
+
+
+def _stale_message(job: Job, old: bytes | None) -> str:
+    """What --check compared, in words."""
+    if job.dst is None:
+        if job.src == STDIO:
+            return "would be changed by expansion (stdin is compared against nothing)"
+        return (
+            "has macros to expand (--check without -o/--out-dir compares against the source itself)"
+        )
+    if old is None:
+        return "missing (the expansion was never written)"
+    if job.dst == job.src:
+        return "has macros to expand (would be rewritten in place)"
+    return f"stale: differs from the expansion of {job.src} (would be rewritten)"
 
 
 def _existing(job: Job) -> bytes | None:
@@ -240,4 +342,5 @@ def _existing(job: Job) -> bytes | None:
     if job.dst is None:
         return None if job.src == STDIO else Path(job.src).read_bytes()
     path = Path(job.dst)
-    return path.read_bytes() if path.exists() else None
+    # only a regular file (through symlinks) has contents to compare: never read a FIFO
+    return path.read_bytes() if path.is_file() else None

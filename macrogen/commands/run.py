@@ -1,4 +1,4 @@
-"""``macrogen run [--show-expanded] [--target cpu|cuda] [--tuning FILE] SCRIPT [ARGS...]``.
+"""Run a script with the import hook: macros are expanded as modules are imported.
 
 Runs SCRIPT as ``python SCRIPT ARGS...`` would, with the import hook installed:
 the script and every module it imports that uses macrogen are expanded (and
@@ -12,14 +12,15 @@ import os
 import sys
 
 from macrogen import hook
+from macrogen.commands import HelpFormatter, describe
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "run",
         help="run a script, expanding macros as modules are imported",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=describe(__doc__),
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--show-expanded",

@@ -8,6 +8,7 @@ Anything else would need the program to run, so it is an error at its position.
 
 from __future__ import annotations
 
+import cmath
 import operator
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -188,14 +189,14 @@ class Evaluator:
             return items if isinstance(node, cst.List) else tuple(items)
         if isinstance(node, cst.Dict):
             out: dict[Any, Any] = {}
-            for el in node.elements:
-                if not isinstance(el, cst.DictElement):
-                    raise MacroError("unpacking with ** is not allowed in a macro argument", el)
-                k = self.value(el.key)
+            for entry in node.elements:
+                if not isinstance(entry, cst.DictElement):
+                    raise MacroError("unpacking with ** is not allowed in a macro argument", entry)
+                k = self.value(entry.key)
                 try:
-                    out[k] = self.value(el.value)
+                    out[k] = self.value(entry.value)
                 except TypeError:
-                    raise MacroError("dict keys must be hashable", el.key) from None
+                    raise MacroError("dict keys must be hashable", entry.key) from None
             return out
         if isinstance(node, cst.Call):
             found = self.argument_macro(node)
@@ -213,9 +214,14 @@ _MAX_BITS = 4096
 
 
 def _small(value: Any, node: cst.CSTNode) -> Any:
-    """Numbers stay small enough to compute with and write back (no 10**10**10)."""
+    """Numbers stay small enough to compute with and write back (no 10**10**10, no inf or nan)."""
     if isinstance(value, int) and value.bit_length() > _MAX_BITS:
         raise MacroError(_TOO_LARGE, node)
+    if isinstance(value, (float, complex)) and not cmath.isfinite(value):
+        raise MacroError(
+            f"a macro argument must be a finite number, not {value!r} (the value overflows a float)",
+            node,
+        )
     return value
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import libcst as cst
 
+from macrogen import codegen
 from macrogen.expand.args import Args
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Import
@@ -42,7 +43,18 @@ class Tunable:
 
     @property
     def tuned(self) -> bool:
-        return self.value != self.default
+        return bool(self.value != self.default)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equal and of the same type, all the way down: ``True != 1``, ``4.0 != 4``, ``[1] != (1,)``."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return bool(a == b)
 
 
 @dataclass(frozen=True)
@@ -127,9 +139,8 @@ class Context:
         for stmt, local in self._names.items():
             if stmt.startswith(stmt_prefix):
                 return self._requested_now(Import(local, module, None, stmt))
-        local = module if "." not in module and self.names.is_free(module) else None
-        if local is not None:
-            self.names.fresh(local)
+        if "." not in module and self.names.is_free(module):
+            local = self.names.fresh(module)
             stmt = f"import {module}"
         else:
             local = self.names.fresh(f"_mg_{leaf}")
@@ -177,7 +188,11 @@ class Context:
         if key in self.tunables:
             return self.tunables[key].value
         value = self.options.tuning.get(key, default)
-        if value not in choices:
+        if key in self.options.tuning:  # True is not 1, 4.0 is not 4
+            allowed = any(same_value(value, c) for c in choices)
+        else:
+            allowed = value in choices
+        if not allowed:
             raise MacroError(
                 f"the tuning database chose {value!r} for {key!r}, which is not one of its choices {list(choices)}",
                 node,
@@ -197,4 +212,5 @@ class Context:
         return self.lines[line - 1] if 0 < line <= len(self.lines) else ""
 
     def location(self, line: int) -> str:
-        return f"{self.options.path}:{line}"
+        """``path:line`` for generated comments and docstrings (the path made safe: codegen.text)."""
+        return f"{codegen.text(self.options.path)}:{line}"

@@ -42,6 +42,11 @@ The forms, with the node the macro gets as ``site.node`` and what it returns:
 A site whose statement form the macro does not declare falls back to "call"
 when the macro declares that (``x = m(...)`` is then the call form); else it is
 an error that shows ``USAGE``.
+
+Stacked macro decorators expand bottom-up, as Python applies decorators: each
+one above gets the definition carrying the user's name among the statements the
+one below returned (``expand/transform.py``). The registry (``macrogen.macros``)
+finds every module of ``macrogen/macros/`` that assigns ``FORMS``.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ module's import inside that function, so it is not a macro there.
 from __future__ import annotations
 
 import difflib
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -30,13 +31,18 @@ class Binding:
 MODULE = Binding(None)
 
 
+def nfkc(name: str) -> str:
+    """A name as Python reads it: identifiers are NFKC-normalized (``ｍg`` is ``mg``)."""
+    return name if name.isascii() else unicodedata.normalize("NFKC", name)
+
+
 def dotted(node: cst.CSTNode) -> str | None:
     """``a.b.c`` for a Name/Attribute chain, else None."""
     if isinstance(node, cst.Name):
-        return node.value
+        return nfkc(node.value)
     if isinstance(node, cst.Attribute):
         base = dotted(node.value)
-        return None if base is None else f"{base}.{node.attr.value}"
+        return None if base is None else f"{base}.{nfkc(node.attr.value)}"
     return None
 
 
@@ -100,7 +106,7 @@ def import_bindings(
         return out
     for alias in stmt.names:
         name = dotted(alias.name) or ""
-        local = dotted(alias.asname.name) if alias.asname is not None else name
+        local = (dotted(alias.asname.name) or "") if alias.asname is not None else name
         if not from_macrogen:
             out[local or name] = None
         elif name in known:
@@ -115,7 +121,7 @@ def import_bindings(
 
 def _target_names(node: cst.CSTNode, into: set[str]) -> None:
     if isinstance(node, cst.Name):
-        into.add(node.value)
+        into.add(nfkc(node.value))
     elif isinstance(node, (cst.Tuple, cst.List)):
         for el in node.elements:
             _target_names(el.value, into)
@@ -167,11 +173,11 @@ class _ScopeCollector(cst.CSTVisitor):
 
     # Nested scopes: their name is bound here, their body is not visited.
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self._bind(node.name.value)
+        self._bind(nfkc(node.name.value))
         return False
 
     def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        self._bind(node.name.value)
+        self._bind(nfkc(node.name.value))
         return False
 
     def visit_Lambda(self, node: cst.Lambda) -> bool:
@@ -187,10 +193,10 @@ class _ScopeCollector(cst.CSTVisitor):
         return self.visit_Import(node)  # type: ignore[arg-type]
 
     def visit_Global(self, node: cst.Global) -> None:
-        self.scope.globals.update(n.name.value for n in node.names)
+        self.scope.globals.update(nfkc(n.name.value) for n in node.names)
 
     def visit_Nonlocal(self, node: cst.Nonlocal) -> None:
-        self.scope.globals.update(n.name.value for n in node.names)
+        self.scope.globals.update(nfkc(n.name.value) for n in node.names)
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         self._targets(node.target)
@@ -214,7 +220,7 @@ class _ScopeCollector(cst.CSTVisitor):
         self._targets(node.target)
 
     def visit_Param(self, node: cst.Param) -> None:
-        self._bind(node.name.value)
+        self._bind(nfkc(node.name.value))
 
     def visit_Del(self, node: cst.Del) -> None:
         self._targets(node.target)
@@ -289,18 +295,22 @@ class ScopeStack:
         if isinstance(expr, cst.Call):
             expr = expr.func
         if isinstance(expr, cst.Name):
-            binding = self.resolve(expr.value)
+            binding = self.resolve(nfkc(expr.value))
             return binding.macro if binding is not None else None
         if isinstance(expr, cst.Attribute) and isinstance(expr.value, cst.Name):
-            binding = self.resolve(expr.value.value)
-            if binding is MODULE and expr.attr.value in macros.names():
-                return expr.attr.value
+            binding = self.resolve(nfkc(expr.value.value))
+            attr = nfkc(expr.attr.value)
+            if binding is MODULE and attr in macros.names():
+                return attr
         return None
 
     def check_attribute(self, node: cst.Attribute) -> None:
         """``mg.tlie`` is an error with a did-you-mean; ``mg.hook`` is fine."""
-        if not isinstance(node.value, cst.Name) or self.resolve(node.value.value) is not MODULE:
+        if (
+            not isinstance(node.value, cst.Name)
+            or self.resolve(nfkc(node.value.value)) is not MODULE
+        ):
             return
-        attr = node.attr.value
+        attr = nfkc(node.attr.value)
         if attr not in macros.names() and attr not in NON_MACRO_NAMES:
             raise unknown_macro(attr, node.attr)

@@ -25,6 +25,31 @@ class Disagree(Exception):
     """ast's cut of the file is not libcst's: expand from the whole-file parse instead."""
 
 
+# libcst costs ~0.1-0.5 ms per syntax node of a statement it parses, visits and
+# prints: a macro statement beyond this many nodes (a ~2,000-line class, a define()
+# of a 20,000-item list) is refused at once rather than expanded for minutes.
+MAX_NODES = 20_000
+
+
+class TooLarge(Exception):
+    """A statement the pass would parse with libcst has more than MAX_NODES syntax nodes."""
+
+    def __init__(self, line: int, nodes: int):
+        super().__init__(line, nodes)
+        self.line = line
+        self.nodes = nodes
+
+
+def _check_size(nodes: list[ast.stmt]) -> None:
+    """Count a statement's ast nodes, stopping at MAX_NODES + 1 (so the check costs at most that)."""
+    count, stack = 0, list[ast.AST](nodes)
+    while stack:
+        count += 1
+        if count > MAX_NODES:
+            raise TooLarge(nodes[0].lineno, count)
+        stack.extend(ast.iter_child_nodes(stack.pop()))
+
+
 class Statements:
     """What the pass needs to know about the file's top-level statements."""
 
@@ -91,6 +116,7 @@ class Pieces(Statements):
     def module(self, i: int) -> cst.Module:
         """Statement ``i`` parsed alone: its module holds it and its leading comments."""
         if i not in self._modules:
+            _check_size(self.groups[i])
             try:
                 module = cst.parse_module(self.text(i))
             except cst.ParserSyntaxError:

@@ -339,7 +339,7 @@ class Expander(cst.CSTTransformer):
         statements = list(replacement) or [cst.SimpleStatementLine([cst.Pass()])]
         first = statements[0]
         original_leading = list(getattr(replaced, "leading_lines", ()))
-        own = list(first.leading_lines)
+        own: list[cst.EmptyLine] = list(getattr(first, "leading_lines", ()))
         if len(own) == len(original_leading) and all(
             a.deep_equals(b) for a, b in zip(own, original_leading)
         ):
@@ -448,8 +448,10 @@ def _with_comments(result: Any, comments: list[str]) -> Any:
         if nodes:
             nodes[0] = nodes[0].with_changes(leading_lines=[*nodes[0].leading_lines, *lines])
         return cst.FlattenSentinel(nodes)
-    if isinstance(result, cst.BaseStatement) and hasattr(result, "leading_lines"):
-        return result.with_changes(leading_lines=[*result.leading_lines, *lines])
+    if isinstance(result, cst.BaseStatement):
+        leading = getattr(result, "leading_lines", None)
+        if leading is not None:
+            return result.with_changes(leading_lines=[*leading, *lines])
     return result
 
 

@@ -1,8 +1,9 @@
 """The macros, one module per macro, and the registry that finds them.
 
-Every module (or package) of this package that has ``FORMS``, ``USAGE`` and
-``expand`` is a macro, named by its ``NAME`` (else its module name): adding a
-macro is adding a module here plus its templates (docs/macros.md). The
+Every module (or package) of this package that assigns ``FORMS`` at top level
+is a macro, named by its ``NAME`` (else its module name), with ``USAGE`` and
+``expand``: adding a macro is adding a module here plus its templates
+(docs/macros.md). A module is imported when a file first uses its macro. The
 protocol a macro implements is ``macrogen.expand.protocol``. Tests register
 macros of their own with ``register``.
 """
@@ -12,7 +13,9 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from macrogen.markers import MACRO_NAMES
@@ -25,13 +28,30 @@ _names: tuple[str, ...] | None = None  # cached: names() is asked for every macr
 
 
 @functools.cache
-def _discovered() -> dict[str, Macro]:
-    found: dict[str, Macro] = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        if is_macro(module):
-            found[_name(module)] = cast("Macro", module)
+def _discovered() -> dict[str, str]:
+    """Macro name -> module, for the modules (or packages) here that assign ``FORMS``.
+
+    Found from the source text, without importing: a file that uses one macro
+    imports only that macro's module (some import heavy things, like libcst.matchers).
+    """
+    found: dict[str, str] = {}
+    for info in pkgutil.iter_modules(__path__):
+        folder = Path(__path__[0]) / info.name
+        path = folder / "__init__.py" if info.ispkg else folder.with_suffix(".py")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError:
+            continue
+        if not _FORMS.search(text):
+            continue
+        name = _NAME.search(text)
+        found[name.group(1) if name else info.name] = f"{__name__}.{info.name}"
     return found
+
+
+# ``FORMS = ...`` at top level, or imported into the module (a package's __init__.py)
+_FORMS = re.compile(r"^FORMS\b|^from \S+ import [^\n]*\bFORMS\b|^\s+FORMS,?\s*$", re.M)
+_NAME = re.compile(r"^NAME\s*=\s*[\"']([A-Za-z_][A-Za-z0-9_]*)[\"']", re.M)
 
 
 def is_macro(obj: object) -> bool:
@@ -57,7 +77,10 @@ def get(name: str) -> Macro:
     """The macro called ``name``; KeyError when this installation has none."""
     if name in _registered:
         return _registered[name]
-    return _discovered()[name]
+    module = importlib.import_module(_discovered()[name])
+    if not is_macro(module):
+        raise TypeError(f"{module.__name__} assigns FORMS but has no USAGE or expand")
+    return cast("Macro", module)
 
 
 def register(macro: object) -> None:

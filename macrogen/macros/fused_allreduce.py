@@ -6,10 +6,10 @@
             dist.all_reduce(correct)
             dist.all_reduce(seen)
 
-``_fused_allreduce_l12`` (in the generated helpers) packs the K tensors into one
-flat buffer per dtype, all-reduces each buffer once, and unpacks in place: with
-a Triton pack and unpack kernel generated for this site (K pointer arguments)
-on CUDA tensors, with ``torch.cat``/``_foreach_copy_`` on CPU tensors.
+``_fused_allreduce_l12`` (in the generated helpers) is a ``runtime.fused.FusedAllReduce``:
+it packs the K tensors into one flat buffer per dtype, all-reduces each buffer
+once, and unpacks in place, with buffers planned at its first call (one
+``_foreach_copy_`` launch each way, the same code on CPU and CUDA).
 
 The calls are recognised by what they name through the file's imports, not by
 their spelling: ``dist.all_reduce`` after ``import torch.distributed as dist``,
@@ -31,13 +31,14 @@ import libcst as cst
 from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
 
 NAME = "fused_allreduce"
 FORMS: frozenset[Form] = frozenset({"with"})
 USAGE = "fused_allreduce() opens a with block of dist.all_reduce(tensor) calls: with fused_allreduce(): ..."
 
 _ALL_REDUCE_PARAMS = ("tensor", "op", "group", "async_op")
+MAX_BLOCK = 2**20  # Triton's largest block (TRITON_MAX_TENSOR_NUMEL)
 ALL_REDUCE = "torch.distributed.all_reduce"  # the one function a block may call
 
 
@@ -46,7 +47,14 @@ class Spec:
     tensors: tuple[cst.BaseExpression, ...]  # the user's tensor expressions, in order
     op: cst.BaseExpression | None
     group: cst.BaseExpression | None
-    block: int  # elements per Triton program
+    block: int  # accepted, no effect: the runtime packs with a foreach copy, not a Triton kernel
+
+
+def tuning_no_effect(argument: str, env: TuningEnv) -> str | None:
+    """Autotune's hook: ``block`` is accepted for old files but sizes nothing any more."""
+    if argument == "block":
+        return "block has no effect: the buffers are packed by a foreach copy on every device"
+    return None
 
 
 def validate(site: Site) -> Spec:
@@ -56,9 +64,14 @@ def validate(site: Site) -> Spec:
         raise MacroError("fused_allreduce() takes no 'as' target", item.asname)
     args = site.args.bind({"block": 1024})
     block = args["block"].value if "block" in args else 1024
+    node = args["block"].node if "block" in args else site.call
     if not isinstance(block, int) or isinstance(block, bool) or block < 16 or block & (block - 1):
-        node = args["block"].node if "block" in args else site.call
         raise MacroError(f"block must be a power of two >= 16, not {block!r}", node)
+    if block > MAX_BLOCK:
+        raise MacroError(
+            f"block must be at most 2**20 (Triton's largest block), not 2**{block.bit_length() - 1}",
+            node,
+        )
     body = site.original.body
     if not isinstance(body, cst.IndentedBlock):
         raise MacroError("put each dist.all_reduce(...) call on its own line", body)
@@ -89,23 +102,12 @@ def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site)
     k = len(spec.tensors)
     fn = ctx.names.fresh(f"_fused_allreduce_l{site.line}")
-    triton = ctx.import_from("macrogen.runtime.triton_support", "triton")
-    tl = ctx.import_from("macrogen.runtime.triton_support", "tl")
-    runtime = ctx.import_from("macrogen.runtime.fused", "all_reduce_fused")
+    runtime = ctx.import_from("macrogen.runtime.fused", "FusedAllReduce")
     helper = codegen.render(
         "fused_allreduce.py.j2",
         location=ctx.location(site.line),
         k=k,
-        tensors=[f"t{i}" for i in range(k)],
-        # sizes and offsets change every call: don't recompile for each
-        scalars=[f"{p}{i}" for i in range(k) for p in ("n", "off")]
-        + [f"first_block{i}" for i in range(1, k)],
         fn=fn,
-        pack=ctx.names.fresh(f"{fn}_pack"),
-        unpack=ctx.names.fresh(f"{fn}_unpack"),
-        block=spec.block,
-        triton=triton,
-        tl=tl,
         runtime=runtime,
     )
     call_args = [cst.Arg(t) for t in spec.tensors]
@@ -117,7 +119,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     return Expanded(
         [cst.SimpleStatementLine([cst.Expr(call)])],
         helpers=(helper,),
-        imports=(triton, tl, runtime),
+        imports=(runtime,),
     )
 
 

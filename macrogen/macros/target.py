@@ -58,4 +58,5 @@ def expand(site: Site, ctx: Context) -> Expanded:
 def _statements(suite: cst.BaseSuite) -> list[cst.BaseStatement]:
     if isinstance(suite, cst.SimpleStatementSuite):  # if x: a(); b()
         return [cst.SimpleStatementLine(body=suite.body)]
+    assert isinstance(suite, cst.IndentedBlock)
     return list(suite.body)

@@ -30,8 +30,9 @@ literal or ``tunable``); without it, $MACROGEN_TP_SIZE from the launch, else 1.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import libcst as cst
 
@@ -40,6 +41,7 @@ from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
 from macrogen.expand.sites import did_you_mean, dotted
+from macrogen.macros.tensor_parallel_width import rewrite_forward
 
 NAME = "tensor_parallel"
 FORMS: frozenset[Form] = frozenset({"decorator"})
@@ -48,19 +50,104 @@ USAGE = (
     " size=N) on an nn.Module class"
 )
 
-STYLES = ("colwise", "rowwise", "vocab", "divide", "replicate")
+# -- styles: each owns its check at expansion and the call it renders ------------------------
+
+
+@dataclass(frozen=True)
+class Style:
+    """The expansion side of one parallel style; ``runtime`` names its class in
+    ``macrogen.runtime.tensor_parallel_plan``, which owns the layer and its layouts."""
+
+    name = ""
+    runtime = ""
+    needs: ClassVar[str | None] = None  # "Linear", "Embedding", "int"; None: anything
+    comment = ""
+
+    def check(self, value: cst.BaseExpression, attr: str, key_node: cst.CSTNode) -> None:
+        what = _describe(value)
+        if self.needs == "int":
+            if not _may_be_int(value):
+                raise MacroError(
+                    f"divide needs an int attribute (like n_head), but self.{attr} is {what}"
+                    f" (supported: {SUPPORTED})",
+                    key_node,
+                )
+        elif self.needs is not None and _callee_leaf(value) != self.needs:
+            raise MacroError(
+                f"{self.name} needs self.{attr} = nn.{self.needs}(...) in __init__, but it is"
+                f" {what} (supported: {SUPPORTED})",
+                key_node,
+            )
+
+    def arguments(self) -> tuple[tuple[str, int], ...]:
+        """Keyword arguments of the runtime style's constructor."""
+        return ()
+
+
+@dataclass(frozen=True)
+class Colwise(Style):
+    blocks: int = 1  # packed output blocks, each split on its own (3 for a fused qkv)
+    name = "colwise"
+    runtime = "Colwise"
+    needs = "Linear"
+
+    @property
+    def comment(self) -> str:  # type: ignore[override]
+        if self.blocks > 1:
+            return f"output features split in each of {self.blocks} packed blocks; output sharded"
+        return "output features split; its output is sharded on the last dim"
+
+    def arguments(self) -> tuple[tuple[str, int], ...]:
+        return (("blocks", self.blocks),) if self.blocks > 1 else ()
+
+
+@dataclass(frozen=True)
+class Rowwise(Style):
+    name = "rowwise"
+    runtime = "Rowwise"
+    needs = "Linear"
+    comment = "input features split; partial outputs all-reduced, bias added once"
+
+
+@dataclass(frozen=True)
+class Vocab(Style):
+    name = "vocab"
+    runtime = "Vocab"
+    needs = "Embedding"
+    comment = "vocabulary split; other ranks' tokens masked, output all-reduced"
+
+
+@dataclass(frozen=True)
+class Divide(Style):
+    name = "divide"
+    runtime = "Divide"
+    needs = "int"
+    comment = "divided by the tensor-parallel size: forward sees the local count"
+
+
+@dataclass(frozen=True)
+class Replicate(Style):
+    name = "replicate"
+    runtime = "Replicate"
+    comment = "replicated (every rank holds all of it)"
+
+
+STYLES: dict[str, type[Style]] = {s.name: s for s in (Colwise, Rowwise, Vocab, Divide, Replicate)}
 SUPPORTED = (
     "colwise and rowwise on nn.Linear, vocab on nn.Embedding, divide on an int attribute,"
     " replicate on anything"
 )
-_NEEDS = {"colwise": "Linear", "rowwise": "Linear", "vocab": "Embedding"}
+CONTAINERS = ("ModuleDict", "ModuleList", "Sequential")  # plan paths go through them
 
 
 @dataclass(frozen=True)
 class Entry:
-    path: tuple[str, ...]  # ("mlp", "fc") for "mlp.fc"
-    style: str
-    blocks: int = 1  # colwise: packed output blocks, each split on its own (3 for a fused qkv)
+    key: str  # "mlp.fc", "transformer.h.*.attn.c_attn"
+    style: Style
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return tuple(self.key.split("."))
 
 
 @dataclass(frozen=True)
@@ -89,38 +176,50 @@ def validate(site: Site, ctx: Context) -> Spec:
         )
     classes = _module_classes("\n".join(ctx.lines))
     entries = []
-    for key, style in plan.items():
+    for key, value in plan.items():
         key_node, style_node = _element(node, key)
-        if not isinstance(key, str) or not all(p.isidentifier() for p in key.split(".")):
+        if not isinstance(key, str) or not all(_path_part(p) for p in key.split(".")):
             raise MacroError(
-                f"plan keys are attribute names or dotted paths ('mlp.fc'), not {key!r}", key_node
+                "plan keys are attribute names or dotted paths ('mlp.fc', 'h.0.attn.qkv',"
+                f" 'h.*.mlp.fc'), not {key!r}",
+                key_node,
             )
-        blocks = 1
-        if isinstance(style, (tuple, list)):  # ("colwise", 3): a fused output of 3 packed blocks
-            if not (
-                len(style) == 2
-                and style[0] == "colwise"
-                and isinstance(style[1], int)
-                and not isinstance(style[1], bool)
-                and style[1] >= 1
-            ):
-                raise MacroError(
-                    "a packed style is ('colwise', blocks): e.g. ('colwise', 3) for a fused q, k, v"
-                    f" projection whose forward chunks its output in 3; not {style!r}",
-                    style_node,
-                )
-            style, blocks = "colwise", style[1]
-        if style not in STYLES:
-            raise MacroError(
-                f"unknown style {style!r}{did_you_mean(str(style), list(STYLES))}"
-                f" (styles: {', '.join(STYLES)})",
-                style_node,
-            )
+        style = _style(value, style_node)
         path = tuple(key.split("."))
+        if not path[-1].isidentifier() and not isinstance(style, (Colwise, Rowwise, Vocab)):
+            raise MacroError(f"{style.name} names an attribute, not {path[-1]!r}", key_node)
         _check_fits(site.original, path, style, classes, key_node)
-        entries.append(Entry(path, style, blocks))
+        entries.append(Entry(key, style))
     _check_super_calls(site.original)
     return Spec(site.original.name.value, tuple(entries), size)
+
+
+def _path_part(part: str) -> bool:
+    return part.isidentifier() or part.isdigit() or part == "*"
+
+
+def _style(value: object, node: cst.CSTNode) -> Style:
+    if isinstance(value, (tuple, list)):  # ("colwise", 3): a fused output of 3 packed blocks
+        if not (
+            len(value) == 2
+            and value[0] == "colwise"
+            and isinstance(value[1], int)
+            and not isinstance(value[1], bool)
+            and value[1] >= 1
+        ):
+            raise MacroError(
+                "a packed style is ('colwise', blocks): e.g. ('colwise', 3) for a fused q, k, v"
+                f" projection whose forward chunks its output in 3; not {value!r}",
+                node,
+            )
+        return Colwise(blocks=value[1])
+    if value not in STYLES:
+        raise MacroError(
+            f"unknown style {value!r}{did_you_mean(str(value), list(STYLES))}"
+            f" (styles: {', '.join(STYLES)})",
+            node,
+        )
+    return STYLES[value]()
 
 
 def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
@@ -133,45 +232,47 @@ def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | 
 
 def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
+    assert isinstance(site.node, cst.ClassDef) and isinstance(site.original, cst.ClassDef)
     serial = ctx.names.fresh(f"_{spec.name}_serial")
+    plan_module = "macrogen.runtime.tensor_parallel_plan"
     runtime = "macrogen.runtime.tensor_parallel"
-    layer = {"colwise": "ColwiseLinear", "rowwise": "RowwiseLinear", "vocab": "VocabEmbedding"}
-    layers = {s: ctx.import_from(runtime, layer[s]) for s in _styles(spec) if s in layer}
-    sharded = [
-        (e.path, e.style, layers[e.style], ".".join((spec.name, *e.path)), e.blocks)
+    styles = {s: ctx.import_from(plan_module, s) for s in _styles(spec)}
+    entries = [
+        (e.key, styles[e.style.runtime], e.style.arguments(), e.style.comment)
         for e in spec.entries
-        if e.style in layer
     ]
-    divided = [
-        (e.path, ".".join((spec.name, *e.path))) for e in spec.entries if e.style == "divide"
-    ]
+    parallelize = ctx.import_from(plan_module, "parallelize")
     group = ctx.import_from("macrogen.runtime.mesh", "tensor_parallel_group")
-    divide = ctx.import_from(runtime, "local_count") if divided else None
-    gather = ctx.import_from(runtime, "full_state_dict")
-    scatter = ctx.import_from(runtime, "load_full_state_dict")
+    gather = ctx.import_from(runtime, "serial_state_dict")
+    scatter = ctx.import_from(runtime, "load_serial_state_dict")
     generated = codegen.render_statements(
         "tensor_parallel_class.py.j2",
         name=spec.name,
         serial=serial,
         size=spec.size,
-        sharded=sharded,
-        divided=divided,
-        replicated=[e.path for e in spec.entries if e.style == "replicate"],
+        entries=entries,
+        parallelize=parallelize,
         group=group,
-        divide=divide,
         gather=gather,
         scatter=scatter,
     )
     blank = [cst.EmptyLine()] * (1 if "." in site.qualname else 2)
     generated[0] = generated[0].with_changes(leading_lines=blank)
-    assert isinstance(site.node, cst.ClassDef)
-    imports = (*layers.values(), group, *([divide] if divide else []), gather, scatter)
-    return Expanded([site.node.with_changes(name=cst.Name(serial)), *generated], imports=imports)
+    used = []  # the vocab-parallel loss, imported only where forward computes one
+
+    def loss() -> str:
+        used.append(ctx.import_from("macrogen.runtime.collectives", "vocab_parallel_cross_entropy"))
+        return used[-1]
+
+    rewrite_widths(site.original, spec, lambda: "_")  # errors at the user's positions
+    cls = rewrite_widths(site.node, spec, loss)
+    imports = (*styles.values(), parallelize, group, gather, scatter, *used[:1])
+    return Expanded([cls.with_changes(name=cst.Name(serial)), *generated], imports=imports)
 
 
 def _styles(spec: Spec) -> list[str]:
-    """The styles of the plan, in order of first use (so imports are asked for in that order)."""
-    return list(dict.fromkeys(e.style for e in spec.entries))
+    """The runtime styles of the plan, in order of first use (imports are asked for in order)."""
+    return list(dict.fromkeys(e.style.runtime for e in spec.entries))
 
 
 # -- what __init__ assigns ------------------------------------------------------------
@@ -180,11 +281,15 @@ def _styles(spec: Spec) -> list[str]:
 def _check_fits(
     cls: cst.ClassDef,
     path: tuple[str, ...],
-    style: str,
+    style: Style,
     classes: dict[str, cst.ClassDef],
     key_node: cst.CSTNode,
 ) -> None:
-    """The attribute at ``path`` is assigned in ``__init__`` and its value fits ``style``."""
+    """The attribute at ``path`` is assigned in ``__init__`` and its value fits ``style``.
+
+    A path into a ModuleDict/ModuleList/Sequential, or into a class of another
+    file, is checked at construction instead (the runtime resolves it).
+    """
     value: cst.BaseExpression | None = None
     for i, attr in enumerate(path):
         assigned = _init_assignments(cls, classes)
@@ -205,6 +310,8 @@ def _check_fits(
         value = assigned[attr]
         if i + 1 < len(path):
             callee = dotted(value.func) if isinstance(value, cst.Call) else None
+            if callee is not None and callee.rsplit(".", 1)[-1] in CONTAINERS:
+                return  # keys and indices of a container: resolved at construction
             if callee is not None and callee.split(".")[0] in ("nn", "torch"):
                 raise MacroError(
                     f"self.{attr} is {callee}(...), a torch layer: plan entries name whole layers"
@@ -216,20 +323,7 @@ def _check_fits(
                 return
             cls = inner
     assert value is not None
-    what = _describe(value)
-    needed = _NEEDS.get(style)
-    if needed is not None and _callee_leaf(value) != needed:
-        raise MacroError(
-            f"{style} needs self.{path[-1]} = nn.{needed}(...) in __init__, but it is {what}"
-            f" (supported: {SUPPORTED})",
-            key_node,
-        )
-    if style == "divide" and not _may_be_int(value):
-        raise MacroError(
-            f"divide needs an int attribute (like n_head), but self.{path[-1]} is {what}"
-            f" (supported: {SUPPORTED})",
-            key_node,
-        )
+    style.check(value, path[-1], key_node)
 
 
 def _init_assignments(
@@ -378,3 +472,17 @@ def _check_super_calls(cls: cst.ClassDef) -> None:
                 )
 
     cls.visit(_Super())
+
+
+def rewrite_widths(cls: cst.ClassDef, spec: Spec, loss: Callable[[], str]) -> cst.ClassDef:
+    """The class with its ``forward``'s full-width arithmetic made local (tensor_parallel_width)."""
+    mine = {e.key for e in spec.entries if len(e.path) == 1}  # forward sees its own layers
+    colwise = {e.key for e in spec.entries if e.key in mine and isinstance(e.style, Colwise)}
+    rowwise = {e.key for e in spec.entries if e.key in mine and isinstance(e.style, Rowwise)}
+    divided = {e.key for e in spec.entries if e.key in mine and isinstance(e.style, Divide)}
+    body = []
+    for stmt in cls.body.body:
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
+            stmt = rewrite_forward(stmt, colwise, rowwise, divided, loss)
+        body.append(stmt)
+    return cls.with_changes(body=cls.body.with_changes(body=body))

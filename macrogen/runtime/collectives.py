@@ -216,3 +216,68 @@ def rowwise_linear(
         big = x[..., :1].numel() * weight.shape[0] // CHUNK_ELEMENTS
         chunks = max(1, min(4, big)) if OVERLAP else 1
     return _RowwiseLinear.apply(x, weight, group, chunks)
+
+
+# -- vocabulary-parallel cross-entropy -------------------------------------------------------
+#
+# The logits of a colwise (vocabulary-sharded) head stay sharded: each rank holds
+# (N, V / T). The loss needs, per row, log(sum_v exp(z_v)) and z_target; both are sums
+# over the vocabulary, so each rank sums its part and one all-reduce adds them (after
+# one all-reduce of the row maxima, for a stable exp). Logit memory stays V / T per rank.
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index):
+        n_local = logits.shape[-1]
+        start = dist.get_rank(group) * n_local  # first vocabulary id of my columns
+        z = logits.float()
+        row_max = z.detach().amax(dim=-1)  # (N,)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = z - row_max.unsqueeze(-1)  # (N, V / T)
+        local = target - start
+        mine = (local >= 0) & (local < n_local)  # targets in my columns
+        picked = shifted.gather(-1, local.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
+        exp = shifted.exp()
+        sums = torch.stack([exp.sum(-1), picked * mine])  # (2, N): partial sums over my columns
+        dist.all_reduce(sums, group=group)
+        loss = sums[0].log() - sums[1]  # (N,)
+        valid = target != ignore_index
+        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local, mine & valid, valid)
+        ctx.dtype = logits.dtype
+        return loss * valid
+
+    @staticmethod
+    def backward(ctx, grad):  # d loss_i / d z_iv = softmax_iv - [v == target_i]
+        softmax, local, hit, valid = ctx.saved_tensors
+        g = softmax * (grad * valid).unsqueeze(-1)
+        rows = hit.nonzero().squeeze(-1)
+        g[rows, local[rows]] -= grad[rows]
+        return g.to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.cross_entropy(full_logits, target)`` from this rank's vocabulary slice of the logits.
+
+    ``logits``: (N, V / T), rank r holding columns [r V/T, (r+1) V/T) (a colwise
+    head's output); ``target``: (N,) global ids. Without a group: F.cross_entropy.
+    """
+    if group_size(group) == 1:
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+    if logits.dim() != 2 or reduction not in ("mean", "sum", "none"):
+        raise ValueError(
+            "vocab-parallel cross-entropy takes (N, V) logits and (N,) targets with reduction"
+            f" 'mean', 'sum' or 'none'; got logits of shape {tuple(logits.shape)}, {reduction!r}"
+        )
+    loss = _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum()

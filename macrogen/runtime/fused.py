@@ -1,25 +1,44 @@
 """Fused all-reduce: K tensors, one flat buffer and one collective per dtype.
 
-The Triton pack/unpack kernels are generated for each ``with fused_allreduce()``
-site (they take the K pointers as K arguments, so no pointer table). This
-module plans the buffers and launches them; CPU tensors take a torch path.
+A ``with fused_allreduce()`` site expands to one ``FusedAllReduce`` object,
+called as the K ``all_reduce`` calls it replaces. Its first call with given
+shapes, dtypes and devices plans the work and allocates the flat buffers;
+each later call with them (the steady state) costs, per dtype and device:
 
-Generated kernels take, in order: the buffer, the K tensors, their K element
-counts (0 for a tensor that is not in this buffer), their K offsets in the
-buffer, and the first program id of tensors 1..K-1.
+    pack    torch._foreach_copy_(views of the buffer, members)   one launch
+    reduce  dist.all_reduce(buffer)                               one collective
+    unpack  torch._foreach_copy_(members, views of the buffer)   one launch
+
+and nothing else: no allocation, no host sync, no compilation, so on CUDA the
+block can be captured in a CUDA graph. (A foreach copy is one kernel for up to
+~20M elements; torch splits larger ones. Non-contiguous members are copied one
+by one.) Fusion does not pay where there is nothing to fuse: a dtype with a
+single member, or a member of at least ``DIRECT_BYTES``, is all-reduced in
+place, as the serial call does.
+
+Why torch's foreach copy and not a Triton kernel generated per site: measured
+on an H100 (shared/GPU.md), the generated pack/unpack kernels copied at full
+bandwidth but the block cost ~270 us of host time (Triton's launcher binds
+4K + 1 arguments per call), so with mixed dtypes the fused block was slower
+than the separate calls. A foreach copy is one C++ call, the same code on
+every device (tested on CPU in CI), and needs no compilation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from macrogen.runtime.groups import ensure_initialized
-from macrogen.runtime.triton_support import triton, use_triton
+
+# A member this large is reduced on its own: packing it would copy more than one collective's
+# latency saves (16 MiB is ~10 us of copies at 3 TB/s; DDP's buckets are 25 MiB).
+DIRECT_BYTES = 16 * 2**20
+CACHE_SIZE = 8  # signatures remembered per site (a ragged last batch makes a second one)
 
 
 @dataclass(frozen=True)
@@ -53,26 +72,8 @@ def plan(tensors: Sequence[torch.Tensor]) -> list[FlatBuffer]:
     return out
 
 
-def kernel_args(
-    buf: torch.Tensor, tensors: Sequence[torch.Tensor], flat: FlatBuffer, block: int
-) -> tuple[list[Any], int]:
-    """Positional arguments of a generated pack/unpack kernel, and its grid size."""
-    k = len(tensors)
-    numel, offset = [0] * k, [0] * k
-    for i, n, off in zip(flat.members, flat.sizes, flat.offsets):
-        numel[i], offset[i] = n, off
-    first_block, at = [], 0
-    for i in range(k):
-        first_block.append(at)
-        at += triton.cdiv(numel[i], block)
-    # A tensor with nothing to copy here (another buffer's, or empty) gets the buffer as its
-    # pointer: never read, and the kernel then compiles for this buffer's dtype and device only.
-    pointers = [t if numel[i] else buf for i, t in enumerate(tensors)]
-    return [buf, *pointers, *numel, *offset, *first_block[1:]], at
-
-
-# The torch path uses the C++ helpers DDP buckets with (one call for all K tensors, not
-# K Python-level views): half the per-call cost of torch.cat plus split for small tensors.
+# One-off flat buffers (data-parallel broadcast at start-up) use the C++ helpers DDP
+# buckets with: one call for all K tensors, not K Python-level views.
 
 
 def pack_torch(tensors: Sequence[torch.Tensor], flat: FlatBuffer) -> torch.Tensor:
@@ -85,46 +86,98 @@ def unpack_torch(buf: torch.Tensor, tensors: Sequence[torch.Tensor], flat: FlatB
     torch._foreach_copy_(members, torch._C._nn.unflatten_dense_tensors(buf, members))
 
 
-def launch(
-    kernel: Callable[..., Any],
-    buf: torch.Tensor,
-    tensors: Sequence[torch.Tensor],
-    flat: FlatBuffer,
-    block: int,
-) -> None:
-    args, grid = kernel_args(buf, tensors, flat, block)
-    if grid:
-        kernel[(grid,)](*args, BLOCK=block)
+_signature = operator.attrgetter("dtype", "shape", "device")  # what a plan depends on
 
 
-def all_reduce_fused(
-    tensors: Sequence[torch.Tensor],
-    *,
-    op: Any = None,
-    group: dist.ProcessGroup | None = None,
-    pack: Callable[..., Any],
-    unpack: Callable[..., Any],
-    block: int,
-) -> None:
-    """In place, like ``dist.all_reduce`` on each tensor, with one collective per dtype.
+class FusedAllReduce:
+    """The K ``dist.all_reduce`` calls of one ``fused_allreduce`` site, in place, fused.
 
-    Run without torchrun (no process group), this is world size 1: nothing changes.
+    ``FusedAllReduce(3, where="train.py:12")(loss, correct, seen, op=None, group=None)``
+    does what the three calls did. Run without a process group (no torchrun,
+    no ``mg.launch()``) it is world size 1: nothing changes.
     """
-    if not ensure_initialized():
-        return
-    op = dist.ReduceOp.SUM if op is None else op
-    _check_distinct(tensors)
-    for flat in plan(tensors):
-        members = [tensors[i] for i in flat.members]
-        if use_triton(flat.device) and all(t.is_contiguous() for t in members):
-            buf = torch.empty(flat.numel, dtype=flat.dtype, device=flat.device)
-            launch(pack, buf, tensors, flat, block)
-            dist.all_reduce(buf, op=op, group=group)
-            launch(unpack, buf, tensors, flat, block)
-        else:
-            buf = pack_torch(tensors, flat)
-            dist.all_reduce(buf, op=op, group=group)
-            unpack_torch(buf, tensors, flat)
+
+    def __init__(self, k: int, *, where: str):
+        self.k = k
+        self.where = where
+        self._plans: dict[tuple, list[Step]] = {}  # (dtype, shape, device) per tensor -> steps
+
+    def __call__(self, *tensors: torch.Tensor, op=None, group=None) -> None:
+        if len(tensors) != self.k:
+            raise TypeError(
+                f"fused_allreduce at {self.where}: {self.k} tensors, not {len(tensors)}"
+            )
+        if not ensure_initialized():
+            return
+        if len(set(map(torch.Tensor.data_ptr, tensors))) != self.k:  # cheap; then the exact check
+            _check_distinct(tensors)
+        op = dist.ReduceOp.SUM if op is None else op
+        for step in self.steps(tensors):
+            step.run(tensors, op, group)
+
+    def steps(self, tensors: Sequence[torch.Tensor]) -> list[Step]:
+        """What a call with these tensors does, planned once per shapes, dtypes and devices."""
+        key = tuple(map(_signature, tensors))
+        steps = self._plans.get(key)
+        if steps is None:
+            steps = []
+            for flat in plan(tensors):
+                alone = [
+                    i for i, n in zip(flat.members, flat.sizes)
+                    if len(flat.members) == 1 or n * tensors[i].element_size() >= DIRECT_BYTES
+                ]  # fmt: skip
+                steps += [Direct(i) for i in alone]
+                rest = [i for i in flat.members if i not in alone]
+                if rest:
+                    steps.append(Packed(rest, tensors))
+            if len(self._plans) >= CACHE_SIZE:
+                del self._plans[next(iter(self._plans))]  # the oldest
+            self._plans[key] = steps
+        return steps
+
+
+class Step:
+    members: tuple[int, ...]  # indices into the K tensors, reduced by one collective
+
+    def run(self, tensors: Sequence[torch.Tensor], op, group) -> None:
+        raise NotImplementedError
+
+
+class Packed(Step):
+    """Members of one dtype and device: pack into a flat buffer, reduce it, unpack."""
+
+    def __init__(self, members: list[int], tensors: Sequence[torch.Tensor]):
+        self.members = tuple(members)
+        first = tensors[members[0]]
+        sizes = [tensors[i].numel() for i in members]
+        self.buffer = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
+        # one view of the buffer per member, in the member's shape: made once, reused
+        self.views = [v.view(tensors[i].shape) for i, v in zip(members, self.buffer.split(sizes))]
+        self.every = self.members == tuple(range(len(tensors)))  # then no list to build per call
+
+    def run(self, tensors: Sequence[torch.Tensor], op, group) -> None:
+        members = tensors if self.every else [tensors[i] for i in self.members]
+        torch._foreach_copy_(self.views, members)
+        dist.all_reduce(self.buffer, op=op, group=group)
+        torch._foreach_copy_(members, self.views)
+
+
+class Direct(Step):
+    """One member reduced in place: contiguous, or else through a buffer of its own."""
+
+    def __init__(self, index: int):
+        self.members = (index,)
+        self.strided: Packed | None = None  # made the first time the member is a strided view
+
+    def run(self, tensors: Sequence[torch.Tensor], op, group) -> None:
+        t = tensors[self.members[0]]
+        if t.is_contiguous():
+            dist.all_reduce(t, op=op, group=group)
+            return
+        # gloo would reduce a strided view's storage as if it were contiguous: copy it out
+        if self.strided is None:
+            self.strided = Packed(list(self.members), tensors)
+        self.strided.run(tensors, op, group)
 
 
 def _check_distinct(tensors: Sequence[torch.Tensor]) -> None:

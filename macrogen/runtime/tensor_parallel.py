@@ -58,13 +58,19 @@ def join(parts: list[torch.Tensor], dim: int, blocks: int = 1) -> torch.Tensor:
     return torch.cat([torch.cat([p[b] for p in per_rank], dim=dim) for b in range(blocks)], dim=dim)
 
 
-def _shard(
+def make_shard(
     t: torch.Tensor | None, dim: int, group: dist.ProcessGroup | None, blocks: int = 1
 ) -> Any:
+    """This rank's shard of a full parameter, as a new parameter."""
     if t is None:
         return None
     part = split(t.detach(), dim, group, blocks)
     return nn.Parameter(part.clone(), requires_grad=t.requires_grad)
+
+
+def _shard(t, dim, group, blocks, name, shard) -> Any:
+    # ``shard``: the planner's cache, so that a parameter tied between layers gets one shard
+    return make_shard(t, dim, group, blocks) if shard is None else shard(t, dim, blocks, group, name)
 
 
 class _Sharded(nn.Module):
@@ -97,6 +103,7 @@ class ColwiseLinear(_Sharded):
         group: dist.ProcessGroup | None,
         name: str = "colwise",
         blocks: int = 1,
+        shard: Any = None,
     ):
         super().__init__()
         _expect(full, nn.Linear, "colwise", name)
@@ -108,8 +115,8 @@ class ColwiseLinear(_Sharded):
             )
         what = f"{name}.out_features / {blocks} blocks" if blocks > 1 else f"{name}.out_features"
         self.out_features = blocks * _shard_size(full.out_features // blocks, group, what)
-        self.weight = _shard(full.weight, 0, group, blocks)  # (out_features / T, in_features)
-        self.bias = _shard(full.bias, 0, group, blocks)
+        self.weight = _shard(full.weight, 0, group, blocks, f"{name}.weight", shard)  # (out / T, in)
+        self.bias = _shard(full.bias, 0, group, blocks, f"{name}.bias", shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return colwise_linear(x, self.weight, self.bias, self.group)
@@ -129,13 +136,19 @@ class RowwiseLinear(_Sharded):
 
     SHARD_DIMS = {"weight": 1}  # the bias is replicated and added once, after the reduction
 
-    def __init__(self, full: nn.Linear, group: dist.ProcessGroup | None, name: str = "rowwise"):
+    def __init__(
+        self,
+        full: nn.Linear,
+        group: dist.ProcessGroup | None,
+        name: str = "rowwise",
+        shard: Any = None,
+    ):
         super().__init__()
         _expect(full, nn.Linear, "rowwise", name)
         self.group = group
         self.in_features = _shard_size(full.in_features, group, f"{name}.in_features")
         self.out_features = full.out_features
-        self.weight = _shard(full.weight, 1, group)  # (out_features, in_features / T)
+        self.weight = _shard(full.weight, 1, group, 1, f"{name}.weight", shard)  # (out, in / T)
         self.bias = (
             None
             if full.bias is None
@@ -157,7 +170,13 @@ class VocabEmbedding(_Sharded):
 
     SHARD_DIMS = {"weight": 0}
 
-    def __init__(self, full: nn.Embedding, group: dist.ProcessGroup | None, name: str = "vocab"):
+    def __init__(
+        self,
+        full: nn.Embedding,
+        group: dist.ProcessGroup | None,
+        name: str = "vocab",
+        shard: Any = None,
+    ):
         super().__init__()
         _expect(full, nn.Embedding, "vocab", name)
         if full.max_norm is not None or full.scale_grad_by_freq or full.sparse:
@@ -170,7 +189,7 @@ class VocabEmbedding(_Sharded):
         self.num_embeddings = _shard_size(full.num_embeddings, group, f"{name}.num_embeddings")
         self.start = group_rank(group) * self.num_embeddings  # first token id of my rows
         self.padding_idx = full.padding_idx
-        self.weight = _shard(full.weight, 0, group)  # (num_embeddings / T, embedding_dim)
+        self.weight = _shard(full.weight, 0, group, 1, f"{name}.weight", shard)  # (vocab / T, dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
@@ -259,3 +278,33 @@ def load_full_state_dict(
         if key in local:
             local[key] = split(local[key], dim, group, blocks)
     return module.load_state_dict(local, strict=strict)
+
+
+def serial_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``full_state_dict`` under the name generated code calls (a method calling a function
+    of the same name would read as recursion)."""
+    return full_state_dict(module)
+
+
+def load_serial_state_dict(
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+) -> Any:
+    """``load_full_state_dict`` under the name generated code calls."""
+    return load_full_state_dict(module, state_dict, strict)
+
+
+def num_parameters(module: nn.Module, *, trainable_only: bool = False) -> int:
+    """The serial model's parameter count: each shard counts as the full tensor it is part of.
+
+    ``sum(p.numel() for p in model.parameters())`` counts this rank's shards;
+    use this where the serial figure is wanted (nanoGPT's ``get_num_params``,
+    MFU estimates). Tied parameters count once, as ``parameters()`` does.
+    """
+    factor = {id(getattr(sub, param)): group_size(sub.group)
+              for _, sub in module.named_modules() if isinstance(sub, SHARDED)
+              for param in sub.SHARD_DIMS if getattr(sub, param) is not None}  # fmt: skip
+    return sum(
+        p.numel() * factor.get(id(p), 1)
+        for p in module.parameters()
+        if p.requires_grad or not trainable_only
+    )

@@ -36,6 +36,36 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _patch_interpreter_index() -> None:
+    """Let Triton 3.6's interpreter use scalar kernel arguments as Python ints (``range(lo, N, B)``).
+
+    The interpreter holds a scalar argument as a one-element 1-D array and
+    converts it with ``int(array)``, which NumPy >= 2.4 refuses ("only
+    0-dimensional arrays can be converted to Python scalars"); Triton >= 3.7
+    squeezes first. Compiled kernels are unaffected. We install the same
+    ``__index__`` as the newer interpreter, on top of the one it sets per call
+    (its patch scope restores both, last first).
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - an interpreter without this module
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_macrogen_squeezes", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched._macrogen_squeezes = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if HAS_TRITON and interpreting():
+    _patch_interpreter_index()
+
+
 def use_triton(device: torch.device) -> bool:
     """Whether tensors on ``device`` take the Triton path (else the torch path)."""
     return HAS_TRITON and device.type == "cuda"

@@ -156,6 +156,7 @@ def test_unsupported_uses_say_what_is_supported():
     assert errors[0].startswith("test.py:7:9: error: write super() without arguments"), errors
 
 
+@pytest.mark.slow
 def test_without_torchrun_it_is_the_serial_model(tmp_path):
     """World size 1: no hooks, no buffers; training is bit for bit the serial program's."""
     serial_ns: dict = {}

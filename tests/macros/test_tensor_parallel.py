@@ -54,10 +54,11 @@ def test_class_becomes_serial_base_and_generated_subclass():
 
         # ---- macrogen: generated from test.py; edit the source, not this block ----
         from macrogen.runtime.mesh import tensor_parallel_group
-        from macrogen.runtime.tensor_parallel import ColwiseLinear
-        from macrogen.runtime.tensor_parallel import RowwiseLinear
-        from macrogen.runtime.tensor_parallel import full_state_dict
-        from macrogen.runtime.tensor_parallel import load_full_state_dict
+        from macrogen.runtime.tensor_parallel import load_serial_state_dict
+        from macrogen.runtime.tensor_parallel import serial_state_dict
+        from macrogen.runtime.tensor_parallel_plan import Colwise
+        from macrogen.runtime.tensor_parallel_plan import Rowwise
+        from macrogen.runtime.tensor_parallel_plan import parallelize
 
 
         # macrogen: tensor_parallel at test.py:5
@@ -71,21 +72,24 @@ def test_class_becomes_serial_base_and_generated_subclass():
         class MLP(_MLP_serial):
             """MLP, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
 
+            tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
+
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-                tp = tensor_parallel_group(2)  # this rank's group on the data x tensor mesh
-                # fc: output features split; its output is sharded on the last dim
-                self.fc = ColwiseLinear(self.fc, tp, 'MLP.fc')
-                # proj: input features split; partial outputs all-reduced, bias added once
-                self.proj = RowwiseLinear(self.proj, tp, 'MLP.proj')
+                # The shards are cut once the outermost module being built is complete (as torch's
+                # parallelize_module on a built model): a parent's re-initialization sees the full layers.
+                parallelize(self, 'MLP', tensor_parallel_group(2), {
+                    'fc': Colwise(),  # output features split; its output is sharded on the last dim
+                    'proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+                })
 
             def full_state_dict(self):
                 """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-                return full_state_dict(self)
+                return serial_state_dict(self)
 
             def load_full_state_dict(self, state_dict, strict=True):
                 """Load a serial module's state dict; each rank keeps its shards."""
-                return load_full_state_dict(self, state_dict, strict)
+                return load_serial_state_dict(self, state_dict, strict)
         ''',
     )
 
@@ -96,18 +100,17 @@ def test_every_style_renders_one_line_and_divide_names_the_attribute():
             '{"fc": "colwise", "proj": "rowwise", "wte": "vocab", "n_head": "divide", "ln": "replicate"}'
         )
     )
-    assert "self.fc = ColwiseLinear(self.fc, tp, 'MLP.fc')" in code
-    assert "self.proj = RowwiseLinear(self.proj, tp, 'MLP.proj')" in code
-    assert "self.wte = VocabEmbedding(self.wte, tp, 'MLP.wte')" in code
-    assert "self.n_head = local_count(self.n_head, tp, 'MLP.n_head')" in code
-    assert "# ln: replicated (every rank holds all of it)" in code
-    assert "tp = tensor_parallel_group(None)" in code  # no size=: from the launch
+    assert "'fc': Colwise(),  # output features split" in code
+    assert "'proj': Rowwise(),  # input features split" in code
+    assert "'wte': Vocab(),  # vocabulary split" in code
+    assert "'n_head': Divide(),  # divided by the tensor-parallel size" in code
+    assert "'ln': Replicate(),  # replicated (every rank holds all of it)" in code
+    assert "parallelize(self, 'MLP', tensor_parallel_group(None), {" in code  # size from launch
 
 
 def test_packed_colwise_passes_its_block_count():
     code = expand(mlp('{"fc": ("colwise", 4), "proj": "rowwise"}'))
-    assert "self.fc = ColwiseLinear(self.fc, tp, 'MLP.fc', blocks=4)" in code
-    assert "# fc: output features split in each of 4 packed blocks" in code
+    assert "'fc': Colwise(blocks=4),  # output features split in each of 4 packed blocks" in code
 
 
 def test_size_may_be_tunable_and_the_tuning_database_picks_it():
@@ -134,7 +137,7 @@ def test_dotted_paths_into_a_submodule_of_this_file():
                 self.inner = Inner()
         """
     )
-    assert "self.inner.up = ColwiseLinear(self.inner.up, tp, 'Outer.inner.up')" in code
+    assert "'inner.up': Colwise()," in code
 
 
 def test_generated_names_are_hygienic():
@@ -143,7 +146,7 @@ def test_generated_names_are_hygienic():
         import torch.nn as nn
         import macrogen as mg
 
-        ColwiseLinear = _MLP_serial = None
+        Colwise = _MLP_serial = None
 
         @mg.tensor_parallel(plan={"fc": "colwise"})
         class MLP(nn.Module):
@@ -154,7 +157,8 @@ def test_generated_names_are_hygienic():
     )
     assert "class _MLP_serial_2(nn.Module):" in code
     assert "class MLP(_MLP_serial_2):" in code
-    assert "from macrogen.runtime.tensor_parallel import ColwiseLinear as _mg_ColwiseLinear" in code
+    assert "from macrogen.runtime.tensor_parallel_plan import Colwise as _mg_Colwise" in code
+    assert "'fc': _mg_Colwise()," in code
 
 
 def test_serial_run_of_the_expanded_class_is_the_serial_module(tmp_path):

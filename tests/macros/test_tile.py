@@ -185,6 +185,89 @@ def test_launcher_refuses_cpu_tensors_outside_the_interpreter(tmp_path, monkeypa
         module._scale_triton(torch.zeros(4), torch.zeros(4), 1.0)
 
 
+def test_benchmark_bandwidth_passes_copy_source_positionally(monkeypatch) -> None:
+    """copy_'s argument name differs across torch versions: the benchmark must not name it."""
+    import bench.tile
+
+    monkeypatch.setattr(bench.tile, "do_bench", lambda fn, args: (fn(**args), 1e-3)[1])
+    assert bench.tile.measured_bandwidth("cpu", 1024) > 0
+
+
+def test_an_empty_range_writes_nothing_even_where_a_slice_would_wrap(tmp_path) -> None:
+    """range(2, n) with n < 2 and range(0, N - 1, 2) with N = 0 are empty; x[2:-1] is not."""
+    source = """
+    import torch
+    import macrogen as mg
+
+
+    @mg.tile(i=4)
+    def copy_from(out, x, n):
+        for i in range(2, n):
+            out[i] = x[i]
+
+
+    @mg.tile(i=4)
+    def every_other(out, x, like):
+        (N,) = like.shape
+        for i in range(0, N - 1, 2):
+            out[i] = x[i]
+    """
+    module = load_module(_expand(source), "tile_empty_ranges", tmp_path)
+    out, x = torch.full((6,), float("nan")), torch.randn(6)
+    module.copy_from(out, x, -1)
+    module.every_other(out, x, torch.zeros(0))
+    assert out.isnan().all()
+    module.copy_from(out, x, 5)
+    module.every_other(out, x, torch.zeros(6))
+    assert torch.equal(out[[0, 2, 3, 4]], x[[0, 2, 3, 4]]) and out[[1, 5]].isnan().all()
+
+
+def test_gathered_indices_are_checked_like_the_loop_would(tmp_path, monkeypatch) -> None:
+    source = """
+    import torch
+    import macrogen as mg
+
+
+    @mg.tile(i=4)
+    def embed(out, table, idx):
+        (N,) = idx.shape
+        for i in range(N):
+            out[i] = table[idx[i]]
+    """
+    module = load_module(_expand(source), "tile_embed_checks", tmp_path)
+    table, out = torch.randn(5), torch.full((3,), float("nan"))
+    module.embed(out, table, torch.tensor([4, 0, 2]))
+    assert torch.equal(out, table[[4, 0, 2]])
+    for bad in ([0, 5, 1], [0, -1, 1]):  # too large; negative (the loop would wrap it)
+        with pytest.raises(IndexError, match="an index read from idx leaves dimension 0"):
+            module.embed(out, table, torch.tensor(bad))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the device check, to the dtype checks
+    with pytest.raises(ValueError, match="idx indexes other tensors: it must be an int32 or int64"):
+        module._embed_triton(out, table, torch.tensor([0.0, 1.0, 2.0]))
+
+
+def test_fp32_matmul_uses_tf32_only_where_torch_or_the_macro_allows_it() -> None:
+    source = """
+    import torch
+    import macrogen as mg
+
+
+    @mg.tile(i=32, j=32, k=32{extra})
+    def mm(out, a, b):
+        M, K = a.shape
+        _, N = b.shape
+        for i in range(M):
+            for j in range(N):
+                for k in range(K):
+                    out[i, j] += a[i, k] * b[k, j]
+    """
+    code = _expand(source.format(extra=""))
+    assert 'DOT_PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"' in code
+    assert "GROUP_SIZE=8," in code and "first_row = pid // in_group * GROUP_SIZE" in code
+    code = _expand(source.format(extra=", dot_precision='tf32x3', group_size=1"))
+    assert "DOT_PRECISION='tf32x3'," in code and "GROUP_SIZE" not in code
+
+
 def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
     source = "import torch\nimport macrogen as mg\n\n" + decorator + "\n" + textwrap.dedent(body)
     return expansion_errors(source)
@@ -269,9 +352,9 @@ def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
                 M, N = x.shape
                 for i in range(M):
                     for j in range(N):
-                        out[i, j] = x[i, j] * i
+                        out[i, j] = x[i, j] * k
             """,
-            "loop variable 'i' may only index tensors",
+            "'k' is not a parameter, size, local or define()d number",
         ),
         (
             """
@@ -386,6 +469,82 @@ def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
             """,
             "nothing may follow the loop nest",
         ),
+        (
+            """
+            def f(out, x, idx):
+                for i in range(idx[0]):
+                    out[i] = x[i]
+            """,
+            "a loop bound may not depend on tensor values",
+        ),
+        (
+            """
+            def f(out, x):
+                for i in range(x.shape[-1]):
+                    out[i] = x[i]
+            """,
+            "a loop bound is a size (N from .shape, x.shape[d], x.size(d), len(x))",
+        ),
+        (
+            """
+            def f(out, x, idx, perm):
+                for i in range(len(x)):
+                    out[i] = x[idx[perm[i]]]
+            """,
+            "data-dependent indexing is supported one level deep",
+        ),
+        (
+            """
+            def f(out, x, idx):
+                for i in range(len(x)):
+                    out[i] = x[idx[i]] + idx[i]
+            """,
+            "'idx' is read both as an index (integers) and as a value",
+        ),
+        (
+            """
+            def f(out, x):
+                (N,) = x.shape
+                for i in range(N):
+                    if not x[i] > 0:
+                        out[i] = x[i]
+            """,
+            "not is not supported in an @tile if; swap the branches",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    if x[i, 0] > 0:
+                        for j in range(N):
+                            out[i, j] = x[i, j]
+            """,
+            "a loop inside an if is not supported in @tile",
+        ),
+        (
+            """
+            def f(out, x):
+                (N,) = x.shape
+                for i in range(N):
+                    if x[i] > 0:
+                        v = x[i]
+                    out[i] = v
+            """,
+            "'v' is assigned in only some branches of the if above",
+        ),
+        (
+            """
+            def f(out, x):
+                (N,) = x.shape
+                for i in range(N):
+                    if x[i] > 0:
+                        out[i] = x[i]
+                    else:
+                        out[i] += x[i]
+            """,
+            "store 'out' the same way (same indices, = or +=) in every branch",
+        ),
     ],
 )
 def test_unsupported_constructs_are_errors_at_their_position(body: str, message: str) -> None:
@@ -403,7 +562,7 @@ def test_unsupported_constructs_are_errors_at_their_position(body: str, message:
         ("@mg.tile(i=64, j=64, num_stages=0)", "num_stages must be an integer from 1 to 8, not 0"),
         (
             "@mg.tile(i=64, j=64, dot_precision='fast')",
-            "dot_precision must be one of 'ieee', 'tf32', 'tf32x3'",
+            "dot_precision must be one of 'torch', 'ieee', 'tf32', 'tf32x3'",
         ),
         ("@mg.tile(i=2048, j=1024)", "a tile of 2048x1024 elements is more than Triton's 1048576"),
         ("@mg.tile(i=64, j=0)", "the tile size of 'j' must be a power of two, not 0"),

@@ -26,7 +26,9 @@ from tests.macros.tile_cases import CASES, source
 TARGET = GPUTarget("cuda", 90, 32)  # H100
 
 
-def compile_kernel(code: str, name: str, scalars: set[str], dtype: str, directory) -> None:
+def compile_kernel(
+    code: str, name: str, scalars: dict, dtype: str, directory, indices: frozenset = frozenset()
+) -> None:
     """Compile ``_<name>_kernel`` of the expanded ``code`` with the launcher's meta-parameters."""
     module = load_module(code, f"tile_compile_{name}_{dtype}", directory)
     kernel = getattr(module, f"_{name}_kernel")
@@ -35,8 +37,16 @@ def compile_kernel(code: str, name: str, scalars: set[str], dtype: str, director
         key: int(value) if value.isdigit() else value.strip("'")
         for key, value in re.findall(r"^\s+([A-Z_]+)=([0-9]+|'\w+'),$", launcher, re.M)
     }
+    if "DOT_PRECISION" in kernel.arg_names:  # chosen at run time from torch's allow_tf32
+        constexprs.setdefault("DOT_PRECISION", "ieee")
     signature = {
-        arg: f"*{dtype}" if arg.endswith("_ptr") else "fp32" if arg in scalars else "i32"
+        arg: "*i64"
+        if arg.endswith("_ptr") and arg[: -len("_ptr")] in indices
+        else f"*{dtype}"
+        if arg.endswith("_ptr")
+        else "fp32"
+        if isinstance(scalars.get(arg), float)
+        else "i32"
         for arg in kernel.arg_names
         if arg not in constexprs
     }
@@ -52,8 +62,11 @@ def compile_kernel(code: str, name: str, scalars: set[str], dtype: str, director
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_case_kernels_compile_for_sm90(case, dtype: str, tmp_path) -> None:
     code = expand_source(source(case), path=f"{case.name}.py").code
-    scalars = {name for name, spec in case.inputs.items() if not isinstance(spec, tuple)}
-    compile_kernel(code, case.name, scalars, dtype, tmp_path)
+    scalars = {name: spec for name, spec in case.inputs.items() if not isinstance(spec, tuple)}
+    indices = frozenset(
+        n for n, s in case.inputs.items() if isinstance(s, tuple) and s[0] == "randint"
+    )
+    compile_kernel(code, case.name, scalars, dtype, tmp_path, indices)
 
 
 def test_benchmark_kernels_compile_for_sm90(tmp_path) -> None:
@@ -61,4 +74,4 @@ def test_benchmark_kernels_compile_for_sm90(tmp_path) -> None:
         name = p.name.split()[0]
         code = expand_source(HEADER + textwrap.dedent(p.source), path=f"{name}.py").code
         dtype = "fp16" if str(p.gpu_dtype) == "torch.float16" else "fp32"
-        compile_kernel(code, name, set(), dtype, tmp_path)
+        compile_kernel(code, name, {}, dtype, tmp_path)

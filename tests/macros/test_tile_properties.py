@@ -9,6 +9,7 @@ mixing in the emitted code are all exercised.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -42,6 +43,7 @@ def _is_tensor(expr: str) -> bool:
     return "[" in expr  # every leaf that is a tensor is a load
 
 
+@pytest.mark.slow  # many random bodies, each expanded and run
 @settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -50,29 +50,29 @@ def test_expansion_lists_every_tunable_and_the_header_too():
 
 def test_as_a_macro_argument_keyed_by_site_and_parameter():
     src = """\
-import torch.distributed as dist
+import torch.nn as nn
 import macrogen as mg
-def sync(a):
-    with mg.fused_allreduce(block=mg.tunable(1024, choices=[256, 1024])):
-        dist.all_reduce(a)
+@mg.data_parallel(bucket_mb=mg.tunable(16, choices=[4, 16]))
+class Net(nn.Module):
+    pass
 """
     default = expand_source(src)
-    assert list(default.tunables) == ["sync.fused_allreduce.block"]
-    assert "block=1024," in default.code
-    tuned = expand_source(src, tuning={"sync.fused_allreduce.block": 256})
-    assert "block=256," in tuned.code and "block=1024," not in tuned.code
+    assert list(default.tunables) == ["Net.bucket_mb"]
+    assert "bucket_mb=16," in default.code
+    tuned = expand_source(src, tuning={"Net.bucket_mb": 4})
+    assert "bucket_mb=4," in tuned.code and "bucket_mb=16," not in tuned.code
 
 
 def test_a_tunable_constant_can_feed_a_macro_argument():
     src = """\
-import torch.distributed as dist
+import torch.nn as nn
 import macrogen as mg
-BLOCK = mg.tunable(512, choices=[256, 512])
-def sync(a):
-    with mg.fused_allreduce(block=BLOCK):
-        dist.all_reduce(a)
+BUCKET = mg.tunable(8, choices=[4, 8])
+@mg.data_parallel(bucket_mb=BUCKET)
+class Net(nn.Module):
+    pass
 """
-    assert "block=256," in expand_source(src, tuning={"BLOCK": 256}).code
+    assert "bucket_mb=4," in expand_source(src, tuning={"BUCKET": 4}).code
 
 
 def test_choices_may_be_a_tuple_of_strings():

@@ -221,6 +221,131 @@ CASES = [
         dtype=torch.float16,
     ),
     Case(
+        "shape_bounds",
+        """
+        @mg.tile(i=8, j=16)
+        def shape_bounds(out, x, b, n):
+            for i in range(len(x)):
+                s = 0.0
+                for j in range(1, x.size(1) - 1):
+                    s += x[i, j] * b[j]
+                for j in range(n):
+                    out[i, j] = s + x[i, j]
+        """,
+        {"out": ("nan", (37, 23)), "x": ("randn", (37, 53)), "b": ("randn", (53,)), "n": 20},
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
+        "strided",
+        """
+        @mg.tile(i=4, j=8)
+        def strided(out, x, total):
+            M, N = x.shape
+            for i in range(1, M, 2):
+                s = 0.0
+                for j in range(0, N - 1, 3):
+                    s += x[i, j + 1]
+                total[i] = s
+                for j in range(2, N, 2):
+                    out[i, j] = x[i - 1, j] * s
+        """,
+        {"out": ("nan", (22, 37)), "x": ("randn", (22, 37)), "total": ("nan", (22,))},
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
+        "strided_matmul",
+        """
+        @mg.tile(i=16, j=16, k=16)
+        def strided_matmul(out, a, b):
+            M, K = a.shape
+            _, N = b.shape
+            for i in range(0, M, 2):
+                for j in range(N):
+                    for k in range(1, K, 2):
+                        out[i, j] += a[i, k] * b[k, j]
+        """,
+        {"out": ("randn", (37, 23)), "a": ("randn", (37, 41)), "b": ("randn", (41, 23))},
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
+        "causal",
+        """
+        @mg.tile(i=4, j=8)
+        def causal(out, rows, x, alpha):
+            M, N = x.shape
+            for i in range(M):
+                m = float("-inf")
+                for j in range(N):
+                    if j <= i:
+                        m = max(m, x[i, j])
+                s = 0.0
+                for j in range(N):
+                    if j <= i:
+                        s += torch.exp(x[i, j] - m)
+                for j in range(N):
+                    if j <= i:
+                        out[i, j] = torch.exp(x[i, j] - m) / s
+                if s > alpha:
+                    r = s
+                elif m < 0.5:
+                    r = -m
+                else:
+                    r = 0.0
+                rows[i] = r
+        """,
+        {"out": ("nan", (21, 19)), "rows": ("nan", (21,)), "x": ("randn", (21, 19)), "alpha": 3.0},
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
+        "three_way",
+        """
+        @mg.tile(i=8, j=8)
+        def three_way(out, x, t):
+            M, N = x.shape
+            for i in range(M):
+                for j in range(N):
+                    v = x[i, j]
+                    if v > t and j > 2:
+                        w = v
+                        out[i, j] = w * 2.0
+                    elif v < -t:
+                        v = -v
+                        out[i, j] = v * 0.5
+                    else:
+                        out[i, j] = 0.0
+        """,
+        {"out": ("nan", (13, 11)), "x": ("randn", (13, 11)), "t": 0.3},
+    ),
+    Case(
+        "gather",
+        """
+        @mg.tile(i=8, j=16)
+        def gather(out, sums, table, idx, perm, x):
+            M, N = out.shape
+            for i in range(M):
+                s = 0.0
+                for j in range(N):
+                    s += table[idx[i], j] * x[i, perm[j]]
+                sums[i] = s
+                for j in range(N):
+                    out[i, j] = table[idx[i], j] + x[i, perm[j]]
+        """,
+        {
+            "out": ("nan", (13, 21)),
+            "sums": ("nan", (13,)),
+            "table": ("randn", (7, 21)),
+            "idx": ("randint", (13,), 7),
+            "perm": ("randint", (21,), 21),
+            "x": ("randn", (13, 21)),
+        },
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
         "row_floor",
         """
         @mg.tile(i=16, j=8)
@@ -328,6 +453,8 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
             out[name] = spec
         elif spec[0] == "nan":  # poisoned: an element nobody writes stays NaN and shows
             out[name] = torch.full(spec[1], float("nan"))
+        elif spec[0] == "randint":  # indices into another tensor: ("randint", shape, high)
+            out[name] = torch.randint(0, spec[2], spec[1], generator=gen)
         elif spec[0] == "randn_t":  # not contiguous: strides matter
             out[name] = torch.randn(spec[1][::-1], generator=gen).t()
         else:
@@ -355,11 +482,11 @@ def compare(case: Case, reference, run) -> str | None:
     rounded to its dtype and compares with the loop's outputs rounded alike.
     """
     want, got = make_inputs(case), make_inputs(case)
-    got = {k: v.to(case.dtype) if isinstance(v, torch.Tensor) else v for k, v in got.items()}
+    got = {k: v.to(case.dtype) if _floating(v) else v for k, v in got.items()}
     getattr(reference, case.name)(**{k: _rounded(v, case.dtype) for k, v in want.items()})
     run(**got)
     for name, value in want.items():
-        if not isinstance(value, torch.Tensor):
+        if not _floating(value):
             continue
         value = value.to(case.dtype).float()
         if not torch.allclose(
@@ -370,8 +497,12 @@ def compare(case: Case, reference, run) -> str | None:
     return None
 
 
+def _floating(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
 def _rounded(value, dtype: torch.dtype):
     """A float32 tensor holding ``value`` rounded to ``dtype`` (in place: the loop writes into it)."""
-    if isinstance(value, torch.Tensor):
+    if _floating(value):
         value.copy_(value.to(dtype))
     return value

@@ -6,86 +6,12 @@ import torch.distributed as dist
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.fused import all_reduce_fused
-from macrogen.runtime.triton_support import tl
-from macrogen.runtime.triton_support import triton
+from macrogen.runtime.fused import FusedAllReduce
 
 
 # fused_allreduce at input.py:9: 3 all_reduce calls, one collective per dtype.
-@triton.jit(do_not_specialize=['n0', 'off0', 'n1', 'off1', 'n2', 'off2', 'first_block1', 'first_block2'])
-def _fused_allreduce_l9_pack(
-    buf_ptr,  # the flat communication buffer
-    t0_ptr,
-    t1_ptr,
-    t2_ptr,
-    n0,  # elements of t0 (0: not in this buffer)
-    n1,  # elements of t1 (0: not in this buffer)
-    n2,  # elements of t2 (0: not in this buffer)
-    off0,  # where t0 starts in the buffer
-    off1,  # where t1 starts in the buffer
-    off2,  # where t2 starts in the buffer
-    first_block1,  # first program of t1
-    first_block2,  # first program of t2
-    # Meta-parameters
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    if pid < first_block1:
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n0
-        tl.store(buf_ptr + off0 + offs, tl.load(t0_ptr + offs, mask=mask), mask=mask)
-    elif pid < first_block2:
-        offs = (pid - first_block1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n1
-        tl.store(buf_ptr + off1 + offs, tl.load(t1_ptr + offs, mask=mask), mask=mask)
-    else:
-        offs = (pid - first_block2) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n2
-        tl.store(buf_ptr + off2 + offs, tl.load(t2_ptr + offs, mask=mask), mask=mask)
-
-
-@triton.jit(do_not_specialize=['n0', 'off0', 'n1', 'off1', 'n2', 'off2', 'first_block1', 'first_block2'])
-def _fused_allreduce_l9_unpack(
-    buf_ptr,  # the flat communication buffer, reduced
-    t0_ptr,
-    t1_ptr,
-    t2_ptr,
-    n0,
-    n1,
-    n2,
-    off0,
-    off1,
-    off2,
-    first_block1,
-    first_block2,
-    # Meta-parameters
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    if pid < first_block1:
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n0
-        tl.store(t0_ptr + offs, tl.load(buf_ptr + off0 + offs, mask=mask), mask=mask)
-    elif pid < first_block2:
-        offs = (pid - first_block1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n1
-        tl.store(t1_ptr + offs, tl.load(buf_ptr + off1 + offs, mask=mask), mask=mask)
-    else:
-        offs = (pid - first_block2) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n2
-        tl.store(t2_ptr + offs, tl.load(buf_ptr + off2 + offs, mask=mask), mask=mask)
-
-
-def _fused_allreduce_l9(t0, t1, t2, *, op=None, group=None):
-    """The 3 all_reduce calls at input.py:9, in place, fused."""
-    all_reduce_fused(
-        (t0, t1, t2),
-        op=op,
-        group=group,
-        pack=_fused_allreduce_l9_pack,
-        unpack=_fused_allreduce_l9_unpack,
-        block=1024,
-    )
+# Called as the calls were; plans flat buffers at its first call, then only copies and reduces.
+_fused_allreduce_l9 = FusedAllReduce(3, where='input.py:9')
 
 
 def sync_metrics(loss, correct, seen):

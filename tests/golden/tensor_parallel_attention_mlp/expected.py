@@ -11,11 +11,13 @@ import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
 from macrogen.runtime.mesh import tensor_parallel_group
-from macrogen.runtime.tensor_parallel import ColwiseLinear
-from macrogen.runtime.tensor_parallel import RowwiseLinear
-from macrogen.runtime.tensor_parallel import full_state_dict
-from macrogen.runtime.tensor_parallel import load_full_state_dict
-from macrogen.runtime.tensor_parallel import local_count
+from macrogen.runtime.tensor_parallel import load_serial_state_dict
+from macrogen.runtime.tensor_parallel import serial_state_dict
+from macrogen.runtime.tensor_parallel_plan import Colwise
+from macrogen.runtime.tensor_parallel_plan import Divide
+from macrogen.runtime.tensor_parallel_plan import Replicate
+from macrogen.runtime.tensor_parallel_plan import Rowwise
+from macrogen.runtime.tensor_parallel_plan import parallelize
 
 
 # macrogen: tensor_parallel at input.py:10
@@ -38,22 +40,25 @@ class _Attention_serial(nn.Module):
 class Attention(_Attention_serial):
     """Attention, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
 
+    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        tp = tensor_parallel_group(None)  # this rank's group on the data x tensor mesh
-        # qkv: output features split; its output is sharded on the last dim
-        self.qkv = ColwiseLinear(self.qkv, tp, 'Attention.qkv')
-        # proj: input features split; partial outputs all-reduced, bias added once
-        self.proj = RowwiseLinear(self.proj, tp, 'Attention.proj')
-        self.n_head = local_count(self.n_head, tp, 'Attention.n_head')  # local count for forward
+        # The shards are cut once the outermost module being built is complete (as torch's
+        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
+        parallelize(self, 'Attention', tensor_parallel_group(None), {
+            'qkv': Colwise(),  # output features split; its output is sharded on the last dim
+            'proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+            'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
+        })
 
     def full_state_dict(self):
         """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return full_state_dict(self)
+        return serial_state_dict(self)
 
     def load_full_state_dict(self, state_dict, strict=True):
         """Load a serial module's state dict; each rank keeps its shards."""
-        return load_full_state_dict(self, state_dict, strict)
+        return load_serial_state_dict(self, state_dict, strict)
 
 
 # A tunable degree: `macrogen autotune` may pick it.
@@ -72,19 +77,22 @@ class _MLP_serial(nn.Module):
 class MLP(_MLP_serial):
     """MLP, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
 
+    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        tp = tensor_parallel_group(2)  # this rank's group on the data x tensor mesh
-        # fc: output features split; its output is sharded on the last dim
-        self.fc = ColwiseLinear(self.fc, tp, 'MLP.fc')
-        # proj: input features split; partial outputs all-reduced, bias added once
-        self.proj = RowwiseLinear(self.proj, tp, 'MLP.proj')
-        # ln: replicated (every rank holds all of it)
+        # The shards are cut once the outermost module being built is complete (as torch's
+        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
+        parallelize(self, 'MLP', tensor_parallel_group(2), {
+            'fc': Colwise(),  # output features split; its output is sharded on the last dim
+            'proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+            'ln': Replicate(),  # replicated (every rank holds all of it)
+        })
 
     def full_state_dict(self):
         """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return full_state_dict(self)
+        return serial_state_dict(self)
 
     def load_full_state_dict(self, state_dict, strict=True):
         """Load a serial module's state dict; each rank keeps its shards."""
-        return load_full_state_dict(self, state_dict, strict)
+        return load_serial_state_dict(self, state_dict, strict)

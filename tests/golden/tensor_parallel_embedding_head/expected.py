@@ -6,10 +6,11 @@ import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
 from macrogen.runtime.mesh import tensor_parallel_group
-from macrogen.runtime.tensor_parallel import RowwiseLinear
-from macrogen.runtime.tensor_parallel import VocabEmbedding
-from macrogen.runtime.tensor_parallel import full_state_dict
-from macrogen.runtime.tensor_parallel import load_full_state_dict
+from macrogen.runtime.tensor_parallel import load_serial_state_dict
+from macrogen.runtime.tensor_parallel import serial_state_dict
+from macrogen.runtime.tensor_parallel_plan import Rowwise
+from macrogen.runtime.tensor_parallel_plan import Vocab
+from macrogen.runtime.tensor_parallel_plan import parallelize
 
 
 class Head(nn.Module):
@@ -33,18 +34,21 @@ class _TinyLM_serial(nn.Module):
 class TinyLM(_TinyLM_serial):
     """TinyLM, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
 
+    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        tp = tensor_parallel_group(None)  # this rank's group on the data x tensor mesh
-        # wte: vocabulary split; other ranks' tokens masked, output all-reduced
-        self.wte = VocabEmbedding(self.wte, tp, 'TinyLM.wte')
-        # head.out: input features split; partial outputs all-reduced, bias added once
-        self.head.out = RowwiseLinear(self.head.out, tp, 'TinyLM.head.out')
+        # The shards are cut once the outermost module being built is complete (as torch's
+        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
+        parallelize(self, 'TinyLM', tensor_parallel_group(None), {
+            'wte': Vocab(),  # vocabulary split; other ranks' tokens masked, output all-reduced
+            'head.out': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+        })
 
     def full_state_dict(self):
         """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return full_state_dict(self)
+        return serial_state_dict(self)
 
     def load_full_state_dict(self, state_dict, strict=True):
         """Load a serial module's state dict; each rank keeps its shards."""
-        return load_full_state_dict(self, state_dict, strict)
+        return load_serial_state_dict(self, state_dict, strict)

@@ -7,11 +7,12 @@ import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
 from macrogen.runtime.mesh import tensor_parallel_group
-from macrogen.runtime.tensor_parallel import ColwiseLinear
-from macrogen.runtime.tensor_parallel import RowwiseLinear
-from macrogen.runtime.tensor_parallel import full_state_dict
-from macrogen.runtime.tensor_parallel import load_full_state_dict
-from macrogen.runtime.tensor_parallel import local_count
+from macrogen.runtime.tensor_parallel import load_serial_state_dict
+from macrogen.runtime.tensor_parallel import serial_state_dict
+from macrogen.runtime.tensor_parallel_plan import Colwise
+from macrogen.runtime.tensor_parallel_plan import Divide
+from macrogen.runtime.tensor_parallel_plan import Rowwise
+from macrogen.runtime.tensor_parallel_plan import parallelize
 
 
 # nanoGPT's fused q, k, v: forward chunks the output in 3, so each block is split on its own.
@@ -35,19 +36,22 @@ class _CausalSelfAttention_serial(nn.Module):
 class CausalSelfAttention(_CausalSelfAttention_serial):
     """CausalSelfAttention, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
 
+    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        tp = tensor_parallel_group(None)  # this rank's group on the data x tensor mesh
-        # c_attn: output features split in each of 3 packed blocks; output sharded on the last dim
-        self.c_attn = ColwiseLinear(self.c_attn, tp, 'CausalSelfAttention.c_attn', blocks=3)
-        # c_proj: input features split; partial outputs all-reduced, bias added once
-        self.c_proj = RowwiseLinear(self.c_proj, tp, 'CausalSelfAttention.c_proj')
-        self.n_head = local_count(self.n_head, tp, 'CausalSelfAttention.n_head')  # local count for forward
+        # The shards are cut once the outermost module being built is complete (as torch's
+        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
+        parallelize(self, 'CausalSelfAttention', tensor_parallel_group(None), {
+            'c_attn': Colwise(blocks=3),  # output features split in each of 3 packed blocks; output sharded
+            'c_proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+            'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
+        })
 
     def full_state_dict(self):
         """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return full_state_dict(self)
+        return serial_state_dict(self)
 
     def load_full_state_dict(self, state_dict, strict=True):
         """Load a serial module's state dict; each rank keeps its shards."""
-        return load_full_state_dict(self, state_dict, strict)
+        return load_serial_state_dict(self, state_dict, strict)

@@ -82,11 +82,11 @@ def _bias_gelu_kernel(
     j_mask = j < j_hi
 
     # ---- the loop body, on whole tiles
-    x_ij = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=i_mask & j_mask, other=0.0).to(tl.float32)
+    mask = i_mask & j_mask
+    x_ij = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask, other=0.0).to(tl.float32)
     b_j = tl.load(b_ptr + j * stride_b0, mask=j_mask, other=0.0).to(tl.float32)
-    v = (x_ij + b_j)
-    out_ptrs = out_ptr + i * stride_out0 + j * stride_out1
-    tl.store(out_ptrs, (((0.5 * v) * (1.0 + (2.0 * tl.sigmoid(2.0 * (0.79788456 * (v + (((0.044715 * v) * v) * v)))) - 1.0)))).to(out_ptr.dtype.element_ty), mask=i_mask & j_mask)
+    v = x_ij + b_j
+    tl.store(out_ptr + i * stride_out0 + j * stride_out1, (0.5 * v * (1.0 + (2.0 * tl.sigmoid(2.0 * (0.79788456 * (v + 0.044715 * v * v * v))) - 1.0))).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # tile at input.py:5: the launcher.
@@ -132,8 +132,8 @@ def _bias_gelu_torch(out, x, b):
     M, N, i_lo, i_hi, j_lo, j_hi = _bias_gelu_shapes(out, x, b)
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     b_j = b[j_lo:j_hi][None, :]
-    v = (x_ij + b_j)
-    out[i_lo:i_hi, j_lo:j_hi] = ((0.5 * v) * (1.0 + torch.tanh((0.79788456 * (v + (((0.044715 * v) * v) * v))))))
+    v = x_ij + b_j
+    out[i_lo:i_hi, j_lo:j_hi] = 0.5 * v * (1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v)))
 
 
 # macrogen: tile at input.py:5

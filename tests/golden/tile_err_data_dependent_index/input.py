@@ -3,7 +3,7 @@ import macrogen as mg
 
 
 @mg.tile(i=64)
-def gather(out, x, idx):
+def scatter(out, x, idx):
     (N,) = idx.shape
     for i in range(N):
-        out[i] = x[idx[i]]
+        out[idx[i]] = x[i]

@@ -3,7 +3,7 @@ import macrogen as mg
 
 
 @mg.tile(i=64)
-def strided(out, x):
+def strided(out, x, step):
     (N,) = x.shape
-    for i in range(0, N, 2):
+    for i in range(0, N, step):
         out[i] = x[i]

@@ -77,8 +77,6 @@ def _row_sum_max_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
-    s = 0.0
-    m = float("-inf")
     # ---- for j in range(j_lo, j_hi), one tile at a time
     s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
     m_tile = tl.full([BLOCK_I, BLOCK_J], float("-inf"), tl.float32)
@@ -86,15 +84,13 @@ def _row_sum_max_kernel(
         j = j_start + tl.arange(0, BLOCK_J)[None, :]
         j_mask = j < j_hi
         mask = i_mask & j_mask
-        x_ij = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=i_mask & j_mask, other=0.0).to(tl.float32)
+        x_ij = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask, other=0.0).to(tl.float32)
         s_tile = s_tile + tl.where(mask, x_ij, 0.0)
         m_tile = tl.maximum(m_tile, tl.where(mask, x_ij, float("-inf")))
     s = tl.sum(s_tile, axis=1, keep_dims=True)
     m = tl.max(m_tile, axis=1, keep_dims=True)
-    total_ptrs = total_ptr + i * stride_total0
-    tl.store(total_ptrs, (s).to(total_ptr.dtype.element_ty), mask=i_mask)
-    biggest_ptrs = biggest_ptr + i * stride_biggest0
-    tl.store(biggest_ptrs, (m).to(biggest_ptr.dtype.element_ty), mask=i_mask)
+    tl.store(total_ptr + i * stride_total0, s.to(total_ptr.dtype.element_ty), mask=i_mask)
+    tl.store(biggest_ptr + i * stride_biggest0, m.to(biggest_ptr.dtype.element_ty), mask=i_mask)
 
 
 # tile at input.py:5: the launcher.
@@ -137,11 +133,9 @@ def _row_sum_max_triton(total, biggest, x):
 def _row_sum_max_torch(total, biggest, x):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _row_sum_max_shapes(total, biggest, x)
-    s = 0.0
-    m = float("-inf")
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
-    s = (x_ij).sum(dim=1, keepdim=True)
-    m = (x_ij).amax(dim=1, keepdim=True)
+    s = x_ij.sum(dim=1, keepdim=True)
+    m = x_ij.amax(dim=1, keepdim=True)
     total[i_lo:i_hi] = s[..., 0]
     biggest[i_lo:i_hi] = m[..., 0]
 

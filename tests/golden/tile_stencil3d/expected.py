@@ -27,7 +27,7 @@ def _laplace_rows_shapes(out, x, eps):
     M = x.shape[1]
     N = x.shape[2]
     b_lo, b_hi = 0, B
-    i_lo, i_hi = 1, M - 1
+    i_lo, i_hi = 1, max(1, M - 1)
     j_lo, j_hi = 0, N
     if out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError('out and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
@@ -95,12 +95,12 @@ def _laplace_rows_kernel(
     j_mask = j < j_hi
 
     # ---- the loop body, on whole tiles
-    x_b_ip1_j = tl.load(x_ptr + b * stride_x0 + (i + 1) * stride_x1 + j * stride_x2, mask=b_mask & i_mask & j_mask, other=0.0).to(tl.float32)
-    x_bij = tl.load(x_ptr + b * stride_x0 + i * stride_x1 + j * stride_x2, mask=b_mask & i_mask & j_mask, other=0.0).to(tl.float32)
-    x_b_im1_j = tl.load(x_ptr + b * stride_x0 + (i - 1) * stride_x1 + j * stride_x2, mask=b_mask & i_mask & j_mask, other=0.0).to(tl.float32)
-    d = ((x_b_ip1_j - (2.0 * x_bij)) + x_b_im1_j)
-    out_ptrs = out_ptr + b * stride_out0 + i * stride_out1 + j * stride_out2
-    tl.store(out_ptrs, (tl.where((tl.abs(d) > eps), d, 0.0)).to(out_ptr.dtype.element_ty), mask=b_mask & i_mask & j_mask)
+    mask = b_mask & i_mask & j_mask
+    x_b_ip1_j = tl.load(x_ptr + b * stride_x0 + (i + 1) * stride_x1 + j * stride_x2, mask=mask, other=0.0).to(tl.float32)
+    x_bij = tl.load(x_ptr + b * stride_x0 + i * stride_x1 + j * stride_x2, mask=mask, other=0.0).to(tl.float32)
+    x_b_im1_j = tl.load(x_ptr + b * stride_x0 + (i - 1) * stride_x1 + j * stride_x2, mask=mask, other=0.0).to(tl.float32)
+    d = x_b_ip1_j - 2.0 * x_bij + x_b_im1_j
+    tl.store(out_ptr + b * stride_out0 + i * stride_out1 + j * stride_out2, tl.where(tl.abs(d) > eps, d, 0.0).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # tile at input.py:5: the launcher.
@@ -145,11 +145,11 @@ def _laplace_rows_triton(out, x, eps):
 def _laplace_rows_torch(out, x, eps):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     B, M, N, b_lo, b_hi, i_lo, i_hi, j_lo, j_hi = _laplace_rows_shapes(out, x, eps)
-    x_b_ip1_j = x[b_lo:b_hi, (i_lo + 1):(i_hi + 1), j_lo:j_hi]
+    x_b_ip1_j = x[b_lo:b_hi, i_lo + 1:i_hi + 1, j_lo:j_hi]
     x_bij = x[b_lo:b_hi, i_lo:i_hi, j_lo:j_hi]
-    x_b_im1_j = x[b_lo:b_hi, (i_lo - 1):(i_hi - 1), j_lo:j_hi]
-    d = ((x_b_ip1_j - (2.0 * x_bij)) + x_b_im1_j)
-    out[b_lo:b_hi, i_lo:i_hi, j_lo:j_hi] = torch.where((torch.abs(d) > eps), d, 0.0)
+    x_b_im1_j = x[b_lo:b_hi, i_lo - 1:i_hi - 1, j_lo:j_hi]
+    d = x_b_ip1_j - 2.0 * x_bij + x_b_im1_j
+    out[b_lo:b_hi, i_lo:i_hi, j_lo:j_hi] = torch.where(torch.abs(d) > eps, d, 0.0)
 
 
 # macrogen: tile at input.py:5

@@ -65,8 +65,7 @@ def _scale_shift_kernel(
 
     # ---- the loop body, on whole tiles
     x_i = tl.load(x_ptr + i * stride_x0, mask=i_mask, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + i * stride_out0
-    tl.store(out_ptrs, (((alpha * x_i) + beta)).to(out_ptr.dtype.element_ty), mask=i_mask)
+    tl.store(out_ptr + i * stride_out0, (alpha * x_i + beta).to(out_ptr.dtype.element_ty), mask=i_mask)
 
 
 # tile at input.py:8: the launcher.
@@ -105,7 +104,7 @@ def _scale_shift_torch(out, x, alpha, beta):
     """The loop nest at input.py:8 as whole-tensor torch operations, in place."""
     N, i_lo, i_hi = _scale_shift_shapes(out, x, alpha, beta)
     x_i = x[i_lo:i_hi]
-    out[i_lo:i_hi] = ((alpha * x_i) + beta)
+    out[i_lo:i_hi] = alpha * x_i + beta
 
 
 # macrogen: tunable at input.py:5

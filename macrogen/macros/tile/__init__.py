@@ -17,22 +17,27 @@ checks, grid, launch; CPU tensors work under ``TRITON_INTERPRET=1``) and
 its outputs in place; CUDA tensors take the kernel, others the torch path.
 
 Arguments: one tile size per loop variable (a power of two; may be
-``tunable``), ``num_warps=4``, ``num_stages=2`` and ``dot_precision="ieee"``
+``tunable``), ``num_warps=4``, ``num_stages=2`` and ``dot_precision="torch"``
 (``tl.dot``'s input precision for matmul-shaped reductions: "ieee", "tf32" or
 "tf32x3"). The accepted loop nests, with examples: docs/tile.md.
 
-Where the rest lives: tile_analysis.py recognises the subset (statements and
-loops; expressions in tile_expressions.py) and builds the IR (tile_ir.py);
-tile_emit.py turns the IR into kernel and torch code; templates/tile_*.py.j2
-lay the generated functions out (shapes, kernel, launcher, torch, dispatch).
+Where the rest lives (this package):
+
+- analysis.py recognises the subset (statements and loops; expressions in
+  expressions.py) and builds the loop-nest IR of ir.py;
+- kernel.py and torch_path.py turn that IR into steps (steps.py: assignments,
+  stores, tiled loops; dead stores dropped) whose expressions printer.py and
+  code.py write, parenthesized by precedence; names.py names what they share;
+- checks.py: the shapes function's run-time checks; constraints.py: what a
+  tile size must satisfy (also for autotune);
+- templates/tile_*.py.j2 lay the generated functions out (shapes, kernel,
+  launcher, torch path, dispatch).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import libcst as cst
@@ -40,25 +45,27 @@ import libcst as cst
 from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
-from macrogen.macros.tile_analysis import analyze
-from macrogen.macros.tile_emit import (
-    KernelEmitter,
-    Names,
-    TorchEmitter,
-    loads_in,
-    make_names,
-    parse,
+from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macros.tile.analysis import analyze
+from macrogen.macros.tile.checks import alias_checks, index_checks
+from macrogen.macros.tile.code import parse
+from macrogen.macros.tile.constraints import block_shape, too_big
+from macrogen.macros.tile.constraints import (
+    tuning_constraint as tuning_constraint,  # autotune's hook
 )
-from macrogen.macros.tile_ir import Accum, InnerLoop, Let, Nest, Store
+from macrogen.macros.tile.ir import InnerLoop, Nest
+from macrogen.macros.tile.kernel import KernelEmitter
+from macrogen.macros.tile.names import make_names
+from macrogen.macros.tile.torch_path import TorchEmitter
 
 NAME = "tile"
 FORMS: frozenset[Form] = frozenset({"decorator"})
 USAGE = "@tile(i=64, j=64) decorates a function whose body is a loop nest over range(...)"
 
-OPTIONS = {"num_warps": 4, "num_stages": 2, "dot_precision": "ieee"}
-DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
-MAX_TILE_ELEMENTS = 1 << 20  # Triton's limit on the elements of one block
+OPTIONS = {"num_warps": 4, "num_stages": 2, "dot_precision": "torch", "group_size": 8}
+# "torch": TF32 only where torch.backends.cuda.matmul.allow_tf32 allows it (off by default),
+# so that an fp32 matmul keeps fp32 semantics unless the user opts in, here or in torch
+DOT_PRECISIONS = ("torch", "ieee", "tf32", "tf32x3")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -68,7 +75,12 @@ class Spec:
     tiles: tuple[tuple[str, int], ...]  # loop variable -> tile size
     num_warps: int  # warps per program on the GPU
     num_stages: int  # software-pipelining depth of the kernel's loops
-    dot_precision: str  # tl.dot input precision; "ieee" matches the fp32 loop
+    dot_precision: (
+        str  # tl.dot input precision; "ieee" matches the fp32 loop, "torch" follows allow_tf32
+    )
+    group_size: int = (
+        8  # a matmul's row tiles that walk the columns together (L2 reuse); 1: row-major
+    )
 
     @property
     def tile(self) -> dict[str, int]:
@@ -131,16 +143,15 @@ def validate(site: Site, ctx: Context) -> Spec:
             f"dot_precision must be one of {', '.join(map(repr, DOT_PRECISIONS))}, not {precision!r}",
             args["dot_precision"].node,
         )
-    kernel = kernel_nest(nest, tiles)
-    shape = [tiles[g.var] for g in kernel.grid] + (
-        [max(tiles[s.loop.var] for s in kernel.inner_loops)] if kernel.inner_axis else []
-    )
-    if math.prod(shape) > MAX_TILE_ELEMENTS:
+    problem = too_big(block_shape(kernel_nest(nest, tiles), tiles))
+    if problem:
+        raise MacroError(problem, site.call or site.original)
+    group = args["group_size"].value if "group_size" in args else OPTIONS["group_size"]
+    if not isinstance(group, int) or isinstance(group, bool) or group < 1:
         raise MacroError(
-            f"a tile of {'x'.join(map(str, shape))} elements is more than Triton's {MAX_TILE_ELEMENTS}; use smaller tiles",
-            site.call or site.original,
+            f"group_size must be a positive integer, not {group!r}", args["group_size"].node
         )
-    return Spec(nest, tuple(tiles.items()), num_warps, num_stages, precision)
+    return Spec(nest, tuple(tiles.items()), num_warps, num_stages, precision, group)
 
 
 def kernel_nest(nest: Nest, tiles: dict[str, int]) -> Nest:
@@ -155,21 +166,6 @@ def kernel_nest(nest: Nest, tiles: dict[str, int]) -> Nest:
         dataclasses.replace(s, dot=None) if isinstance(s, InnerLoop) else s for s in nest.body
     )
     return dataclasses.replace(nest, body=body)
-
-
-def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
-    """On CUDA, the site's tile sizes must fit in one Triton block (the CPU path is torch)."""
-    tiles = [
-        v
-        for k, v in arguments.items()
-        if k not in OPTIONS and isinstance(v, int) and not isinstance(v, bool)
-    ]
-    if env.target != "cuda" or not tiles:
-        return None
-    numel = math.prod(tiles)
-    if numel > MAX_TILE_ELEMENTS:
-        return f"a {'x'.join(map(str, tiles))} tile has {numel} elements, more than Triton's {MAX_TILE_ELEMENTS}"
-    return None
 
 
 def expand(site: Site, ctx: Context) -> Expanded:
@@ -189,6 +185,8 @@ class _Output:
 
     def __init__(self, spec: Spec, site: Site, ctx: Context):
         self.spec, self.site, self.nest = spec, site, spec.nest
+        # the tensor whose device and dtype the others must share (index tensors hold integers)
+        self.first = next(t for t, _ in self.nest.tensors if t not in self.nest.index_tensors)
         # With --target cpu no kernel is generated: the function is the torch path.
         self.kernel_wanted = ctx.options.target != "cpu"
         runtime = "macrogen.runtime.triton_support"
@@ -222,9 +220,10 @@ class _Output:
         self.dot_precision = (
             self.names.namer("DOT_PRECISION") if self.kernel_nest.dot is not None else ""
         )
+        self.group = self.names.namer("GROUP_SIZE") if self.kernel_nest.dot is not None else ""
 
     def _tensor(self, t: str, ndim: int) -> dict:
-        first = self.nest.tensors[0][0]
+        first = self.first
         return {
             "name": t,
             "ndim": ndim,
@@ -232,6 +231,9 @@ class _Output:
             "strides": self.names.strides[t],
             "message": f"{t} must have {ndim} dimension{'s' if ndim != 1 else ''} (it is indexed so), not %d",
             "same_message": f"{t} must be on the same device and of the same dtype as {first}",
+            "index": t in self.nest.index_tensors,  # integers: device checked, dtype int32/int64
+            "index_message": f"{t} indexes other tensors: it must be an int32 or int64 tensor on"
+            f" the same device as {first}",
         }
 
     def shapes(self) -> str:
@@ -248,6 +250,7 @@ class _Output:
         names = self.names.fork()
         emitter = KernelEmitter(self.kernel_nest, names, self.mods["tl"], self.dot_precision)
         pid = names.namer("pid")
+        grouped = self.kernel_nest.dot is not None and self.spec.group_size > 1
         return codegen.render(
             "tile_kernel.py.j2",
             triton=self.mods["triton"],
@@ -258,7 +261,9 @@ class _Output:
             dot_precision=self.dot_precision,
             bounds=self.bounds,
             pid=pid,
-            grid=emitter.grid_setup(pid, self.spec.tile),
+            grid=emitter.grid_setup(pid, self.spec.tile, self.group if grouped else ""),
+            grouping=emitter.grouping,
+            group=self.group if grouped else "",
             steps=emitter.steps(),
             **self.common,
         )
@@ -266,15 +271,14 @@ class _Output:
     def launcher(self) -> str:
         triton, launcher = self.mods["triton"], self.fns["launcher"]
         programs = " * ".join(
-            f"{triton}.cdiv(max({self.names.bounds[g].hi} - {self.names.bounds[g].lo}, 0),"
-            f" {self.spec.tile[g.var]})"
+            f"{triton}.cdiv({_iterations(self.names.bounds[g], g.step, triton)}, {self.spec.tile[g.var]})"
             for g in self.nest.grid
         )
         return codegen.render(
             "tile_launcher.py.j2",
             torch=self.mods["torch"],
             interpreting=self.mods["interpreting"],
-            first=self.nest.tensors[0][0],
+            first=self.first,
             device_message=f"{launcher} runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ",
             dtype_message=f"{launcher} takes float16, bfloat16 or float32 tensors, not ",
             programs=self.names.fork().namer("programs"),
@@ -286,6 +290,11 @@ class _Output:
             ],
             dot_precision=self.dot_precision,
             dot_precision_value=self.spec.dot_precision,
+            group=self.group
+            if self.kernel_nest.dot is not None and self.spec.group_size > 1
+            else "",
+            group_size=self.spec.group_size,
+            allow_tf32=f"{self.mods['torch']}.backends.cuda.matmul.allow_tf32",
             num_warps=self.spec.num_warps,
             num_stages=self.spec.num_stages,
             **self.common,
@@ -302,7 +311,7 @@ class _Output:
         body = codegen.render_statements(
             "tile_dispatch.py.j2",
             use_triton=self.mods.get("use_triton", ""),
-            first=self.nest.tensors[0][0],
+            first=self.first,
             params=self.nest.params,
             launcher=self.fns.get("launcher", ""),
             torch_fn=self.fns["torch_fn"],
@@ -324,76 +333,7 @@ def _is_docstring(stmt: cst.BaseStatement) -> bool:
     )
 
 
-def alias_checks(nest: Nest) -> list[dict]:
-    """One check per (output, other tensor) pair: they must not share memory."""
-    checks = []
-    for o in nest.outputs:
-        for t, _ in nest.tensors:
-            if t == o or (t in nest.outputs and nest.outputs.index(t) < nest.outputs.index(o)):
-                continue
-            checks.append(
-                {
-                    "output": o,
-                    "other": t,
-                    "message": f"{o} and {t} share memory; @tile needs outputs apart from"
-                    " the other tensors (pass a fresh tensor, or a clone)",
-                }
-            )
-    return checks
-
-
-def index_checks(nest: Nest, names: Names) -> list[dict]:
-    """One range check per distinct (tensor, dimension, loop, offset) the nest indexes with."""
-    accesses: dict[tuple, None] = {}
-    loops = {g.var: g for g in nest.grid}
-
-    def visit(stmts, inner=None) -> None:
-        for s in stmts:
-            if isinstance(s, InnerLoop):
-                visit(s.body, s.loop)
-                continue
-            scope = {**loops, **({inner.var: inner} if inner else {})}
-            if isinstance(s, (Let, Accum, Store)):
-                for ld in loads_in(s.value):
-                    for d, ix in enumerate(ld.index):
-                        accesses[
-                            (
-                                ld.tensor_name,
-                                d,
-                                scope.get(ix.var) if ix.var else None,
-                                ix.offset,
-                                ix.var,
-                            )
-                        ] = None
-            if isinstance(s, Store):
-                for d, var in enumerate(s.index):
-                    accesses[(s.tensor_name, d, scope[var], 0, var)] = None
-
-    visit(nest.body)
-    checks = []
-    for tensor, d, loop, offset, var in accesses:
-        size = f"{tensor}.shape[{d}]"
-        if loop is None:
-            checks.append(
-                {
-                    "test": parse(f"{offset} >= {size}"),
-                    "message": f"index {offset} is out of range for dimension {d} of {tensor}",
-                }
-            )
-            continue
-        b = names.bounds[loop]
-        term = var if offset == 0 else f"{var} {'+' if offset > 0 else '-'} {abs(offset)}"
-        checks.append(
-            {
-                "test": parse(
-                    f"{b.lo} < {b.hi} and ({_plus(b.lo, offset)} < 0 or {_plus(b.hi, offset)} > {size})"
-                ),
-                "message": f"{tensor}: index {term} leaves dimension {d} for some {var} in its range"
-                " (the loop would raise IndexError; negative indices do not wrap here)",
-            }
-        )
-    return checks
-
-
-def _plus(code: str, offset: int) -> str:
-    return code if offset == 0 else f"{code} {'+' if offset > 0 else '-'} {abs(offset)}"
+def _iterations(b, step: int, triton: str) -> str:
+    """The number of iterations of a loop, as launcher code."""
+    span = f"max({b.hi} - {b.lo}, 0)"
+    return span if step == 1 else f"{triton}.cdiv({span}, {step})"

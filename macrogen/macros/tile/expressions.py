@@ -15,7 +15,7 @@ from typing import Any
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
-from macrogen.macros.tile_ir import Binary, Call, Const, Expr, Index, Load, Name, Size, Unary
+from macrogen.macros.tile.ir import Binary, Call, Const, Expr, Index, Load, Name, Size, Unary, Var
 
 _UNARY_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs")
 _TORCH_FUNCTIONS = {f: f for f in (*_UNARY_FUNCTIONS, "where")} | {
@@ -68,6 +68,8 @@ class ExpressionReader:
     scalars: list[str]
     loop_vars: set[str]
     outputs: set[str]
+    index_tensors: set[str]
+    value_tensors: set[str]
     constants: Mapping[str, Any]
     # and the analysis' ``_use_tensor(tensor, ndim, node)``, which records a tensor's rank
 
@@ -147,10 +149,12 @@ class ExpressionReader:
             )
         if name in scope.local:
             return scope.local[name]
+        if name in scope.loop_vars:
+            return Var(frozenset((name,)), True, name)
         if name in scope.gone:
             raise MacroError(scope.gone[name], node)
         if name in self.loop_vars:
-            raise MacroError(f"loop variable {name!r} may only index tensors in @tile", node)
+            raise MacroError(f"loop variable {name!r} is not defined here", node)
         if name in self.sizes:
             return Name(frozenset(), False, name)
         if name in self.params:
@@ -204,7 +208,7 @@ class ExpressionReader:
         dims = frozenset().union(*(a.dims for a in args))
         return Call(dims, any(a.tensor for a in args), fn, args)
 
-    def _load(self, node: cst.Subscript, scope: Scope) -> Expr:
+    def _load(self, node: cst.Subscript, scope: Scope, as_index: bool = False) -> Load:
         if not isinstance(node.value, cst.Name) or node.value.value not in self.params:
             raise MacroError("only tensor parameters can be indexed in @tile", node.value)
         tensor = node.value.value
@@ -214,16 +218,25 @@ class ExpressionReader:
                 f" (tiles would race); use {tensor}[...] += ... to accumulate",
                 node,
             )
+        kinds = (self.index_tensors, self.value_tensors)
+        mine, other = kinds if as_index else kinds[::-1]
+        if tensor in other:
+            raise MacroError(
+                f"{tensor!r} is read both as an index (integers) and as a value here; use two tensors",
+                node,
+            )
+        mine.add(tensor)
         index = []
         for el in node.slice:
-            index.append(self._index(el, scope))
+            index.append(self._index(el, scope, nested=as_index))
         used = [i.var for i in index if i.var is not None]
         if len(set(used)) != len(used):
             raise MacroError("a loop variable may index only one dimension of a load", node)
         self._use_tensor(tensor, len(index), node)
-        return Load(frozenset(used), True, tensor, tuple(index))
+        dims = frozenset(used).union(*(i.gather.dims for i in index if i.gather is not None))
+        return Load(dims, True, tensor, tuple(index))
 
-    def _index(self, el: cst.SubscriptElement, scope: Scope) -> Index:
+    def _index(self, el: cst.SubscriptElement, scope: Scope, nested: bool = False) -> Index:
         usage = (
             "a tensor index is a loop variable, optionally +- an integer constant,"
             " or a non-negative integer"
@@ -249,8 +262,14 @@ class ExpressionReader:
                 return Index(var.value, sign * int(const.value))
         if isinstance(v, cst.Name) and v.value in scope.gone:
             raise MacroError(scope.gone[v.value], v)
+        if isinstance(v, cst.Subscript) and not nested:  # an indirect read: table[idx[i], j]
+            return Index(None, 0, self._load(v, scope, as_index=True))
         if _contains(v, cst.Subscript):
-            raise MacroError(f"data-dependent indexing is not supported: {usage}", v)
+            raise MacroError(
+                "data-dependent indexing is supported one level deep, as a plain load:"
+                f" table[idx[i], j]; {usage}",
+                v,
+            )
         raise MacroError(usage, v)
 
     def _binary(self, op: str, left: Expr, right: Expr) -> Expr:

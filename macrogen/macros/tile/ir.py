@@ -27,6 +27,7 @@ class Loop:
     var: str
     start: Bound
     stop: Bound
+    step: int = 1  # a positive constant
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,20 @@ class Name(Expr):
 
 
 @dataclass(frozen=True)
+class Var(Expr):
+    """A loop variable's value (``j <= i``): the tile's index vector, or an arange."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class Index:
-    """One subscript of a load or store: ``var + offset`` (``var`` None: the constant ``offset``)."""
+    """One subscript of a load or store: ``var + offset`` (``var`` None: the constant ``offset``),
+    or ``gather``: the value of an integer load (``table[idx[i], j]``)."""
 
     var: str | None
     offset: int
+    gather: Load | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,7 @@ class Store:
     index: tuple[str, ...]  # loop variables, in the tensor's dimension order
     value: Expr
     add: bool  # ``out[...] += value``
+    cond: Expr | None = None  # stored only where this holds (under an ``if`` without ``else``)
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,7 @@ class Nest:
     grid: tuple[Loop, ...]  # one program per tile of these
     body: tuple[Statement, ...]
     outputs: tuple[str, ...]  # tensors the nest stores into
+    index_tensors: tuple[str, ...] = ()  # integer tensors read only as indices of others
 
     @property
     def inner_loops(self) -> tuple[InnerLoop, ...]:

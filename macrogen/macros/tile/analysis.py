@@ -20,6 +20,8 @@ Anything else is a ``MacroError`` at the construct, saying what is supported.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -27,11 +29,12 @@ from typing import Any
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
-from macrogen.macros.tile_expressions import ExpressionReader, Scope, code_of, negate
-from macrogen.macros.tile_ir import (
+from macrogen.macros.tile.expressions import ExpressionReader, Scope, code_of, negate
+from macrogen.macros.tile.ir import (
     Accum,
     Binary,
     Bound,
+    Call,
     Const,
     Dot,
     Expr,
@@ -45,6 +48,7 @@ from macrogen.macros.tile_ir import (
     Store,
     Unary,
 )
+from macrogen.macros.tile.names import loads_in, vars_in
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -66,6 +70,8 @@ class _Analyzer(ExpressionReader):
         self.stored: dict[str, cst.CSTNode] = {}
         self.taken = set(_IDENT.findall(code_of(fn)))
         self.outputs = self._outputs(fn.body)
+        self.index_tensors: set[str] = set()  # tensors read as indices (integers)
+        self.value_tensors: set[str] = set()  # tensors read as values
 
     # -- the function ----------------------------------------------------------------
     def _params(self) -> tuple[str, ...]:
@@ -119,6 +125,7 @@ class _Analyzer(ExpressionReader):
             grid=grid,
             body=tuple(body_ir),
             outputs=tuple(p for p in self.params if p in self.stored),
+            index_tensors=tuple(p for p in self.params if p in self.index_tensors),
         )
 
     def _outputs(self, body: cst.CSTNode) -> set[str]:
@@ -220,7 +227,9 @@ class _Analyzer(ExpressionReader):
         return list(node.body.body)
 
     def _loop(self, node: cst.For) -> Loop:
-        usage = "@tile loops are for VAR in range(stop) or range(start, stop)"
+        usage = (
+            "@tile loops are for VAR in range(stop), range(start, stop) or range(start, stop, step)"
+        )
         if node.asynchronous is not None:
             raise MacroError("async for is not supported in @tile", node)
         if node.orelse is not None:
@@ -235,37 +244,79 @@ class _Analyzer(ExpressionReader):
             isinstance(it, cst.Call) and isinstance(it.func, cst.Name) and it.func.value == "range"
         ):
             raise MacroError(usage, it)
-        if not 1 <= len(it.args) <= 2 or any(a.keyword or a.star for a in it.args):
-            raise MacroError(f"{usage} (no step)", it)
-        bounds = [self._bound(a.value) for a in it.args]
+        if not 1 <= len(it.args) <= 3 or any(a.keyword or a.star for a in it.args):
+            raise MacroError(usage, it)
+        bounds = [self._bound(a.value) for a in it.args[:2]]
         start = bounds[0] if len(bounds) == 2 else Bound(None, 0)
+        step = self._step(it.args[2].value) if len(it.args) == 3 else 1
         self.loop_vars.add(var)
-        return Loop(var, start, bounds[-1])
+        return Loop(var, start, bounds[-1], step)
+
+    def _step(self, node: cst.BaseExpression) -> int:
+        """A positive integer constant: a literal or a define()d int."""
+        value: object = None
+        if isinstance(node, cst.Integer):
+            value = int(node.value)
+        elif isinstance(node, cst.Name):
+            value = self.constants.get(node.value)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise MacroError(
+                "a range step in @tile is a positive integer constant (a literal or a define()d"
+                " int): tiles are laid out at compile time; for a reversed loop index n - 1 - i",
+                node,
+            )
+        return value
 
     def _bound(self, node: cst.BaseExpression) -> Bound:
-        usage = "a loop bound is a size from .shape, a size +- an integer, or an integer"
+        usage = (
+            "a loop bound is a size (N from .shape, x.shape[d], x.size(d), len(x)), an integer"
+            " parameter, either +- an integer, or an integer"
+        )
         if isinstance(node, cst.Integer):
             return Bound(None, int(node.value))
-        if isinstance(node, cst.Name):
-            if node.value in self.sizes:
-                return Bound(node.value, 0)
-            if isinstance(self.constants.get(node.value), int):
-                return Bound(None, self.constants[node.value])
-            raise MacroError(f"{node.value!r} is not a size bound from .shape; {usage}", node)
+        if isinstance(node, cst.Name) and isinstance(self.constants.get(node.value), int):
+            return Bound(None, self.constants[node.value])
+        size = self._size_of(node)
+        if size is not None:
+            return Bound(size, 0)
         if isinstance(node, cst.BinaryOperation) and isinstance(
             node.operator, (cst.Add, cst.Subtract)
         ):
-            size, const = node.left, node.right
-            if isinstance(size, cst.Integer) and isinstance(node.operator, cst.Add):
-                size, const = const, size
-            if (
-                isinstance(size, cst.Name)
-                and size.value in self.sizes
-                and isinstance(const, cst.Integer)
-            ):
+            left, const = node.left, node.right
+            if isinstance(left, cst.Integer) and isinstance(node.operator, cst.Add):
+                left, const = const, left
+            size = self._size_of(left)
+            if size is not None and isinstance(const, cst.Integer):
                 sign = -1 if isinstance(node.operator, cst.Subtract) else 1
-                return Bound(size.value, sign * int(const.value))
+                return Bound(size, sign * int(const.value))
+        if isinstance(node, cst.Name):
+            raise MacroError(f"{node.value!r} is not a size or a parameter; {usage}", node)
+        if _contains(node, cst.Subscript) and not _is_shape_subscript(node):
+            raise MacroError(f"a loop bound may not depend on tensor values; {usage}", node)
         raise MacroError(usage, node)
+
+    def _size_of(self, node: cst.BaseExpression) -> str | None:
+        """The name of the size ``node`` reads: a bound size, an integer parameter,
+        ``x.shape[d]``, ``x.size(d)`` or ``len(x)`` (named here), else None."""
+        if isinstance(node, cst.Name):
+            if node.value in self.sizes:
+                return node.value
+            if node.value in self.params and node.value not in self.ndim:
+                if node.value not in self.scalars:
+                    self.scalars.append(node.value)  # a scalar argument: the kernel takes it
+                return node.value
+            return None
+        tensor_dim = _shape_read(node)
+        if tensor_dim is None:
+            return None
+        tensor_node, dim = tensor_dim
+        tensor = self._tensor_param(tensor_node)
+        for size in self.sizes.values():
+            if (size.tensor, size.dim) == (tensor, dim):
+                return size.name
+        name = self._fresh(f"{tensor}_size{dim}")
+        self.sizes[name] = Size(name, tensor, dim)
+        return name
 
     def _is_reduction_suffix(self, chain: list[Loop], block: list[cst.BaseStatement]) -> bool:
         """``for k`` last, holding only ``out[...] += e`` that never index k: a reduction over k."""
@@ -288,6 +339,9 @@ class _Analyzer(ExpressionReader):
             if isinstance(stmt, cst.For):
                 loop = self._loop(stmt)
                 out.extend(self._inner_loop(loop, stmt, self._block(stmt), scope, grid))
+                continue
+            if isinstance(stmt, cst.If):
+                out.extend(self._if(stmt, scope, self._grid_statement))
                 continue
             for small in self._smalls(stmt):
                 out.extend(self._grid_statement(small, scope))
@@ -337,9 +391,60 @@ class _Analyzer(ExpressionReader):
         scope.gone = outer.gone
         scope.carried = self._carried(block, outer)
         before: list[Statement] = []
-        body: list[Let | Accum | Store] = []
         after: list[Statement] = []
         ops: dict[str, str] = {}
+
+        def handle(small: cst.BaseSmallStatement, scope: Scope) -> list[Statement]:
+            target, value, add = self._assignment(small)
+            if isinstance(target, cst.Subscript):
+                index_names = _index_names(target)
+                if loop.var in index_names:
+                    index = self._store_index(target, scope.loop_vars)
+                    expr = self._expr(value, scope)
+                    if add is False:
+                        expr = Unary(expr.dims, expr.tensor, "-", expr)
+                    return [Store(target.value.value, index, expr, add is not None)]
+                if add is None:
+                    raise MacroError(
+                        f"this store does not index {loop.var!r}, so every iteration of the loop"
+                        f" over {loop.var} writes the same element; accumulate with +=",
+                        small,
+                    )
+                index = self._store_index(target, grid_vars)
+                tensor = target.value.value
+                acc = self._fresh(f"{tensor}_acc")
+                expr = self._expr(value, scope)
+                before.append(Let(acc, Const(frozenset(), False, 0.0)))
+                after.append(Store(tensor, index, Name(frozenset(grid_vars), True, acc), True))
+                ops[acc] = "sum"
+                return [Accum(acc, "sum", expr if add else negate(expr))]
+            name = self._local_name(target)
+            if name in scope.carried:
+                op, expr = self._accumulation(name, target, value, add, scope)
+                if loop.var not in expr.dims:
+                    raise MacroError(
+                        f"the value reduced into {name!r} does not depend on {loop.var!r};"
+                        " compute it after the loop",
+                        value,
+                    )
+                if ops.setdefault(name, op) != op:
+                    raise MacroError(
+                        f"{name!r} is reduced with both {ops[name]} and {op} in this loop",
+                        small,
+                    )
+                return [Accum(name, op, expr)]
+            if add is not None:
+                if name not in scope.local or name in outer.local:
+                    raise MacroError(f"{name!r} is read before it is assigned", target)
+                expr = self._binary(
+                    "+" if add else "-", scope.local[name], self._expr(value, scope)
+                )
+            else:
+                expr = self._expr(value, scope)
+            scope.local[name] = Name(expr.dims, expr.tensor, name)
+            return [Let(name, expr)]
+
+        body: list = []
         for stmt in block:
             if isinstance(stmt, cst.For):
                 raise MacroError(
@@ -347,58 +452,11 @@ class _Analyzer(ExpressionReader):
                     " with at most one level of inner loops under them",
                     stmt,
                 )
+            if isinstance(stmt, cst.If):
+                body.extend(self._if(stmt, scope, handle))
+                continue
             for small in self._smalls(stmt):
-                target, value, add = self._assignment(small)
-                if isinstance(target, cst.Subscript):
-                    index_names = _index_names(target)
-                    if loop.var in index_names:
-                        index = self._store_index(target, scope.loop_vars)
-                        expr = self._expr(value, scope)
-                        if add is False:
-                            expr = Unary(expr.dims, expr.tensor, "-", expr)
-                        body.append(Store(target.value.value, index, expr, add is not None))
-                        continue
-                    if add is None:
-                        raise MacroError(
-                            f"this store does not index {loop.var!r}, so every iteration of the loop"
-                            f" over {loop.var} writes the same element; accumulate with +=",
-                            small,
-                        )
-                    index = self._store_index(target, grid_vars)
-                    tensor = target.value.value
-                    acc = self._fresh(f"{tensor}_acc")
-                    expr = self._expr(value, scope)
-                    before.append(Let(acc, Const(frozenset(), False, 0.0)))
-                    body.append(Accum(acc, "sum", expr if add else negate(expr)))
-                    after.append(Store(tensor, index, Name(frozenset(grid_vars), True, acc), True))
-                    ops[acc] = "sum"
-                    continue
-                name = self._local_name(target)
-                if name in scope.carried:
-                    op, expr = self._accumulation(name, target, value, add, scope)
-                    if loop.var not in expr.dims:
-                        raise MacroError(
-                            f"the value reduced into {name!r} does not depend on {loop.var!r};"
-                            " compute it after the loop",
-                            value,
-                        )
-                    if ops.setdefault(name, op) != op:
-                        raise MacroError(
-                            f"{name!r} is reduced with both {ops[name]} and {op} in this loop",
-                            small,
-                        )
-                    body.append(Accum(name, op, expr))
-                    continue
-                if add is not None:
-                    if name not in scope.local or name in outer.local:
-                        raise MacroError(f"{name!r} is read before it is assigned", target)
-                    expr = self._binary(
-                        "+" if add else "-", scope.local[name], self._expr(value, scope)
-                    )
-                else:
-                    expr = self._expr(value, scope)
-                scope.local[name] = Name(expr.dims, expr.tensor, name)
-                body.append(Let(name, expr))
+                body.extend(handle(small, scope))
         for name in scope.local:
             if name not in outer.local:
                 outer.gone[name] = (
@@ -414,10 +472,145 @@ class _Analyzer(ExpressionReader):
         dot = self._dot(loop, body, grid_vars)
         return [*before, InnerLoop(loop, tuple(body), dot), *after]
 
+    def _if(self, node: cst.If, scope: Scope, handle) -> list[Statement]:
+        """``if``/``elif``/``else`` as straight-line code, each branch computed on the whole tile.
+
+        A condition is bound to a fresh local; each branch's assignments go to
+        fresh names; then every local a branch assigns becomes
+        ``where(c1, v_1, where(c2, v_2, v))``, reductions reduce such a chain
+        (the identity where the taken branch does not reduce), and an output
+        stored in every branch stores one; stored only in the first branch, it is
+        a store masked by its condition. No early exits: every lane runs every
+        branch, and ``where`` picks.
+        """
+        out: list[Statement] = []
+        branches: list[tuple[Name | None, list[cst.BaseStatement]]] = []
+        current: cst.If | cst.Else | None = node
+        while isinstance(current, cst.If):
+            test = self._condition(current.test, scope)
+            cname = self._fresh("cond")
+            out.append(Let(cname, test))
+            branches.append((Name(test.dims, test.tensor, cname), list(current.body.body)))
+            current = current.orelse  # type: ignore[assignment]
+        if isinstance(current, cst.Else):
+            branches.append((None, list(current.body.body)))
+        local, stored = dict(scope.local), dict(self.stored)
+        stored_after = dict(stored)
+        results = []  # per branch: (renamed locals, accumulations, stores)
+        for _, stmts in branches:
+            scope.local, self.stored = dict(local), dict(stored)  # each branch may store an output
+            ir: list[Statement] = []
+            for stmt in stmts:
+                if isinstance(stmt, cst.For):
+                    raise MacroError(
+                        "a loop inside an if is not supported in @tile; put the if inside the loop",
+                        stmt,
+                    )
+                if isinstance(stmt, cst.If):
+                    ir.extend(self._if(stmt, scope, handle))
+                    continue
+                for small in self._smalls(stmt):
+                    ir.extend(handle(small, scope))
+            stored_after.update(self.stored)
+            renamed, lets, accums, stores = self._rename_branch(ir)
+            out.extend(lets)
+            results.append((renamed, accums, stores, {n: scope.local[n] for n in renamed}))
+        scope.local, self.stored = local, stored_after
+        complete = branches[-1][0] is None
+        conds = [c for c, _ in branches]
+        # locals: a where chain over the branches
+        for name in dict.fromkeys(n for r in results for n in r[0]):
+            default: Expr | None = local.get(name)
+            if default is None and not (complete and all(name in r[0] for r in results)):
+                scope.gone[name] = (
+                    f"{name!r} is assigned in only some branches of the if above and not before it"
+                )
+                continue
+            values = [
+                Name(r[3][name].dims, r[3][name].tensor, r[0][name]) if name in r[0] else default
+                for r in results
+            ]
+            chain = _where_chain(conds, values, default)
+            scope.local[name] = Name(chain.dims, chain.tensor, name)
+            out.append(Let(name, chain))
+        # reductions: the value the taken branch reduces, or the identity
+        for name in dict.fromkeys(n for r in results for n in r[1]):
+            ops = {r[1][name][0] for r in results if name in r[1]}
+            if len(ops) > 1:
+                raise MacroError(f"{name!r} is reduced with both {' and '.join(sorted(ops))}", node)
+            op = ops.pop()
+            identity = Const(frozenset(), False, _IDENTITY[op])
+            values = [r[1][name][1] if name in r[1] else identity for r in results]
+            out.append(Accum(name, op, _where_chain(conds, values, identity)))
+        # stores
+        for tensor in dict.fromkeys(t for r in results for t in r[2]):
+            mine = [r[2].get(tensor) for r in results]
+            first = next(s for s in mine if s is not None)
+            if any(s is not None and (s.index, s.add) != (first.index, first.add) for s in mine):
+                raise MacroError(
+                    f"store {tensor!r} the same way (same indices, = or +=) in every branch", node
+                )
+            if any(s is not None and s.cond is not None for s in mine):
+                raise MacroError(
+                    f"{tensor!r} is stored under a nested if; assign a local in the branches and store it once",
+                    node,
+                )
+            if first.add or (complete and all(s is not None for s in mine)):
+                zero = Const(frozenset(), False, 0.0)
+                values = [s.value if s is not None else zero for s in mine]
+                chain = _where_chain(conds, values, zero)
+                out.append(Store(tensor, first.index, chain, first.add))
+            elif mine[0] is not None and all(s is None for s in mine[1:]):
+                out.append(Store(tensor, first.index, first.value, False, conds[0]))
+            else:
+                raise MacroError(
+                    f"store {tensor!r} in every branch of this if/elif/else or only under its first"
+                    " condition (or assign a local in the branches and store it after the if)",
+                    node,
+                )
+        return out
+
+    def _condition(self, test: cst.BaseExpression, scope: Scope) -> Expr:
+        """An if's test: an expression, with ``and``/``or`` as ``&``/``|``."""
+        if isinstance(test, cst.BooleanOperation):
+            op = "&" if isinstance(test.operator, cst.And) else "|"
+            left, right = self._condition(test.left, scope), self._condition(test.right, scope)
+            return self._binary(op, left, right)
+        if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+            raise MacroError("not is not supported in an @tile if; swap the branches", test)
+        return self._expr(test, scope)
+
+    def _rename_branch(self, ir: list[Statement]):
+        """A branch's statements with its locals renamed apart: (new names, lets, reductions, stores)."""
+        renamed: dict[str, str] = {}
+        lets: list[Statement] = []
+        accums: dict[str, tuple[str, Expr]] = {}
+        stores: dict[str, Store] = {}
+        for st in ir:
+            if isinstance(st, Let):
+                value = _rename(st.value, renamed)
+                renamed[st.name] = self._fresh(st.name)
+                lets.append(Let(renamed[st.name], value))
+            elif isinstance(st, Accum):
+                accums[st.name] = (st.op, _rename(st.value, renamed))
+            elif isinstance(st, Store):
+                cond = _rename(st.cond, renamed) if st.cond is not None else None
+                stores[st.tensor_name] = dataclasses.replace(
+                    st, value=_rename(st.value, renamed), cond=cond
+                )
+            else:
+                lets.append(st)
+        return renamed, lets, accums, stores
+
     def _carried(self, block: list[cst.BaseStatement], outer: Scope) -> set[str]:
         """Names defined before the loop that it assigns: they may only be reduced into."""
         carried = set()
         for stmt in block:
+            if isinstance(stmt, cst.If):  # the branches of an if, elif and else
+                node: cst.BaseSuite | cst.If | cst.Else | None = stmt
+                while isinstance(node, (cst.If, cst.Else)):
+                    carried |= self._carried(list(node.body.body), outer)
+                    node = node.orelse if isinstance(node, cst.If) else None
             if isinstance(stmt, cst.SimpleStatementLine):
                 for small in stmt.body:
                     if isinstance(small, (cst.Assign, cst.AugAssign)):
@@ -467,6 +660,8 @@ class _Analyzer(ExpressionReader):
             return None
         acc = body[0]
         e = acc.value
+        if vars_in(e) or any(ix.gather for ld in loads_in(e) for ix in ld.index):
+            return None  # a loop variable's value, or a gather: the operands are not plain tiles
         if acc.op != "sum" or not isinstance(e, Binary) or e.op != "*":
             return None
         k = loop.var
@@ -514,6 +709,13 @@ class _Analyzer(ExpressionReader):
         names = []
         for el in target.slice:
             sl = el.slice
+            if isinstance(sl, cst.Index) and _contains(sl.value, cst.Subscript):
+                raise MacroError(
+                    f"indirect writes are not supported: {code_of(sl.value)} may send two iterations"
+                    " to one element (a race between tiles); stores are indexed by loop variables,"
+                    " indirect reads are supported",
+                    sl.value,
+                )
             if not (
                 isinstance(sl, cst.Index)
                 and isinstance(sl.value, cst.Name)
@@ -560,10 +762,45 @@ class _Analyzer(ExpressionReader):
         if isinstance(node, cst.While):
             return "while loops are not supported in @tile; use for VAR in range(...)"
         if isinstance(node, cst.If):
-            return "if statements are not supported in @tile; use torch.where(cond, a, b)"
+            return "an if is supported inside the loops of @tile, not here"
         if isinstance(node, cst.Expr):
             return "an expression statement does nothing here; @tile bodies assign locals and store to outputs"
         return f"{type(node).__name__} statements are not supported in @tile"
+
+
+_IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
+
+
+def _where_chain(conds: list[Name | None], values: list, default: Expr | None) -> Expr:
+    """``where(c1, v1, where(c2, v2, v3))``: v3 is the else branch's value, or ``default``."""
+    pairs = list(zip(conds, values))
+    if conds[-1] is None:
+        result, pairs = values[-1], pairs[:-1]
+    else:
+        result = default
+    assert result is not None
+    for cond, value in reversed(pairs):
+        assert cond is not None and value is not None
+        result = Call(
+            cond.dims | value.dims | result.dims,
+            cond.tensor or value.tensor or result.tensor,
+            "where",
+            (cond, value, result),
+        )
+    return result
+
+
+def _rename(e: Expr, names: dict[str, str]) -> Expr:
+    """``e`` reading ``names[n]`` wherever it read the local ``n``."""
+    if isinstance(e, Name) and e.name in names:
+        return dataclasses.replace(e, name=names[e.name])
+    if isinstance(e, Unary):
+        return dataclasses.replace(e, operand=_rename(e.operand, names))
+    if isinstance(e, Binary):
+        return dataclasses.replace(e, left=_rename(e.left, names), right=_rename(e.right, names))
+    if isinstance(e, Call):
+        return dataclasses.replace(e, args=tuple(_rename(a, names) for a in e.args))
+    return e
 
 
 def _dims_of(body: list[Let | Accum | Store], acc: str) -> frozenset[str]:
@@ -589,6 +826,46 @@ def _is_docstring(stmt: cst.BaseStatement) -> bool:
         and isinstance(stmt.body[0], cst.Expr)
         and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
     )
+
+
+def _shape_read(node: cst.BaseExpression) -> tuple[cst.BaseExpression, int] | None:
+    """(tensor, dim) of ``x.shape[d]``, ``x.size(d)`` or ``len(x)`` (d a non-negative integer)."""
+    if (
+        isinstance(node, cst.Subscript)
+        and _is_shape(node.value)
+        and len(node.slice) == 1
+        and isinstance(node.slice[0].slice, cst.Index)
+        and isinstance(node.slice[0].slice.value, cst.Integer)
+    ):
+        return node.value.value, int(node.slice[0].slice.value.value)  # type: ignore[attr-defined]
+    if isinstance(node, cst.Call) and len(node.args) == 1 and not node.args[0].keyword:
+        arg = node.args[0].value
+        if (
+            isinstance(node.func, cst.Attribute)
+            and node.func.attr.value == "size"
+            and isinstance(arg, cst.Integer)
+        ):
+            return node.func.value, int(arg.value)
+        if isinstance(node.func, cst.Name) and node.func.value == "len":
+            return arg, 0
+    return None
+
+
+def _is_shape_subscript(node: cst.BaseExpression) -> bool:
+    return _shape_read(node) is not None
+
+
+def _contains(node: cst.CSTNode, kind: type) -> bool:
+    found = False
+
+    class _Find(cst.CSTVisitor):
+        def on_visit(self, n: cst.CSTNode) -> bool:
+            nonlocal found
+            found = found or isinstance(n, kind)
+            return not found
+
+    node.visit(_Find())
+    return found
 
 
 def _is_shape(node: cst.BaseExpression) -> bool:

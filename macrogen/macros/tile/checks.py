@@ -1,0 +1,100 @@
+"""Run-time checks of the shapes function: outputs apart from inputs, every index in range."""
+
+from __future__ import annotations
+
+from macrogen.macros.tile.code import name, parse, plus
+from macrogen.macros.tile.ir import Accum, InnerLoop, Let, Nest, Store
+from macrogen.macros.tile.names import Names, loads_in
+
+
+def alias_checks(nest: Nest) -> list[dict]:
+    """One check per (output, other tensor) pair: they must not share memory."""
+    checks = []
+    for o in nest.outputs:
+        for t, _ in nest.tensors:
+            if t == o or (t in nest.outputs and nest.outputs.index(t) < nest.outputs.index(o)):
+                continue
+            checks.append(
+                {
+                    "output": o,
+                    "other": t,
+                    "message": f"{o} and {t} share memory; @tile needs outputs apart from"
+                    " the other tensors (pass a fresh tensor, or a clone)",
+                }
+            )
+    return checks
+
+
+def index_checks(nest: Nest, names: Names) -> list[dict]:
+    """One range check per distinct (tensor, dimension, loop, offset) the nest indexes with."""
+    accesses: dict[tuple, None] = {}
+    gathers: dict[tuple, None] = {}  # (tensor, dim, the index load, its loops)
+    loops = {g.var: g for g in nest.grid}
+
+    def load(ld, scope) -> None:
+        for d, ix in enumerate(ld.index):
+            if ix.gather is not None:
+                load(ix.gather, scope)
+                gathers[(ld.tensor_name, d, ix.gather, tuple(scope.items()))] = None
+                continue
+            key = (ld.tensor_name, d, scope.get(ix.var) if ix.var else None, ix.offset, ix.var)
+            accesses[key] = None
+
+    def visit(stmts, inner=None) -> None:
+        for s in stmts:
+            if isinstance(s, InnerLoop):
+                visit(s.body, s.loop)
+                continue
+            scope = {**loops, **({inner.var: inner} if inner else {})}
+            if isinstance(s, (Let, Accum, Store)):
+                for ld in loads_in(s.value):
+                    load(ld, scope)
+            if isinstance(s, Store):
+                for d, var in enumerate(s.index):
+                    accesses[(s.tensor_name, d, scope[var], 0, var)] = None
+
+    visit(nest.body)
+    checks = []
+    for tensor, d, loop, offset, var in accesses:
+        size = f"{tensor}.shape[{d}]"
+        if loop is None:
+            checks.append(
+                {
+                    "test": parse(f"{offset} >= {size}"),
+                    "message": f"index {offset} is out of range for dimension {d} of {tensor}",
+                }
+            )
+            continue
+        b = names.bounds[loop]
+        term = var if offset == 0 else f"{var} {'+' if offset > 0 else '-'} {abs(offset)}"
+        checks.append(
+            {
+                "test": parse(
+                    f"{b.lo} < {b.hi} and ({plus(name(b.lo), offset)} < 0"
+                    f" or {plus(name(b.hi), offset)} > {size})"
+                ),
+                "message": f"{tensor}: index {term} leaves dimension {d} for some {var} in its range"
+                " (the loop would raise IndexError; negative indices do not wrap here)",
+            }
+        )
+    for tensor, d, index, scope in gathers:
+        # the values the loop would index with: the index tensor over the loops' ranges
+        bounds = {v: names.bounds[loop] for v, loop in scope}
+        subs = [
+            repr(ix.offset)
+            if ix.var is None
+            else f"{plus(name(bounds[ix.var].lo), ix.offset)}:{plus(name(bounds[ix.var].hi), ix.offset)}"
+            f"{bounds[ix.var].step}"
+            for ix in index.index
+        ]
+        values = f"{index.tensor_name}[{', '.join(subs)}]"
+        checks.append(
+            {
+                "test": parse(
+                    f"{values}.numel() and ({values}.min() < 0 or {values}.max() >= {tensor}.shape[{d}])"
+                ),
+                "message": f"{tensor}: an index read from {index.tensor_name} leaves dimension {d}"
+                " (the loop would raise IndexError; negative indices do not wrap here)",
+            }
+        )
+    return checks

@@ -1,0 +1,379 @@
+"""The Triton kernel of a ``Nest``: the steps that templates/tile_kernel.py.j2 lays out.
+
+Tiles have one axis per grid loop (plus a trailing axis for inner loops); a
+loop variable is an ``arange`` broadcast along its axis, so ``b[j]`` loads a
+``(1, BLOCK_J)`` row and the arithmetic broadcasts as the loop's scalars would.
+Inner loops walk their row one tile at a time; a reduction keeps a tile-shaped
+accumulator and folds it after the loop; a matmul-shaped one is a ``tl.dot``
+per K tile. Masks are computed once per scope and named.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from macrogen.macros.tile.code import (
+    Code,
+    binary,
+    call,
+    chain,
+    method,
+    name,
+    number,
+    parse,
+    plus,
+    suffix,
+)
+from macrogen.macros.tile.ir import Accum, Const, Index, InnerLoop, Let, Load, Nest, Store
+from macrogen.macros.tile.names import Names, load_name, load_vars, loads_in
+from macrogen.macros.tile.printer import TritonPrinter
+from macrogen.macros.tile.steps import Assign, LoopBlock, Step, TritonStore, drop_dead_stores
+
+IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
+
+
+@dataclass
+class _Scope:
+    """What loop variables mean where code is emitted: index code, masks, loaded values."""
+
+    index: dict[str, Code]  # loop variable -> its index vector
+    masks: dict[str, str]  # loop variable -> its mask
+    loaded: dict[Load, str]
+    sink: list  # where a combined mask goes when first needed
+    combined: dict[frozenset[str], str] | None = field(default_factory=dict)  # None: inline
+
+
+class KernelEmitter:
+    def __init__(self, nest: Nest, names: Names, tl: str, dot_precision: str):
+        self.nest = nest
+        self.names = names
+        self.tl = tl
+        self.dot_precision = dot_precision  # the constexpr's name ("" without a dot)
+        self.grid_vars = tuple(loop.var for loop in nest.grid)
+        self.rank = nest.rank
+        self.identity: dict[str, float] = {}  # locals whose value is still a constant
+
+    def axis_suffix(self, axis: int) -> str:
+        if self.rank == 1:
+            return ""
+        return "[" + ", ".join(":" if a == axis else "None" for a in range(self.rank)) + "]"
+
+    def arange(self, block: str, axis: int) -> Code:
+        return suffix(call(f"{self.tl}.arange", "0", block), self.axis_suffix(axis))
+
+    def _spaced(self, code: Code, step: int) -> Code:
+        """Tile positions times a loop's step: the indices the loop visits."""
+        return code if step == 1 else binary("*", code, number(step))
+
+    def grid_setup(self, pid: str, tiles: dict[str, int], group: str = "") -> list[dict]:
+        """Per grid loop: this program's tile index, index vector and mask (last loop fastest).
+
+        With ``group`` (a matmul), tiles go in grouped order as in Triton's matmul
+        tutorial: ``group`` rows of tiles walk the columns together, so the
+        columns they read stay in L2 (``self.grouping`` computes where a group starts).
+        """
+        namer = self.names.namer
+        counts = [namer(f"tiles_{loop.var}") for loop in self.nest.grid]
+        self.grouping: list[Assign] = []
+        if group:
+            in_group, first, rows = namer("in_group"), namer("first_row"), namer("group_rows")
+            per_group = binary("*", name(group), name(counts[1]))
+            self.grouping = [
+                Assign(in_group, parse(per_group)),
+                Assign(
+                    first, parse(binary("*", binary("//", name(pid), name(in_group)), name(group)))
+                ),
+                Assign(
+                    rows,
+                    parse(
+                        call(f"{self.tl}.minimum", binary("-", name(counts[0]), name(first)), group)
+                    ),
+                ),
+            ]
+            local = binary("%", name(pid), name(in_group))
+            grouped = [
+                binary("+", name(first), binary("%", local, name(rows))),
+                binary("//", local, name(rows)),
+            ]
+        out = []
+        for axis, loop in enumerate(self.nest.grid):
+            pid_code = name(pid)
+            later = [name(c) for c in counts[axis + 1 :]]
+            if later:
+                pid_code = binary("//", pid_code, chain("*", later))
+            if axis > 0:
+                pid_code = binary("%", pid_code, name(counts[axis]))
+            if group:
+                pid_code = grouped[axis]
+            block = self.names.block[loop.var]
+            bounds = self.names.bounds[loop]
+            pid_var = namer(f"pid_{loop.var}")
+            iterations = binary("-", name(bounds.hi), name(bounds.lo))
+            if loop.step != 1:
+                iterations = call(f"{self.tl}.cdiv", iterations, number(loop.step))
+            first = binary("*", name(pid_var), name(block))
+            if loop.step == 1:  # integers: the grouping does not matter, leave it out
+                index = chain("+", [name(bounds.lo), first, self.arange(block, axis)])
+            else:
+                offsets = binary("+", first, self.arange(block, axis))
+                index = binary("+", name(bounds.lo), self._spaced(offsets, loop.step))
+            out.append(
+                {
+                    "var": loop.var,
+                    "lo": bounds.lo,
+                    "hi": bounds.hi,
+                    "block_value": tiles[loop.var],
+                    "tiles": counts[axis],
+                    "count": parse(call(f"{self.tl}.cdiv", iterations, block)),
+                    "pid": pid_var,
+                    "pid_code": parse(pid_code),
+                    "index": parse(index),
+                    "mask": self.names.mask[loop.var],
+                }
+            )
+        return out
+
+    def steps(self) -> list[Step]:
+        out: list[Step] = []
+        grid = _Scope({v: name(v) for v in self.grid_vars}, dict(self.names.mask), {}, out)
+        for s in self.nest.body:
+            if isinstance(s, InnerLoop):
+                self._hoist(s, grid)
+                out.append(
+                    self._dot_loop(s, grid) if self.nest.dot is not None else self._loop(s, grid)
+                )
+            else:
+                self._statement(s, grid, out)
+        return drop_dead_stores(out)
+
+    def _hoist(self, s: InnerLoop, grid: _Scope) -> None:
+        """Loads inside the loop that don't depend on its variable are loaded once, before it."""
+        for st in s.body:
+            for ld in loads_in(st.value):
+                if s.loop.var not in ld.dims:
+                    self._ensure(ld, grid, grid.sink)
+                for ix in ld.index:  # the indices of a gather along the loop, loaded once
+                    if ix.gather is not None and s.loop.var not in ix.gather.dims:
+                        self._ensure(ix.gather, grid, grid.sink, index=True)
+
+    # -- addresses, masks, loads -------------------------------------------------------------
+    def _address(self, tensor: str, index: tuple[Index, ...], scope: _Scope) -> Code:
+        terms = [name(self.names.ptr[tensor])]
+        for d, ix in enumerate(index):
+            stride = name(self.names.strides[tensor][d])
+            if ix.gather is not None:  # an indirect read: the loaded index, in 64 bits
+                terms.append(binary("*", name(scope.loaded[ix.gather]), stride))
+                continue
+            if ix.var is None:
+                if ix.offset:
+                    terms.append(binary("*", number(ix.offset), stride))
+                continue
+            terms.append(binary("*", plus(scope.index[ix.var], ix.offset), stride))
+        return chain("+", terms)
+
+    def _mask(self, variables: list[str], scope: _Scope) -> Code | None:
+        """The mask of the tile along ``variables``; a combination is named once per scope."""
+        if not variables:
+            return None
+        both = chain("&", [name(scope.masks[v]) for v in variables])
+        if len(variables) == 1 or scope.combined is None:
+            return both
+        key = frozenset(variables)
+        if key not in scope.combined:
+            scope.combined[key] = self.names.namer("mask")
+            scope.sink.append(Assign(scope.combined[key], parse(both)))
+        return name(scope.combined[key])
+
+    def _load(self, ld: Load, scope: _Scope, upcast: bool, other: str = "0.0") -> Assign:
+        mask = self._mask(load_vars(ld), scope)
+        address = self._address(ld.tensor_name, ld.index, scope)
+        code = (
+            call(f"{self.tl}.load", address, mask=mask, other=other)
+            if mask is not None
+            else call(f"{self.tl}.load", address)
+        )
+        if upcast:
+            code = method(code, "to", f"{self.tl}.float32")
+        local = scope.loaded[ld] = self.names.namer(load_name(ld))
+        return Assign(local, parse(code))
+
+    def _loads(self, value, scope: _Scope, into: list) -> None:
+        for ld in loads_in(value):
+            self._ensure(ld, scope, into)
+
+    def _ensure(self, ld: Load, scope: _Scope, into: list, index: bool = False) -> None:
+        """Load ``ld`` into a local (after the indices it gathers by) unless it already is;
+        an ``index`` (a gather's integers) stays integer."""
+        if ld in scope.loaded:
+            return
+        for ix in ld.index:
+            if ix.gather is not None:
+                self._ensure(ix.gather, scope, into, index=True)
+        into.append(self._load(ld, scope, upcast=not index, other="0" if index else "0.0"))
+
+    # -- statements ------------------------------------------------------------------------------
+    def _statement(self, s: Let | Store, scope: _Scope, into: list) -> None:
+        self._loads(s.value, scope, into)
+        value = TritonPrinter(scope.loaded, self.tl).expr(s.value)
+        if isinstance(s, Let):
+            if isinstance(s.value, Const):
+                self.identity[s.name] = s.value.value
+            else:
+                self.identity.pop(s.name, None)
+            into.append(Assign(s.name, parse(value)))
+            return
+        tl = self.tl
+        pointer = self._address(s.tensor_name, tuple(Index(v, 0) for v in s.index), scope)
+        mask = self._mask(list(s.index), scope)
+        if s.cond is not None:  # stored only where the if's condition holds
+            self._loads(s.cond, scope, into)
+            cond = TritonPrinter(scope.loaded, tl).expr(s.cond)
+            mask = binary("&", mask, cond) if mask is not None else cond
+        if not s.value.tensor:  # a number: make it a tile so that it has a dtype to cast
+            zeros = call(f"{tl}.zeros", self._store_shape(s), dtype=f"{tl}.float32")
+            value = binary("+", value, zeros)
+        if s.add:  # read-modify-write: name the pointers, they are used twice
+            ptrs = self.names.namer(f"{s.tensor_name}_ptrs")
+            into.append(Assign(ptrs, parse(pointer)))
+            pointer = name(ptrs)
+            old = call(f"{tl}.load", pointer, mask=mask) if mask else call(f"{tl}.load", pointer)
+            value = binary("+", method(old, "to", f"{tl}.float32"), value)
+        ptr = self.names.ptr[s.tensor_name]
+        value = method(value, "to", f"{ptr}.dtype.element_ty")
+        into.append(TritonStore(parse(pointer), parse(value), parse(mask) if mask else None))
+
+    def _store_shape(self, s: Store) -> str:
+        """The shape of a store's pointer tile: its loop variables' blocks on their axes."""
+        inner = [v for v in s.index if v not in self.grid_vars]
+        axes = (
+            list(self.grid_vars) + (inner or [""])
+            if self.rank > len(self.grid_vars)
+            else self.grid_vars
+        )
+        return "[" + ", ".join(self.names.block[v] if v in s.index else "1" for v in axes) + "]"
+
+    # -- inner loops -----------------------------------------------------------------------------
+    def _loop(self, s: InnerLoop, grid: _Scope) -> LoopBlock:
+        loop, namer, tl = s.loop, self.names.namer, self.tl
+        bounds = self.names.bounds[loop]
+        start = namer(f"{loop.var}_start")
+        block = self.names.block[loop.var]
+        inner_mask = namer(f"{loop.var}_mask")
+        offsets = self._spaced(self.arange(block, self.rank - 1), loop.step)
+        setup: list[Assign] = [
+            Assign(loop.var, parse(binary("+", name(start), offsets))),
+            Assign(inner_mask, parse(binary("<", name(loop.var), name(bounds.hi)))),
+        ]
+        scope = _Scope(
+            {**grid.index, loop.var: name(loop.var)},
+            {**grid.masks, loop.var: inner_mask},
+            dict(grid.loaded),
+            setup,
+            dict(grid.combined),
+        )
+        body: list = []
+        before: list[Assign] = []
+        after: list[Assign] = []
+        shape = "[" + ", ".join([*(self.names.block[v] for v in self.grid_vars), block]) + "]"
+        for st in s.body:
+            if not isinstance(st, Accum):
+                self._statement(st, scope, body)
+                continue
+            self._loads(st.value, scope, body)
+            tile = namer(f"{st.name}_tile")
+            identity = number(IDENTITY[st.op])
+            before.append(Assign(tile, parse(call(f"{tl}.full", shape, identity, f"{tl}.float32"))))
+            mask = self._mask([*self.grid_vars, loop.var], scope)  # padding adds nothing
+            value = call(
+                f"{tl}.where", mask, TritonPrinter(scope.loaded, tl).expr(st.value), identity
+            )
+            combine = {
+                "sum": binary("+", name(tile), value),
+                "max": call(f"{tl}.maximum", tile, value),
+                "min": call(f"{tl}.minimum", tile, value),
+            }[st.op]
+            body.append(Assign(tile, parse(combine)))
+            reduced = call(f"{tl}.{st.op}", tile, axis=str(self.rank - 1), keep_dims="True")
+            after.append(Assign(st.name, parse(self._combine(st.op, st.name, reduced))))
+        return LoopBlock(
+            start=start,
+            lo=bounds.lo,
+            hi=bounds.hi,
+            block=block,
+            stride=parse(self._spaced(name(block), loop.step)),
+            step=loop.step,
+            before=tuple(before),
+            setup=tuple(setup),
+            body=tuple(body),
+            after=tuple(after),
+            var=loop.var,
+            dot=False,
+        )
+
+    def _dot_loop(self, s: InnerLoop, grid: _Scope) -> LoopBlock:
+        dot = self.nest.dot
+        assert dot is not None
+        loop, namer, tl = s.loop, self.names.namer, self.tl
+        bounds = self.names.bounds[loop]
+        start = namer(f"{loop.var}_start")
+        block = self.names.block[loop.var]
+        g0, g1 = self.grid_vars
+        left_k, right_k = namer(f"{loop.var}_left"), namer(f"{loop.var}_right")
+        left_mask, right_mask = namer(f"{loop.var}_left_mask"), namer(f"{loop.var}_right_mask")
+        arange = call(f"{tl}.arange", "0", block)
+        row = self._spaced(suffix(arange, "[None, :]"), loop.step)
+        column = self._spaced(suffix(arange, "[:, None]"), loop.step)
+        setup: list[Assign] = [
+            Assign(left_k, parse(binary("+", name(start), row))),
+            Assign(right_k, parse(binary("+", name(start), column))),
+            Assign(left_mask, parse(binary("<", name(left_k), name(bounds.hi)))),
+            Assign(right_mask, parse(binary("<", name(right_k), name(bounds.hi)))),
+        ]
+        native = isinstance(dot.left, Load) and isinstance(dot.right, Load)
+        body: list = []
+        operands = []
+        for e, k_code, k_mask in ((dot.left, left_k, left_mask), (dot.right, right_k, right_mask)):
+            scope = _Scope(
+                {g0: name(g0), g1: name(g1), loop.var: name(k_code)},
+                {**grid.masks, loop.var: k_mask},
+                dict(grid.loaded),
+                setup,
+                None,  # each operand's mask is used once
+            )
+            for ld in loads_in(e):
+                if ld not in scope.loaded:
+                    body.append(self._load(ld, scope, upcast=not native))
+            code = TritonPrinter(scope.loaded, tl).expr(e)
+            if not isinstance(e, Load):  # padding along k must add nothing
+                code = call(f"{tl}.where", k_mask, code, "0.0")
+            operands.append(code)
+        tile = namer(f"{dot.acc}_tile")
+        zeros = call(f"{tl}.zeros", self._tile_shape(), dtype=f"{tl}.float32")
+        product = call(f"{tl}.dot", *operands, tile, input_precision=self.dot_precision)
+        body.append(Assign(tile, parse(product)))
+        return LoopBlock(
+            start=start,
+            lo=bounds.lo,
+            hi=bounds.hi,
+            block=block,
+            stride=parse(self._spaced(name(block), loop.step)),
+            step=loop.step,
+            before=(Assign(tile, parse(zeros)),),
+            setup=tuple(setup),
+            body=tuple(body),
+            after=(Assign(dot.acc, parse(self._combine("sum", dot.acc, name(tile)))),),
+            var=loop.var,
+            dot=True,
+        )
+
+    def _tile_shape(self) -> str:
+        return "[" + ", ".join(self.names.block[v] for v in self.grid_vars) + "]"
+
+    def _combine(self, op: str, acc: str, reduced: Code) -> Code:
+        """Fold a reduced tile into the local ``acc`` (just the tile while ``acc`` is the identity)."""
+        if self.identity.pop(acc, None) == IDENTITY[op]:
+            return reduced
+        if op == "sum":
+            return binary("+", name(acc), reduced)
+        return call(f"{self.tl}.{'maximum' if op == 'max' else 'minimum'}", acc, reduced)

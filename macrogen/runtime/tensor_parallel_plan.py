@@ -1,0 +1,371 @@
+"""Applying a ``@tensor_parallel`` plan: one style class per parallel style, cut once the model is built.
+
+    parallelize(self, "MLP", tensor_parallel_group(None), {"fc": Colwise(), "proj": Rowwise()})
+
+is what a generated ``__init__`` calls after the user's. Like torch's
+``parallelize_module`` on a built model, the shards are cut only once the
+*outermost* module's construction is complete, so that initialization a
+parent applies after building its children (nanoGPT's ``self.apply(
+self._init_weights)`` and re-draw of ``c_proj.weight`` by name, Hugging Face's
+``post_init()``) runs on the full serial layers and draws the serial random
+numbers: a seeded parallel run starts from exactly the serial weights.
+
+How "construction is complete" is found: ``parallelize`` looks up the Python
+stack for ``__init__`` frames of other ``nn.Module`` objects (the parents being
+built). None: this module is the model, shard now. Otherwise the outermost one
+is the root; a profile function (``sys.setprofile``, only while a root is being
+built) sees that frame return and cuts every pending shard under it. A
+``@data_parallel`` root cuts them itself (``materialize``) before it collects
+its parameters. Where this cannot be done (another profiler is active), it is
+an error, never a silent difference.
+
+Each style (``Colwise``, ``Rowwise``, ``Vocab``, ``Divide``, ``Replicate``)
+owns its check, its layer and its declared layouts, as torch's ``style.py``.
+Parameters tied between layers (an embedding and the LM head) stay tied: one
+shard, shared; a plan that cannot keep a tie is an error naming both names.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from macrogen.runtime import groups
+from macrogen.runtime.collectives import group_size
+from macrogen.runtime.tensor_parallel import (
+    ColwiseLinear,
+    RowwiseLinear,
+    VocabEmbedding,
+    local_count,
+    make_shard,
+)
+
+# -- styles -----------------------------------------------------------------------------
+
+
+class Shards:
+    """Shards cut so far under one root, by the full parameter they come from (ties share one)."""
+
+    def __init__(self) -> None:
+        # id(full) -> (full, dim, blocks, shard, name of the first holder)
+        self.cut: dict[int, tuple[nn.Parameter, int, int, nn.Parameter, str]] = {}
+
+    def __call__(self, full, dim: int, blocks: int, group, name: str):
+        if full is None:
+            return None
+        hit = self.cut.get(id(full))
+        if hit is not None:
+            if (hit[1], hit[2]) != (dim, blocks) or hit[0].shape != full.shape:
+                raise ValueError(
+                    f"{name} is tied to {hit[4]}, but the plan splits them differently (dim"
+                    f" {dim} vs {hit[1]}): a tie keeps one shard, so plan both with the same split"
+                    " (a vocab embedding and a colwise head share rows) or untie them"
+                )
+            return hit[3]
+        shard = make_shard(full, dim, group, blocks)
+        self.cut[id(full)] = (full, dim, blocks, shard, name)
+        return shard
+
+
+class Style:
+    """One parallel style; ``apply`` turns ``owner.attr`` into this rank's part of it."""
+
+    input_layout = "any"  # what the layer's forward accepts on its last dim
+    output_layout = "same"  # what it returns on its last dim
+
+    def apply(self, owner: nn.Module, attr: str, name: str, group, shards: Shards) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _layer(owner: nn.Module, attr: str, name: str, kind: type, style: str) -> nn.Module:
+    layer = getattr(owner, attr, None)
+    if type(layer) is not kind:
+        raise TypeError(
+            f"{name}: {style} needs an nn.{kind.__name__}, not {type(layer).__name__}"
+            " (colwise/rowwise: nn.Linear, vocab: nn.Embedding, divide: an int attribute)"
+        )
+    assert isinstance(layer, nn.Module)
+    return layer
+
+
+@dataclass(repr=False)
+class Colwise(Style):
+    """nn.Linear, output features split (``blocks`` packed blocks each split on its own)."""
+
+    blocks: int = 1
+    input_layout = "replicate"
+    output_layout = "shard(-1)"
+
+    def apply(self, owner, attr, name, group, shards):
+        full = _layer(owner, attr, name, nn.Linear, "colwise")
+        if group is not None:
+            setattr(owner, attr, ColwiseLinear(full, group, name, self.blocks, shard=shards))
+
+    def __repr__(self) -> str:
+        return f"Colwise(blocks={self.blocks})" if self.blocks > 1 else "Colwise()"
+
+
+class Rowwise(Style):
+    """nn.Linear, input features split; partial outputs all-reduced, bias added once."""
+
+    input_layout = "shard(-1) or replicate"
+    output_layout = "replicate"
+
+    def apply(self, owner, attr, name, group, shards):
+        full = _layer(owner, attr, name, nn.Linear, "rowwise")
+        if group is not None:
+            setattr(owner, attr, RowwiseLinear(full, group, name, shard=shards))
+
+
+class Vocab(Style):
+    """nn.Embedding, vocabulary rows split; other ranks' tokens masked, output all-reduced."""
+
+    input_layout = "replicate (token ids)"
+    output_layout = "replicate"
+
+    def apply(self, owner, attr, name, group, shards):
+        full = _layer(owner, attr, name, nn.Embedding, "vocab")
+        if group is not None:
+            setattr(owner, attr, VocabEmbedding(full, group, name, shard=shards))
+
+
+class Divide(Style):
+    """An int attribute (heads, widths) divided by the tensor-parallel size."""
+
+    def apply(self, owner, attr, name, group, shards):
+        value = getattr(owner, attr)
+        local = local_count(value, group, name)
+        if group is not None:
+            setattr(owner, attr, local)
+
+
+class Replicate(Style):
+    """Every rank holds all of it (the default; planned to document it)."""
+
+    def apply(self, owner, attr, name, group, shards):
+        getattr(owner, attr)  # it must exist
+
+
+# -- paths through the module tree ----------------------------------------------------------
+
+
+def resolve(module: nn.Module, path: str, name: str) -> Iterator[tuple[nn.Module, str, str]]:
+    """(owner, attribute, dotted name) for ``path``: through submodules, ModuleDict keys,
+    ModuleList/Sequential indices and ``*`` (every child), as torch's plans."""
+    parts = path.split(".")
+
+    def walk(owner: nn.Module, i: int, prefix: str) -> Iterator[tuple[nn.Module, str, str]]:
+        part = parts[i]
+        if i == len(parts) - 1:
+            if part == "*":
+                for key in owner._modules:
+                    yield owner, key, f"{prefix}.{key}"
+            else:
+                if not hasattr(owner, part):
+                    raise AttributeError(
+                        f"{prefix}.{part}: {type(owner).__name__} has no attribute {part!r}"
+                        f" (children: {', '.join(owner._modules) or 'none'})"
+                    )
+                yield owner, part, f"{prefix}.{part}"
+            return
+        keys = list(owner._modules) if part == "*" else [part]
+        for key in keys:
+            child = owner._modules.get(key)
+            if child is None:
+                raise AttributeError(
+                    f"{prefix}.{key}: {type(owner).__name__} has no submodule {key!r}"
+                    f" (children: {', '.join(owner._modules) or 'none'})"
+                )
+            yield from walk(child, i + 1, f"{prefix}.{key}")
+
+    yield from walk(module, 0, name)
+
+
+# -- deferred until the outermost module is built -----------------------------------------------
+
+
+@dataclass
+class _Planned:
+    module: nn.Module
+    name: str
+    group: dist.ProcessGroup | None
+    plan: dict[str, Style]
+
+
+@dataclass
+class _Root:
+    module: nn.Module  # the outermost module being built
+    frame: Any  # its __init__ frame
+    planned: list[_Planned] = field(default_factory=list)
+
+
+_roots: list[_Root] = []  # roots still being built (outermost first)
+
+
+def parallelize(
+    module: nn.Module, name: str, group: dist.ProcessGroup | None, plan: dict[str, Style]
+) -> None:
+    """Apply ``plan`` to ``module`` once the outermost module being built is complete."""
+    earlier = module.__dict__.get("_tensor_parallel_plan")
+    if earlier is not None:  # a tensor_parallel class subclassing another: whose plan is meant?
+        raise TypeError(
+            f"{name} is a tensor_parallel class derived from another ({earlier}): put the plan on"
+            " one of them, or derive both from an undecorated base class"
+        )
+    module.__dict__["_tensor_parallel_plan"] = name
+    planned = _Planned(module, name, group, plan)
+    frame = _outermost_init(module)
+    if frame is None:  # this module is the model: cut its shards and those waiting for it
+        waiting = [root for root in _roots if root.module is module]
+        for root in waiting:
+            _forget(root)
+        _apply([*(p for root in waiting for p in root.planned), planned], module)
+        return
+    for root in _roots:
+        if root.frame is frame:
+            root.planned.append(planned)
+            return
+    if not _roots:
+        _install()
+    _roots.append(_Root(_self_of(frame), frame, [planned]))
+
+
+def materialize(module: nn.Module) -> None:
+    """Cut now every pending shard under ``module`` (``@data_parallel`` calls it before it
+    collects the parameters, while its own ``__init__`` is still running)."""
+    inside = {id(m) for m in module.modules()}
+    for root in list(_roots):
+        if root.module is module or any(id(p.module) in inside for p in root.planned):
+            _finish(root)
+
+
+def pending() -> bool:
+    """Whether shards are waiting for a module's construction to complete."""
+    return bool(_roots)
+
+
+def _self_of(frame) -> Any:
+    code = frame.f_code
+    return frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+
+
+def _outermost_init(module: nn.Module):
+    """The outermost ``__init__`` frame of another nn.Module on the stack (a parent being built)."""
+    outer = None
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            me = _self_of(frame)
+            if isinstance(me, nn.Module) and me is not module:
+                outer = frame
+        frame = frame.f_back
+    return outer
+
+
+def _install() -> None:
+    current = sys.getprofile()
+    if current is not None and current is not _on_event:
+        raise RuntimeError(
+            "tensor_parallel: shards are cut when the outermost module's __init__ returns, which"
+            " macrogen sees through sys.setprofile, but another profiler is active; build the"
+            " model outside the profiler"
+        )
+    sys.setprofile(_on_event)
+
+
+def _on_event(frame, event: str, arg: Any) -> None:
+    if event == "return":
+        for root in _roots:
+            if root.frame is frame:
+                _finish(root)
+                return
+
+
+def _finish(root: _Root) -> None:
+    _forget(root)
+    _apply(root.planned, root.module)
+
+
+def _forget(root: _Root) -> None:
+    _roots.remove(root)
+    if not _roots and sys.getprofile() is _on_event:
+        sys.setprofile(None)
+    root.frame = None
+
+
+def _apply(planned: list[_Planned], root: nn.Module) -> None:
+    shards = Shards()
+    for p in planned:
+        for path, style in p.plan.items():
+            for owner, attr, name in list(resolve(p.module, path, p.name)):
+                style.apply(owner, attr, name, p.group, shards)
+        object.__setattr__(p.module, "tp_size", group_size(p.group))
+    _check_ties(root, planned, shards)
+    _check_agreement(planned)
+
+
+def _check_ties(root: nn.Module, planned: list[_Planned], shards: Shards) -> None:
+    """A full parameter that was sharded must not remain anywhere: it was tied to an unplanned layer."""
+    trees = [root, *(p.module for p in planned)]
+    for tree in trees:
+        for key, param in tree.named_parameters(remove_duplicate=False):
+            hit = shards.cut.get(id(param))
+            if hit is not None and hit[0] is param:
+                raise ValueError(
+                    f"{type(tree).__name__}.{key} is tied to {hit[4]}, which the plan shards;"
+                    " plan both with the same split (a vocab embedding and a colwise head share"
+                    " rows) or untie them"
+                )
+
+
+def _check_agreement(planned: list[_Planned]) -> None:
+    """Every rank must have planned the same: plan, divided counts and shard shapes.
+
+    Divided attributes matter most: ``n_head`` 8 on one rank and 4 on another
+    gives equal parameter shapes and silently different attention.
+    """
+    live = [p for p in planned if p.group is not None]
+    if not live:
+        return
+    mine = tuple(
+        (
+            p.name,
+            tuple((k, repr(v)) for k, v in p.plan.items()),
+            tuple((n, tuple(t.shape)) for n, t in p.module.state_dict().items()),
+            tuple(
+                (name, getattr(owner, attr))
+                for path, style in p.plan.items()
+                if isinstance(style, Divide)
+                for owner, attr, name in resolve(p.module, path, p.name)
+            ),
+        )
+        for p in live
+    )
+    groups.barrier("tensor_parallel: the rank-agreement check")  # a stopped peer is named
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)  # every rank cuts the same roots in the same order
+    for rank, other in enumerate(gathered):
+        if other != gathered[0]:
+            raise RuntimeError(
+                f"tensor_parallel: rank {rank} built a different model than rank 0:"
+                f" {_difference(gathered[0], other)} (raised on rank {dist.get_rank()};"
+                " every rank must build the same model)"
+            )
+
+
+def _difference(a: tuple, b: tuple) -> str:
+    labels = ("module", "plan", "parameter shapes", "divided attributes")
+    for one, two in zip(a, b):
+        for label, x, y in zip(labels, one, two):
+            if x != y:
+                return f"{one[0]}'s {label}: {x!r} on rank 0 but {y!r}"
+    return f"{len(a)} tensor-parallel modules on rank 0 but {len(b)}"
