@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -139,7 +139,7 @@ def _optimizers(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
 def _skip(iterable: Iterable[T], n: int) -> Iterator[T]:
     """The iterable's items from the n-th on (a range is sliced, anything else drawn and dropped)."""
     if isinstance(iterable, range):
-        return iter(iterable[n:])
+        return iter(cast(Iterable[T], iterable[n:]))
     items = iter(iterable)
     next(itertools.islice(items, n, n), None)
     return items
@@ -254,6 +254,8 @@ class _Checkpointer:
             process_group=self.group,
             no_dist=self.group is None,
         )
+        if not isinstance(future, Future):  # an AsyncSaveResponse (async staging): the upload
+            future = future.upload_completion
         self.pending = (step, future)
 
     def _poll(self) -> None:
