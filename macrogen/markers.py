@@ -79,6 +79,14 @@ def fused_allreduce(**options: Any):
     yield
 
 
+def resumable(iterable: Iterable[T], **options: Any) -> Iterable[T]:
+    """``for step in resumable(range(n), model=..., dir=..., every=50):`` -- the plain loop.
+
+    Expanded, the loop saves and resumes checkpoints (``macrogen.runtime.checkpoint``).
+    """
+    return iterable
+
+
 def shard_optimizer(optimizer: T) -> T:
     """``opt = shard_optimizer(torch.optim.AdamW(...))``: the optimizer itself until expanded
     (then its state is sharded over the data-parallel ranks, ZeRO-1)."""
@@ -90,6 +98,7 @@ MACRO_NAMES = (
     "define",
     "fused_allreduce",
     "pipeline",
+    "resumable",
     "shard_optimizer",
     "target",
     "tensor_parallel",
