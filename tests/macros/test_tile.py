@@ -414,7 +414,52 @@ def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
                             s += x[j, k]
                     out[i] = s
             """,
-            "a loop inside an inner loop is not supported",
+            "'s' is defined outside the loop over j and reduced in the loop over k inside it",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    c = x[i, 0]
+                    for j in range(N):
+                        for k in range(N):
+                            t = 0.0
+                            for l in range(N):
+                                t += x[k, l]
+                            out[i, j] += t * c
+            """,
+            "at most two levels of inner loops",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    m = 0.0
+                    s = 0.0
+                    for j in range(N):
+                        m_new = max(m, x[i, j])
+                        s = s * torch.exp(m - m_new) + torch.exp(x[i, j] - m_new)
+                        m = m_new
+                    out[i] = s
+            """,
+            "an online softmax starts from m = float('-inf') and s = 0.0",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    m = float("-inf")
+                    s = 0.0
+                    for j in range(N):
+                        m_new = max(m, x[i, j])
+                        s = s * torch.exp(m_new - m) + torch.exp(x[i, j] - m_new)
+                        m = m_new
+                    out[i] = s
+            """,
+            "'m' is read inside the loop that reduces into it",
         ),
         (
             """

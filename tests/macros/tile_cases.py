@@ -346,6 +346,121 @@ CASES = [
         atol=1e-4,
     ),
     Case(
+        "attention",
+        """
+        @mg.tile(i=4, e=8, j=8, k=8)
+        def attention(out, q, kk, v, scale):
+            M, D = q.shape
+            N, E = v.shape
+            for i in range(M):
+                for e in range(E):
+                    m = float("-inf")
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        m = max(m, s * scale)
+                    l = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        l += torch.exp(s * scale - m)
+                    acc = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        acc += torch.exp(s * scale - m) * v[j, e]
+                    out[i, e] = acc / l
+        """,
+        {
+            "out": ("nan", (13, 9)),
+            "q": ("randn", (13, 11)),
+            "kk": ("randn_t", (19, 11)),
+            "v": ("randn", (19, 9)),
+            "scale": 0.3,
+        },
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
+        "scores_softmax",
+        """
+        @mg.tile(i=4, j=8, k=4)
+        def scores_softmax(p, rows, p3, q, kk):
+            M, D = q.shape
+            N = kk.shape[0]
+            for i in range(M):
+                m = float("-inf")
+                s = 0.0
+                for j in range(N):
+                    t = 0.0
+                    for k in range(D):
+                        t += q[i, k] * kk[j, k]
+                    m_new = max(m, t)
+                    s = s * torch.exp(m - m_new) + torch.exp(t - m_new)
+                    m = m_new
+                rows[i] = m + torch.log(s)
+                for j in range(N):
+                    t = 0.0
+                    for k in range(D):
+                        t += q[i, k] * kk[j, k]
+                    p[i, j] = torch.exp(t - m) / s
+                    for k in range(1, D):
+                        p3[i, j, k] = q[i, k] - kk[j, k - 1] * t
+        """,
+        {
+            "p": ("nan", (13, 17)),
+            "rows": ("nan", (13,)),
+            "p3": ("randn", (13, 17, 7)),
+            "q": ("randn", (13, 7)),
+            "kk": ("randn", (17, 7)),
+        },
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
+        "online_softmax",
+        """
+        @mg.tile(i=4, j=8)
+        def online_softmax(out, lse, x):
+            M, N = x.shape
+            for i in range(M):
+                m = float("-inf")
+                s = 0.0
+                for j in range(N):
+                    m_new = max(m, x[i, j])
+                    s = s * torch.exp(m - m_new) + torch.exp(x[i, j] - m_new)
+                    m = m_new
+                lse[i] = m + torch.log(s)
+                for j in range(N):
+                    out[i, j] = torch.exp(x[i, j] - m) / s
+        """,
+        {"out": ("nan", (21, 37)), "lse": ("nan", (21,)), "x": ("randn", (21, 37))},
+        rtol=1e-5,
+        atol=1e-5,
+    ),
+    Case(
+        "online_logsumexp",
+        """
+        @mg.tile(i=8, j=16)
+        def online_logsumexp(out, x, w):
+            M, N = x.shape
+            for i in range(M):
+                m = -math.inf
+                s = 0.0
+                for j in range(N):
+                    old = m
+                    m = max(2.0 * x[i, j], m)
+                    s = torch.exp(2.0 * x[i, j] + w[j] - m) + s * torch.exp(old - m)
+                out[i] = m + torch.log(s)
+        """,
+        {"out": ("nan", (13,)), "x": ("randn", (13, 5)), "w": ("randn", (5,))},
+        rtol=1e-5,
+        atol=1e-5,
+    ),
+    Case(
         "row_floor",
         """
         @mg.tile(i=16, j=8)

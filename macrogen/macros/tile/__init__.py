@@ -88,10 +88,10 @@ class Spec:
 
 
 def default_tile(nest: Nest) -> int:
-    """About a thousand elements per tile: 1024, 32x32, 16x16x16 (32 each for a tl.dot)."""
+    """About a thousand elements per tile: 1024, 32x32, 16x16x16, 8x8x8x8 (32 each for a tl.dot)."""
     if nest.dot is not None:
         return 32
-    return {1: 1024, 2: 32, 3: 16}[nest.rank]
+    return {1: 1024, 2: 32, 3: 16, 4: 8}.get(nest.rank, 4)
 
 
 def validate(site: Site, ctx: Context) -> Spec:
@@ -102,7 +102,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         )
     nest = analyze(fn, ctx.constants)
     variables = list(
-        dict.fromkeys([g.var for g in nest.grid] + [s.loop.var for s in nest.inner_loops])
+        dict.fromkeys([g.var for g in nest.grid] + [s.loop.var for s in nest.all_inner_loops])
     )
     for var in variables:
         if var in OPTIONS:

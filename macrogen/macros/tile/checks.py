@@ -40,12 +40,11 @@ def index_checks(nest: Nest, names: Names) -> list[dict]:
             key = (ld.tensor_name, d, scope.get(ix.var) if ix.var else None, ix.offset, ix.var)
             accesses[key] = None
 
-    def visit(stmts, inner=None) -> None:
+    def visit(stmts, scope) -> None:
         for s in stmts:
             if isinstance(s, InnerLoop):
-                visit(s.body, s.loop)
+                visit(s.body, {**scope, s.loop.var: s.loop})
                 continue
-            scope = {**loops, **({inner.var: inner} if inner else {})}
             if isinstance(s, (Let, Accum, Store)):
                 for ld in loads_in(s.value):
                     load(ld, scope)
@@ -53,7 +52,7 @@ def index_checks(nest: Nest, names: Names) -> list[dict]:
                 for d, var in enumerate(s.index):
                     accesses[(s.tensor_name, d, scope[var], 0, var)] = None
 
-    visit(nest.body)
+    visit(nest.body, loops)
     checks = []
     for tensor, d, loop, offset, var in accesses:
         size = f"{tensor}.shape[{d}]"

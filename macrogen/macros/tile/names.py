@@ -9,7 +9,7 @@ import libcst as cst
 
 from macrogen.codegen import ident
 from macrogen.macros.tile.code import Code, binary, call, name, number, parse, plus
-from macrogen.macros.tile.ir import Binary, Bound, Call, Expr, Load, Loop, Nest, Unary, Var
+from macrogen.macros.tile.ir import Binary, Bound, Call, Expr, Load, Loop, Name, Nest, Unary, Var
 
 
 class Namer:
@@ -64,7 +64,7 @@ def make_names(nest: Nest, taken: set[str]) -> Names:
     for tensor, ndim in nest.tensors:
         names.ptr[tensor] = namer(f"{tensor}_ptr")
         names.strides[tensor] = tuple(namer(f"stride_{tensor}{d}") for d in range(ndim))
-    for loop in [*nest.grid, *(s.loop for s in nest.inner_loops)]:
+    for loop in [*nest.grid, *(s.loop for s in nest.all_inner_loops)]:
         if loop.var not in names.block:
             names.block[loop.var] = namer(f"BLOCK_{loop.var.upper()}")
         if loop not in names.bounds:
@@ -161,3 +161,16 @@ def loads_in(e: Expr) -> list[Load]:
     if isinstance(e, Call):
         return [ld for a in e.args for ld in loads_in(a)]
     return []
+
+
+def names_in(e: Expr) -> set[str]:
+    """The names (locals, scalars, sizes) ``e`` reads."""
+    if isinstance(e, Name):
+        return {e.name}
+    if isinstance(e, Unary):
+        return names_in(e.operand)
+    if isinstance(e, Binary):
+        return names_in(e.left) | names_in(e.right)
+    if isinstance(e, Call):
+        return set().union(*(names_in(a) for a in e.args))
+    return set()

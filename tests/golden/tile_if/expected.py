@@ -167,9 +167,10 @@ def _causal_torch(out, rows, x, alpha):
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     m = torch.where(cond, x_ij, float("-inf")).amax(dim=1, keepdim=True)
     cond_2 = j_index <= i_index
-    s = torch.where(cond_2, torch.exp(x_ij - m), 0.0).sum(dim=1, keepdim=True)
+    exp_2 = torch.exp(x_ij - m)
+    s = torch.where(cond_2, exp_2, 0.0).sum(dim=1, keepdim=True)
     cond_3 = j_index <= i_index
-    out[i_lo:i_hi, j_lo:j_hi] = torch.where(cond_3, torch.exp(x_ij - m) / s, out[i_lo:i_hi, j_lo:j_hi])
+    out[i_lo:i_hi, j_lo:j_hi] = torch.where(cond_3, exp_2 / s, out[i_lo:i_hi, j_lo:j_hi])
     cond_4 = s > alpha
     cond_5 = m < 0.5
     r_2 = s

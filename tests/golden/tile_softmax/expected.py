@@ -136,8 +136,9 @@ def _softmax_torch(out, x):
     M, N, i_lo, i_hi, j_lo, j_hi = _softmax_shapes(out, x)
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     m = x_ij.amax(dim=1, keepdim=True)
-    s = torch.exp(x_ij - m).sum(dim=1, keepdim=True)
-    out[i_lo:i_hi, j_lo:j_hi] = torch.exp(x_ij - m) / s
+    exp_2 = torch.exp(x_ij - m)
+    s = exp_2.sum(dim=1, keepdim=True)
+    out[i_lo:i_hi, j_lo:j_hi] = exp_2 / s
 
 
 # macrogen: tile at input.py:5
