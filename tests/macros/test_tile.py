@@ -629,3 +629,22 @@ def test_bad_arguments_are_errors(decorator: str, message: str) -> None:
 def test_tile_on_a_class_is_an_error() -> None:
     errors = _errors("class C:\n    pass\n", "@mg.tile(i=64)")
     assert errors == ["test.py:4:2: error: tile() decorates a function, not a class: " + USAGE]
+
+
+def test_int64_offsets_are_chosen_from_sizes_and_strides_alone() -> None:
+    """The launcher's INDEX_64: a tensor whose farthest element is past int32 offsets.
+
+    Meta tensors and broadcast views have sizes and strides but no memory, so
+    no 2^31-element tensor is allocated here.
+    """
+    from macrogen.runtime.triton_support import int64_offsets
+
+    small = torch.empty(37, 53)
+    assert not int64_offsets(small, small.t())
+    assert not int64_offsets(torch.empty(2**31, device="meta"))  # last offset 2^31 - 1
+    assert int64_offsets(small, torch.empty(2**31 + 1, device="meta"))
+    assert int64_offsets(torch.empty(2**16, 2**15 + 1, device="meta"))
+    wide_rows = torch.empty(3, 2**30, device="meta")
+    assert int64_offsets(wide_rows[:, :2])  # a narrow view of a wide tensor: stride 2^30
+    assert not int64_offsets(torch.zeros(1).expand(2**33))  # every element at offset 0
+    assert not int64_offsets(torch.empty(0, 2**40, device="meta"))  # nothing to address

@@ -461,6 +461,46 @@ CASES = [
         atol=1e-5,
     ),
     Case(
+        "long_row_half",
+        """
+        @mg.tile(i=4, j=64)
+        def long_row_half(total, out, x):
+            M, N = x.shape
+            for i in range(M):
+                s = 0.0
+                for j in range(N):
+                    s += x[i, j] * x[i, j]
+                total[i] = s
+                for j in range(N):
+                    out[i, j] = x[i, j] / torch.sqrt(s / N)
+        """,
+        {"total": ("nan", (5,)), "out": ("nan", (5, 3001)), "x": ("randn", (5, 3001))},
+        rtol=2e-3,
+        atol=2e-3,
+        dtype=torch.float16,  # summed in float16, the total would be off by far more than this
+    ),
+    Case(
+        "online_softmax_bf16",
+        """
+        @mg.tile(i=4, j=16)
+        def online_softmax_bf16(out, x):
+            M, N = x.shape
+            for i in range(M):
+                m = float("-inf")
+                s = 0.0
+                for j in range(N):
+                    m_new = max(m, x[i, j])
+                    s = s * torch.exp(m - m_new) + torch.exp(x[i, j] - m_new)
+                    m = m_new
+                for j in range(N):
+                    out[i, j] = torch.exp(x[i, j] - m) / s
+        """,
+        {"out": ("nan", (9, 45)), "x": ("randn", (9, 45))},
+        rtol=1e-2,
+        atol=1e-2,
+        dtype=torch.bfloat16,
+    ),
+    Case(
         "row_floor",
         """
         @mg.tile(i=16, j=8)
@@ -484,6 +524,10 @@ CASES = [
         },
     ),
 ]
+
+
+# kernels the interpreter also runs with 64-bit offsets forced on (tile_interpret.py)
+WIDE_CASES = ("gather", "attention", "strided_matmul", "scores_softmax")
 
 
 # -- random bodies: the hypothesis test (torch path) and the interpreter run (kernel) ----------

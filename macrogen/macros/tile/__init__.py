@@ -55,7 +55,8 @@ from macrogen.macros.tile.constraints import (
 )
 from macrogen.macros.tile.ir import InnerLoop, Nest
 from macrogen.macros.tile.kernel import KernelEmitter
-from macrogen.macros.tile.names import make_names
+from macrogen.macros.tile.kernel import flat as _flat
+from macrogen.macros.tile.names import loads_in, make_names
 from macrogen.macros.tile.torch_path import TorchEmitter
 
 NAME = "tile"
@@ -192,7 +193,7 @@ class _Output:
         runtime = "macrogen.runtime.triton_support"
         self.mods = {"torch": ctx.import_module("torch")}
         if self.kernel_wanted:
-            for name in ("triton", "tl", "use_triton", "interpreting"):
+            for name in ("triton", "tl", "use_triton", "interpreting", "int64_offsets"):
                 self.mods[name] = ctx.import_from(runtime, name)
         taken = set(_IDENT.findall(cst.Module([]).code_for_node(site.original)))
         self.names = make_names(self.nest, taken | set(self.mods.values()))
@@ -264,6 +265,7 @@ class _Output:
             grid=emitter.grid_setup(pid, self.spec.tile, self.group if grouped else ""),
             grouping=emitter.grouping,
             group=self.group if grouped else "",
+            wide=self.names.wide,
             steps=emitter.steps(),
             **self.common,
         )
@@ -297,12 +299,23 @@ class _Output:
             allow_tf32=f"{self.mods['torch']}.backends.cuda.matmul.allow_tf32",
             num_warps=self.spec.num_warps,
             num_stages=self.spec.num_stages,
+            wide=self.names.wide,
+            int64_offsets=self.mods["int64_offsets"],
             **self.common,
         )
 
     def torch_path(self) -> str:
         steps = TorchEmitter(self.nest, self.names.fork(), self.mods["torch"]).steps()
-        return codegen.render("tile_torch.py.j2", steps=steps, **self.common)
+        # half-precision inputs are read in float32 (outputs cast back when stored)
+        read = {ld.tensor_name for st in _flat(self.nest.body) for ld in loads_in(st.value)}
+        widen = [
+            t
+            for t, _ in self.nest.tensors
+            if t in read and t not in self.nest.outputs and t not in self.nest.index_tensors
+        ]
+        return codegen.render(
+            "tile_torch.py.j2", steps=steps, widen=widen, torch=self.mods["torch"], **self.common
+        )
 
     def function(self) -> cst.FunctionDef:
         """The user's function, same signature, its body replaced by the dispatch."""

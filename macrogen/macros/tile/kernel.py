@@ -38,7 +38,14 @@ from macrogen.macros.tile.ir import (
 )
 from macrogen.macros.tile.names import Names, load_name, load_vars, loads_in
 from macrogen.macros.tile.printer import TritonPrinter
-from macrogen.macros.tile.steps import Assign, LoopBlock, Step, TritonStore, drop_dead_stores
+from macrogen.macros.tile.steps import (
+    Assign,
+    LoopBlock,
+    Step,
+    TritonStore,
+    Widen,
+    drop_dead_stores,
+)
 
 IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf, "expsum": 0.0}
 
@@ -145,7 +152,7 @@ class KernelEmitter:
         return out
 
     def steps(self) -> list[Step]:
-        out: list[Step] = []
+        out: list[Step] = [Widen(self.grid_vars, self.names.wide)]
         grid = _Scope({v: name(v) for v in self.grid_vars}, dict(self.names.mask), {}, out)
         for s in self.nest.body:
             if isinstance(s, InnerLoop):
@@ -160,7 +167,7 @@ class KernelEmitter:
     def _hoist(self, s: InnerLoop, outer: _Scope) -> None:
         """Loads inside the loop (and the loops in it) that don't depend on its variable are
         loaded once, before it."""
-        for st in _flat(s.body):
+        for st in flat(s.body):
             for ld in loads_in(st.value):
                 if s.loop.var not in ld.dims and ld.dims <= set(outer.index):
                     self._ensure(ld, outer, outer.sink)
@@ -226,6 +233,8 @@ class KernelEmitter:
             if ix.gather is not None:
                 self._ensure(ix.gather, scope, into, index=True)
         into.append(self._load(ld, scope, upcast=not index, other="0" if index else "0.0"))
+        if index:  # gathered indices multiply strides too
+            into.append(Widen((scope.loaded[ld],), self.names.wide))
 
     # -- statements ------------------------------------------------------------------------------
     def _statement(
@@ -276,8 +285,9 @@ class KernelEmitter:
         inner_mask = namer(f"{loop.var}_mask")
         axis = len(self.grid_vars) + len(level)
         offsets = self._spaced(self.arange(block, axis), loop.step)
-        setup: list[Assign] = [
+        setup: list[Assign | Widen] = [
             Assign(loop.var, parse(binary("+", name(start), offsets))),
+            Widen((loop.var,), self.names.wide),
             Assign(inner_mask, parse(binary("<", name(loop.var), name(bounds.hi)))),
         ]
         scope = _Scope(
@@ -382,9 +392,10 @@ class KernelEmitter:
         arange = call(f"{tl}.arange", "0", block)
         row = self._spaced(suffix(arange, "[None, :]"), loop.step)
         column = self._spaced(suffix(arange, "[:, None]"), loop.step)
-        setup: list[Assign] = [
+        setup: list[Assign | Widen] = [
             Assign(left_k, parse(binary("+", name(start), row))),
             Assign(right_k, parse(binary("+", name(start), column))),
+            Widen((left_k, right_k), self.names.wide),
             Assign(left_mask, parse(binary("<", name(left_k), name(bounds.hi)))),
             Assign(right_mask, parse(binary("<", name(right_k), name(bounds.hi)))),
         ]
@@ -437,9 +448,9 @@ class KernelEmitter:
         return call(f"{self.tl}.{'maximum' if op == 'max' else 'minimum'}", acc, reduced)
 
 
-def _flat(body: tuple[Statement, ...]) -> list[Let | Accum | Store]:
+def flat(body: tuple[Statement, ...]) -> list[Let | Accum | Store]:
     """The statements of ``body`` and of the loops in it."""
     out: list[Let | Accum | Store] = []
     for st in body:
-        out.extend(_flat(st.body) if isinstance(st, InnerLoop) else [st])
+        out.extend(flat(st.body) if isinstance(st, InnerLoop) else [st])
     return out

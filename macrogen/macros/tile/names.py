@@ -52,6 +52,7 @@ class Names:
     block: dict[str, str] = field(default_factory=dict)  # loop variable -> BLOCK_ constexpr
     bounds: dict[Loop, LoopBounds] = field(default_factory=dict)
     mask: dict[str, str] = field(default_factory=dict)  # grid variable -> its mask
+    wide: str = "INDEX_64"  # the kernel's constexpr: offsets in 64 bits
 
     def fork(self) -> Names:
         """The same names, with a namer of its own for one generated function's locals."""
@@ -79,6 +80,7 @@ def make_names(nest: Nest, taken: set[str]) -> Names:
             )
     for loop in nest.grid:
         names.mask[loop.var] = namer(f"{loop.var}_mask")
+    names.wide = namer("INDEX_64")
     return names
 
 

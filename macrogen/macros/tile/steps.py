@@ -47,7 +47,7 @@ class LoopBlock:
     stride: cst.BaseExpression  # BLOCK_J, or BLOCK_J * step
     step: int
     before: tuple[Assign, ...]  # accumulator tiles
-    setup: tuple[Assign, ...]  # index vectors and masks, once per tile
+    setup: tuple[Assign | Widen, ...]  # index vectors and masks, once per tile
     body: tuple
     after: tuple[Assign, ...]  # fold the tiles into the locals
     var: str
@@ -55,7 +55,17 @@ class LoopBlock:
     kind: str = "loop"
 
 
-Step = Assign | TritonStore | TorchStore | LoopBlock
+@dataclass(frozen=True)
+class Widen:
+    """``if FLAG: v = v.to(tl.int64)`` for each name: 64-bit offsets where the launcher
+    finds a tensor too large for int32 ones (a constexpr, so each kernel compiles once per case)."""
+
+    names: tuple[str, ...]
+    flag: str
+    kind: str = "widen"
+
+
+Step = Assign | TritonStore | TorchStore | LoopBlock | Widen
 
 
 def _reads(node: cst.CSTNode | None) -> set[str]:
@@ -78,6 +88,8 @@ def _step_reads(step: Step) -> set[str]:
         return _reads(step.pointer) | _reads(step.value) | _reads(step.mask)
     if isinstance(step, TorchStore):
         return _reads(step.target) | _reads(step.value)
+    if isinstance(step, Widen):
+        return {*step.names, step.flag}
     inside = (*step.before, *step.setup, *step.body, *step.after)
     return {step.lo, step.hi, step.block}.union(*(_step_reads(s) for s in inside))
 

@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -89,6 +90,7 @@ def _attention_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, M
@@ -108,16 +110,23 @@ def _attention_kernel(
     e_mask = e < e_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
+        e = e.to(tl.int64)
     # ---- for j in range(j_lo, j_hi), one tile at a time
     m_tile = tl.full([BLOCK_I, BLOCK_E, BLOCK_J, 1], float("-inf"), tl.float32)
     for j_start in range(j_lo, j_hi, BLOCK_J):
         j = j_start + tl.arange(0, BLOCK_J)[None, None, :, None]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask = j < j_hi
         mask_4 = i_mask & e_mask & j_mask
         # ---- for k in range(k_lo, k_hi), one tile at a time
         s_tile = tl.full([BLOCK_I, BLOCK_E, BLOCK_J, BLOCK_K], 0.0, tl.float32)
         for k_start in range(k_lo, k_hi, BLOCK_K):
             k = k_start + tl.arange(0, BLOCK_K)[None, None, None, :]
+            if INDEX_64:
+                k = k.to(tl.int64)
             k_mask = k < k_hi
             mask = i_mask & k_mask
             mask_2 = j_mask & k_mask
@@ -132,12 +141,16 @@ def _attention_kernel(
     l_tile = tl.full([BLOCK_I, BLOCK_E, BLOCK_J, 1], 0.0, tl.float32)
     for j_start_2 in range(j_lo, j_hi, BLOCK_J):
         j = j_start_2 + tl.arange(0, BLOCK_J)[None, None, :, None]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_2 = j < j_hi
         mask_8 = i_mask & e_mask & j_mask_2
         # ---- for k in range(k_lo, k_hi), one tile at a time
         s_tile_2 = tl.full([BLOCK_I, BLOCK_E, BLOCK_J, BLOCK_K], 0.0, tl.float32)
         for k_start_2 in range(k_lo, k_hi, BLOCK_K):
             k = k_start_2 + tl.arange(0, BLOCK_K)[None, None, None, :]
+            if INDEX_64:
+                k = k.to(tl.int64)
             k_mask_2 = k < k_hi
             mask_5 = i_mask & k_mask_2
             mask_6 = j_mask_2 & k_mask_2
@@ -152,6 +165,8 @@ def _attention_kernel(
     acc_tile = tl.full([BLOCK_I, BLOCK_E, BLOCK_J, 1], 0.0, tl.float32)
     for j_start_3 in range(j_lo, j_hi, BLOCK_J):
         j = j_start_3 + tl.arange(0, BLOCK_J)[None, None, :, None]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_3 = j < j_hi
         mask_12 = j_mask_3 & e_mask
         mask_13 = i_mask & e_mask & j_mask_3
@@ -159,6 +174,8 @@ def _attention_kernel(
         s_tile_3 = tl.full([BLOCK_I, BLOCK_E, BLOCK_J, BLOCK_K], 0.0, tl.float32)
         for k_start_3 in range(k_lo, k_hi, BLOCK_K):
             k = k_start_3 + tl.arange(0, BLOCK_K)[None, None, None, :]
+            if INDEX_64:
+                k = k.to(tl.int64)
             k_mask_3 = k < k_hi
             mask_9 = i_mask & k_mask_3
             mask_10 = j_mask_3 & k_mask_3
@@ -217,6 +234,7 @@ def _attention_triton(out, q, kk, v, scale):
         BLOCK_E=8,
         BLOCK_J=8,
         BLOCK_K=8,
+        INDEX_64=int64_offsets(out, q, kk, v),
         num_warps=4,
         num_stages=2,
     )
@@ -226,6 +244,9 @@ def _attention_triton(out, q, kk, v, scale):
 def _attention_torch(out, q, kk, v, scale):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, D, N, E, i_lo, i_hi, e_lo, e_hi, j_lo, j_hi, k_lo, k_hi = _attention_shapes(out, q, kk, v, scale)
+    q = q.float() if q.dtype in (torch.float16, torch.bfloat16) else q  # compute in float32, as the kernel does
+    kk = kk.float() if kk.dtype in (torch.float16, torch.bfloat16) else kk  # compute in float32, as the kernel does
+    v = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v  # compute in float32, as the kernel does
     q_ik = q[i_lo:i_hi, k_lo:k_hi][:, None, None, :]
     kk_jk = kk[j_lo:j_hi, k_lo:k_hi][None, None, :, :]
     s_sum = torch.einsum('abcd,abcd->abc', q_ik, kk_jk).unsqueeze(3)

@@ -5,6 +5,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -101,6 +102,7 @@ def _gather_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, M
@@ -114,15 +116,23 @@ def _gather_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
     idx_i = tl.load(idx_ptr + i * stride_idx0, mask=i_mask, other=0)
+    if INDEX_64:
+        idx_i = idx_i.to(tl.int64)
     # ---- for j in range(j_lo, j_hi), one tile at a time
     s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
     for j_start in range(j_lo, j_hi, BLOCK_J):
         j = j_start + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask = j < j_hi
         mask = i_mask & j_mask
         table_idx_j = tl.load(table_ptr + idx_i * stride_table0 + j * stride_table1, mask=mask, other=0.0).to(tl.float32)
         perm_j = tl.load(perm_ptr + j * stride_perm0, mask=j_mask, other=0)
+        if INDEX_64:
+            perm_j = perm_j.to(tl.int64)
         x_i_perm = tl.load(x_ptr + i * stride_x0 + perm_j * stride_x1, mask=mask, other=0.0).to(tl.float32)
         s_tile = s_tile + tl.where(mask, table_idx_j * x_i_perm, 0.0)
     s = tl.sum(s_tile, axis=1, keep_dims=True)
@@ -130,10 +140,14 @@ def _gather_kernel(
     # ---- for j in range(j_lo, j_hi), one tile at a time
     for j_start_2 in range(j_lo, j_hi, BLOCK_J):
         j = j_start_2 + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_2 = j < j_hi
         mask_2 = i_mask & j_mask_2
         table_idx_j_2 = tl.load(table_ptr + idx_i * stride_table0 + j * stride_table1, mask=mask_2, other=0.0).to(tl.float32)
         perm_j_2 = tl.load(perm_ptr + j * stride_perm0, mask=j_mask_2, other=0)
+        if INDEX_64:
+            perm_j_2 = perm_j_2.to(tl.int64)
         x_i_perm_2 = tl.load(x_ptr + i * stride_x0 + perm_j_2 * stride_x1, mask=mask_2, other=0.0).to(tl.float32)
         tl.store(out_ptr + i * stride_out0 + j * stride_out1, (table_idx_j_2 + x_i_perm_2).to(out_ptr.dtype.element_ty), mask=mask_2)
 
@@ -183,6 +197,7 @@ def _gather_triton(out, sums, table, idx, perm, x):
         x.stride(1),
         BLOCK_I=8,
         BLOCK_J=16,
+        INDEX_64=int64_offsets(out, sums, table, idx, perm, x),
         num_warps=4,
         num_stages=2,
     )
@@ -192,6 +207,8 @@ def _gather_triton(out, sums, table, idx, perm, x):
 def _gather_torch(out, sums, table, idx, perm, x):
     """The loop nest at input.py:6 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _gather_shapes(out, sums, table, idx, perm, x)
+    table = table.float() if table.dtype in (torch.float16, torch.bfloat16) else table  # compute in float32, as the kernel does
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     idx_i = idx[i_lo:i_hi][:, None]
     j_index = torch.arange(j_lo, j_hi, device=out.device)[None, :]
     table_idx_j = table[idx_i, j_index]

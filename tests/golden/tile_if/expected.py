@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -69,6 +70,7 @@ def _causal_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, M
@@ -82,10 +84,14 @@ def _causal_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
     # ---- for j in range(j_lo, j_hi), one tile at a time
     m_tile = tl.full([BLOCK_I, BLOCK_J], float("-inf"), tl.float32)
     for j_start in range(j_lo, j_hi, BLOCK_J):
         j = j_start + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask = j < j_hi
         mask = i_mask & j_mask
         cond = j <= i
@@ -96,6 +102,8 @@ def _causal_kernel(
     s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
     for j_start_2 in range(j_lo, j_hi, BLOCK_J):
         j = j_start_2 + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_2 = j < j_hi
         mask_2 = i_mask & j_mask_2
         cond_2 = j <= i
@@ -105,6 +113,8 @@ def _causal_kernel(
     # ---- for j in range(j_lo, j_hi), one tile at a time
     for j_start_3 in range(j_lo, j_hi, BLOCK_J):
         j = j_start_3 + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_3 = j < j_hi
         mask_3 = i_mask & j_mask_3
         cond_3 = j <= i
@@ -152,6 +162,7 @@ def _causal_triton(out, rows, x, alpha):
         x.stride(1),
         BLOCK_I=4,
         BLOCK_J=8,
+        INDEX_64=int64_offsets(out, rows, x),
         num_warps=4,
         num_stages=2,
     )
@@ -161,6 +172,7 @@ def _causal_triton(out, rows, x, alpha):
 def _causal_torch(out, rows, x, alpha):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _causal_shapes(out, rows, x, alpha)
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     j_index = torch.arange(j_lo, j_hi, device=out.device)[None, :]
     i_index = torch.arange(i_lo, i_hi, device=out.device)[:, None]
     cond = j_index <= i_index

@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -57,6 +58,7 @@ def _softmax_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, M
@@ -70,10 +72,14 @@ def _softmax_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
     # ---- for j in range(j_lo, j_hi), one tile at a time
     m_tile = tl.full([BLOCK_I, BLOCK_J], float("-inf"), tl.float32)
     for j_start in range(j_lo, j_hi, BLOCK_J):
         j = j_start + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask = j < j_hi
         mask = i_mask & j_mask
         x_ij = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask, other=0.0).to(tl.float32)
@@ -83,6 +89,8 @@ def _softmax_kernel(
     s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
     for j_start_2 in range(j_lo, j_hi, BLOCK_J):
         j = j_start_2 + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_2 = j < j_hi
         mask_2 = i_mask & j_mask_2
         x_ij_2 = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask_2, other=0.0).to(tl.float32)
@@ -91,6 +99,8 @@ def _softmax_kernel(
     # ---- for j in range(j_lo, j_hi), one tile at a time
     for j_start_3 in range(j_lo, j_hi, BLOCK_J):
         j = j_start_3 + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_3 = j < j_hi
         mask_3 = i_mask & j_mask_3
         x_ij_3 = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask_3, other=0.0).to(tl.float32)
@@ -125,6 +135,7 @@ def _softmax_triton(out, x):
         x.stride(1),
         BLOCK_I=2,
         BLOCK_J=1024,
+        INDEX_64=int64_offsets(out, x),
         num_warps=4,
         num_stages=2,
     )
@@ -134,6 +145,7 @@ def _softmax_triton(out, x):
 def _softmax_torch(out, x):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _softmax_shapes(out, x)
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     m = x_ij.amax(dim=1, keepdim=True)
     exp_2 = torch.exp(x_ij - m)

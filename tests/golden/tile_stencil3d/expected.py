@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -73,6 +74,7 @@ def _laplace_rows_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     b_lo, b_hi = 0, B
@@ -95,6 +97,10 @@ def _laplace_rows_kernel(
     j_mask = j < j_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        b = b.to(tl.int64)
+        i = i.to(tl.int64)
+        j = j.to(tl.int64)
     mask = b_mask & i_mask & j_mask
     x_b_ip1_j = tl.load(x_ptr + b * stride_x0 + (i + 1) * stride_x1 + j * stride_x2, mask=mask, other=0.0).to(tl.float32)
     x_bij = tl.load(x_ptr + b * stride_x0 + i * stride_x1 + j * stride_x2, mask=mask, other=0.0).to(tl.float32)
@@ -136,6 +142,7 @@ def _laplace_rows_triton(out, x, eps):
         BLOCK_B=1,
         BLOCK_I=16,
         BLOCK_J=64,
+        INDEX_64=int64_offsets(out, x),
         num_warps=4,
         num_stages=2,
     )
@@ -145,6 +152,7 @@ def _laplace_rows_triton(out, x, eps):
 def _laplace_rows_torch(out, x, eps):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     B, M, N, b_lo, b_hi, i_lo, i_hi, j_lo, j_hi = _laplace_rows_shapes(out, x, eps)
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     x_b_ip1_j = x[b_lo:b_hi, i_lo + 1:i_hi + 1, j_lo:j_hi]
     x_bij = x[b_lo:b_hi, i_lo:i_hi, j_lo:j_hi]
     x_b_im1_j = x[b_lo:b_hi, i_lo - 1:i_hi - 1, j_lo:j_hi]

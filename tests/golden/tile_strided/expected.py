@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -72,6 +73,7 @@ def _strided_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 1, (M - 2) // 2 * 2 + 2
@@ -86,10 +88,14 @@ def _strided_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
     # ---- for j in range(j_lo, j_hi, 3), one tile at a time
     s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
     for j_start in range(j_lo, j_hi, BLOCK_J * 3):
         j = j_start + tl.arange(0, BLOCK_J)[None, :] * 3
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask = j < j_hi
         mask = i_mask & j_mask
         x_i_jp1 = tl.load(x_ptr + i * stride_x0 + (j + 1) * stride_x1, mask=mask, other=0.0).to(tl.float32)
@@ -99,6 +105,8 @@ def _strided_kernel(
     # ---- for j in range(j_lo_2, j_hi_2, 2), one tile at a time
     for j_start_2 in range(j_lo_2, j_hi_2, BLOCK_J * 2):
         j = j_start_2 + tl.arange(0, BLOCK_J)[None, :] * 2
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_2 = j < j_hi_2
         mask_2 = i_mask & j_mask_2
         x_im1_j = tl.load(x_ptr + (i - 1) * stride_x0 + j * stride_x1, mask=mask_2, other=0.0).to(tl.float32)
@@ -137,6 +145,7 @@ def _strided_triton(out, x, total):
         total.stride(0),
         BLOCK_I=4,
         BLOCK_J=8,
+        INDEX_64=int64_offsets(out, x, total),
         num_warps=4,
         num_stages=2,
     )
@@ -146,6 +155,7 @@ def _strided_triton(out, x, total):
 def _strided_torch(out, x, total):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi, j_lo_2, j_hi_2 = _strided_shapes(out, x, total)
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     x_i_jp1 = x[i_lo:i_hi:2, j_lo + 1:j_hi + 1:3]
     s = x_i_jp1.sum(dim=1, keepdim=True)
     total[i_lo:i_hi:2] = s[..., 0]
