@@ -57,7 +57,7 @@ from macrogen.macros.tile.ir import InnerLoop, Nest
 from macrogen.macros.tile.kernel import KernelEmitter
 from macrogen.macros.tile.kernel import flat as _flat
 from macrogen.macros.tile.names import loads_in, make_names
-from macrogen.macros.tile.torch_path import TorchEmitter
+from macrogen.macros.tile.torch_path import TorchEmitter, sharing
 
 NAME = "tile"
 FORMS: frozenset[Form] = frozenset({"decorator"})
@@ -305,7 +305,9 @@ class _Output:
         )
 
     def torch_path(self) -> str:
-        steps = TorchEmitter(self.nest, self.names.fork(), self.mods["torch"]).steps()
+        torch = self.mods["torch"]
+        shared = sharing(self.nest, self.names, torch)
+        steps = TorchEmitter(self.nest, self.names.fork(), torch, shared).steps()
         # half-precision inputs are read in float32 (outputs cast back when stored)
         read = {ld.tensor_name for st in _flat(self.nest.body) for ld in loads_in(st.value)}
         widen = [

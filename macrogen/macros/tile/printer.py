@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from macrogen.macros.tile.code import (
@@ -71,12 +72,9 @@ class TritonPrinter(Printer):
         return call(f"{self.tl}.{fn}", *args)
 
 
-SHARED = ("exp", "log", "sqrt", "tanh", "sigmoid")  # worth computing once per tensor
-
-
 class TorchPrinter(Printer):
-    """Torch code; with ``memo``, each distinct transcendental of a tensor is computed once
-    into a local (``into``), and the same code later reads that local: a softmax's
+    """Torch code; with ``memo``, each distinct tensor-valued call or operation is computed
+    once into a local (``into``), and the same code later reads that local: a softmax's
     ``exp(x - m)`` is one pass, not two."""
 
     def __init__(
@@ -88,6 +86,8 @@ class TorchPrinter(Printer):
         into: list | None = None,
         namer: Callable[[str], str] | None = None,
         key: Callable[[str], str] = str,
+        shared: set[str] | None = None,
+        uses: Counter[str] | None = None,
     ):
         super().__init__(loaded, indices)
         self.torch = torch
@@ -95,6 +95,8 @@ class TorchPrinter(Printer):
         self.into = into
         self.namer = namer
         self.key = key  # code -> its memo key (the code, and the values of the locals it reads)
+        self.shared = shared  # the keys to compute once (None: all, counting ``uses``)
+        self.uses = uses if uses is not None else Counter()
 
     def expr(self, e: Expr) -> Code:
         code = super().expr(e)
@@ -102,12 +104,15 @@ class TorchPrinter(Printer):
             self.memo is None
             or self.into is None
             or self.namer is None
-            or not (isinstance(e, Call) and e.fn in SHARED and e.tensor and e.dims)
+            or not (isinstance(e, (Call, Binary)) and e.tensor and e.dims)
         ):
             return code
         key = self.key(code.text)
+        self.uses[key] += 1
+        if self.shared is not None and key not in self.shared:
+            return code
         if key not in self.memo:
-            local = self.namer(e.fn)
+            local = self.namer(e.fn if isinstance(e, Call) else "t")
             self.into.append(Assign(local, parse(code)))
             self.memo[key] = local
         return name(self.memo[key])

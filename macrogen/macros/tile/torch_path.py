@@ -41,7 +41,10 @@ from macrogen.macros.tile.steps import Assign, Step, TorchStore, drop_dead_store
 
 
 class TorchEmitter:
-    def __init__(self, nest: Nest, names: Names, torch: str):
+    """``shared``: the keys of the tensor operations worth a local (used twice, see ``sharing``);
+    None computes every one into a local and counts the uses (``self.uses``)."""
+
+    def __init__(self, nest: Nest, names: Names, torch: str, shared: set[str] | None = None):
         self.nest = nest
         self.names = names
         self.torch = torch
@@ -52,8 +55,10 @@ class TorchEmitter:
         self.scalar: set[str] = set()  # locals that are still Python numbers
         self.views: dict[str, str] = {}  # slice code -> its name
         self.indices: dict[str, str] = {}  # loop variable -> its values here (an arange view)
-        self.memo: dict[str, str] = {}  # a transcendental's key (_key) -> the local holding it
+        self.memo: dict[str, str] = {}  # an operation's key (_key) -> the local holding it
         self.value_of: dict[str, str] = {}  # local -> the key of the value it holds
+        self.shared = shared
+        self.uses: Counter[str] = Counter()
         self.reductions: dict[str, str] = {}  # a repeated loop's reduction -> its local
         self.repeated = _repeated(nest)
 
@@ -76,7 +81,15 @@ class TorchEmitter:
 
     def _printer(self, loaded: dict[Load, str], into: list) -> TorchPrinter:
         return TorchPrinter(
-            loaded, self.torch, self.indices, self.memo, into, self.names.namer, self._key
+            loaded,
+            self.torch,
+            self.indices,
+            self.memo,
+            into,
+            self.names.namer,
+            self._key,
+            self.shared,
+            self.uses,
         )
 
     def _key(self, text: str) -> str:
@@ -338,3 +351,12 @@ def _repeated(nest: Nest) -> set[InnerLoop]:
         )
 
     return {loop for loop, count in loops.items() if count > 1 and pure(loop)}
+
+
+def sharing(nest: Nest, names: Names, torch: str) -> set[str]:
+    """The tensor operations the torch path computes more than once (a softmax's
+    ``exp(x - m)``): only these get a local, so that the others' temporaries are freed
+    (and their memory reused) as in eager torch."""
+    emitter = TorchEmitter(nest, names.fork(), torch)
+    emitter.steps()
+    return {key for key, n in emitter.uses.items() if n > 1}

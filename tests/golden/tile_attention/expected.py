@@ -251,9 +251,10 @@ def _attention_torch(out, q, kk, v, scale):
     kk_jk = kk[j_lo:j_hi, k_lo:k_hi][None, None, :, :]
     s_sum = torch.einsum('abcd,abcd->abc', q_ik, kk_jk).unsqueeze(3)
     s = s_sum
-    m = (s * scale).amax(dim=2, keepdim=True)
-    s = s_sum
-    exp_2 = torch.exp(s * scale - m)
+    t = s * scale
+    m = t.amax(dim=2, keepdim=True)
+    t_2 = t - m
+    exp_2 = torch.exp(t_2)
     l = exp_2.sum(dim=2, keepdim=True)
     v_je = v[j_lo:j_hi, e_lo:e_hi].permute(1, 0)[None, :, :, None]
     acc = torch.einsum('abcd,abcd->abd', exp_2, v_je).unsqueeze(2)

@@ -141,8 +141,7 @@ def _bias_gelu_torch(out, x, b):
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     b_j = b[j_lo:j_hi][None, :]
     v = x_ij + b_j
-    tanh_2 = torch.tanh(0.79788456 * (v + 0.044715 * v * v * v))
-    out[i_lo:i_hi, j_lo:j_hi] = 0.5 * v * (1.0 + tanh_2)
+    out[i_lo:i_hi, j_lo:j_hi] = 0.5 * v * (1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v)))
 
 
 # macrogen: tile at input.py:5

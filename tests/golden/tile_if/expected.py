@@ -175,14 +175,14 @@ def _causal_torch(out, rows, x, alpha):
     x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     j_index = torch.arange(j_lo, j_hi, device=out.device)[None, :]
     i_index = torch.arange(i_lo, i_hi, device=out.device)[:, None]
-    cond = j_index <= i_index
+    t = j_index <= i_index
+    cond = t
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     m = torch.where(cond, x_ij, float("-inf")).amax(dim=1, keepdim=True)
-    cond_2 = j_index <= i_index
-    exp_2 = torch.exp(x_ij - m)
-    s = torch.where(cond_2, exp_2, 0.0).sum(dim=1, keepdim=True)
-    cond_3 = j_index <= i_index
-    out[i_lo:i_hi, j_lo:j_hi] = torch.where(cond_3, exp_2 / s, out[i_lo:i_hi, j_lo:j_hi])
+    cond_2 = t
+    s = torch.where(cond_2, torch.exp(x_ij - m), 0.0).sum(dim=1, keepdim=True)
+    cond_3 = t
+    out[i_lo:i_hi, j_lo:j_hi] = torch.where(cond_3, torch.exp(x_ij - m) / s, out[i_lo:i_hi, j_lo:j_hi])
     cond_4 = s > alpha
     cond_5 = m < 0.5
     r_2 = s

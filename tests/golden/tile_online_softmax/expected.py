@@ -156,10 +156,10 @@ def _online_softmax_torch(out, lse, x):
     x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     m = x_ij.amax(dim=1, keepdim=True)
-    exp_2 = torch.exp(x_ij - m)
+    t = x_ij - m
+    exp_2 = torch.exp(t)
     s = exp_2.sum(dim=1, keepdim=True)
-    log_2 = torch.log(s)
-    lse[i_lo:i_hi] = (m + log_2)[..., 0]
+    lse[i_lo:i_hi] = (m + torch.log(s))[..., 0]
     out[i_lo:i_hi, j_lo:j_hi] = exp_2 / s
 
 

@@ -148,7 +148,8 @@ def _softmax_torch(out, x):
     x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     m = x_ij.amax(dim=1, keepdim=True)
-    exp_2 = torch.exp(x_ij - m)
+    t = x_ij - m
+    exp_2 = torch.exp(t)
     s = exp_2.sum(dim=1, keepdim=True)
     out[i_lo:i_hi, j_lo:j_hi] = exp_2 / s
 
