@@ -648,3 +648,29 @@ def test_int64_offsets_are_chosen_from_sizes_and_strides_alone() -> None:
     assert int64_offsets(wide_rows[:, :2])  # a narrow view of a wide tensor: stride 2^30
     assert not int64_offsets(torch.zeros(1).expand(2**33))  # every element at offset 0
     assert not int64_offsets(torch.empty(0, 2**40, device="meta"))  # nothing to address
+
+
+def test_launcher_takes_mixed_float_dtypes_except_for_a_dots_operands(
+    tmp_path, monkeypatch
+) -> None:
+    source = """
+    import torch
+    import macrogen as mg
+
+
+    @mg.tile(i=16, j=16, k=16)
+    def mm(out, a, b):
+        M, K = a.shape
+        _, N = b.shape
+        for i in range(M):
+            for j in range(N):
+                for k in range(K):
+                    out[i, j] += a[i, k] * b[k, j]
+    """
+    module = load_module(_expand(source), "tile_mixed_dtypes", tmp_path)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the device check, to the dtype checks
+    out = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="the operands of a tl.dot must have one dtype: a and b"):
+        module._mm_triton(out, torch.ones(4, 4, dtype=torch.float16), torch.ones(4, 4))
+    with pytest.raises(ValueError, match="b must be a float16, bfloat16 or float32 tensor"):
+        module._mm_triton(out, torch.ones(4, 4), torch.ones(4, 4, dtype=torch.float64))

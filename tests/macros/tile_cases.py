@@ -29,6 +29,10 @@ class Case:
     dtype: torch.dtype = (
         torch.float32
     )  # of the tensors the tiled versions get; the loop runs in float32
+    dtypes: tuple[tuple[str, torch.dtype], ...] = ()  # per-tensor exceptions to ``dtype``
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return dict(self.dtypes).get(name, self.dtype)
 
 
 HEADER = "import math\nimport torch\nimport macrogen as mg\n\n"
@@ -480,6 +484,23 @@ CASES = [
         dtype=torch.float16,  # summed in float16, the total would be off by far more than this
     ),
     Case(
+        "gelu_bf16_to_fp32",
+        """
+        @mg.tile(i=16, j=32)
+        def gelu_bf16_to_fp32(out, x, b):
+            M, N = x.shape
+            for i in range(M):
+                for j in range(N):
+                    v = x[i, j] + b[j]
+                    out[i, j] = v * torch.sigmoid(1.702 * v)
+        """,
+        {"out": ("nan", (21, 37)), "x": ("randn", (21, 37)), "b": ("randn", (37,))},
+        rtol=1e-5,
+        atol=1e-5,
+        dtype=torch.bfloat16,
+        dtypes=(("out", torch.float32),),  # bfloat16 inputs, a float32 output: no rounding
+    ),
+    Case(
         "online_softmax_bf16",
         """
         @mg.tile(i=4, j=16)
@@ -641,13 +662,13 @@ def compare(case: Case, reference, run) -> str | None:
     rounded to its dtype and compares with the loop's outputs rounded alike.
     """
     want, got = make_inputs(case), make_inputs(case)
-    got = {k: v.to(case.dtype) if _floating(v) else v for k, v in got.items()}
-    getattr(reference, case.name)(**{k: _rounded(v, case.dtype) for k, v in want.items()})
+    got = {k: v.to(case.dtype_of(k)) if _floating(v) else v for k, v in got.items()}
+    getattr(reference, case.name)(**{k: _rounded(v, case.dtype_of(k)) for k, v in want.items()})
     run(**got)
     for name, value in want.items():
         if not _floating(value):
             continue
-        value = value.to(case.dtype).float()
+        value = value.to(case.dtype_of(name)).float()
         if not torch.allclose(
             got[name].float(), value, rtol=case.rtol, atol=case.atol, equal_nan=True
         ):

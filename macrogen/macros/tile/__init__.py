@@ -53,7 +53,7 @@ from macrogen.macros.tile.constraints import block_shape, too_big
 from macrogen.macros.tile.constraints import (
     tuning_constraint as tuning_constraint,  # autotune's hook
 )
-from macrogen.macros.tile.ir import InnerLoop, Nest
+from macrogen.macros.tile.ir import InnerLoop, Load, Nest
 from macrogen.macros.tile.kernel import KernelEmitter
 from macrogen.macros.tile.kernel import flat as _flat
 from macrogen.macros.tile.names import loads_in, make_names
@@ -231,7 +231,8 @@ class _Output:
             "ptr": self.names.ptr[t],
             "strides": self.names.strides[t],
             "message": f"{t} must have {ndim} dimension{'s' if ndim != 1 else ''} (it is indexed so), not %d",
-            "same_message": f"{t} must be on the same device and of the same dtype as {first}",
+            "same_message": f"{t} must be a float16, bfloat16 or float32 tensor on the same device"
+            f" as {first} (loads compute in float32; stores cast to each output's dtype)",
             "index": t in self.nest.index_tensors,  # integers: device checked, dtype int32/int64
             "index_message": f"{t} indexes other tensors: it must be an int32 or int64 tensor on"
             f" the same device as {first}",
@@ -292,6 +293,9 @@ class _Output:
             ],
             dot_precision=self.dot_precision,
             dot_precision_value=self.spec.dot_precision,
+            dot_operands=self._dot_operands(),
+            dot_message="the operands of a tl.dot must have one dtype: "
+            + " and ".join(self._dot_operands()),
             group=self.group
             if self.kernel_nest.dot is not None and self.spec.group_size > 1
             else "",
@@ -303,6 +307,14 @@ class _Output:
             int64_offsets=self.mods["int64_offsets"],
             **self.common,
         )
+
+    def _dot_operands(self) -> list[str]:
+        """The tensors a tl.dot reads in their own dtype (both plain loads), else none."""
+        dot = self.kernel_nest.dot
+        if dot is None or not (isinstance(dot.left, Load) and isinstance(dot.right, Load)):
+            return []
+        pair = [dot.left.tensor_name, dot.right.tensor_name]
+        return pair if pair[0] != pair[1] else []
 
     def torch_path(self) -> str:
         torch = self.mods["torch"]

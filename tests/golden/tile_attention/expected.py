@@ -195,20 +195,21 @@ def _attention_kernel(
 def _attention_triton(out, q, kk, v, scale):
     """Run the loop nest at input.py:5 as the Triton kernel _attention_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     M, D, N, E, i_lo, i_hi, e_lo, e_hi, j_lo, j_hi, k_lo, k_hi = _attention_shapes(out, q, kk, v, scale)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_attention_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_attention_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if q.device != out.device or q.dtype != out.dtype:
-        raise ValueError('q must be on the same device and of the same dtype as out')
-    if kk.device != out.device or kk.dtype != out.dtype:
-        raise ValueError('kk must be on the same device and of the same dtype as out')
-    if v.device != out.device or v.dtype != out.dtype:
-        raise ValueError('v must be on the same device and of the same dtype as out')
+    if q.device != out.device or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("q must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if kk.device != out.device or kk.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("kk must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if v.device != out.device or v.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("v must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(i_hi - i_lo, 0), 4) * triton.cdiv(max(e_hi - e_lo, 0), 8)
     if programs == 0:
         return

@@ -156,24 +156,25 @@ def _gather_kernel(
 def _gather_triton(out, sums, table, idx, perm, x):
     """Run the loop nest at input.py:6 as the Triton kernel _gather_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     M, N, i_lo, i_hi, j_lo, j_hi = _gather_shapes(out, sums, table, idx, perm, x)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_gather_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_gather_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if sums.device != out.device or sums.dtype != out.dtype:
-        raise ValueError('sums must be on the same device and of the same dtype as out')
-    if table.device != out.device or table.dtype != out.dtype:
-        raise ValueError('table must be on the same device and of the same dtype as out')
+    if sums.device != out.device or sums.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("sums must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if table.device != out.device or table.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("table must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     if idx.device != out.device or idx.dtype not in (torch.int32, torch.int64):
         raise ValueError('idx indexes other tensors: it must be an int32 or int64 tensor on the same device as out')
     if perm.device != out.device or perm.dtype not in (torch.int32, torch.int64):
         raise ValueError('perm indexes other tensors: it must be an int32 or int64 tensor on the same device as out')
-    if x.device != out.device or x.dtype != out.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as out')
+    if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(i_hi - i_lo, 0), 8)
     if programs == 0:
         return

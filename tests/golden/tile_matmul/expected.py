@@ -123,18 +123,21 @@ def _matmul_kernel(
 def _matmul_triton(out, a, b):
     """Run the loop nest at input.py:5 as the Triton kernel _matmul_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     M, K, N, i_lo, i_hi, j_lo, j_hi, k_lo, k_hi = _matmul_shapes(out, a, b)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_matmul_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_matmul_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if a.device != out.device or a.dtype != out.dtype:
-        raise ValueError('a must be on the same device and of the same dtype as out')
-    if b.device != out.device or b.dtype != out.dtype:
-        raise ValueError('b must be on the same device and of the same dtype as out')
+    if a.device != out.device or a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("a must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if b.device != out.device or b.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("b must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if a.dtype != b.dtype:
+        raise ValueError('the operands of a tl.dot must have one dtype: a and b')
     programs = triton.cdiv(max(i_hi - i_lo, 0), 64) * triton.cdiv(max(j_hi - j_lo, 0), 64)
     if programs == 0:
         return

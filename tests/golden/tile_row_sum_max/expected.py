@@ -103,18 +103,19 @@ def _row_sum_max_kernel(
 def _row_sum_max_triton(total, biggest, x):
     """Run the loop nest at input.py:5 as the Triton kernel _row_sum_max_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     M, N, i_lo, i_hi, j_lo, j_hi = _row_sum_max_shapes(total, biggest, x)
     if total.device.type != "cuda" and not interpreting():
         raise ValueError('_row_sum_max_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(total.device))
     if total.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_row_sum_max_triton takes float16, bfloat16 or float32 tensors, not ' + str(total.dtype))
-    if biggest.device != total.device or biggest.dtype != total.dtype:
-        raise ValueError('biggest must be on the same device and of the same dtype as total')
-    if x.device != total.device or x.dtype != total.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as total')
+    if biggest.device != total.device or biggest.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("biggest must be a float16, bfloat16 or float32 tensor on the same device as total (loads compute in float32; stores cast to each output's dtype)")
+    if x.device != total.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as total (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(i_hi - i_lo, 0), 16)
     if programs == 0:
         return

@@ -115,18 +115,19 @@ def _shape_bounds_kernel(
 def _shape_bounds_triton(out, x, b, n):
     """Run the loop nest at input.py:5 as the Triton kernel _shape_bounds_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     x_size0, x_size1, i_lo, i_hi, j_lo, j_hi, j_lo_2, j_hi_2 = _shape_bounds_shapes(out, x, b, n)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_shape_bounds_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_shape_bounds_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if x.device != out.device or x.dtype != out.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as out')
-    if b.device != out.device or b.dtype != out.dtype:
-        raise ValueError('b must be on the same device and of the same dtype as out')
+    if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if b.device != out.device or b.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("b must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(i_hi - i_lo, 0), 8)
     if programs == 0:
         return

@@ -111,16 +111,17 @@ def _softmax_kernel(
 def _softmax_triton(out, x):
     """Run the loop nest at input.py:5 as the Triton kernel _softmax_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     M, N, i_lo, i_hi, j_lo, j_hi = _softmax_shapes(out, x)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_softmax_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_softmax_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if x.device != out.device or x.dtype != out.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as out')
+    if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(i_hi - i_lo, 0), 2)
     if programs == 0:
         return

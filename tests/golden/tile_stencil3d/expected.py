@@ -113,16 +113,17 @@ def _laplace_rows_kernel(
 def _laplace_rows_triton(out, x, eps):
     """Run the loop nest at input.py:5 as the Triton kernel _laplace_rows_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     B, M, N, b_lo, b_hi, i_lo, i_hi, j_lo, j_hi = _laplace_rows_shapes(out, x, eps)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_laplace_rows_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_laplace_rows_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if x.device != out.device or x.dtype != out.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as out')
+    if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(b_hi - b_lo, 0), 1) * triton.cdiv(max(i_hi - i_lo, 0), 16) * triton.cdiv(max(j_hi - j_lo, 0), 64)
     if programs == 0:
         return
