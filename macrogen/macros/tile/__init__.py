@@ -56,7 +56,7 @@ from macrogen.macros.tile.constraints import (
 from macrogen.macros.tile.ir import InnerLoop, Load, Nest
 from macrogen.macros.tile.kernel import KernelEmitter
 from macrogen.macros.tile.kernel import flat as _flat
-from macrogen.macros.tile.names import loads_in, make_names
+from macrogen.macros.tile.names import LoopBounds, loads_in, make_names
 from macrogen.macros.tile.torch_path import TorchEmitter, sharing
 
 NAME = "tile"
@@ -223,7 +223,7 @@ class _Output:
         )
         self.group = self.names.namer("GROUP_SIZE") if self.kernel_nest.dot is not None else ""
 
-    def _tensor(self, t: str, ndim: int) -> dict:
+    def _tensor(self, t: str, ndim: int) -> dict[str, object]:
         first = self.first
         return {
             "name": t,
@@ -360,7 +360,7 @@ def _is_docstring(stmt: cst.BaseStatement) -> bool:
     )
 
 
-def _iterations(b, step: int, triton: str) -> str:
+def _iterations(b: LoopBounds, step: int, triton: str) -> str:
     """The number of iterations of a loop, as launcher code."""
     span = f"max({b.hi} - {b.lo}, 0)"
     return span if step == 1 else f"{triton}.cdiv({span}, {step})"

@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeGuard
 
 import libcst as cst
 
@@ -101,7 +101,9 @@ class _Analyzer(ExpressionReader):
             )
         if len(stmts) > 1:
             raise MacroError("nothing may follow the loop nest in an @tile function", stmts[1])
-        chain, block = self._chain(stmts[0])
+        first = stmts[0]
+        assert isinstance(first, cst.For)  # the loop above stopped at it
+        chain, block = self._chain(first)
         if self._is_reduction_suffix(chain, block):
             grid = tuple(chain[:-1])
             scope = Scope(tuple(loop.var for loop in grid), {})
@@ -223,9 +225,7 @@ class _Analyzer(ExpressionReader):
             return chain, block
 
     def _block(self, node: cst.For) -> list[cst.BaseStatement]:
-        if not isinstance(node.body, cst.IndentedBlock):
-            return [cst.SimpleStatementLine(node.body.body)]
-        return list(node.body.body)
+        return _suite(node.body)
 
     def _loop(self, node: cst.For) -> Loop:
         usage = (
@@ -326,6 +326,7 @@ class _Analyzer(ExpressionReader):
         stores = [
             small
             for s in block
+            if isinstance(s, cst.SimpleStatementLine)
             for small in s.body
             if isinstance(small, (cst.Assign, cst.AugAssign)) and _subscript_target(small)
         ]
@@ -372,7 +373,7 @@ class _Analyzer(ExpressionReader):
         expr = self._expr(value, scope)
         if add is False:
             expr = Unary(expr.dims, expr.tensor, "-", expr)
-        return [Store(target.value.value, index, expr, add is not None)]
+        return [Store(_tensor_of(target), index, expr, add is not None)]
 
     def _inner_loop(
         self,
@@ -408,7 +409,9 @@ class _Analyzer(ExpressionReader):
         after: list[Statement] = []
         ops: dict[str, str] = {}
 
-        def reduce(name: str, op: str, expr: Expr, node: cst.CSTNode, shift: str | None = None):
+        def reduce(
+            name: str, op: str, expr: Expr, node: cst.CSTNode, shift: str | None = None
+        ) -> list[Statement]:
             if loop.var not in expr.dims:
                 raise MacroError(
                     f"the value reduced into {name!r} does not depend on {loop.var!r};"
@@ -436,7 +439,7 @@ class _Analyzer(ExpressionReader):
                     expr = self._expr(value, scope)
                     if add is False:
                         expr = Unary(expr.dims, expr.tensor, "-", expr)
-                    return [Store(target.value.value, index, expr, add is not None)]
+                    return [Store(_tensor_of(target), index, expr, add is not None)]
                 if add is None:
                     raise MacroError(
                         f"this store does not index {loop.var!r}, so every iteration of the loop"
@@ -444,7 +447,7 @@ class _Analyzer(ExpressionReader):
                         small,
                     )
                 index = self._store_index(target, outer_vars)
-                tensor = target.value.value
+                tensor = _tensor_of(target)
                 acc = self._fresh(f"{tensor}_acc")
                 expr = self._expr(value, scope)
                 before.append(Let(acc, Const(frozenset(), False, 0.0)))
@@ -552,7 +555,9 @@ class _Analyzer(ExpressionReader):
                 return node.args[0].value
             return None
 
-        def rescaled(value: cst.BaseExpression, s: str, old: str, new: str):
+        def rescaled(
+            value: cst.BaseExpression, s: str, old: str, new: str
+        ) -> cst.BaseExpression | None:
             """e2 of ``s * exp(old - new) + exp(e2 - new)`` (terms in either order), else None."""
             if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add)):
                 return None
@@ -637,7 +642,12 @@ class _Analyzer(ExpressionReader):
                 node,
             )
 
-    def _if(self, node: cst.If, scope: Scope, handle) -> list[Statement]:
+    def _if(
+        self,
+        node: cst.If,
+        scope: Scope,
+        handle: Callable[[cst.BaseSmallStatement, Scope], list[Statement]],
+    ) -> list[Statement]:
         """``if``/``elif``/``else`` as straight-line code, each branch computed on the whole tile.
 
         A condition is bound to a fresh local; each branch's assignments go to
@@ -655,10 +665,10 @@ class _Analyzer(ExpressionReader):
             test = self._condition(current.test, scope)
             cname = self._fresh("cond")
             out.append(Let(cname, test))
-            branches.append((Name(test.dims, test.tensor, cname), list(current.body.body)))
-            current = current.orelse  # type: ignore[assignment]
+            branches.append((Name(test.dims, test.tensor, cname), _suite(current.body)))
+            current = current.orelse
         if isinstance(current, cst.Else):
-            branches.append((None, list(current.body.body)))
+            branches.append((None, _suite(current.body)))
         local, stored = dict(scope.local), dict(self.stored)
         stored_after = dict(stored)
         results = []  # per branch: (renamed locals, accumulations, stores)
@@ -745,7 +755,9 @@ class _Analyzer(ExpressionReader):
             raise MacroError("not is not supported in an @tile if; swap the branches", test)
         return self._expr(test, scope)
 
-    def _rename_branch(self, ir: list[Statement]):
+    def _rename_branch(
+        self, ir: list[Statement]
+    ) -> tuple[dict[str, str], list[Statement], dict[str, tuple[str, Expr]], dict[str, Store]]:
         """A branch's statements with its locals renamed apart: (new names, lets, reductions, stores)."""
         renamed: dict[str, str] = {}
         lets: list[Statement] = []
@@ -774,7 +786,7 @@ class _Analyzer(ExpressionReader):
             if isinstance(stmt, cst.If):  # the branches of an if, elif and else
                 node: cst.BaseSuite | cst.If | cst.Else | None = stmt
                 while isinstance(node, (cst.If, cst.Else)):
-                    carried |= self._carried(list(node.body.body), outer)
+                    carried |= self._carried(_suite(node.body), outer)
                     node = node.orelse if isinstance(node, cst.If) else None
             if isinstance(stmt, cst.SimpleStatementLine):
                 for small in stmt.body:
@@ -817,9 +829,7 @@ class _Analyzer(ExpressionReader):
             )
         return op, self._expr(other, scope)
 
-    def _dot(
-        self, loop: Loop, body: list[Let | Accum | Store], grid_vars: tuple[str, ...]
-    ) -> Dot | None:
+    def _dot(self, loop: Loop, body: list[Statement], grid_vars: tuple[str, ...]) -> Dot | None:
         """``acc += a[i, k] * b[k, j]``, alone in its loop under two grid loops: a tl.dot."""
         if len(grid_vars) != 2 or len(body) != 1 or not isinstance(body[0], Accum):
             return None
@@ -840,7 +850,7 @@ class _Analyzer(ExpressionReader):
     # -- statements' parts -------------------------------------------------------------
     def _assignment(
         self, small: cst.BaseSmallStatement
-    ) -> tuple[cst.BaseExpression, cst.BaseExpression, bool | None]:
+    ) -> tuple[cst.Name | cst.Subscript, cst.BaseExpression, bool | None]:
         """(target, value, add): add is None for ``=``, True for ``+=``, False for ``-=``."""
         if isinstance(small, cst.Assign):
             if len(small.targets) != 1:
@@ -897,7 +907,7 @@ class _Analyzer(ExpressionReader):
                 " so that each element is written by one iteration",
                 target,
             )
-        self._use_tensor(target.value.value, len(names), target)
+        self._use_tensor(_tensor_of(target), len(names), target)
         return tuple(names)
 
     def _local_name(self, target: cst.Name) -> str:
@@ -936,7 +946,9 @@ class _Analyzer(ExpressionReader):
 _IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
 
 
-def _where_chain(conds: list[Name | None], values: list, default: Expr | None) -> Expr:
+def _where_chain(
+    conds: Sequence[Name | None], values: Sequence[Expr | None], default: Expr | None
+) -> Expr:
     """``where(c1, v1, where(c2, v2, v3))``: v3 is the else branch's value, or ``default``."""
     pairs = list(zip(conds, values))
     if conds[-1] is None:
@@ -968,7 +980,7 @@ def _rename(e: Expr, names: dict[str, str]) -> Expr:
     return e
 
 
-def _dims_of(body: list[Let | Accum | Store], acc: str) -> frozenset[str]:
+def _dims_of(body: list[Statement], acc: str) -> frozenset[str]:
     return frozenset().union(
         *(s.value.dims for s in body if isinstance(s, Accum) and s.name == acc)
     )
@@ -1002,7 +1014,7 @@ def _shape_read(node: cst.BaseExpression) -> tuple[cst.BaseExpression, int] | No
         and isinstance(node.slice[0].slice, cst.Index)
         and isinstance(node.slice[0].slice.value, cst.Integer)
     ):
-        return node.value.value, int(node.slice[0].slice.value.value)  # type: ignore[attr-defined]
+        return node.value.value, int(node.slice[0].slice.value.value)
     if isinstance(node, cst.Call) and len(node.args) == 1 and not node.args[0].keyword:
         arg = node.args[0].value
         if (
@@ -1033,7 +1045,7 @@ def _contains(node: cst.CSTNode, kind: type) -> bool:
     return found
 
 
-def _is_shape(node: cst.BaseExpression) -> bool:
+def _is_shape(node: cst.BaseExpression) -> TypeGuard[cst.Attribute]:
     return isinstance(node, cst.Attribute) and node.attr.value == "shape"
 
 
@@ -1057,3 +1069,17 @@ def _index_names(target: cst.Subscript | None) -> set[str]:
     for el in target.slice:
         el.visit(_Names())
     return names
+
+
+def _suite(body: cst.BaseSuite) -> list[cst.BaseStatement]:
+    """The statements of a block; ``for ...: a; b`` on one line is one line of them."""
+    if isinstance(body, cst.IndentedBlock):
+        return list(body.body)
+    assert isinstance(body, cst.SimpleStatementSuite)
+    return [cst.SimpleStatementLine(body.body)]
+
+
+def _tensor_of(target: cst.Subscript) -> str:
+    """The tensor parameter a store writes (``_assignment`` checked it is a name)."""
+    assert isinstance(target.value, cst.Name)
+    return target.value.value

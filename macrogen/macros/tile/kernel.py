@@ -28,6 +28,7 @@ from macrogen.macros.tile.code import (
 from macrogen.macros.tile.ir import (
     Accum,
     Const,
+    Expr,
     Index,
     InnerLoop,
     Let,
@@ -57,7 +58,7 @@ class _Scope:
     index: dict[str, Code]  # loop variable -> its index vector
     masks: dict[str, str]  # loop variable -> its mask
     loaded: dict[Load, str]
-    sink: list  # where a combined mask goes when first needed
+    sink: list[Step]  # where a combined mask goes when first needed
     combined: dict[frozenset[str], str] | None = field(default_factory=dict)  # None: inline
 
 
@@ -83,7 +84,9 @@ class KernelEmitter:
         """Tile positions times a loop's step: the indices the loop visits."""
         return code if step == 1 else binary("*", code, number(step))
 
-    def grid_setup(self, pid: str, tiles: dict[str, int], group: str = "") -> list[dict]:
+    def grid_setup(
+        self, pid: str, tiles: dict[str, int], group: str = ""
+    ) -> list[dict[str, object]]:
         """Per grid loop: this program's tile index, index vector and mask (last loop fastest).
 
         With ``group`` (a matmul), tiles go in grouped order as in Triton's matmul
@@ -129,11 +132,11 @@ class KernelEmitter:
             iterations = binary("-", name(bounds.hi), name(bounds.lo))
             if loop.step != 1:
                 iterations = call(f"{self.tl}.cdiv", iterations, number(loop.step))
-            first = binary("*", name(pid_var), name(block))
+            tile_start = binary("*", name(pid_var), name(block))
             if loop.step == 1:  # integers: the grouping does not matter, leave it out
-                index = chain("+", [name(bounds.lo), first, self.arange(block, axis)])
+                index = chain("+", [name(bounds.lo), tile_start, self.arange(block, axis)])
             else:
-                offsets = binary("+", first, self.arange(block, axis))
+                offsets = binary("+", tile_start, self.arange(block, axis))
                 index = binary("+", name(bounds.lo), self._spaced(offsets, loop.step))
             out.append(
                 {
@@ -161,6 +164,7 @@ class KernelEmitter:
                     self._dot_loop(s, grid) if self.nest.dot is not None else self._loop(s, grid)
                 )
             else:
+                assert not isinstance(s, Accum)  # reductions live in inner loops
                 self._statement(s, grid, out)
         return drop_dead_stores(out)
 
@@ -220,11 +224,11 @@ class KernelEmitter:
         local = scope.loaded[ld] = self.names.namer(load_name(ld))
         return Assign(local, parse(code))
 
-    def _loads(self, value, scope: _Scope, into: list) -> None:
+    def _loads(self, value: Expr, scope: _Scope, into: list[Step]) -> None:
         for ld in loads_in(value):
             self._ensure(ld, scope, into)
 
-    def _ensure(self, ld: Load, scope: _Scope, into: list, index: bool = False) -> None:
+    def _ensure(self, ld: Load, scope: _Scope, into: list[Step], index: bool = False) -> None:
         """Load ``ld`` into a local (after the indices it gathers by) unless it already is;
         an ``index`` (a gather's integers) stays integer."""
         if ld in scope.loaded:
@@ -238,7 +242,7 @@ class KernelEmitter:
 
     # -- statements ------------------------------------------------------------------------------
     def _statement(
-        self, s: Let | Store, scope: _Scope, into: list, level: tuple[str, ...] = ()
+        self, s: Let | Store, scope: _Scope, into: list[Step], level: tuple[str, ...] = ()
     ) -> None:
         self._loads(s.value, scope, into)
         value = TritonPrinter(scope.loaded, self.tl).expr(s.value)
@@ -285,7 +289,7 @@ class KernelEmitter:
         inner_mask = namer(f"{loop.var}_mask")
         axis = len(self.grid_vars) + len(level)
         offsets = self._spaced(self.arange(block, axis), loop.step)
-        setup: list[Assign | Widen] = [
+        setup: list[Step] = [
             Assign(loop.var, parse(binary("+", name(start), offsets))),
             Widen((loop.var,), self.names.wide),
             Assign(inner_mask, parse(binary("<", name(loop.var), name(bounds.hi)))),
@@ -298,13 +302,12 @@ class KernelEmitter:
             dict(outer.combined or {}),
         )
         here = (*level, loop.var)
-        body: list = []
+        body: list[Step] = []
         before: list[Assign] = []
         after: list[Assign] = []
         tail: list[Assign] = []  # an online softmax's running max, updated after its sum
         axes = [*(self.names.block[v] for v in (*self.grid_vars, *here))]
         shape = "[" + ", ".join(axes + ["1"] * (self.rank - len(axes))) + "]"
-        mask = None
         shifts = {st.shift for st in s.body if isinstance(st, Accum) and st.shift}
         running: dict[str, tuple[str, str]] = {}  # max local -> (its tile, the tile's next value)
         for st in s.body:
@@ -320,6 +323,7 @@ class KernelEmitter:
             identity = number(IDENTITY[st.op])
             before.append(Assign(tile, parse(call(f"{tl}.full", shape, identity, f"{tl}.float32"))))
             mask = self._mask([*self.grid_vars, *here], scope)  # padding adds nothing
+            assert mask is not None  # an inner loop always has its own mask
             printed = TritonPrinter(scope.loaded, tl).expr(st.value)
             reduce_axis = str(axis)
             if st.op == "expsum":  # s * exp(m_old - m_new) + exp(e - m_new), per lane
@@ -392,7 +396,7 @@ class KernelEmitter:
         arange = call(f"{tl}.arange", "0", block)
         row = self._spaced(suffix(arange, "[None, :]"), loop.step)
         column = self._spaced(suffix(arange, "[:, None]"), loop.step)
-        setup: list[Assign | Widen] = [
+        setup: list[Step] = [
             Assign(left_k, parse(binary("+", name(start), row))),
             Assign(right_k, parse(binary("+", name(start), column))),
             Widen((left_k, right_k), self.names.wide),
@@ -400,7 +404,7 @@ class KernelEmitter:
             Assign(right_mask, parse(binary("<", name(right_k), name(bounds.hi)))),
         ]
         native = isinstance(dot.left, Load) and isinstance(dot.right, Load)
-        body: list = []
+        body: list[Step] = []
         operands = []
         for e, k_code, k_mask in ((dot.left, left_k, left_mask), (dot.right, right_k, right_mask)):
             scope = _Scope(

@@ -101,6 +101,7 @@ def stop_code(loop: Loop) -> Code:
         count = len(range(start.offset, loop.stop.offset, loop.step))
         return number(start.offset + (count - 1) * loop.step + 1 if count else start.offset)
     if start.size is None:  # hi - lo - 1 folds into one offset
+        assert loop.stop.size is not None
         span = plus(name(loop.stop.size), loop.stop.offset - start.offset - 1)
         return plus(binary("*", binary("//", span, step), step), start.offset + 1)
     span = plus(binary("-", stop, bound_code(start)), -1)

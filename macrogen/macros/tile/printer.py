@@ -17,7 +17,7 @@ from macrogen.macros.tile.code import (
     parse,
 )
 from macrogen.macros.tile.ir import Binary, Call, Const, Expr, Load, Name, Unary, Var
-from macrogen.macros.tile.steps import Assign
+from macrogen.macros.tile.steps import Assign, Step
 
 
 class Printer:
@@ -83,7 +83,7 @@ class TorchPrinter(Printer):
         torch: str,
         indices: dict[str, str] | None = None,
         memo: dict[str, str] | None = None,
-        into: list | None = None,
+        into: list[Step] | None = None,
         namer: Callable[[str], str] | None = None,
         key: Callable[[str], str] = str,
         shared: set[str] | None = None,

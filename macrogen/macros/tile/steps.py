@@ -47,8 +47,8 @@ class LoopBlock:
     stride: cst.BaseExpression  # BLOCK_J, or BLOCK_J * step
     step: int
     before: tuple[Assign, ...]  # accumulator tiles
-    setup: tuple[Assign | Widen, ...]  # index vectors and masks, once per tile
-    body: tuple
+    setup: tuple[Step, ...]  # index vectors and masks (and their widening), once per tile
+    body: tuple[Step, ...]
     after: tuple[Assign, ...]  # fold the tiles into the locals
     var: str
     dot: bool
@@ -97,6 +97,7 @@ def _step_reads(step: Step) -> set[str]:
 def _live(name: str, later: list[Step]) -> bool:
     """Whether ``name``'s value is read by ``later`` before an assignment overwrites it."""
     for step in later:
+        after: list[Step]
         if isinstance(step, LoopBlock):  # runs 0+ times; its ``after`` always runs
             inner = (*step.before, *step.setup, *step.body)
             if name in {step.lo, step.hi}.union(*(_step_reads(s) for s in inner)):

@@ -27,6 +27,7 @@ from macrogen.macros.tile.ir import (
     Binary,
     Call,
     Const,
+    Expr,
     InnerLoop,
     Let,
     Load,
@@ -70,6 +71,7 @@ class TorchEmitter:
             if isinstance(s, InnerLoop):
                 out.extend(self._inner(s, grid_bounds, self.loaded, ()))
                 continue
+            assert not isinstance(s, Accum)  # reductions live in inner loops
             out.extend(self._loads(s, self.loaded, grid_bounds, axes))
             out.extend(self._statement(s, self.loaded, grid_bounds, ()))
         return drop_dead_stores(out)
@@ -79,7 +81,7 @@ class TorchEmitter:
         axes: list[str | None] = [*self.grid_vars, *level]
         return axes + [None] * (self.rank - len(axes))
 
-    def _printer(self, loaded: dict[Load, str], into: list) -> TorchPrinter:
+    def _printer(self, loaded: dict[Load, str], into: list[Step]) -> TorchPrinter:
         return TorchPrinter(
             loaded,
             self.torch,
@@ -101,7 +103,14 @@ class TorchEmitter:
         """``local`` now holds ``value`` (results that read it are keyed by its value)."""
         self.value_of[local] = self._key(value.text)
 
-    def _gather(self, ld: Load, loaded, bounds, axes, into: list) -> Code:
+    def _gather(
+        self,
+        ld: Load,
+        loaded: dict[Load, str],
+        bounds: dict[str, LoopBounds],
+        axes: Axes,
+        into: list[Assign],
+    ) -> Code:
         """``table[idx_i, j_index]``: advanced indexing by index tensors arranged on the axes."""
         subs = []
         for ix in ld.index:
@@ -126,7 +135,13 @@ class TorchEmitter:
             order.append(ix.var)
         return suffix(name(ld.tensor_name), f"[{', '.join(subs)}]" + _arrange(order, axes))
 
-    def _loads(self, s, loaded, bounds, axes) -> list[Assign]:
+    def _loads(
+        self,
+        s: Let | Store,
+        loaded: dict[Load, str],
+        bounds: dict[str, LoopBounds],
+        axes: Axes,
+    ) -> list[Assign]:
         out = []
         for ld in loads_in(s.value):
             if ld not in loaded:
@@ -134,11 +149,11 @@ class TorchEmitter:
         out.extend(self._indices(s.value, bounds, axes))
         return out
 
-    def _indices(self, e, bounds: dict[str, LoopBounds], axes: list) -> list[Assign]:
+    def _indices(self, e: Expr, bounds: dict[str, LoopBounds], axes: Axes) -> list[Assign]:
         """Views of ``torch.arange`` for the loop variables ``e`` reads as values (``j <= i``)."""
         return [a for var in vars_in(e) for a in self._index_view(var, bounds, axes)]
 
-    def _index_view(self, var: str, bounds: dict[str, LoopBounds], axes: list) -> list[Assign]:
+    def _index_view(self, var: str, bounds: dict[str, LoopBounds], axes: Axes) -> list[Assign]:
         """``self.indices[var]``: ``torch.arange`` of the loop's values, arranged on ``axes``."""
         b = bounds[var]
         args = [b.lo, b.hi] + ([b.step[1:]] if b.step else [])
@@ -151,7 +166,7 @@ class TorchEmitter:
         return [Assign(self.indices[var], parse(code))]
 
     def _view(
-        self, ld: Load, loaded: dict[Load, str], bounds: dict[str, LoopBounds], axes: list
+        self, ld: Load, loaded: dict[Load, str], bounds: dict[str, LoopBounds], axes: Axes
     ) -> list[Assign]:
         """``loaded[ld]``: a view of the tensor, named once per distinct slice and arrangement."""
         pre: list[Assign] = []
@@ -163,7 +178,13 @@ class TorchEmitter:
         local = loaded[ld] = self.views[code.text] = self.names.namer(load_name(ld))
         return [*pre, Assign(local, parse(code))]
 
-    def _statement(self, s: Let | Store, loaded, bounds, level: tuple[str, ...]) -> list[Step]:
+    def _statement(
+        self,
+        s: Let | Store,
+        loaded: dict[Load, str],
+        bounds: dict[str, LoopBounds],
+        level: tuple[str, ...],
+    ) -> list[Step]:
         shared: list[Step] = []
         printer = self._printer(loaded, shared)
         value = printer.expr(s.value)
@@ -180,7 +201,7 @@ class TorchEmitter:
             return [*shared, Assign(s.name, parse(value))]
         order = list(s.index)
 
-        def placed(e, code: Code) -> Code:
+        def placed(e: Expr, code: Code) -> Code:
             """A tensor on the nest's axes, on the store's: drop the deeper axes, reorder."""
             if not (e.tensor and e.dims):
                 return code
@@ -217,11 +238,15 @@ class TorchEmitter:
             dot = self.nest.dot
             g0, g1 = self.grid_vars
             operands = []
-            for e, axes in ((dot.left, [g0, s.loop.var]), (dot.right, [s.loop.var, g1])):
+            pairs: tuple[tuple[Expr, Axes], ...] = (
+                (dot.left, [g0, s.loop.var]),
+                (dot.right, [s.loop.var, g1]),
+            )
+            for e, dot_axes in pairs:
                 loaded: dict[Load, str] = {}
                 for ld in loads_in(e):
                     if ld not in loaded:
-                        out.extend(self._view(ld, loaded, bounds, list(axes)))
+                        out.extend(self._view(ld, loaded, bounds, dot_axes))
                 operands.append(TorchPrinter(loaded, self.torch).expr(e))
             product = binary("@", operands[0], operands[1])
             out.append(Assign(dot.acc, parse(self._reduce("sum", dot.acc, product))))
@@ -268,7 +293,7 @@ class TorchEmitter:
                 out.extend(self._statement(st, loaded, bounds, here))
         return out
 
-    def _contract(self, e, printer: TorchPrinter, axis: int) -> Code | None:
+    def _contract(self, e: Expr, printer: TorchPrinter, axis: int) -> Code | None:
         """``sum over k of a * b`` as one ``einsum`` (a matrix product where the axes allow it),
         with no temporary of the product: ``q[i, k] * kk[j, k]`` summed over k is ``q @ kk.T``.
         Both factors vary along some loop, so both are tensors with every axis of the nest."""
@@ -282,7 +307,7 @@ class TorchEmitter:
         )
         return method(product, "unsqueeze", str(axis))
 
-    def _matvec(self, e, printer: TorchPrinter, var: str) -> Code | None:
+    def _matvec(self, e: Expr, printer: TorchPrinter, var: str) -> Code | None:
         """``sum over k of t * v[k]`` as ``t @ v``: one matrix-vector product, no temporary.
 
         ``v`` is a plain load that varies along the inner loop only; ``t`` is a
@@ -317,6 +342,7 @@ class TorchEmitter:
         return call(f"{self.torch}.{'maximum' if op == 'max' else 'minimum'}", acc, reduced)
 
 
+Axes = list[str | None]  # the loop variable on each axis of the nest's tensors (None: none)
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
