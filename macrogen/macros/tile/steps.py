@@ -33,6 +33,7 @@ class TorchStore:
     target: cst.BaseExpression  # out[i_lo:i_hi, ...]
     value: cst.BaseExpression
     add: bool
+    direct: bool = False  # ``value`` is a call that writes ``target`` itself (``out=``)
     kind: str = "store"
 
 

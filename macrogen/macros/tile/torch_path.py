@@ -187,7 +187,8 @@ class TorchEmitter:
     ) -> list[Step]:
         shared: list[Step] = []
         printer = self._printer(loaded, shared)
-        value = printer.expr(s.value)
+        direct = isinstance(s, Store) and self._direct(s, level)
+        value = printer.expr(s.value) if not direct else number(0)
         if isinstance(s, Let):
             self._assigned(s.name, value)
             if isinstance(s.value, Const):
@@ -211,9 +212,15 @@ class TorchEmitter:
             canonical = [*self.grid_vars, *level]
             return suffix(code, _permute(canonical, order))
 
-        value = placed(s.value, value)
         subs = [f"{bounds[v].lo}:{bounds[v].hi}{bounds[v].step}" for v in order]
         target = suffix(name(s.tensor_name), f"[{', '.join(subs)}]")
+        if direct:  # the last operation writes the output: no temporary, no copy
+            assert isinstance(s.value, Binary)
+            fn = f"{self.torch}.{_DIRECT[s.value.op]}"
+            left, right = printer.expr(s.value.left), printer.expr(s.value.right)
+            code = call(fn, left, right, out=target)
+            return [*shared, TorchStore(parse(target), parse(code), False, direct=True)]
+        value = placed(s.value, value)
         if s.cond is not None:  # stored only where cond holds: elsewhere keep (or add) nothing
             cond = placed(s.cond, printer.expr(s.cond))
             keep = number(0.0) if s.add else target
@@ -223,6 +230,22 @@ class TorchEmitter:
                 else conditional(cond, value, keep)
             )
         return [*shared, TorchStore(parse(target), parse(value), s.add)]
+
+    def _direct(self, s: Store, level: tuple[str, ...]) -> bool:
+        """Whether ``out[...] = a op b`` can be ``torch.op(a, b, out=out[...])``: a plain store
+        of arithmetic whose result has the store's shape, on the nest's axes as they are."""
+        e = s.value
+        deeper = self.rank - len(self.grid_vars) - len(level) if self.nest.inner_axis else 0
+        return (
+            not s.add
+            and s.cond is None
+            and isinstance(e, Binary)
+            and e.op in _DIRECT
+            and e.left.tensor
+            and e.dims == frozenset(s.index)
+            and deeper == 0
+            and [*self.grid_vars, *level] == list(s.index)
+        )
 
     def _inner(
         self,
@@ -342,6 +365,7 @@ class TorchEmitter:
         return call(f"{self.torch}.{'maximum' if op == 'max' else 'minimum'}", acc, reduced)
 
 
+_DIRECT = {"+": "add", "-": "sub", "*": "mul", "/": "div"}  # torch functions with out=
 Axes = list[str | None]  # the loop variable on each axis of the nest's tensors (None: none)
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

@@ -142,7 +142,7 @@ def _bias_gelu_torch(out, x, b):
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     b_j = b[j_lo:j_hi][None, :]
     v = x_ij + b_j
-    out[i_lo:i_hi, j_lo:j_hi] = 0.5 * v * (1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v)))
+    torch.mul(0.5 * v, 1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v)), out=out[i_lo:i_hi, j_lo:j_hi])
 
 
 # macrogen: tile at input.py:5

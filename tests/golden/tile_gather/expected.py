@@ -218,7 +218,7 @@ def _gather_torch(out, sums, table, idx, perm, x):
     x_i_perm = x[i_index, perm_j]
     s = torch.einsum('ab,ab->a', table_idx_j, x_i_perm).unsqueeze(1)
     sums[i_lo:i_hi] = s[..., 0]
-    out[i_lo:i_hi, j_lo:j_hi] = table_idx_j + x_i_perm
+    torch.add(table_idx_j, x_i_perm, out=out[i_lo:i_hi, j_lo:j_hi])
 
 
 # macrogen: tile at input.py:6

@@ -161,7 +161,7 @@ def _online_softmax_torch(out, lse, x):
     exp_2 = torch.exp(t)
     s = exp_2.sum(dim=1, keepdim=True)
     lse[i_lo:i_hi] = (m + torch.log(s))[..., 0]
-    out[i_lo:i_hi, j_lo:j_hi] = exp_2 / s
+    torch.div(exp_2, s, out=out[i_lo:i_hi, j_lo:j_hi])
 
 
 # macrogen: tile at input.py:5

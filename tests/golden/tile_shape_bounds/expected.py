@@ -161,7 +161,7 @@ def _shape_bounds_torch(out, x, b, n):
     b_j = b[j_lo:j_hi][None, :]
     s = (x_ij @ b_j.flatten())[..., None]
     x_ij_2 = x[i_lo:i_hi, j_lo_2:j_hi_2]
-    out[i_lo:i_hi, j_lo_2:j_hi_2] = s + x_ij_2
+    torch.add(s, x_ij_2, out=out[i_lo:i_hi, j_lo_2:j_hi_2])
 
 
 # macrogen: tile at input.py:5

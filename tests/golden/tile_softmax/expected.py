@@ -152,7 +152,7 @@ def _softmax_torch(out, x):
     t = x_ij - m
     exp_2 = torch.exp(t)
     s = exp_2.sum(dim=1, keepdim=True)
-    out[i_lo:i_hi, j_lo:j_hi] = exp_2 / s
+    torch.div(exp_2, s, out=out[i_lo:i_hi, j_lo:j_hi])
 
 
 # macrogen: tile at input.py:5

@@ -161,7 +161,7 @@ def _strided_torch(out, x, total):
     s = x_i_jp1.sum(dim=1, keepdim=True)
     total[i_lo:i_hi:2] = s[..., 0]
     x_im1_j = x[i_lo - 1:i_hi - 1:2, j_lo_2:j_hi_2:2]
-    out[i_lo:i_hi:2, j_lo_2:j_hi_2:2] = x_im1_j * s
+    torch.mul(x_im1_j, s, out=out[i_lo:i_hi:2, j_lo_2:j_hi_2:2])
 
 
 # macrogen: tile at input.py:5

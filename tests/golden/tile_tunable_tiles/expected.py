@@ -111,7 +111,7 @@ def _scale_shift_torch(out, x, alpha, beta):
     N, i_lo, i_hi = _scale_shift_shapes(out, x, alpha, beta)
     x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     x_i = x[i_lo:i_hi]
-    out[i_lo:i_hi] = alpha * x_i + beta
+    torch.add(alpha * x_i, beta, out=out[i_lo:i_hi])
 
 
 # macrogen: tunable at input.py:5
