@@ -11,8 +11,10 @@ The grammar (docs/tile.md has it with examples)::
 
 The innermost body may also hold inner loops over one more variable (rows of a
 softmax), whose statements reduce into locals defined before them (``s += e``,
-``m = max(m, e)``, ``m = min(m, e)``), store along the inner variable, or
-accumulate ``out[i] += e``. A last loop whose variable no store uses, holding
+``m = max(m, e)``, ``m = min(m, e)``, or an online softmax's max and rescaled
+sum), store along the inner variable, or accumulate ``out[i] += e``; such a
+loop may hold one more level of loops (a score's reduction over ``k`` inside
+the loop over ``j``). A last loop whose variable no store uses, holding
 only ``out[...] += e`` (``acc += a[i, k] * b[k, j]`` too), is such a reduction.
 
 Anything else is a ``MacroError`` at the construct, saying what is supported.

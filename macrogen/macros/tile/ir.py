@@ -2,9 +2,9 @@
 
 A ``Nest`` is one program per tile of the *grid* loops (the loops whose
 variables index every store); its body runs once per grid point, straight-line,
-and may hold *inner* loops over one more variable: reductions (``s += e``,
-``m = max(m, e)``), stores along the inner variable, or a matmul-shaped
-``acc += a[i, k] * b[k, j]`` (``dot``). Every expression knows the loop
+and may hold *inner* loops over one more variable (two levels deep at most):
+reductions (``s += e``, ``m = max(m, e)``, an online softmax), stores along
+the inner variable, or a matmul-shaped ``acc += a[i, k] * b[k, j]`` (``dot``). Every expression knows the loop
 variables it depends on (``dims``) and whether it is a tensor or a Python
 scalar (``tensor``): broadcasting in both emitted paths is derived from these.
 """
