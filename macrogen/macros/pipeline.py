@@ -8,6 +8,7 @@
             for block in self.blocks:              class GPT(_GPT_serial):
                 x = block(x)                           # cut: stage 0: wte, blocks.0-1 | stage 1: ...
             return self.head(x)                        def __init__(self, *args, **kwargs):
+                                                           declare(2, where=...)  # the mesh's stages
                                                            super().__init__(*args, **kwargs)
                                                            attach(self, PipelineConfig(...), where=...)
 
@@ -354,8 +355,9 @@ def expand(site: Site, ctx: Context) -> Expanded:
         ctx.import_from(runtime, "PipelineConfig"),
         ctx.import_from(runtime, "full_state_dict"),
         ctx.import_from(runtime, "load_full_state_dict"),
+        ctx.import_from(runtime, "declare"),
     )
-    attach, config, gather, scatter = imports
+    attach, config, gather, scatter, declare = imports
     generated = codegen.render_statements(
         "pipeline_class.py.j2",
         name=spec.name,
@@ -367,6 +369,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         split=spec.split,
         cut=spec.cut,
         attach=attach,
+        declare=declare,
         config=config,
         gather=gather,
         scatter=scatter,
