@@ -8,9 +8,11 @@ processes on a 2-core machine take minutes) it is 2 x 2 x 2 with
 few SGD steps must equal the serial run of the unexpanded file, and the
 pipelined model's serial-format checkpoint must load back.
 
-Tolerance: tensor parallelism sums the rowwise layers' partial products in
-another order than the serial matmul (as in the TP tests against serial), so
-parameters agree to rtol 1e-4 after SGD, not bit for bit.
+Tolerance: the pipeline tests' (rtol 1e-5, atol 1e-6) after SGD with
+momentum. Tensor parallelism sums the rowwise layers' partial products in
+another order than the serial matmul, so this is not bit for bit; on this
+small model the run also passed at rtol 1e-6, atol 1e-7. (After AdamW the TP
+tests need 1e-3: Adam turns rounding-size gradients into lr-size steps.)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tests.distributed import run_ranks
 from tests.helpers import load_module
 from tests.test_pipeline_macro import _source, _train
 
-RTOL, ATOL = 1e-4, 1e-5
+RTOL, ATOL = 1e-5, 1e-6
 
 SOURCE = """\
 import torch
