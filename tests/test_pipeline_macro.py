@@ -72,12 +72,22 @@ def test_the_cut_is_in_the_generated_class():
             "split name 'hed' is no submodule forward calls",
         ),
         ("stages=2, microbatches=mg.tunable(4, choices=[1, 4])", "1f1b needs at least"),
+        ("stages=2, schedule='interleaved'", "2 stages at 2 per rank is one pipeline rank"),
+        ("stages=3, schedule='interleaved', stages_per_rank=2", "divides stages (3), not 2"),
+        ("stages=2, stages_per_rank=2", "needs schedule='interleaved'"),
     ],
 )
 def test_errors_at_the_users_line(args, message):
     errors = expansion_errors(NET.format(args=args))
     assert len(errors) == 1 and message in errors[0], errors
     assert errors[0].startswith("test.py:4:")
+
+
+def test_interleaved_expands_with_its_stages_per_rank():
+    net = NET.replace("range(3)", "range(4)")
+    code = expand(net.format(args="stages=4, schedule='interleaved'"))
+    assert "schedule='interleaved',\n                split=None,\n                stages_per_rank=2," in code
+    assert "stages_per_rank" not in expand(net.format(args="stages=2"))
 
 
 def test_a_tunable_split_expands_with_its_default():

@@ -43,7 +43,7 @@ from torch import nn
 from macrogen.runtime import groups, mesh, tensor_parallel, tensor_parallel_plan
 from macrogen.runtime import pipeline_forward as pf
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ATTR = "_macrogen_pipeline"  # where a pipelined model keeps its Pipeline (markers look for it)
 
 
@@ -55,15 +55,23 @@ class PipelineConfig:
     split: tuple[str, ...] | None = (
         None  # names that start stages 1..: ("blocks.3",); None: balanced
     )
+    # "interleaved" (ScheduleInterleaved1F1B): each rank holds this many stages, rank r
+    # stages r, r + P, r + 2P, ... (P = stages / stages_per_rank pipeline ranks)
+    stages_per_rank: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Pipeline ranks: the mesh's pipeline dimension."""
+        return self.stages // self.stages_per_rank
 
 
 @dataclass(frozen=True)
 class Layout:
     """Where this rank sits on the program's (pipeline x data x tensor) mesh."""
 
-    stages: int
+    stages: int  # pipeline ranks (the stages, unless several stages per rank)
     data_size: int
-    stage: int  # rank // (data_size * tensor_size)
+    stage: int  # this rank's place on the pipeline: rank // (data_size * tensor_size)
     data_rank: int  # which share of the data this rank trains on
     pipeline_group: dist.ProcessGroup  # this rank and its peers of the other stages
     data_group: dist.ProcessGroup  # ranks holding the same stage and shards (one rank: its own)
@@ -339,10 +347,15 @@ class Pipeline:
                 f"{_at(where)}1f1b needs at least as many micro-batches as stages"
                 f" ({config.microbatches} < {config.stages})"
             )
+        problem = pf.interleaving_problem(
+            config.stages, config.microbatches, config.schedule, config.stages_per_rank
+        )
+        if problem:
+            raise ValueError(f"{_at(where)}{problem}")
         self.model = model
         self.config = config
         self.where = where
-        self.layout = layout(config.stages, where=where) if config.stages > 1 else None
+        self.layout = layout(config.ranks, where=where) if config.ranks > 1 else None
         try:  # on the serial layers: balanced by serial parameter counts, as the expansion says
             self.plan = plan(model, config.stages, config.split)
         except ValueError as e:
@@ -357,22 +370,30 @@ class Pipeline:
         self._shape: Any = None
         self._loss_fn: Callable[..., torch.Tensor] | None = None
         if self.layout is not None:
-            self._cut(self.layout.stage)
+            self._cut(self.stages)
 
     @property
     def stage(self) -> int:
+        """This rank's (first) stage."""
         return 0 if self.layout is None else self.layout.stage
+
+    @property
+    def stages(self) -> list[int]:
+        """This rank's stages: r, r + P, ... (one unless interleaved)."""
+        step = self.config.ranks
+        return list(range(self.stage, self.config.stages, step))
 
     def describe(self) -> str:
         return self.plan.describe()
 
-    def _cut(self, stage: int) -> None:
-        """Keep this stage's parts; an ``Elsewhere`` (or nothing, for a tensor) for the others'."""
+    def _cut(self, stages: list[int]) -> None:
+        """Keep these stages' parts; an ``Elsewhere`` (or nothing, for a tensor) for the others'."""
         model = self.model
-        kept = []
+        kept: dict[int, list[Any]] = {s: [] for s in stages}
         for part, users in self.plan.owners.items():
-            if stage in users:
-                kept.append(_get(model, part))
+            if users & kept.keys():
+                for s in users & kept.keys():
+                    kept[s].append(_get(model, part))
                 continue
             owner = min(users)
             head, _, index = part.partition(".")
@@ -384,7 +405,7 @@ class Pipeline:
                 model._parameters.pop(head, None)
                 model._buffers.pop(head, None)
         self.parts = kept
-        self.code = stage_code(model, self.plan, stage)
+        self.code = {s: stage_code(model, self.plan, s) for s in stages}
 
     # -- the step ---------------------------------------------------------------------
     def step(
@@ -407,19 +428,21 @@ class Pipeline:
         # pre-hooks once, as model(x) would (@data_parallel's start-up and buffer broadcast).
         for hook in list(self.model._forward_pre_hooks.values()):
             hook(self.model, (x,))
-        stage, lay = self._schedule._stage, self.layout
+        lay = self.layout
+        here = getattr(self._schedule, "_stages", None) or [self._schedule._stage]
+        first, last_here = any(s.is_first for s in here), any(s.is_last for s in here)
         losses: list[torch.Tensor] = []
-        if stage.is_first:
-            self._schedule.step(x, return_outputs=False)
-        elif stage.is_last:
-            self._schedule.step(target=y, losses=losses, return_outputs=False)
-        else:
-            self._schedule.step(return_outputs=False)
+        self._schedule.step(
+            *((x,) if first else ()),
+            target=y if last_here else None,
+            losses=losses if last_here else None,
+            return_outputs=False,
+        )
         if lay.data_size > 1 and not _has_gradient_sync(self.model):
             self._average_over_data()  # (@data_parallel on the model averages in its buckets)
         device = self._device()
         loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
-        last = dist.get_global_rank(lay.pipeline_group, lay.stages - 1)
+        last = dist.get_global_rank(lay.pipeline_group, lay.stages - 1)  # holds the last stage
         dist.broadcast(loss, src=last, group=lay.pipeline_group)
         return loss
 
@@ -433,17 +456,31 @@ class Pipeline:
         return torch.device("cpu")
 
     def _build(self) -> Any:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
         lay = self.layout
         assert lay is not None
-        module = StageModule(self.model, self.code, self.parts)
-        stage = PipelineStage(
-            module, lay.stage, lay.stages, self._device(), group=lay.pipeline_group
-        )
-        kind = ScheduleGPipe if self.config.schedule == "gpipe" else Schedule1F1B
+        stages: list[Any] = [
+            PipelineStage(
+                StageModule(self.model, self.code[s], self.parts[s]),
+                s,
+                self.config.stages,
+                self._device(),
+                group=lay.pipeline_group,
+            )
+            for s in self.stages
+        ]
+        m = self.config.microbatches
         # scale_grads=False: each micro-batch's loss is already divided by their number
-        return kind(stage, self.config.microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+        if self.config.schedule == "interleaved":
+            return ScheduleInterleaved1F1B(stages, m, loss_fn=self._scaled_loss, scale_grads=False)
+        kind = ScheduleGPipe if self.config.schedule == "gpipe" else Schedule1F1B
+        return kind(stages[0], m, loss_fn=self._scaled_loss, scale_grads=False)
 
     def _average_over_data(self) -> None:
         """Average this stage's gradients over the ranks that hold the same stage."""
