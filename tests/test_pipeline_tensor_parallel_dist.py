@@ -143,11 +143,16 @@ def _worker(rank, world, expanded, directory):
     reloaded = model.full_state_dict()
     assert list(reloaded) == list(full)
     assert all(torch.equal(reloaded[k], full[k]) for k in full)
-    return losses, state, layout, shapes
+    error = None
+    try:  # one mesh per program: another pipeline depth is refused, on every rank alike
+        rp.declare(4, where="other.py:9")
+    except ValueError as e:
+        error = str(e)
+    return losses, state, layout, shapes, error
 
 
 def _check(results, ref_losses, ref_state):
-    for losses, state, _, _ in results:
+    for losses, state, *_ in results:
         assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
         assert list(state) == list(ref_state)
         for k, v in ref_state.items():
@@ -165,7 +170,12 @@ def _run(tmp_path, source, world):
 def test_tensor_parallel_stages_on_four_ranks_match_the_unexpanded_file(tmp_path):
     """pipeline 2 x tensor 2: each stage's tensor group is two neighbouring ranks."""
     results = _run(tmp_path, SOURCE, 4)
-    for rank, (_, _, layout, shapes) in enumerate(results):
+    for rank, (_, _, layout, shapes, error) in enumerate(results):
+        assert error == (
+            "pipeline at other.py:9: this program's mesh (pipeline, data, tensor) = (2, 1, 2)"
+            " has 2 pipeline stage(s), and a model asks for 4: one mesh per program, and a"
+            " pipelined model must be built before any other parallel module"
+        )
         stage = rank // 2
         assert layout == (
             (2, 1, 2),
@@ -186,7 +196,7 @@ def test_pipeline_by_data_by_tensor_on_eight_ranks_matches_the_unexpanded_file(t
     """2 x 2 x 2, with @data_parallel averaging each stage's shards over its data group."""
     source = SOURCE.replace("@mg.pipeline(", "@mg.data_parallel(bucket_mb=1)\n@mg.pipeline(")
     results = _run(tmp_path, source, 8)
-    for rank, (_, _, layout, _) in enumerate(results):
+    for rank, (_, _, layout, *_) in enumerate(results):
         stage, data, tensor = rank // 4, rank // 2 % 2, rank % 2
         assert layout == (
             (2, 2, 2),
