@@ -165,6 +165,26 @@ def test_expanded_gpt_on_two_ranks_matches_the_unexpanded_file(tmp_path):
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
 
 
+def test_interleaved_expanded_gpt_on_two_ranks_matches_the_unexpanded_file(tmp_path):
+    """4 stages, 2 per rank: the mesh's pipeline dimension is 2."""
+    source = GOLDEN.read_text().replace(
+        'stages=2,\n    microbatches=mg.tunable(4, choices=[2, 4, 8]),\n    schedule="1f1b",\n'
+        '    split=["blocks.3"],',
+        'stages=4,\n    microbatches=4,\n    schedule="interleaved",\n'
+        '    split=["blocks.1", "blocks.2", "blocks.3"],',
+    )
+    assert 'schedule="interleaved"' in source
+    serial = _train(load_module(_source(source), "serial_gpt_interleaved", tmp_path))
+    expanded = mg.expand_source(source, path=str(GOLDEN)).code
+    assert "declare(2, where=" in expanded and "stages_per_rank=2," in expanded
+    results = run_ranks(_worker, 2, args=(expanded, str(tmp_path)), timeout=300)
+    ref_losses, ref_state = serial
+    for losses, state in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+
+
 def test_pipeline_by_data_parallel_on_four_ranks_matches_the_unexpanded_file(tmp_path):
     """Stacked on the golden GPT: 2 stages x 2 data ranks, @data_parallel averaging each stage."""
     source = GOLDEN.read_text().replace(

@@ -78,15 +78,16 @@ class Layout:
     tensor_size: int = 1  # tensor-parallel ranks splitting this stage's layers
 
 
-def declare(stages: int, *, where: str = "") -> None:
-    """Before the model's layers are built: the program's mesh will have ``stages`` stages.
+def declare(ranks: int, *, where: str = "") -> None:
+    """Before the model's layers are built: the mesh's pipeline dimension will be ``ranks``.
 
-    A generated ``@pipeline`` class calls this first, so that tensor-parallel
+    ``ranks`` is the number of stages (over ``stages_per_rank``, interleaved). A
+    generated ``@pipeline`` class calls this first, so that tensor-parallel
     layers inside its stages, built by the user's ``__init__``, take their
     tensor group within their stage (the mesh is P x D x T).
     """
     try:
-        mesh.expect_pipeline(stages)
+        mesh.expect_pipeline(ranks)
     except ValueError as e:
         raise ValueError(f"{_at(where)}{e}") from None
 
