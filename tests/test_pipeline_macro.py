@@ -72,12 +72,22 @@ def test_the_cut_is_in_the_generated_class():
             "split name 'hed' is no submodule forward calls",
         ),
         ("stages=2, microbatches=mg.tunable(4, choices=[1, 4])", "1f1b needs at least"),
+        ("stages=2, schedule='interleaved'", "2 stages at 2 per rank is one pipeline rank"),
+        ("stages=3, schedule='interleaved', stages_per_rank=2", "divides stages (3), not 2"),
+        ("stages=2, stages_per_rank=2", "needs schedule='interleaved'"),
     ],
 )
 def test_errors_at_the_users_line(args, message):
     errors = expansion_errors(NET.format(args=args))
     assert len(errors) == 1 and message in errors[0], errors
     assert errors[0].startswith("test.py:4:")
+
+
+def test_interleaved_expands_with_its_stages_per_rank():
+    net = NET.replace("range(3)", "range(4)")
+    code = expand(net.format(args="stages=4, schedule='interleaved'"))
+    assert "schedule='interleaved',\n                split=None,\n                stages_per_rank=2," in code
+    assert "stages_per_rank" not in expand(net.format(args="stages=2"))
 
 
 def test_a_tunable_split_expands_with_its_default():
@@ -151,6 +161,26 @@ def test_expanded_gpt_on_two_ranks_matches_the_unexpanded_file(tmp_path):
     for losses, state in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         assert list(state) == list(ref_state)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_interleaved_expanded_gpt_on_two_ranks_matches_the_unexpanded_file(tmp_path):
+    """4 stages, 2 per rank: the mesh's pipeline dimension is 2."""
+    source = GOLDEN.read_text().replace(
+        'stages=2,\n    microbatches=mg.tunable(4, choices=[2, 4, 8]),\n    schedule="1f1b",\n'
+        '    split=["blocks.3"],',
+        'stages=4,\n    microbatches=4,\n    schedule="interleaved",\n'
+        '    split=["blocks.1", "blocks.2", "blocks.3"],',
+    )
+    assert 'schedule="interleaved"' in source
+    serial = _train(load_module(_source(source), "serial_gpt_interleaved", tmp_path))
+    expanded = mg.expand_source(source, path=str(GOLDEN)).code
+    assert "declare(2, where=" in expanded and "stages_per_rank=2," in expanded
+    results = run_ranks(_worker, 2, args=(expanded, str(tmp_path)), timeout=300)
+    ref_losses, ref_state = serial
+    for losses, state in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
 

@@ -8,6 +8,7 @@ more than the checks. Serial references are computed in this process.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -228,7 +229,12 @@ def _worker(rank, world, cases):
     for kind, schedule in cases:
         rp.reset()
         model, x, y, loss_fn = make(kind)
-        pipe = rp.attach(model, rp.PipelineConfig(stages=2, microbatches=4, schedule=schedule))
+        config = rp.PipelineConfig(stages=2, microbatches=4, schedule=schedule)
+        if schedule == "interleaved":  # 4 stages, 2 per rank: rank r holds stages r and r + 2
+            config = rp.PipelineConfig(4, 4, schedule, stages_per_rank=2)
+        pipe = rp.attach(model, config)
+        if schedule == "interleaved":
+            assert pipe.stages == [rank % 2, rank % 2 + 2]
         lay = pipe.layout
         share = BATCH // lay.data_size  # each data replica trains on its rows
         rows = slice(lay.data_rank * share, (lay.data_rank + 1) * share)
@@ -272,6 +278,24 @@ def test_two_stages_match_serial():
     """GPipe and 1F1B, on the example-style GPT and on the non-uniform block list."""
     cases = [(kind, s) for kind in ("gpt", "uneven") for s in ("gpipe", "1f1b")]
     _check(run_ranks(_worker, 2, args=(cases,), timeout=300))
+
+
+def test_interleaved_four_stages_on_two_ranks_match_serial():
+    """ScheduleInterleaved1F1B: each rank holds two stages (r and r + 2)."""
+    cases = [(kind, "interleaved") for kind in ("gpt", "uneven")]
+    _check(run_ranks(_worker, 2, args=(cases,), timeout=300))
+
+
+def test_interleaving_needs_stages_per_rank_that_fit():
+    model, *_ = make("gpt")
+    for config, message in [
+        (rp.PipelineConfig(4, 4, "1f1b", stages_per_rank=2), "needs schedule='interleaved'"),
+        (rp.PipelineConfig(3, 4, "interleaved", stages_per_rank=2), "divides stages (3)"),
+        (rp.PipelineConfig(2, 4, "interleaved", stages_per_rank=2), "one pipeline rank"),
+        (rp.PipelineConfig(4, 5, "interleaved", stages_per_rank=2), "5 is not a multiple of 2"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            rp.attach(model, config)
 
 
 def test_two_stages_by_two_data_ranks_match_serial():

@@ -8,6 +8,7 @@
             for block in self.blocks:              class GPT(_GPT_serial):
                 x = block(x)                           # cut: stage 0: wte, blocks.0-1 | stage 1: ...
             return self.head(x)                        def __init__(self, *args, **kwargs):
+                                                           declare(2, where=...)  # the mesh's stages
                                                            super().__init__(*args, **kwargs)
                                                            attach(self, PipelineConfig(...), where=...)
 
@@ -17,12 +18,13 @@
 
 The generated class builds the whole serial model (same initialization), then
 ``macrogen.runtime.pipeline`` keeps this rank's stage and runs torch's
-``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B``. Arguments (keyword
-only): ``stages`` (required, >= 2), ``microbatches`` (4), ``schedule``
-("1f1b" or "gpipe"), ``split`` (names that start stages 1.., e.g.
-``["blocks.3"]``; without it the blocks of forward's ``nn.ModuleList`` loop
-are balanced by parameter count at run time). ``microbatches``, ``schedule``
-and ``split`` may be ``tunable``.
+``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` /
+``ScheduleInterleaved1F1B``. Arguments (keyword only): ``stages`` (required,
+>= 2), ``microbatches`` (4), ``schedule`` ("1f1b", "gpipe" or "interleaved"),
+``split`` (names that start stages 1.., e.g. ``["blocks.3"]``; without it the
+blocks of forward's ``nn.ModuleList`` loop are balanced by parameter count at
+run time), ``stages_per_rank`` (interleaved only; default 2). ``microbatches``,
+``schedule`` and ``split`` may be ``tunable``.
 
 Expansion checks what the file shows: a forward that can't be split (naming
 the statement), a split name forward doesn't call, more stages than a
@@ -53,8 +55,14 @@ USAGE = (
     "@pipeline(stages=2, microbatches=4, schedule='1f1b', split=['blocks.3'])"
     " decorates an nn.Module class whose forward is a sequence of submodule calls"
 )
-DEFAULTS: dict[str, Any] = {"stages": None, "microbatches": 4, "schedule": "1f1b", "split": None}
-SCHEDULES = ("1f1b", "gpipe")
+DEFAULTS: dict[str, Any] = {
+    "stages": None,
+    "microbatches": 4,
+    "schedule": "1f1b",
+    "split": None,
+    "stages_per_rank": None,  # 1; "interleaved": 2
+}
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class Spec:
     schedule: str  # "1f1b" or "gpipe"
     split: tuple[str, ...] | None  # names that start stages 1..; None: balanced at run time
     cut: str  # where it cuts, for the generated docstring
+    stages_per_rank: int = 1  # > 1: interleaved, rank r holding stages r, r + P, ...
 
 
 def validate(site: Site, ctx: Context) -> Spec:
@@ -96,6 +105,17 @@ def validate(site: Site, ctx: Context) -> Spec:
                 f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, not {s!r}",
                 args["schedule"].node,
             )
+    spr = args["stages_per_rank"].value if "stages_per_rank" in args else None
+    if spr is not None and (isinstance(spr, bool) or not isinstance(spr, int)):
+        raise MacroError(
+            f"stages_per_rank must be a whole number, not {spr!r}", args["stages_per_rank"].node
+        )
+    for s in schedules:
+        for n in microbatches:
+            problem = pf.interleaving_problem(stages, n, s, _stages_per_rank(spr, s))
+            if problem:
+                at = args.get("stages_per_rank") or args.get("schedule")
+                raise MacroError(problem, at.node if at else anchor)
     if "1f1b" in schedules and any(n < stages for n in microbatches):
         at = args.get("microbatches") or args.get("schedule")
         raise MacroError(
@@ -119,7 +139,12 @@ def validate(site: Site, ctx: Context) -> Spec:
         args["schedule"].value if "schedule" in args else DEFAULTS["schedule"],
         None if value is None else tuple(value),
         cut,
+        _stages_per_rank(spr, args["schedule"].value if "schedule" in args else "1f1b"),
     )
+
+
+def _stages_per_rank(given: int | None, schedule: str) -> int:
+    return given if given is not None else (2 if schedule == "interleaved" else 1)
 
 
 def _choices(args: dict[str, Arg], name: str, ctx: Context) -> list[Any]:
@@ -354,8 +379,9 @@ def expand(site: Site, ctx: Context) -> Expanded:
         ctx.import_from(runtime, "PipelineConfig"),
         ctx.import_from(runtime, "full_state_dict"),
         ctx.import_from(runtime, "load_full_state_dict"),
+        ctx.import_from(runtime, "declare"),
     )
-    attach, config, gather, scatter = imports
+    attach, config, gather, scatter, declare = imports
     generated = codegen.render_statements(
         "pipeline_class.py.j2",
         name=spec.name,
@@ -365,8 +391,10 @@ def expand(site: Site, ctx: Context) -> Expanded:
         microbatches=spec.microbatches,
         schedule=spec.schedule,
         split=spec.split,
+        stages_per_rank=spec.stages_per_rank,
         cut=spec.cut,
         attach=attach,
+        declare=declare,
         config=config,
         gather=gather,
         scatter=scatter,

@@ -10,7 +10,13 @@ neighbouring ranks (the same node, under torchrun). Every runtime piece takes
 its group from the dimension it needs: tensor-parallel layers from
 ``mesh().tensor_group``, data-parallel modules from ``mesh().data_group``
 (different tensor-parallel ranks hold different shards, never to be averaged).
-The pipeline dimension is a slot for ``@pipeline``: size 1 until it exists.
+
+A ``@pipeline`` model declares its stages (``expect_pipeline``) before its
+layers are built, so the mesh made then (by its first tensor-parallel layer,
+or by the pipeline itself) is P x D x T, pipeline outermost, tensor innermost:
+rank = (stage * D + data rank) * T + tensor rank. With P = 2, D = 1, T = 2,
+tensor groups are [0, 1] and [2, 3] (one per stage), pipeline groups [0, 2]
+and [1, 3] (the peers that send each other activations).
 
 The mesh is made once per program, on first use (a tensor-parallel module's
 ``__init__``, or a data-parallel module's). Before any group is made, every
@@ -24,7 +30,6 @@ gets that timeout.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,10 +51,13 @@ class Mesh:
     tensor_size: int  # ranks splitting one layer (the tensor-parallel degree)
     tensor_group: dist.ProcessGroup | None  # this rank's tensor group; None: degree 1 or serial
     data_group: dist.ProcessGroup | None  # this rank's data group; None: the default group
-    data_rank: int = 0  # which share of the data this rank trains on: rank // tensor_size
-    pipeline_size: int = 1  # pipeline stages (a slot for @pipeline: always 1 today)
+    data_rank: int = 0  # which share of the data this rank trains on: (rank // T) % D
+    pipeline_size: int = 1  # pipeline stages (@pipeline's)
     pipeline_group: dist.ProcessGroup | None = None  # this rank's pipeline group; None: 1 stage
-    device_mesh: Any = None  # torch's DeviceMesh, dims ("data",) or ("data", "tensor"); None: serial
+    # torch's DeviceMesh, dims ("data",), ("data", "tensor"), ("pipeline", "data") or
+    # ("pipeline", "data", "tensor"); None: serial
+    device_mesh: Any = None
+    pipeline_rank: int = 0  # this rank's stage: rank // (D * T)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -60,9 +68,10 @@ class Mesh:
 SERIAL = Mesh(1, 1, None, None)
 
 _mesh: Mesh | None = None  # the program's mesh, once made (like torch's own mesh registry)
+_stages: int | None = None  # pipeline stages a @pipeline model declared before the mesh existed
 
 
-def tensor_parallel_size(requested: int | None, world: int) -> int:
+def tensor_parallel_size(requested: int | None, world: int, pipeline_size: int = 1) -> int:
     """``size=`` from the plan, else $MACROGEN_TP_SIZE from the launch, else 1.
 
     Not the world size by default: with ``@data_parallel`` in the same program
@@ -74,6 +83,12 @@ def tensor_parallel_size(requested: int | None, world: int) -> int:
         if env and (not env.isdigit() or int(env) < 1):
             raise ValueError(f"{SIZE_ENV}={env!r}: expected a positive integer")
         requested = int(env) if env else 1
+    if pipeline_size > 1 and requested >= 1 and (world // pipeline_size) % requested:
+        raise ValueError(
+            f"tensor-parallel size {requested} does not divide the {world // pipeline_size} ranks"
+            f" of each of {pipeline_size} pipeline stages: launch a multiple of"
+            f" {pipeline_size * requested} processes (pipeline x data x tensor)"
+        )
     if requested < 1 or world % requested:
         raise ValueError(
             f"tensor-parallel size {requested} does not divide the world size {world}:"
@@ -99,54 +114,69 @@ def mesh(size: int | None = None) -> Mesh:
             )
         return _mesh
     world = dist.get_world_size()
-    tensor_size = agree_on_tensor_size(size, world)
-    _mesh = build(world, tensor_size)
+    stages = _stages or 1
+    tensor_size = agree_on_tensor_size(size, world, stages)
+    _mesh = build(world, tensor_size, stages)
     return _mesh
 
 
-def install(make: Callable[[], Mesh], *, pipeline_size: int) -> Mesh:
-    """The program's mesh with ``pipeline_size`` stages, made by ``make`` if none exists yet.
+def expect_pipeline(stages: int) -> None:
+    """A ``@pipeline`` model of ``stages`` stages is being built: the mesh gets a pipeline dim.
 
-    ``@pipeline`` builds its (pipeline x data) mesh this way, so that data-parallel
-    modules then read the data group of their own stage from here.
+    Called before the model's layers are built, so that a tensor-parallel layer
+    inside a stage, which makes the mesh on first use, makes it P x D x T and
+    takes its tensor group within its stage.
     """
-    global _mesh
-    if _mesh is None:
-        _mesh = make()
-    elif _mesh.pipeline_size != pipeline_size:
+    global _stages
+    if not groups.ensure_initialized() or dist.get_world_size() == 1:
+        return  # serial: the model stays whole
+    world = dist.get_world_size()
+    if world % stages:
         raise ValueError(
-            f"this program's mesh (pipeline, data, tensor) = {_mesh.shape} was made before a"
-            f" model asked for {pipeline_size} pipeline stages: one mesh per program, and a"
-            " pipelined model must be built before any other parallel module"
+            f"world size {world} does not divide into {stages} pipeline stages:"
+            f" launch a multiple of {stages} processes (pipeline x data)"
         )
-    return _mesh
+    have = _mesh.pipeline_size if _mesh is not None else _stages
+    if have is not None and have != stages:
+        shape = f" (pipeline, data, tensor) = {_mesh.shape}" if _mesh is not None else ""
+        raise ValueError(
+            f"this program's mesh{shape} has {have} pipeline stage(s), and a model asks"
+            f" for {stages}: one mesh per program, and a pipelined model must be built"
+            " before any other parallel module"
+        )
+    _stages = stages
 
 
-def agree_on_tensor_size(size: int | None, world: int) -> int:
+def agree_on_tensor_size(size: int | None, world: int, pipeline_size: int = 1) -> int:
     """Every rank's request, compared on every rank before any group exists; the agreed size."""
-    request = (size, os.environ.get(SIZE_ENV, "").strip())
+    request = (size, os.environ.get(SIZE_ENV, "").strip(), pipeline_size)
     if world > 1:
         groups.barrier("macrogen: building the data x tensor mesh")
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, request)
         if any(r != gathered[0] for r in gathered):
             asks = "; ".join(f"rank {r}: {_describe(q)}" for r, q in enumerate(gathered))
+            what = "tensor-parallel sizes" if len({q[2] for q in gathered}) == 1 else "meshes"
             raise MeshMismatchError(
-                f"ranks ask for different tensor-parallel sizes ({asks}). Set {SIZE_ENV}"
+                f"ranks ask for different {what} ({asks}). Set {SIZE_ENV}"
                 f" the same on every rank (torchrun passes one environment to all)"
                 f" (raised on rank {dist.get_rank()})"
             )
-    return tensor_parallel_size(size, world)  # same inputs on every rank: same size or same error
+    # same inputs on every rank: same size or same error
+    return tensor_parallel_size(size, world, pipeline_size)
 
 
-def _describe(request: tuple[int | None, str]) -> str:
-    size, env = request
+def _describe(request: tuple[int | None, str, int]) -> str:
+    size, env, stages = request
     env_text = f"{SIZE_ENV}={env}" if env else f"{SIZE_ENV} unset"
-    return f"size={size}, {env_text}" if size is not None else env_text
+    text = f"size={size}, {env_text}" if size is not None else env_text
+    return text if stages == 1 else f"{text}, {stages} pipeline stages"
 
 
-def build(world: int, tensor_size: int) -> Mesh:
-    """The groups of a world/T x T mesh and torch's DeviceMesh over them (on every rank)."""
+def build(world: int, tensor_size: int, pipeline_size: int = 1) -> Mesh:
+    """The groups of a P x world/(P T) x T mesh and torch's DeviceMesh over them (on every rank)."""
+    if pipeline_size > 1:
+        return _build_3d(world, tensor_size, pipeline_size)
     data_size, rank = world // tensor_size, dist.get_rank()
     device_type = torch.device(groups.placement().device).type
     if tensor_size == 1:  # data parallel (or replicated) only: the default group is the data group
@@ -167,6 +197,32 @@ def build(world: int, tensor_size: int) -> Mesh:
     device_mesh = _device_mesh(device_type, [data_group, tensor_group], grid, ("data", "tensor"))
     return Mesh(data_size, tensor_size, tensor_group, data_group, rank // tensor_size,
                 device_mesh=device_mesh)  # fmt: skip
+
+
+def _build_3d(world: int, tensor_size: int, stages: int) -> Mesh:
+    """(pipeline, data, tensor), pipeline outermost: each stage's ranks are a data x tensor mesh.
+
+    Every dimension gets its groups, even of one rank (the default group would mix
+    stages or shards), made dimension by dimension in the same order on every rank.
+    """
+    data_size, rank = world // (stages * tensor_size), dist.get_rank()
+    grid = torch.arange(world).view(stages, data_size, tensor_size)
+    dims = [0, 1, 2] if tensor_size > 1 else [0, 1]  # no tensor dim: @pipeline's 2-D mesh
+    mine: list[Any] = []
+    for dim in dims:
+        lines = grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
+        for line in lines:
+            g = dist.new_group(line, timeout=groups.timeout())
+            if rank in line:
+                mine.append(g)
+    names = ("pipeline", "data", "tensor")[: len(dims)]
+    device_type = torch.device(groups.placement().device).type
+    shaped = grid if tensor_size > 1 else grid[:, :, 0]
+    device_mesh = _device_mesh(device_type, mine, shaped, names)
+    pipeline_group, data_group = mine[0], mine[1]
+    return Mesh(data_size, tensor_size, mine[2] if tensor_size > 1 else None, data_group,
+                (rank // tensor_size) % data_size, stages, pipeline_group, device_mesh,
+                rank // (data_size * tensor_size))  # fmt: skip
 
 
 def _device_mesh(device_type: str, dim_groups: Any, grid: torch.Tensor, names: tuple[str, ...]):
@@ -191,5 +247,5 @@ def data_parallel_group() -> dist.ProcessGroup | None:
 
 def reset() -> None:
     """Forget the mesh (tests that build several programs in one process)."""
-    global _mesh
-    _mesh = None
+    global _mesh, _stages
+    _mesh = _stages = None

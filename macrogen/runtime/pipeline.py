@@ -7,8 +7,11 @@ serial run). The ``Pipeline``:
 1. reads the model's ``forward`` (``pipeline_forward``) and cuts its units into
    ``stages`` stages, at the ``split`` names or, without them, at block
    boundaries of its ``nn.ModuleList`` loop, balanced by parameter count;
-2. lays the world out as a (pipeline x data) ``DeviceMesh``, pipeline outermost:
-   rank r is stage ``r // data_size``; ranks of one stage form a data group;
+2. lays the world out as the program's (pipeline x data x tensor) ``DeviceMesh``
+   (``mesh.py``), pipeline outermost: rank r is stage ``r // (data_size *
+   tensor_size)``; tensor-parallel layers inside the stages were built with
+   their stage's tensor group (``declare``, before the model's ``__init__``)
+   and are cut into shards here, before the stage cut;
 3. keeps this stage's parts of the model (same attribute names, same state_dict
    keys) and puts an ``Elsewhere`` placeholder where another stage's parts
    were, so ``model.parameters()`` is this stage's parameters;
@@ -37,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from macrogen.runtime import groups, mesh
+from macrogen.runtime import groups, mesh, tensor_parallel, tensor_parallel_plan
 from macrogen.runtime import pipeline_forward as pf
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ATTR = "_macrogen_pipeline"  # where a pipelined model keeps its Pipeline (markers look for it)
 
 
@@ -52,68 +55,56 @@ class PipelineConfig:
     split: tuple[str, ...] | None = (
         None  # names that start stages 1..: ("blocks.3",); None: balanced
     )
+    # "interleaved" (ScheduleInterleaved1F1B): each rank holds this many stages, rank r
+    # stages r, r + P, r + 2P, ... (P = stages / stages_per_rank pipeline ranks)
+    stages_per_rank: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Pipeline ranks: the mesh's pipeline dimension."""
+        return self.stages // self.stages_per_rank
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where this rank sits on the program's (pipeline x data) mesh."""
+    """Where this rank sits on the program's (pipeline x data x tensor) mesh."""
 
-    stages: int
+    stages: int  # pipeline ranks (the stages, unless several stages per rank)
     data_size: int
-    stage: int  # rank // data_size
-    data_rank: int  # rank % data_size: which share of the data this rank trains on
+    stage: int  # this rank's place on the pipeline: rank // (data_size * tensor_size)
+    data_rank: int  # which share of the data this rank trains on
     pipeline_group: dist.ProcessGroup  # this rank and its peers of the other stages
-    data_group: dist.ProcessGroup  # ranks holding the same stage (one rank: its own group)
+    data_group: dist.ProcessGroup  # ranks holding the same stage and shards (one rank: its own)
+    tensor_size: int = 1  # tensor-parallel ranks splitting this stage's layers
+
+
+def declare(ranks: int, *, where: str = "") -> None:
+    """Before the model's layers are built: the mesh's pipeline dimension will be ``ranks``.
+
+    ``ranks`` is the number of stages (over ``stages_per_rank``, interleaved). A
+    generated ``@pipeline`` class calls this first, so that tensor-parallel
+    layers inside its stages, built by the user's ``__init__``, take their
+    tensor group within their stage (the mesh is P x D x T).
+    """
+    try:
+        mesh.expect_pipeline(ranks)
+    except ValueError as e:
+        raise ValueError(f"{_at(where)}{e}") from None
 
 
 def layout(stages: int, *, where: str = "") -> Layout | None:
-    """This rank's place on the (pipeline x data) mesh; None when serial (no group, world 1)."""
+    """This rank's place on the (pipeline x data x tensor) mesh; None when serial (no group, world 1)."""
     if not groups.ensure_initialized() or dist.get_world_size() == 1:
         return None
-    world = dist.get_world_size()
-    if world % stages:
-        raise ValueError(
-            f"{_at(where)}world size {world} does not divide into {stages} pipeline stages:"
-            f" launch a multiple of {stages} processes (pipeline x data)"
-        )
+    declare(stages, where=where)
     try:
-        m = mesh.install(lambda: build_mesh(world, stages), pipeline_size=stages)
+        m = mesh.mesh()
     except ValueError as e:
         raise ValueError(f"{_at(where)}{e}") from None
-    if m.tensor_size != 1:  # (install only makes pipeline x data meshes)
-        raise ValueError(f"{_at(where)}tensor parallelism inside pipeline stages is not supported")
+    assert m.pipeline_size == stages  # (declare refuses a mesh of other stages)
     assert m.pipeline_group is not None and m.data_group is not None
-    rank = dist.get_rank()
-    return Layout(stages, m.data_size, rank // m.data_size, m.data_rank, m.pipeline_group,
-                  m.data_group)  # fmt: skip
-
-
-def build_mesh(world: int, stages: int) -> mesh.Mesh:
-    """The (pipeline x data) groups, pipeline outermost, and torch's DeviceMesh over them.
-
-    Rank r holds stage r // data_size. Every rank makes every group, in the same order.
-    A data size of 1 still gets its one-rank groups: the default group would mix stages.
-    """
-    data_size, rank = world // stages, dist.get_rank()
-    grid = torch.arange(world).view(stages, data_size)  # (pipeline, data)
-    pipeline_group = data_group = None
-    for line in grid.t().tolist():
-        g = dist.new_group(line, timeout=groups.timeout())
-        if rank in line:
-            pipeline_group = g
-    for line in grid.tolist():
-        g = dist.new_group(line, timeout=groups.timeout())
-        if rank in line:
-            data_group = g
-    from torch.distributed.device_mesh import DeviceMesh
-
-    device_type = torch.device(groups.placement().device).type
-    assert pipeline_group is not None and data_group is not None  # every rank is in one line
-    device_mesh = DeviceMesh.from_group(
-        [pipeline_group, data_group], device_type, mesh=grid, mesh_dim_names=("pipeline", "data")
-    )
-    return mesh.Mesh(data_size, 1, None, data_group, rank % data_size, stages, pipeline_group,
-                     device_mesh)  # fmt: skip
+    return Layout(stages, m.data_size, m.pipeline_rank, m.data_rank, m.pipeline_group,
+                  m.data_group, m.tensor_size)  # fmt: skip
 
 
 def reset() -> None:
@@ -357,35 +348,53 @@ class Pipeline:
                 f"{_at(where)}1f1b needs at least as many micro-batches as stages"
                 f" ({config.microbatches} < {config.stages})"
             )
+        problem = pf.interleaving_problem(
+            config.stages, config.microbatches, config.schedule, config.stages_per_rank
+        )
+        if problem:
+            raise ValueError(f"{_at(where)}{problem}")
         self.model = model
         self.config = config
         self.where = where
-        self.layout = layout(config.stages, where=where) if config.stages > 1 else None
-        try:
+        self.layout = layout(config.ranks, where=where) if config.ranks > 1 else None
+        try:  # on the serial layers: balanced by serial parameter counts, as the expansion says
             self.plan = plan(model, config.stages, config.split)
         except ValueError as e:
             raise ValueError(f"{_at(where)}{e}") from None
         self.keys = list(model.state_dict().keys())  # the serial model's, in its order
+        # Tensor-parallel layers inside the stages are cut into shards (in their stage's
+        # tensor group) now, not when the outermost __init__ returns: the stage cut below
+        # must see the sharded layers, and every rank still holds every layer, so the
+        # tensor-parallel rank-agreement check runs on the same modules everywhere.
+        tensor_parallel_plan.materialize(model)
         self._schedule: Any = None
         self._shape: Any = None
         self._loss_fn: Callable[..., torch.Tensor] | None = None
         if self.layout is not None:
-            self._cut(self.layout.stage)
+            self._cut(self.stages)
 
     @property
     def stage(self) -> int:
+        """This rank's (first) stage."""
         return 0 if self.layout is None else self.layout.stage
+
+    @property
+    def stages(self) -> list[int]:
+        """This rank's stages: r, r + P, ... (one unless interleaved)."""
+        step = self.config.ranks
+        return list(range(self.stage, self.config.stages, step))
 
     def describe(self) -> str:
         return self.plan.describe()
 
-    def _cut(self, stage: int) -> None:
-        """Keep this stage's parts; an ``Elsewhere`` (or nothing, for a tensor) for the others'."""
+    def _cut(self, stages: list[int]) -> None:
+        """Keep these stages' parts; an ``Elsewhere`` (or nothing, for a tensor) for the others'."""
         model = self.model
-        kept = []
+        kept: dict[int, list[Any]] = {s: [] for s in stages}
         for part, users in self.plan.owners.items():
-            if stage in users:
-                kept.append(_get(model, part))
+            if users & kept.keys():
+                for s in users & kept.keys():
+                    kept[s].append(_get(model, part))
                 continue
             owner = min(users)
             head, _, index = part.partition(".")
@@ -397,7 +406,7 @@ class Pipeline:
                 model._parameters.pop(head, None)
                 model._buffers.pop(head, None)
         self.parts = kept
-        self.code = stage_code(model, self.plan, stage)
+        self.code = {s: stage_code(model, self.plan, s) for s in stages}
 
     # -- the step ---------------------------------------------------------------------
     def step(
@@ -420,19 +429,21 @@ class Pipeline:
         # pre-hooks once, as model(x) would (@data_parallel's start-up and buffer broadcast).
         for hook in list(self.model._forward_pre_hooks.values()):
             hook(self.model, (x,))
-        stage, lay = self._schedule._stage, self.layout
+        lay = self.layout
+        here = getattr(self._schedule, "_stages", None) or [self._schedule._stage]
+        first, last_here = any(s.is_first for s in here), any(s.is_last for s in here)
         losses: list[torch.Tensor] = []
-        if stage.is_first:
-            self._schedule.step(x, return_outputs=False)
-        elif stage.is_last:
-            self._schedule.step(target=y, losses=losses, return_outputs=False)
-        else:
-            self._schedule.step(return_outputs=False)
+        self._schedule.step(
+            *((x,) if first else ()),
+            target=y if last_here else None,
+            losses=losses if last_here else None,
+            return_outputs=False,
+        )
         if lay.data_size > 1 and not _has_gradient_sync(self.model):
             self._average_over_data()  # (@data_parallel on the model averages in its buckets)
         device = self._device()
         loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
-        last = dist.get_global_rank(lay.pipeline_group, lay.stages - 1)
+        last = dist.get_global_rank(lay.pipeline_group, lay.stages - 1)  # holds the last stage
         dist.broadcast(loss, src=last, group=lay.pipeline_group)
         return loss
 
@@ -446,17 +457,31 @@ class Pipeline:
         return torch.device("cpu")
 
     def _build(self) -> Any:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
         lay = self.layout
         assert lay is not None
-        module = StageModule(self.model, self.code, self.parts)
-        stage = PipelineStage(
-            module, lay.stage, lay.stages, self._device(), group=lay.pipeline_group
-        )
-        kind = ScheduleGPipe if self.config.schedule == "gpipe" else Schedule1F1B
+        stages: list[Any] = [
+            PipelineStage(
+                StageModule(self.model, self.code[s], self.parts[s]),
+                s,
+                self.config.stages,
+                self._device(),
+                group=lay.pipeline_group,
+            )
+            for s in self.stages
+        ]
+        m = self.config.microbatches
         # scale_grads=False: each micro-batch's loss is already divided by their number
-        return kind(stage, self.config.microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+        if self.config.schedule == "interleaved":
+            return ScheduleInterleaved1F1B(stages, m, loss_fn=self._scaled_loss, scale_grads=False)
+        kind = ScheduleGPipe if self.config.schedule == "gpipe" else Schedule1F1B
+        return kind(stages[0], m, loss_fn=self._scaled_loss, scale_grads=False)
 
     def _average_over_data(self) -> None:
         """Average this stage's gradients over the ranks that hold the same stage."""
@@ -478,7 +503,7 @@ class Pipeline:
     # -- checkpoints ---------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The serial model's state dict (same keys, same order), gathered from every stage."""
-        local = self.model.state_dict()
+        local = self._local_state_dict()
         if self.layout is None:
             return local
         gathered: list[Any] = [None] * self.layout.stages
@@ -501,9 +526,16 @@ class Pipeline:
                     f" unexpected {unexpected}"
                 )
         local = self.model.state_dict().keys()
-        return self.model.load_state_dict(
-            {k: v for k, v in state_dict.items() if k in local}, strict=strict
-        )
+        mine = {k: v for k, v in state_dict.items() if k in local}
+        if self.layout is not None and self.layout.tensor_size > 1:  # each keeps its shard
+            return tensor_parallel.load_full_state_dict(self.model, mine, strict=strict)
+        return self.model.load_state_dict(mine, strict=strict)
+
+    def _local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's entries at serial shapes (tensor-parallel shards gathered in the stage)."""
+        if self.layout is not None and self.layout.tensor_size > 1:
+            return tensor_parallel.full_state_dict(self.model)
+        return self.model.state_dict()
 
 
 def _has_gradient_sync(model: nn.Module) -> bool:

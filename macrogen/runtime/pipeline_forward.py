@@ -426,3 +426,31 @@ def split_count_message(stages: int, given: int) -> str:
         f"split names where {wanted}: {stages - 1} name{'s' if stages > 2 else ''} for"
         f" {stages} stages, not {given}"
     )
+
+
+def interleaving_problem(stages: int, m: int, schedule: str, spr: int) -> str | None:
+    """What is wrong with ``stages_per_rank`` (spr) for the schedule, if anything.
+
+    The macro says it at expansion, the runtime at construction.
+    """
+    if schedule != "interleaved":
+        if spr != 1:
+            return (
+                f"stages_per_rank={spr} needs schedule='interleaved' ({schedule!r} runs"
+                " one stage per rank)"
+            )
+        return None
+    if spr < 2 or stages % spr:
+        return (
+            f"interleaved needs stages_per_rank >= 2 that divides stages ({stages}), not {spr}"
+        )
+    ranks = stages // spr
+    if ranks < 2:
+        return f"{stages} stages at {spr} per rank is one pipeline rank: nothing to interleave"
+    rounds = max(1, m // ranks)
+    if m % rounds:  # torch's ScheduleInterleaved1F1B runs micro-batches in equal rounds
+        return (
+            f"interleaved on {ranks} pipeline ranks runs {rounds} rounds of micro-batches:"
+            f" microbatches={m} is not a multiple of {rounds}"
+        )
+    return None

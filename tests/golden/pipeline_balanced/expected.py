@@ -6,6 +6,7 @@ from macrogen import pipeline, pipeline_step
 # ---- macrogen: generated from input.py; edit the source, not this block ----
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import attach
+from macrogen.runtime.pipeline import declare
 from macrogen.runtime.pipeline import full_state_dict
 from macrogen.runtime.pipeline import load_full_state_dict
 
@@ -31,6 +32,8 @@ class Deep(_Deep_serial):
     """
 
     def __init__(self, *args, **kwargs):
+        # first: tensor-parallel layers built below take their tensor group within their stage
+        declare(3, where='input.py:5')
         super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
         # cut: at run time, between blocks of self.layers, balancing parameter counts
         attach(

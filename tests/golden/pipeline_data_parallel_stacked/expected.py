@@ -8,6 +8,7 @@ from macrogen.runtime.data_parallel import DataParallelConfig
 from macrogen.runtime.data_parallel import GradientSync
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import attach
+from macrogen.runtime.pipeline import declare
 from macrogen.runtime.pipeline import full_state_dict
 from macrogen.runtime.pipeline import load_full_state_dict
 
@@ -36,6 +37,8 @@ class _Net_serial_2(_Net_serial):
     """
 
     def __init__(self, *args, **kwargs):
+        # first: tensor-parallel layers built below take their tensor group within their stage
+        declare(2, where='input.py:6')
         super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
         # cut: stage 0: inp, blocks.0-1 | stage 1: blocks.2-3, head
         attach(

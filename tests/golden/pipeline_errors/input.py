@@ -77,7 +77,7 @@ class FewMicrobatches(nn.Module):
         return x
 
 
-@mg.pipeline(stages=2, schedule="interleaved")
+@mg.pipeline(stages=2, schedule="zero-bubble")
 class BadSchedule(nn.Module):
     def forward(self, x):
         for block in self.blocks:

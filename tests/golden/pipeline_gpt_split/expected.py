@@ -10,6 +10,7 @@ import macrogen as mg
 # ---- macrogen: generated from input.py; edit the source, not this block ----
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import attach
+from macrogen.runtime.pipeline import declare
 from macrogen.runtime.pipeline import full_state_dict
 from macrogen.runtime.pipeline import load_full_state_dict
 
@@ -53,6 +54,8 @@ class GPT(_GPT_serial):
     """
 
     def __init__(self, *args, **kwargs):
+        # first: tensor-parallel layers built below take their tensor group within their stage
+        declare(2, where='input.py:20')
         super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
         # cut: stage 0: wte, wpe, blocks.0-2 | stage 1: blocks.3, lm_head, ln_f
         attach(
