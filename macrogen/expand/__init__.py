@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Mapping
+from bisect import bisect_left
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from macrogen import __version__, codegen, macros
 from macrogen.expand.args import Evaluator, no_argument_macros
@@ -26,7 +26,7 @@ from macrogen.expand.errors import Diagnostic, ExpansionError, InternalError, Ma
 from macrogen.expand.layout import split_lines
 from macrogen.expand.sites import MODULE, PACKAGE, Scope, ScopeStack, collect_scope, nfkc
 from macrogen.expand.statements import MAX_NODES, Disagree, Pieces, TooLarge, WholeFile
-from macrogen.expand.transform import Expander, inside
+from macrogen.expand.transform import Expander
 
 __all__ = ["Expansion", "ExpansionError", "InternalError", "Options", "expand_source"]
 
@@ -115,7 +115,6 @@ class _FileExpansion:
             else Pieces(self.source, tree)
         )
         statements = self.statements
-        self._positions: dict[int, Mapping[cst.CSTNode, Any]] = {}
         # The statements that import macrogen tell its names; those that name one of them
         # (to use it, or to bind it to something else) are all the pass needs to parse.
         imports_it = self._mentioning({PACKAGE})
@@ -132,6 +131,7 @@ class _FileExpansion:
         )
 
         constants = self._module_constants(module_scope, candidates)
+        hot = _HotLines(self, {PACKAGE, *module_scope.macros})
         module_names = statements.imported_names()
         new_body: dict[int, list[cst.BaseStatement]] = {}
         expanded: list[tuple[str, int]] = []
@@ -145,6 +145,7 @@ class _FileExpansion:
                 self.errors,
                 constants=constants,
                 module_names=module_names,
+                hot=hot,
             )
             result = statements.node(i).visit(expander)
             expander.check_unconsumed()
@@ -170,16 +171,22 @@ class _FileExpansion:
 
     def _mentioning(self, names: set[str]) -> list[int]:
         """The top-level statements whose text has one of ``names`` as a word."""
+        at = self.statements
+        return sorted({at.statement_at(line) for line in self._lines_with(names)} - {-1})
+
+    def _lines_with(self, names: Iterable[str]) -> set[int]:
+        """The lines whose text has one of ``names`` as a word (in code, comments or strings)."""
+        names = set(names)
         if not names:
-            return []
+            return set()
         pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(names))) + r")\b")
         at = self.statements
-        found = {at.statement_at(at.line_at(m.start())) for m in pattern.finditer(self.source)}
+        found = {at.line_at(m.start()) for m in pattern.finditer(self.source)}
         if not self.source.isascii():  # Python reads identifiers NFKC-normalized: ｍg is mg
             for m in _NON_ASCII_WORD.finditer(self.source):
                 if nfkc(m.group()) in names:
-                    found.add(at.statement_at(at.line_at(m.start())))
-        return sorted(found - {-1})
+                    found.add(at.line_at(m.start()))
+        return found
 
     def _output(self, new_body: dict[int, list[cst.BaseStatement]]) -> str:
         """The source text, with each expanded statement's text replaced by its new code."""
@@ -245,25 +252,19 @@ class _FileExpansion:
                 ]
             ) from None
 
-    def _positions_of(self, i: int) -> Mapping[cst.CSTNode, Any]:
-        if i not in self._positions:  # positions only for statements that need them
-            wrapper = MetadataWrapper(self.statements.positions_module(i), unsafe_skip_copy=True)
-            self._positions[i] = wrapper.resolve(PositionProvider)
-        return self._positions[i]
-
     def _statement_of(self, node: cst.CSTNode) -> int:
         """The top-level statement that holds ``node``: the current one, else a search."""
-        if self.current >= 0 and inside(node, self.statements.node(self.current)):
+        if self.current >= 0 and node in self.statements.positions(self.current):
             return self.current
         visited: list[int] = getattr(self, "visited", [])
         for i in visited:
-            if inside(node, self.statements.node(i)):
+            if node in self.statements.positions(i):
                 return i
         return -1
 
     def _position(self, node: cst.CSTNode, i: int | None = None) -> Position:
         i = self.current if i is None else i
-        code_range = self._positions_of(i).get(node) if i >= 0 else None
+        code_range = self.statements.positions(i).get(node) if i >= 0 else None
         if code_range is None:
             return Position(self.statements.first_lines[i] if i >= 0 else 1, 1)
         first_line = self.statements.first_lines[i]
@@ -377,6 +378,37 @@ class _FileExpansion:
             keep += 1
         newline = self.statements.newline
         return "".join(lines[:keep]) + newline.join(header) + newline + "".join(lines[keep:])
+
+
+class _HotLines:
+    """The lines that mention a name that may mean macrogen, and whether a statement has one.
+
+    The pass visits only the statements of the current top-level statement whose lines
+    (decorators and comments included) hold one of these names: a method of a
+    ``@tensor_parallel`` class or the loops of a ``@tile`` kernel can hold no site.
+    Names that a function or class binds to macrogen itself are added when its scope
+    is entered (its import names ``macrogen``, so it is visited)."""
+
+    def __init__(self, expansion: _FileExpansion, names: set[str]):
+        self.expansion = expansion
+        self.names = set(names)
+        self.lines = sorted(expansion._lines_with(self.names))
+
+    def add(self, names: Iterable[str]) -> None:
+        new = set(names) - self.names
+        if new:
+            self.names |= new
+            self.lines = sorted(set(self.lines) | self.expansion._lines_with(new))
+
+    def __call__(self, node: cst.CSTNode) -> bool:
+        at = self.expansion.current
+        statements = self.expansion.statements
+        extent = statements.extents(at).get(node) if at >= 0 else None
+        if extent is None:
+            return True  # not a statement of the source: visit it
+        offset = statements.first_lines[at] - 1
+        j = bisect_left(self.lines, extent[0] + offset)
+        return j < len(self.lines) and self.lines[j] <= extent[1] + offset
 
 
 def _line(source: str, line: int) -> str:

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import ast
 from bisect import bisect_right
+from collections.abc import Mapping
 from itertools import accumulate
+from typing import Any
 
 import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from macrogen.expand.layout import Layout, split_lines
 
@@ -38,6 +41,43 @@ class TooLarge(Exception):
         super().__init__(line, nodes)
         self.line = line
         self.nodes = nodes
+
+
+Positions = Mapping[cst.CSTNode, Any]  # node -> its libcst CodeRange (1-based lines)
+Extents = Mapping[cst.CSTNode, "tuple[int, int]"]  # statement -> (first line, last line)
+
+
+def code_and_positions(module: cst.Module) -> tuple[str, Positions, Extents]:
+    """The module's code, every node's position and every statement's extent, in one pass.
+
+    ``MetadataWrapper.resolve(PositionProvider)`` costs a full visit (it rebuilds
+    the tree) on top of a codegen; the pass needs the code (to check that a piece
+    reads back as written), the positions (of its sites and errors) and the lines
+    each statement spans, decorators and comments included (to skip statements
+    that mention no macro name), so it asks libcst's position codegen for all
+    three at once. Private libcst API, hence the fallback to the public one.
+    """
+    try:
+        from libcst.metadata.position_provider import PositionProvidingCodegenState
+
+        class State(PositionProvidingCodegenState):
+            def after_codegen(self, node: cst.CSTNode) -> None:
+                if isinstance(node, cst.BaseStatement):
+                    extents[node] = (self._stack[-1].line, self.line)
+                super().after_codegen(node)
+
+        extents: dict[cst.CSTNode, tuple[int, int]] = {}
+        provider = PositionProvider()
+        state = State(
+            default_indent=module.default_indent,
+            default_newline=module.default_newline,
+            provider=provider,
+        )
+        module._codegen(state)
+        return "".join(state.tokens), provider._computed, extents
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another libcst
+        wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+        return module.code, wrapper.resolve(PositionProvider), {}
 
 
 def _check_size(nodes: list[ast.stmt]) -> None:
@@ -102,6 +142,7 @@ class Pieces(Statements):
         self.first_lines = [1] + [end + 1 for end in ends[:-1]] if ends else []
         self.indent = _first_indent(tree, self.lines)
         self._modules: dict[int, cst.Module] = {}
+        self._positions: dict[int, tuple[Positions, Extents]] = {}
 
     def text(self, i: int) -> str:
         stop = self.first_lines[i + 1] - 1 if i + 1 < self.count else len(self.lines)
@@ -121,7 +162,11 @@ class Pieces(Statements):
                 module = cst.parse_module(self.text(i))
             except cst.ParserSyntaxError:
                 raise Disagree from None
-            if len(module.body) != 1 or module.code != self.text(i):
+            if len(module.body) != 1:
+                raise Disagree
+            code, positions, extents = code_and_positions(module)
+            self._positions[i] = (positions, extents)
+            if code != self.text(i):
                 raise Disagree
             self._modules[i] = module.with_changes(
                 default_newline=self.newline,
@@ -134,8 +179,15 @@ class Pieces(Statements):
     def node(self, i: int) -> cst.BaseStatement:
         return self.module(i).body[0]
 
-    def positions_module(self, i: int) -> cst.Module:
-        return self.module(i)
+    def positions(self, i: int) -> Positions:
+        """Where each node of statement ``i`` is, lines counted from the piece's first."""
+        self.module(i)
+        return self._positions[i][0]
+
+    def extents(self, i: int) -> Extents:
+        """The lines each statement inside statement ``i`` spans (counted as positions)."""
+        self.module(i)
+        return self._positions[i][1]
 
     def code(self, i: int, statements: list[cst.BaseStatement]) -> str:
         return self.module(i).with_changes(body=statements).code
@@ -181,6 +233,7 @@ class WholeFile(Statements):
         self.layout = layout
         self.first_lines = layout.first_lines
         self.newline = module.default_newline
+        self._positions: dict[int, tuple[Positions, Extents]] = {}
 
     def text(self, i: int) -> str:
         return self.layout.text(i)
@@ -194,8 +247,18 @@ class WholeFile(Statements):
     def node(self, i: int) -> cst.BaseStatement:
         return self.whole.body[i]
 
-    def positions_module(self, i: int) -> cst.Module:
-        return self.whole.with_changes(body=[self.whole.body[i]], header=[], footer=[])
+    def positions(self, i: int) -> Positions:
+        return self._positions_and_extents(i)[0]
+
+    def extents(self, i: int) -> Extents:
+        return self._positions_and_extents(i)[1]
+
+    def _positions_and_extents(self, i: int) -> tuple[Positions, Extents]:
+        if i not in self._positions:
+            module = self.whole.with_changes(body=[self.whole.body[i]], header=[], footer=[])
+            _, positions, extents = code_and_positions(module)
+            self._positions[i] = (positions, extents)
+        return self._positions[i]
 
     def code(self, i: int, statements: list[cst.BaseStatement]) -> str:
         return "".join(self.whole.code_for_node(s) for s in statements)
