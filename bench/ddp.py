@@ -1,14 +1,27 @@
-"""Data-parallel step time: @data_parallel against torch DDP and per-tensor all-reduce.
+"""Data-parallel step time: @data_parallel, ZeRO-1 and local SGD against torch DDP.
 
-    python bench/ddp.py [--steps 1] [--rounds 30]
+    python bench/ddp.py [--steps 1] [--rounds 20]
+    python bench/ddp.py --curve docs/local_sgd_loss.png [--curve-steps 300]
 
-Two gloo ranks on this machine train the same GPT (examples/gpt.py: 6 layers,
-d=256, 77 parameter tensors) with AdamW. Every variant lives in the same two
-processes and the variants take turns, a step each by default, so that load
-from other programs hits them alike. Prints the median step time of each and the
-ratios against the peers, and the all-reduce calls per step. The CPU time
-per step (rank 0's process, all threads) is printed too: on a shared 2-core
-machine it is steadier than wall time.
+Two gloo ranks on this machine train the GPT of examples/gpt.py (6 layers,
+d=256) with AdamW, and a small conv net with BatchNorm (written here) with SGD.
+Every variant lives in the same two processes and the variants take turns, a
+step each, so that load from other programs hits them alike. Prints each
+variant's median step time, rank 0's CPU time per step (all threads), the
+collective calls per step, the optimizer-state bytes per rank, and the ratios
+to torch DDP measured in the same run:
+
+    macrogen          @data_parallel, AdamW                       / DDP, AdamW
+    zero1             @data_parallel + mg.shard_optimizer(AdamW)  / DDP, AdamW
+    zero1_fused       ... + shard_optimizer(AdamW(fused=True))    / DDP, AdamW(fused=True)
+    sync4             @data_parallel(sync_every=4), AdamW         / DDP, AdamW
+    ddp_zero          DDP + torch ZeroRedundancyOptimizer(AdamW)  / DDP, AdamW
+    macrogen_bn       @data_parallel conv net with BatchNorm, SGD / DDP, SGD
+
+``--curve`` trains the GPT example (2 layers, d=64, byte-level text of this
+repository's docs) for a few hundred steps with sync_every = 1, 4 and 16 and
+draws the loss curves into a PNG with matplotlib. matplotlib is needed by that
+mode only (``pip install matplotlib``); it is not a macrogen dependency.
 """
 
 from __future__ import annotations
@@ -20,7 +33,6 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,28 +42,71 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = dict(n_layer=6, n_embd=256, n_head=8, vocab_size=1024, block_size=64)
 BATCH = 2  # sequences per rank
+IMAGES = 16  # conv net: 3x32x32 images per rank
 BUCKET_MB = 25  # torch DDP's default bucket_cap_mb; both sides use it
-TUNED_MB = 4  # a smaller bucket (a choice of examples/gpt.py's tunable): more overlap, for both
+CURVE_MODEL = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32)
 
-# The variants subclass the serial GPT; expansion makes each a data-parallel model.
-DATA_PARALLEL_SOURCE = """
+# Expanded once per run: each class is a data-parallel model; the serial ones are for DDP.
+SOURCE = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
 import macrogen as mg
 from examples.gpt import GPT
 
 
-@mg.data_parallel(bucket_mb={bucket_mb}, compress=None)
+class ConvNet(nn.Module):
+    \"\"\"Four conv-BatchNorm-ReLU stages (ResNet-like widths), global pooling, a linear head.\"\"\"
+
+    def __init__(self, classes=10):
+        super().__init__()
+        stages, width = [], 3
+        for out, stride in ((32, 1), (64, 2), (128, 2), (256, 2)):
+            stages += [nn.Conv2d(width, out, 3, stride, 1, bias=False), nn.BatchNorm2d(out),
+                       nn.ReLU(inplace=True), nn.Conv2d(out, out, 3, 1, 1, bias=False),
+                       nn.BatchNorm2d(out), nn.ReLU(inplace=True)]
+            width = out
+        self.features = nn.Sequential(*stages)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x, y):
+        logits = self.head(self.features(x).mean((2, 3)))
+        return F.cross_entropy(logits, y)
+
+
+@mg.data_parallel(bucket_mb={bucket_mb})
 class GPTDataParallel(GPT):
     pass
 
 
-@mg.data_parallel(bucket_mb={bucket_mb}, compress="bf16")
-class GPTDataParallelBF16(GPT):
+@mg.data_parallel(bucket_mb={bucket_mb}, sync_every=4)
+class GPTLocalSGD4(GPT):
     pass
 
 
-@mg.data_parallel(bucket_mb={tuned_mb}, compress=None)
-class GPTDataParallelTuned(GPT):
+@mg.data_parallel(bucket_mb={bucket_mb})
+class ConvNetDataParallel(ConvNet):
     pass
+
+
+@mg.data_parallel(sync_every=1)
+class CurveK1(GPT):
+    pass
+
+
+@mg.data_parallel(sync_every=4)
+class CurveK4(GPT):
+    pass
+
+
+@mg.data_parallel(sync_every=16)
+class CurveK16(GPT):
+    pass
+
+
+def adamw(params, fused=False):
+    return mg.shard_optimizer(torch.optim.AdamW(params, lr=1e-4, fused=fused))
 """
 
 
@@ -59,134 +114,162 @@ def expanded_module(out_dir: Path):
     from macrogen.expand import expand_source
 
     path = out_dir / "bench_ddp_models.py"
-    source = DATA_PARALLEL_SOURCE.format(bucket_mb=BUCKET_MB, tuned_mb=TUNED_MB)
-    path.write_text(expand_source(source, path="bench/ddp.py").code)
+    path.write_text(expand_source(SOURCE.format(bucket_mb=BUCKET_MB), path="bench/ddp.py").code)
     sys.path.insert(0, str(out_dir))
     import bench_ddp_models
 
     return bench_ddp_models
 
 
-class CountAllReduce:
-    """Counts Python-level dist.all_reduce calls (DDP's reducer calls C++: counted from its buckets)."""
+COLLECTIVES = ("all_reduce", "broadcast", "reduce_scatter_single", "all_gather_single")
+
+
+class CountCollectives:
+    """Counts Python-level collective calls (DDP's reducer calls C++: counted from its hooks)."""
 
     def __init__(self) -> None:
         self.calls = 0
-        self._orig = dist.all_reduce
+        self._orig = {name: getattr(dist, name) for name in COLLECTIVES}
 
     def __enter__(self):
-        def counting(*args, **kwargs):
-            self.calls += 1
-            return self._orig(*args, **kwargs)
+        def counting(fn):
+            def wrapped(*args, **kwargs):
+                self.calls += 1
+                return fn(*args, **kwargs)
 
-        dist.all_reduce = counting
+            return wrapped
+
+        for name, fn in self._orig.items():
+            setattr(dist, name, counting(fn))
         return self
 
     def __exit__(self, *exc) -> None:
-        dist.all_reduce = self._orig
+        for name, fn in self._orig.items():
+            setattr(dist, name, fn)
 
 
-HOOK_CALLS = {"ddp_bf16": 0, "ddp_counted": 0}
-
-
-def ddp_bf16_hook(state, bucket):
-    """DDP's own bf16_compress_hook; registered under another name, because DDP refuses that
-    name unless it sees CUDA and NCCL (the hook itself runs on gloo)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    HOOK_CALLS["ddp_bf16"] += 1
-    return default_hooks.bf16_compress_hook(state, bucket)
+DDP_CALLS = [0]
 
 
 def counting_allreduce_hook(state, bucket):
     """DDP's allreduce_hook, counted: on an untimed twin of the timed DDP model (same buckets)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    HOOK_CALLS["ddp_counted"] += 1
+    DDP_CALLS[0] += 1
     return default_hooks.allreduce_hook(state, bucket)
 
 
-def variants(models) -> dict[str, tuple[torch.nn.Module, Callable[[], None] | None]]:
-    """name -> (model, what to run after backward); every model starts from the same weights."""
+Variant = tuple[torch.nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, ...]]
+
+
+def variants(models, rank: int) -> dict[str, Variant]:
+    """name -> (model, optimizer, batch); every model of a kind starts from the same weights."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from examples.gpt import GPT, GPTConfig
+    from examples.gpt import GPT, GPTConfig, batch
 
     config = GPTConfig(**MODEL)
+    tokens = batch(config, BATCH, seed=1 + rank)
+    g = torch.Generator().manual_seed(rank)
+    images = (torch.randn(IMAGES, 3, 32, 32, generator=g), torch.randint(0, 10, (IMAGES,), generator=g))
 
     def fresh(cls):
         torch.manual_seed(0)
-        return cls(config)
+        return cls(config) if issubclass(cls, GPT) else cls()
 
-    out: dict[str, tuple[torch.nn.Module, Callable[[], None] | None]] = {}
-    out["macrogen"] = (fresh(models.GPTDataParallel), None)
-    out["ddp"] = (DDP(fresh(GPT), bucket_cap_mb=BUCKET_MB), None)
-    per_tensor = fresh(GPT)
+    def plain(params, fused=False):
+        return torch.optim.AdamW(params, lr=1e-4, fused=fused)
 
-    def all_reduce_each() -> None:
-        w = dist.get_world_size()
-        for p in per_tensor.parameters():
-            dist.all_reduce(p.grad)
-            p.grad.div_(w)
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
-    out["per_tensor"] = (per_tensor, all_reduce_each)
-    out["macrogen_bf16"] = (fresh(models.GPTDataParallelBF16), None)
-    ddp_bf16 = DDP(fresh(GPT), bucket_cap_mb=BUCKET_MB)
-    ddp_bf16.register_comm_hook(None, ddp_bf16_hook)
-    out["ddp_bf16"] = (ddp_bf16, None)
-    out[f"macrogen_{TUNED_MB}mb"] = (fresh(models.GPTDataParallelTuned), None)
-    out[f"ddp_{TUNED_MB}mb"] = (DDP(fresh(GPT), bucket_cap_mb=TUNED_MB), None)
+    out: dict[str, Variant] = {}
+    m = DDP(fresh(GPT), bucket_cap_mb=BUCKET_MB)
+    out["ddp"] = (m, plain(m.parameters()), tokens)
+    m = fresh(models.GPTDataParallel)
+    out["macrogen"] = (m, plain(m.parameters()), tokens)
+    m = fresh(models.GPTDataParallel)
+    out["zero1"] = (m, models.adamw(m.parameters()), tokens)
+    m = DDP(fresh(GPT), bucket_cap_mb=BUCKET_MB)
+    out["ddp_fused"] = (m, plain(m.parameters(), fused=True), tokens)
+    m = fresh(models.GPTDataParallel)
+    out["zero1_fused"] = (m, models.adamw(m.parameters(), fused=True), tokens)
+    m = fresh(models.GPTLocalSGD4)
+    out["sync4"] = (m, plain(m.parameters()), tokens)
+    m = DDP(fresh(GPT), bucket_cap_mb=BUCKET_MB)
+    zero = ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4)
+    out["ddp_zero"] = (m, zero, tokens)
+    m = DDP(fresh(models.ConvNet), bucket_cap_mb=BUCKET_MB)
+    out["ddp_bn"] = (m, sgd(m.parameters()), images)
+    m = fresh(models.ConvNetDataParallel)
+    out["macrogen_bn"] = (m, sgd(m.parameters()), images)
     return out
 
 
-def ddp_calls_per_step(bucket_cap_mb: float, idx, targets) -> int:
-    """All-reduce calls per step of DDP with these buckets (after DDP rebuilds them at step 2)."""
+def ddp_calls_per_step(model: torch.nn.Module, batch) -> int:
+    """All-reduce calls per step of DDP on this model (after DDP rebuilds its buckets)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from examples.gpt import GPT, GPTConfig
-
-    twin = DDP(GPT(GPTConfig(**MODEL)), bucket_cap_mb=bucket_cap_mb)
+    twin = DDP(model, bucket_cap_mb=BUCKET_MB)
     twin.register_comm_hook(None, counting_allreduce_hook)
     for _ in range(3):
-        HOOK_CALLS["ddp_counted"] = 0
-        twin(idx, targets).backward()
-    return HOOK_CALLS["ddp_counted"]
+        DDP_CALLS[0] = 0
+        twin(*batch).backward()
+    return DDP_CALLS[0]
 
 
-def worker(rank: int, world: int, port: int, steps: int, rounds: int, out_dir: str) -> None:
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Optimizer state this rank holds."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if hasattr(opt, "state_bytes"):
+        return opt.state_bytes()
+    inner = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+    return sum(
+        v.numel() * v.element_size()
+        for s in inner.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
+
+
+def setup(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    models = expanded_module(Path(out_dir))
-    from examples.gpt import GPTConfig, batch
 
-    idx, targets = batch(GPTConfig(**MODEL), BATCH, seed=1 + rank)
-    runs = variants(models)
-    optimizers = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, (m, _) in runs.items()}
+
+def worker(rank: int, world: int, port: int, steps: int, rounds: int, out_dir: str) -> None:
+    setup(rank, world, port)
+    models = expanded_module(Path(out_dir))
+    runs = variants(models, rank)
     times: dict[str, list[float]] = {n: [] for n in runs}
     cpu_times: dict[str, list[float]] = {n: [] for n in runs}
     calls: dict[str, int] = {}
 
     def step(name: str) -> None:
-        model, after_backward = runs[name]
-        optimizers[name].zero_grad()
-        model(idx, targets).backward()
-        if after_backward is not None:
-            after_backward()
-        optimizers[name].step()
+        model, opt, batch = runs[name]
+        opt.zero_grad()
+        model(*batch).backward()
+        opt.step()
 
-    for name in runs:  # warm up, and count the collectives of one step
+    for name in runs:  # warm up, and count the collectives of one step (4 for local SGD)
         step(name)
-        with CountAllReduce() as count:
-            step(name)
-        calls[name] = count.calls
-    calls["ddp"] = ddp_calls_per_step(BUCKET_MB, idx, targets)
-    calls[f"ddp_{TUNED_MB}mb"] = ddp_calls_per_step(TUNED_MB, idx, targets)
-    HOOK_CALLS["ddp_bf16"] = 0
-    step("ddp_bf16")
-    calls["ddp_bf16"] = HOOK_CALLS["ddp_bf16"]
+        with CountCollectives() as count:
+            for _ in range(4):
+                step(name)
+        calls[name] = count.calls / 4
+    from examples.gpt import GPT, GPTConfig
+
+    gpt_batch, conv_batch = runs["ddp"][2], runs["ddp_bn"][2]
+    ddp_calls = ddp_calls_per_step(GPT(GPTConfig(**MODEL)), gpt_batch)
+    for name in ("ddp", "ddp_fused", "ddp_zero"):
+        calls[name] += ddp_calls
+    calls["ddp_bn"] += ddp_calls_per_step(models.ConvNet(), conv_batch)
+    states = {name: state_bytes(opt) for name, (_, opt, _) in runs.items()}
     started = time.perf_counter()
     for _ in range(rounds):
         for name in runs:
@@ -197,7 +280,7 @@ def worker(rank: int, world: int, port: int, steps: int, rounds: int, out_dir: s
                 times[name].append(time.perf_counter() - t)
                 cpu_times[name].append(cpu_seconds() - c)
     if rank == 0:
-        report(times, cpu_times, calls, time.perf_counter() - started)
+        report(times, cpu_times, calls, states, time.perf_counter() - started)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -208,43 +291,106 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def report(
-    times: dict[str, list[float]],
-    cpu_times: dict[str, list[float]],
-    calls: dict[str, int],
-    seconds: float,
-) -> None:
+def report(times, cpu_times, calls, states, seconds: float) -> None:
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
     cpu = {n: statistics.median(t) * 1e3 for n, t in cpu_times.items()}
     n = len(next(iter(times.values())))
-    print(f"GPT {MODEL}, batch {BATCH}x{MODEL['block_size']} tokens per rank, 2 gloo ranks, AdamW")
-    print(
-        f"{n} timed steps per variant, interleaved; {seconds:.0f} s; load average {os.getloadavg()}"
-    )
-    print(
-        f"{'variant':<15} {'median ms/step':>15} {'CPU ms/step':>12} {'all-reduce calls/step':>22}"
-    )
-    for n in times:
-        print(f"{n:<15} {med[n]:>15.1f} {cpu[n]:>12.1f} {calls[n]:>22}")
+    print(f"GPT {MODEL}, batch {BATCH}x{MODEL['block_size']} tokens per rank, AdamW;")
+    print(f"conv net with BatchNorm, {IMAGES} 3x32x32 images per rank, SGD; 2 gloo ranks")
+    print(f"{n} timed steps per variant, interleaved; {seconds:.0f} s; load average {os.getloadavg()}")
+    print(f"{'variant':<12} {'median ms/step':>15} {'CPU ms/step':>12} {'collectives/step':>17} "
+          f"{'optimizer state/rank':>21}")  # fmt: skip
+    for v in times:
+        state = f"{states[v] / 2**20:.1f} MiB" if states[v] else "-"
+        print(f"{v:<12} {med[v]:>15.1f} {cpu[v]:>12.1f} {calls[v]:>17.2f} {state:>21}")
     print()
     for what, a, b, goal in (
-        ("macrogen / torch DDP (same bucket size)", "macrogen", "ddp", 0.85),
-        ("macrogen / per-tensor all-reduce", "macrogen", "per_tensor", 0.50),
-        ("macrogen bf16 / DDP bf16_compress_hook", "macrogen_bf16", "ddp_bf16", 0.85),
+        ("macrogen / DDP", "macrogen", "ddp", 0.85),
+        ("ZeRO-1 / DDP (both AdamW)", "zero1", "ddp", 0.85),
+        ("ZeRO-1 fused / DDP fused AdamW", "zero1_fused", "ddp_fused", 0.85),
+        ("ZeRO-1 fused / DDP", "zero1_fused", "ddp", 0.85),
+        ("sync_every=4 / DDP", "sync4", "ddp", None),
+        ("DDP + ZeroRedundancyOptimizer / DDP", "ddp_zero", "ddp", None),
+        ("ZeRO-1 / DDP + ZeroRedundancyOptimizer", "zero1", "ddp_zero", None),
+        ("conv+BN: macrogen / DDP", "macrogen_bn", "ddp_bn", 0.95),
     ):
-        print(f"{what:<42} {med[a] / med[b]:.3f}  (goal <= {goal}; CPU time {cpu[a] / cpu[b]:.3f})")
-    tuned = f"macrogen_{TUNED_MB}mb"
-    print(f"\nwith {TUNED_MB} MiB buckets (more overlap) on both sides:")
-    for what, b in ((f"macrogen / torch DDP, both {TUNED_MB} MiB", f"ddp_{TUNED_MB}mb"),
-                    (f"macrogen {TUNED_MB} MiB / torch DDP default 25 MiB", "ddp"),
-                    (f"macrogen {TUNED_MB} MiB / per-tensor all-reduce", "per_tensor")):  # fmt: skip
-        print(f"{what:<42} {med[tuned] / med[b]:.3f}  (CPU time {cpu[tuned] / cpu[b]:.3f})")
+        goal_text = f"goal <= {goal}; " if goal else ""
+        print(f"{what:<40} {med[a] / med[b]:.3f}  ({goal_text}CPU time {cpu[a] / cpu[b]:.3f})")
+    print()
+    full = states["ddp"]
+    for v in ("zero1", "zero1_fused", "ddp_zero"):
+        print(f"optimizer state per rank, {v} / DDP: {states[v] / full:.3f} (1/world = 0.5)")
+
+
+# -- the loss curves of local SGD -------------------------------------------------------
+def corpus() -> torch.Tensor:
+    """Bytes of this repository's docs: text a byte-level GPT can learn from."""
+    text = b"".join(p.read_bytes() for p in sorted((ROOT / "docs").glob("*.md")))
+    text += (ROOT / "README.md").read_bytes()
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def curve_worker(rank: int, world: int, port: int, steps: int, out_dir: str, png: str) -> None:
+    setup(rank, world, port)
+    models = expanded_module(Path(out_dir))
+    from examples.gpt import GPTConfig
+
+    config = GPTConfig(**CURVE_MODEL)
+    data = corpus()
+    T, B = config.block_size, 8
+    losses: dict[int, list[float]] = {}
+    for k, cls in ((1, models.CurveK1), (4, models.CurveK4), (16, models.CurveK16)):
+        torch.manual_seed(0)
+        model = cls(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+        losses[k] = []
+        for _ in range(steps):
+            starts = torch.randint(0, len(data) - T - 1, (B,), generator=g)
+            window = torch.stack([data[s : s + T + 1] for s in starts])
+            opt.zero_grad()
+            loss = model(window[:, :-1], window[:, 1:])
+            loss.backward()
+            opt.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)  # for the plot: the loss averaged over the ranks
+            losses[k].append(float(mean) / world)
+    if rank == 0:
+        plot(losses, png)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def plot(losses: dict[int, list[float]], png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for k, ys in losses.items():
+        smooth = torch.tensor(ys).unfold(0, 10, 1).mean(1).tolist()  # 10-step moving average
+        label = "sync_every=1 (gradients averaged every step)" if k == 1 else f"sync_every={k}"
+        ax.plot(range(10, len(ys) + 1), smooth, label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (mean over 2 ranks, 10-step average)")
+    ax.set_title("Local SGD on examples/gpt.py (2 layers, d=64, 2 gloo ranks, AdamW)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png)
+    print(f"wrote {png}")
+    for k, ys in losses.items():
+        print(f"sync_every={k:<3} loss: first 10 steps {statistics.mean(ys[:10]):.3f},"
+              f" last 10 steps {statistics.mean(ys[-10:]):.3f}")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1, help="steps per variant per round")
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--curve", metavar="PNG", help="draw local SGD's loss curves instead")
+    parser.add_argument("--curve-steps", type=int, default=300)
     args = parser.parse_args()
     import tempfile
 
@@ -252,7 +398,11 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(2, port, args.steps, args.rounds, tmp), nprocs=2, join=True)
+        if args.curve:
+            png = str(Path(args.curve).resolve())
+            mp.spawn(curve_worker, args=(2, port, args.curve_steps, tmp, png), nprocs=2)
+        else:
+            mp.spawn(worker, args=(2, port, args.steps, args.rounds, tmp), nprocs=2, join=True)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,21 @@ def _decorator_marker(name: str) -> Callable[..., Any]:
 data_parallel = _decorator_marker("data_parallel")
 tensor_parallel = _decorator_marker("tensor_parallel")
 tile = _decorator_marker("tile")
+pipeline = _decorator_marker("pipeline")
+
+
+def pipeline_step(model: Any, x: Any, y: Any, loss_fn: Callable[..., Any]) -> Any:
+    """``loss = pipeline_step(model, x, y, loss_fn)``: one training step's forward and backward.
+
+    Serially ``loss = loss_fn(model(x), y); loss.backward(); return loss``. A model
+    made ``@pipeline`` runs its schedule instead (a schedule interleaves the
+    micro-batches' backwards with forwards, so it must own the backward) and
+    returns the batch's mean loss, detached, on every rank. Not a macro: the
+    same function runs in the unexpanded and the expanded program.
+    """
+    from macrogen.runtime.pipeline import pipeline_step as step  # torch only when used
+
+    return step(model, x, y, loss_fn)
 
 
 @contextlib.contextmanager
@@ -64,10 +79,27 @@ def fused_allreduce(**options: Any):
     yield
 
 
+def resumable(iterable: Iterable[T], **options: Any) -> Iterable[T]:
+    """``for step in resumable(range(n), model=..., dir=..., every=50):`` -- the plain loop.
+
+    Expanded, the loop saves and resumes checkpoints (``macrogen.runtime.checkpoint``).
+    """
+    return iterable
+
+
+def shard_optimizer(optimizer: T) -> T:
+    """``opt = shard_optimizer(torch.optim.AdamW(...))``: the optimizer itself until expanded
+    (then its state is sharded over the data-parallel ranks, ZeRO-1)."""
+    return optimizer
+
+
 MACRO_NAMES = (
     "data_parallel",
     "define",
     "fused_allreduce",
+    "pipeline",
+    "resumable",
+    "shard_optimizer",
     "target",
     "tensor_parallel",
     "tile",

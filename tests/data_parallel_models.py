@@ -53,3 +53,44 @@ class Branchy(nn.Module):
         if x[0, 0] > 0:
             y = self.b(y)
         return (y**2).mean()
+
+
+@mg.data_parallel
+class Replaceable(nn.Module):
+    """``w`` is replaced after construction (as nanoGPT's crop_block_size replaces wpe.weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return ((self.lin(x) @ self.w) ** 2).mean()
+
+
+@mg.data_parallel(sync_every=4)
+class LocalSGD4(GPT):
+    pass
+
+
+@mg.data_parallel(sync_every=2, sync_warmup=3)
+class LocalSGDWarm(GPT):
+    pass
+
+
+@mg.data_parallel
+class WithBatchNorm(nn.Module):
+    """BatchNorm buffers (broadcast from rank 0 before each training forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return (self.bn(self.lin(x)) ** 2).mean()
+
+
+def sharded_adamw(params):
+    """The optimizer annotated as a user would: AdamW's state sharded over the ranks."""
+    return mg.shard_optimizer(torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95)))

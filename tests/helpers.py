@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import types
 from pathlib import Path
@@ -52,7 +53,11 @@ def strip_header(code: str) -> str:
 def load_module(code: str, name: str, directory: Path) -> types.ModuleType:
     """Import ``code`` as module ``name`` from a real file (Triton's jit needs source files)."""
     path = directory / f"{name}.py"
-    path.write_text(code)
+    # Ranks of one test load the same file: replace it whole, so no rank reads it half written.
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(code)
+    os.replace(tmp, path)
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -251,7 +251,8 @@ def test_errors_are_reported_with_caret_and_nothing_is_written(tmp_path: Path):
     assert run.status == 1 and run.out == b""
     assert run.err == (
         f"{src}:3:12: error: macrogen has no macro 'defne'; did you mean 'define'?"
-        " (macros: data_parallel, define, fused_allreduce, target, tensor_parallel, tile, tunable)\n"
+        " (macros: data_parallel, define, fused_allreduce, pipeline, resumable, shard_optimizer, target,"
+        " tensor_parallel, tile, tunable)\n"
         "    WIDTH = mg.defne(4)\n"
         "               ^~~~~\n"
         f"{src}:4:19: error: this is not known at expansion time: a macro argument must be a"

@@ -165,8 +165,8 @@ def _branchy(rank: int, world: int, out_dir: str) -> dict:
     start = copy.deepcopy(ours.state_dict())
     if rank == 1:
         ours.seen.fill_(-5.0)  # buffers come from rank 0 before each forward
-    ref_model = copy.deepcopy(ours)
-    ref_model.load_state_dict(start)
+    ref_model = models.Branchy.__mro__[1]()  # the user's class: a plain module for DDP
+    ref_model.load_state_dict(ours.state_dict())
     ref = DDP(ref_model, find_unused_parameters=True)
     with CountAllReduce() as count:
         train(ours, [(mine,)])

@@ -18,7 +18,9 @@ overlap, accumulation, compression, start-up checks).
 
 Arguments (keyword only; each may be a ``tunable``):
 ``bucket_mb`` (25), ``first_bucket_mb`` (1), ``compress`` (None, "bf16" or
-"fp16"), ``accumulate`` (1), ``broadcast_buffers`` (True).
+"fp16"), ``accumulate`` (1), ``broadcast_buffers`` (True), ``sync_every`` (1: average
+gradients every step; k > 1: local SGD, average parameters every k optimizer
+steps), ``sync_warmup`` (0: synchronous steps before local SGD starts).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ NAME = "data_parallel"
 FORMS: frozenset[Form] = frozenset({"decorator"})
 USAGE = (
     "@data_parallel(bucket_mb=25, first_bucket_mb=1, compress=None, accumulate=1,"
-    " broadcast_buffers=True) decorates an nn.Module class"
+    " broadcast_buffers=True, sync_every=1, sync_warmup=0) decorates an nn.Module class"
 )
 
 DEFAULTS: dict[str, Any] = {
@@ -49,6 +51,8 @@ DEFAULTS: dict[str, Any] = {
     "compress": None,
     "accumulate": 1,
     "broadcast_buffers": True,
+    "sync_every": 1,
+    "sync_warmup": 0,
 }
 
 
@@ -60,6 +64,8 @@ class Spec:
     compress: str | None  # None, "bf16" or "fp16"
     accumulate: int  # all-reduce every k-th backward
     broadcast_buffers: bool  # rank 0's buffers to every rank before each forward
+    sync_every: int  # >1: local SGD, parameters averaged every k optimizer steps
+    sync_warmup: int  # fully synchronous optimizer steps before local SGD starts
 
 
 def _positive_number(v: Any) -> str | None:
@@ -78,6 +84,15 @@ def _accumulate(v: Any) -> str | None:
     return None
 
 
+def _steps(least: int) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            return f"a whole number of optimizer steps >= {least}"
+        return None
+
+    return check
+
+
 def _bool(v: Any) -> str | None:
     return None if isinstance(v, bool) else "True or False"
 
@@ -88,6 +103,8 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "compress": _compress,
     "accumulate": _accumulate,
     "broadcast_buffers": _bool,
+    "sync_every": _steps(1),
+    "sync_warmup": _steps(0),
 }
 
 
@@ -153,6 +170,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
         compress=spec.compress,
         accumulate=spec.accumulate,
         broadcast_buffers=spec.broadcast_buffers,
+        sync_every=spec.sync_every,
+        sync_warmup=spec.sync_warmup,
     )
     blank = [cst.EmptyLine(), cst.EmptyLine()]
     return Expanded(

@@ -27,6 +27,7 @@ to ``None`` if it was ``None`` before, as in the serial program.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,13 +35,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from macrogen.kernels.grad_compress import COMM_DTYPES
 from macrogen.runtime import fused, groups, tensor_parallel_plan
 from macrogen.runtime.agreement import Fingerprint, check_agreement, fingerprint
 from macrogen.runtime.buckets import Bucket, plan_buckets
+from macrogen.runtime.local_sgd import LocalSGD
 
 MB = 2**20
+
+# parameter -> weak reference to its model's GradientSync: a sharded optimizer over
+# these parameters finds the model's averaging here and takes the gradients over
+_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -50,12 +57,15 @@ class DataParallelConfig:
     compress: str | None = None  # "bf16" / "fp16": all-reduce a half-precision copy
     accumulate: int = 1  # communicate on every k-th backward only
     broadcast_buffers: bool = True  # copy rank 0's buffers to all ranks before each forward
+    sync_every: int = 1  # >1: local SGD, parameters averaged every k optimizer steps
+    sync_warmup: int = 0  # with sync_every > 1: this many fully synchronous steps first
 
     def describe(self) -> str:
         return (
             f"bucket_mb={self.bucket_mb!r}, first_bucket_mb={self.first_bucket_mb!r},"
             f" compress={self.compress!r}, accumulate={self.accumulate!r},"
-            f" broadcast_buffers={self.broadcast_buffers!r}"
+            f" broadcast_buffers={self.broadcast_buffers!r}, sync_every={self.sync_every!r},"
+            f" sync_warmup={self.sync_warmup!r}"
         )
 
 
@@ -81,19 +91,60 @@ class GradientSync:
         self.group = groups.data_parallel_group()
         self.world_size = groups.world_size(self.group)
         self.scale = 1.0 / self.world_size  # gradients are averaged: scaled, then summed
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
+        self.names: list[str] = []
+        self.params: list[nn.Parameter] = []
+        self.plan_id = 0  # gradient hooks of an earlier plan (a replaced parameter's) do nothing
         self.buckets: list[Bucket] = []  # planned at the first forward, on the parameters' device
         self.slot: list[tuple[int, int]] = []  # parameter -> (bucket, position in it)
         self.started = False
         self.backwards = 0  # backward passes so far (accumulate counts them)
+        self.gradients_elsewhere = False  # a sharded optimizer reduces the gradients itself
+        self.replanned: list[str] = []  # why the buckets were planned again (a replaced parameter)
+        self.local_sgd = LocalSGD(self) if config.sync_every > 1 else None
+        self._collect()
         self._reset_window()
         if self.world_size == 1:
             return  # serial: plain autograd gradients, nothing to average
         module.register_forward_pre_hook(self._before_forward)
+
+    def _collect(self) -> None:
+        """The module's parameters that need gradients, each with a gradient hook."""
+        self.plan_id += 1
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        for p in self.params:
+            _OWNER[p] = weakref.ref(self)
+        if self.world_size == 1:
+            return
+        # (not removed on a re-plan: a deep copy of the model shares the handles' targets)
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+            p.register_post_accumulate_grad_hook(
+                functools.partial(self._grad_ready, self.plan_id, i)
+            )
+
+    def params_changed(self) -> str | None:
+        """Which parameter was added, replaced or removed since the plan (None: none).
+
+        ``m.w = nn.Parameter(...)`` after construction (nanoGPT's crop_block_size)
+        leaves the planned buckets holding the old tensor: the new one would get
+        no hook and never be averaged, and every rank would silently train its own
+        copy. Checked on every training forward: one pass of identity tests.
+        """
+        current = [p for p in self.module.parameters() if p.requires_grad]
+        if len(current) == len(self.params) and all(
+            a is b for a, b in zip(current, self.params)
+        ):
+            return None
+        named = {id(p): n for n, p in self.module.named_parameters() if p.requires_grad}
+        for p, name in zip(self.params, self.names):
+            if id(p) not in named:
+                return f"{name!r} was replaced, removed or frozen"
+        planned = {id(p) for p in self.params}
+        for pid, name in named.items():
+            if pid not in planned:
+                return f"{name!r} is new"
+        return "the parameters were reordered"
 
     # -- start-up --------------------------------------------------------------
     def restart(self) -> None:
@@ -101,6 +152,8 @@ class GradientSync:
         self.started = False
 
     def _start(self) -> None:
+        if self.params_changed() is not None:  # e.g. replaced between __init__ and this forward
+            self._collect()
         plan = plan_buckets(
             self.params,
             bucket_bytes=int(self.config.bucket_mb * MB),
@@ -138,14 +191,24 @@ class GradientSync:
 
     # -- forward ---------------------------------------------------------------
     def _before_forward(self, module: nn.Module, args: Any) -> None:
+        # Inference (torch.no_grad(), often on rank 0 only) takes part in no collective:
+        # it neither starts up nor re-plans nor broadcasts buffers, as DDP under no_grad.
+        if not torch.is_grad_enabled():
+            return
+        changed = self.params_changed() if self.started else None
+        if changed is not None:  # a parameter was replaced: plan the buckets again
+            self.replanned.append(changed)
+            self.started = False
         if not self.started:
             self._start()
         if self.config.broadcast_buffers and module.training:
             broadcast(list(module.buffers()), self.group)
 
     # -- backward --------------------------------------------------------------
-    def _grad_ready(self, i: int, param: torch.Tensor) -> None:
+    def _grad_ready(self, plan_id: int, i: int, param: torch.Tensor) -> None:
         # runs once per parameter per backward: keep it short
+        if plan_id != self.plan_id:
+            return
         if not self.in_backward:
             self._begin_backward()
         self.used[i] = 1
@@ -167,6 +230,8 @@ class GradientSync:
         self.in_backward = True
         k = self.config.accumulate
         self.syncing = self.backwards % k == k - 1  # this backward communicates
+        if self.gradients_elsewhere or (self.local_sgd and not self.local_sgd.warming_up()):
+            self.syncing = False  # gradients stay local: the optimizer or averaging syncs
         self.ready = bytearray(len(self.params))
         torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
 
@@ -228,6 +293,17 @@ def broadcast(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) 
             buf = fused.pack_torch(members, flat)
             dist.broadcast(buf, src=src, group=group)
             fused.unpack_torch(buf, members, flat)
+
+
+def syncs_of(params: Sequence[torch.Tensor]) -> list[GradientSync]:
+    """The GradientSyncs of the @data_parallel models these parameters belong to."""
+    found: list[GradientSync] = []
+    for p in params:
+        ref = _OWNER.get(p)
+        sync = ref() if ref is not None else None
+        if sync is not None and all(sync is not s for s in found):
+            found.append(sync)
+    return found
 
 
 def gradient_sync(model: nn.Module) -> GradientSync:

@@ -24,6 +24,7 @@ gets that timeout.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,24 @@ def mesh(size: int | None = None) -> Mesh:
     world = dist.get_world_size()
     tensor_size = agree_on_tensor_size(size, world)
     _mesh = build(world, tensor_size)
+    return _mesh
+
+
+def install(make: Callable[[], Mesh], *, pipeline_size: int) -> Mesh:
+    """The program's mesh with ``pipeline_size`` stages, made by ``make`` if none exists yet.
+
+    ``@pipeline`` builds its (pipeline x data) mesh this way, so that data-parallel
+    modules then read the data group of their own stage from here.
+    """
+    global _mesh
+    if _mesh is None:
+        _mesh = make()
+    elif _mesh.pipeline_size != pipeline_size:
+        raise ValueError(
+            f"this program's mesh (pipeline, data, tensor) = {_mesh.shape} was made before a"
+            f" model asked for {pipeline_size} pipeline stages: one mesh per program, and a"
+            " pipelined model must be built before any other parallel module"
+        )
     return _mesh
 
 

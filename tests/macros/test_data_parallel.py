@@ -131,6 +131,14 @@ def test_tunable_arguments_take_the_tuned_value():
             "compress=mg.tunable(None, choices=[None, 'int4'])",
             'test.py:4:28: error: compress must be None, "bf16" or "fp16", not a choice of \'int4\'',
         ),
+        (
+            "sync_every=0",
+            "test.py:4:30: error: sync_every must be a whole number of optimizer steps >= 1, not 0",
+        ),
+        (
+            "sync_warmup=-1",
+            "test.py:4:31: error: sync_warmup must be a whole number of optimizer steps >= 0, not -1",
+        ),
         ("25", "test.py:4:19: error: this macro takes keyword arguments only"),
         ("bucket=25", "test.py:4:26: error: unknown argument 'bucket'; did you mean 'bucket_mb'?"),
     ],
@@ -144,8 +152,8 @@ def test_unsupported_uses_say_what_is_supported():
     on_function = "import macrogen as mg\n@mg.data_parallel()\ndef f():\n    pass\n"
     assert expansion_errors(on_function) == [
         "test.py:2:2: error: data_parallel() decorates a class: @data_parallel(bucket_mb=25,"
-        " first_bucket_mb=1, compress=None, accumulate=1, broadcast_buffers=True) decorates an"
-        " nn.Module class"
+        " first_bucket_mb=1, compress=None, accumulate=1, broadcast_buffers=True, sync_every=1,"
+        " sync_warmup=0) decorates an nn.Module class"
     ]
     no_base = "import macrogen as mg\n@mg.data_parallel()\nclass Net:\n    pass\n"
     assert expansion_errors(no_base) == [
