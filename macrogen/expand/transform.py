@@ -102,15 +102,29 @@ class Expander(cst.CSTTransformer):
             self.statements.append([])
             if self.hot is not None and not self.hot(node):
                 return False  # no macro name in its lines: nothing to find (on_leave still runs)
-        return super().on_visit(node)
+        visit = _method(type(self), "visit_", type(node))
+        return visit is None or visit(self, node) is not False
 
     def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> Any:
-        result = super().on_leave(original, updated)
+        leave = _method(type(self), "leave_", type(original))
+        result = updated if leave is None else leave(self, original, updated)
         if isinstance(original, cst.BaseStatement):
             comments = self.statements.pop()
             if comments:
                 result = _with_comments(result, comments)
         return result
+
+    # libcst's own dispatch formats a method name and looks it up for every node and
+    # every attribute of every node; these look each up once per node type.
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        visit = _method(type(self), "visit_", type(node), attribute)
+        if visit is not None:
+            visit(self, node)
+
+    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
+        leave = _method(type(self), "leave_", type(original_node), attribute)
+        if leave is not None:
+            leave(self, original_node)
 
     # -- finding macro references and deciding their form ----------------------------
     def _claim(self, node: cst.CSTNode, *forms: Form) -> None:
@@ -395,6 +409,20 @@ class Expander(cst.CSTTransformer):
 
     def _error(self, e: MacroError) -> None:
         self.errors.append(e)
+
+
+_METHODS: dict[tuple[type, str, type, str], Callable[..., Any] | None] = {}
+
+
+def _method(owner: type, prefix: str, kind: type, attribute: str = "") -> Callable[..., Any] | None:
+    """``owner``'s ``visit_If``, ``leave_FunctionDef_body``...: what libcst's dispatch finds."""
+    key = (owner, prefix, kind, attribute)
+    try:
+        return _METHODS[key]
+    except KeyError:
+        name = f"{prefix}{kind.__name__}" + (f"_{attribute}" if attribute else "")
+        found = _METHODS[key] = getattr(owner, name, None)
+        return found
 
 
 def _lookup(name: str) -> Macro | None:
