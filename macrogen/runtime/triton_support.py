@@ -69,3 +69,20 @@ if HAS_TRITON and interpreting():
 def use_triton(device: torch.device) -> bool:
     """Whether tensors on ``device`` take the Triton path (else the torch path)."""
     return HAS_TRITON and device.type == "cuda"
+
+
+INT32_MAX = 2**31 - 1
+
+
+def int64_offsets(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel must compute its element offsets in 64 bits: some tensor's farthest
+    element lies more than 2^31 - 1 elements from its start (``index * stride`` would
+    overflow int32). Decided per launch from the sizes and strides; reads no data, so a
+    ``meta`` tensor or a broadcast view (stride 0) answers without memory behind it."""
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        farthest = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+        if farthest > INT32_MAX:
+            return True
+    return False

@@ -414,7 +414,52 @@ def _errors(body: str, decorator: str = "@mg.tile(i=64, j=64)") -> list[str]:
                             s += x[j, k]
                     out[i] = s
             """,
-            "a loop inside an inner loop is not supported",
+            "'s' is defined outside the loop over j and reduced in the loop over k inside it",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    c = x[i, 0]
+                    for j in range(N):
+                        for k in range(N):
+                            t = 0.0
+                            for l in range(N):
+                                t += x[k, l]
+                            out[i, j] += t * c
+            """,
+            "at most two levels of inner loops",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    m = 0.0
+                    s = 0.0
+                    for j in range(N):
+                        m_new = max(m, x[i, j])
+                        s = s * torch.exp(m - m_new) + torch.exp(x[i, j] - m_new)
+                        m = m_new
+                    out[i] = s
+            """,
+            "an online softmax starts from m = float('-inf') and s = 0.0",
+        ),
+        (
+            """
+            def f(out, x):
+                M, N = x.shape
+                for i in range(M):
+                    m = float("-inf")
+                    s = 0.0
+                    for j in range(N):
+                        m_new = max(m, x[i, j])
+                        s = s * torch.exp(m_new - m) + torch.exp(x[i, j] - m_new)
+                        m = m_new
+                    out[i] = s
+            """,
+            "'m' is read inside the loop that reduces into it",
         ),
         (
             """
@@ -584,3 +629,48 @@ def test_bad_arguments_are_errors(decorator: str, message: str) -> None:
 def test_tile_on_a_class_is_an_error() -> None:
     errors = _errors("class C:\n    pass\n", "@mg.tile(i=64)")
     assert errors == ["test.py:4:2: error: tile() decorates a function, not a class: " + USAGE]
+
+
+def test_int64_offsets_are_chosen_from_sizes_and_strides_alone() -> None:
+    """The launcher's INDEX_64: a tensor whose farthest element is past int32 offsets.
+
+    Meta tensors and broadcast views have sizes and strides but no memory, so
+    no 2^31-element tensor is allocated here.
+    """
+    from macrogen.runtime.triton_support import int64_offsets
+
+    small = torch.empty(37, 53)
+    assert not int64_offsets(small, small.t())
+    assert not int64_offsets(torch.empty(2**31, device="meta"))  # last offset 2^31 - 1
+    assert int64_offsets(small, torch.empty(2**31 + 1, device="meta"))
+    assert int64_offsets(torch.empty(2**16, 2**15 + 1, device="meta"))
+    wide_rows = torch.empty(3, 2**30, device="meta")
+    assert int64_offsets(wide_rows[:, :2])  # a narrow view of a wide tensor: stride 2^30
+    assert not int64_offsets(torch.zeros(1).expand(2**33))  # every element at offset 0
+    assert not int64_offsets(torch.empty(0, 2**40, device="meta"))  # nothing to address
+
+
+def test_launcher_takes_mixed_float_dtypes_except_for_a_dots_operands(
+    tmp_path, monkeypatch
+) -> None:
+    source = """
+    import torch
+    import macrogen as mg
+
+
+    @mg.tile(i=16, j=16, k=16)
+    def mm(out, a, b):
+        M, K = a.shape
+        _, N = b.shape
+        for i in range(M):
+            for j in range(N):
+                for k in range(K):
+                    out[i, j] += a[i, k] * b[k, j]
+    """
+    module = load_module(_expand(source), "tile_mixed_dtypes", tmp_path)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the device check, to the dtype checks
+    out = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="the operands of a tl.dot must have one dtype: a and b"):
+        module._mm_triton(out, torch.ones(4, 4, dtype=torch.float16), torch.ones(4, 4))
+    with pytest.raises(ValueError, match="b must be a float16, bfloat16 or float32 tensor"):
+        module._mm_triton(out, torch.ones(4, 4), torch.ones(4, 4, dtype=torch.float64))

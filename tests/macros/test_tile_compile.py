@@ -27,7 +27,13 @@ TARGET = GPUTarget("cuda", 90, 32)  # H100
 
 
 def compile_kernel(
-    code: str, name: str, scalars: dict, dtype: str, directory, indices: frozenset = frozenset()
+    code: str,
+    name: str,
+    scalars: dict,
+    dtype: str,
+    directory,
+    indices: frozenset = frozenset(),
+    wide: bool = False,
 ) -> None:
     """Compile ``_<name>_kernel`` of the expanded ``code`` with the launcher's meta-parameters."""
     module = load_module(code, f"tile_compile_{name}_{dtype}", directory)
@@ -39,6 +45,7 @@ def compile_kernel(
     }
     if "DOT_PRECISION" in kernel.arg_names:  # chosen at run time from torch's allow_tf32
         constexprs.setdefault("DOT_PRECISION", "ieee")
+    constexprs["INDEX_64"] = wide  # chosen at launch from the tensors' sizes
     signature = {
         arg: "*i64"
         if arg.endswith("_ptr") and arg[: -len("_ptr")] in indices
@@ -58,15 +65,17 @@ def compile_kernel(
     assert compiled.asm["cubin"]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16-int64"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_case_kernels_compile_for_sm90(case, dtype: str, tmp_path) -> None:
+    """float32 and float16 with 32-bit offsets; bfloat16 with the 64-bit ones."""
     code = expand_source(source(case), path=f"{case.name}.py").code
     scalars = {name: spec for name, spec in case.inputs.items() if not isinstance(spec, tuple)}
     indices = frozenset(
         n for n, s in case.inputs.items() if isinstance(s, tuple) and s[0] == "randint"
     )
-    compile_kernel(code, case.name, scalars, dtype, tmp_path, indices)
+    wide = dtype.endswith("-int64")
+    compile_kernel(code, case.name, scalars, dtype.split("-")[0], tmp_path, indices, wide)
 
 
 def test_benchmark_kernels_compile_for_sm90(tmp_path) -> None:

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_interpreted
-from tests.macros.tile_cases import CASES, RANDOM_CASES, compare, modules
+from tests.macros.tile_cases import CASES, RANDOM_CASES, WIDE_CASES, compare, modules
 
 NAMES = [case.name for case in CASES]
+WIDE = [f"{name}@int64" for name in WIDE_CASES]
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,14 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + WIDE)
 def test_triton_kernel_matches_loop(name: str, interpreted: dict) -> None:
+    """Every case; some again with the kernel's 64-bit offsets (INDEX_64) forced on."""
     assert interpreted[name] is None, interpreted[name]
 
 
 def test_triton_kernel_matches_loop_on_random_bodies(interpreted: dict) -> None:
-    random = {name: result for name, result in interpreted.items() if name not in NAMES}
+    random = {name: result for name, result in interpreted.items() if name not in NAMES + WIDE}
     assert len(random) == RANDOM_CASES
     failures = [result for result in random.values() if result is not None]
     assert not failures, "\n".join(failures)

@@ -29,6 +29,10 @@ class Case:
     dtype: torch.dtype = (
         torch.float32
     )  # of the tensors the tiled versions get; the loop runs in float32
+    dtypes: tuple[tuple[str, torch.dtype], ...] = ()  # per-tensor exceptions to ``dtype``
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return dict(self.dtypes).get(name, self.dtype)
 
 
 HEADER = "import math\nimport torch\nimport macrogen as mg\n\n"
@@ -346,6 +350,178 @@ CASES = [
         atol=1e-4,
     ),
     Case(
+        "attention",
+        """
+        @mg.tile(i=4, e=8, j=8, k=8)
+        def attention(out, q, kk, v, scale):
+            M, D = q.shape
+            N, E = v.shape
+            for i in range(M):
+                for e in range(E):
+                    m = float("-inf")
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        m = max(m, s * scale)
+                    l = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        l += torch.exp(s * scale - m)
+                    acc = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        acc += torch.exp(s * scale - m) * v[j, e]
+                    out[i, e] = acc / l
+        """,
+        {
+            "out": ("nan", (13, 9)),
+            "q": ("randn", (13, 11)),
+            "kk": ("randn_t", (19, 11)),
+            "v": ("randn", (19, 9)),
+            "scale": 0.3,
+        },
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
+        "scores_softmax",
+        """
+        @mg.tile(i=4, j=8, k=4)
+        def scores_softmax(p, rows, p3, q, kk):
+            M, D = q.shape
+            N = kk.shape[0]
+            for i in range(M):
+                m = float("-inf")
+                s = 0.0
+                for j in range(N):
+                    t = 0.0
+                    for k in range(D):
+                        t += q[i, k] * kk[j, k]
+                    m_new = max(m, t)
+                    s = s * torch.exp(m - m_new) + torch.exp(t - m_new)
+                    m = m_new
+                rows[i] = m + torch.log(s)
+                for j in range(N):
+                    t = 0.0
+                    for k in range(D):
+                        t += q[i, k] * kk[j, k]
+                    p[i, j] = torch.exp(t - m) / s
+                    for k in range(1, D):
+                        p3[i, j, k] = q[i, k] - kk[j, k - 1] * t
+        """,
+        {
+            "p": ("nan", (13, 17)),
+            "rows": ("nan", (13,)),
+            "p3": ("randn", (13, 17, 7)),
+            "q": ("randn", (13, 7)),
+            "kk": ("randn", (17, 7)),
+        },
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    Case(
+        "online_softmax",
+        """
+        @mg.tile(i=4, j=8)
+        def online_softmax(out, lse, x):
+            M, N = x.shape
+            for i in range(M):
+                m = float("-inf")
+                s = 0.0
+                for j in range(N):
+                    m_new = max(m, x[i, j])
+                    s = s * torch.exp(m - m_new) + torch.exp(x[i, j] - m_new)
+                    m = m_new
+                lse[i] = m + torch.log(s)
+                for j in range(N):
+                    out[i, j] = torch.exp(x[i, j] - m) / s
+        """,
+        {"out": ("nan", (21, 37)), "lse": ("nan", (21,)), "x": ("randn", (21, 37))},
+        rtol=1e-5,
+        atol=1e-5,
+    ),
+    Case(
+        "online_logsumexp",
+        """
+        @mg.tile(i=8, j=16)
+        def online_logsumexp(out, x, w):
+            M, N = x.shape
+            for i in range(M):
+                m = -math.inf
+                s = 0.0
+                for j in range(N):
+                    old = m
+                    m = max(2.0 * x[i, j], m)
+                    s = torch.exp(2.0 * x[i, j] + w[j] - m) + s * torch.exp(old - m)
+                out[i] = m + torch.log(s)
+        """,
+        {"out": ("nan", (13,)), "x": ("randn", (13, 5)), "w": ("randn", (5,))},
+        rtol=1e-5,
+        atol=1e-5,
+    ),
+    Case(
+        "long_row_half",
+        """
+        @mg.tile(i=4, j=64)
+        def long_row_half(total, out, x):
+            M, N = x.shape
+            for i in range(M):
+                s = 0.0
+                for j in range(N):
+                    s += x[i, j] * x[i, j]
+                total[i] = s
+                for j in range(N):
+                    out[i, j] = x[i, j] / torch.sqrt(s / N)
+        """,
+        {"total": ("nan", (5,)), "out": ("nan", (5, 3001)), "x": ("randn", (5, 3001))},
+        rtol=2e-3,
+        atol=2e-3,
+        dtype=torch.float16,  # summed in float16, the total would be off by far more than this
+    ),
+    Case(
+        "gelu_bf16_to_fp32",
+        """
+        @mg.tile(i=16, j=32)
+        def gelu_bf16_to_fp32(out, x, b):
+            M, N = x.shape
+            for i in range(M):
+                for j in range(N):
+                    v = x[i, j] + b[j]
+                    out[i, j] = v * torch.sigmoid(1.702 * v)
+        """,
+        {"out": ("nan", (21, 37)), "x": ("randn", (21, 37)), "b": ("randn", (37,))},
+        rtol=1e-5,
+        atol=1e-5,
+        dtype=torch.bfloat16,
+        dtypes=(("out", torch.float32),),  # bfloat16 inputs, a float32 output: no rounding
+    ),
+    Case(
+        "online_softmax_bf16",
+        """
+        @mg.tile(i=4, j=16)
+        def online_softmax_bf16(out, x):
+            M, N = x.shape
+            for i in range(M):
+                m = float("-inf")
+                s = 0.0
+                for j in range(N):
+                    m_new = max(m, x[i, j])
+                    s = s * torch.exp(m - m_new) + torch.exp(x[i, j] - m_new)
+                    m = m_new
+                for j in range(N):
+                    out[i, j] = torch.exp(x[i, j] - m) / s
+        """,
+        {"out": ("nan", (9, 45)), "x": ("randn", (9, 45))},
+        rtol=1e-2,
+        atol=1e-2,
+        dtype=torch.bfloat16,
+    ),
+    Case(
         "row_floor",
         """
         @mg.tile(i=16, j=8)
@@ -369,6 +545,10 @@ CASES = [
         },
     ),
 ]
+
+
+# kernels the interpreter also runs with 64-bit offsets forced on (tile_interpret.py)
+WIDE_CASES = ("gather", "attention", "strided_matmul", "scores_softmax")
 
 
 # -- random bodies: the hypothesis test (torch path) and the interpreter run (kernel) ----------
@@ -482,13 +662,13 @@ def compare(case: Case, reference, run) -> str | None:
     rounded to its dtype and compares with the loop's outputs rounded alike.
     """
     want, got = make_inputs(case), make_inputs(case)
-    got = {k: v.to(case.dtype) if _floating(v) else v for k, v in got.items()}
-    getattr(reference, case.name)(**{k: _rounded(v, case.dtype) for k, v in want.items()})
+    got = {k: v.to(case.dtype_of(k)) if _floating(v) else v for k, v in got.items()}
+    getattr(reference, case.name)(**{k: _rounded(v, case.dtype_of(k)) for k, v in want.items()})
     run(**got)
     for name, value in want.items():
         if not _floating(value):
             continue
-        value = value.to(case.dtype).float()
+        value = value.to(case.dtype_of(name)).float()
         if not torch.allclose(
             got[name].float(), value, rtol=case.rtol, atol=case.atol, equal_nan=True
         ):

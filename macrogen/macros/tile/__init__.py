@@ -53,10 +53,11 @@ from macrogen.macros.tile.constraints import block_shape, too_big
 from macrogen.macros.tile.constraints import (
     tuning_constraint as tuning_constraint,  # autotune's hook
 )
-from macrogen.macros.tile.ir import InnerLoop, Nest
+from macrogen.macros.tile.ir import InnerLoop, Load, Nest
 from macrogen.macros.tile.kernel import KernelEmitter
-from macrogen.macros.tile.names import make_names
-from macrogen.macros.tile.torch_path import TorchEmitter
+from macrogen.macros.tile.kernel import flat as _flat
+from macrogen.macros.tile.names import LoopBounds, loads_in, make_names
+from macrogen.macros.tile.torch_path import TorchEmitter, sharing
 
 NAME = "tile"
 FORMS: frozenset[Form] = frozenset({"decorator"})
@@ -88,10 +89,10 @@ class Spec:
 
 
 def default_tile(nest: Nest) -> int:
-    """About a thousand elements per tile: 1024, 32x32, 16x16x16 (32 each for a tl.dot)."""
+    """About a thousand elements per tile: 1024, 32x32, 16x16x16, 8x8x8x8 (32 each for a tl.dot)."""
     if nest.dot is not None:
         return 32
-    return {1: 1024, 2: 32, 3: 16}[nest.rank]
+    return {1: 1024, 2: 32, 3: 16, 4: 8}.get(nest.rank, 4)
 
 
 def validate(site: Site, ctx: Context) -> Spec:
@@ -102,7 +103,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         )
     nest = analyze(fn, ctx.constants)
     variables = list(
-        dict.fromkeys([g.var for g in nest.grid] + [s.loop.var for s in nest.inner_loops])
+        dict.fromkeys([g.var for g in nest.grid] + [s.loop.var for s in nest.all_inner_loops])
     )
     for var in variables:
         if var in OPTIONS:
@@ -192,7 +193,7 @@ class _Output:
         runtime = "macrogen.runtime.triton_support"
         self.mods = {"torch": ctx.import_module("torch")}
         if self.kernel_wanted:
-            for name in ("triton", "tl", "use_triton", "interpreting"):
+            for name in ("triton", "tl", "use_triton", "interpreting", "int64_offsets"):
                 self.mods[name] = ctx.import_from(runtime, name)
         taken = set(_IDENT.findall(cst.Module([]).code_for_node(site.original)))
         self.names = make_names(self.nest, taken | set(self.mods.values()))
@@ -222,7 +223,7 @@ class _Output:
         )
         self.group = self.names.namer("GROUP_SIZE") if self.kernel_nest.dot is not None else ""
 
-    def _tensor(self, t: str, ndim: int) -> dict:
+    def _tensor(self, t: str, ndim: int) -> dict[str, object]:
         first = self.first
         return {
             "name": t,
@@ -230,7 +231,8 @@ class _Output:
             "ptr": self.names.ptr[t],
             "strides": self.names.strides[t],
             "message": f"{t} must have {ndim} dimension{'s' if ndim != 1 else ''} (it is indexed so), not %d",
-            "same_message": f"{t} must be on the same device and of the same dtype as {first}",
+            "same_message": f"{t} must be a float16, bfloat16 or float32 tensor on the same device"
+            f" as {first} (loads compute in float32; stores cast to each output's dtype)",
             "index": t in self.nest.index_tensors,  # integers: device checked, dtype int32/int64
             "index_message": f"{t} indexes other tensors: it must be an int32 or int64 tensor on"
             f" the same device as {first}",
@@ -264,6 +266,7 @@ class _Output:
             grid=emitter.grid_setup(pid, self.spec.tile, self.group if grouped else ""),
             grouping=emitter.grouping,
             group=self.group if grouped else "",
+            wide=self.names.wide,
             steps=emitter.steps(),
             **self.common,
         )
@@ -290,6 +293,9 @@ class _Output:
             ],
             dot_precision=self.dot_precision,
             dot_precision_value=self.spec.dot_precision,
+            dot_operands=self._dot_operands(),
+            dot_message="the operands of a tl.dot must have one dtype: "
+            + " and ".join(self._dot_operands()),
             group=self.group
             if self.kernel_nest.dot is not None and self.spec.group_size > 1
             else "",
@@ -297,12 +303,33 @@ class _Output:
             allow_tf32=f"{self.mods['torch']}.backends.cuda.matmul.allow_tf32",
             num_warps=self.spec.num_warps,
             num_stages=self.spec.num_stages,
+            wide=self.names.wide,
+            int64_offsets=self.mods["int64_offsets"],
             **self.common,
         )
 
+    def _dot_operands(self) -> list[str]:
+        """The tensors a tl.dot reads in their own dtype (both plain loads), else none."""
+        dot = self.kernel_nest.dot
+        if dot is None or not (isinstance(dot.left, Load) and isinstance(dot.right, Load)):
+            return []
+        pair = [dot.left.tensor_name, dot.right.tensor_name]
+        return pair if pair[0] != pair[1] else []
+
     def torch_path(self) -> str:
-        steps = TorchEmitter(self.nest, self.names.fork(), self.mods["torch"]).steps()
-        return codegen.render("tile_torch.py.j2", steps=steps, **self.common)
+        torch = self.mods["torch"]
+        shared = sharing(self.nest, self.names, torch)
+        steps = TorchEmitter(self.nest, self.names.fork(), torch, shared).steps()
+        # half-precision inputs are read in float32 (outputs cast back when stored)
+        read = {ld.tensor_name for st in _flat(self.nest.body) for ld in loads_in(st.value)}
+        widen = [
+            t
+            for t, _ in self.nest.tensors
+            if t in read and t not in self.nest.outputs and t not in self.nest.index_tensors
+        ]
+        return codegen.render(
+            "tile_torch.py.j2", steps=steps, widen=widen, torch=self.mods["torch"], **self.common
+        )
 
     def function(self) -> cst.FunctionDef:
         """The user's function, same signature, its body replaced by the dispatch."""
@@ -333,7 +360,7 @@ def _is_docstring(stmt: cst.BaseStatement) -> bool:
     )
 
 
-def _iterations(b, step: int, triton: str) -> str:
+def _iterations(b: LoopBounds, step: int, triton: str) -> str:
     """The number of iterations of a loop, as launcher code."""
     span = f"max({b.hi} - {b.lo}, 0)"
     return span if step == 1 else f"{triton}.cdiv({span}, {step})"

@@ -11,8 +11,10 @@ The grammar (docs/tile.md has it with examples)::
 
 The innermost body may also hold inner loops over one more variable (rows of a
 softmax), whose statements reduce into locals defined before them (``s += e``,
-``m = max(m, e)``, ``m = min(m, e)``), store along the inner variable, or
-accumulate ``out[i] += e``. A last loop whose variable no store uses, holding
+``m = max(m, e)``, ``m = min(m, e)``, or an online softmax's max and rescaled
+sum), store along the inner variable, or accumulate ``out[i] += e``; such a
+loop may hold one more level of loops (a score's reduction over ``k`` inside
+the loop over ``j``). A last loop whose variable no store uses, holding
 only ``out[...] += e`` (``acc += a[i, k] * b[k, j]`` too), is such a reduction.
 
 Anything else is a ``MacroError`` at the construct, saying what is supported.
@@ -23,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeGuard
 
 import libcst as cst
 
@@ -72,6 +74,7 @@ class _Analyzer(ExpressionReader):
         self.outputs = self._outputs(fn.body)
         self.index_tensors: set[str] = set()  # tensors read as indices (integers)
         self.value_tensors: set[str] = set()  # tensors read as values
+        self.values: dict[str, Expr] = {}  # each local's latest value (an online softmax's start)
 
     # -- the function ----------------------------------------------------------------
     def _params(self) -> tuple[str, ...]:
@@ -100,7 +103,9 @@ class _Analyzer(ExpressionReader):
             )
         if len(stmts) > 1:
             raise MacroError("nothing may follow the loop nest in an @tile function", stmts[1])
-        chain, block = self._chain(stmts[0])
+        first = stmts[0]
+        assert isinstance(first, cst.For)  # the loop above stopped at it
+        chain, block = self._chain(first)
         if self._is_reduction_suffix(chain, block):
             grid = tuple(chain[:-1])
             scope = Scope(tuple(loop.var for loop in grid), {})
@@ -222,9 +227,7 @@ class _Analyzer(ExpressionReader):
             return chain, block
 
     def _block(self, node: cst.For) -> list[cst.BaseStatement]:
-        if not isinstance(node.body, cst.IndentedBlock):
-            return [cst.SimpleStatementLine(node.body.body)]
-        return list(node.body.body)
+        return _suite(node.body)
 
     def _loop(self, node: cst.For) -> Loop:
         usage = (
@@ -325,6 +328,7 @@ class _Analyzer(ExpressionReader):
         stores = [
             small
             for s in block
+            if isinstance(s, cst.SimpleStatementLine)
             for small in s.body
             if isinstance(small, (cst.Assign, cst.AugAssign)) and _subscript_target(small)
         ]
@@ -365,12 +369,13 @@ class _Analyzer(ExpressionReader):
             else:
                 expr = self._expr(value, scope)
             scope.local[name] = Name(expr.dims, expr.tensor, name)
+            self.values[name] = expr
             return [Let(name, expr)]
         index = self._store_index(target, scope.loop_vars)
         expr = self._expr(value, scope)
         if add is False:
             expr = Unary(expr.dims, expr.tensor, "-", expr)
-        return [Store(target.value.value, index, expr, add is not None)]
+        return [Store(_tensor_of(target), index, expr, add is not None)]
 
     def _inner_loop(
         self,
@@ -379,22 +384,55 @@ class _Analyzer(ExpressionReader):
         block: list[cst.BaseStatement],
         outer: Scope,
         grid: tuple[Loop, ...],
+        depth: int = 1,
+        fixed: frozenset[str] = frozenset(),
     ) -> list[Statement]:
-        """The loop over one more variable inside the grid body: reductions and stores along it."""
-        grid_vars = tuple(g.var for g in grid)
-        if loop.var in grid_vars:
+        """A loop over one more variable inside the grid body (depth 1) or inside such a loop
+        (depth 2): reductions and stores along it. ``fixed``: the locals of the scope
+        outside the enclosing inner loop, which a depth-2 loop may not reduce into."""
+        outer_vars = outer.loop_vars
+        if loop.var in outer_vars:
             raise MacroError(
                 f"loop variable {loop.var!r} is already bound by an outer loop; use a new name",
                 loop_node,
             )
-        scope = Scope((*grid_vars, loop.var), dict(outer.local))
+        scope = Scope((*outer_vars, loop.var), dict(outer.local))
         scope.gone = outer.gone
         scope.carried = self._carried(block, outer)
+        for name in sorted(scope.carried & fixed):
+            raise MacroError(
+                f"{name!r} is defined outside the loop over {outer_vars[-1]} and reduced in the"
+                f" loop over {loop.var} inside it: a reduction over two loops is not supported;"
+                f" reduce into a local defined in the loop over {outer_vars[-1]}, then reduce that",
+                loop_node,
+            )
+        online = self._online_softmax(block, scope)
         before: list[Statement] = []
         after: list[Statement] = []
         ops: dict[str, str] = {}
 
+        def reduce(
+            name: str, op: str, expr: Expr, node: cst.CSTNode, shift: str | None = None
+        ) -> list[Statement]:
+            if loop.var not in expr.dims:
+                raise MacroError(
+                    f"the value reduced into {name!r} does not depend on {loop.var!r};"
+                    " compute it after the loop",
+                    node,
+                )
+            if ops.setdefault(name, op) != op:
+                raise MacroError(
+                    f"{name!r} is reduced with both {ops[name]} and {op} in this loop", node
+                )
+            return [Accum(name, op, expr, shift)]
+
         def handle(small: cst.BaseSmallStatement, scope: Scope) -> list[Statement]:
+            if id(small) in online:
+                plan = online[id(small)]
+                if plan is None:
+                    return []
+                name, op, value, shift = plan
+                return reduce(name, op, self._expr(value, scope), value, shift)
             target, value, add = self._assignment(small)
             if isinstance(target, cst.Subscript):
                 index_names = _index_names(target)
@@ -403,36 +441,25 @@ class _Analyzer(ExpressionReader):
                     expr = self._expr(value, scope)
                     if add is False:
                         expr = Unary(expr.dims, expr.tensor, "-", expr)
-                    return [Store(target.value.value, index, expr, add is not None)]
+                    return [Store(_tensor_of(target), index, expr, add is not None)]
                 if add is None:
                     raise MacroError(
                         f"this store does not index {loop.var!r}, so every iteration of the loop"
                         f" over {loop.var} writes the same element; accumulate with +=",
                         small,
                     )
-                index = self._store_index(target, grid_vars)
-                tensor = target.value.value
+                index = self._store_index(target, outer_vars)
+                tensor = _tensor_of(target)
                 acc = self._fresh(f"{tensor}_acc")
                 expr = self._expr(value, scope)
                 before.append(Let(acc, Const(frozenset(), False, 0.0)))
-                after.append(Store(tensor, index, Name(frozenset(grid_vars), True, acc), True))
+                after.append(Store(tensor, index, Name(frozenset(outer_vars), True, acc), True))
                 ops[acc] = "sum"
                 return [Accum(acc, "sum", expr if add else negate(expr))]
             name = self._local_name(target)
             if name in scope.carried:
                 op, expr = self._accumulation(name, target, value, add, scope)
-                if loop.var not in expr.dims:
-                    raise MacroError(
-                        f"the value reduced into {name!r} does not depend on {loop.var!r};"
-                        " compute it after the loop",
-                        value,
-                    )
-                if ops.setdefault(name, op) != op:
-                    raise MacroError(
-                        f"{name!r} is reduced with both {ops[name]} and {op} in this loop",
-                        small,
-                    )
-                return [Accum(name, op, expr)]
+                return reduce(name, op, expr, value)
             if add is not None:
                 if name not in scope.local or name in outer.local:
                     raise MacroError(f"{name!r} is read before it is assigned", target)
@@ -442,16 +469,30 @@ class _Analyzer(ExpressionReader):
             else:
                 expr = self._expr(value, scope)
             scope.local[name] = Name(expr.dims, expr.tensor, name)
+            self.values[name] = expr
             return [Let(name, expr)]
 
-        body: list = []
+        body: list[Statement] = []
         for stmt in block:
             if isinstance(stmt, cst.For):
-                raise MacroError(
-                    "a loop inside an inner loop is not supported: @tile takes parallel loops"
-                    " with at most one level of inner loops under them",
-                    stmt,
+                if depth >= 2:
+                    raise MacroError(
+                        "a loop inside a loop inside the parallel loops is not supported: @tile"
+                        " takes at most two levels of inner loops under the parallel loops",
+                        stmt,
+                    )
+                body.extend(
+                    self._inner_loop(
+                        self._loop(stmt),
+                        stmt,
+                        self._block(stmt),
+                        scope,
+                        grid,
+                        depth + 1,
+                        frozenset(outer.local),
+                    )
                 )
+                continue
             if isinstance(stmt, cst.If):
                 body.extend(self._if(stmt, scope, handle))
                 continue
@@ -467,12 +508,148 @@ class _Analyzer(ExpressionReader):
             if name in outer.local:
                 init = outer.local[name]
                 outer.local[name] = Name(
-                    init.dims | frozenset(grid_vars) & _dims_of(body, name), True, name
+                    init.dims | frozenset(outer_vars) & _dims_of(body, name), True, name
                 )
-        dot = self._dot(loop, body, grid_vars)
+        dot = self._dot(loop, body, tuple(g.var for g in grid)) if depth == 1 else None
         return [*before, InnerLoop(loop, tuple(body), dot), *after]
 
-    def _if(self, node: cst.If, scope: Scope, handle) -> list[Statement]:
+    def _online_softmax(self, block: list[cst.BaseStatement], scope: Scope) -> dict[int, Any]:
+        """The statements of an online softmax in this loop, by id: what each becomes.
+
+        ``m_new = max(m, e); s = s * exp(m - m_new) + exp(e2 - m_new); m = m_new``
+        (or ``m_old = m; m = max(m, e); s = s * exp(m_old - m) + exp(e2 - m)``), with
+        ``m`` and ``s`` defined before the loop as -inf and 0: ``m`` is the max of ``e``
+        and ``s`` the sum of ``exp(e2 - m)``, computed in one pass. Each statement maps
+        to (name, op, value, shift) or None (it becomes nothing).
+        """
+        smalls = [
+            small
+            for stmt in block
+            if isinstance(stmt, cst.SimpleStatementLine)
+            for small in stmt.body
+        ]
+        plan: dict[int, Any] = {}
+
+        def assign(small: cst.BaseSmallStatement) -> tuple[str, cst.BaseExpression] | None:
+            if (
+                isinstance(small, cst.Assign)
+                and len(small.targets) == 1
+                and isinstance(small.targets[0].target, cst.Name)
+            ):
+                return small.targets[0].target.value, small.value
+            return None
+
+        def is_name(node: cst.BaseExpression, name: str) -> bool:
+            return isinstance(node, cst.Name) and node.value == name
+
+        def running_max(value: cst.BaseExpression, m: str) -> cst.BaseExpression | None:
+            if isinstance(value, cst.Call) and len(value.args) == 2:
+                if self._function_name(value.func) == "max":
+                    return _other_operand(m, value.args[0].value, value.args[1].value)
+            return None
+
+        def exp_of(node: cst.BaseExpression) -> cst.BaseExpression | None:
+            if (
+                isinstance(node, cst.Call)
+                and len(node.args) == 1
+                and self._function_name(node.func) == "exp"
+            ):
+                return node.args[0].value
+            return None
+
+        def rescaled(
+            value: cst.BaseExpression, s: str, old: str, new: str
+        ) -> cst.BaseExpression | None:
+            """e2 of ``s * exp(old - new) + exp(e2 - new)`` (terms in either order), else None."""
+            if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add)):
+                return None
+            for scaled, term in ((value.left, value.right), (value.right, value.left)):
+                if not (
+                    isinstance(scaled, cst.BinaryOperation)
+                    and isinstance(scaled.operator, cst.Multiply)
+                ):
+                    continue
+                factor = _other_operand(s, scaled.left, scaled.right)
+                arg = exp_of(factor) if factor is not None else None
+                shifted = exp_of(term)
+                if (
+                    isinstance(arg, cst.BinaryOperation)
+                    and isinstance(arg.operator, cst.Subtract)
+                    and is_name(arg.left, old)
+                    and is_name(arg.right, new)
+                    and isinstance(shifted, cst.BinaryOperation)
+                    and isinstance(shifted.operator, cst.Subtract)
+                    and is_name(shifted.right, new)
+                ):
+                    return shifted.left
+            return None
+
+        for a, first in enumerate(smalls):
+            head = assign(first)
+            if head is None:
+                continue
+            for b, second in enumerate(smalls[a + 1 :], a + 1):
+                pair = assign(second)
+                if pair is None:
+                    continue
+                for third in smalls[b + 1 :]:
+                    last = assign(third)
+                    if last is None:
+                        continue
+                    # m_new = max(m, e); s = s*exp(m - m_new) + exp(e2 - m_new); m = m_new
+                    t, m = head[0], last[0]
+                    e = running_max(head[1], m)
+                    if e is not None and is_name(last[1], t) and m in scope.carried:
+                        s = pair[0]
+                        e2 = rescaled(pair[1], s, m, t)
+                        if e2 is not None and s in scope.carried and s != m:
+                            self._online_start(m, s, second)
+                            plan[id(first)] = (m, "max", e, None)
+                            plan[id(second)] = (s, "expsum", e2, m)
+                            plan[id(third)] = None
+                            return plan
+                # m_old = m; m = max(m, e); s = s*exp(m_old - m) + exp(e2 - m)
+                t = head[0]
+                m = pair[0]
+                if not (is_name(head[1], m) and m in scope.carried):
+                    continue
+                e = running_max(pair[1], m)
+                if e is None:
+                    continue
+                for third in smalls[b + 1 :]:
+                    last = assign(third)
+                    if last is None or last[0] not in scope.carried or last[0] == m:
+                        continue
+                    e2 = rescaled(last[1], last[0], t, m)
+                    if e2 is not None:
+                        self._online_start(m, last[0], third)
+                        plan[id(first)] = None
+                        plan[id(second)] = (m, "max", e, None)
+                        plan[id(third)] = (last[0], "expsum", e2, m)
+                        return plan
+        return plan
+
+    def _online_start(self, m: str, s: str, node: cst.CSTNode) -> None:
+        """An online softmax starts from m = -inf, s = 0 (what its single pass assumes)."""
+        start_m, start_s = self.values.get(m), self.values.get(s)
+        if not (
+            isinstance(start_m, Const)
+            and start_m.value == -math.inf
+            and isinstance(start_s, Const)
+            and start_s.value == 0
+        ):
+            raise MacroError(
+                f"an online softmax starts from {m} = float('-inf') and {s} = 0.0: assign them"
+                " so right before its loop",
+                node,
+            )
+
+    def _if(
+        self,
+        node: cst.If,
+        scope: Scope,
+        handle: Callable[[cst.BaseSmallStatement, Scope], list[Statement]],
+    ) -> list[Statement]:
         """``if``/``elif``/``else`` as straight-line code, each branch computed on the whole tile.
 
         A condition is bound to a fresh local; each branch's assignments go to
@@ -490,10 +667,10 @@ class _Analyzer(ExpressionReader):
             test = self._condition(current.test, scope)
             cname = self._fresh("cond")
             out.append(Let(cname, test))
-            branches.append((Name(test.dims, test.tensor, cname), list(current.body.body)))
-            current = current.orelse  # type: ignore[assignment]
+            branches.append((Name(test.dims, test.tensor, cname), _suite(current.body)))
+            current = current.orelse
         if isinstance(current, cst.Else):
-            branches.append((None, list(current.body.body)))
+            branches.append((None, _suite(current.body)))
         local, stored = dict(scope.local), dict(self.stored)
         stored_after = dict(stored)
         results = []  # per branch: (renamed locals, accumulations, stores)
@@ -580,7 +757,9 @@ class _Analyzer(ExpressionReader):
             raise MacroError("not is not supported in an @tile if; swap the branches", test)
         return self._expr(test, scope)
 
-    def _rename_branch(self, ir: list[Statement]):
+    def _rename_branch(
+        self, ir: list[Statement]
+    ) -> tuple[dict[str, str], list[Statement], dict[str, tuple[str, Expr]], dict[str, Store]]:
         """A branch's statements with its locals renamed apart: (new names, lets, reductions, stores)."""
         renamed: dict[str, str] = {}
         lets: list[Statement] = []
@@ -609,7 +788,7 @@ class _Analyzer(ExpressionReader):
             if isinstance(stmt, cst.If):  # the branches of an if, elif and else
                 node: cst.BaseSuite | cst.If | cst.Else | None = stmt
                 while isinstance(node, (cst.If, cst.Else)):
-                    carried |= self._carried(list(node.body.body), outer)
+                    carried |= self._carried(_suite(node.body), outer)
                     node = node.orelse if isinstance(node, cst.If) else None
             if isinstance(stmt, cst.SimpleStatementLine):
                 for small in stmt.body:
@@ -652,9 +831,7 @@ class _Analyzer(ExpressionReader):
             )
         return op, self._expr(other, scope)
 
-    def _dot(
-        self, loop: Loop, body: list[Let | Accum | Store], grid_vars: tuple[str, ...]
-    ) -> Dot | None:
+    def _dot(self, loop: Loop, body: list[Statement], grid_vars: tuple[str, ...]) -> Dot | None:
         """``acc += a[i, k] * b[k, j]``, alone in its loop under two grid loops: a tl.dot."""
         if len(grid_vars) != 2 or len(body) != 1 or not isinstance(body[0], Accum):
             return None
@@ -675,7 +852,7 @@ class _Analyzer(ExpressionReader):
     # -- statements' parts -------------------------------------------------------------
     def _assignment(
         self, small: cst.BaseSmallStatement
-    ) -> tuple[cst.BaseExpression, cst.BaseExpression, bool | None]:
+    ) -> tuple[cst.Name | cst.Subscript, cst.BaseExpression, bool | None]:
         """(target, value, add): add is None for ``=``, True for ``+=``, False for ``-=``."""
         if isinstance(small, cst.Assign):
             if len(small.targets) != 1:
@@ -732,7 +909,7 @@ class _Analyzer(ExpressionReader):
                 " so that each element is written by one iteration",
                 target,
             )
-        self._use_tensor(target.value.value, len(names), target)
+        self._use_tensor(_tensor_of(target), len(names), target)
         return tuple(names)
 
     def _local_name(self, target: cst.Name) -> str:
@@ -771,7 +948,9 @@ class _Analyzer(ExpressionReader):
 _IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
 
 
-def _where_chain(conds: list[Name | None], values: list, default: Expr | None) -> Expr:
+def _where_chain(
+    conds: Sequence[Name | None], values: Sequence[Expr | None], default: Expr | None
+) -> Expr:
     """``where(c1, v1, where(c2, v2, v3))``: v3 is the else branch's value, or ``default``."""
     pairs = list(zip(conds, values))
     if conds[-1] is None:
@@ -803,7 +982,7 @@ def _rename(e: Expr, names: dict[str, str]) -> Expr:
     return e
 
 
-def _dims_of(body: list[Let | Accum | Store], acc: str) -> frozenset[str]:
+def _dims_of(body: list[Statement], acc: str) -> frozenset[str]:
     return frozenset().union(
         *(s.value.dims for s in body if isinstance(s, Accum) and s.name == acc)
     )
@@ -837,7 +1016,7 @@ def _shape_read(node: cst.BaseExpression) -> tuple[cst.BaseExpression, int] | No
         and isinstance(node.slice[0].slice, cst.Index)
         and isinstance(node.slice[0].slice.value, cst.Integer)
     ):
-        return node.value.value, int(node.slice[0].slice.value.value)  # type: ignore[attr-defined]
+        return node.value.value, int(node.slice[0].slice.value.value)
     if isinstance(node, cst.Call) and len(node.args) == 1 and not node.args[0].keyword:
         arg = node.args[0].value
         if (
@@ -868,7 +1047,7 @@ def _contains(node: cst.CSTNode, kind: type) -> bool:
     return found
 
 
-def _is_shape(node: cst.BaseExpression) -> bool:
+def _is_shape(node: cst.BaseExpression) -> TypeGuard[cst.Attribute]:
     return isinstance(node, cst.Attribute) and node.attr.value == "shape"
 
 
@@ -892,3 +1071,17 @@ def _index_names(target: cst.Subscript | None) -> set[str]:
     for el in target.slice:
         el.visit(_Names())
     return names
+
+
+def _suite(body: cst.BaseSuite) -> list[cst.BaseStatement]:
+    """The statements of a block; ``for ...: a; b`` on one line is one line of them."""
+    if isinstance(body, cst.IndentedBlock):
+        return list(body.body)
+    assert isinstance(body, cst.SimpleStatementSuite)
+    return [cst.SimpleStatementLine(body.body)]
+
+
+def _tensor_of(target: cst.Subscript) -> str:
+    """The tensor parameter a store writes (``_assignment`` checked it is a name)."""
+    assert isinstance(target.value, cst.Name)
+    return target.value.value

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from macrogen.macros.tile.code import name, parse, plus
-from macrogen.macros.tile.ir import Accum, InnerLoop, Let, Nest, Store
+from macrogen.macros.tile.ir import Accum, InnerLoop, Let, Load, Loop, Nest, Statement, Store
 from macrogen.macros.tile.names import Names, loads_in
 
 
-def alias_checks(nest: Nest) -> list[dict]:
+def alias_checks(nest: Nest) -> list[dict[str, str]]:
     """One check per (output, other tensor) pair: they must not share memory."""
-    checks = []
+    checks: list[dict[str, str]] = []
     for o in nest.outputs:
         for t, _ in nest.tensors:
             if t == o or (t in nest.outputs and nest.outputs.index(t) < nest.outputs.index(o)):
@@ -25,13 +25,14 @@ def alias_checks(nest: Nest) -> list[dict]:
     return checks
 
 
-def index_checks(nest: Nest, names: Names) -> list[dict]:
+def index_checks(nest: Nest, names: Names) -> list[dict[str, object]]:
     """One range check per distinct (tensor, dimension, loop, offset) the nest indexes with."""
-    accesses: dict[tuple, None] = {}
-    gathers: dict[tuple, None] = {}  # (tensor, dim, the index load, its loops)
+    # (tensor, dim, loop or None, offset, variable), and (tensor, dim, index load, its loops)
+    accesses: dict[tuple[str, int, Loop | None, int, str | None], None] = {}
+    gathers: dict[tuple[str, int, Load, tuple[tuple[str, Loop], ...]], None] = {}
     loops = {g.var: g for g in nest.grid}
 
-    def load(ld, scope) -> None:
+    def load(ld: Load, scope: dict[str, Loop]) -> None:
         for d, ix in enumerate(ld.index):
             if ix.gather is not None:
                 load(ix.gather, scope)
@@ -40,12 +41,11 @@ def index_checks(nest: Nest, names: Names) -> list[dict]:
             key = (ld.tensor_name, d, scope.get(ix.var) if ix.var else None, ix.offset, ix.var)
             accesses[key] = None
 
-    def visit(stmts, inner=None) -> None:
+    def visit(stmts: tuple[Statement, ...], scope: dict[str, Loop]) -> None:
         for s in stmts:
             if isinstance(s, InnerLoop):
-                visit(s.body, s.loop)
+                visit(s.body, {**scope, s.loop.var: s.loop})
                 continue
-            scope = {**loops, **({inner.var: inner} if inner else {})}
             if isinstance(s, (Let, Accum, Store)):
                 for ld in loads_in(s.value):
                     load(ld, scope)
@@ -53,8 +53,8 @@ def index_checks(nest: Nest, names: Names) -> list[dict]:
                 for d, var in enumerate(s.index):
                     accesses[(s.tensor_name, d, scope[var], 0, var)] = None
 
-    visit(nest.body)
-    checks = []
+    visit(nest.body, loops)
+    checks: list[dict[str, object]] = []
     for tensor, d, loop, offset, var in accesses:
         size = f"{tensor}.shape[{d}]"
         if loop is None:

@@ -11,16 +11,20 @@ import math
 from collections.abc import Mapping
 
 from macrogen.expand.protocol import TuningEnv
-from macrogen.macros.tile.ir import Nest
+from macrogen.macros.tile.ir import InnerLoop, Nest
 
 MAX_TILE_ELEMENTS = 1 << 20  # Triton's limit on the elements of one block (TRITON_MAX_TENSOR_NUMEL)
 
 
 def block_shape(nest: Nest, tiles: dict[str, int]) -> list[int]:
-    """The largest block the kernel holds: the grid tile, times the widest inner-loop tile."""
+    """The largest block the kernel holds: the grid tile, times the widest inner-loop tile
+    of each level of inner loops."""
     shape = [tiles[g.var] for g in nest.grid]
     if nest.inner_axis:
-        shape.append(max(tiles[s.loop.var] for s in nest.inner_loops))
+        level = list(nest.inner_loops)
+        while level:
+            shape.append(max(tiles[s.loop.var] for s in level))
+            level = [t for s in level for t in s.body if isinstance(t, InnerLoop)]
     return shape
 
 

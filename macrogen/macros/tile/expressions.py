@@ -71,7 +71,10 @@ class ExpressionReader:
     index_tensors: set[str]
     value_tensors: set[str]
     constants: Mapping[str, Any]
-    # and the analysis' ``_use_tensor(tensor, ndim, node)``, which records a tensor's rank
+
+    def _use_tensor(self, tensor: str, ndim: int, node: cst.CSTNode) -> None:
+        """Record ``tensor``'s rank (the analysis checks it against its other uses)."""
+        raise NotImplementedError
 
     def _expr(self, node: cst.BaseExpression, scope: Scope) -> Expr:
         if isinstance(node, (cst.Integer, cst.Float)):

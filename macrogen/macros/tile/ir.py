@@ -2,9 +2,9 @@
 
 A ``Nest`` is one program per tile of the *grid* loops (the loops whose
 variables index every store); its body runs once per grid point, straight-line,
-and may hold *inner* loops over one more variable: reductions (``s += e``,
-``m = max(m, e)``), stores along the inner variable, or a matmul-shaped
-``acc += a[i, k] * b[k, j]`` (``dot``). Every expression knows the loop
+and may hold *inner* loops over one more variable (two levels deep at most):
+reductions (``s += e``, ``m = max(m, e)``, an online softmax), stores along
+the inner variable, or a matmul-shaped ``acc += a[i, k] * b[k, j]`` (``dot``). Every expression knows the loop
 variables it depends on (``dims``) and whether it is a tensor or a Python
 scalar (``tensor``): broadcasting in both emitted paths is derived from these.
 """
@@ -109,11 +109,17 @@ class Let:
 
 @dataclass(frozen=True)
 class Accum:
-    """``name += value`` (op "sum"), ``name = max(name, value)`` ("max") or min ("min")."""
+    """``name += value`` (op "sum"), ``name = max(name, value)`` ("max") or min ("min").
+
+    Op "expsum" is the sum half of an online softmax: after the loop ``name`` is
+    the sum of ``exp(value - shift)``, ``shift`` being the local that a "max"
+    Accum of the same loop reduces (the loop rescales as its running max grows).
+    """
 
     name: str
     op: str
     value: Expr
+    shift: str | None = None
 
 
 @dataclass(frozen=True)
@@ -136,9 +142,16 @@ class Dot:
 
 @dataclass(frozen=True)
 class InnerLoop:
+    """A loop inside the grid body (depth 1), or inside such a loop (depth 2)."""
+
     loop: Loop
-    body: tuple[Let | Accum | Store, ...]
+    body: tuple[Let | Accum | Store | InnerLoop, ...]
     dot: Dot | None = None  # set when the whole body is one matmul-shaped accumulation
+
+    @property
+    def depth(self) -> int:
+        """1 for a loop holding no loops, 2 for one holding loops."""
+        return 1 + max((s.depth for s in self.body if isinstance(s, InnerLoop)), default=0)
 
 
 Statement = Let | Accum | Store | InnerLoop
@@ -161,6 +174,25 @@ class Nest:
         return tuple(s for s in self.body if isinstance(s, InnerLoop))
 
     @property
+    def all_inner_loops(self) -> tuple[InnerLoop, ...]:
+        """Every inner loop, nested ones too, outer before inner."""
+        out: list[InnerLoop] = []
+
+        def walk(body: tuple[Statement, ...]) -> None:
+            for s in body:
+                if isinstance(s, InnerLoop):
+                    out.append(s)
+                    walk(s.body)
+
+        walk(self.body)
+        return tuple(out)
+
+    @property
+    def depth(self) -> int:
+        """Levels of inner loops under the grid: 0, 1 or 2."""
+        return max((s.depth for s in self.inner_loops), default=0)
+
+    @property
     def dot(self) -> Dot | None:
         loops = self.inner_loops
         return loops[0].dot if len(loops) == 1 else None
@@ -172,7 +204,8 @@ class Nest:
 
     @property
     def rank(self) -> int:
-        return len(self.grid) + (1 if self.inner_axis else 0)
+        """Axes of a tile: one per grid loop, then one per level of inner loops."""
+        return len(self.grid) + (self.depth if self.inner_axis else 0)
 
 
 FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs", "where", "max", "min")

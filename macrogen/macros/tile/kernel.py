@@ -25,12 +25,30 @@ from macrogen.macros.tile.code import (
     plus,
     suffix,
 )
-from macrogen.macros.tile.ir import Accum, Const, Index, InnerLoop, Let, Load, Nest, Store
+from macrogen.macros.tile.ir import (
+    Accum,
+    Const,
+    Expr,
+    Index,
+    InnerLoop,
+    Let,
+    Load,
+    Nest,
+    Statement,
+    Store,
+)
 from macrogen.macros.tile.names import Names, load_name, load_vars, loads_in
 from macrogen.macros.tile.printer import TritonPrinter
-from macrogen.macros.tile.steps import Assign, LoopBlock, Step, TritonStore, drop_dead_stores
+from macrogen.macros.tile.steps import (
+    Assign,
+    LoopBlock,
+    Step,
+    TritonStore,
+    Widen,
+    drop_dead_stores,
+)
 
-IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
+IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf, "expsum": 0.0}
 
 
 @dataclass
@@ -40,7 +58,7 @@ class _Scope:
     index: dict[str, Code]  # loop variable -> its index vector
     masks: dict[str, str]  # loop variable -> its mask
     loaded: dict[Load, str]
-    sink: list  # where a combined mask goes when first needed
+    sink: list[Step]  # where a combined mask goes when first needed
     combined: dict[frozenset[str], str] | None = field(default_factory=dict)  # None: inline
 
 
@@ -66,7 +84,9 @@ class KernelEmitter:
         """Tile positions times a loop's step: the indices the loop visits."""
         return code if step == 1 else binary("*", code, number(step))
 
-    def grid_setup(self, pid: str, tiles: dict[str, int], group: str = "") -> list[dict]:
+    def grid_setup(
+        self, pid: str, tiles: dict[str, int], group: str = ""
+    ) -> list[dict[str, object]]:
         """Per grid loop: this program's tile index, index vector and mask (last loop fastest).
 
         With ``group`` (a matmul), tiles go in grouped order as in Triton's matmul
@@ -112,11 +132,11 @@ class KernelEmitter:
             iterations = binary("-", name(bounds.hi), name(bounds.lo))
             if loop.step != 1:
                 iterations = call(f"{self.tl}.cdiv", iterations, number(loop.step))
-            first = binary("*", name(pid_var), name(block))
+            tile_start = binary("*", name(pid_var), name(block))
             if loop.step == 1:  # integers: the grouping does not matter, leave it out
-                index = chain("+", [name(bounds.lo), first, self.arange(block, axis)])
+                index = chain("+", [name(bounds.lo), tile_start, self.arange(block, axis)])
             else:
-                offsets = binary("+", first, self.arange(block, axis))
+                offsets = binary("+", tile_start, self.arange(block, axis))
                 index = binary("+", name(bounds.lo), self._spaced(offsets, loop.step))
             out.append(
                 {
@@ -135,7 +155,7 @@ class KernelEmitter:
         return out
 
     def steps(self) -> list[Step]:
-        out: list[Step] = []
+        out: list[Step] = [Widen(self.grid_vars, self.names.wide)]
         grid = _Scope({v: name(v) for v in self.grid_vars}, dict(self.names.mask), {}, out)
         for s in self.nest.body:
             if isinstance(s, InnerLoop):
@@ -144,18 +164,24 @@ class KernelEmitter:
                     self._dot_loop(s, grid) if self.nest.dot is not None else self._loop(s, grid)
                 )
             else:
+                assert not isinstance(s, Accum)  # reductions live in inner loops
                 self._statement(s, grid, out)
         return drop_dead_stores(out)
 
-    def _hoist(self, s: InnerLoop, grid: _Scope) -> None:
-        """Loads inside the loop that don't depend on its variable are loaded once, before it."""
-        for st in s.body:
+    def _hoist(self, s: InnerLoop, outer: _Scope) -> None:
+        """Loads inside the loop (and the loops in it) that don't depend on its variable are
+        loaded once, before it."""
+        for st in flat(s.body):
             for ld in loads_in(st.value):
-                if s.loop.var not in ld.dims:
-                    self._ensure(ld, grid, grid.sink)
+                if s.loop.var not in ld.dims and ld.dims <= set(outer.index):
+                    self._ensure(ld, outer, outer.sink)
                 for ix in ld.index:  # the indices of a gather along the loop, loaded once
-                    if ix.gather is not None and s.loop.var not in ix.gather.dims:
-                        self._ensure(ix.gather, grid, grid.sink, index=True)
+                    if (
+                        ix.gather is not None
+                        and s.loop.var not in ix.gather.dims
+                        and ix.gather.dims <= set(outer.index)
+                    ):
+                        self._ensure(ix.gather, outer, outer.sink, index=True)
 
     # -- addresses, masks, loads -------------------------------------------------------------
     def _address(self, tensor: str, index: tuple[Index, ...], scope: _Scope) -> Code:
@@ -198,11 +224,11 @@ class KernelEmitter:
         local = scope.loaded[ld] = self.names.namer(load_name(ld))
         return Assign(local, parse(code))
 
-    def _loads(self, value, scope: _Scope, into: list) -> None:
+    def _loads(self, value: Expr, scope: _Scope, into: list[Step]) -> None:
         for ld in loads_in(value):
             self._ensure(ld, scope, into)
 
-    def _ensure(self, ld: Load, scope: _Scope, into: list, index: bool = False) -> None:
+    def _ensure(self, ld: Load, scope: _Scope, into: list[Step], index: bool = False) -> None:
         """Load ``ld`` into a local (after the indices it gathers by) unless it already is;
         an ``index`` (a gather's integers) stays integer."""
         if ld in scope.loaded:
@@ -211,9 +237,13 @@ class KernelEmitter:
             if ix.gather is not None:
                 self._ensure(ix.gather, scope, into, index=True)
         into.append(self._load(ld, scope, upcast=not index, other="0" if index else "0.0"))
+        if index:  # gathered indices multiply strides too
+            into.append(Widen((scope.loaded[ld],), self.names.wide))
 
     # -- statements ------------------------------------------------------------------------------
-    def _statement(self, s: Let | Store, scope: _Scope, into: list) -> None:
+    def _statement(
+        self, s: Let | Store, scope: _Scope, into: list[Step], level: tuple[str, ...] = ()
+    ) -> None:
         self._loads(s.value, scope, into)
         value = TritonPrinter(scope.loaded, self.tl).expr(s.value)
         if isinstance(s, Let):
@@ -231,7 +261,7 @@ class KernelEmitter:
             cond = TritonPrinter(scope.loaded, tl).expr(s.cond)
             mask = binary("&", mask, cond) if mask is not None else cond
         if not s.value.tensor:  # a number: make it a tile so that it has a dtype to cast
-            zeros = call(f"{tl}.zeros", self._store_shape(s), dtype=f"{tl}.float32")
+            zeros = call(f"{tl}.zeros", self._store_shape(s, level), dtype=f"{tl}.float32")
             value = binary("+", value, zeros)
         if s.add:  # read-modify-write: name the pointers, they are used twice
             ptrs = self.names.namer(f"{s.tensor_name}_ptrs")
@@ -243,59 +273,101 @@ class KernelEmitter:
         value = method(value, "to", f"{ptr}.dtype.element_ty")
         into.append(TritonStore(parse(pointer), parse(value), parse(mask) if mask else None))
 
-    def _store_shape(self, s: Store) -> str:
+    def _store_shape(self, s: Store, level: tuple[str, ...]) -> str:
         """The shape of a store's pointer tile: its loop variables' blocks on their axes."""
-        inner = [v for v in s.index if v not in self.grid_vars]
-        axes = (
-            list(self.grid_vars) + (inner or [""])
-            if self.rank > len(self.grid_vars)
-            else self.grid_vars
-        )
-        return "[" + ", ".join(self.names.block[v] if v in s.index else "1" for v in axes) + "]"
+        axes = [*self.grid_vars, *level]
+        blocks = [self.names.block[v] if v in s.index else "1" for v in axes]
+        return "[" + ", ".join(blocks + ["1"] * (self.rank - len(blocks))) + "]"
 
     # -- inner loops -----------------------------------------------------------------------------
-    def _loop(self, s: InnerLoop, grid: _Scope) -> LoopBlock:
+    def _loop(self, s: InnerLoop, outer: _Scope, level: tuple[str, ...] = ()) -> LoopBlock:
+        """The tiles of an inner loop; ``level``: the inner loops around it (their variables)."""
         loop, namer, tl = s.loop, self.names.namer, self.tl
         bounds = self.names.bounds[loop]
         start = namer(f"{loop.var}_start")
         block = self.names.block[loop.var]
         inner_mask = namer(f"{loop.var}_mask")
-        offsets = self._spaced(self.arange(block, self.rank - 1), loop.step)
-        setup: list[Assign] = [
+        axis = len(self.grid_vars) + len(level)
+        offsets = self._spaced(self.arange(block, axis), loop.step)
+        setup: list[Step] = [
             Assign(loop.var, parse(binary("+", name(start), offsets))),
+            Widen((loop.var,), self.names.wide),
             Assign(inner_mask, parse(binary("<", name(loop.var), name(bounds.hi)))),
         ]
         scope = _Scope(
-            {**grid.index, loop.var: name(loop.var)},
-            {**grid.masks, loop.var: inner_mask},
-            dict(grid.loaded),
+            {**outer.index, loop.var: name(loop.var)},
+            {**outer.masks, loop.var: inner_mask},
+            dict(outer.loaded),
             setup,
-            dict(grid.combined),
+            dict(outer.combined or {}),
         )
-        body: list = []
+        here = (*level, loop.var)
+        body: list[Step] = []
         before: list[Assign] = []
         after: list[Assign] = []
-        shape = "[" + ", ".join([*(self.names.block[v] for v in self.grid_vars), block]) + "]"
+        tail: list[Assign] = []  # an online softmax's running max, updated after its sum
+        axes = [*(self.names.block[v] for v in (*self.grid_vars, *here))]
+        shape = "[" + ", ".join(axes + ["1"] * (self.rank - len(axes))) + "]"
+        shifts = {st.shift for st in s.body if isinstance(st, Accum) and st.shift}
+        running: dict[str, tuple[str, str]] = {}  # max local -> (its tile, the tile's next value)
         for st in s.body:
+            if isinstance(st, InnerLoop):
+                self._hoist(st, scope)
+                body.append(self._loop(st, scope, here))
+                continue
             if not isinstance(st, Accum):
-                self._statement(st, scope, body)
+                self._statement(st, scope, body, here)
                 continue
             self._loads(st.value, scope, body)
             tile = namer(f"{st.name}_tile")
             identity = number(IDENTITY[st.op])
             before.append(Assign(tile, parse(call(f"{tl}.full", shape, identity, f"{tl}.float32"))))
-            mask = self._mask([*self.grid_vars, loop.var], scope)  # padding adds nothing
-            value = call(
-                f"{tl}.where", mask, TritonPrinter(scope.loaded, tl).expr(st.value), identity
-            )
+            mask = self._mask([*self.grid_vars, *here], scope)  # padding adds nothing
+            assert mask is not None  # an inner loop always has its own mask
+            printed = TritonPrinter(scope.loaded, tl).expr(st.value)
+            reduce_axis = str(axis)
+            if st.op == "expsum":  # s * exp(m_old - m_new) + exp(e - m_new), per lane
+                assert st.shift is not None
+                old, new = running[st.shift]
+                alpha = call(
+                    f"{tl}.where",
+                    binary("==", name(old), name(new)),
+                    "1.0",
+                    call(f"{tl}.exp", binary("-", name(old), name(new))),
+                )
+                term = call(
+                    f"{tl}.where", mask, call(f"{tl}.exp", binary("-", printed, name(new))), "0.0"
+                )
+                body.append(Assign(tile, parse(binary("+", binary("*", name(tile), alpha), term))))
+                # fold: each lane's sum rescaled to the row's max (lanes already at it as they are)
+                final = st.shift  # its after-loop value: the row's max
+                lanes = call(
+                    f"{tl}.where",
+                    binary("==", name(old), name(final)),
+                    tile,
+                    binary("*", name(tile), call(f"{tl}.exp", binary("-", name(old), name(final)))),
+                )
+                reduced = call(f"{tl}.sum", lanes, axis=reduce_axis, keep_dims="True")
+                assert self.identity.pop(st.name, None) == 0.0
+                after.append(Assign(st.name, parse(reduced)))
+                continue
+            value = call(f"{tl}.where", mask, printed, identity)
             combine = {
                 "sum": binary("+", name(tile), value),
                 "max": call(f"{tl}.maximum", tile, value),
                 "min": call(f"{tl}.minimum", tile, value),
             }[st.op]
-            body.append(Assign(tile, parse(combine)))
-            reduced = call(f"{tl}.{st.op}", tile, axis=str(self.rank - 1), keep_dims="True")
+            if st.name in shifts:  # the running max: the sum reads both its old and new value
+                nxt = namer(f"{st.name}_next")
+                running[st.name] = (tile, nxt)
+                body.append(Assign(nxt, parse(combine)))
+                tail.append(Assign(tile, parse(name(nxt))))
+                assert self.identity.get(st.name) == -math.inf
+            else:
+                body.append(Assign(tile, parse(combine)))
+            reduced = call(f"{tl}.{st.op}", tile, axis=reduce_axis, keep_dims="True")
             after.append(Assign(st.name, parse(self._combine(st.op, st.name, reduced))))
+        body.extend(tail)
         return LoopBlock(
             start=start,
             lo=bounds.lo,
@@ -324,14 +396,15 @@ class KernelEmitter:
         arange = call(f"{tl}.arange", "0", block)
         row = self._spaced(suffix(arange, "[None, :]"), loop.step)
         column = self._spaced(suffix(arange, "[:, None]"), loop.step)
-        setup: list[Assign] = [
+        setup: list[Step] = [
             Assign(left_k, parse(binary("+", name(start), row))),
             Assign(right_k, parse(binary("+", name(start), column))),
+            Widen((left_k, right_k), self.names.wide),
             Assign(left_mask, parse(binary("<", name(left_k), name(bounds.hi)))),
             Assign(right_mask, parse(binary("<", name(right_k), name(bounds.hi)))),
         ]
         native = isinstance(dot.left, Load) and isinstance(dot.right, Load)
-        body: list = []
+        body: list[Step] = []
         operands = []
         for e, k_code, k_mask in ((dot.left, left_k, left_mask), (dot.right, right_k, right_mask)):
             scope = _Scope(
@@ -377,3 +450,11 @@ class KernelEmitter:
         if op == "sum":
             return binary("+", name(acc), reduced)
         return call(f"{self.tl}.{'maximum' if op == 'max' else 'minimum'}", acc, reduced)
+
+
+def flat(body: tuple[Statement, ...]) -> list[Let | Accum | Store]:
+    """The statements of ``body`` and of the loops in it."""
+    out: list[Let | Accum | Store] = []
+    for st in body:
+        out.extend(flat(st.body) if isinstance(st, InnerLoop) else [st])
+    return out

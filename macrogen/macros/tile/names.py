@@ -9,7 +9,7 @@ import libcst as cst
 
 from macrogen.codegen import ident
 from macrogen.macros.tile.code import Code, binary, call, name, number, parse, plus
-from macrogen.macros.tile.ir import Binary, Bound, Call, Expr, Load, Loop, Nest, Unary, Var
+from macrogen.macros.tile.ir import Binary, Bound, Call, Expr, Load, Loop, Name, Nest, Unary, Var
 
 
 class Namer:
@@ -52,6 +52,7 @@ class Names:
     block: dict[str, str] = field(default_factory=dict)  # loop variable -> BLOCK_ constexpr
     bounds: dict[Loop, LoopBounds] = field(default_factory=dict)
     mask: dict[str, str] = field(default_factory=dict)  # grid variable -> its mask
+    wide: str = "INDEX_64"  # the kernel's constexpr: offsets in 64 bits
 
     def fork(self) -> Names:
         """The same names, with a namer of its own for one generated function's locals."""
@@ -64,7 +65,7 @@ def make_names(nest: Nest, taken: set[str]) -> Names:
     for tensor, ndim in nest.tensors:
         names.ptr[tensor] = namer(f"{tensor}_ptr")
         names.strides[tensor] = tuple(namer(f"stride_{tensor}{d}") for d in range(ndim))
-    for loop in [*nest.grid, *(s.loop for s in nest.inner_loops)]:
+    for loop in [*nest.grid, *(s.loop for s in nest.all_inner_loops)]:
         if loop.var not in names.block:
             names.block[loop.var] = namer(f"BLOCK_{loop.var.upper()}")
         if loop not in names.bounds:
@@ -79,6 +80,7 @@ def make_names(nest: Nest, taken: set[str]) -> Names:
             )
     for loop in nest.grid:
         names.mask[loop.var] = namer(f"{loop.var}_mask")
+    names.wide = namer("INDEX_64")
     return names
 
 
@@ -99,6 +101,7 @@ def stop_code(loop: Loop) -> Code:
         count = len(range(start.offset, loop.stop.offset, loop.step))
         return number(start.offset + (count - 1) * loop.step + 1 if count else start.offset)
     if start.size is None:  # hi - lo - 1 folds into one offset
+        assert loop.stop.size is not None
         span = plus(name(loop.stop.size), loop.stop.offset - start.offset - 1)
         return plus(binary("*", binary("//", span, step), step), start.offset + 1)
     span = plus(binary("-", stop, bound_code(start)), -1)
@@ -161,3 +164,16 @@ def loads_in(e: Expr) -> list[Load]:
     if isinstance(e, Call):
         return [ld for a in e.args for ld in loads_in(a)]
     return []
+
+
+def names_in(e: Expr) -> set[str]:
+    """The names (locals, scalars, sizes) ``e`` reads."""
+    if isinstance(e, Name):
+        return {e.name}
+    if isinstance(e, Unary):
+        return names_in(e.operand)
+    if isinstance(e, Binary):
+        return names_in(e.left) | names_in(e.right)
+    if isinstance(e, Call):
+        return set().union(*(names_in(a) for a in e.args))
+    return set()

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
-from macrogen.macros.tile.code import Code, binary, call, chain, conditional, name, neg, number
+from collections import Counter
+from collections.abc import Callable
+
+from macrogen.macros.tile.code import (
+    Code,
+    binary,
+    call,
+    chain,
+    conditional,
+    name,
+    neg,
+    number,
+    parse,
+)
 from macrogen.macros.tile.ir import Binary, Call, Const, Expr, Load, Name, Unary, Var
+from macrogen.macros.tile.steps import Assign, Step
 
 
 class Printer:
@@ -59,9 +73,49 @@ class TritonPrinter(Printer):
 
 
 class TorchPrinter(Printer):
-    def __init__(self, loaded: dict[Load, str], torch: str, indices: dict[str, str] | None = None):
+    """Torch code; with ``memo``, each distinct tensor-valued call or operation is computed
+    once into a local (``into``), and the same code later reads that local: a softmax's
+    ``exp(x - m)`` is one pass, not two."""
+
+    def __init__(
+        self,
+        loaded: dict[Load, str],
+        torch: str,
+        indices: dict[str, str] | None = None,
+        memo: dict[str, str] | None = None,
+        into: list[Step] | None = None,
+        namer: Callable[[str], str] | None = None,
+        key: Callable[[str], str] = str,
+        shared: set[str] | None = None,
+        uses: Counter[str] | None = None,
+    ):
         super().__init__(loaded, indices)
         self.torch = torch
+        self.memo = memo
+        self.into = into
+        self.namer = namer
+        self.key = key  # code -> its memo key (the code, and the values of the locals it reads)
+        self.shared = shared  # the keys to compute once (None: all, counting ``uses``)
+        self.uses = uses if uses is not None else Counter()
+
+    def expr(self, e: Expr) -> Code:
+        code = super().expr(e)
+        if (
+            self.memo is None
+            or self.into is None
+            or self.namer is None
+            or not (isinstance(e, (Call, Binary)) and e.tensor and e.dims)
+        ):
+            return code
+        key = self.key(code.text)
+        self.uses[key] += 1
+        if self.shared is not None and key not in self.shared:
+            return code
+        if key not in self.memo:
+            local = self.namer(e.fn if isinstance(e, Call) else "t")
+            self.into.append(Assign(local, parse(code)))
+            self.memo[key] = local
+        return name(self.memo[key])
 
     def power(self, e: Binary) -> Code:
         assert isinstance(e.right, Const)

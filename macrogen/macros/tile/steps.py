@@ -33,6 +33,7 @@ class TorchStore:
     target: cst.BaseExpression  # out[i_lo:i_hi, ...]
     value: cst.BaseExpression
     add: bool
+    direct: bool = False  # ``value`` is a call that writes ``target`` itself (``out=``)
     kind: str = "store"
 
 
@@ -47,15 +48,25 @@ class LoopBlock:
     stride: cst.BaseExpression  # BLOCK_J, or BLOCK_J * step
     step: int
     before: tuple[Assign, ...]  # accumulator tiles
-    setup: tuple[Assign, ...]  # index vectors and masks, once per tile
-    body: tuple
+    setup: tuple[Step, ...]  # index vectors and masks (and their widening), once per tile
+    body: tuple[Step, ...]
     after: tuple[Assign, ...]  # fold the tiles into the locals
     var: str
     dot: bool
     kind: str = "loop"
 
 
-Step = Assign | TritonStore | TorchStore | LoopBlock
+@dataclass(frozen=True)
+class Widen:
+    """``if FLAG: v = v.to(tl.int64)`` for each name: 64-bit offsets where the launcher
+    finds a tensor too large for int32 ones (a constexpr, so each kernel compiles once per case)."""
+
+    names: tuple[str, ...]
+    flag: str
+    kind: str = "widen"
+
+
+Step = Assign | TritonStore | TorchStore | LoopBlock | Widen
 
 
 def _reads(node: cst.CSTNode | None) -> set[str]:
@@ -78,6 +89,8 @@ def _step_reads(step: Step) -> set[str]:
         return _reads(step.pointer) | _reads(step.value) | _reads(step.mask)
     if isinstance(step, TorchStore):
         return _reads(step.target) | _reads(step.value)
+    if isinstance(step, Widen):
+        return {*step.names, step.flag}
     inside = (*step.before, *step.setup, *step.body, *step.after)
     return {step.lo, step.hi, step.block}.union(*(_step_reads(s) for s in inside))
 
@@ -85,6 +98,7 @@ def _step_reads(step: Step) -> set[str]:
 def _live(name: str, later: list[Step]) -> bool:
     """Whether ``name``'s value is read by ``later`` before an assignment overwrites it."""
     for step in later:
+        after: list[Step]
         if isinstance(step, LoopBlock):  # runs 0+ times; its ``after`` always runs
             inner = (*step.before, *step.setup, *step.body)
             if name in {step.lo, step.hi}.union(*(_step_reads(s) for s in inner)):

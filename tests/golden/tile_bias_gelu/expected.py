@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -65,6 +66,7 @@ def _bias_gelu_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, M
@@ -82,6 +84,9 @@ def _bias_gelu_kernel(
     j_mask = j < j_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
+        j = j.to(tl.int64)
     mask = i_mask & j_mask
     x_ij = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask, other=0.0).to(tl.float32)
     b_j = tl.load(b_ptr + j * stride_b0, mask=j_mask, other=0.0).to(tl.float32)
@@ -93,18 +98,19 @@ def _bias_gelu_kernel(
 def _bias_gelu_triton(out, x, b):
     """Run the loop nest at input.py:5 as the Triton kernel _bias_gelu_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     M, N, i_lo, i_hi, j_lo, j_hi = _bias_gelu_shapes(out, x, b)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_bias_gelu_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_bias_gelu_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if x.device != out.device or x.dtype != out.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as out')
-    if b.device != out.device or b.dtype != out.dtype:
-        raise ValueError('b must be on the same device and of the same dtype as out')
+    if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if b.device != out.device or b.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("b must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(i_hi - i_lo, 0), 32) * triton.cdiv(max(j_hi - j_lo, 0), 64)
     if programs == 0:
         return
@@ -121,6 +127,7 @@ def _bias_gelu_triton(out, x, b):
         b.stride(0),
         BLOCK_I=32,
         BLOCK_J=64,
+        INDEX_64=int64_offsets(out, x, b),
         num_warps=8,
         num_stages=2,
     )
@@ -130,10 +137,12 @@ def _bias_gelu_triton(out, x, b):
 def _bias_gelu_torch(out, x, b):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _bias_gelu_shapes(out, x, b)
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
+    b = b.float() if b.dtype in (torch.float16, torch.bfloat16) else b  # compute in float32, as the kernel does
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     b_j = b[j_lo:j_hi][None, :]
     v = x_ij + b_j
-    out[i_lo:i_hi, j_lo:j_hi] = 0.5 * v * (1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v)))
+    torch.mul(0.5 * v, 1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v)), out=out[i_lo:i_hi, j_lo:j_hi])
 
 
 # macrogen: tile at input.py:5

@@ -5,6 +5,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -101,6 +102,7 @@ def _gather_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, M
@@ -114,15 +116,23 @@ def _gather_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
     idx_i = tl.load(idx_ptr + i * stride_idx0, mask=i_mask, other=0)
+    if INDEX_64:
+        idx_i = idx_i.to(tl.int64)
     # ---- for j in range(j_lo, j_hi), one tile at a time
     s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
     for j_start in range(j_lo, j_hi, BLOCK_J):
         j = j_start + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask = j < j_hi
         mask = i_mask & j_mask
         table_idx_j = tl.load(table_ptr + idx_i * stride_table0 + j * stride_table1, mask=mask, other=0.0).to(tl.float32)
         perm_j = tl.load(perm_ptr + j * stride_perm0, mask=j_mask, other=0)
+        if INDEX_64:
+            perm_j = perm_j.to(tl.int64)
         x_i_perm = tl.load(x_ptr + i * stride_x0 + perm_j * stride_x1, mask=mask, other=0.0).to(tl.float32)
         s_tile = s_tile + tl.where(mask, table_idx_j * x_i_perm, 0.0)
     s = tl.sum(s_tile, axis=1, keep_dims=True)
@@ -130,10 +140,14 @@ def _gather_kernel(
     # ---- for j in range(j_lo, j_hi), one tile at a time
     for j_start_2 in range(j_lo, j_hi, BLOCK_J):
         j = j_start_2 + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_2 = j < j_hi
         mask_2 = i_mask & j_mask_2
         table_idx_j_2 = tl.load(table_ptr + idx_i * stride_table0 + j * stride_table1, mask=mask_2, other=0.0).to(tl.float32)
         perm_j_2 = tl.load(perm_ptr + j * stride_perm0, mask=j_mask_2, other=0)
+        if INDEX_64:
+            perm_j_2 = perm_j_2.to(tl.int64)
         x_i_perm_2 = tl.load(x_ptr + i * stride_x0 + perm_j_2 * stride_x1, mask=mask_2, other=0.0).to(tl.float32)
         tl.store(out_ptr + i * stride_out0 + j * stride_out1, (table_idx_j_2 + x_i_perm_2).to(out_ptr.dtype.element_ty), mask=mask_2)
 
@@ -142,24 +156,25 @@ def _gather_kernel(
 def _gather_triton(out, sums, table, idx, perm, x):
     """Run the loop nest at input.py:6 as the Triton kernel _gather_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     M, N, i_lo, i_hi, j_lo, j_hi = _gather_shapes(out, sums, table, idx, perm, x)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_gather_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_gather_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if sums.device != out.device or sums.dtype != out.dtype:
-        raise ValueError('sums must be on the same device and of the same dtype as out')
-    if table.device != out.device or table.dtype != out.dtype:
-        raise ValueError('table must be on the same device and of the same dtype as out')
+    if sums.device != out.device or sums.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("sums must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if table.device != out.device or table.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("table must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     if idx.device != out.device or idx.dtype not in (torch.int32, torch.int64):
         raise ValueError('idx indexes other tensors: it must be an int32 or int64 tensor on the same device as out')
     if perm.device != out.device or perm.dtype not in (torch.int32, torch.int64):
         raise ValueError('perm indexes other tensors: it must be an int32 or int64 tensor on the same device as out')
-    if x.device != out.device or x.dtype != out.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as out')
+    if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(i_hi - i_lo, 0), 8)
     if programs == 0:
         return
@@ -183,6 +198,7 @@ def _gather_triton(out, sums, table, idx, perm, x):
         x.stride(1),
         BLOCK_I=8,
         BLOCK_J=16,
+        INDEX_64=int64_offsets(out, sums, table, idx, perm, x),
         num_warps=4,
         num_stages=2,
     )
@@ -192,15 +208,17 @@ def _gather_triton(out, sums, table, idx, perm, x):
 def _gather_torch(out, sums, table, idx, perm, x):
     """The loop nest at input.py:6 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _gather_shapes(out, sums, table, idx, perm, x)
+    table = table.float() if table.dtype in (torch.float16, torch.bfloat16) else table  # compute in float32, as the kernel does
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     idx_i = idx[i_lo:i_hi][:, None]
     j_index = torch.arange(j_lo, j_hi, device=out.device)[None, :]
     table_idx_j = table[idx_i, j_index]
     i_index = torch.arange(i_lo, i_hi, device=out.device)[:, None]
     perm_j = perm[j_lo:j_hi][None, :]
     x_i_perm = x[i_index, perm_j]
-    s = (table_idx_j * x_i_perm).sum(dim=1, keepdim=True)
+    s = torch.einsum('ab,ab->a', table_idx_j, x_i_perm).unsqueeze(1)
     sums[i_lo:i_hi] = s[..., 0]
-    out[i_lo:i_hi, j_lo:j_hi] = table_idx_j + x_i_perm
+    torch.add(table_idx_j, x_i_perm, out=out[i_lo:i_hi, j_lo:j_hi])
 
 
 # macrogen: tile at input.py:6

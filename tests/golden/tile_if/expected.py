@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -69,6 +70,7 @@ def _causal_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, M
@@ -82,10 +84,14 @@ def _causal_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
     # ---- for j in range(j_lo, j_hi), one tile at a time
     m_tile = tl.full([BLOCK_I, BLOCK_J], float("-inf"), tl.float32)
     for j_start in range(j_lo, j_hi, BLOCK_J):
         j = j_start + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask = j < j_hi
         mask = i_mask & j_mask
         cond = j <= i
@@ -96,6 +102,8 @@ def _causal_kernel(
     s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
     for j_start_2 in range(j_lo, j_hi, BLOCK_J):
         j = j_start_2 + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_2 = j < j_hi
         mask_2 = i_mask & j_mask_2
         cond_2 = j <= i
@@ -105,6 +113,8 @@ def _causal_kernel(
     # ---- for j in range(j_lo, j_hi), one tile at a time
     for j_start_3 in range(j_lo, j_hi, BLOCK_J):
         j = j_start_3 + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_3 = j < j_hi
         mask_3 = i_mask & j_mask_3
         cond_3 = j <= i
@@ -123,18 +133,19 @@ def _causal_kernel(
 def _causal_triton(out, rows, x, alpha):
     """Run the loop nest at input.py:5 as the Triton kernel _causal_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     M, N, i_lo, i_hi, j_lo, j_hi = _causal_shapes(out, rows, x, alpha)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_causal_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_causal_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if rows.device != out.device or rows.dtype != out.dtype:
-        raise ValueError('rows must be on the same device and of the same dtype as out')
-    if x.device != out.device or x.dtype != out.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as out')
+    if rows.device != out.device or rows.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("rows must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(i_hi - i_lo, 0), 4)
     if programs == 0:
         return
@@ -152,6 +163,7 @@ def _causal_triton(out, rows, x, alpha):
         x.stride(1),
         BLOCK_I=4,
         BLOCK_J=8,
+        INDEX_64=int64_offsets(out, rows, x),
         num_warps=4,
         num_stages=2,
     )
@@ -161,14 +173,16 @@ def _causal_triton(out, rows, x, alpha):
 def _causal_torch(out, rows, x, alpha):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _causal_shapes(out, rows, x, alpha)
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     j_index = torch.arange(j_lo, j_hi, device=out.device)[None, :]
     i_index = torch.arange(i_lo, i_hi, device=out.device)[:, None]
-    cond = j_index <= i_index
+    t = j_index <= i_index
+    cond = t
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     m = torch.where(cond, x_ij, float("-inf")).amax(dim=1, keepdim=True)
-    cond_2 = j_index <= i_index
+    cond_2 = t
     s = torch.where(cond_2, torch.exp(x_ij - m), 0.0).sum(dim=1, keepdim=True)
-    cond_3 = j_index <= i_index
+    cond_3 = t
     out[i_lo:i_hi, j_lo:j_hi] = torch.where(cond_3, torch.exp(x_ij - m) / s, out[i_lo:i_hi, j_lo:j_hi])
     cond_4 = s > alpha
     cond_5 = m < 0.5

@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -74,6 +75,7 @@ def _matmul_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, M
@@ -95,11 +97,17 @@ def _matmul_kernel(
     j_mask = j < j_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
+        j = j.to(tl.int64)
     # ---- for k in range(k_lo, k_hi), one tile at a time: a tl.dot per tile
     out_acc_tile = tl.zeros([BLOCK_I, BLOCK_J], dtype=tl.float32)
     for k_start in range(k_lo, k_hi, BLOCK_K):
         k_left = k_start + tl.arange(0, BLOCK_K)[None, :]
         k_right = k_start + tl.arange(0, BLOCK_K)[:, None]
+        if INDEX_64:
+            k_left = k_left.to(tl.int64)
+            k_right = k_right.to(tl.int64)
         k_left_mask = k_left < k_hi
         k_right_mask = k_right < k_hi
         a_ik = tl.load(a_ptr + i * stride_a0 + k_left * stride_a1, mask=i_mask & k_left_mask, other=0.0)
@@ -115,18 +123,21 @@ def _matmul_kernel(
 def _matmul_triton(out, a, b):
     """Run the loop nest at input.py:5 as the Triton kernel _matmul_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     M, K, N, i_lo, i_hi, j_lo, j_hi, k_lo, k_hi = _matmul_shapes(out, a, b)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_matmul_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_matmul_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if a.device != out.device or a.dtype != out.dtype:
-        raise ValueError('a must be on the same device and of the same dtype as out')
-    if b.device != out.device or b.dtype != out.dtype:
-        raise ValueError('b must be on the same device and of the same dtype as out')
+    if a.device != out.device or a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("a must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if b.device != out.device or b.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("b must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if a.dtype != b.dtype:
+        raise ValueError('the operands of a tl.dot must have one dtype: a and b')
     programs = triton.cdiv(max(i_hi - i_lo, 0), 64) * triton.cdiv(max(j_hi - j_lo, 0), 64)
     if programs == 0:
         return
@@ -146,6 +157,7 @@ def _matmul_triton(out, a, b):
         BLOCK_I=64,
         BLOCK_J=64,
         BLOCK_K=32,
+        INDEX_64=int64_offsets(out, a, b),
         GROUP_SIZE=8,
         DOT_PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
         num_warps=4,
@@ -157,6 +169,8 @@ def _matmul_triton(out, a, b):
 def _matmul_torch(out, a, b):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, K, N, i_lo, i_hi, j_lo, j_hi, k_lo, k_hi = _matmul_shapes(out, a, b)
+    a = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a  # compute in float32, as the kernel does
+    b = b.float() if b.dtype in (torch.float16, torch.bfloat16) else b  # compute in float32, as the kernel does
     a_ik = a[i_lo:i_hi, k_lo:k_hi]
     b_kj = b[k_lo:k_hi, j_lo:j_hi]
     out_acc = a_ik @ b_kj

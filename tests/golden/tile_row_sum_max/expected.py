@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -64,6 +65,7 @@ def _row_sum_max_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, M
@@ -77,11 +79,15 @@ def _row_sum_max_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
     # ---- for j in range(j_lo, j_hi), one tile at a time
     s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
     m_tile = tl.full([BLOCK_I, BLOCK_J], float("-inf"), tl.float32)
     for j_start in range(j_lo, j_hi, BLOCK_J):
         j = j_start + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask = j < j_hi
         mask = i_mask & j_mask
         x_ij = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask, other=0.0).to(tl.float32)
@@ -97,18 +103,19 @@ def _row_sum_max_kernel(
 def _row_sum_max_triton(total, biggest, x):
     """Run the loop nest at input.py:5 as the Triton kernel _row_sum_max_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     M, N, i_lo, i_hi, j_lo, j_hi = _row_sum_max_shapes(total, biggest, x)
     if total.device.type != "cuda" and not interpreting():
         raise ValueError('_row_sum_max_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(total.device))
     if total.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_row_sum_max_triton takes float16, bfloat16 or float32 tensors, not ' + str(total.dtype))
-    if biggest.device != total.device or biggest.dtype != total.dtype:
-        raise ValueError('biggest must be on the same device and of the same dtype as total')
-    if x.device != total.device or x.dtype != total.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as total')
+    if biggest.device != total.device or biggest.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("biggest must be a float16, bfloat16 or float32 tensor on the same device as total (loads compute in float32; stores cast to each output's dtype)")
+    if x.device != total.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as total (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(i_hi - i_lo, 0), 16)
     if programs == 0:
         return
@@ -124,6 +131,7 @@ def _row_sum_max_triton(total, biggest, x):
         x.stride(1),
         BLOCK_I=16,
         BLOCK_J=128,
+        INDEX_64=int64_offsets(total, biggest, x),
         num_warps=4,
         num_stages=2,
     )
@@ -133,6 +141,7 @@ def _row_sum_max_triton(total, biggest, x):
 def _row_sum_max_torch(total, biggest, x):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _row_sum_max_shapes(total, biggest, x)
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     s = x_ij.sum(dim=1, keepdim=True)
     m = x_ij.amax(dim=1, keepdim=True)

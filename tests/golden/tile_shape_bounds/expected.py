@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -70,6 +71,7 @@ def _shape_bounds_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, x_size0
@@ -84,10 +86,14 @@ def _shape_bounds_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
     # ---- for j in range(j_lo, j_hi), one tile at a time
     s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
     for j_start in range(j_lo, j_hi, BLOCK_J):
         j = j_start + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask = j < j_hi
         mask = i_mask & j_mask
         x_ij = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask, other=0.0).to(tl.float32)
@@ -97,6 +103,8 @@ def _shape_bounds_kernel(
     # ---- for j in range(j_lo_2, j_hi_2), one tile at a time
     for j_start_2 in range(j_lo_2, j_hi_2, BLOCK_J):
         j = j_start_2 + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_2 = j < j_hi_2
         mask_2 = i_mask & j_mask_2
         x_ij_2 = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask_2, other=0.0).to(tl.float32)
@@ -107,18 +115,19 @@ def _shape_bounds_kernel(
 def _shape_bounds_triton(out, x, b, n):
     """Run the loop nest at input.py:5 as the Triton kernel _shape_bounds_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     x_size0, x_size1, i_lo, i_hi, j_lo, j_hi, j_lo_2, j_hi_2 = _shape_bounds_shapes(out, x, b, n)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_shape_bounds_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_shape_bounds_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if x.device != out.device or x.dtype != out.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as out')
-    if b.device != out.device or b.dtype != out.dtype:
-        raise ValueError('b must be on the same device and of the same dtype as out')
+    if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if b.device != out.device or b.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("b must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(i_hi - i_lo, 0), 8)
     if programs == 0:
         return
@@ -136,6 +145,7 @@ def _shape_bounds_triton(out, x, b, n):
         b.stride(0),
         BLOCK_I=8,
         BLOCK_J=16,
+        INDEX_64=int64_offsets(out, x, b),
         num_warps=4,
         num_stages=2,
     )
@@ -145,11 +155,13 @@ def _shape_bounds_triton(out, x, b, n):
 def _shape_bounds_torch(out, x, b, n):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     x_size0, x_size1, i_lo, i_hi, j_lo, j_hi, j_lo_2, j_hi_2 = _shape_bounds_shapes(out, x, b, n)
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
+    b = b.float() if b.dtype in (torch.float16, torch.bfloat16) else b  # compute in float32, as the kernel does
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     b_j = b[j_lo:j_hi][None, :]
     s = (x_ij @ b_j.flatten())[..., None]
     x_ij_2 = x[i_lo:i_hi, j_lo_2:j_hi_2]
-    out[i_lo:i_hi, j_lo_2:j_hi_2] = s + x_ij_2
+    torch.add(s, x_ij_2, out=out[i_lo:i_hi, j_lo_2:j_hi_2])
 
 
 # macrogen: tile at input.py:5

@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -57,6 +58,7 @@ def _softmax_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, M
@@ -70,10 +72,14 @@ def _softmax_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
     # ---- for j in range(j_lo, j_hi), one tile at a time
     m_tile = tl.full([BLOCK_I, BLOCK_J], float("-inf"), tl.float32)
     for j_start in range(j_lo, j_hi, BLOCK_J):
         j = j_start + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask = j < j_hi
         mask = i_mask & j_mask
         x_ij = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask, other=0.0).to(tl.float32)
@@ -83,6 +89,8 @@ def _softmax_kernel(
     s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
     for j_start_2 in range(j_lo, j_hi, BLOCK_J):
         j = j_start_2 + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_2 = j < j_hi
         mask_2 = i_mask & j_mask_2
         x_ij_2 = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask_2, other=0.0).to(tl.float32)
@@ -91,6 +99,8 @@ def _softmax_kernel(
     # ---- for j in range(j_lo, j_hi), one tile at a time
     for j_start_3 in range(j_lo, j_hi, BLOCK_J):
         j = j_start_3 + tl.arange(0, BLOCK_J)[None, :]
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_3 = j < j_hi
         mask_3 = i_mask & j_mask_3
         x_ij_3 = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask_3, other=0.0).to(tl.float32)
@@ -101,16 +111,17 @@ def _softmax_kernel(
 def _softmax_triton(out, x):
     """Run the loop nest at input.py:5 as the Triton kernel _softmax_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     M, N, i_lo, i_hi, j_lo, j_hi = _softmax_shapes(out, x)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_softmax_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_softmax_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if x.device != out.device or x.dtype != out.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as out')
+    if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(i_hi - i_lo, 0), 2)
     if programs == 0:
         return
@@ -125,6 +136,7 @@ def _softmax_triton(out, x):
         x.stride(1),
         BLOCK_I=2,
         BLOCK_J=1024,
+        INDEX_64=int64_offsets(out, x),
         num_warps=4,
         num_stages=2,
     )
@@ -134,10 +146,13 @@ def _softmax_triton(out, x):
 def _softmax_torch(out, x):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _softmax_shapes(out, x)
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     x_ij = x[i_lo:i_hi, j_lo:j_hi]
     m = x_ij.amax(dim=1, keepdim=True)
-    s = torch.exp(x_ij - m).sum(dim=1, keepdim=True)
-    out[i_lo:i_hi, j_lo:j_hi] = torch.exp(x_ij - m) / s
+    t = x_ij - m
+    exp_2 = torch.exp(t)
+    s = exp_2.sum(dim=1, keepdim=True)
+    torch.div(exp_2, s, out=out[i_lo:i_hi, j_lo:j_hi])
 
 
 # macrogen: tile at input.py:5

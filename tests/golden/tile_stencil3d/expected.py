@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -73,6 +74,7 @@ def _laplace_rows_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     b_lo, b_hi = 0, B
@@ -95,6 +97,10 @@ def _laplace_rows_kernel(
     j_mask = j < j_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        b = b.to(tl.int64)
+        i = i.to(tl.int64)
+        j = j.to(tl.int64)
     mask = b_mask & i_mask & j_mask
     x_b_ip1_j = tl.load(x_ptr + b * stride_x0 + (i + 1) * stride_x1 + j * stride_x2, mask=mask, other=0.0).to(tl.float32)
     x_bij = tl.load(x_ptr + b * stride_x0 + i * stride_x1 + j * stride_x2, mask=mask, other=0.0).to(tl.float32)
@@ -107,16 +113,17 @@ def _laplace_rows_kernel(
 def _laplace_rows_triton(out, x, eps):
     """Run the loop nest at input.py:5 as the Triton kernel _laplace_rows_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     B, M, N, b_lo, b_hi, i_lo, i_hi, j_lo, j_hi = _laplace_rows_shapes(out, x, eps)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_laplace_rows_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_laplace_rows_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if x.device != out.device or x.dtype != out.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as out')
+    if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(b_hi - b_lo, 0), 1) * triton.cdiv(max(i_hi - i_lo, 0), 16) * triton.cdiv(max(j_hi - j_lo, 0), 64)
     if programs == 0:
         return
@@ -136,6 +143,7 @@ def _laplace_rows_triton(out, x, eps):
         BLOCK_B=1,
         BLOCK_I=16,
         BLOCK_J=64,
+        INDEX_64=int64_offsets(out, x),
         num_warps=4,
         num_stages=2,
     )
@@ -145,6 +153,7 @@ def _laplace_rows_triton(out, x, eps):
 def _laplace_rows_torch(out, x, eps):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     B, M, N, b_lo, b_hi, i_lo, i_hi, j_lo, j_hi = _laplace_rows_shapes(out, x, eps)
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     x_b_ip1_j = x[b_lo:b_hi, i_lo + 1:i_hi + 1, j_lo:j_hi]
     x_bij = x[b_lo:b_hi, i_lo:i_hi, j_lo:j_hi]
     x_b_im1_j = x[b_lo:b_hi, i_lo - 1:i_hi - 1, j_lo:j_hi]

@@ -4,6 +4,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -72,6 +73,7 @@ def _strided_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 1, (M - 2) // 2 * 2 + 2
@@ -86,10 +88,14 @@ def _strided_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
     # ---- for j in range(j_lo, j_hi, 3), one tile at a time
     s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
     for j_start in range(j_lo, j_hi, BLOCK_J * 3):
         j = j_start + tl.arange(0, BLOCK_J)[None, :] * 3
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask = j < j_hi
         mask = i_mask & j_mask
         x_i_jp1 = tl.load(x_ptr + i * stride_x0 + (j + 1) * stride_x1, mask=mask, other=0.0).to(tl.float32)
@@ -99,6 +105,8 @@ def _strided_kernel(
     # ---- for j in range(j_lo_2, j_hi_2, 2), one tile at a time
     for j_start_2 in range(j_lo_2, j_hi_2, BLOCK_J * 2):
         j = j_start_2 + tl.arange(0, BLOCK_J)[None, :] * 2
+        if INDEX_64:
+            j = j.to(tl.int64)
         j_mask_2 = j < j_hi_2
         mask_2 = i_mask & j_mask_2
         x_im1_j = tl.load(x_ptr + (i - 1) * stride_x0 + j * stride_x1, mask=mask_2, other=0.0).to(tl.float32)
@@ -109,18 +117,19 @@ def _strided_kernel(
 def _strided_triton(out, x, total):
     """Run the loop nest at input.py:5 as the Triton kernel _strided_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     M, N, i_lo, i_hi, j_lo, j_hi, j_lo_2, j_hi_2 = _strided_shapes(out, x, total)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_strided_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_strided_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if x.device != out.device or x.dtype != out.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as out')
-    if total.device != out.device or total.dtype != out.dtype:
-        raise ValueError('total must be on the same device and of the same dtype as out')
+    if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if total.device != out.device or total.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("total must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(triton.cdiv(max(i_hi - i_lo, 0), 2), 4)
     if programs == 0:
         return
@@ -137,6 +146,7 @@ def _strided_triton(out, x, total):
         total.stride(0),
         BLOCK_I=4,
         BLOCK_J=8,
+        INDEX_64=int64_offsets(out, x, total),
         num_warps=4,
         num_stages=2,
     )
@@ -146,11 +156,12 @@ def _strided_triton(out, x, total):
 def _strided_torch(out, x, total):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi, j_lo_2, j_hi_2 = _strided_shapes(out, x, total)
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     x_i_jp1 = x[i_lo:i_hi:2, j_lo + 1:j_hi + 1:3]
     s = x_i_jp1.sum(dim=1, keepdim=True)
     total[i_lo:i_hi:2] = s[..., 0]
     x_im1_j = x[i_lo - 1:i_hi - 1:2, j_lo_2:j_hi_2:2]
-    out[i_lo:i_hi:2, j_lo_2:j_hi_2:2] = x_im1_j * s
+    torch.mul(x_im1_j, s, out=out[i_lo:i_hi:2, j_lo_2:j_hi_2:2])
 
 
 # macrogen: tile at input.py:5

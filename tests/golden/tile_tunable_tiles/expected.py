@@ -6,6 +6,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.triton_support import int64_offsets
 from macrogen.runtime.triton_support import interpreting
 from macrogen.runtime.triton_support import tl
 from macrogen.runtime.triton_support import triton
@@ -52,6 +53,7 @@ def _scale_shift_kernel(
     stride_x0,
     # Meta-parameters
     BLOCK_I: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
     i_lo, i_hi = 0, N
@@ -64,6 +66,8 @@ def _scale_shift_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
+    if INDEX_64:
+        i = i.to(tl.int64)
     x_i = tl.load(x_ptr + i * stride_x0, mask=i_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + i * stride_out0, (alpha * x_i + beta).to(out_ptr.dtype.element_ty), mask=i_mask)
 
@@ -72,16 +76,17 @@ def _scale_shift_kernel(
 def _scale_shift_triton(out, x, alpha, beta):
     """Run the loop nest at input.py:8 as the Triton kernel _scale_shift_kernel.
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device
-    and of one floating dtype; writes into the output tensors in place.
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
+    float16, bfloat16 or float32 (computed in float32, each output stored in its
+    own dtype); writes into the output tensors in place.
     """
     N, i_lo, i_hi = _scale_shift_shapes(out, x, alpha, beta)
     if out.device.type != "cuda" and not interpreting():
         raise ValueError('_scale_shift_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError('_scale_shift_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
-    if x.device != out.device or x.dtype != out.dtype:
-        raise ValueError('x must be on the same device and of the same dtype as out')
+    if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     programs = triton.cdiv(max(i_hi - i_lo, 0), 64)
     if programs == 0:
         return
@@ -94,6 +99,7 @@ def _scale_shift_triton(out, x, alpha, beta):
         out.stride(0),
         x.stride(0),
         BLOCK_I=64,
+        INDEX_64=int64_offsets(out, x),
         num_warps=4,
         num_stages=2,
     )
@@ -103,8 +109,9 @@ def _scale_shift_triton(out, x, alpha, beta):
 def _scale_shift_torch(out, x, alpha, beta):
     """The loop nest at input.py:8 as whole-tensor torch operations, in place."""
     N, i_lo, i_hi = _scale_shift_shapes(out, x, alpha, beta)
+    x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     x_i = x[i_lo:i_hi]
-    out[i_lo:i_hi] = alpha * x_i + beta
+    torch.add(alpha * x_i, beta, out=out[i_lo:i_hi])
 
 
 # macrogen: tunable at input.py:5
