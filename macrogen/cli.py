@@ -34,7 +34,11 @@ Each command has its own --help.
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given the arguments, only the command they name is imported.
+
+    (Start-up is part of every ``macrogen expand``: a command module that imports
+    something heavy at top level would slow every other command.)"""
     parser = argparse.ArgumentParser(
         prog="macrogen",
         description="Expand macrogen macros in PyTorch training code into parallel code and Triton kernels.",
@@ -45,14 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     import macrogen.commands as commands
 
-    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"macrogen.commands.{info.name}")
+    names = sorted(info.name for info in pkgutil.iter_modules(commands.__path__))
+    if argv and argv[0] in names:
+        names = [argv[0]]
+    for name in names:
+        module = importlib.import_module(f"macrogen.commands.{name}")
         module.add_parser(sub).set_defaults(run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    if argv is None:
+        argv = sys.argv[1:]
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:

@@ -129,11 +129,19 @@ def test_a_one_megabyte_define_is_refused_at_once():
     assert time.monotonic() - start < 60  # (a bound on a hang, not a benchmark)
 
 
-def test_a_fused_block_inside_90_nested_defs_is_a_clean_error():
+def test_a_fused_block_inside_90_nested_defs_expands():
+    # (It was a clean "nested too deeply" error while positions came from libcst's
+    # MetadataWrapper, whose extra visit of the tree hit the recursion limit first.)
     lines = ["import macrogen as mg", "import torch.distributed as dist"]
     lines += ["    " * d + f"def f{d}(a):" for d in range(90)]
     lines += ["    " * 90 + "with mg.fused_allreduce():", "    " * 91 + "dist.all_reduce(a)"]
-    report = errors("\n".join(lines) + "\n")
+    result = expand_source("\n".join(lines) + "\n", path="m.py")
+    assert result.sites == (("fused_allreduce", 93),)
+    compile(result.code, "m.py", "exec")
+
+
+def test_a_macro_argument_nested_150_deep_is_a_clean_error():
+    report = errors("import macrogen as mg\nA = mg.define(" + "[" * 150 + "]" * 150 + ")\n")
     assert "nested too deeply to expand" in report
 
 

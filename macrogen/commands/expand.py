@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import IO
 
 from macrogen import files
-from macrogen.autotune import database
 from macrogen.commands import HelpFormatter, describe
 from macrogen.expand import ExpansionError, InternalError, expand_source
 from macrogen.files import encode_source, read_source
 
 STDIO = "-"
+# autotune.database.DEFAULT_NAME, written out: the database imports libcst, which a run
+# over files without macros never needs (start-up is part of every expand).
+TUNING_FILE = "macrogen_tuning.json"
 
 
 class UsageError(Exception):
@@ -193,9 +195,9 @@ def plan_jobs(
         if path.is_dir():
             if out_dir is None and not in_place:
                 raise UsageError(f"{src} is a directory: give --out-dir DIR or --in-place")
-            for file in _python_files(path, skip=out_dir):
-                dst = file if in_place else Path(out_dir) / file.relative_to(path)
-                jobs.append(Job(str(file), str(dst)))
+            for file, rel in _python_files(path, skip=out_dir):
+                dst = file if in_place else str(Path(out_dir or "") / rel)
+                jobs.append(Job(file, dst))
         elif path.is_file():
             if in_place:
                 dst: str | None = src
@@ -209,10 +211,11 @@ def plan_jobs(
         else:
             raise UsageError(f"{src}: no such file or directory")
     seen: dict[str, str] = {}
+    folders: dict[str, str] = {}
     for job in jobs:
         if job.dst is None:
             continue
-        key = str(Path(job.dst).resolve())
+        key = _resolved(job.dst, folders)
         if key in seen and seen[key] != job.src:
             raise UsageError(f"{seen[key]} and {job.src} would both be written to {job.dst}")
         seen[key] = job.src
@@ -225,33 +228,56 @@ def plan_jobs(
     return jobs
 
 
-def _python_files(root: Path, *, skip: str | None) -> list[Path]:
-    """Every ``*.py`` file below ``root``, sorted; symlinks are not followed.
+def _resolved(path: str, folders: dict[str, str]) -> str:
+    """``str(Path(path).resolve())``, resolving each folder once (a walk of torch/ has 2,000 files)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    if folder not in folders:
+        folders[folder] = os.path.realpath(folder)
+    full = os.path.join(folders[folder], name)
+    return os.path.realpath(full) if os.path.islink(full) else full
+
+
+def _python_files(root: Path, *, skip: str | None) -> list[tuple[str, str]]:
+    """Every ``*.py`` file below ``root`` as (path, path relative to root), in the order of
+    sorted Paths; symlinks are not followed.
 
     ``skip`` (the --out-dir) is left out, so earlier outputs inside the source
     tree are never read as inputs. A folder that can't be read is an error.
+    Strings and ``os.scandir`` rather than Path objects: the entries' types come
+    with the listing, so a large tree costs one ``scandir`` per folder.
     """
     skip_real = os.path.realpath(skip) if skip is not None else None
     unreadable: list[str] = []
-    found: list[Path] = []
-
-    def failed(e: OSError) -> None:
-        unreadable.append(f"{e.filename}: {e.strerror or e}")
-
-    for folder, dirs, names in os.walk(root, onerror=failed):
-        dirs[:] = sorted(
-            d
-            for d in dirs
-            if not os.path.islink(os.path.join(folder, d))
-            and os.path.realpath(os.path.join(folder, d)) != skip_real
-        )
-        for name in names:
-            file = Path(folder) / name
-            if name.endswith(".py") and not file.is_symlink() and file.is_file():
-                found.append(file)
+    found: list[tuple[str, ...]] = []  # path components below root
+    top = str(root)
+    stack: list[tuple[str, tuple[str, ...]]] = [(top, ())]
+    while stack:
+        folder, parts = stack.pop()
+        try:
+            with os.scandir(folder) as entries:
+                listing = list(entries)
+        except OSError as e:
+            unreadable.append(f"{e.filename}: {e.strerror or e}")
+            continue
+        for entry in listing:
+            try:
+                if entry.is_symlink():
+                    continue
+                if entry.is_dir():
+                    if skip_real is None or os.path.realpath(entry.path) != skip_real:
+                        stack.append((entry.path, (*parts, entry.name)))
+                elif entry.name.endswith(".py") and entry.is_file():
+                    found.append((*parts, entry.name))
+            except OSError:
+                continue
     if unreadable:
-        raise InputError("can't read " + "; ".join(unreadable))
-    return sorted(found)
+        raise InputError("can't read " + "; ".join(sorted(unreadable)))
+    found.sort()  # as sorted Paths: component by component
+    out = []
+    for parts in found:
+        rel = os.path.join(*parts)
+        out.append((rel if top == "." else os.path.join(top, rel), rel))  # str(root / rel)
+    return out
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -277,9 +303,12 @@ def _expand_one(
         print(f"{display}:1:1: error: can't decode the file: {e}", file=stderr)
         return 1, None
     values: dict = {}
-    if tuning is None and job.src != STDIO and database.default_path(Path(job.src)).is_file():
-        tuning = str(database.default_path(Path(job.src)))  # the file autotune writes by default
+    if tuning is None and job.src != STDIO:
+        default = Path(job.src).parent / TUNING_FILE  # the file autotune writes by default
+        tuning = str(default) if default.is_file() else None
     if tuning is not None:
+        from macrogen.autotune import database
+
         try:
             values, stale = database.winners(
                 Path(tuning), source, file=Path(display).name, target=target
@@ -297,13 +326,16 @@ def _expand_one(
     except ExpansionError as e:
         print(e.report(), file=stderr)
         return 1, None
-    try:
-        new = encode_source(result.code, encoding)
-    except UnicodeError as e:
-        print(f"{display}:1:1: error: {e}", file=stderr)
-        return 1, None
+    if not result.changed:
+        new = data  # nothing to expand: the file as it is, byte for byte
+    else:
+        try:
+            new = encode_source(result.code, encoding)
+        except UnicodeError as e:
+            print(f"{display}:1:1: error: {e}", file=stderr)
+            return 1, None
     if check or diff:
-        old_bytes = _existing(job)
+        old_bytes = data if job.dst in (None, job.src) and job.src != STDIO else _existing(job)
         stale_out = old_bytes != new
         if diff and stale_out:
             old_text = read_source(old_bytes)[0] if old_bytes is not None else ""

@@ -2,36 +2,33 @@
 
 ``expand_source`` is pure (no I/O) and shared by the CLI, the import hook,
 autotune and the tests. Cost matters (it runs on every cold import): a file
-that never mentions macrogen is returned after one substring test; otherwise
-``ast`` cuts the file into top-level statements (``statements.py``) and only
-those that mention a macrogen name are parsed by libcst, visited and
-positioned. Every other statement is copied from the source text.
+that can't reach macrogen (``may_use_macros``) is returned as it is, and this
+module imports neither libcst nor jinja2 to say so; the pass itself
+(``expansion.py``) is imported for the first file that mentions macrogen.
 """
 
 from __future__ import annotations
 
-import ast
-import re
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
+from macrogen.expand.errors import ExpansionError, InternalError
 
-from macrogen import __version__, codegen, macros
-from macrogen.expand.args import Evaluator, no_argument_macros
-from macrogen.expand.context import Context, Options, Position, SiteArguments, Tunable
-from macrogen.expand.errors import Diagnostic, ExpansionError, InternalError, MacroError
-from macrogen.expand.layout import split_lines
-from macrogen.expand.sites import MODULE, PACKAGE, Scope, ScopeStack, collect_scope, nfkc
-from macrogen.expand.statements import MAX_NODES, Disagree, Pieces, TooLarge, WholeFile
-from macrogen.expand.transform import Expander, inside
+if TYPE_CHECKING:
+    from macrogen.expand.context import Options, SiteArguments, Tunable
 
-__all__ = ["Expansion", "ExpansionError", "InternalError", "Options", "expand_source"]
+__all__ = [
+    "Expansion",
+    "ExpansionError",
+    "InternalError",
+    "Options",
+    "expand_source",
+    "may_use_macros",
+]
 
-_NON_ASCII_WORD = re.compile(r"\w*[^\x00-\x7f]\w*")
-_CODING = re.compile(r"^[ \t\f]*#.*?coding[:=]")
+PACKAGE = "macrogen"
 
 
 @dataclass(frozen=True)
@@ -41,6 +38,26 @@ class Expansion:
     tunables: Mapping[str, Tunable] = field(default_factory=dict)  # every tunable, by key
     sites: tuple[tuple[str, int], ...] = ()  # (macro, line) of each expanded site
     arguments: tuple[SiteArguments, ...] = ()  # each expanded site's arguments (for autotune)
+
+
+def may_use_macros(source: str) -> bool:
+    """False when no macro can be reached from ``source``: the pass has nothing to do.
+
+    A macro is reached only through an import that names the package (``import
+    macrogen as mg``, ``from macrogen import tile``, ``from macrogen.markers import
+    *``), so the identifier ``macrogen`` must be in the text. Python reads
+    identifiers NFKC-normalized, so ``ｍａｃｒｏｇｅｎ`` (fullwidth) is that identifier
+    too; every such spelling holds a non-ASCII character, and an identifier
+    normalizes to the same characters inside the whole normalized text (what
+    follows an identifier can't combine with it: combining characters are
+    identifier characters themselves). Over-approximate by design: ``macrogen``
+    in a comment or a string also says True, and the pass then finds no site.
+    """
+    if PACKAGE in source:
+        return True
+    if source.isascii() or unicodedata.is_normalized("NFKC", source):
+        return False
+    return PACKAGE in unicodedata.normalize("NFKC", source)
 
 
 def expand_source(
@@ -53,349 +70,20 @@ def expand_source(
     """Expand every macro site of one file. Raises ExpansionError with all its errors."""
     if target not in (None, "cpu", "cuda"):
         raise ValueError(f"target must be 'cpu', 'cuda' or None, not {target!r}")
-    if PACKAGE not in source:  # the cheap pre-check: no macrogen, nothing to do
+    if not may_use_macros(source):  # the cheap pre-check: no macrogen, nothing to do
         return Expansion(source, False)
     if source.startswith("\ufeff"):  # a byte order mark decoded as text: keep it, expand the rest
         result = expand_source(source[1:], path=path, target=target, tuning=tuning)
         return replace(result, code="\ufeff" + result.code)
-    options = Options(path=path, target=target, tuning=dict(tuning or {}))
-    try:
-        return _FileExpansion(source, options).run()
-    except ExpansionError:
-        raise
-    except TooLarge as e:
-        message = (
-            f"this statement is too large to expand: more than {MAX_NODES:,} syntax nodes"
-            " (macrogen's limit; move large data out of the macro statement)"
-        )
-        diagnostic = Diagnostic(path, e.line, 1, message, _line(source, e.line)[:120])
-        raise ExpansionError([diagnostic]) from None
-    except Exception as e:
-        # libcst hitting the recursion limit can surface as another error raised
-        # while the RecursionError unwinds (a KeyError in its position tracker).
-        if not _from_recursion(e):
-            raise
-        message = "this file is nested too deeply to expand (Python's recursion limit)"
-        raise ExpansionError([Diagnostic(path, 1, 1, message)]) from None
+    from macrogen.expand.context import Options
+    from macrogen.expand.expansion import expand_file
+
+    return expand_file(source, Options(path=path, target=target, tuning=dict(tuning or {})))
 
 
-def _from_recursion(e: BaseException | None) -> bool:
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, RecursionError):
-            return True
-        seen.add(id(e))
-        e = e.__context__
-    return False
+def __getattr__(name: str) -> Any:
+    if name == "Options":  # lazy: it lives with the pass, which imports libcst
+        from macrogen.expand.context import Options
 
-
-class _FileExpansion:
-    def __init__(self, source: str, options: Options, *, whole: bool = False):
-        self.source = source
-        self.options = options
-        self.whole = whole  # libcst parses the whole file (else: only the statements visited)
-        self.errors: list[MacroError] = []
-        self.diagnostics: list[Diagnostic] = []
-        self.current = -1  # the top-level statement being expanded (-1: none yet)
-
-    def run(self) -> Expansion:
-        tree = self._parse()
-        try:
-            return self._expand(tree)
-        except Disagree:
-            if self.whole:
-                raise
-            # ast's cut of the file is not libcst's: expand from libcst's whole-file parse
-            return _FileExpansion(self.source, self.options, whole=True).run()
-
-    def _expand(self, tree: ast.Module) -> Expansion:
-        self.statements = (
-            WholeFile(self.source, self._parse_whole(), tree)
-            if self.whole
-            else Pieces(self.source, tree)
-        )
-        statements = self.statements
-        self._positions: dict[int, Mapping[cst.CSTNode, Any]] = {}
-        # The statements that import macrogen tell its names; those that name one of them
-        # (to use it, or to bind it to something else) are all the pass needs to parse.
-        imports_it = self._mentioning({PACKAGE})
-        first = collect_scope("module", "", [statements.node(i) for i in imports_it], [])
-        self.visited = sorted(set(imports_it) | set(self._mentioning(set(first.macros))))
-        module_scope = collect_scope(
-            "module", "", [statements.node(i) for i in self.visited], self.errors
-        )
-        imports = {name: PACKAGE for name, b in module_scope.macros.items() if b is MODULE}
-        self.ctx = Context(self.source, self.options, {**statements.module_imports(), **imports})
-        self._flush_errors()
-        candidates = sorted(
-            set(self._mentioning(set(module_scope.macros) | {PACKAGE})) & set(self.visited)
-        )
-
-        constants = self._module_constants(module_scope, candidates)
-        module_names = statements.imported_names()
-        new_body: dict[int, list[cst.BaseStatement]] = {}
-        expanded: list[tuple[str, int]] = []
-        arguments: list[SiteArguments] = []
-        for i in candidates:
-            self.current = i
-            expander = Expander(
-                self.ctx,
-                ScopeStack(module_scope),
-                self._position,
-                self.errors,
-                constants=constants,
-                module_names=module_names,
-            )
-            result = statements.node(i).visit(expander)
-            expander.check_unconsumed()
-            self._flush_errors()
-            if expander.expanded:
-                expanded.extend(expander.expanded)
-                arguments.extend(expander.arguments)
-                new_body[i] = _as_statements(result)
-
-        self._flush_errors()
-        if self.diagnostics:
-            raise ExpansionError(self.diagnostics)
-        if not expanded:
-            return Expansion(self.source, False, dict(self.ctx.tunables))
-        code = self._output(new_body)
-        return Expansion(
-            self._with_header(code),
-            True,
-            dict(self.ctx.tunables),
-            tuple(expanded),
-            tuple(arguments),
-        )
-
-    def _mentioning(self, names: set[str]) -> list[int]:
-        """The top-level statements whose text has one of ``names`` as a word."""
-        if not names:
-            return []
-        pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(names))) + r")\b")
-        at = self.statements
-        found = {at.statement_at(at.line_at(m.start())) for m in pattern.finditer(self.source)}
-        if not self.source.isascii():  # Python reads identifiers NFKC-normalized: ｍg is mg
-            for m in _NON_ASCII_WORD.finditer(self.source):
-                if nfkc(m.group()) in names:
-                    found.add(at.statement_at(at.line_at(m.start())))
-        return sorted(found - {-1})
-
-    def _output(self, new_body: dict[int, list[cst.BaseStatement]]) -> str:
-        """The source text, with each expanded statement's text replaced by its new code."""
-        statements = self.statements
-        newline = statements.newline
-        prelude_at = self._prelude_index(min(new_body))
-        pieces = [statements.header()]
-        for i in range(statements.count):
-            after_helpers = False
-            if i == prelude_at:
-                pieces.append(self._prelude().replace("\n", newline))
-                after_helpers = bool(self.ctx.prelude)  # PEP 8: two blank lines after a def
-            if i in new_body:
-                text = statements.code(i, new_body[i])
-            else:
-                text = statements.text(i)
-            if after_helpers:
-                text = _blank_lines_before(text, 2, newline)
-            pieces.append(text)
-        pieces.append(statements.footer())
-        code = "".join(pieces)
-        if not self.source.endswith(("\n", "\r")) and code.endswith(newline):
-            code = code[: -len(newline)]  # the file ended without one: so does the output
-        return code
-
-    # -- parsing and positions ----------------------------------------------------
-    def _parse(self) -> ast.Module:
-        try:
-            return ast.parse(self.source, filename=codegen.text(self.options.path))
-        except SyntaxError as e:
-            line = e.lineno or 1
-            text = e.text if e.text is not None else _line(self.source, line)
-            raise ExpansionError(
-                [
-                    Diagnostic(
-                        self.options.path,
-                        line,
-                        max(1, e.offset or 1),
-                        f"invalid syntax: {e.msg}",
-                        text.rstrip("\r\n"),
-                    )
-                ]
-            ) from None
-        except ValueError as e:  # null bytes
-            raise ExpansionError(
-                [Diagnostic(self.options.path, 1, 1, f"invalid source: {e}")]
-            ) from None
-
-    def _parse_whole(self) -> cst.Module:
-        try:
-            return cst.parse_module(self.source)
-        except cst.ParserSyntaxError as e:
-            line = e.editor_line
-            raise ExpansionError(
-                [
-                    Diagnostic(
-                        self.options.path,
-                        line,
-                        e.editor_column,
-                        f"invalid syntax: {e.message}",
-                        _line(self.source, line),
-                    )
-                ]
-            ) from None
-
-    def _positions_of(self, i: int) -> Mapping[cst.CSTNode, Any]:
-        if i not in self._positions:  # positions only for statements that need them
-            wrapper = MetadataWrapper(self.statements.positions_module(i), unsafe_skip_copy=True)
-            self._positions[i] = wrapper.resolve(PositionProvider)
-        return self._positions[i]
-
-    def _statement_of(self, node: cst.CSTNode) -> int:
-        """The top-level statement that holds ``node``: the current one, else a search."""
-        if self.current >= 0 and inside(node, self.statements.node(self.current)):
-            return self.current
-        visited: list[int] = getattr(self, "visited", [])
-        for i in visited:
-            if inside(node, self.statements.node(i)):
-                return i
-        return -1
-
-    def _position(self, node: cst.CSTNode, i: int | None = None) -> Position:
-        i = self.current if i is None else i
-        code_range = self._positions_of(i).get(node) if i >= 0 else None
-        if code_range is None:
-            return Position(self.statements.first_lines[i] if i >= 0 else 1, 1)
-        first_line = self.statements.first_lines[i]
-        start, end = code_range.start, code_range.end
-        width = end.column - start.column if end.line == start.line else 1
-        return Position(first_line + start.line - 1, start.column + 1, max(1, width))
-
-    def _flush_errors(self) -> None:
-        for e in self.errors:
-            if e.node is None:
-                pos = Position(1, 1)
-            else:
-                pos = self._position(e.node, self._statement_of(e.node))
-            self.diagnostics.append(
-                Diagnostic(
-                    self.options.path,
-                    pos.line,
-                    pos.col,
-                    e.message,
-                    _line(self.source, pos.line),
-                    pos.width,
-                )
-            )
-        self.errors.clear()
-
-    # -- module constants: NAME = m(...) where the macro has a ``constant`` hook --------
-    def _module_constants(
-        self, module_scope: Scope, candidates: list[int]
-    ) -> dict[cst.CSTNode, bool]:
-        """Evaluate every module constant first, so that every site of the file knows them.
-
-        Returns the calls evaluated -> whether their hook succeeded."""
-        scopes = ScopeStack(module_scope)
-        evaluated: dict[cst.CSTNode, bool] = {}
-        for i in candidates:
-            stmt = self.statements.node(i)
-            if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1):
-                continue
-            assign = stmt.body[0]
-            if not (
-                isinstance(assign, cst.Assign)
-                and len(assign.targets) == 1
-                and isinstance(assign.targets[0].target, cst.Name)
-                and isinstance(assign.value, cst.Call)
-            ):
-                continue
-            name = scopes.macro_of(assign.value)
-            try:
-                macro = macros.get(name) if name is not None else None
-            except KeyError:
-                continue
-            hook = macros.constant_hook(macro) if macro is not None else None
-            if macro is None or hook is None or "assign" not in macro.FORMS:
-                continue
-            self.current = i
-            target = assign.targets[0].target.value
-            evaluator = Evaluator(self.ctx.constants, no_argument_macros, self._use_tunable)
-            try:
-                self.ctx.constants[target] = hook(target, assign.value, evaluator)
-                evaluated[assign.value] = True
-            except MacroError as e:
-                self.errors.append(e)
-                evaluated[assign.value] = False
-            self._flush_errors()
-        return evaluated
-
-    def _use_tunable(
-        self, key: str, default: Any, choices: tuple[Any, ...], node: cst.CSTNode
-    ) -> Any:
-        return self.ctx.tunable(key, default, choices, node, self._position(node).line)
-
-    # -- output --------------------------------------------------------------------
-    def _prelude_index(self, first_site: int) -> int:
-        """Generated helpers go after the imports that precede the first site, else right before it."""
-        at = first_site
-        for i in range(first_site):
-            if self.statements.is_import(i):
-                at = i + 1
-        return at
-
-    def _prelude(self) -> str:
-        """The generated imports and helpers, as text (each template was parse-checked)."""
-        imports, blocks = self.ctx.import_lines(), self.ctx.prelude
-        if not imports and not blocks:
-            return ""
-        parts = [
-            "\n# ---- macrogen: generated from"
-            f" {codegen.text(self.options.path)}; edit the source, not this block ----\n"
-        ]
-        parts += [line + "\n" for line in imports]
-        for block in blocks:
-            parts.append("\n\n" + block.rstrip("\n") + "\n")
-        return "".join(parts)
-
-    def _with_header(self, code: str) -> str:
-        tuned = [t for t in self.ctx.tunables.values()]
-        header = [
-            f"# Generated by macrogen {__version__} from {codegen.text(self.options.path)}. Do not edit:",
-            "# edit the source and run `macrogen expand` again.",
-        ]
-        if self.options.target is not None:
-            header.append(f"# Target: {self.options.target}.")
-        for t in sorted(tuned, key=lambda t: t.key):
-            how = "tuned" if t.key in self.options.tuning else "default"
-            header.append(f"# tunable {t.key} = {t.value!r} ({how}; choices {list(t.choices)})")
-        lines = code.splitlines(keepends=True)
-        keep = 0  # a shebang and a coding cookie must stay on the first two lines
-        while keep < min(2, len(lines)) and (
-            lines[keep].startswith("#!") and keep == 0 or _CODING.match(lines[keep])
-        ):
-            keep += 1
-        newline = self.statements.newline
-        return "".join(lines[:keep]) + newline.join(header) + newline + "".join(lines[keep:])
-
-
-def _line(source: str, line: int) -> str:
-    lines = split_lines(source)
-    return lines[line - 1].rstrip("\r\n") if 0 < line <= len(lines) else ""
-
-
-def _as_statements(result: Any) -> list[cst.BaseStatement]:
-    if isinstance(result, cst.FlattenSentinel):
-        return list(result.nodes)
-    if isinstance(result, cst.RemovalSentinel):
-        return []
-    return [result]
-
-
-def _blank_lines_before(text: str, count: int, newline: str) -> str:
-    """``text`` with at least ``count`` blank lines before its first non-blank line."""
-    lines = split_lines(text)
-    blank = 0
-    while blank < len(lines) and not lines[blank].strip():
-        blank += 1
-    return newline * max(0, count - blank) + text
+        return Options
+    raise AttributeError(f"module 'macrogen.expand' has no attribute {name!r}")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import libcst as cst
+if TYPE_CHECKING:  # no libcst to import for a file without macros
+    import libcst as cst
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import ast
 from bisect import bisect_right
+from collections.abc import Iterator, Mapping
 from itertools import accumulate
+from typing import Any
 
 import libcst as cst
+from libcst._nodes.internal import CodegenState
+from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionProvider
 
 from macrogen.expand.layout import Layout, split_lines
 
@@ -38,6 +42,156 @@ class TooLarge(Exception):
         super().__init__(line, nodes)
         self.line = line
         self.nodes = nodes
+
+
+Positions = Mapping[cst.CSTNode, Any]  # node -> its libcst CodeRange (1-based lines)
+Extents = Mapping[cst.CSTNode, "tuple[int, int]"]  # statement -> (first line, last line)
+
+
+def code_and_positions(module: cst.Module) -> tuple[str, Positions, Extents]:
+    """The module's code, every node's position and every statement's extent, in one pass.
+
+    The pass needs the code (to check that a piece reads back as written), the
+    positions (of its sites and errors: libcst's ``PositionProvider``, exactly) and
+    the lines each statement spans, decorators and comments included (to skip
+    statements that mention no macro name). ``MetadataWrapper.resolve`` costs a
+    visit that rebuilds the tree plus a codegen that builds two objects per node;
+    this codegen counts characters and turns the few offsets asked for into lines
+    and columns. It relies on libcst's codegen protocol (``_codegen``,
+    ``record_syntactic_position``), hence the fallback to the public API.
+    """
+    try:
+        state = _OffsetState(default_indent=module.default_indent, default_newline=module.default_newline)
+        module._codegen(state)
+    except (AttributeError, TypeError):  # pragma: no cover - a libcst with another protocol
+        wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+        positions = wrapper.resolve(PositionProvider)
+        return module.code, positions, {}
+    code = "".join(state.tokens)
+    starts = [0]  # the offset where each line starts (a line break ends a line, as for libcst)
+    for line in split_lines(code + state.popped):
+        if line.endswith(("\n", "\r")):
+            starts.append(starts[-1] + len(line))
+    return code, _OffsetPositions(state.ranges, starts), _OffsetExtents(state.extents, starts)
+
+
+class _OffsetState(CodegenState):
+    """libcst's codegen, recording each node's range as character offsets into the code.
+
+    The same ranges as ``PositionProvidingCodegenState``: syntactic where a node
+    records one, else everything the node printed."""
+
+    def __init__(self, default_indent: str, default_newline: str):
+        super().__init__(default_indent=default_indent, default_newline=default_newline)
+        self.offset = 0
+        self.ranges: dict[cst.CSTNode, tuple[int, int]] = {}
+        self.extents: dict[cst.CSTNode, tuple[int, int]] = {}  # statements, all they print
+        self.stack: list[int] = []
+        self.popped = ""
+
+    def add_indent_tokens(self) -> None:
+        self.tokens.extend(self.indent_tokens)
+        self.offset += sum(map(len, self.indent_tokens))
+
+    def add_token(self, value: str) -> None:
+        self.tokens.append(value)
+        self.offset += len(value)
+
+    def pop_trailing_newline(self) -> None:
+        if self.tokens:  # (libcst's positions keep counting the popped newline: so do these)
+            self.popped = self.tokens.pop()
+
+    def before_codegen(self, node: cst.CSTNode) -> None:
+        self.stack.append(self.offset)
+
+    def after_codegen(self, node: cst.CSTNode) -> None:
+        start = self.stack.pop()
+        if node not in self.ranges:
+            self.ranges[node] = (start, self.offset)
+        if isinstance(node, cst.BaseStatement):
+            self.extents[node] = (start, self.offset)
+
+    def record_syntactic_position(  # type: ignore[override]
+        self,
+        node: cst.CSTNode,
+        *,
+        start_node: cst.CSTNode | None = None,
+        end_node: cst.CSTNode | None = None,
+    ) -> _Syntactic:
+        return _Syntactic(self, node, start_node, end_node)
+
+
+class _Syntactic:
+    """``with state.record_syntactic_position(node):`` without a generator per node."""
+
+    __slots__ = ("end_node", "node", "start", "start_node", "state")
+
+    def __init__(
+        self,
+        state: _OffsetState,
+        node: cst.CSTNode,
+        start_node: cst.CSTNode | None,
+        end_node: cst.CSTNode | None,
+    ):
+        self.state, self.node, self.start_node, self.end_node = state, node, start_node, end_node
+        self.start = 0
+
+    def __enter__(self) -> None:
+        self.start = self.state.offset
+
+    def __exit__(self, *exc: object) -> None:
+        ranges = self.state.ranges
+        start = ranges[self.start_node][0] if self.start_node is not None else self.start
+        end = ranges[self.end_node][1] if self.end_node is not None else self.state.offset
+        ranges[self.node] = (start, end)
+
+
+def _line_col(starts: list[int], offset: int) -> CodePosition:
+    """The 1-based line and 0-based column of a character offset, as libcst counts them."""
+    line = bisect_right(starts, offset) - 1
+    return CodePosition(line + 1, offset - starts[line])
+
+
+class _OffsetPositions(Mapping[cst.CSTNode, Any]):
+    """Offsets turned into libcst ``CodeRange`` objects when asked for."""
+
+    def __init__(self, ranges: dict[cst.CSTNode, tuple[int, int]], starts: list[int]):
+        self.ranges = ranges
+        self.starts = starts
+
+    def __getitem__(self, node: cst.CSTNode) -> Any:
+        start, end = self.ranges[node]
+        return CodeRange(_line_col(self.starts, start), _line_col(self.starts, end))
+
+    def __contains__(self, node: object) -> bool:
+        return node in self.ranges
+
+    def __iter__(self) -> Iterator[cst.CSTNode]:
+        return iter(self.ranges)
+
+    def __len__(self) -> int:
+        return len(self.ranges)
+
+
+class _OffsetExtents(Mapping[cst.CSTNode, "tuple[int, int]"]):
+    """A statement's first and last line (1-based, counted from the piece's first)."""
+
+    def __init__(self, extents: dict[cst.CSTNode, tuple[int, int]], starts: list[int]):
+        self.extents = extents
+        self.starts = starts
+
+    def __getitem__(self, node: cst.CSTNode) -> tuple[int, int]:
+        start, end = self.extents[node]
+        return _line_col(self.starts, start).line, _line_col(self.starts, end).line
+
+    def __contains__(self, node: object) -> bool:
+        return node in self.extents
+
+    def __iter__(self) -> Iterator[cst.CSTNode]:
+        return iter(self.extents)
+
+    def __len__(self) -> int:
+        return len(self.extents)
 
 
 def _check_size(nodes: list[ast.stmt]) -> None:
@@ -102,6 +256,7 @@ class Pieces(Statements):
         self.first_lines = [1] + [end + 1 for end in ends[:-1]] if ends else []
         self.indent = _first_indent(tree, self.lines)
         self._modules: dict[int, cst.Module] = {}
+        self._positions: dict[int, tuple[Positions, Extents]] = {}
 
     def text(self, i: int) -> str:
         stop = self.first_lines[i + 1] - 1 if i + 1 < self.count else len(self.lines)
@@ -121,7 +276,11 @@ class Pieces(Statements):
                 module = cst.parse_module(self.text(i))
             except cst.ParserSyntaxError:
                 raise Disagree from None
-            if len(module.body) != 1 or module.code != self.text(i):
+            if len(module.body) != 1:
+                raise Disagree
+            code, positions, extents = code_and_positions(module)
+            self._positions[i] = (positions, extents)
+            if code != self.text(i):
                 raise Disagree
             self._modules[i] = module.with_changes(
                 default_newline=self.newline,
@@ -134,8 +293,15 @@ class Pieces(Statements):
     def node(self, i: int) -> cst.BaseStatement:
         return self.module(i).body[0]
 
-    def positions_module(self, i: int) -> cst.Module:
-        return self.module(i)
+    def positions(self, i: int) -> Positions:
+        """Where each node of statement ``i`` is, lines counted from the piece's first."""
+        self.module(i)
+        return self._positions[i][0]
+
+    def extents(self, i: int) -> Extents:
+        """The lines each statement inside statement ``i`` spans (counted as positions)."""
+        self.module(i)
+        return self._positions[i][1]
 
     def code(self, i: int, statements: list[cst.BaseStatement]) -> str:
         return self.module(i).with_changes(body=statements).code
@@ -181,6 +347,7 @@ class WholeFile(Statements):
         self.layout = layout
         self.first_lines = layout.first_lines
         self.newline = module.default_newline
+        self._positions: dict[int, tuple[Positions, Extents]] = {}
 
     def text(self, i: int) -> str:
         return self.layout.text(i)
@@ -194,8 +361,18 @@ class WholeFile(Statements):
     def node(self, i: int) -> cst.BaseStatement:
         return self.whole.body[i]
 
-    def positions_module(self, i: int) -> cst.Module:
-        return self.whole.with_changes(body=[self.whole.body[i]], header=[], footer=[])
+    def positions(self, i: int) -> Positions:
+        return self._positions_and_extents(i)[0]
+
+    def extents(self, i: int) -> Extents:
+        return self._positions_and_extents(i)[1]
+
+    def _positions_and_extents(self, i: int) -> tuple[Positions, Extents]:
+        if i not in self._positions:
+            module = self.whole.with_changes(body=[self.whole.body[i]], header=[], footer=[])
+            _, positions, extents = code_and_positions(module)
+            self._positions[i] = (positions, extents)
+        return self._positions[i]
 
     def code(self, i: int, statements: list[cst.BaseStatement]) -> str:
         return "".join(self.whole.code_for_node(s) for s in statements)

@@ -13,8 +13,8 @@ carries the user's name in the statements the previous one returned.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import libcst as cst
 
@@ -23,7 +23,16 @@ from macrogen.expand.args import ArgumentHook, Evaluator
 from macrogen.expand.context import Context, Position, SiteArguments
 from macrogen.expand.errors import InternalError, MacroError
 from macrogen.expand.protocol import Expanded, Form, Macro, Site
-from macrogen.expand.sites import ScopeStack, collect_scope
+from macrogen.expand.sites import Scope, ScopeStack, collect_scope
+
+
+class HotLines(Protocol):
+    """Which statements mention a name that may mean macrogen (``expand/__init__.py``)."""
+
+    def __call__(self, node: cst.CSTNode) -> bool: ...
+
+    def add(self, names: Iterable[str]) -> None: ...
+
 
 Result = cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement] | cst.RemovalSentinel
 _STATEMENT_FORMS: tuple[Form, ...] = ("decorator", "with", "loop", "assign", "if", "elif")
@@ -39,6 +48,7 @@ class Expander(cst.CSTTransformer):
         *,
         constants: Mapping[cst.CSTNode, bool],
         module_names: Mapping[str, str],
+        hot: HotLines | None = None,
     ):
         super().__init__()
         self.ctx = ctx
@@ -48,6 +58,8 @@ class Expander(cst.CSTTransformer):
         # assign sites whose ``constant`` hook ran before the transform -> whether it succeeded
         self.constants = constants
         self.module_names = module_names  # the file's top-level imports: local name -> what
+        # Which statements mention a name that may mean macrogen: the others are not visited.
+        self.hot = hot
         self.refs: dict[cst.CSTNode, str] = {}  # original macro call (or bare decorator) -> macro
         self.claimed: dict[cst.CSTNode, Form] = {}  # macro calls a statement form takes
         self.consumed: set[cst.CSTNode] = set()
@@ -59,8 +71,13 @@ class Expander(cst.CSTTransformer):
         self.evaluator = Evaluator(ctx.constants, self._argument_macro, self._use_tunable)
 
     # -- scopes ----------------------------------------------------------------
+    def _push(self, scope: Scope) -> None:
+        self.scopes.push(scope)
+        if self.hot is not None and scope.macros:
+            self.hot.add(scope.macros)  # a local import of macrogen: its names are hot below
+
     def visit_FunctionDef_body(self, node: cst.FunctionDef) -> None:
-        self.scopes.push(
+        self._push(
             collect_scope("function", node.name.value, [node.params, node.body], self.errors)
         )
 
@@ -68,13 +85,13 @@ class Expander(cst.CSTTransformer):
         self.scopes.pop()
 
     def visit_ClassDef_body(self, node: cst.ClassDef) -> None:
-        self.scopes.push(collect_scope("class", node.name.value, [node.body], self.errors))
+        self._push(collect_scope("class", node.name.value, [node.body], self.errors))
 
     def leave_ClassDef_body(self, node: cst.ClassDef) -> None:
         self.scopes.pop()
 
     def visit_Lambda_body(self, node: cst.Lambda) -> None:
-        self.scopes.push(collect_scope("function", "<lambda>", [node.params], self.errors))
+        self._push(collect_scope("function", "<lambda>", [node.params], self.errors))
 
     def leave_Lambda_body(self, node: cst.Lambda) -> None:
         self.scopes.pop()
@@ -83,15 +100,31 @@ class Expander(cst.CSTTransformer):
     def on_visit(self, node: cst.CSTNode) -> bool:
         if isinstance(node, cst.BaseStatement):
             self.statements.append([])
-        return super().on_visit(node)
+            if self.hot is not None and not self.hot(node):
+                return False  # no macro name in its lines: nothing to find (on_leave still runs)
+        visit = _method(type(self), "visit_", type(node))
+        return visit is None or visit(self, node) is not False
 
     def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> Any:
-        result = super().on_leave(original, updated)
+        leave = _method(type(self), "leave_", type(original))
+        result = updated if leave is None else leave(self, original, updated)
         if isinstance(original, cst.BaseStatement):
             comments = self.statements.pop()
             if comments:
                 result = _with_comments(result, comments)
         return result
+
+    # libcst's own dispatch formats a method name and looks it up for every node and
+    # every attribute of every node; these look each up once per node type.
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        visit = _method(type(self), "visit_", type(node), attribute)
+        if visit is not None:
+            visit(self, node)
+
+    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
+        leave = _method(type(self), "leave_", type(original_node), attribute)
+        if leave is not None:
+            leave(self, original_node)
 
     # -- finding macro references and deciding their form ----------------------------
     def _claim(self, node: cst.CSTNode, *forms: Form) -> None:
@@ -376,6 +409,20 @@ class Expander(cst.CSTTransformer):
 
     def _error(self, e: MacroError) -> None:
         self.errors.append(e)
+
+
+_METHODS: dict[tuple[type, str, type, str], Callable[..., Any] | None] = {}
+
+
+def _method(owner: type, prefix: str, kind: type, attribute: str = "") -> Callable[..., Any] | None:
+    """``owner``'s ``visit_If``, ``leave_FunctionDef_body``...: what libcst's dispatch finds."""
+    key = (owner, prefix, kind, attribute)
+    try:
+        return _METHODS[key]
+    except KeyError:
+        name = f"{prefix}{kind.__name__}" + (f"_{attribute}" if attribute else "")
+        found = _METHODS[key] = getattr(owner, name, None)
+        return found
 
 
 def _lookup(name: str) -> Macro | None:
