@@ -116,3 +116,23 @@ def test_positions_from_the_pass_codegen_are_libcsts():
                 assert positions[node] == where, (name.parent.name, type(node).__name__)
                 compared += 1
     assert compared > 10_000
+
+
+def test_a_statement_indented_unlike_the_file_keeps_its_indentation():
+    # The file's first block uses 4 spaces, the class 2: code around the site is left as written.
+    source = (
+        "import torch.distributed as dist\n"
+        "import macrogen as mg\n\n\n"
+        "def first(a):\n    return a\n\n\n"
+        "class A:\n"
+        "  def f(self, a, b):\n"
+        "    with mg.fused_allreduce():\n"
+        "      dist.all_reduce(a)\n"
+        "      dist.all_reduce(b)\n"
+        "    if a:\n"
+        "      return 1\n"
+    )
+    out = expand_source(source, path="m.py").code
+    assert "\nclass A:\n  def f(self, a, b):\n" in out
+    assert "\n    if a:\n      return 1\n" in out
+    compile(out, "m.py", "exec")

@@ -16,8 +16,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from macrogen.runtime import checkpoint
-
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
@@ -37,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from macrogen.runtime import checkpoint  # torch only when this command runs
+
     if args.action == "list":
         root = Path(args.dir)
         if not root.is_dir():

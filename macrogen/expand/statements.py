@@ -282,9 +282,14 @@ class Pieces(Statements):
             self._positions[i] = (positions, extents)
             if code != self.text(i):
                 raise Disagree
+            # A statement with blocks keeps the indentation libcst read from it (blocks that
+            # use it print with the module's); one without takes the file's for new code.
+            indent = module.default_indent
+            if indent != self.indent and not _opens_block(self.groups[i]):
+                indent = self.indent
             self._modules[i] = module.with_changes(
                 default_newline=self.newline,
-                default_indent=self.indent,
+                default_indent=indent,
                 # libcst misses a final lone "\r"; the piece's own end is what counts
                 has_trailing_newline=self.text(i).endswith(("\n", "\r")),
             )
@@ -388,6 +393,17 @@ class WholeFile(Statements):
 
     def imported_names(self) -> dict[str, str]:
         return Pieces.imported_names(self)  # type: ignore[arg-type]
+
+
+def _opens_block(nodes: list[ast.stmt]) -> bool:
+    """Whether these statements hold a block on lines of its own (libcst infers indent from it)."""
+    for top in nodes:
+        for node in ast.walk(top):
+            body = getattr(node, "body", None)
+            if isinstance(node, ast.stmt) and isinstance(body, list) and body:
+                if body[0].lineno > node.lineno:
+                    return True
+    return False
 
 
 def _first_indent(tree: ast.Module, lines: list[str]) -> str:
