@@ -50,9 +50,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from macrogen.runtime import groups
+from macrogen.runtime import checkpoint_state, groups
 
 T = TypeVar("T")
 
@@ -166,6 +165,7 @@ class _Checkpointer:
         self.config = config
         self.model = model
         self.optimizers = optimizers
+        checkpoint_state.check_supported(model)
         distributed = groups.ensure_initialized()
         # A group of its own: DCP's background thread runs collectives while the
         # training loop runs its own on the default group.
@@ -213,13 +213,16 @@ class _Checkpointer:
             raise _Unreadable(f"its .metadata can't be read: {e}") from e
         state = self._state(0, metadata=metadata)
         _check_same_model(path, state, metadata)
+        globalized = state.pop("globalized")
         try:
             dcp.load(
                 state, checkpoint_id=path, process_group=self.group, no_dist=self.group is None
             )
         except CheckpointException as e:
             raise _Unreadable(f"DCP can't read it: {e}") from e
-        self._set(state)
+        checkpoint_state.set_state(
+            self.model, self.optimizers, state["model"], state.get("optim", {}), globalized
+        )
         self.rng = state["rng"].get(f"rank{self.rank}", {})
         return int(state["loop"]["step"])
 
@@ -275,8 +278,12 @@ class _Checkpointer:
     # ---- state --------------------------------------------------------------------
 
     def _state(self, step: int, metadata: Metadata | None = None) -> dict[str, Any]:
-        """What a checkpoint holds; for a load (``metadata``), RNG slots shaped as saved."""
-        model, optim = get_state_dict(self.model, optimizers=self.optimizers)
+        """What a checkpoint holds; for a load (``metadata``), RNG slots shaped as saved,
+        and under ``"globalized"`` the tensors ``checkpoint_state.set_state`` makes local again."""
+        load = metadata is not None
+        model, optim, globalized = checkpoint_state.get_state(
+            self.model, self.optimizers, load=load
+        )
         rng: dict[str, torch.Tensor] = {}
         if metadata is None:
             rng["cpu"] = torch.get_rng_state()
@@ -294,15 +301,9 @@ class _Checkpointer:
         }
         if self.optimizers:
             state["optim"] = optim
+        if load:
+            state["globalized"] = globalized
         return state
-
-    def _set(self, state: dict[str, Any]) -> None:
-        set_state_dict(
-            self.model,
-            optimizers=self.optimizers,
-            model_state_dict=state["model"],
-            optim_state_dict=state.get("optim", {}),
-        )
 
     # ---- agreement between ranks ------------------------------------------------------
 
