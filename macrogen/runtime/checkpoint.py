@@ -32,6 +32,7 @@ the background save thread never interleaves collectives with the training loop'
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -104,18 +105,13 @@ def resumable(
 
 
 def init_process_group(backend: str | None = None) -> None:
-    """``dist.init_process_group`` from torchrun's environment, safe across torchrun restarts.
+    """The default group from torchrun's environment, safe across torchrun restarts.
 
-    torchrun keeps one store for the whole job, and a restarted worker group would
-    read the previous attempt's addresses from it (gloo: "connectFullMesh failed ...
-    Connection refused"), so each attempt's keys go under a prefix of their own.
+    ``groups.ensure_initialized`` does the same (each attempt's keys under a prefix
+    of their own in torchrun's store); this one lets the program name the backend.
     """
-    store, rank, world_size = next(dist.rendezvous("env://"))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"macrogen/attempt_{attempt}", store)
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    where = groups.placement()
+    groups.init(where if backend is None else dataclasses.replace(where, backend=backend))
 
 
 def _config(dir: Any, every: Any, keep: Any) -> CheckpointConfig:
