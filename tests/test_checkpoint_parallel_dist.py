@@ -1,7 +1,8 @@
-"""``resumable`` with macrogen's parallel kinds on 2 gloo ranks: @tensor_parallel shards, ZeRO.
+"""``resumable`` with macrogen's parallel kinds: @tensor_parallel shards, ZeRO, both with DP.
 
-For each kind: a run stopped at step 5 (checkpoint at 4) and resumed in fresh
-objects ends bit-identical to the uninterrupted 8-step run; the step-4
+TP=2 and ZeRO on 2 gloo ranks, DP=2 x TP=2 with ZeRO on 4. For each: a run
+stopped at step 5 (checkpoint at 4) and resumed in fresh objects ends
+bit-identical to the uninterrupted 8-step run; the step-4
 checkpoint resumed in one process on the serial model with the serial AdamW
 ends equal to it within fp32 rounding (so every rank's shard was saved); and
 for tensor parallelism the saved step-8 model is the serial model, bit for bit.
@@ -44,26 +45,30 @@ class Net(nn.Module):
 
 
 def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """kind: "tp" (TP=2), "zero" (DP=2, ZeRO-1), "dptp" (DP=2 x TP=2, ZeRO-1), "serial"."""
     torch.manual_seed(0)
     model = Net()
-    opt: torch.optim.Optimizer
-    if kind == "tp":
+    if kind in ("tp", "dptp"):
         from macrogen.runtime.mesh import tensor_parallel_group
         from macrogen.runtime.tensor_parallel_plan import Colwise, Rowwise, Vocab, parallelize
 
         plan = {"emb": Vocab(), "qkv": Colwise(3), "proj": Rowwise(), "fc": Colwise(), "out": Rowwise()}
         parallelize(model, "Net", tensor_parallel_group(2), plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    if kind == "zero":
-        from macrogen.runtime.zero import ShardedOptimizer
+    if kind in ("zero", "dptp"):
+        from macrogen.runtime.zero import shard_optimizer
 
-        opt = ShardedOptimizer(opt)
+        opt = shard_optimizer(opt)  # over the data group; it averages the gradients
     return model, opt
 
 
-def batch(kind: str, rank: int, world: int) -> torch.Tensor:
+def batch(kind: str) -> torch.Tensor:
     ids = torch.randint(0, 16, (4, 5))  # the global batch, drawn alike on every rank
-    return ids.chunk(world)[rank] if kind == "zero" else ids  # zero: data parallel
+    if kind in ("zero", "dptp"):  # data parallel: this rank's share
+        from macrogen.runtime.mesh import mesh
+
+        return ids.chunk(mesh().data_size)[mesh().data_rank]
+    return ids
 
 
 def train(
@@ -72,7 +77,7 @@ def train(
     model, opt = build(kind)
     torch.manual_seed(seed)  # the data; a resumed run restores the saved RNG state
     for step in resumable(range(STEPS), model=model, optimizer=opt, dir=ckpt, every=EVERY):
-        model(batch(kind, rank, world)).backward()
+        model(batch(kind)).backward()
         opt.step()
         opt.zero_grad()
         if step == stop:
@@ -103,18 +108,19 @@ def serial_resume(ckpt: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def check(kind: str, tmp_path: Path) -> None:
-    results = run_ranks(worker, world_size=2, args=(kind, str(tmp_path)), timeout=300)
+def check(kind: str, tmp_path: Path, world: int = 2) -> None:
+    results = run_ranks(worker, world_size=world, args=(kind, str(tmp_path)), timeout=400)
     whole, resumed = results[0]
     for key, value in whole.items():
         assert torch.equal(resumed[key], value), f"{kind}: {key} differs after stop and resume"
-        assert torch.equal(results[1][0][key], value), key  # the ranks agree
+        for other in results[1:]:
+            assert torch.equal(other[0][key], value), key  # the ranks agree
     one = tmp_path / "serial"
     shutil.copytree(tmp_path / "whole" / "step_00000004", one / "step_00000004")
     serial = serial_resume(one)
     for key, value in whole.items():
         torch.testing.assert_close(serial[key], value, **FP32, msg=f"{kind}: {key}")
-    if kind == "tp":  # the saved model is the serial one, every rank's shard in place
+    if kind != "zero":  # the saved model is the serial one, every rank's shard in place
         convert(tmp_path / "whole", tmp_path / "model.pt", model_only=True)
         saved = torch.load(tmp_path / "model.pt")
         assert saved.keys() == whole.keys()
@@ -128,3 +134,9 @@ def test_tensor_parallel_checkpoint_resumes_exactly_and_serially(tmp_path: Path)
 
 def test_zero_checkpoint_resumes_exactly_and_with_the_serial_optimizer(tmp_path: Path) -> None:
     check("zero", tmp_path)
+
+
+def test_data_x_tensor_parallel_with_zero_checkpoint_resumes_exactly_and_serially(
+    tmp_path: Path,
+) -> None:
+    check("dptp", tmp_path, world=4)  # tensor shards, ZeRO pieces and data replicas at once
