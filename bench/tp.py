@@ -90,6 +90,49 @@ class Block(nn.Module):
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+# Sequence parallel: between the halves each rank holds (B, T / tp, C)
+@mg.tensor_parallel(plan={"qkv": "colwise", "proj": "rowwise to sequence", "n_head": "divide"})
+class AttentionSP(nn.Module):
+    def __init__(self, d_model, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.head_dim = d_model // n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        qkv = self.qkv(x).view(B, T, self.n_head, 3 * self.head_dim)
+        q, k, v = qkv.transpose(1, 2).split(self.head_dim, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+@mg.tensor_parallel(plan={"fc": "colwise from sequence", "proj": "rowwise to sequence"})
+class MLPSP(nn.Module):
+    def __init__(self, d_model):
+        super().__init__()
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+@mg.tensor_parallel(plan={"ln_1": "sequence", "attn": "from sequence", "ln_2": "sequence"})
+class BlockSP(nn.Module):
+    def __init__(self, d_model, n_head):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = AttentionSP(d_model, n_head)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = MLPSP(d_model)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
 """
 
 
@@ -105,11 +148,14 @@ def _load(code: str, name: str, directory: str):
     return module
 
 
-def _torch_tp(serial: torch.nn.Module, world: int) -> torch.nn.Module:
+def _torch_tp(serial: torch.nn.Module, world: int, sequence: bool = False) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
 
@@ -121,6 +167,15 @@ def _torch_tp(serial: torch.nn.Module, world: int) -> torch.nn.Module:
         "mlp.fc": ColwiseParallel(),
         "mlp.proj": RowwiseParallel(),
     }
+    if sequence:  # torch's sequence parallelism: the layer norms on sequence slices
+        plan.update({
+            "ln_1": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln_2": SequenceParallel(),
+            "mlp.fc": ColwiseParallel(input_layouts=Shard(1)),
+            "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+        })  # fmt: skip
     block = parallelize_module(block, mesh, plan)
     block.attn.n_head //= world  # torch leaves head counts to the user
     return block
@@ -155,6 +210,22 @@ def _logit_memory(serial_mod, ours_mod, args, world):
     return serial_bytes, ours_bytes, vocab
 
 
+def _layer_norm_saved_bytes(out: torch.Tensor) -> int:
+    """Bytes autograd keeps for the layer norms (their input, the residual stream, mean, rstd)."""
+    total, seen, todo = 0, set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "NativeLayerNormBackward0":
+            for name in ("_saved_input", "_saved_result1", "_saved_result2"):
+                t = getattr(node, name)
+                total += t.numel() * t.element_size()
+        todo.extend(n for n, _ in node.next_functions)
+    return total
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
@@ -167,26 +238,36 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     with tempfile.TemporaryDirectory() as tmp:
         serial_mod = _load(BLOCK, "tp_bench_serial", tmp)
         ours_mod = _load(expand_source(BLOCK, path="block.py").code, "tp_bench_ours", tmp)
-    results = []
+    results, memory = [], []
     for d_model in args.d_model:
         torch.manual_seed(0)
         serial = serial_mod.Block(d_model, args.n_head)
         torch.manual_seed(0)
         ours = ours_mod.Block(d_model, args.n_head)
         theirs = _torch_tp(serial, world)
+        torch.manual_seed(0)
+        ours_sp = ours_mod.BlockSP(d_model, args.n_head)
+        theirs_sp = _torch_tp(serial, world, sequence=True)
         g = torch.Generator().manual_seed(1)
         x = torch.randn(args.batch, args.seq, d_model, generator=g)
+        mine = x.chunk(world, dim=1)[rank].contiguous()  # my slice of the sequence
         with torch.no_grad():  # same weights, same answer
             torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ours_sp(mine), theirs_sp(mine), rtol=1e-5, atol=1e-5)
+        memory.append((_layer_norm_saved_bytes(serial(x)), _layer_norm_saved_bytes(ours_sp(mine))))
         sgd = torch.optim.SGD(ours.parameters(), lr=1e-3)
-        runs = {  # name: (model, optimizer, collectives.OVERLAP)
-            "macrogen": (ours, sgd, True),  # the default: collectives overlap compute
-            "no overlap": (ours, sgd, False),  # macrogen with collectives.OVERLAP = False
-            "torch DTensor": (theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3), True),
+        runs = {  # name: (model, optimizer, collectives.OVERLAP, input)
+            "macrogen": (ours, sgd, True, x),  # the default: collectives overlap compute
+            "no overlap": (ours, sgd, False, x),  # macrogen with collectives.OVERLAP = False
+            "torch DTensor": (theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3), True, x),
+            "macrogen SP": (ours_sp, torch.optim.SGD(ours_sp.parameters(), lr=1e-3), True, mine),
+            "torch DTensor SP": (
+                theirs_sp, torch.optim.SGD(theirs_sp.parameters(), lr=1e-3), True, mine
+            ),
         }
         times: dict[str, list[float]] = {name: [] for name in runs}
         for i in range(args.warmup + args.steps):
-            for name, (model, opt, overlap) in runs.items():  # alternate: all see the same load
+            for name, (model, opt, overlap, x) in runs.items():  # alternate: all see the same load
                 collectives.OVERLAP = overlap
                 dist.barrier()
                 start = time.perf_counter()
@@ -198,7 +279,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         results.append((d_model, times))
     logits = _logit_memory(serial_mod, ours_mod, args, world)
     if rank == 0:
-        out.put((results, logits))
+        out.put((results, logits, memory))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -223,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
     for p in procs:
         p.start()
-    results, (serial_bytes, ours_bytes, vocab) = out.get(timeout=1800)
+    results, (serial_bytes, ours_bytes, vocab), memory = out.get(timeout=1800)
     for p in procs:
         p.join()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -235,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"  {'d_model':>7}  {'run':<16}  {'median step':>11}  {'ratio':>6}  {'paired':>6}")
     for d_model, times in results:
-        theirs = times["torch DTensor"]
         for name, mine in times.items():
+            theirs = times["torch DTensor SP" if name.endswith("SP") else "torch DTensor"]
             # steps of one round ran back to back: a pair saw the same load
             paired = statistics.median(a / b for a, b in zip(mine, theirs))
             ratio = statistics.median(mine) / statistics.median(theirs)
@@ -246,8 +327,15 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(
         "  ratio = median step / median DTensor step; paired = median of the per-round"
-        " ratios (robust to load changes). Goal for macrogen: <= 0.70"
+        " ratios (robust to load changes); SP rows against torch DTensor SP (SequenceParallel)."
+        " Goal for macrogen: <= 0.70"
     )
+    for d_model, (serial_ln, sp_ln) in zip(args.d_model, memory):
+        print(
+            f"sequence parallel, d_model {d_model}: layer-norm activations saved per rank"
+            f" {sp_ln / 2**10:.1f} KiB vs serial {serial_ln / 2**10:.1f} KiB"
+            f" (/ {serial_ln / sp_ln:.2f}; tp = {world})"
+        )
     print(
         f"vocab-parallel cross-entropy, vocab {vocab}, batch {args.batch}x{args.seq}: logits per"
         f" rank {ours_bytes / 2**20:.2f} MiB vs serial {serial_bytes / 2**20:.2f} MiB"

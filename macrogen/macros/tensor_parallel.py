@@ -23,7 +23,10 @@ packed blocks, each split on its own) and ``rowwise`` on ``nn.Linear``, ``vocab`
 ``nn.Embedding``, ``divide`` on an int attribute (``n_head``: forward's reshapes
 then use the local count), ``replicate`` on anything (the default). Plan keys
 are attributes the class's ``__init__`` assigns (``self.fc = ...``), or dotted
-paths into submodules (``"mlp.fc"``). ``size=`` is the tensor-parallel degree (a
+paths into submodules (``"mlp.fc"``). Sequence parallelism: ``sequence`` on a layer
+norm or dropout (run on this rank's slice of the sequence), ``from sequence`` on
+a module (its input gathered on entry), ``colwise from sequence`` and ``rowwise
+to sequence`` on ``nn.Linear`` (gather in, reduce-scatter out). ``size=`` is the tensor-parallel degree (a
 literal or ``tunable``); without it, $MACROGEN_TP_SIZE from the launch, else 1.
 """
 
@@ -41,12 +44,13 @@ from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
 from macrogen.expand.sites import did_you_mean, dotted
-from macrogen.macros.tensor_parallel_width import rewrite_forward
+from macrogen.macros.tensor_parallel_width import feeding, rewrite_forward
 
 NAME = "tensor_parallel"
 FORMS: frozenset[Form] = frozenset({"decorator"})
 USAGE = (
-    "@tensor_parallel(plan={'attr': 'colwise' | 'rowwise' | 'vocab' | 'divide' | 'replicate'},"
+    "@tensor_parallel(plan={'attr': 'colwise' | 'rowwise' | 'vocab' | 'divide' | 'replicate'"
+    " | 'sequence' | 'from sequence' | 'colwise from sequence' | 'rowwise to sequence'},"
     " size=N) on an nn.Module class"
 )
 
@@ -87,26 +91,45 @@ class Style:
 @dataclass(frozen=True)
 class Colwise(Style):
     blocks: int = 1  # packed output blocks, each split on its own (3 for a fused qkv)
-    name = "colwise"
+    sequence: bool = False  # "colwise from sequence": the input is a sequence slice, gathered
     runtime = "Colwise"
     needs = "Linear"
 
     @property
+    def name(self) -> str:  # type: ignore[override]
+        return "colwise from sequence" if self.sequence else "colwise"
+
+    @property
     def comment(self) -> str:  # type: ignore[override]
+        gathered = "input gathered along the sequence; " if self.sequence else ""
         if self.blocks > 1:
-            return f"output features split in each of {self.blocks} packed blocks; output sharded"
-        return "output features split; its output is sharded on the last dim"
+            return f"{gathered}output features split in each of {self.blocks} packed blocks; output sharded"
+        return f"{gathered}output features split; its output is sharded on the last dim"
 
     def arguments(self) -> tuple[tuple[str, int], ...]:
-        return (("blocks", self.blocks),) if self.blocks > 1 else ()
+        return (("blocks", self.blocks),) * (self.blocks > 1) + (
+            ("sequence", True),
+        ) * self.sequence
 
 
 @dataclass(frozen=True)
 class Rowwise(Style):
-    name = "rowwise"
+    sequence: bool = False  # "rowwise to sequence": partial outputs reduce-scattered along T
     runtime = "Rowwise"
     needs = "Linear"
-    comment = "input features split; partial outputs all-reduced, bias added once"
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "rowwise to sequence" if self.sequence else "rowwise"
+
+    @property
+    def comment(self) -> str:  # type: ignore[override]
+        if self.sequence:
+            return "input features split; partial outputs reduce-scattered along the sequence"
+        return "input features split; partial outputs all-reduced, bias added once"
+
+    def arguments(self) -> tuple[tuple[str, int], ...]:
+        return (("sequence", True),) if self.sequence else ()
 
 
 @dataclass(frozen=True)
@@ -132,7 +155,62 @@ class Replicate(Style):
     comment = "replicated (every rank holds all of it)"
 
 
-STYLES: dict[str, type[Style]] = {s.name: s for s in (Colwise, Rowwise, Vocab, Divide, Replicate)}
+# torch layers that run per token, so on a slice of the sequence ("sequence")
+PER_TOKEN = ("LayerNorm", "RMSNorm", "Dropout")
+
+
+@dataclass(frozen=True)
+class Sequence(Style):
+    name = "sequence"
+    runtime = "Sequence"
+    comment = "runs on this rank's slice of the sequence; parameter gradients summed over ranks"
+
+    def check(self, value: cst.BaseExpression, attr: str, key_node: cst.CSTNode) -> None:
+        leaf, callee = _callee_leaf(value), _callee(value)
+        torch_layer = callee is not None and callee.split(".")[0] in ("nn", "torch")
+        if leaf is None or not leaf[:1].isupper() or (torch_layer and leaf not in PER_TOKEN):
+            raise MacroError(
+                f"sequence runs a layer norm or dropout on this rank's slice of the sequence, but"
+                f" self.{attr} is {_describe(value)} (supported: nn.LayerNorm, nn.RMSNorm,"
+                " nn.Dropout or a per-token module class of yours; tensor-parallel layers take"
+                " 'colwise from sequence' / 'rowwise to sequence')",
+                key_node,
+            )
+
+
+@dataclass(frozen=True)
+class FromSequence(Style):
+    name = "from sequence"
+    runtime = "FromSequence"
+    comment = "its input arrives as a sequence slice: gathered whole on entry"
+
+    def check(self, value: cst.BaseExpression, attr: str, key_node: cst.CSTNode) -> None:
+        leaf = _callee_leaf(value)
+        if leaf == "Linear":
+            raise MacroError(
+                f"'from sequence' gathers a module's input; self.{attr} is an nn.Linear:"
+                " plan it 'colwise from sequence' (gathered inside the layer)",
+                key_node,
+            )
+        if leaf is None or not leaf[:1].isupper():
+            raise MacroError(
+                f"'from sequence' needs a module (self.{attr} = Attention(...)), but self.{attr}"
+                f" is {_describe(value)}",
+                key_node,
+            )
+
+
+STYLES: dict[str, Callable[[], Style]] = {
+    "colwise": Colwise,
+    "rowwise": Rowwise,
+    "vocab": Vocab,
+    "divide": Divide,
+    "replicate": Replicate,
+    "sequence": Sequence,
+    "from sequence": FromSequence,
+    "colwise from sequence": functools.partial(Colwise, sequence=True),
+    "rowwise to sequence": functools.partial(Rowwise, sequence=True),
+}
 SUPPORTED = (
     "colwise and rowwise on nn.Linear, vocab on nn.Embedding, divide on an int attribute,"
     " replicate on anything"
@@ -186,12 +264,16 @@ def validate(site: Site, ctx: Context) -> Spec:
             )
         style = _style(value, style_node)
         path = tuple(key.split("."))
-        if not path[-1].isidentifier() and not isinstance(style, (Colwise, Rowwise, Vocab)):
+        if not path[-1].isidentifier() and not isinstance(
+            style, (Colwise, Rowwise, Vocab, Sequence, FromSequence)
+        ):
             raise MacroError(f"{style.name} names an attribute, not {path[-1]!r}", key_node)
         _check_fits(site.original, path, style, classes, key_node)
         entries.append(Entry(key, style))
     _check_super_calls(site.original)
-    return Spec(site.original.name.value, tuple(entries), size)
+    spec = Spec(site.original.name.value, tuple(entries), size)
+    _check_sequence_sizes(site.original, spec)
+    return spec
 
 
 def _path_part(part: str) -> bool:
@@ -202,7 +284,7 @@ def _style(value: object, node: cst.CSTNode) -> Style:
     if isinstance(value, (tuple, list)):  # ("colwise", 3): a fused output of 3 packed blocks
         if not (
             len(value) == 2
-            and value[0] == "colwise"
+            and value[0] in ("colwise", "colwise from sequence")
             and isinstance(value[1], int)
             and not isinstance(value[1], bool)
             and value[1] >= 1
@@ -212,7 +294,7 @@ def _style(value: object, node: cst.CSTNode) -> Style:
                 f" projection whose forward chunks its output in 3; not {value!r}",
                 node,
             )
-        return Colwise(blocks=value[1])
+        return Colwise(blocks=value[1], sequence=value[0] != "colwise")
     if value not in STYLES:
         raise MacroError(
             f"unknown style {value!r}{did_you_mean(str(value), list(STYLES))}"
@@ -238,8 +320,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     runtime = "macrogen.runtime.tensor_parallel"
     styles = {s: ctx.import_from(plan_module, s) for s in _styles(spec)}
     entries = [
-        (e.key, styles[e.style.runtime], e.style.arguments(), e.style.comment)
-        for e in spec.entries
+        (e.key, styles[e.style.runtime], e.style.arguments(), e.style.comment) for e in spec.entries
     ]
     parallelize = ctx.import_from(plan_module, "parallelize")
     group = ctx.import_from("macrogen.runtime.mesh", "tensor_parallel_group")
@@ -385,6 +466,11 @@ def _own_init_assignments(cls: cst.ClassDef) -> dict[str, cst.BaseExpression] | 
     return found
 
 
+def _callee(value: cst.BaseExpression) -> str | None:
+    """``nn.LayerNorm`` for ``nn.LayerNorm(...)``."""
+    return dotted(value.func) if isinstance(value, cst.Call) else None
+
+
 def _callee_leaf(value: cst.BaseExpression) -> str | None:
     """``Linear`` for ``nn.Linear(...)``, ``torch.nn.Linear(...)`` or ``Linear(...)``."""
     if isinstance(value, cst.Call):
@@ -472,6 +558,43 @@ def _check_super_calls(cls: cst.ClassDef) -> None:
                 )
 
     cls.visit(_Super())
+
+
+def _check_sequence_sizes(cls: cst.ClassDef, spec: Spec) -> None:
+    """An input fed to a 'colwise from sequence' layer is a slice of the sequence: sizes read
+    from it in ``forward`` (``B, T, C = x.size()``) are local, the layer's output is whole."""
+    gathered = {
+        e.key
+        for e in spec.entries
+        if len(e.path) == 1 and isinstance(e.style, Colwise) and e.style.sequence
+    }
+    forward = next(
+        (s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "forward"),
+        None,
+    )
+    if not gathered or forward is None:
+        return
+    params = [p.name.value for p in (*forward.params.posonly_params, *forward.params.params)]
+    if len(params) < 2:
+        return
+    sliced = feeding(forward, params[0], set(params[1:]), gathered)
+
+    class _Sizes(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            if (
+                node.attr.value in ("size", "shape")
+                and isinstance(node.value, cst.Name)
+                and node.value.value in sliced
+            ):
+                raise MacroError(
+                    f"{node.value.value} reaches a 'colwise from sequence' layer, so it is this"
+                    f" rank's slice of the sequence: its .{node.attr.value} gives T / tp where"
+                    " that layer's output has the whole sequence; plan the layer 'colwise' and this"
+                    " module 'from sequence' in its parent (its input is then gathered on entry)",
+                    node,
+                )
+
+    forward.visit(_Sizes())
 
 
 def rewrite_widths(cls: cst.ClassDef, spec: Spec, loss: Callable[[], str]) -> cst.ClassDef:

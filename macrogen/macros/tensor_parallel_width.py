@@ -60,14 +60,14 @@ def rewrite_forward(
     if len(params) < 2 or not colwise:
         return forward
     me = params[0]
-    inputs = _feeding(forward, me, set(params[1:]), colwise)  # whose last dim is the width
+    inputs = feeding(forward, me, set(params[1:]), colwise)  # whose last dim is the width
     full = _full_width_names(forward, me, inputs)
     rewritten = forward.visit(_Widths(me, full, colwise, rowwise, divided, cross_entropy))
     assert isinstance(rewritten, cst.FunctionDef)
     return rewritten
 
 
-def _feeding(forward: cst.FunctionDef, me: str, inputs: set[str], colwise: set[str]) -> set[str]:
+def feeding(forward: cst.FunctionDef, me: str, inputs: set[str], colwise: set[str]) -> set[str]:
     """The inputs passed to a colwise layer (``self.c_attn(x)``): their last dim is the width
     the layer splits; other inputs (token ids) have no width to rewrite."""
     found: set[str] = set()

@@ -281,3 +281,144 @@ def vocab_parallel_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / (target != ignore_index).sum()
+
+
+# -- sequence parallelism (Megatron-SP, torch's SequenceParallel) ------------------------------
+#
+# Between tensor-parallel blocks (layer norms, dropout, residual adds) each rank
+# holds its slice of the sequence, dim 1 of (B, T, C): (B, T / tp, C), so the
+# activations saved there are 1 / tp of the serial ones. A rowwise layer "to
+# sequence" reduce-scatters its partial outputs along T (instead of all-reducing
+# them); a colwise layer "from sequence" all-gathers its input along T first and
+# reduce-scatters its input gradient (instead of all-reducing it).
+
+SEQUENCE_DIM = 1
+
+
+def _check_sequence(length: int, size: int, what: str) -> None:
+    if length % size:
+        raise ValueError(
+            f"{what}: the sequence length (dim {SEQUENCE_DIM}) {length} is not divisible by"
+            f" the tensor-parallel size {size}; pad the sequence or choose a size that divides it"
+        )
+
+
+def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(B, T / tp, ...) on each rank -> (B, T, ...), ranks' slices in order, contiguous."""
+    size = dist.get_world_size(group)
+    x = x.contiguous()
+    blocks = x.new_empty((size * x.shape[0], *x.shape[1:]))  # rank r's slice is block r
+    dist.all_gather_single(blocks, x, group=group)
+    # (tp, B, T / tp, ...) -> (B, T, ...): one copy, to the layout the next layer reads
+    return blocks.view(size, *x.shape).movedim(0, SEQUENCE_DIM).reshape(
+        x.shape[0], size * x.shape[1], *x.shape[2:]
+    )
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, what: str) -> torch.Tensor:
+    """(B, T, ...) partial sums on each rank -> this rank's (B, T / tp, ...) of their sum."""
+    size = dist.get_world_size(group)
+    _check_sequence(x.shape[SEQUENCE_DIM], size, what)
+    B, T = x.shape[0], x.shape[1]
+    blocks = x.reshape(B, size, T // size, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T / tp, ...)
+    out = x.new_empty(blocks.shape[1:])  # contiguous (B, T / tp, ...)
+    dist.reduce_scatter_single(out, blocks.flatten(0, 1), group=group)
+    return out
+
+
+def _my_sequence_slice(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    _check_sequence(x.shape[SEQUENCE_DIM], size, "gather_sequence's gradient")
+    return x.chunk(size, dim=SEQUENCE_DIM)[rank]
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # every consumer's gradient is whole (a colwise's f summed it)
+        return _my_sequence_slice(grad, ctx.group), None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The whole sequence from every rank's slice (dim 1); backward keeps my slice."""
+    return x if group_size(group) == 1 else _GatherSequence.apply(x, group)
+
+
+class _ColwiseFromSequence(torch.autograd.Function):
+    """F.linear(all_gather_T(x), W, b): backward reduce-scatters grad x along T."""
+
+    @staticmethod
+    @_autocast_forward
+    def forward(ctx, x, weight, bias, group):
+        full = _all_gather_sequence(x, group)  # (B, T, in)
+        ctx.save_for_backward(full, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    @_autocast_backward
+    def backward(ctx, grad):
+        full, weight = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # partial sums over my output features, for every token
+            grad_x = _reduce_scatter_sequence(grad.matmul(weight), ctx.group, "colwise")
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        grad_w = (
+            grad2d.t().mm(full.reshape(-1, full.shape[-1])) if ctx.needs_input_grad[1] else None
+        )
+        grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+class _RowwiseToSequence(torch.autograd.Function):
+    """reduce_scatter_T(F.linear(x, W)) + b: backward all-gathers the output gradient along T
+    (so the bias gradient, a sum over every token, needs no collective)."""
+
+    @staticmethod
+    @_autocast_forward
+    def forward(ctx, x, weight, bias, group, what):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        out = _reduce_scatter_sequence(F.linear(x, weight), group, what)
+        return out if bias is None else out.add_(bias)
+
+    @staticmethod
+    @_autocast_backward
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = _all_gather_sequence(grad, ctx.group)  # (B, T, out)
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def colwise_from_sequence(x, weight, bias, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """F.linear(gather_sequence(x), weight, bias), the gradient of x reduce-scattered along T."""
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _ColwiseFromSequence.apply(x, weight, bias, group)
+
+
+def rowwise_to_sequence(
+    x, weight, bias, group: dist.ProcessGroup | None, what: str = "rowwise"
+) -> torch.Tensor:
+    """This rank's sequence slice of the sum over ranks of F.linear(x, weight), plus bias."""
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _RowwiseToSequence.apply(x, weight, bias, group, what)
+
+
+def all_reduce_gradient(group: dist.ProcessGroup):
+    """A gradient hook summing a replicated parameter's gradient over the group: a layer
+    norm on a sequence slice sees only this rank's tokens."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(grad, group)
+
+    return hook

@@ -11,6 +11,10 @@ checkpoints between serial and tensor-parallel runs.
     colwise    nn.Linear      rows (out features)     f(x) @ W_r.T + b_r        -> output sharded on the last dim
     rowwise    nn.Linear      columns (in features)   g(x_r @ W_r.T) + b        -> output full (bias added once)
     vocab      nn.Embedding   rows (vocabulary)       g(mask(E_r[ids - start])) -> output full
+
+With sequence parallelism (``sequence=True``) a colwise layer all-gathers its
+input along the sequence (dim 1) first, and a rowwise layer reduce-scatters
+its output along the sequence instead of all-reducing it.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from macrogen.runtime.collectives import (
+    colwise_from_sequence,
     colwise_linear,
     group_rank,
     group_size,
     reduce_from_tensor_parallel,
     rowwise_linear,
+    rowwise_to_sequence,
     scatter_last_dim,
 )
 
@@ -70,7 +76,9 @@ def make_shard(
 
 def _shard(t, dim, group, blocks, name, shard) -> Any:
     # ``shard``: the planner's cache, so that a parameter tied between layers gets one shard
-    return make_shard(t, dim, group, blocks) if shard is None else shard(t, dim, blocks, group, name)
+    return (
+        make_shard(t, dim, group, blocks) if shard is None else shard(t, dim, blocks, group, name)
+    )
 
 
 class _Sharded(nn.Module):
@@ -104,10 +112,12 @@ class ColwiseLinear(_Sharded):
         name: str = "colwise",
         blocks: int = 1,
         shard: Any = None,
+        sequence: bool = False,
     ):
         super().__init__()
         _expect(full, nn.Linear, "colwise", name)
         self.group, self.blocks = group, blocks
+        self.sequence = sequence  # the input is this rank's slice of the sequence: all-gathered
         self.in_features = full.in_features
         if full.out_features % blocks:
             raise ValueError(
@@ -115,10 +125,14 @@ class ColwiseLinear(_Sharded):
             )
         what = f"{name}.out_features / {blocks} blocks" if blocks > 1 else f"{name}.out_features"
         self.out_features = blocks * _shard_size(full.out_features // blocks, group, what)
-        self.weight = _shard(full.weight, 0, group, blocks, f"{name}.weight", shard)  # (out / T, in)
+        self.weight = _shard(
+            full.weight, 0, group, blocks, f"{name}.weight", shard
+        )  # (out / T, in)
         self.bias = _shard(full.bias, 0, group, blocks, f"{name}.bias", shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence:
+            return colwise_from_sequence(x, self.weight, self.bias, self.group)
         return colwise_linear(x, self.weight, self.bias, self.group)
 
     def extra_repr(self) -> str:
@@ -142,10 +156,14 @@ class RowwiseLinear(_Sharded):
         group: dist.ProcessGroup | None,
         name: str = "rowwise",
         shard: Any = None,
+        sequence: bool = False,
     ):
         super().__init__()
         _expect(full, nn.Linear, "rowwise", name)
-        self.group = group
+        self.group, self.name = group, name
+        self.sequence = (
+            sequence  # the output is this rank's slice of the sequence: reduce-scattered
+        )
         self.in_features = _shard_size(full.in_features, group, f"{name}.in_features")
         self.out_features = full.out_features
         self.weight = _shard(full.weight, 1, group, 1, f"{name}.weight", shard)  # (out, in / T)
@@ -158,8 +176,10 @@ class RowwiseLinear(_Sharded):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:  # a full input: keep my slice
             x = scatter_last_dim(x, self.group)
-        y = rowwise_linear(x, self.weight, self.group)
-        return y if self.bias is None else y + self.bias
+        if not self.sequence:
+            y = rowwise_linear(x, self.weight, self.group)
+            return y if self.bias is None else y + self.bias
+        return rowwise_to_sequence(x, self.weight, self.bias, self.group, self.name)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (shard of {self.in_features * group_size(self.group)}), out_features={self.out_features}"

@@ -19,7 +19,8 @@ built) sees that frame return and cuts every pending shard under it. A
 its parameters. Where this cannot be done (another profiler is active), it is
 an error, never a silent difference.
 
-Each style (``Colwise``, ``Rowwise``, ``Vocab``, ``Divide``, ``Replicate``)
+Each style (``Colwise``, ``Rowwise``, ``Vocab``, ``Divide``, ``Replicate``, ``Sequence``,
+``FromSequence``)
 owns its check, its layer and its declared layouts, as torch's ``style.py``.
 Parameters tied between layers (an embedding and the LM head) stay tied: one
 shard, shared; a plan that cannot keep a tie is an error naming both names.
@@ -28,6 +29,7 @@ shard, shared; a plan that cannot keep a tie is an error naming both names.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
@@ -37,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from macrogen.runtime import groups
-from macrogen.runtime.collectives import group_size
+from macrogen.runtime.collectives import all_reduce_gradient, gather_sequence, group_size
 from macrogen.runtime.tensor_parallel import (
     ColwiseLinear,
     RowwiseLinear,
@@ -99,31 +101,57 @@ def _layer(owner: nn.Module, attr: str, name: str, kind: type, style: str) -> nn
 
 @dataclass(repr=False)
 class Colwise(Style):
-    """nn.Linear, output features split (``blocks`` packed blocks each split on its own)."""
+    """nn.Linear, output features split (``blocks`` packed blocks each split on its own).
+
+    ``sequence``: its input is this rank's slice of the sequence (torch's
+    ``ColwiseParallel(input_layouts=Shard(1))``), all-gathered along T first.
+    """
 
     blocks: int = 1
-    input_layout = "replicate"
+    sequence: bool = False
     output_layout = "shard(-1)"
+
+    @property
+    def input_layout(self) -> str:  # type: ignore[override]
+        return "shard(1)" if self.sequence else "replicate"
 
     def apply(self, owner, attr, name, group, shards):
         full = _layer(owner, attr, name, nn.Linear, "colwise")
         if group is not None:
-            setattr(owner, attr, ColwiseLinear(full, group, name, self.blocks, shard=shards))
+            layer = ColwiseLinear(
+                full, group, name, self.blocks, shard=shards, sequence=self.sequence
+            )
+            setattr(owner, attr, layer)
 
     def __repr__(self) -> str:
-        return f"Colwise(blocks={self.blocks})" if self.blocks > 1 else "Colwise()"
+        args = [f"blocks={self.blocks}"] * (self.blocks > 1) + ["sequence=True"] * self.sequence
+        return f"Colwise({', '.join(args)})"
 
 
+@dataclass(repr=False)
 class Rowwise(Style):
-    """nn.Linear, input features split; partial outputs all-reduced, bias added once."""
+    """nn.Linear, input features split; partial outputs all-reduced, bias added once.
 
+    ``sequence``: partial outputs reduce-scattered along T instead, so the output
+    is this rank's slice of the sequence (torch's ``RowwiseParallel(output_layouts=Shard(1))``).
+    """
+
+    sequence: bool = False
     input_layout = "shard(-1) or replicate"
-    output_layout = "replicate"
+
+    @property
+    def output_layout(self) -> str:  # type: ignore[override]
+        return "shard(1)" if self.sequence else "replicate"
 
     def apply(self, owner, attr, name, group, shards):
         full = _layer(owner, attr, name, nn.Linear, "rowwise")
         if group is not None:
-            setattr(owner, attr, RowwiseLinear(full, group, name, shard=shards))
+            setattr(
+                owner, attr, RowwiseLinear(full, group, name, shard=shards, sequence=self.sequence)
+            )
+
+    def __repr__(self) -> str:
+        return "Rowwise(sequence=True)" if self.sequence else "Rowwise()"
 
 
 class Vocab(Style):
@@ -153,6 +181,78 @@ class Replicate(Style):
 
     def apply(self, owner, attr, name, group, shards):
         getattr(owner, attr)  # it must exist
+
+
+# Torch layers "sequence" may run on: per-token computations (others mix tokens, or are
+# tensor-parallel layers of their own). A module of the user's is the user's to vouch for.
+_NOT_PER_TOKEN = (nn.Linear, nn.Embedding, nn.MultiheadAttention, nn.Conv1d, nn.RNNBase)
+
+
+class Sequence(Style):
+    """A layer norm or dropout run on this rank's slice of the sequence (torch's ``SequenceParallel``).
+
+    The module is kept as it is (its input is already ``(B, T / tp, C)``): only
+    its replicated parameters' gradients, each a sum over this rank's tokens,
+    are summed over the group.
+    """
+
+    input_layout = "shard(1)"
+    output_layout = "shard(1)"
+
+    def apply(self, owner, attr, name, group, shards):
+        module = getattr(owner, attr, None)
+        if not isinstance(module, nn.Module) or isinstance(module, _NOT_PER_TOKEN):
+            raise TypeError(
+                f"{name}: sequence runs a layer norm or dropout on this rank's slice of the"
+                f" sequence, not {type(module).__name__} (nn.LayerNorm, nn.RMSNorm, nn.Dropout or"
+                " a per-token module of yours)"
+            )
+        if group is not None:
+            module.register_forward_pre_hook(_sum_parameter_gradients(group))
+
+
+class FromSequence(Style):
+    """A module whose input arrives as this rank's slice of the sequence: gathered whole on
+    entry (torch's ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())``),
+    so its ``forward`` sees the serial shapes (``B, T, C = x.size()``)."""
+
+    input_layout = "shard(1)"
+
+    def apply(self, owner, attr, name, group, shards):
+        module = getattr(owner, attr, None)
+        if not isinstance(module, nn.Module) or type(module) is nn.Linear:
+            raise TypeError(
+                f"{name}: 'from sequence' gathers a module's input, not {type(module).__name__}'s"
+                " (for an nn.Linear, plan 'colwise from sequence')"
+            )
+        if group is not None:
+            module.register_forward_pre_hook(_gather_first_input(group, name))
+
+
+def _sum_parameter_gradients(group):
+    """A forward pre-hook giving each parameter of the module, once, a gradient hook summing
+    its gradient over the group. Hooked on first use, not at planning: a parameter's own hooks
+    are lost by ``copy.deepcopy``, the module's pre-hooks are kept (the copy's parameters,
+    new objects, are hooked on its first forward)."""
+    hooked: dict[int, weakref.ref] = {}  # by id, checked by identity (tensors' == is elementwise)
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        for param in module.parameters():
+            seen = hooked.get(id(param))
+            if param.requires_grad and (seen is None or seen() is not param):
+                param.register_hook(all_reduce_gradient(group))
+                hooked[id(param)] = weakref.ref(param)
+
+    return hook
+
+
+def _gather_first_input(group, name: str):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        if not args or not hasattr(args[0], "shape"):
+            raise TypeError(f"{name}: 'from sequence' gathers the first positional input tensor")
+        return (gather_sequence(args[0], group), *args[1:])
+
+    return hook
 
 
 # -- paths through the module tree ----------------------------------------------------------

@@ -224,7 +224,8 @@ def test_serial_run_of_the_expanded_class_is_the_serial_module(tmp_path):
             '{"fc": "colwize"}',
             "",
             "7:33: error: unknown style 'colwize'; did you mean 'colwise'?"
-            " (styles: colwise, rowwise, vocab, divide, replicate)",
+            " (styles: colwise, rowwise, vocab, divide, replicate, sequence, from sequence,"
+            " colwise from sequence, rowwise to sequence)",
         ),
         (
             '{"fc.weight": "colwise"}',
@@ -242,6 +243,47 @@ def test_serial_run_of_the_expanded_class_is_the_serial_module(tmp_path):
             '{"wte": ("colwise", 3)}',
             "",
             "7:27: error: colwise needs self.wte = nn.Linear(...) in __init__, but it is nn.Embedding(...)",
+        ),
+        (
+            '{"fc": "sequence"}',
+            "",
+            "7:27: error: sequence runs a layer norm or dropout on this rank's slice of the sequence,"
+            " but self.fc is nn.Linear(...) (supported: nn.LayerNorm, nn.RMSNorm, nn.Dropout or a"
+            " per-token module class of yours; tensor-parallel layers take 'colwise from sequence'"
+            " / 'rowwise to sequence')",
+        ),
+        (
+            '{"n_head": "sequence"}',
+            "",
+            "7:27: error: sequence runs a layer norm or dropout on this rank's slice of the sequence,"
+            " but self.n_head is 4",
+        ),
+        (
+            '{"fc": "from sequence"}',
+            "",
+            "7:27: error: 'from sequence' gathers a module's input; self.fc is an nn.Linear: plan it"
+            " 'colwise from sequence' (gathered inside the layer)",
+        ),
+        (
+            '{"ratio": "from sequence"}',
+            "",
+            "7:27: error: 'from sequence' needs a module (self.ratio = Attention(...)), but self.ratio is 0.5",
+        ),
+        (
+            '{"wte": "rowwise to sequence"}',
+            "",
+            "7:27: error: rowwise to sequence needs self.wte = nn.Linear(...) in __init__, but it is"
+            " nn.Embedding(...)",
+        ),
+        (
+            '{"ln": "sequense"}',
+            "",
+            "7:33: error: unknown style 'sequense'; did you mean 'sequence'?",
+        ),
+        (
+            '{"proj": ("rowwise to sequence", 3)}',
+            "",
+            "7:36: error: a packed style is ('colwise', blocks)",
         ),
         ("{}", "", "7:26: error: plan must be a non-empty dict of attribute name -> style"),
         ('{"fc": "colwise"}', ", size=0", "7:50: error: size must be a positive int, not 0"),
@@ -367,3 +409,38 @@ def test_checkpoint_split_and_join_are_inverse(size, blocks, per_shard, other, d
         block = full.chunk(blocks, dim=dim)[-1]
         mine = block.chunk(size, dim=dim)[-1]
         torch.testing.assert_close(parts[-1].chunk(blocks, dim=dim)[-1], mine)
+
+
+def test_sizes_of_a_sequence_slice_fed_to_colwise_from_sequence_are_an_error():
+    # x is this rank's slice of the sequence: T would be T / tp while the layer's output is whole
+    source = """\
+        import torch.nn as nn
+        import macrogen as mg
+
+
+        @mg.tensor_parallel(plan={"qkv": "colwise from sequence", "proj": "rowwise to sequence"})
+        class Attention(nn.Module):
+            def __init__(self, d):
+                super().__init__()
+                self.qkv = nn.Linear(d, 3 * d)
+                self.proj = nn.Linear(d, d)
+
+            def forward(self, x):
+                B, T, C = x.size()
+                return self.proj(self.qkv(x).view(B, T, 3, -1).sum(2))
+        """
+    assert expansion_errors(source) == [
+        "test.py:13:19: error: x reaches a 'colwise from sequence' layer, so it is this rank's slice"
+        " of the sequence: its .size gives T / tp where that layer's output has the whole sequence;"
+        " plan the layer 'colwise' and this module 'from sequence' in its parent (its input is then"
+        " gathered on entry)"
+    ]
+
+
+def test_sequence_styles_render_their_runtime_styles():
+    code = expand(
+        mlp('{"fc": ("colwise from sequence", 2), "proj": "rowwise to sequence", "ln": "sequence"}')
+    )
+    assert "'fc': Colwise(blocks=2, sequence=True)," in code
+    assert "'proj': Rowwise(sequence=True)," in code
+    assert "'ln': Sequence()," in code

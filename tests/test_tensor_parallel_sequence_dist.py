@@ -1,0 +1,302 @@
+"""Sequence parallelism (Megatron-SP) on a nanoGPT-shaped block, on 2 gloo ranks.
+
+Between the tensor-parallel halves of a block (the layer norms, dropout and
+residual adds) each rank holds its slice of the sequence, ``(B, T / 2, C)``:
+the block's input arrives sliced, ``"from sequence"`` gathers the attention's
+input on entry (its ``forward`` reads ``B, T, C = x.size()`` unedited),
+``"colwise from sequence"`` gathers inside the MLP's first layer, and
+``"rowwise to sequence"`` reduce-scatters both output projections.
+
+Checked: forward, input gradient and parameters after 3 AdamW steps equal the
+serial (unexpanded) block (1e-3) and torch's ``SequenceParallel`` +
+``ColwiseParallel``/``RowwiseParallel`` on the same weights (tightly); the
+activations the layer norms save (their input, the residual stream, and its
+statistics) are 1 / 2 of serial per rank; a sequence length the size doesn't
+divide is a clear error.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.helpers import expand, load_module
+
+SOURCE = textwrap.dedent(
+    '''
+    from dataclasses import dataclass
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import macrogen as mg
+
+
+    @dataclass
+    class Config:
+        n_head: int = 4
+        n_embd: int = 32
+        bias: bool = False  # no qkv bias: the key bias's gradient is rounding noise, which Adam amplifies
+        dropout: float = 0.0
+
+
+    class LayerNorm(nn.Module):
+        """LayerNorm with an optional bias (nanoGPT's)."""
+
+        def __init__(self, ndim, bias):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(ndim))
+            self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+        def forward(self, input):
+            return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+    @mg.tensor_parallel(
+        plan={
+            "c_attn": ("colwise", 3),
+            "c_proj": "rowwise to sequence",
+            "n_head": "divide",
+            "n_embd": "divide",
+        }
+    )
+    class CausalSelfAttention(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+            self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+            self.n_head = config.n_head
+            self.n_embd = config.n_embd
+
+        def forward(self, x):
+            B, T, C = x.size()  # batch, time, channels
+            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+            k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+            q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = y.transpose(1, 2).contiguous().view(B, T, C)
+            return self.c_proj(y)
+
+
+    @mg.tensor_parallel(
+        plan={"c_fc": "colwise from sequence", "c_proj": "rowwise to sequence", "dropout": "sequence"}
+    )
+    class MLP(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+            self.gelu = nn.GELU()
+            self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+            self.dropout = nn.Dropout(config.dropout)
+
+        def forward(self, x):
+            return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+    @mg.tensor_parallel(plan={"ln_1": "sequence", "attn": "from sequence", "ln_2": "sequence"})
+    class Block(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.ln_1 = LayerNorm(config.n_embd, bias=True)
+            self.attn = CausalSelfAttention(config)
+            self.ln_2 = nn.LayerNorm(config.n_embd)
+            self.mlp = MLP(config)
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            x = x + self.mlp(self.ln_2(x))
+            return x
+    '''
+)
+
+SHAPE = (2, 16, 32)  # batch, sequence, width
+STEPS, LR = 3, 1e-3
+SERIAL_TOL = dict(rtol=1e-3, atol=1e-5)
+TIGHT = dict(rtol=1e-5, atol=1e-6)
+# after Adam: an element whose gradient is rounding-level moves by up to lr a step either way
+AFTER_ADAM = dict(rtol=1e-5, atol=1e-2 * LR)
+
+
+def _load(tmp: Path, rank: int):
+    tmp = tmp / f"rank{rank}"
+    tmp.mkdir(exist_ok=True)
+    serial = load_module(SOURCE, f"sp_serial_{rank}", tmp)
+    parallel = load_module(expand(SOURCE), f"sp_parallel_{rank}", tmp)
+    return serial, parallel
+
+
+def layer_norm_saved_bytes(out: torch.Tensor) -> int:
+    """Bytes autograd keeps for the layer norms' backward (their input, the residual stream,
+    and its mean and rstd), found by walking the graph from ``out``."""
+    total, seen, todo = 0, set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "NativeLayerNormBackward0":
+            for name in ("_saved_input", "_saved_result1", "_saved_result2"):
+                t = getattr(node, name)
+                total += t.numel() * t.element_size()
+        todo.extend(n for n, _ in node.next_functions)
+    return total
+
+
+def _train(model, x, w):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        (model(x) * w).sum().backward()
+        optimizer.step()
+
+
+def _sequence_parity(rank, world, tmp):
+    from macrogen.runtime.tensor_parallel import full_gradients, full_state_dict
+
+    os.environ["MACROGEN_TP_SIZE"] = str(world)
+    S, P = _load(Path(tmp), rank)
+    torch.manual_seed(0)
+    serial = S.Block(S.Config())
+    initial = copy.deepcopy(serial)
+    torch.manual_seed(0)
+    ours = P.Block(P.Config())
+    ours = copy.deepcopy(ours)  # a copy sums its replicated gradients too (the hooks are kept)
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    mine = slice(rank * SHAPE[1] // world, (rank + 1) * SHAPE[1] // world)  # my tokens
+
+    x_s, x_p, x_t = (
+        x.clone().requires_grad_(),
+        x[:, mine].clone().requires_grad_(),
+        x[:, mine].clone().requires_grad_(),
+    )
+    out_s = serial(x_s)
+    (out_s * w).sum().backward()
+    out_p = ours(x_p)
+    assert out_p.shape == (SHAPE[0], SHAPE[1] // world, SHAPE[2])
+    (out_p * w[:, mine]).sum().backward()  # the ranks' losses add up to the serial one
+    torch.testing.assert_close(out_p, out_s[:, mine], **TIGHT)
+    torch.testing.assert_close(x_p.grad, x_s.grad[:, mine], **TIGHT)
+
+    # activation memory of the sequence-parallel regions: 1 / tp of serial on each rank
+    memory = (layer_norm_saved_bytes(initial(x)), layer_norm_saved_bytes(ours(x[:, mine])))
+    assert memory[0] == world * memory[1], memory
+
+    theirs = _torch_sequence_parallel(P, initial, world)
+    out_t = theirs(x_t)
+    (out_t * w[:, mine]).sum().backward()
+    torch.testing.assert_close(out_p, out_t, **TIGHT)
+    torch.testing.assert_close(x_p.grad, x_t.grad, **TIGHT)
+    # parameter gradients (the layer norms' summed over the ranks' tokens)
+    grads = full_gradients(ours)
+    torch_grads = _full(theirs, world, grad=True)
+    for key, p in serial.named_parameters():
+        torch.testing.assert_close(grads[key], p.grad, **TIGHT, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            grads[key], torch_grads[key], **TIGHT, msg=lambda m, k=key: f"{k}: {m}"
+        )
+
+    # 3 AdamW steps from the same weights
+    reference = copy.deepcopy(initial)
+    _train(reference, x, w)
+    ours.zero_grad()
+    theirs.zero_grad()
+    _train(ours, x[:, mine], w[:, mine])
+    _train(theirs, x[:, mine], w[:, mine])
+    got, want, torch_state = full_state_dict(ours), reference.state_dict(), _full(theirs, world)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, **SERIAL_TOL, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            got[key], torch_state[key], **AFTER_ADAM, msg=lambda m, k=key: f"{k}: {m}"
+        )
+    return memory, _indivisible(world)
+
+
+def _torch_sequence_parallel(P, serial, world):
+    """torch's SequenceParallel + Colwise/Rowwise on the same weights, running the same
+    (width-rewritten) forward; the qkv rows permuted so that a contiguous ColwiseParallel
+    shard is our [q_r | k_r | v_r]; head counts set by hand."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    block = copy.deepcopy(serial)
+    attn = block.attn
+    attn.__class__ = P._CausalSelfAttention_serial  # the expansion's forward: widths rewritten
+    with torch.no_grad():  # rows [q0 q1 k0 k1 v0 v1] -> [q0 k0 v0 q1 k1 v1]
+        t = attn.c_attn.weight
+        t.copy_(_to_torch_rows(t, world))
+    plan = {
+        "ln_1": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attn.c_attn": ColwiseParallel(),
+        "attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_2": SequenceParallel(),
+        "mlp.c_fc": ColwiseParallel(input_layouts=Shard(1)),
+        "mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp.dropout": SequenceParallel(use_local_output=True),
+    }
+    block = parallelize_module(block, init_device_mesh("cpu", (world,)), plan)
+    attn.n_head //= world  # torch leaves head counts and widths to the user
+    attn.n_embd //= world
+    attn.tp_size = world
+    return block
+
+
+def _to_torch_rows(t, world):
+    blocks = [b.chunk(world) for b in t.chunk(3)]
+    return torch.cat([blocks[b][r] for r in range(world) for b in range(3)])
+
+
+def _full(block, world, grad=False):
+    """torch's state dict (or gradients) gathered, c_attn rows back in the serial order."""
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    items = (
+        ((k, p.grad) for k, p in block.named_parameters()) if grad else block.state_dict().items()
+    )
+    for key, value in items:
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        if "c_attn" in key:  # [q0 k0 v0 q1 k1 v1] -> [q0 q1 k0 k1 v0 v1]
+            parts = [p.chunk(3) for p in value.chunk(world)]
+            value = torch.cat([parts[r][b] for b in range(3) for r in range(world)])
+        state[key] = value
+    return state
+
+
+def _indivisible(world):
+    """A whole sequence of 7 tokens reaching a 'rowwise to sequence' layer can't be split in 2."""
+    from macrogen.runtime.mesh import tensor_parallel_group
+    from macrogen.runtime.tensor_parallel import RowwiseLinear
+
+    layer = RowwiseLinear(
+        torch.nn.Linear(8, 4), tensor_parallel_group(None), "MLP.c_proj", sequence=True
+    )
+    with pytest.raises(ValueError) as e:
+        layer(torch.randn(2, 7, 8))
+    return str(e.value)
+
+
+def test_sequence_parallel_block_equals_serial_and_torch(tmp_path):
+    results = run_ranks(_sequence_parity, 2, args=(str(tmp_path),), timeout=240)
+    (serial, mine), error = results[0]
+    assert serial == 2 * mine  # the layer norms' saved activations, per rank
+    assert error == (
+        "MLP.c_proj: the sequence length (dim 1) 7 is not divisible by the tensor-parallel size 2;"
+        " pad the sequence or choose a size that divides it"
+    )
