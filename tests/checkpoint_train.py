@@ -22,7 +22,8 @@ import signal
 import torch
 import torch.distributed as dist
 
-from macrogen.runtime.checkpoint import init_process_group, resumable
+from macrogen.runtime import groups
+from macrogen.runtime.checkpoint import resumable
 
 GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
 
@@ -39,8 +40,9 @@ def main() -> None:
     args = p.parse_args()
     faulthandler.dump_traceback_later(float(os.environ.get("CKPT_TEST_TIMEOUT", 300)), exit=True)
     torch.set_num_threads(1)
-    if "RANK" in os.environ:
-        init_process_group("gloo")  # restart-safe (see its docstring)
+    # The group macrogen makes (as generated code does): restart-safe, so the
+    # kill tests show that ensure_initialized rejoins after torchrun restarts the ranks.
+    groups.ensure_initialized()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"

@@ -172,3 +172,17 @@ def test_cli_converts_the_newest_complete_checkpoint(tmp_path: Path, capsys) -> 
     assert all(torch.equal(at3[k], saved["model"][k]) for k in at3)
     assert main(["checkpoint", "convert", str(ckpt / "step_00000006"), str(whole)]) == 1
     assert "is not complete" in capsys.readouterr().err
+
+
+def test_pipelined_model_is_refused_at_start_up(tmp_path: Path) -> None:
+    """A model cut into stages would lose data in DCP: a clear error before anything is written."""
+    from macrogen.runtime.checkpoint_state import UnsupportedModel
+    from macrogen.runtime.pipeline import ATTR, Pipeline, PipelineConfig
+
+    model = _model()
+    pipe = Pipeline.__new__(Pipeline)  # as on a rank that holds one of 2 stages
+    pipe.config, pipe.layout = PipelineConfig(stages=2), object()
+    model.__dict__[ATTR] = pipe
+    with pytest.raises(UnsupportedModel, match="@pipeline model cut into 2 stages"):
+        resumable(range(3), model=model, dir=tmp_path / "ckpt", every=1)
+    assert not (tmp_path / "ckpt").exists()

@@ -32,6 +32,7 @@ the background save thread never interleaves collectives with the training loop'
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -50,9 +51,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from macrogen.runtime import groups
+from macrogen.runtime import checkpoint_state, groups
 
 T = TypeVar("T")
 
@@ -105,18 +105,13 @@ def resumable(
 
 
 def init_process_group(backend: str | None = None) -> None:
-    """``dist.init_process_group`` from torchrun's environment, safe across torchrun restarts.
+    """The default group from torchrun's environment, safe across torchrun restarts.
 
-    torchrun keeps one store for the whole job, and a restarted worker group would
-    read the previous attempt's addresses from it (gloo: "connectFullMesh failed ...
-    Connection refused"), so each attempt's keys go under a prefix of their own.
+    ``groups.ensure_initialized`` does the same (each attempt's keys under a prefix
+    of their own in torchrun's store); this one lets the program name the backend.
     """
-    store, rank, world_size = next(dist.rendezvous("env://"))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"macrogen/attempt_{attempt}", store)
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    where = groups.placement()
+    groups.init(where if backend is None else dataclasses.replace(where, backend=backend))
 
 
 def _config(dir: Any, every: Any, keep: Any) -> CheckpointConfig:
@@ -166,6 +161,7 @@ class _Checkpointer:
         self.config = config
         self.model = model
         self.optimizers = optimizers
+        checkpoint_state.check_supported(model)
         distributed = groups.ensure_initialized()
         # A group of its own: DCP's background thread runs collectives while the
         # training loop runs its own on the default group.
@@ -213,13 +209,16 @@ class _Checkpointer:
             raise _Unreadable(f"its .metadata can't be read: {e}") from e
         state = self._state(0, metadata=metadata)
         _check_same_model(path, state, metadata)
+        globalized = state.pop("globalized")
         try:
             dcp.load(
                 state, checkpoint_id=path, process_group=self.group, no_dist=self.group is None
             )
         except CheckpointException as e:
             raise _Unreadable(f"DCP can't read it: {e}") from e
-        self._set(state)
+        checkpoint_state.set_state(
+            self.model, self.optimizers, state["model"], state.get("optim", {}), globalized
+        )
         self.rng = state["rng"].get(f"rank{self.rank}", {})
         return int(state["loop"]["step"])
 
@@ -275,8 +274,12 @@ class _Checkpointer:
     # ---- state --------------------------------------------------------------------
 
     def _state(self, step: int, metadata: Metadata | None = None) -> dict[str, Any]:
-        """What a checkpoint holds; for a load (``metadata``), RNG slots shaped as saved."""
-        model, optim = get_state_dict(self.model, optimizers=self.optimizers)
+        """What a checkpoint holds; for a load (``metadata``), RNG slots shaped as saved,
+        and under ``"globalized"`` the tensors ``checkpoint_state.set_state`` makes local again."""
+        load = metadata is not None
+        model, optim, globalized = checkpoint_state.get_state(
+            self.model, self.optimizers, load=load
+        )
         rng: dict[str, torch.Tensor] = {}
         if metadata is None:
             rng["cpu"] = torch.get_rng_state()
@@ -294,15 +297,9 @@ class _Checkpointer:
         }
         if self.optimizers:
             state["optim"] = optim
+        if load:
+            state["globalized"] = globalized
         return state
-
-    def _set(self, state: dict[str, Any]) -> None:
-        set_state_dict(
-            self.model,
-            optimizers=self.optimizers,
-            model_state_dict=state["model"],
-            optim_state_dict=state.get("optim", {}),
-        )
 
     # ---- agreement between ranks ------------------------------------------------------
 

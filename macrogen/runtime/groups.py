@@ -147,7 +147,24 @@ def init(where: Placement, **kwargs) -> None:
     """Make ``where``'s GPU current (so NCCL and DeviceMesh find it), then the default group."""
     if where.cuda_ordinal is not None:
         torch.cuda.set_device(where.cuda_ordinal)
+    if "store" not in kwargs and launched_by_torchrun():
+        kwargs.update(_attempt_store())
     dist.init_process_group(backend=where.backend, timeout=timeout(), **kwargs)
+
+
+def _attempt_store() -> dict:
+    """torchrun's store, with this attempt's keys under a prefix of their own.
+
+    torchrun keeps one store for the whole job, and a worker group it restarted
+    (``--max-restarts``) would read the previous attempt's addresses from it
+    (gloo: "connectFullMesh failed ... Connection refused").
+    """
+    limit = timeout()
+    found = dist.rendezvous("env://") if limit is None else dist.rendezvous("env://", timeout=limit)
+    store, rank, world_size = next(found)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"macrogen/attempt_{attempt}", store)
+    return {"store": store, "rank": rank, "world_size": world_size}
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:

@@ -1,0 +1,219 @@
+"""What a ``resumable`` checkpoint holds for each of macrogen's parallel kinds.
+
+The model and optimizers go to DCP as ``get_state_dict`` gives them (keys: the
+serial parameter names), with two changes, because DCP takes plain tensors that
+have the same key on every rank for copies of one tensor and stores one of them:
+
+- ``@tensor_parallel`` layers hold plain local shards. Each shard, and each
+  optimizer state tensor shaped like it, is handed to DCP as a DTensor over the
+  layer's tensor-parallel group, ``DTensor.from_local(shard, mesh, [Shard(dim)])``
+  (colwise: dim 0 of weight and bias, rowwise: dim 1 of weight, vocab: dim 0), so
+  DCP stores every rank's piece at its offset in the serial tensor and reshards
+  on load (to 1 process, to another TP size). A fused colwise layer (``blocks=k``,
+  this rank's rows ``[q_r | k_r | v_r]``) is k separate pieces of the serial
+  tensor, which no DTensor placement describes: it is gathered to the serial
+  tensor for the save (stored once) and split again on load.
+- A ZeRO ``ShardedOptimizer`` keeps no state in ``optimizer.state``, so
+  ``get_state_dict`` would see an empty optimizer (and step it with lr 0 to
+  "initialize" it). Its ``state_dict()`` is the serial optimizer's (consolidated
+  on every rank), which is saved under the parameter names, exactly as
+  ``get_state_dict`` saves the serial optimizer: the two load each other's.
+
+``@pipeline`` models (each rank holds one stage) are refused at start-up: the
+ranks of different stages would save different optimizer ``param_groups`` under
+one key, and DCP would keep one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Shard
+
+from macrogen.runtime.collectives import group_size
+from macrogen.runtime.tensor_parallel import _gather, _sharded_keys, split
+from macrogen.runtime.zero import ShardedOptimizer
+
+Optimizers = Sequence[torch.optim.Optimizer]
+# (container, key, shard dim, packed blocks, group): an entry handed to DCP in serial form
+Globalized = list[tuple[dict[str, Any], str, int, int, dist.ProcessGroup]]
+
+
+class UnsupportedModel(RuntimeError):
+    """A model whose state a checkpoint can't hold correctly (refused, never saved partially)."""
+
+
+def check_supported(model: nn.Module, where: str = "resumable()") -> None:
+    """Refuse what would lose data, at start-up."""
+    from macrogen.runtime.pipeline import pipeline_of
+
+    pipe = pipeline_of(model)
+    if pipe is not None and pipe.layout is not None:
+        raise UnsupportedModel(
+            f"{where}: the model is a @pipeline model cut into {pipe.config.stages} stages;"
+            " checkpoints of pipelined models are not supported yet (each rank holds one stage,"
+            " and DCP would keep one stage's optimizer parameter groups). Save"
+            " full_state_dict() yourself, or train without @pipeline under resumable"
+        )
+
+
+def get_state(
+    model: nn.Module, optimizers: Optimizers, *, load: bool
+) -> tuple[dict[str, Any], dict[str, Any], Globalized]:
+    """The model's and optimizers' state as DCP should see it, and what was made serial-shaped.
+
+    ``load``: the state is a buffer to load into (nothing is gathered, and a ZeRO
+    optimizer without state is given some, so that its keys are there to load).
+    """
+    model_sd = get_model_state_dict(model)
+    optim_sd: dict[str, Any] = {"state": {}, "param_groups": []}
+    for opt in optimizers:
+        if isinstance(opt, ShardedOptimizer):
+            osd = _zero_state(model, opt, load)
+        else:
+            osd = get_optimizer_state_dict(model, opt)
+        optim_sd["state"].update(osd["state"])
+        optim_sd["param_groups"].extend(osd["param_groups"])
+    return model_sd, optim_sd, _globalize(model, model_sd, optim_sd, load)
+
+
+def set_state(
+    model: nn.Module,
+    optimizers: Optimizers,
+    model_sd: dict[str, Any],
+    optim_sd: dict[str, Any],
+    globalized: Globalized,
+) -> None:
+    """Load what DCP read into the model's shards and the optimizers."""
+    for box, key, dim, blocks, group in globalized:
+        value = box[key]
+        box[key] = value.to_local() if isinstance(value, DTensor) else split(value, dim, group, blocks)
+    set_model_state_dict(model, model_sd)
+    plain = [o for o in optimizers if not isinstance(o, ShardedOptimizer)]
+    if plain:
+        set_optimizer_state_dict(model, plain, optim_sd)
+    for opt in optimizers:
+        if isinstance(opt, ShardedOptimizer):
+            opt.load_state_dict(_zero_from(model, opt, optim_sd))
+
+
+# ---- @tensor_parallel ---------------------------------------------------------------------
+
+
+def _globalize(
+    model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any], load: bool
+) -> Globalized:
+    done: Globalized = []
+    meshes: dict[int, Any] = {}
+    for key, dim, blocks, group in _sharded_keys(model):
+        if group is None or group_size(group) == 1 or key not in model_sd:
+            continue
+        shape = model_sd[key].shape
+        boxes = [(model_sd, key)]
+        if key in optim_sd["state"]:
+            # a copy: optimizer.state_dict()'s entries are the optimizer's own dicts
+            entry = optim_sd["state"][key] = dict(optim_sd["state"][key])
+            for name, value in entry.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape:
+                    boxes.append((entry, name))
+        for box, name in boxes:
+            box[name] = _serial_form(box[name], dim, blocks, group, load, meshes)
+            done.append((box, name, dim, blocks, group))
+    return done
+
+
+def _serial_form(
+    t: torch.Tensor, dim: int, blocks: int, group: dist.ProcessGroup, load: bool, meshes: dict
+) -> torch.Tensor:
+    """This rank's shard as part of the serial tensor: a DTensor, or the gathered tensor."""
+    if blocks > 1:  # k interleaved pieces: no DTensor placement; the whole serial tensor
+        if not load:
+            return _gather(t, dim, blocks, group)
+        shape = list(t.shape)
+        shape[dim] *= group_size(group)
+        return torch.empty(shape, dtype=t.dtype, device=t.device)
+    mesh = meshes.get(id(group))
+    if mesh is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = meshes[id(group)] = DeviceMesh.from_group(group, t.device.type)
+    return DTensor.from_local(t.detach(), mesh, [Shard(dim)], run_check=False)
+
+
+# ---- ZeRO (shard_optimizer) ----------------------------------------------------------------
+
+
+def _names(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """The optimizer's parameters' names, in its order (a tied parameter: its first name)."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    try:
+        return [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    except KeyError:
+        raise UnsupportedModel(
+            "resumable(): a shard_optimizer optimizer holds a parameter that is not the model's"
+        ) from None
+
+
+def _zero_state(model: nn.Module, opt: ShardedOptimizer, load: bool) -> dict[str, Any]:
+    """The serial optimizer's state_dict, keyed by parameter name as get_state_dict keys it."""
+    osd = opt.state_dict()
+    if load and not osd["state"]:  # no state yet: make its entries, to be overwritten
+        _zero_lr_step(opt)
+        osd = opt.state_dict()
+    names = _names(model, opt)
+    return {
+        "state": {names[i]: s for i, s in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]
+        ],
+    }
+
+
+def _zero_lr_step(opt: torch.optim.Optimizer) -> None:
+    """A step with zero gradients and lr 0: the state entries exist, the parameters don't move
+    (what get_state_dict does to an optimizer without state)."""
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        opt.step()
+    finally:
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+
+def _zero_from(model: nn.Module, opt: ShardedOptimizer, optim_sd: dict[str, Any]) -> dict:
+    """The serial optimizer's state_dict for ``opt``, out of the loaded one keyed by name."""
+    names = _names(model, opt)
+    index = {n: i for i, n in enumerate(names)}
+    state = {index[n]: s for n, s in optim_sd["state"].items() if n in index}
+    param_groups = []
+    at = 0
+    for g in opt.param_groups:
+        want = names[at : at + len(g["params"])]
+        found = next((s for s in optim_sd["param_groups"] if list(s["params"]) == want), None)
+        if found is None:
+            raise UnsupportedModel(
+                f"resumable(): the checkpoint has no optimizer parameter group of {want}"
+            )
+        param_groups.append({**found, "params": list(range(at, at + len(want)))})
+        at += len(want)
+    return {"state": state, "param_groups": param_groups}
