@@ -116,6 +116,9 @@ def check_writable(path: Path) -> None:
 def stage(path: Path, data: bytes, *, mode: int | None = None) -> Staged:
     """Write ``data`` beside ``path`` (after symlinks) in a temporary file, flushed to disk.
 
+    Callers remove the stale temporary files of killed runs first (``clean_stale``), once
+    per folder.
+
     The file gets ``mode``, else the mode of the file it replaces, else 0644.
     """
     check_writable(path)
@@ -123,7 +126,6 @@ def stage(path: Path, data: bytes, *, mode: int | None = None) -> Staged:
     if target.exists() and not target.is_file():
         return Staged(target, None, data)  # a character device or a FIFO: written through
     target.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(target.parent)
     fd, tmp = tempfile.mkstemp(
         dir=target.parent, prefix=f".{target.name}.macrogen-{os.getpid()}-", suffix=TMP_SUFFIX
     )
@@ -174,6 +176,7 @@ def _write_through(path: Path, data: bytes) -> None:
 
 def write_atomic(path: Path, data: bytes, *, mode: int | None = None) -> None:
     """Write one file: readers see the old contents or the new, never half."""
+    clean_stale(target_of(path).parent)
     commit(stage(path, data, mode=mode))
 
 

@@ -149,8 +149,9 @@ def expand_files(
 def _write_all(outputs: list[tuple[Job, bytes]], stdout: IO[bytes], stderr: IO[str]) -> int:
     """Stage every file output, then put them all in place; on any failure, none of them."""
     staged: list[files.Staged] = []
-    # Temporary files of killed runs go even where every output is already up to date.
-    for folder in {Path(job.dst).parent for job, _ in outputs if job.dst is not None}:
+    # Temporary files of killed runs go, once per folder, even where every output is up to date.
+    dsts = [Path(job.dst) for job, _ in outputs if job.dst is not None]
+    for folder in {files.target_of(dst).parent for dst in dsts}:
         files.clean_stale(folder)
     try:
         for job, new in outputs:

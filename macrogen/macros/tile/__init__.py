@@ -46,7 +46,7 @@ from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site
-from macrogen.macros.tile.analysis import analyze
+from macrogen.macros.tile.analysis import analyze, is_docstring
 from macrogen.macros.tile.checks import alias_checks, index_checks
 from macrogen.macros.tile.code import parse
 from macrogen.macros.tile.constraints import block_shape, too_big
@@ -343,21 +343,12 @@ class _Output:
             launcher=self.fns.get("launcher", ""),
             torch_fn=self.fns["torch_fn"],
         )
-        docstring = [s for s in _block(fn)[:1] if _is_docstring(s)]
+        docstring = [s for s in _block(fn)[:1] if is_docstring(s)]
         return fn.with_changes(body=cst.IndentedBlock([*docstring, *body]))
 
 
 def _block(fn: cst.FunctionDef) -> list[cst.BaseStatement]:
     return list(fn.body.body) if isinstance(fn.body, cst.IndentedBlock) else []
-
-
-def _is_docstring(stmt: cst.BaseStatement) -> bool:
-    return (
-        isinstance(stmt, cst.SimpleStatementLine)
-        and len(stmt.body) == 1
-        and isinstance(stmt.body[0], cst.Expr)
-        and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
-    )
 
 
 def _iterations(b: LoopBounds, step: int, triton: str) -> str:

@@ -31,7 +31,7 @@ from typing import Any, TypeGuard
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
-from macrogen.macros.tile.expressions import ExpressionReader, Scope, code_of, negate
+from macrogen.macros.tile.expressions import ExpressionReader, Scope, code_of, contains, negate
 from macrogen.macros.tile.ir import (
     Accum,
     Binary,
@@ -93,7 +93,7 @@ class _Analyzer(ExpressionReader):
         if not isinstance(body, cst.IndentedBlock):
             raise MacroError("put the @tile loop nest in an indented function body", body)
         stmts = list(body.body)
-        if stmts and _is_docstring(stmts[0]):
+        if stmts and is_docstring(stmts[0]):
             stmts = stmts[1:]
         while stmts and not isinstance(stmts[0], cst.For):
             self._size_binding(stmts.pop(0))
@@ -294,7 +294,7 @@ class _Analyzer(ExpressionReader):
                 return Bound(size, sign * int(const.value))
         if isinstance(node, cst.Name):
             raise MacroError(f"{node.value!r} is not a size or a parameter; {usage}", node)
-        if _contains(node, cst.Subscript) and not _is_shape_subscript(node):
+        if contains(node, cst.Subscript) and not _is_shape_subscript(node):
             raise MacroError(f"a loop bound may not depend on tensor values; {usage}", node)
         raise MacroError(usage, node)
 
@@ -886,7 +886,7 @@ class _Analyzer(ExpressionReader):
         names = []
         for el in target.slice:
             sl = el.slice
-            if isinstance(sl, cst.Index) and _contains(sl.value, cst.Subscript):
+            if isinstance(sl, cst.Index) and contains(sl.value, cst.Subscript):
                 raise MacroError(
                     f"indirect writes are not supported: {code_of(sl.value)} may send two iterations"
                     " to one element (a race between tiles); stores are indexed by loop variables,"
@@ -998,7 +998,7 @@ def _other_operand(
     return None
 
 
-def _is_docstring(stmt: cst.BaseStatement) -> bool:
+def is_docstring(stmt: cst.BaseStatement) -> bool:
     return (
         isinstance(stmt, cst.SimpleStatementLine)
         and len(stmt.body) == 1
@@ -1032,19 +1032,6 @@ def _shape_read(node: cst.BaseExpression) -> tuple[cst.BaseExpression, int] | No
 
 def _is_shape_subscript(node: cst.BaseExpression) -> bool:
     return _shape_read(node) is not None
-
-
-def _contains(node: cst.CSTNode, kind: type) -> bool:
-    found = False
-
-    class _Find(cst.CSTVisitor):
-        def on_visit(self, n: cst.CSTNode) -> bool:
-            nonlocal found
-            found = found or isinstance(n, kind)
-            return not found
-
-    node.visit(_Find())
-    return found
 
 
 def _is_shape(node: cst.BaseExpression) -> TypeGuard[cst.Attribute]:

@@ -267,7 +267,7 @@ class ExpressionReader:
             raise MacroError(scope.gone[v.value], v)
         if isinstance(v, cst.Subscript) and not nested:  # an indirect read: table[idx[i], j]
             return Index(None, 0, self._load(v, scope, as_index=True))
-        if _contains(v, cst.Subscript):
+        if contains(v, cst.Subscript):
             raise MacroError(
                 "data-dependent indexing is supported one level deep, as a plain load:"
                 f" table[idx[i], j]; {usage}",
@@ -285,7 +285,8 @@ def negate(e: Expr) -> Expr:
     return Unary(e.dims, e.tensor, "-", e)
 
 
-def _contains(node: cst.CSTNode, kind: type) -> bool:
+def contains(node: cst.CSTNode, kind: type) -> bool:
+    """Whether ``node`` or anything under it is a ``kind``."""
     found = False
 
     class _Find(cst.CSTVisitor):
