@@ -235,6 +235,11 @@ class GradientSync:
         self.ready = bytearray(len(self.params))
         torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
 
+    def window_ends(self) -> bool:
+        """The backward under way (or the next one) is the last of its ``accumulate`` window."""
+        k = self.config.accumulate
+        return self.backwards % k == k - 1
+
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         if b == len(self.buckets) - 1:
