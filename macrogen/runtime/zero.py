@@ -93,6 +93,12 @@ def _grad_ready(ref: weakref.ref, i: int, param: torch.Tensor) -> None:
         opt._grad_ready(i)
 
 
+def _after_forward(ref: weakref.ref, *args: Any) -> None:
+    opt = ref()
+    if opt is not None:
+        opt._after_forward()
+
+
 def _point_to_point(group: dist.ProcessGroup | None, device: torch.device) -> tuple[bool, bool]:
     """(reduce-scatter, all-gather) as sends and receives: everywhere but NCCL on CUDA.
 
@@ -220,9 +226,7 @@ class ShardBucket:
 
     def finish_reduce(self) -> torch.Tensor:
         """This rank's chunk of the averaged gradients (``grad``); returns the use counts."""
-        for work in self.reducing:
-            work.wait()
-        self.reducing = []
+        self.wait_reduce()
         self.taken = []
         if self.p2p:  # the sum in rank order, as one reduce-scatter would take it
             assert self.recv is not None
@@ -233,8 +237,8 @@ class ShardBucket:
         self.grad[: self.chunk].mul_(1.0 / self.world)
         return self.grad[self.chunk :]
 
-    def abandon_reduce(self) -> None:
-        """Let a reduce-scatter of gradients that changed since finish, unread."""
+    def wait_reduce(self) -> None:
+        """Wait for the reduce-scatter in flight (if any), without reading it."""
         for work in self.reducing:
             work.wait()
         self.reducing = []
@@ -394,6 +398,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if p.requires_grad:
                 hook = functools.partial(_grad_ready, weakref.ref(self), i)
                 self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+        if self.sync is not None:  # the guard is not needed past the model's next forward
+            after = functools.partial(_after_forward, weakref.ref(self))
+            self._hooks.append(self.sync.module.register_forward_hook(after))
         for p in order:  # a newer sharded optimizer over a parameter takes its hooks over
             old = _HOOKED.get(p)
             if old is not None and old() is not None and old() is not self:
@@ -437,7 +444,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _begin_backward(self) -> None:
         self._in_backward = True
         self.finish_gather()  # the forward has read what it needed; the rest, now
-        self._drop_guard()
         if self._launched:  # a second backward before step(): what was sent is out of date
             self._stale = True
         # With @data_parallel(accumulate=k), only the window's last backward sends.
@@ -466,16 +472,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.finish_gather()  # a second step without a forward in between
-        self._drop_guard()
         # The gradients sent during backward are used only if every bucket went and none of
         # its gradients changed since (accumulated, clipped, unscaled): else all go again now.
-        # Decided together, so that every rank issues the same collectives.
+        # Decided together, so that every rank issues the same collectives; the small
+        # all-reduce that decides runs while the reduce-scatters finish.
         sent = self._launched == len(self.buckets) and not self._stale
         again = not sent or any(b.changed() for b in self.buckets)
-        if self._agree(again):
+        flag = torch.tensor([float(again)], device=self.buckets[0].full.device)
+        agree = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        for bucket in self.buckets:
+            bucket.wait_reduce()
+        agree.wait()
+        if flag.item():
             self.resends += 1
             for b, bucket in enumerate(self.buckets):
-                bucket.abandon_reduce()
                 bucket.launch_reduce(self.group, tag=2 * b)
         self._launched, self._stale = 0, False
         for bucket in self.buckets:
@@ -500,17 +510,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._guard.__enter__()
         return loss
 
-    def _agree(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is True on any (one small all-reduce)."""
-        t = torch.tensor([float(flag)], device=self.buckets[0].full.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
-
     # -- the updated parameters: waited for where they are read ------------------------------
     def finish_gather(self) -> None:
-        """Wait for every updated parameter (the guard waits only for those read)."""
+        """Make every parameter current now (the guard waits only for those read).
+
+        Call it before handing the parameters to code the guard can't see (another
+        thread, a view of a parameter taken before ``step()``); the guard is also
+        taken off the torch-function stack here, when it is on top.
+        """
         if self._in_flight:
             self._finish_upto(len(self._gather_order) - 1)
+        self._drop_guard()
+
+    def _after_forward(self) -> None:
+        """After the model's forward: the rest (parameters it did not read) now, guard off."""
+        self.finish_gather()
 
     def _finish_upto(self, k: int) -> None:
         """Write the all-gathers started first, up to the k-th, into the parameters."""
