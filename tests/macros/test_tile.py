@@ -6,6 +6,7 @@ generated code of several nests is pinned by tests/golden/tile_*.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from macrogen.expand import expand_source
 from macrogen.macros.tile import USAGE
 from tests.helpers import expansion_errors, load_module, strip_header
+from tests.macros.tile_cases import CASES, compare, modules
 
 SCALE = """
 import torch
@@ -70,6 +72,25 @@ def test_the_cpu_path_writes_in_place_and_is_not_a_loop(tmp_path) -> None:
     # Not a loop over elements: the one loop walks blocks of rows (cache-sized passes).
     loops = [line.strip() for line in torch_path.splitlines() if "for " in line]
     assert loops == ["for i_lo in range(i_first, i_last, rows):"]
+
+
+@pytest.mark.parametrize(
+    "name, dtypes",
+    [
+        ("softmax", (("x", torch.float64),)),  # not the default dtype: no in-place temporaries
+        ("attention", tuple((t, torch.float64) for t in ("q", "kk", "v"))),
+        ("bias_gelu", (("x", torch.float64),)),  # mixed inputs: float64 results
+        ("row_sum_max", (("total", torch.float64), ("biggest", torch.float16))),  # no out=
+        ("matmul", (("out", torch.float64),)),  # no addmm_: the dtypes differ
+    ],
+)
+def test_the_cpu_path_keeps_its_dtypes_where_the_fast_forms_cannot(
+    name: str, dtypes: tuple, tmp_path
+) -> None:
+    """The in-place, out= and addmm_ forms need agreeing dtypes; else the plain forms run."""
+    case = dataclasses.replace(next(c for c in CASES if c.name == name), dtypes=dtypes)
+    reference, expanded = modules(case, tmp_path)
+    assert compare(case, reference, getattr(expanded, f"_{name}_torch")) is None
 
 
 def test_target_cpu_generates_no_kernel(tmp_path) -> None:
