@@ -16,6 +16,7 @@ from typing import Any
 import libcst as cst
 
 from macrogen.macros.tile.code import (
+    COMPARE,
     Code,
     binary,
     call,
@@ -460,7 +461,7 @@ class TorchEmitter:
             direct = call(f"{self.torch}.matmul", a, b, out=target)
             other = method(target, "copy_", product)
         dtypes = [_dtype(name(store.tensor_name)), _dtype(a), _dtype(b)]
-        same = Code(" == ".join(d.text for d in dtypes), binary("==", a, b).prec)
+        same = Code(" == ".join(d.text for d in dtypes), COMPARE)
         self.folded.add(store)
         code = conditional(same, direct, other)
         return [*out, TorchStore(parse(target), parse(code), False, direct=True)]
