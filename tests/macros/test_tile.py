@@ -93,6 +93,57 @@ def test_the_cpu_path_keeps_its_dtypes_where_the_fast_forms_cannot(
     assert compare(case, reference, getattr(expanded, f"_{name}_torch")) is None
 
 
+def test_in_place_overwrites_only_dead_temporaries_of_their_own() -> None:
+    """t - m becomes t.sub_(m) only where t is a floating temporary nothing reads later,
+    that no live local shares, and m fits in t's shape; views of arguments never."""
+    import libcst as cst
+
+    from macrogen.macros.tile.steps import Assign, TorchStore
+    from macrogen.macros.tile.torch_path import Meta, in_place
+
+    ij, i = frozenset("ij"), frozenset("i")
+    meta = {n: Meta(ij, True) for n in ("t", "u", "big")} | {"m": Meta(i, True)}
+    meta["b"] = Meta(ij, False)  # a comparison: bool
+
+    def run(*lines: str) -> list[str]:
+        steps = []
+        for line in lines:
+            target, value = line.split(" = ")
+            if target.startswith("out"):
+                steps.append(
+                    TorchStore(cst.parse_expression(target), cst.parse_expression(value), False)
+                )
+            else:
+                steps.append(Assign(target, cst.parse_expression(value)))
+        out = in_place(steps, meta, "torch", "ok")
+        return [cst.Module([]).code_for_node(s.value) for s in out if isinstance(s, Assign)]
+
+    view = "x[i_lo:i_hi, j_lo:j_hi]"
+    assert run(f"x_ij = {view}", "t = x_ij * 2.0", "u = t - m", "out[0] = u")[2] == (
+        "t.sub_(m) if ok else t - m"
+    )
+    assert run(f"x_ij = {view}", "u = x_ij - m", "out[0] = u")[1] == "x_ij - m"  # a view
+    assert run(f"x_ij = {view}", "t = x_ij * 2.0", "u = t - m", "out[0] = u + t")[2] == "t - m"
+    # an alias of t still read afterwards keeps t
+    lines = (f"x_ij = {view}", "t = x_ij * 2.0", "s = t", "u = t - m", "out[0] = u + s")
+    assert run(*lines)[3] == "t - m"
+    # m's shape is smaller than t's: m - t would need a bigger buffer than m's
+    assert (
+        run(
+            f"x_ij = {view}",
+            "t = x_ij * 2.0",
+            "m = t.amax(dim=1, keepdim=True)",
+            "u = m - t",
+            "out[0] = u",
+        )[3]
+        == "m - t"
+    )
+    assert run(f"x_ij = {view}", "b = x_ij > 0", "u = b * 2.0", "out[0] = u")[2] == "b * 2.0"
+    assert run(f"x_ij = {view}", "t = x_ij * 2.0", "u = torch.exp(t)", "out[0] = u")[2] == (
+        "t.exp_() if ok else torch.exp(t)"
+    )
+
+
 def test_target_cpu_generates_no_kernel(tmp_path) -> None:
     code = _expand(SCALE, target="cpu")
     assert "triton" not in code and "_scale_kernel" not in code
