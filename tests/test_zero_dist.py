@@ -15,7 +15,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from macrogen.runtime.data_parallel import gradient_sync
-from macrogen.runtime.zero import ShardedOptimizer, shard_optimizer
+from macrogen.runtime.zero import ShardedOptimizer, clip_grad_norm_, shard_optimizer
 from tests.distributed import run_ranks
 from tests.test_data_parallel_dist import (
     GLOBAL_BATCH,
@@ -160,8 +160,18 @@ def test_sharded_adamw_equals_torch_zero_redundancy_optimizer(tmp_path, world):
 
 
 def test_world_size_one_returns_the_optimizer_itself():
-    opt = sgd(torch.nn.Linear(2, 2).parameters())
+    layer = torch.nn.Linear(2, 2)
+    opt = sgd(layer.parameters())
     assert shard_optimizer(opt) is opt
+    layer(torch.ones(1, 2)).sum().backward()
+    norm = layer.weight.grad.norm().hypot(layer.bias.grad.norm())
+    torch.testing.assert_close(clip_grad_norm_(opt, 0.1), norm)  # torch's, unsharded
+    torch.testing.assert_close(
+        layer.weight.grad.norm().hypot(layer.bias.grad.norm()),
+        torch.tensor(0.1),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_optimizers_that_are_not_elementwise_are_refused(monkeypatch):
@@ -265,3 +275,41 @@ def _overlap_cases(rank: int, world: int, out_dir: str) -> dict:
 def test_overlapped_step_never_reads_stale_parameters_or_gradients(tmp_path):
     results = run_ranks(_overlap_cases, 2, args=(str(tmp_path),), timeout=150)
     assert all(r["buckets"] >= 3 for r in results)
+
+
+def _clip_cases(rank: int, world: int, out_dir: str) -> dict:
+    """opt.clip_grad_norm_ clips by the averaged gradients' norm, as serial clip_grad_norm_."""
+    from examples.gpt import GPT, batch
+
+    models = expanded_models(out_dir, rank)
+    config = tiny_config()
+    inputs = batch(config, GLOBAL_BATCH, seed=11)
+    mine = micro_batches(inputs, 1, rank, world)[0]
+    torch.manual_seed(0)
+    serial = GPT(config)
+    serial_opt = adamw(serial.parameters())
+    torch.manual_seed(0)
+    ours = models.ManyBuckets(config)
+    opt = shard_optimizer(adamw(ours.parameters()))
+    report: dict = {"norms": []}
+    for step in range(4):
+        serial_opt.zero_grad()
+        serial(*inputs).backward()
+        want = torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.05)
+        serial_opt.step()
+        opt.zero_grad()
+        ours(*mine).backward()
+        # the method, and the function that also runs unsharded
+        got = opt.clip_grad_norm_(0.05) if step % 2 else clip_grad_norm_(opt, 0.05)
+        opt.step()
+        torch.testing.assert_close(got, want, **FP32)
+        assert want > 0.05, "the clipping triggers"
+        report["norms"].append(float(got))
+    assert opt.resends == 0, "the shares sent during backward were clipped, not sent again"
+    assert_params_close(ours, serial, "clipped ZeRO vs serial", skip=NOISE_ONLY, **FP32)
+    return report
+
+
+def test_clip_grad_norm_of_the_sharded_optimizer_equals_serial(tmp_path):
+    results = run_ranks(_clip_cases, 2, args=(str(tmp_path),), timeout=150)
+    assert results[0]["norms"] == results[1]["norms"]

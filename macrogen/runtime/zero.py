@@ -391,6 +391,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._launched = 0  # buckets reduce-scattered in bucket order during backward
         self._stale = False  # a later backward accumulated into gradients already sent
         self._ready = bytearray(len(order))
+        self._reduced = False  # the shares hold this window's averaged gradients
         self.resends = 0  # steps whose gradients were all sent again from step() (counted)
         self._pending = [len(b.params) for b in self.buckets]
         self._hooks = []
@@ -443,6 +444,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _begin_backward(self) -> None:
         self._in_backward = True
+        self._reduced = False  # gradients anew: a clip_grad_norm_ before this is out of date
         self.finish_gather()  # the forward has read what it needed; the rest, now
         if self._launched:  # a second backward before step(): what was sent is out of date
             self._stale = True
@@ -472,6 +474,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.finish_gather()  # a second step without a forward in between
+        if not self._reduced:  # (clip_grad_norm_ has reduced and clipped them already)
+            self._reduce()
+        self._reduced = False
+        if self.local is not None:
+            for local, user in zip(self.local.param_groups, self._local_of):
+                local.update(_settings(self.param_groups[user]), **self._forced)
+            self.local.step()
+        # The forward needs the first layers first: the last buckets (buckets run backwards).
+        self._gather_order = list(reversed(range(len(self.buckets))))
+        for b in self._gather_order:
+            self.buckets[b].launch_gather(self.group, tag=2 * b + 1)
+            for p in self.buckets[b].params:
+                self._in_flight[id(p)] = b
+        if self._guard is None:  # (one left on the stack under a user's mode serves again)
+            self._guard = _Guard(self)
+            self._guard.__enter__()
+        return loss
+
+    def _reduce(self) -> None:
+        """Leave this rank's share of the averaged gradients in the pieces' ``.grad``."""
         # The gradients sent during backward are used only if every bucket went and none of
         # its gradients changed since (accumulated, clipped, unscaled): else all go again now.
         # Decided together, so that every rank issues the same collectives; the small
@@ -495,20 +517,54 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 grad = bucket.grad[pc.at : pc.at + pc.tensor.numel()]
                 pc.tensor.grad = None if id(pc.param) in unused else grad
             bucket.refresh()
-        if self.local is not None:
-            for local, user in zip(self.local.param_groups, self._local_of):
-                local.update(_settings(self.param_groups[user]), **self._forced)
-            self.local.step()
-        # The forward needs the first layers first: the last buckets (buckets run backwards).
-        self._gather_order = list(reversed(range(len(self.buckets))))
-        for b in self._gather_order:
-            self.buckets[b].launch_gather(self.group, tag=2 * b + 1)
-            for p in self.buckets[b].params:
-                self._in_flight[id(p)] = b
-        if self._guard is None:  # (one left on the stack under a user's mode serves again)
-            self._guard = _Guard(self)
-            self._guard.__enter__()
-        return loss
+        self._reduced = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the averaged gradients, as the serial program's.
+
+        Each rank's ``.grad`` holds only its local gradient, so torch's function would
+        clip by a local norm. This waits for the reduce-scatters, takes the total norm
+        from every rank's share (one all-reduce of one number) and scales the shares in
+        place, with torch's coefficient; ``step()`` then steps the clipped shares.
+        ``.grad`` is left as it is (local, unclipped). Returns the total norm.
+        (``foreach`` is accepted for torch's signature: the shares are scaled by one
+        multi-tensor operation.)
+        """
+        self.finish_gather()
+        if not self._reduced:
+            self._reduce()
+        p = float(norm_type)
+        shares = [bucket.grad[: bucket.chunk] for bucket in self.buckets]  # padding is 0
+        norms = torch.stack(  # (half precision summed in float32)
+            [
+                torch.linalg.vector_norm(s, p, dtype=torch.promote_types(s.dtype, torch.float32))
+                for s in shares
+            ]
+        )
+        if p == math.inf:  # the largest over the ranks
+            total, op = norms.max(), dist.ReduceOp.MAX
+        else:  # sum of |g|^p (of nonzeros for p = 0) over the ranks
+            total, op = (norms.sum() if p == 0 else (norms**p).sum()), dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=self.group)
+        if p not in (0.0, math.inf):
+            total = total ** (1.0 / p)
+        total = total.to(shares[0].dtype)
+        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is"
+                " non-finite, so it cannot be clipped. To disable this error and scale the"
+                " gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's, clamped
+        torch._foreach_mul_(shares, coef)
+        return total
 
     # -- the updated parameters: waited for where they are read ------------------------------
     def finish_gather(self) -> None:
@@ -662,6 +718,24 @@ def _is_elementwise(value: Any, piece_numel: int) -> bool:
 
 def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
+def clip_grad_norm_(
+    optimizer: torch.optim.Optimizer,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip ``optimizer``'s gradients as the serial program would, sharded or not.
+
+    A ``ShardedOptimizer``'s own ``clip_grad_norm_`` (the averaged gradients' norm);
+    otherwise torch's over the optimizer's parameters (the unexpanded program, world size 1).
+    """
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, *, where: str = "shard_optimizer"):
