@@ -15,7 +15,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from macrogen.runtime.data_parallel import gradient_sync
-from macrogen.runtime.zero import ShardedOptimizer, clip_grad_norm_, shard_optimizer
+from macrogen.runtime.zero import (
+    ShardedGradientError,
+    ShardedOptimizer,
+    clip_grad_norm_,
+    shard_optimizer,
+)
 from tests.distributed import run_ranks
 from tests.test_data_parallel_dist import (
     GLOBAL_BATCH,
@@ -307,6 +312,24 @@ def _clip_cases(rank: int, world: int, out_dir: str) -> dict:
         report["norms"].append(float(got))
     assert opt.resends == 0, "the shares sent during backward were clipped, not sent again"
     assert_params_close(ours, serial, "clipped ZeRO vs serial", skip=NOISE_ONLY, **FP32)
+
+    # torch's clipping (a local norm) is refused, on every rank, before any collective
+    opt.zero_grad()
+    ours(*mine).backward()
+    params = list(ours.parameters())
+    for clip in (
+        lambda: torch.nn.utils.clip_grad_norm_(params, 0.05),
+        lambda: torch.nn.utils.clip_grad_norm_(params, 0.05, foreach=False),
+        lambda: torch.nn.utils.clip_grad_value_(params, 0.01),
+        lambda: params[0].grad.norm(),
+    ):
+        with pytest.raises(ShardedGradientError, match=r"use opt.clip_grad_norm_\(max_norm\)"):
+            clip()
+    params[0].grad.mul_(1.0)  # (in place and uniform, as a GradScaler's unscale: allowed)
+    opt.clip_grad_norm_(0.05)
+    opt.step()
+    _ = params[0].grad.norm()  # after step(): logging a local norm is the user's business
+    opt.zero_grad()
     return report
 
 

@@ -283,6 +283,26 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+class ShardedGradientError(RuntimeError):
+    """User code took a norm of gradients the sharded optimizer has sent (local, not averaged)."""
+
+
+# What torch.nn.utils.clip_grad_norm_ / get_total_norm / clip_grad_value_ call on the .grads.
+NORMS = frozenset(
+    {
+        torch._foreach_norm,
+        torch.linalg.vector_norm,
+        torch.linalg.norm,
+        torch.norm,
+        torch.Tensor.norm,
+        torch.Tensor.clamp_,
+        torch.clamp_,
+        torch._foreach_clamp_min_,
+        torch._foreach_clamp_max_,
+    }
+)
+
+
 class _Guard(TorchFunctionMode):
     """Between ``step()`` and the arrival of the updated parameters, any torch operation on
     a parameter still in flight waits for its bucket first (and those launched before it).
@@ -290,6 +310,11 @@ class _Guard(TorchFunctionMode):
     The forward's first layers so run while later buckets arrive, and nothing reads a
     stale parameter: not the forward, not the user between step() and forward (logging,
     an EMA, ``state_dict()``, ``torch.save``, ``no_grad`` inference), not a second step.
+
+    From the end of a training forward to ``step()`` / ``zero_grad()``, a norm (or clamp)
+    of gradients already sent raises ``ShardedGradientError``: each rank's ``.grad`` is
+    its local gradient, so ``torch.nn.utils.clip_grad_norm_`` would silently clip by a
+    local norm (``opt.clip_grad_norm_`` is the sharded one).
     """
 
     def __init__(self, owner: ShardedOptimizer):
@@ -300,8 +325,11 @@ class _Guard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         owner = self.owner()
-        if owner is not None and owner._in_flight:
-            owner._wait_for(args, kwargs)
+        if owner is not None:
+            if owner._in_flight:
+                owner._wait_for(args, kwargs)
+            if owner._sent_grads and func in NORMS:
+                owner._check_not_sent(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -392,6 +420,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._stale = False  # a later backward accumulated into gradients already sent
         self._ready = bytearray(len(order))
         self._reduced = False  # the shares hold this window's averaged gradients
+        self._window_ends = False  # the backward under way ends an accumulation window
+        self._sent_grads: dict[int, torch.Tensor] = {}  # id -> .grad the reduce-scatter took
+        self._guard_grads = False  # the guard stays on for _sent_grads until step/zero_grad
         self.resends = 0  # steps whose gradients were all sent again from step() (counted)
         self._pending = [len(b.params) for b in self.buckets]
         self._hooks = []
@@ -450,6 +481,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._stale = True
         # With @data_parallel(accumulate=k), only the window's last backward sends.
         ends = self.sync is None or self.sync.window_ends()
+        self._window_ends = ends
+        self._sent_grads = {}
         self._eager = ends and not self._stale
         self._ready = bytearray(len(self._ready))
         self._pending = [len(b.params) for b in self.buckets]
@@ -457,6 +490,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _after_backward(self) -> None:
         self._in_backward = False
+        if self._window_ends:  # step() averages these: a norm of them here is a local one
+            grads = (p.grad for b in self.buckets for p in b.params)
+            self._sent_grads = {id(g): g for g in grads if g is not None}
         if self._eager:  # buckets a parameter's gradient never reached: as they are, in order
             while self._launched < len(self.buckets):
                 self._launch_reduce(self._launched)
@@ -477,6 +513,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._reduced:  # (clip_grad_norm_ has reduced and clipped them already)
             self._reduce()
         self._reduced = False
+        self._unguard_grads()
+        self._drop_guard()  # (the local step runs without it; pushed again below)
         if self.local is not None:
             for local, user in zip(self.local.param_groups, self._local_of):
                 local.update(_settings(self.param_groups[user]), **self._forced)
@@ -566,6 +604,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
         torch._foreach_mul_(shares, coef)
         return total
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._unguard_grads()
+        super().zero_grad(set_to_none)
+        self._drop_guard()
+
+    # -- gradients sent: their norm is not the serial one -------------------------------------
+    def _guard_gradients(self) -> None:
+        """Keep the guard on from a training forward's end to step() / zero_grad()."""
+        if self._guard is None:
+            if torch._C._len_torch_function_stack():
+                return  # under a user's mode, which would pop ours on its exit: not detected
+            self._guard = _Guard(self)
+            self._guard.__enter__()
+        self._guard_grads = True
+
+    def _unguard_grads(self) -> None:
+        self._sent_grads = {}
+        self._guard_grads = False
+
+    def _check_not_sent(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """Called by the guard on a norm or clamp: refuse one of gradients already sent."""
+        sent = self._sent_grads
+        for a in (*args, *kwargs.values()):
+            items = a if isinstance(a, (list, tuple)) else (a,)
+            if any(isinstance(x, torch.Tensor) and sent.get(id(x)) is x for x in items):
+                name = getattr(func, "__name__", str(func))
+                raise ShardedGradientError(
+                    f"{self.where}: {name} of gradients sent by the sharded optimizer: use"
+                    " opt.clip_grad_norm_(max_norm) with shard_optimizer: the gradients are"
+                    " reduce-scattered, each rank's .grad holds only its local gradient"
+                )
+
     # -- the updated parameters: waited for where they are read ------------------------------
     def finish_gather(self) -> None:
         """Make every parameter current now (the guard waits only for those read).
@@ -579,8 +649,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._drop_guard()
 
     def _after_forward(self) -> None:
-        """After the model's forward: the rest (parameters it did not read) now, guard off."""
+        """After the model's forward: the rest (parameters it did not read) now; then, for a
+        training forward, the guard watches the gradients its backward will send."""
         self.finish_gather()
+        if torch.is_grad_enabled():
+            self._guard_gradients()
 
     def _finish_upto(self, k: int) -> None:
         """Write the all-gathers started first, up to the k-th, into the parameters."""
@@ -614,7 +687,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _drop_guard(self) -> None:
         """Take the guard off the torch-function stack once nothing is in flight."""
         guard = self._guard
-        if guard is None or self._in_flight or guard.thread != threading.get_ident():
+        if guard is None or self._in_flight or self._guard_grads:
+            return
+        if guard.thread != threading.get_ident():
             return
         depth = torch._C._len_torch_function_stack()
         if depth and torch._C._get_function_stack_at(depth - 1) is guard:
