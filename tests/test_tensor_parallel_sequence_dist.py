@@ -39,11 +39,21 @@ TIGHT = dict(rtol=1e-5, atol=1e-6)
 AFTER_ADAM = dict(rtol=1e-5, atol=1e-2 * LR)
 
 
-def _load(tmp: Path, rank: int):
+# DP x TP: the same block, data-parallel over the tensor groups (its gradient hooks,
+# summing over the tensor group, run before data parallelism's average)
+DATA_PARALLEL = """
+
+@mg.data_parallel()
+class DataParallelBlock(Block):
+    pass
+"""
+
+
+def _load(tmp: Path, rank: int, source: str = SOURCE):
     tmp = tmp / f"rank{rank}"
     tmp.mkdir(exist_ok=True)
-    serial = load_module(SOURCE, f"sp_serial_{rank}", tmp)
-    parallel = load_module(expand(SOURCE), f"sp_parallel_{rank}", tmp)
+    serial = load_module(source, f"sp_serial_{rank}", tmp)
+    parallel = load_module(expand(source), f"sp_parallel_{rank}", tmp)
     return serial, parallel
 
 
@@ -206,6 +216,56 @@ def _indivisible(world):
     return str(e.value)
 
 
+def _data_x_sequence_parity(rank, world, tmp):
+    """DP=2 x TP=2: each data rank trains on its share of the batch, each tensor rank on its
+    slice of that share's sequence; forward, input gradient and parameters after 3 AdamW
+    steps equal serial, and all four ranks hold the same model."""
+    from macrogen.runtime.mesh import mesh
+    from macrogen.runtime.tensor_parallel import full_state_dict
+
+    tensor = 2
+    os.environ["MACROGEN_TP_SIZE"] = str(tensor)
+    S, P = _load(Path(tmp), rank, SOURCE + DATA_PARALLEL)
+    torch.manual_seed(0)
+    serial = S.Block(S.Config())
+    torch.manual_seed(0)
+    ours = P.DataParallelBlock(P.Config())
+    m = mesh()
+    assert (m.data_size, m.tensor_size) == (world // tensor, tensor)
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    share = SHAPE[0] // m.data_size
+    rows = slice(m.data_rank * share, (m.data_rank + 1) * share)  # my data rank's batch
+    t = torch.distributed.get_rank(m.tensor_group)
+    mine = slice(t * SHAPE[1] // tensor, (t + 1) * SHAPE[1] // tensor)  # my tokens of it
+
+    # data parallelism averages the data ranks' gradients: serial's loss is their mean
+    def serial_loss(model, x):
+        return (model(x) * w).sum() / m.data_size
+
+    def our_loss(model, x):
+        return (model(x) * w[rows, mine]).sum()
+
+    x_s, x_p = x.clone().requires_grad_(), x[rows, mine].clone().requires_grad_()
+    serial_loss(copy.deepcopy(serial), x_s).backward()
+    out_p = ours(x_p)
+    (out_p * w[rows, mine]).sum().backward()
+    torch.testing.assert_close(out_p, serial(x)[rows, mine], **TIGHT)
+    torch.testing.assert_close(x_p.grad, m.data_size * x_s.grad[rows, mine], **TIGHT)
+
+    for model, loss, data in ((serial, serial_loss, x), (ours, our_loss, x[rows, mine])):
+        model.zero_grad()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            loss(model, data).backward()
+            optimizer.step()
+    got = full_state_dict(ours)
+    for key, value in serial.state_dict().items():
+        torch.testing.assert_close(got[key], value, **SERIAL_TOL, msg=lambda m, k=key: f"{k}: {m}")
+    return got
+
+
 def test_sequence_parallel_block_equals_serial_and_torch(tmp_path):
     results = run_ranks(_sequence_parity, 2, args=(str(tmp_path),), timeout=240)
     (serial, mine), error = results[0]
@@ -214,3 +274,10 @@ def test_sequence_parallel_block_equals_serial_and_torch(tmp_path):
         "MLP.c_proj: the sequence length (dim 1) 7 is not divisible by the tensor-parallel size 2;"
         " pad the sequence or choose a size that divides it"
     )
+
+
+def test_sequence_parallel_under_data_x_tensor_parallel(tmp_path):
+    finals = run_ranks(_data_x_sequence_parity, 4, args=(str(tmp_path),), timeout=240)
+    for final in finals[1:]:  # every rank holds the same model
+        for key, value in finals[0].items():
+            torch.testing.assert_close(final[key], value, rtol=0, atol=0, msg=key)
