@@ -160,12 +160,14 @@ class _ColwiseLinear(torch.autograd.Function):
 
 
 class _RowwiseLinear(torch.autograd.Function):
-    """g(F.linear(x, W)): forward all-reduces the output (each chunk of rows while the next computes)."""
+    """g(F.linear(x, W)) + b: forward all-reduces the output (each chunk of rows while the next
+    computes), then adds the bias in place (no second output-sized tensor)."""
 
     @staticmethod
     @_autocast_forward
-    def forward(ctx, x, weight, group, chunks):
+    def forward(ctx, x, weight, bias, group, chunks):
         ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
         x2d = x.reshape(-1, x.shape[-1])  # (N, in / T)
         out = x2d.new_empty(x2d.shape[0], weight.shape[0])  # (N, out)
         works = []
@@ -176,6 +178,8 @@ class _RowwiseLinear(torch.autograd.Function):
             works.append(dist.all_reduce(ys, group=group, async_op=True))
         for work in works:
             work.wait()
+        if bias is not None:
+            out.add_(bias)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -185,7 +189,8 @@ class _RowwiseLinear(torch.autograd.Function):
         grad2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None
+        grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def _rows(n: int, chunks: int) -> int:
@@ -203,19 +208,20 @@ CHUNK_ELEMENTS = 1 << 20  # rowwise outputs at least this big are reduced in chu
 
 
 def rowwise_linear(
-    x, weight, group: dist.ProcessGroup | None, chunks: int | None = None
+    x, weight, group: dist.ProcessGroup | None, chunks: int | None = None, bias=None
 ) -> torch.Tensor:
-    """g(F.linear(x, weight)) (no bias); with overlap, row blocks are reduced as they are computed.
+    """g(F.linear(x, weight)) + bias (added once, after the reduction); with overlap, row
+    blocks are reduced as they are computed.
 
     Small outputs go in one collective: below ``CHUNK_ELEMENTS`` a chunk's
     reduction is latency-bound and there is little matmul left to hide it behind.
     """
     if group_size(group) == 1:
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
     if chunks is None:
         big = x[..., :1].numel() * weight.shape[0] // CHUNK_ELEMENTS
         chunks = max(1, min(4, big)) if OVERLAP else 1
-    return _RowwiseLinear.apply(x, weight, group, chunks)
+    return _RowwiseLinear.apply(x, weight, bias, group, chunks)
 
 
 # -- vocabulary-parallel cross-entropy -------------------------------------------------------
