@@ -128,6 +128,8 @@ def _sequence_parity(rank, world, tmp):
             grads[key], torch_grads[key], **TIGHT, msg=lambda m, k=key: f"{k}: {m}"
         )
 
+    _collectives_of_a_pass(ours, x[:, mine], w[:, mine], grads)
+
     # 3 AdamW steps from the same weights
     reference = copy.deepcopy(initial)
     _train(reference, x, w)
@@ -142,6 +144,53 @@ def _sequence_parity(rank, world, tmp):
             got[key], torch_state[key], **AFTER_ADAM, msg=lambda m, k=key: f"{k}: {m}"
         )
     return memory, _indivisible(world)
+
+
+def _collectives_of_a_pass(ours, x, w, grads):
+    """On gloo a reduce-scatter along T runs as an all-reduce keeping this rank's slice (gloo's
+    own costs more): counted here, and equal, bit for bit, to the reduce-scatter path (other
+    backends'). Each layer norm's weight and bias gradients are summed in one all-reduce."""
+    import torch.distributed as dist
+
+    from macrogen.runtime import collectives
+    from macrogen.runtime.tensor_parallel import full_gradients
+
+    calls = {"all_reduce": 0, "reduce_scatter_single": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    results = {}
+    try:
+        for backends in ({"gloo"}, set()):
+            collectives.REDUCE_SCATTER_BY_ALL_REDUCE = backends
+            for name in calls:
+                calls[name] = 0
+                setattr(dist, name, counting(name))
+            ours.zero_grad()
+            leaf = x.clone().requires_grad_()
+            out = ours(leaf)
+            (out * w).sum().backward()
+            results[bool(backends)] = (out, leaf.grad, full_gradients(ours), dict(calls))
+    finally:
+        collectives.REDUCE_SCATTER_BY_ALL_REDUCE = {"gloo"}
+        for name, call in originals.items():
+            setattr(dist, name, call)
+    (out, grad_x, grads_ar, by_ar), (out_rs, grad_x_rs, grads_rs, by_rs) = results[True], results[False]
+    # all-reduces: 2 rowwise-to-sequence outputs and 1 colwise-from-sequence input gradient
+    # (as reduce-scatters, or not), the attention's colwise input gradient, 1 per layer norm
+    assert by_ar == {"all_reduce": 3 + 1 + 2, "reduce_scatter_single": 0}, by_ar
+    assert by_rs == {"all_reduce": 1 + 2, "reduce_scatter_single": 3}, by_rs
+    torch.testing.assert_close(out_rs, out, rtol=0, atol=0)
+    torch.testing.assert_close(grad_x_rs, grad_x, rtol=0, atol=0)
+    for key, value in grads.items():  # and the same gradients as the first pass
+        torch.testing.assert_close(grads_ar[key], value, rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(grads_rs[key], value, rtol=0, atol=0, msg=key)
 
 
 def _torch_sequence_parallel(P, serial, world):
