@@ -129,6 +129,7 @@ def _sequence_parity(rank, world, tmp):
         )
 
     _collectives_of_a_pass(ours, x[:, mine], w[:, mine], grads)
+    _nested_sequence_modules(x, w, mine)
 
     # 3 AdamW steps from the same weights
     reference = copy.deepcopy(initial)
@@ -191,6 +192,25 @@ def _collectives_of_a_pass(ours, x, w, grads):
     for key, value in grads.items():  # and the same gradients as the first pass
         torch.testing.assert_close(grads_ar[key], value, rtol=0, atol=0, msg=key)
         torch.testing.assert_close(grads_rs[key], value, rtol=0, atol=0, msg=key)
+
+
+def _nested_sequence_modules(x, w, mine):
+    """A "sequence" module inside another: its parameters' gradients are summed once."""
+    from macrogen.runtime.mesh import tensor_parallel_group
+    from macrogen.runtime.tensor_parallel_plan import Sequence
+
+    torch.manual_seed(0)
+    serial = torch.nn.Sequential(torch.nn.LayerNorm(SHAPE[2]), torch.nn.LayerNorm(SHAPE[2]))
+    holder = torch.nn.Module()
+    holder.outer = copy.deepcopy(serial)
+    group = tensor_parallel_group(None)
+    Sequence().apply(holder, "outer", "outer", group, None)
+    Sequence().apply(holder.outer, "1", "outer.1", group, None)
+    (serial(x) * w).sum().backward()
+    (holder.outer(x[:, mine]) * w[:, mine]).sum().backward()
+    for (key, p), q in zip(serial.named_parameters(), holder.outer.parameters()):
+        assert type(q) is torch.nn.Parameter  # put back after the forward
+        torch.testing.assert_close(q.grad, p.grad, **TIGHT, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def _torch_sequence_parallel(P, serial, world):

@@ -246,7 +246,8 @@ def _sum_parameter_gradients(group):
         index: dict[int, int] = {}  # a parameter under two names gets one view
         for owner in module.modules():
             for name, param in owner._parameters.items():
-                if param is not None and param.requires_grad:
+                # not a Parameter: a view an enclosing "sequence" module put there (summed once)
+                if isinstance(param, nn.Parameter) and param.requires_grad:
                     slots.append((owner, name))
                     if id(param) not in index:
                         index[id(param)] = len(params)
