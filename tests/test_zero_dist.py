@@ -260,7 +260,15 @@ def _overlap_cases(rank: int, world: int, out_dir: str) -> dict:
     assert opt.resends == 2
     both()
     assert opt.resends == 2
-    assert_params_close(ours, serial, "after 5 steps", **FP32)
+    # 5. a GradScaler's unscale_ (its kernel bumps no version counter): sent again too
+    for model, o, b in ((serial, serial_opt, inputs), (ours, opt, mine)):
+        o.zero_grad()
+        model(*b).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1), torch.tensor(0.5))
+        o.step()
+    assert opt.resends == 3
+    assert_params_close(ours, serial, "after 6 steps", **FP32)
     report["buckets"] = len(opt.buckets)
 
     # @data_parallel(accumulate=4): only the 4th backward sends, nothing is sent twice

@@ -303,6 +303,11 @@ NORMS = frozenset(
 )
 
 
+# A GradScaler's unscale_: writes the gradients in place without bumping their version
+# counters (torch 2.13), so ShardBucket.changed() can't see it.
+_UNSCALE = torch._amp_foreach_non_finite_check_and_unscale_
+
+
 class _Guard(TorchFunctionMode):
     """Between ``step()`` and the arrival of the updated parameters, any torch operation on
     a parameter still in flight waits for its bucket first (and those launched before it).
@@ -330,6 +335,8 @@ class _Guard(TorchFunctionMode):
                 owner._wait_for(args, kwargs)
             if owner._sent_grads and func in NORMS:
                 owner._check_not_sent(func, args, kwargs)
+            elif owner._sent_grads and func is _UNSCALE:  # writes without a version bump
+                owner._stale = True  # so step() sends the unscaled gradients again
         return func(*args, **kwargs)
 
 
