@@ -5,7 +5,8 @@ identifier), ``py`` (``repr`` of a number, string, bool, None or a tuple/list
 of them: user text inside string literals), ``text`` (user text such as a file
 path inside a comment or docstring, see ``text``) and ``code`` (a libcst
 expression node a macro built, such as a kernel expression rebuilt from a
-validated IR). Nothing from a user's file is pasted in as raw text.
+validated IR; or an ``Expression``, such text checked by ``ast``). Nothing from a
+user's file is pasted in as raw text.
 """
 
 from __future__ import annotations
@@ -75,7 +76,20 @@ def py(value: Any) -> str:
     raise InternalError(f"can't render {type(value).__name__} {value!r} as a Python literal")
 
 
+class Expression:
+    """Expression code a macro generated from validated pieces and checked to be one
+    Python expression (``macros/tile/code.py``): ``code`` writes its text as is."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"Expression({self.text!r})"
+
+
 def code(value: Any) -> str:
+    if isinstance(value, Expression):
+        return value.text
     if not isinstance(value, cst.BaseExpression):
         raise InternalError(f"not a libcst expression: {value!r}")
     return cst.Module([]).code_for_node(value)

@@ -4,18 +4,21 @@ Every piece of generated expression text is a ``Code``: its text and the
 precedence of its outermost operator, so that operands get parentheses only
 where Python needs them (``a * (b + c)``, ``(-0.5) ** 2``) and evaluation
 order stays the loop's (``a - (b - c)``). Text comes from validated identifiers
-and ``repr`` of numbers only; ``parse`` turns it into the libcst expression
-the templates render (and so checks it).
+and ``repr`` of numbers only; ``parse`` checks that it is one Python expression
+and makes it the ``Expression`` the templates render (``codegen``'s ``code``
+filter). That check is ``ast``'s, not libcst's: a tile site makes dozens of these,
+and a libcst parse costs ten times as much and gives nothing the printer needs.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import math
 from dataclasses import dataclass
 
-import libcst as cst
-
-from macrogen.codegen import ident
+from macrogen.codegen import Expression, ident
+from macrogen.expand.errors import InternalError
 
 ATOM, POWER, UNARY, MUL, ADD, AND, OR, COMPARE, CONDITIONAL = 100, 14, 13, 12, 11, 8, 6, 5, 1
 _BINARY = {
@@ -115,5 +118,43 @@ def suffix(obj: Code, text: str) -> Code:
     return Code(obj.at(ATOM) + text) if text else obj
 
 
-def parse(code: Arg) -> cst.BaseExpression:
-    return cst.parse_expression(_text(code))
+def parse(code: Arg) -> Parsed:
+    """Generated expression text, checked to be exactly one Python expression."""
+    text = _text(code)
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as e:
+        raise InternalError(f"@tile generated an invalid expression {text!r}: {e.msg}") from None
+    return Parsed(text, tree)
+
+
+class Parsed(Expression):
+    """A checked expression and, when asked, the names in it (for ``steps.drop_dead_stores``)."""
+
+    def __init__(self, text: str, tree: ast.Expression):
+        super().__init__(text)
+        self.tree = tree
+
+    @functools.cached_property
+    def names(self) -> frozenset[str]:
+        """Every name in the expression as libcst counts ``Name`` nodes: variables, attribute
+        and keyword names, lambda parameters, and ``True``/``False``/``None``."""
+        return _names(self.tree)
+
+
+def _names(tree: ast.Expression) -> frozenset[str]:
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, (ast.keyword, ast.arg)):
+            word = node.arg
+            if word is not None:
+                found.add(word)
+        elif isinstance(node, ast.Constant) and (
+            node.value is None or node.value is True or node.value is False
+        ):
+            found.add(repr(node.value))
+    return frozenset(found)
