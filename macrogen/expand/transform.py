@@ -24,6 +24,7 @@ from macrogen.expand.context import Context, Position, SiteArguments
 from macrogen.expand.errors import InternalError, MacroError
 from macrogen.expand.protocol import Expanded, Form, Macro, Site
 from macrogen.expand.sites import Scope, ScopeStack, collect_scope
+from macrogen.expand.walk import nodes
 
 
 class HotLines(Protocol):
@@ -507,13 +508,4 @@ def _inside(node: cst.CSTNode, root: cst.CSTNode) -> bool:
 
 
 def inside(node: cst.CSTNode, root: cst.CSTNode) -> bool:
-    found = False
-
-    class _Find(cst.CSTVisitor):
-        def on_visit(self, n: cst.CSTNode) -> bool:
-            nonlocal found
-            found = found or n is node
-            return not found
-
-    root.visit(_Find())
-    return found
+    return any(n is node for n in nodes(root))

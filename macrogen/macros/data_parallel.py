@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import libcst as cst
-import libcst.matchers as m
 
 from macrogen import codegen
 from macrogen.expand.args import Arg
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.expand.walk import find
 
 NAME = "data_parallel"
 FORMS: frozenset[Form] = frozenset({"decorator"})
@@ -141,8 +141,15 @@ def _check(name: str, arg: Arg, ctx: Context) -> None:
 
 def _reject_named_super(cls: cst.ClassDef) -> None:
     """``super(GPT, self)`` would name the generated subclass and recurse forever."""
-    pattern = m.Call(func=m.Name("super"), args=[m.Arg(m.Name(cls.name.value)), m.AtLeastN(n=0)])
-    for call in m.findall(cls.body, pattern):
+    for call in find(cls.body, cst.Call):  # (a read-only walk: libcst's matchers rebuild the tree)
+        if not (
+            isinstance(call.func, cst.Name)
+            and call.func.value == "super"
+            and call.args
+            and isinstance(call.args[0].value, cst.Name)
+            and call.args[0].value.value == cls.name.value
+        ):
+            continue
         raise MacroError(
             f"write super() without arguments in a @data_parallel class: super({cls.name.value}, ...)"
             " would name the generated data-parallel subclass",

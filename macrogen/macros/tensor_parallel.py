@@ -44,6 +44,7 @@ from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
 from macrogen.expand.sites import did_you_mean, dotted
+from macrogen.expand.walk import Visitor, find, walk
 from macrogen.macros.tensor_parallel_width import feeding, rewrite_forward
 
 NAME = "tensor_parallel"
@@ -439,7 +440,7 @@ def _own_init_assignments(cls: cst.ClassDef) -> dict[str, cst.BaseExpression] | 
     me = params[0].name.value if params else "self"
     found: dict[str, cst.BaseExpression] = {}
 
-    class _Assignments(cst.CSTVisitor):
+    class _Assignments(Visitor):
         def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
             return node is init  # nested functions assign their own locals
 
@@ -462,7 +463,7 @@ def _own_init_assignments(cls: cst.ClassDef) -> dict[str, cst.BaseExpression] | 
             ):
                 found[target.attr.value] = value
 
-    init.visit(_Assignments())
+    walk(init, _Assignments())
     return found
 
 
@@ -540,24 +541,21 @@ def _check_super_calls(cls: cst.ClassDef) -> None:
     """``super(Cls, self)`` would name the generated subclass once the serial class is renamed."""
     name = cls.name.value
 
-    class _Super(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            if (
-                isinstance(node.func, cst.Name)
-                and node.func.value == "super"
-                and node.args
-                and isinstance(node.args[0].value, cst.Name)
-                and node.args[0].value.value == name
-            ):
-                raise MacroError(
-                    f"write super() without arguments in a tensor_parallel class: {name} becomes"
-                    " the generated subclass, so super("
-                    + name
-                    + ", self) would skip the serial class",
-                    node,
-                )
-
-    cls.visit(_Super())
+    for node in find(cls, cst.Call):
+        if (
+            isinstance(node.func, cst.Name)
+            and node.func.value == "super"
+            and node.args
+            and isinstance(node.args[0].value, cst.Name)
+            and node.args[0].value.value == name
+        ):
+            raise MacroError(
+                f"write super() without arguments in a tensor_parallel class: {name} becomes"
+                " the generated subclass, so super("
+                + name
+                + ", self) would skip the serial class",
+                node,
+            )
 
 
 def _check_sequence_sizes(cls: cst.ClassDef, spec: Spec) -> None:
@@ -579,22 +577,19 @@ def _check_sequence_sizes(cls: cst.ClassDef, spec: Spec) -> None:
         return
     sliced = feeding(forward, params[0], set(params[1:]), gathered)
 
-    class _Sizes(cst.CSTVisitor):
-        def visit_Attribute(self, node: cst.Attribute) -> None:
-            if (
-                node.attr.value in ("size", "shape")
-                and isinstance(node.value, cst.Name)
-                and node.value.value in sliced
-            ):
-                raise MacroError(
-                    f"{node.value.value} reaches a 'colwise from sequence' layer, so it is this"
-                    f" rank's slice of the sequence: its .{node.attr.value} gives T / tp where"
-                    " that layer's output has the whole sequence; plan the layer 'colwise' and this"
-                    " module 'from sequence' in its parent (its input is then gathered on entry)",
-                    node,
-                )
-
-    forward.visit(_Sizes())
+    for node in find(forward, cst.Attribute):
+        if (
+            node.attr.value in ("size", "shape")
+            and isinstance(node.value, cst.Name)
+            and node.value.value in sliced
+        ):
+            raise MacroError(
+                f"{node.value.value} reaches a 'colwise from sequence' layer, so it is this"
+                f" rank's slice of the sequence: its .{node.attr.value} gives T / tp where"
+                " that layer's output has the whole sequence; plan the layer 'colwise' and this"
+                " module 'from sequence' in its parent (its input is then gathered on entry)",
+                node,
+            )
 
 
 def rewrite_widths(cls: cst.ClassDef, spec: Spec, loss: Callable[[], str]) -> cst.ClassDef:

@@ -31,6 +31,7 @@ from typing import Any, TypeGuard
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
+from macrogen.expand.walk import find
 from macrogen.macros.tile.expressions import ExpressionReader, Scope, code_of, contains, negate
 from macrogen.macros.tile.ir import (
     Accum,
@@ -137,18 +138,10 @@ class _Analyzer(ExpressionReader):
         """Every tensor the function stores into (known before any load is read)."""
         found: set[str] = set()
 
-        class _Find(cst.CSTVisitor):
-            def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-                _add(node.target)
-
-            def visit_AugAssign(self, node: cst.AugAssign) -> None:
-                _add(node.target)
-
-        def _add(target: cst.CSTNode) -> None:
+        for node in find(body, (cst.AssignTarget, cst.AugAssign)):
+            target = node.target
             if isinstance(target, cst.Subscript) and isinstance(target.value, cst.Name):
                 found.add(target.value.value)
-
-        body.visit(_Find())
         return found
 
     def _size_binding(self, stmt: cst.BaseStatement) -> None:
@@ -1049,15 +1042,7 @@ def _index_names(target: cst.Subscript | None) -> set[str]:
     """Every name that appears in the subscript (offsets included)."""
     if target is None:
         return set()
-    names: set[str] = set()
-
-    class _Names(cst.CSTVisitor):
-        def visit_Name(self, node: cst.Name) -> None:
-            names.add(node.value)
-
-    for el in target.slice:
-        el.visit(_Names())
-    return names
+    return {node.value for el in target.slice for node in find(el, cst.Name)}
 
 
 def _suite(body: cst.BaseSuite) -> list[cst.BaseStatement]:
