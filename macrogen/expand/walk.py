@@ -70,17 +70,32 @@ def _fields(node: cst.CSTNode) -> tuple[str, ...]:
     return order
 
 
+# What a field's value is, by its type: 1 a node to walk, 2 a sequence, 0 neither (a
+# string, None, a leaf). Asked by type once: isinstance on libcst's abstract classes is slow.
+_KIND: dict[type, int] = {}
+
+
+def _kind(value: object) -> int:
+    kind = type(value)
+    found = _KIND.get(kind)
+    if found is None:
+        if issubclass(kind, cst.CSTNode):
+            found = 0 if issubclass(kind, _LEAVES) else 1
+        else:
+            found = 2 if issubclass(kind, (list, tuple)) else 0
+        _KIND[kind] = found
+    return found
+
+
 def _children(node: cst.CSTNode) -> list[cst.CSTNode]:
     children: list[cst.CSTNode] = []
     for name in _fields(node):
         value = getattr(node, name)
-        if isinstance(value, cst.CSTNode):
-            if not isinstance(value, _LEAVES):
-                children.append(value)
-        elif isinstance(value, (list, tuple)):
-            children.extend(
-                v for v in value if isinstance(v, cst.CSTNode) and not isinstance(v, _LEAVES)
-            )
+        kind = _kind(value)
+        if kind == 1:
+            children.append(value)
+        elif kind == 2:
+            children.extend(v for v in value if _kind(v) == 1)
     return children
 
 

@@ -33,7 +33,9 @@ literal or ``tunable``); without it, $MACROGEN_TP_SIZE from the launch, else 1.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import re
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -253,7 +255,7 @@ def validate(site: Site, ctx: Context) -> Spec:
             " {'fc': 'colwise', 'proj': 'rowwise'}",
             node,
         )
-    classes = _module_classes("\n".join(ctx.lines))
+    classes = _module_classes(ctx)
     entries = []
     for key, value in plan.items():
         key_node, style_node = _element(node, key)
@@ -364,7 +366,7 @@ def _check_fits(
     cls: cst.ClassDef,
     path: tuple[str, ...],
     style: Style,
-    classes: dict[str, cst.ClassDef],
+    classes: Mapping[str, cst.ClassDef],
     key_node: cst.CSTNode,
 ) -> None:
     """The attribute at ``path`` is assigned in ``__init__`` and its value fits ``style``.
@@ -409,7 +411,7 @@ def _check_fits(
 
 
 def _init_assignments(
-    cls: cst.ClassDef, classes: dict[str, cst.ClassDef], seen: frozenset[str] = frozenset()
+    cls: cst.ClassDef, classes: Mapping[str, cst.ClassDef], seen: frozenset[str] = frozenset()
 ) -> dict[str, cst.BaseExpression] | None:
     """``self.<attr> = value`` in ``__init__``: attr -> last value (bases of this file first).
 
@@ -418,7 +420,7 @@ def _init_assignments(
     found: dict[str, cst.BaseExpression] | None = None
     for base in cls.bases:  # super().__init__() runs theirs; a missing __init__ inherits it
         name = dotted(base.value)
-        if name in classes and name not in seen:
+        if name is not None and name in classes and name not in seen:
             inherited = _init_assignments(classes[name], classes, seen | {cls.name.value})
             if inherited is not None:
                 found = {**(found or {}), **inherited}
@@ -507,7 +509,7 @@ def _may_be_int(value: cst.BaseExpression) -> bool:
 
 
 def _constructed_class(
-    value: cst.BaseExpression, classes: dict[str, cst.ClassDef]
+    value: cst.BaseExpression, classes: Mapping[str, cst.ClassDef]
 ) -> cst.ClassDef | None:
     """The class of this file that ``value`` constructs (``MLP(...)``), if any."""
     if isinstance(value, cst.Call) and isinstance(value.func, cst.Name):
@@ -515,11 +517,51 @@ def _constructed_class(
     return None
 
 
-@functools.lru_cache(maxsize=8)
-def _module_classes(source: str) -> dict[str, cst.ClassDef]:
-    """Top-level classes of the file, for dotted plan paths into submodules."""
-    module = cst.parse_module(source)
-    return {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+_CLASSES: weakref.WeakKeyDictionary[Context, _ModuleClasses] = weakref.WeakKeyDictionary()
+
+
+def _module_classes(ctx: Context) -> _ModuleClasses:
+    """Top-level classes of the file, for dotted plan paths into submodules and base classes."""
+    if ctx not in _CLASSES:
+        _CLASSES[ctx] = _ModuleClasses("\n".join(ctx.lines))
+    return _CLASSES[ctx]
+
+
+class _ModuleClasses(Mapping[str, cst.ClassDef]):
+    """The file's top-level classes by name. libcst parses the whole file only when a plan
+    path or a base class names one of them: most plans name their own class's layers."""
+
+    _CLASS = re.compile(r"^class\b(?:[ \t]+(\w+))?", re.M)
+
+    def __init__(self, source: str):
+        self.source = source
+        found = [m.group(1) for m in self._CLASS.finditer(source)]
+        # the names on lines that start with ``class`` (None: one is written another way)
+        self.candidates: set[str] | None = None if None in found else set(found)
+        self._classes: dict[str, cst.ClassDef] | None = None
+
+    def _all(self) -> dict[str, cst.ClassDef]:
+        if self._classes is None:
+            module = cst.parse_module(self.source)
+            self._classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+        return self._classes
+
+    def _may_have(self, name: object) -> bool:
+        return self.candidates is None or name in self.candidates
+
+    def __getitem__(self, name: str) -> cst.ClassDef:
+        if not self._may_have(name):
+            raise KeyError(name)
+        return self._all()[name]
+
+    def __contains__(self, name: object) -> bool:
+        return self._may_have(name) and name in self._all()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
 
 
 def _element(plan: cst.BaseExpression, key: object) -> tuple[cst.CSTNode, cst.CSTNode]:
