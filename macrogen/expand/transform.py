@@ -24,7 +24,7 @@ from macrogen.expand.context import Context, Position, SiteArguments
 from macrogen.expand.errors import InternalError, MacroError
 from macrogen.expand.protocol import Expanded, Form, Macro, Site
 from macrogen.expand.sites import Scope, ScopeStack, collect_scope
-from macrogen.expand.walk import nodes
+from macrogen.expand.walk import leaf, nodes
 
 
 class HotLines(Protocol):
@@ -99,17 +99,19 @@ class Expander(cst.CSTTransformer):
 
     # -- statements: where a call-form site's comment goes -------------------------
     def on_visit(self, node: cst.CSTNode) -> bool:
-        if isinstance(node, cst.BaseStatement):
+        statement, leaf, visit, _ = _dispatch(type(self), type(node))
+        if leaf:
+            return False  # whitespace, a comma, an operator: nothing inside (nor to rebuild)
+        if statement:
             self.statements.append([])
             if self.hot is not None and not self.hot(node):
                 return False  # no macro name in its lines: nothing to find (on_leave still runs)
-        visit = _method(type(self), "visit_", type(node))
         return visit is None or visit(self, node) is not False
 
     def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> Any:
-        leave = _method(type(self), "leave_", type(original))
+        statement, _, _, leave = _dispatch(type(self), type(original))
         result = updated if leave is None else leave(self, original, updated)
-        if isinstance(original, cst.BaseStatement):
+        if statement:
             comments = self.statements.pop()
             if comments:
                 result = _with_comments(result, comments)
@@ -413,16 +415,37 @@ class Expander(cst.CSTTransformer):
 
 
 _METHODS: dict[tuple[type, str, type, str], Callable[..., Any] | None] = {}
+_Dispatch = tuple[bool, bool, Callable[..., Any] | None, Callable[..., Any] | None]
+_DISPATCH: dict[tuple[type, type], _Dispatch] = {}
+
+
+def _dispatch(owner: type, kind: type) -> _Dispatch:
+    """For a node type: whether it is a statement, whether a leaf (``walk.leaf``), and
+    ``owner``'s visit and leave methods for it; worked out once per type."""
+    try:
+        return _DISPATCH[owner, kind]
+    except KeyError:
+        found = _DISPATCH[owner, kind] = (
+            issubclass(kind, cst.BaseStatement),
+            leaf(kind),
+            _method(owner, "visit_", kind),
+            _method(owner, "leave_", kind),
+        )
+        return found
 
 
 def _method(owner: type, prefix: str, kind: type, attribute: str = "") -> Callable[..., Any] | None:
-    """``owner``'s ``visit_If``, ``leave_FunctionDef_body``...: what libcst's dispatch finds."""
+    """``owner``'s ``visit_If``, ``leave_FunctionDef_body``...: what libcst's dispatch finds;
+    None where that is libcst's default (a visit that goes on, a leave that keeps the node)."""
     key = (owner, prefix, kind, attribute)
     try:
         return _METHODS[key]
     except KeyError:
         name = f"{prefix}{kind.__name__}" + (f"_{attribute}" if attribute else "")
-        found = _METHODS[key] = getattr(owner, name, None)
+        found = getattr(owner, name, None)
+        if found is not None and found is getattr(cst.CSTTransformer, name, None):
+            found = None
+        _METHODS[key] = found
         return found
 
 

@@ -87,6 +87,11 @@ def _kind(value: object) -> int:
     return found
 
 
+def leaf(kind: type) -> bool:
+    """Whether nodes of this type are syntax that holds no name or expression."""
+    return issubclass(kind, _LEAVES)
+
+
 def _children(node: cst.CSTNode) -> list[cst.CSTNode]:
     children: list[cst.CSTNode] = []
     for name in _fields(node):
