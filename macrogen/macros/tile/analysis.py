@@ -56,13 +56,23 @@ from macrogen.macros.tile.names import loads_in, vars_in
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def analyze(fn: cst.FunctionDef, constants: Mapping[str, Any]) -> Nest:
-    """The ``Nest`` of ``fn`` (its decorator already removed), or a MacroError."""
-    return _Analyzer(fn, constants).nest()
+def analyze(
+    fn: cst.FunctionDef, constants: Mapping[str, Any], taken: set[str] | None = None
+) -> Nest:
+    """The ``Nest`` of ``fn`` (its decorator already removed), or a MacroError.
+
+    ``taken``: ``words(fn)``, when the caller has them."""
+    return _Analyzer(fn, constants, words(fn) if taken is None else taken).nest()
+
+
+def words(fn: cst.FunctionDef) -> set[str]:
+    """Every identifier-like word of the function's code (comments and strings too):
+    names the generated code must not take."""
+    return set(_IDENT.findall(code_of(fn)))
 
 
 class _Analyzer(ExpressionReader):
-    def __init__(self, fn: cst.FunctionDef, constants: Mapping[str, Any]):
+    def __init__(self, fn: cst.FunctionDef, constants: Mapping[str, Any], taken: set[str]):
         self.fn = fn
         self.constants = constants
         self.params = self._params()
@@ -71,7 +81,7 @@ class _Analyzer(ExpressionReader):
         self.sizes: dict[str, Size] = {}
         self.loop_vars: set[str] = set()
         self.stored: dict[str, cst.CSTNode] = {}
-        self.taken = set(_IDENT.findall(code_of(fn)))
+        self.taken = set(taken)
         self.outputs = self._outputs(fn.body)
         self.index_tensors: set[str] = set()  # tensors read as indices (integers)
         self.value_tensors: set[str] = set()  # tensors read as values
