@@ -89,7 +89,13 @@ def _kind(value: object) -> int:
 
 def leaf(kind: type) -> bool:
     """Whether nodes of this type are syntax that holds no name or expression."""
-    return issubclass(kind, _LEAVES)
+    found = _LEAF.get(kind)
+    if found is None:
+        found = _LEAF[kind] = issubclass(kind, _LEAVES)
+    return found
+
+
+_LEAF: dict[type, bool] = {}
 
 
 def _children(node: cst.CSTNode) -> list[cst.CSTNode]:

@@ -33,6 +33,7 @@ literal or ``tunable``); without it, $MACROGEN_TP_SIZE from the launch, else 1.
 from __future__ import annotations
 
 import functools
+import operator
 import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -348,8 +349,15 @@ def expand(site: Site, ctx: Context) -> Expanded:
         used.append(ctx.import_from("macrogen.runtime.collectives", "vocab_parallel_cross_entropy"))
         return used[-1]
 
-    rewrite_widths(site.original, spec, lambda: "_")  # errors at the user's positions
-    cls = rewrite_widths(site.node, spec, loss)
+    node_body, original_body = site.node.body.body, site.original.body.body
+    if len(node_body) == len(original_body) and all(map(operator.is_, node_body, original_body)):
+        # No site inside the class expanded: rewriting the user's nodes gives the errors
+        # at the user's positions and the result at once.
+        rewritten = rewrite_widths(site.original, spec, loss).body.body
+        cls = site.node.with_changes(body=site.node.body.with_changes(body=rewritten))
+    else:
+        rewrite_widths(site.original, spec, lambda: "_")  # errors at the user's positions
+        cls = rewrite_widths(site.node, spec, loss)
     imports = (*styles.values(), parallelize, group, gather, scatter, *used[:1])
     return Expanded([cls.with_changes(name=cst.Name(serial)), *generated], imports=imports)
 

@@ -33,7 +33,7 @@ import libcst as cst
 
 from macrogen.expand.errors import MacroError
 from macrogen.expand.sites import dotted
-from macrogen.expand.walk import Visitor, find, walk
+from macrogen.expand.walk import Visitor, find, leaf, walk
 
 SHAPE_METHODS = ("view", "reshape", "split", "unflatten", "expand")
 CROSS_ENTROPY = (
@@ -173,7 +173,7 @@ class _Widths(cst.CSTTransformer):
             if layer is not None:
                 self.sharded.update(dict.fromkeys(_names(comp.target), layer))
         self.stack.append(node)
-        return True
+        return not leaf(type(node))  # whitespace, commas, operators: nothing inside to rewrite
 
     def on_leave(  # type: ignore[override]
         self, original: cst.CSTNode, updated: cst.CSTNode
