@@ -22,6 +22,7 @@ import jinja2
 import libcst as cst
 
 from macrogen.expand.errors import InternalError
+from macrogen.expand.rendered import rendered
 
 
 def templates_dir() -> Path:
@@ -124,17 +125,29 @@ def environment() -> jinja2.Environment:
 
 def render(template: str, **params: Any) -> str:
     """Render ``templates/<template>`` and check that the result parses as Python."""
+    return _render(template, params)[0]
+
+
+def _render(template: str, params: dict[str, Any]) -> tuple[str, ast.Module]:
     try:
         text = environment().get_template(template).render(**params)
     except jinja2.TemplateError as e:
         raise InternalError(f"template {template} failed to render: {e}") from e
     try:
-        ast.parse(text)  # the check only: ast is ten times faster than libcst here
+        tree = ast.parse(text)  # the check: ast is ten times faster than libcst here
     except SyntaxError as e:
         raise InternalError(
             f"template {template} rendered invalid Python (line {e.lineno}): {e.msg}"
         ) from e
-    return text
+    return text, tree
+
+
+def render_definitions(template: str, **params: Any) -> list[cst.BaseStatement]:
+    """``render_statements`` for module-level code a macro adds beside the user's (a
+    class): one statement node that keeps the text and prints it as it is where it
+    can, else as libcst's parse of it (``expand/rendered.py``)."""
+    text, tree = _render(template, params)
+    return [rendered(text, tree, template)]
 
 
 def render_statements(template: str, **params: Any) -> list[cst.BaseStatement]:

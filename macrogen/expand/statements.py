@@ -254,7 +254,7 @@ class Pieces(Statements):
                 ends.append(node.end_lineno or node.lineno)
         # statement i runs from the line after statement i-1 to its own last line
         self.first_lines = [1] + [end + 1 for end in ends[:-1]] if ends else []
-        self.indent = _first_indent(tree, self.lines)
+        self.indent = first_indent(tree, self.lines)
         self._modules: dict[int, cst.Module] = {}
         self._positions: dict[int, tuple[Positions, Extents]] = {}
 
@@ -406,7 +406,7 @@ def _opens_block(nodes: list[ast.stmt]) -> bool:
     return False
 
 
-def _first_indent(tree: ast.Module, lines: list[str]) -> str:
+def first_indent(tree: ast.Module, lines: list[str]) -> str:
     """The file's first block indentation, as libcst would infer it from the whole file."""
     for node in tree.body:
         body = getattr(node, "body", None)

@@ -23,6 +23,7 @@ from macrogen.expand.args import ArgumentHook, Evaluator
 from macrogen.expand.context import Context, Position, SiteArguments
 from macrogen.expand.errors import InternalError, MacroError
 from macrogen.expand.protocol import Expanded, Form, Macro, Site
+from macrogen.expand.rendered import materialized
 from macrogen.expand.sites import Scope, ScopeStack, collect_scope
 from macrogen.expand.walk import leaf, nodes
 
@@ -219,6 +220,8 @@ class Expander(cst.CSTTransformer):
         for n, i in enumerate(reversed(found)):  # bottom-up, as Python applies decorators
             expr = original.decorators[i].decorator
             macro = self.refs[expr]
+            if n:  # a macro stacked above gets the tree of what the one below rendered
+                statements = materialized(statements)
             at = _definition_of(name, statements)
             if at is None:
                 self._error(

@@ -164,7 +164,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     user_class = site.node.with_changes(name=cst.Name(serial))
     gradient_sync = ctx.import_from("macrogen.runtime.data_parallel", "GradientSync")
     config = ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig")
-    generated = codegen.render_statements(
+    generated = codegen.render_definitions(
         "data_parallel.py.j2",
         name=spec.name,
         serial=serial,

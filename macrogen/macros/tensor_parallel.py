@@ -330,7 +330,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     group = ctx.import_from("macrogen.runtime.mesh", "tensor_parallel_group")
     gather = ctx.import_from(runtime, "serial_state_dict")
     scatter = ctx.import_from(runtime, "load_serial_state_dict")
-    generated = codegen.render_statements(
+    generated = codegen.render_definitions(
         "tensor_parallel_class.py.j2",
         name=spec.name,
         serial=serial,

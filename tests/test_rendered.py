@@ -1,0 +1,93 @@
+"""Generated classes kept as text (``expand/rendered.py``) print what libcst's parse of
+that text prints: the same output with the plain-text path on and off, on every golden
+case and on files where the text must go through libcst (tabs, CRLF, a nested class,
+stacked decorators, no final newline)."""
+
+from __future__ import annotations
+
+import pytest
+
+from macrogen.expand import ExpansionError, expand_source, rendered
+from tests.test_golden import CASES, GOLDEN, expand_case
+
+MODEL = """\
+import torch.nn as nn
+
+import macrogen as mg
+
+
+@mg.tensor_parallel(plan={"fc": "colwise", "proj": "rowwise"})
+class MLP(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.proj(self.fc(x))
+
+
+@mg.data_parallel(bucket_mb=1)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x):
+        return self.mlp(x).sum()
+"""
+
+STACKED = MODEL.replace("class Net(nn.Module):", "@mg.tensor_parallel(plan={'fc': 'colwise'})\nclass Net(nn.Module):").replace(
+    "        self.mlp = MLP()", "        self.fc = nn.Linear(8, 8)"
+).replace("self.mlp(x)", "self.fc(x)")
+
+NESTED = MODEL + """
+
+def build():
+    @mg.data_parallel(bucket_mb=4)
+    class Inner(nn.Module):
+        def forward(self, x):
+            return x
+
+    return Inner()
+"""
+
+SOURCES = {
+    "plain": MODEL,
+    "tabs": MODEL.replace("    ", "\t"),
+    "two spaces": MODEL.replace("    ", "  "),
+    "crlf": MODEL.replace("\n", "\r\n"),
+    "no final newline": MODEL.rstrip("\n"),
+    "stacked": STACKED,
+    "nested": NESTED,
+}
+
+
+def _both(expand: object) -> tuple[object, object]:
+    outputs = []
+    for plain in (True, False):
+        saved, rendered.PLAIN_TEXT = rendered.PLAIN_TEXT, plain
+        try:
+            outputs.append(expand())  # type: ignore[operator]
+        finally:
+            rendered.PLAIN_TEXT = saved
+    return outputs[0], outputs[1]
+
+
+@pytest.mark.parametrize("name", [c for c in CASES if "parallel" in c or "pipeline" in c])
+def test_golden_cases_print_the_same(name: str) -> None:
+    plain, parsed = _both(lambda: expand_case(GOLDEN / name))
+    assert plain == parsed
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_files_print_the_same(name: str) -> None:
+    def expand() -> str:
+        try:
+            return expand_source(SOURCES[name], path="model.py").code
+        except ExpansionError as e:  # the same errors either way
+            return e.report()
+
+    plain, parsed = _both(expand)
+    assert plain == parsed
+    assert "class MLP(_MLP_serial):" in str(plain)
