@@ -194,6 +194,11 @@ class _OffsetExtents(Mapping[cst.CSTNode, "tuple[int, int]"]):
         return len(self.extents)
 
 
+# Python's syntax makes at most ~2 ast nodes per character of source (``-a``: UnaryOp, USub,
+# Name, Load): a statement this short can't reach MAX_NODES, so it is not counted.
+_NODES_PER_CHARACTER = 4
+
+
 def _check_size(nodes: list[ast.stmt]) -> None:
     """Count a statement's ast nodes, stopping at MAX_NODES + 1 (so the check costs at most that)."""
     count, stack = 0, list[ast.AST](nodes)
@@ -271,7 +276,8 @@ class Pieces(Statements):
     def module(self, i: int) -> cst.Module:
         """Statement ``i`` parsed alone: its module holds it and its leading comments."""
         if i not in self._modules:
-            _check_size(self.groups[i])
+            if len(self.text(i)) * _NODES_PER_CHARACTER > MAX_NODES:
+                _check_size(self.groups[i])
             try:
                 module = cst.parse_module(self.text(i))
             except cst.ParserSyntaxError:

@@ -4,21 +4,21 @@ Every piece of generated expression text is a ``Code``: its text and the
 precedence of its outermost operator, so that operands get parentheses only
 where Python needs them (``a * (b + c)``, ``(-0.5) ** 2``) and evaluation
 order stays the loop's (``a - (b - c)``). Text comes from validated identifiers
-and ``repr`` of numbers only; ``parse`` checks that it is one Python expression
-and makes it the ``Expression`` the templates render (``codegen``'s ``code``
-filter). That check is ``ast``'s, not libcst's: a tile site makes dozens of these,
-and a libcst parse costs ten times as much and gives nothing the printer needs.
+and ``repr`` of numbers only; ``parse`` makes it the ``Expression`` the templates
+render (``codegen``'s ``code`` filter), which knows the names it reads. A tile
+site makes dozens of these: parsing each (libcst's parse cost ten times ast's)
+gave nothing the printer needs, and the template's output is checked as a whole.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
+import keyword
 import math
+import re
 from dataclasses import dataclass
 
 from macrogen.codegen import Expression, ident
-from macrogen.expand.errors import InternalError
 
 ATOM, POWER, UNARY, MUL, ADD, AND, OR, COMPARE, CONDITIONAL = 100, 14, 13, 12, 11, 8, 6, 5, 1
 _BINARY = {
@@ -119,42 +119,25 @@ def suffix(obj: Code, text: str) -> Code:
 
 
 def parse(code: Arg) -> Parsed:
-    """Generated expression text, checked to be exactly one Python expression."""
-    text = _text(code)
-    try:
-        tree = ast.parse(text, mode="eval")
-    except SyntaxError as e:
-        raise InternalError(f"@tile generated an invalid expression {text!r}: {e.msg}") from None
-    return Parsed(text, tree)
+    """Generated expression text, ready for a template's ``code`` filter."""
+    return Parsed(_text(code))
 
 
 class Parsed(Expression):
-    """A checked expression and, when asked, the names in it (for ``steps.drop_dead_stores``)."""
-
-    def __init__(self, text: str, tree: ast.Expression):
-        super().__init__(text)
-        self.tree = tree
+    """Generated expression text and, when asked, the names in it (``steps.drop_dead_stores``)."""
 
     @functools.cached_property
     def names(self) -> frozenset[str]:
         """Every name in the expression as libcst counts ``Name`` nodes: variables, attribute
-        and keyword names, lambda parameters, and ``True``/``False``/``None``."""
-        return _names(self.tree)
+        and keyword names, lambda parameters, and ``True``/``False``/``None`` (not keywords,
+        nor words inside string literals or numbers: ``1e5``; tile writes no f-strings)."""
+        return frozenset(
+            word
+            for word in _WORD.findall(self.text)
+            if word and not (keyword.iskeyword(word) and word not in _NAMED_CONSTANTS)
+        )
 
 
-def _names(tree: ast.Expression) -> frozenset[str]:
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name):
-            found.add(node.id)
-        elif isinstance(node, ast.Attribute):
-            found.add(node.attr)
-        elif isinstance(node, (ast.keyword, ast.arg)):
-            word = node.arg
-            if word is not None:
-                found.add(word)
-        elif isinstance(node, ast.Constant) and (
-            node.value is None or node.value is True or node.value is False
-        ):
-            found.add(repr(node.value))
-    return frozenset(found)
+_NAMED_CONSTANTS = ("True", "False", "None")
+# a string literal (skipped: the group is empty) or a word that does not start inside a number
+_WORD = re.compile(r"""[rRbBuUfF]{0,2}(?:"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')|\b([^\W\d]\w*)""")

@@ -1,13 +1,23 @@
-"""Generated classes kept as text (``expand/rendered.py``) print what libcst's parse of
-that text prints: the same output with the plain-text path on and off, on every golden
-case and on files where the text must go through libcst (tabs, CRLF, a nested class,
-stacked decorators, no final newline)."""
+"""The pass's shortcuts agree with the slow, obvious way (issue 15's speed work).
+
+- Generated classes kept as text (``expand/rendered.py``) print what libcst's parse of
+  that text prints: the same output with the plain-text path on and off, on every
+  golden case and on files where the text must go through libcst (tabs, CRLF, a
+  nested class, stacked decorators, no final newline).
+- ``@tile``'s generated expressions are text; the names ``drop_dead_stores`` reads
+  from them are libcst's ``Name`` nodes of their parse.
+- ``walk.nodes`` meets the nodes in the order libcst's ``visit`` does.
+"""
 
 from __future__ import annotations
 
+import libcst as cst
 import pytest
 
+from macrogen import codegen
 from macrogen.expand import ExpansionError, expand_source, rendered
+from macrogen.expand.walk import find, leaf, nodes
+from macrogen.macros.tile.code import Parsed
 from tests.test_golden import CASES, GOLDEN, expand_case
 
 MODEL = """\
@@ -91,3 +101,44 @@ def test_files_print_the_same(name: str) -> None:
     plain, parsed = _both(expand)
     assert plain == parsed
     assert "class MLP(_MLP_serial):" in str(plain)
+
+
+def test_tile_expression_names_are_libcst_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[codegen.Expression] = []
+    init = codegen.Expression.__init__
+
+    def record(self: codegen.Expression, text: str) -> None:
+        init(self, text)
+        made.append(self)
+
+    monkeypatch.setattr(codegen.Expression, "__init__", record)
+    for name in CASES:
+        if name.startswith("tile"):
+            expand_case(GOLDEN / name)
+    made.append(Parsed('x.to(b"r" + rb"\\"") if not y else float("-inf") + 1e5 + 0x1f'))
+    texts = {e.text for e in made if isinstance(e, Parsed)}
+    assert len(texts) > 300
+    for text in texts:
+        expected = {n.value for n in find(cst.parse_expression(text), cst.Name)}
+        assert Parsed(text).names == expected, text
+
+
+class _Order(cst.CSTVisitor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[cst.CSTNode] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.seen.append(node)
+        return True
+
+
+@pytest.mark.parametrize("name", [c for c in CASES if c.startswith(("tile", "tensor_parallel"))][:12])
+def test_walk_meets_nodes_in_libcst_order(name: str) -> None:
+    module = cst.parse_module((GOLDEN / name / "input.py").read_text(encoding="utf-8"))
+    order = _Order()
+    module.visit(order)
+    # libcst's visit rebuilds the nodes: compare the kinds met, leaves left out as walk does
+    walked = [type(n).__name__ for n in nodes(module)]
+    visited = [type(n).__name__ for n in order.seen]
+    assert walked == [k for k, n in zip(visited, order.seen) if not leaf(type(n))]
