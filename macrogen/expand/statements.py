@@ -105,11 +105,14 @@ class _OffsetState(CodegenState):
         self.stack.append(self.offset)
 
     def after_codegen(self, node: cst.CSTNode) -> None:
-        start = self.stack.pop()
-        if node not in self.ranges:
-            self.ranges[node] = (start, self.offset)
-        if isinstance(node, cst.BaseStatement):
-            self.extents[node] = (start, self.offset)
+        span = (self.stack.pop(), self.offset)
+        self.ranges.setdefault(node, span)
+        kind = type(node)
+        statement = _STATEMENT.get(kind)
+        if statement is None:  # (isinstance on libcst's abstract classes is slow: once per type)
+            statement = _STATEMENT[kind] = issubclass(kind, cst.BaseStatement)
+        if statement:
+            self.extents[node] = span
 
     def record_syntactic_position(  # type: ignore[override]
         self,
@@ -119,6 +122,9 @@ class _OffsetState(CodegenState):
         end_node: cst.CSTNode | None = None,
     ) -> _Syntactic:
         return _Syntactic(self, node, start_node, end_node)
+
+
+_STATEMENT: dict[type, bool] = {}
 
 
 class _Syntactic:
