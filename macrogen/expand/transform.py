@@ -119,16 +119,19 @@ class Expander(cst.CSTTransformer):
         return result
 
     # libcst's own dispatch formats a method name and looks it up for every node and
-    # every attribute of every node; these look each up once per node type.
+    # every attribute of every node; these look each up once per node type, and only
+    # for the attributes this class has hooks for (``_FunctionDef_body``...).
     def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
-        visit = _method(type(self), "visit_", type(node), attribute)
-        if visit is not None:
-            visit(self, node)
+        if attribute in _hooked_attributes(type(self)):
+            visit = _method(type(self), "visit_", type(node), attribute)
+            if visit is not None:
+                visit(self, node)
 
     def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
-        leave = _method(type(self), "leave_", type(original_node), attribute)
-        if leave is not None:
-            leave(self, original_node)
+        if attribute in _hooked_attributes(type(self)):
+            leave = _method(type(self), "leave_", type(original_node), attribute)
+            if leave is not None:
+                leave(self, original_node)
 
     # -- finding macro references and deciding their form ----------------------------
     def _claim(self, node: cst.CSTNode, *forms: Form) -> None:
@@ -418,6 +421,23 @@ class Expander(cst.CSTTransformer):
 
 
 _METHODS: dict[tuple[type, str, type, str], Callable[..., Any] | None] = {}
+_ATTRIBUTES: dict[type, frozenset[str]] = {}
+
+
+def _hooked_attributes(owner: type) -> frozenset[str]:
+    """The attributes of ``owner``'s own ``visit_<Node>_<attribute>``/``leave_...`` hooks."""
+    found = _ATTRIBUTES.get(owner)
+    if found is None:
+        found = _ATTRIBUTES[owner] = frozenset(
+            name.split("_", 2)[2]
+            for name in dir(owner)
+            if name.startswith(("visit_", "leave_"))
+            and name.count("_") >= 2
+            and getattr(owner, name) is not getattr(cst.CSTTransformer, name, None)
+        )
+    return found
+
+
 _Dispatch = tuple[bool, bool, Callable[..., Any] | None, Callable[..., Any] | None]
 _DISPATCH: dict[tuple[type, type], _Dispatch] = {}
 
