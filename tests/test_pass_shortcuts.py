@@ -7,6 +7,7 @@
 - ``@tile``'s generated expressions are text; the names ``drop_dead_stores`` reads
   from them are libcst's ``Name`` nodes of their parse.
 - ``walk.nodes`` meets the nodes in the order libcst's ``visit`` does.
+- ``Context.source_text`` gives a definition's words as printing it would.
 """
 
 from __future__ import annotations
@@ -142,3 +143,24 @@ def test_walk_meets_nodes_in_libcst_order(name: str) -> None:
     walked = [type(n).__name__ for n in nodes(module)]
     visited = [type(n).__name__ for n in order.seen]
     assert walked == [k for k, n in zip(visited, order.seen) if not leaf(type(n))]
+
+
+def test_source_text_has_the_words_of_the_printed_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    import macrogen.macros.tile as tile
+    from macrogen.macros.tile import analysis
+
+    compared = []
+
+    def words(fn: cst.FunctionDef, text: str | None = None) -> set[str]:
+        assert text is not None
+        assert analysis.words(fn, text) == analysis.words(fn)
+        compared.append(fn)
+        return analysis.words(fn, text)
+
+    monkeypatch.setattr(tile, "words", words)
+    for name in CASES:
+        if name.startswith("tile"):
+            expand_case(GOLDEN / name)
+    source = "class K:\n  # a comment: comment_word\n  @mg.tile(i=4)\n  def f(out, x):  # tail_word\n    for i in range(x.shape[0]):\n      out[i] = x[i]\n"
+    expand_source("import macrogen as mg\n\n\n" + source, path="k.py")
+    assert len(compared) > 20

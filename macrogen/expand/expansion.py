@@ -98,6 +98,9 @@ class _FileExpansion:
         )
         imports = {name: PACKAGE for name, b in module_scope.macros.items() if b is MODULE}
         self.ctx = Context(self.source, self.options, {**statements.module_imports(), **imports})
+        self.ctx.source_text = lambda node: (
+            statements.source_text(self.current, node) if self.current >= 0 else None
+        )
         self._flush_errors()
         candidates = sorted(
             set(self._mentioning(set(module_scope.macros) | {PACKAGE})) & set(self.visited)

@@ -72,7 +72,7 @@ def code_and_positions(module: cst.Module) -> tuple[str, Positions, Extents]:
     for line in split_lines(code + state.popped):
         if line.endswith(("\n", "\r")):
             starts.append(starts[-1] + len(line))
-    return code, _OffsetPositions(state.ranges, starts), _OffsetExtents(state.extents, starts)
+    return code, _OffsetPositions(state.ranges, starts), _OffsetExtents(state.extents, starts, code)
 
 
 class _OffsetState(CodegenState):
@@ -182,9 +182,16 @@ class _OffsetPositions(Mapping[cst.CSTNode, Any]):
 class _OffsetExtents(Mapping[cst.CSTNode, "tuple[int, int]"]):
     """A statement's first and last line (1-based, counted from the piece's first)."""
 
-    def __init__(self, extents: dict[cst.CSTNode, tuple[int, int]], starts: list[int]):
+    def __init__(self, extents: dict[cst.CSTNode, tuple[int, int]], starts: list[int], code: str):
         self.extents = extents
         self.starts = starts
+        self.code = code
+
+    def text(self, node: cst.CSTNode) -> str | None:
+        """All that the statement printed: its code as ``code_for_node`` gives it, but
+        indented where it stands."""
+        span = self.extents.get(node)
+        return self.code[span[0] : span[1]] if span is not None else None
 
     def __getitem__(self, node: cst.CSTNode) -> tuple[int, int]:
         start, end = self.extents[node]
@@ -225,6 +232,14 @@ class Statements:
     @property
     def count(self) -> int:
         return len(self.first_lines)
+
+    def source_text(self, i: int, node: cst.CSTNode) -> str | None:
+        """The text of a statement inside statement ``i`` (see ``_OffsetExtents.text``), or None."""
+        extents = self.extents(i)
+        return extents.text(node) if isinstance(extents, _OffsetExtents) else None
+
+    def extents(self, i: int) -> Extents:
+        raise NotImplementedError
 
     def line_at(self, offset: int) -> int:
         """The 1-based line of a character offset into the source."""

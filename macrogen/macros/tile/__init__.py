@@ -100,7 +100,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         raise MacroError(
             f"tile() decorates a function, not a class: {USAGE}", site.call or site.original
         )
-    taken = words(fn)  # printed once, for the analysis and the generated names
+    taken = words(fn, ctx.source_text(fn))  # for the analysis and the generated names
     nest = analyze(fn, ctx.constants, taken)
     variables = list(
         dict.fromkeys([g.var for g in nest.grid] + [s.loop.var for s in nest.all_inner_loops])

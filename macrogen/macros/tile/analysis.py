@@ -65,10 +65,11 @@ def analyze(
     return _Analyzer(fn, constants, words(fn) if taken is None else taken).nest()
 
 
-def words(fn: cst.FunctionDef) -> set[str]:
+def words(fn: cst.FunctionDef, text: str | None = None) -> set[str]:
     """Every identifier-like word of the function's code (comments and strings too):
-    names the generated code must not take."""
-    return set(_IDENT.findall(code_of(fn)))
+    names the generated code must not take. ``text``: its source text, when the pass
+    has it (``Context.source_text``: the same words, without printing the tree)."""
+    return set(_IDENT.findall(code_of(fn) if text is None else text))
 
 
 class _Analyzer(ExpressionReader):
