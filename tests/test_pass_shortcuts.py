@@ -164,3 +164,22 @@ def test_source_text_has_the_words_of_the_printed_node(monkeypatch: pytest.Monke
     source = "class K:\n  # a comment: comment_word\n  @mg.tile(i=4)\n  def f(out, x):  # tail_word\n    for i in range(x.shape[0]):\n      out[i] = x[i]\n"
     expand_source("import macrogen as mg\n\n\n" + source, path="k.py")
     assert len(compared) > 20
+
+
+@pytest.mark.parametrize(
+    ("text", "may"),
+    [
+        ("super().__init__()", False),
+        ("super ().__init__()\nsuper()", False),
+        ("super(Net, self).__init__()", True),
+        ("super( ).__init__()", True),  # unsure: walk
+        ("super \\\n(Net, self)", True),
+        ("(super)(Net, self)", True),
+        ("x = superb(1)", False),
+        (None, True),
+    ],
+)
+def test_super_prefilter_only_rules_out_plain_super_calls(text: str | None, may: bool) -> None:
+    from macrogen.expand.sites import may_call_with_arguments
+
+    assert may_call_with_arguments(text, "super") is may

@@ -9,6 +9,7 @@ module's import inside that function, so it is not a macro there.
 from __future__ import annotations
 
 import difflib
+import re
 import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,6 +46,16 @@ def dotted(node: cst.CSTNode) -> str | None:
         base = dotted(node.value)
         return None if base is None else f"{base}.{nfkc(node.attr.value)}"
     return None
+
+
+def may_call_with_arguments(text: str | None, func: str) -> bool:
+    """Whether code ``text`` may call ``func`` (a plain name) with arguments: False only when
+    every occurrence of the word is followed by ``()``, so a walk for such calls can be
+    skipped (``super(Cls, self)`` checks: classes call ``super().__init__()``)."""
+    if text is None:
+        return True
+    empty = re.compile(rf"\b{re.escape(func)}\b(?![ \t]*\(\))")
+    return empty.search(text) is not None
 
 
 def did_you_mean(name: str, known: tuple[str, ...] | list[str]) -> str:

@@ -78,16 +78,29 @@ class Expander(cst.CSTTransformer):
         if self.hot is not None and scope.macros:
             self.hot.add(scope.macros)  # a local import of macrogen: its names are hot below
 
+    def _scope(
+        self, kind: str, node: cst.FunctionDef | cst.ClassDef, parts: list[cst.CSTNode]
+    ) -> Scope:
+        """The names a def or class binds. Only worth collecting when a statement of its
+        block mentions a name that may mean macrogen: no other is visited, so nothing in
+        the block asks (a @tile kernel's loops, a @tensor_parallel class's methods)."""
+        body = node.body
+        if (
+            self.hot is not None
+            and isinstance(body, cst.IndentedBlock)
+            and not any(map(self.hot, body.body))
+        ):
+            return Scope(kind, node.name.value)
+        return collect_scope(kind, node.name.value, parts, self.errors)
+
     def visit_FunctionDef_body(self, node: cst.FunctionDef) -> None:
-        self._push(
-            collect_scope("function", node.name.value, [node.params, node.body], self.errors)
-        )
+        self._push(self._scope("function", node, [node.params, node.body]))
 
     def leave_FunctionDef_body(self, node: cst.FunctionDef) -> None:
         self.scopes.pop()
 
     def visit_ClassDef_body(self, node: cst.ClassDef) -> None:
-        self._push(collect_scope("class", node.name.value, [node.body], self.errors))
+        self._push(self._scope("class", node, [node.body]))
 
     def leave_ClassDef_body(self, node: cst.ClassDef) -> None:
         self.scopes.pop()

@@ -36,6 +36,7 @@ from macrogen.expand.args import Arg
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.expand.sites import may_call_with_arguments
 from macrogen.expand.walk import find
 
 NAME = "data_parallel"
@@ -117,7 +118,7 @@ def validate(site: Site, ctx: Context) -> Spec:
             f"data_parallel() decorates an nn.Module subclass; {node.name.value} has no base class",
             node.name,
         )
-    _reject_named_super(node)
+    _reject_named_super(node, ctx.source_text(node))
     args = site.args.bind(DEFAULTS)
     values = {name: args[name].value if name in args else d for name, d in DEFAULTS.items()}
     for name, arg in args.items():
@@ -139,8 +140,12 @@ def _check(name: str, arg: Arg, ctx: Context) -> None:
             )
 
 
-def _reject_named_super(cls: cst.ClassDef) -> None:
-    """``super(GPT, self)`` would name the generated subclass and recurse forever."""
+def _reject_named_super(cls: cst.ClassDef, text: str | None) -> None:
+    """``super(GPT, self)`` would name the generated subclass and recurse forever.
+
+    ``text``: the class's source, to skip the walk when it can't hold such a call."""
+    if not may_call_with_arguments(text, "super"):
+        return
     for call in find(cls.body, cst.Call):  # (a read-only walk: libcst's matchers rebuild the tree)
         if not (
             isinstance(call.func, cst.Name)

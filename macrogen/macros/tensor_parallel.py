@@ -46,7 +46,7 @@ from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
-from macrogen.expand.sites import did_you_mean, dotted
+from macrogen.expand.sites import did_you_mean, dotted, may_call_with_arguments
 from macrogen.expand.walk import Visitor, find, walk
 from macrogen.macros.tensor_parallel_width import feeding, rewrite_forward
 
@@ -274,7 +274,7 @@ def validate(site: Site, ctx: Context) -> Spec:
             raise MacroError(f"{style.name} names an attribute, not {path[-1]!r}", key_node)
         _check_fits(site.original, path, style, classes, key_node)
         entries.append(Entry(key, style))
-    _check_super_calls(site.original)
+    _check_super_calls(site.original, ctx.source_text(site.original))
     spec = Spec(site.original.name.value, tuple(entries), size)
     _check_sequence_sizes(site.original, spec)
     return spec
@@ -438,8 +438,10 @@ def _init_assignments(
     return {**(found or {}), **own}
 
 
+@functools.lru_cache(maxsize=16)  # by the node itself: asked once per plan entry of a site
 def _own_init_assignments(cls: cst.ClassDef) -> dict[str, cst.BaseExpression] | None:
-    """``self.<attr> = value`` anywhere in the class's own ``__init__``: attr -> last value."""
+    """``self.<attr> = value`` anywhere in the class's own ``__init__``: attr -> last value
+    (not to be changed: it is shared)."""
     init = next(
         (s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"),
         None,
@@ -587,8 +589,13 @@ def _literal(node: cst.BaseExpression) -> object:
     return None
 
 
-def _check_super_calls(cls: cst.ClassDef) -> None:
-    """``super(Cls, self)`` would name the generated subclass once the serial class is renamed."""
+def _check_super_calls(cls: cst.ClassDef, text: str | None) -> None:
+    """``super(Cls, self)`` would name the generated subclass once the serial class is renamed.
+
+    ``text``: the class's source (``Context.source_text``), to skip the walk when it can't
+    hold such a call."""
+    if not may_call_with_arguments(text, "super"):
+        return
     name = cls.name.value
 
     for node in find(cls, cst.Call):
