@@ -24,12 +24,14 @@ from macrogen.expand.context import Context, Position, SiteArguments
 from macrogen.expand.errors import InternalError, MacroError
 from macrogen.expand.protocol import Expanded, Form, Macro, Site
 from macrogen.expand.rendered import materialized
-from macrogen.expand.sites import Scope, ScopeStack, collect_scope
-from macrogen.expand.walk import leaf, nodes
+from macrogen.expand.sites import Scope, ScopeStack, collect_scope, nfkc
+from macrogen.expand.walk import children, leaf, nodes
 
 
 class HotLines(Protocol):
     """Which statements mention a name that may mean macrogen (``expand/__init__.py``)."""
+
+    names: set[str]
 
     def __call__(self, node: cst.CSTNode) -> bool: ...
 
@@ -62,6 +64,9 @@ class Expander(cst.CSTTransformer):
         self.module_names = module_names  # the file's top-level imports: local name -> what
         # Which statements mention a name that may mean macrogen: the others are not visited.
         self.hot = hot
+        # The nodes of the top-level statement that hold a name in ``hot.names`` (by id;
+        # None: visit every node): the others can hold no site, so are not visited.
+        self.live: set[int] | None = None
         self.refs: dict[cst.CSTNode, str] = {}  # original macro call (or bare decorator) -> macro
         self.claimed: dict[cst.CSTNode, Form] = {}  # macro calls a statement form takes
         self.consumed: set[cst.CSTNode] = set()
@@ -77,6 +82,7 @@ class Expander(cst.CSTTransformer):
         self.scopes.push(scope)
         if self.hot is not None and scope.macros:
             self.hot.add(scope.macros)  # a local import of macrogen: its names are hot below
+            self.live = None  # (found with the names before: visit everything from here)
 
     def _scope(
         self, kind: str, node: cst.FunctionDef | cst.ClassDef, parts: list[cst.CSTNode]
@@ -118,8 +124,13 @@ class Expander(cst.CSTTransformer):
             return False  # whitespace, a comma, an operator: nothing inside (nor to rebuild)
         if statement:
             self.statements.append([])
-            if self.hot is not None and not self.hot(node):
-                return False  # no macro name in its lines: nothing to find (on_leave still runs)
+            if self.hot is not None:
+                if not self.hot(node):
+                    return False  # no macro name in its lines: nothing to find (on_leave runs)
+                if len(self.statements) == 1:  # the top-level statement
+                    self.live = _live_nodes(node, self.hot)
+        elif self.live is not None and id(node) not in self.live:
+            return False  # no name that may mean macrogen below: no site, nothing to check
         return visit is None or visit(self, node) is not False
 
     def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> Any:
@@ -434,6 +445,25 @@ class Expander(cst.CSTTransformer):
 
 
 _METHODS: dict[tuple[type, str, type, str], Callable[..., Any] | None] = {}
+def _live_nodes(root: cst.CSTNode, hot: HotLines) -> set[int]:
+    """The ids of the nodes at or below ``root`` that hold a ``Name`` in ``hot.names``,
+    not looking into the statements ``hot`` rules out (they are not visited)."""
+    names, live = hot.names, set()
+
+    def mark(node: cst.CSTNode) -> bool:
+        if node is not root and _dispatch(Expander, type(node))[0] and not hot(node):
+            return False
+        found = isinstance(node, cst.Name) and nfkc(node.value) in names
+        for child in children(node):
+            found = mark(child) or found
+        if found:
+            live.add(id(node))
+        return found
+
+    mark(root)
+    return live
+
+
 _ATTRIBUTES: dict[type, frozenset[str]] = {}
 
 

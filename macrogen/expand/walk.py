@@ -98,7 +98,8 @@ def leaf(kind: type) -> bool:
 _LEAF: dict[type, bool] = {}
 
 
-def _children(node: cst.CSTNode) -> list[cst.CSTNode]:
+def children(node: cst.CSTNode) -> list[cst.CSTNode]:
+    """The node's children that are not leaves, in visiting order."""
     children: list[cst.CSTNode] = []
     for name in _fields(node):
         value = getattr(node, name)
@@ -116,7 +117,7 @@ def nodes(root: cst.CSTNode) -> Iterator[cst.CSTNode]:
     while stack:
         node = stack.pop()
         yield node
-        stack.extend(reversed(_children(node)))
+        stack.extend(reversed(children(node)))
 
 
 def find(root: cst.CSTNode, kind: type[cst.CSTNode] | tuple[type[cst.CSTNode], ...]) -> Iterator[Any]:
@@ -145,4 +146,4 @@ def walk(root: cst.CSTNode, visitor: Visitor) -> None:
             visit = _METHODS[key] = getattr(owner, f"visit_{type(node).__name__}", None)
         if visit is not None and visit(visitor, node) is False:
             continue
-        stack.extend(reversed(_children(node)))
+        stack.extend(reversed(children(node)))
