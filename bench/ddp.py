@@ -1,13 +1,15 @@
 """Data-parallel step time: @data_parallel, ZeRO-1 and local SGD against torch DDP.
 
-    python bench/ddp.py [--steps 1] [--rounds 20]
+    python bench/ddp.py [--steps 4] [--rounds 6]
     python bench/ddp.py --curve docs/local_sgd_loss.png [--curve-steps 300]
+    python bench/ddp.py --profile       # where each variant's time goes (cProfile, rank 0)
 
 Two gloo ranks on this machine train the GPT of examples/gpt.py (6 layers,
 d=256) with AdamW, and a small conv net with BatchNorm (written here) with SGD.
-Every variant lives in the same two processes and the variants take turns, a
-step each, so that load from other programs hits them alike. Prints each
-variant's median step time, rank 0's CPU time per step (all threads), the
+Every variant lives in the same two processes and the variants take turns,
+``--steps`` steps each (timed together, ZeRO-1's last all-gather included), so
+that load from other programs hits them alike. Prints each variant's median
+step time, rank 0's CPU time per step (all threads), the
 collective calls per step, the optimizer-state bytes per rank, and the ratios
 to torch DDP measured in the same run:
 
@@ -121,7 +123,8 @@ def expanded_module(out_dir: Path):
     return bench_ddp_models
 
 
-COLLECTIVES = ("all_reduce", "broadcast", "reduce_scatter_single", "all_gather_single")
+# (a point-to-point isend or irecv counts as one call: ZeRO-1 on gloo sends its buckets so)
+COLLECTIVES = ("all_reduce", "broadcast", "reduce_scatter_single", "all_gather_single", "isend", "irecv")
 
 
 class CountCollectives:
@@ -256,11 +259,18 @@ def worker(rank: int, world: int, port: int, steps: int, rounds: int, out_dir: s
         model(*batch).backward()
         opt.step()
 
+    def settle(name: str) -> None:
+        """ZeRO-1: wait for the last step's all-gather (the next forward would overlap it)."""
+        opt = runs[name][1]
+        if hasattr(opt, "finish_gather"):
+            opt.finish_gather()
+
     for name in runs:  # warm up, and count the collectives of one step (4 for local SGD)
         step(name)
         with CountCollectives() as count:
             for _ in range(4):
                 step(name)
+            settle(name)
         calls[name] = count.calls / 4
     from examples.gpt import GPT, GPTConfig
 
@@ -273,14 +283,86 @@ def worker(rank: int, world: int, port: int, steps: int, rounds: int, out_dir: s
     started = time.perf_counter()
     for _ in range(rounds):
         for name in runs:
+            # ``steps`` steps in a row, timed together with the settling of the last one: the
+            # all-gather of the others overlaps the next forward, as in a training loop, and
+            # none leaks (its wait or its CPU) into the next variant's time
+            dist.barrier()
+            c, t = cpu_seconds(), time.perf_counter()
             for _ in range(steps):
-                dist.barrier()
-                c, t = cpu_seconds(), time.perf_counter()
                 step(name)
-                times[name].append(time.perf_counter() - t)
-                cpu_times[name].append(cpu_seconds() - c)
+            settle(name)
+            times[name].append((time.perf_counter() - t) / steps)
+            cpu_times[name].append((cpu_seconds() - c) / steps)
     if rank == 0:
         report(times, cpu_times, calls, states, time.perf_counter() - started)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# Functions whose time --profile reports (cumulative, per step), by (file suffix, name).
+PROFILED = (
+    ("module.py", "_wrapped_call_impl", "forward (model call, hooks included)"),
+    ("_tensor.py", "backward", "backward (hooks, end-of-backward waits included)"),
+    ("optimizer.py", "wrapper", "optimizer.step() (all optimizers, nested)"),
+    ("buckets.py", "take", "@data_parallel Bucket.take (gradient into its bucket)"),
+    ("buckets.py", "launch", "@data_parallel Bucket.launch"),
+    ("buckets.py", "wait", "@data_parallel Bucket.wait"),
+    ("data_parallel.py", "_after_backward", "@data_parallel end of backward (waits)"),
+    ("data_parallel.py", "broadcast", "@data_parallel buffer broadcast"),
+    ("zero.py", "launch_reduce", "ZeRO copy into send buffer + reduce-scatter launch"),
+    ("zero.py", "finish_reduce", "ZeRO wait reduce-scatter + sum + scale"),
+    ("zero.py", "_agree", "ZeRO agreement all-reduce (1 element)"),
+    ("zero.py", "refresh", "ZeRO parameters into the share"),
+    ("zero.py", "launch_gather", "ZeRO all-gather launch"),
+    ("zero.py", "finish_gather", "ZeRO wait all-gather + copy into parameters"),
+    ("zero.py", "_wait_for", "ZeRO guard: checks (and waits) per torch op"),
+    ("adamw.py", "_multi_tensor_adamw", "AdamW foreach"),
+    ("adamw.py", "_fused_adamw", "AdamW fused"),
+)
+
+
+def profile_worker(rank: int, world: int, port: int, steps: int, out_dir: str) -> None:
+    """cProfile of ``steps`` steps of each variant on rank 0: where each one's time goes.
+
+    The profiler's clock is the main thread's CPU time (``time.thread_time``): a
+    function that waits for a collective shows what it computes, not how long
+    the other rank or the machine's load kept it waiting (gloo's own threads are
+    in the process's CPU time printed first, not in any function's)."""
+    import cProfile
+    import pstats
+
+    setup(rank, world, port)
+    models = expanded_module(Path(out_dir))
+    runs = variants(models, rank)
+    def step(model, opt, batch) -> None:
+        opt.zero_grad()
+        model(*batch).backward()
+        opt.step()
+
+    for name, (model, opt, batch) in runs.items():
+        for _ in range(3):
+            step(model, opt, batch)
+        dist.barrier()
+        prof = cProfile.Profile(time.thread_time)
+        c, t = cpu_seconds(), time.perf_counter()
+        prof.enable()
+        for _ in range(steps):
+            step(model, opt, batch)
+        if hasattr(opt, "finish_gather"):
+            opt.finish_gather()
+        prof.disable()
+        wall, cpu = (time.perf_counter() - t) / steps, (cpu_seconds() - c) / steps
+        dist.barrier()
+        if rank != 0:
+            continue
+        stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+        print(f"{name}: {wall * 1e3:.1f} ms/step wall, {cpu * 1e3:.1f} ms CPU (all threads, under"
+              " cProfile); main thread's CPU per step in:")  # fmt: skip
+        for suffix, fn, what in PROFILED:
+            cum = sum(v[3] for (f, _, n), v in stats.items() if n == fn and f.endswith(suffix))
+            calls = sum(v[1] for (f, _, n), v in stats.items() if n == fn and f.endswith(suffix))
+            if calls:
+                print(f"    {what:<55} {cum / steps * 1e3:7.2f} ms/step  ({calls / steps:.0f} calls)")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -297,7 +379,8 @@ def report(times, cpu_times, calls, states, seconds: float) -> None:
     n = len(next(iter(times.values())))
     print(f"GPT {MODEL}, batch {BATCH}x{MODEL['block_size']} tokens per rank, AdamW;")
     print(f"conv net with BatchNorm, {IMAGES} 3x32x32 images per rank, SGD; 2 gloo ranks")
-    print(f"{n} timed steps per variant, interleaved; {seconds:.0f} s; load average {os.getloadavg()}")
+    print(f"{n} rounds of timed steps per variant, interleaved; {seconds:.0f} s;"
+          f" load average {os.getloadavg()}")  # fmt: skip
     print(f"{'variant':<12} {'median ms/step':>15} {'CPU ms/step':>12} {'collectives/step':>17} "
           f"{'optimizer state/rank':>21}")  # fmt: skip
     for v in times:
@@ -387,10 +470,11 @@ def plot(losses: dict[int, list[float]], png: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1, help="steps per variant per round")
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--curve", metavar="PNG", help="draw local SGD's loss curves instead")
     parser.add_argument("--curve-steps", type=int, default=300)
+    parser.add_argument("--profile", action="store_true", help="cProfile each variant instead")
     args = parser.parse_args()
     import tempfile
 
@@ -398,7 +482,9 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        if args.curve:
+        if args.profile:
+            mp.spawn(profile_worker, args=(2, port, 10, tmp), nprocs=2)
+        elif args.curve:
             png = str(Path(args.curve).resolve())
             mp.spawn(curve_worker, args=(2, port, args.curve_steps, tmp, png), nprocs=2)
         else:

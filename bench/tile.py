@@ -1,6 +1,6 @@
 """@tile: the generated CPU path against eager torch and the unexpanded loop; the kernel on CUDA.
 
-    python bench/tile.py [--threads 1] [--rounds 7] [--min-run-time 0.3]
+    python bench/tile.py [--threads 1] [--rounds 7] [--min-run-time 0.3] [--only softmax ...]
 
 CPU, per pattern (medians of torch.utils.benchmark):
   * the expanded function's torch path over eager torch written as the same
@@ -365,9 +365,12 @@ def main() -> int:
     parser.add_argument(
         "--clock", choices=("cpu", "wall"), default="cpu", help="CPU: this thread's CPU time"
     )
+    parser.add_argument("--only", nargs="*", default=(), help="patterns whose names contain these")
     args = parser.parse_args()
     global CLOCK
     CLOCK = args.clock
+    if args.only:
+        PATTERNS[:] = [p for p in PATTERNS if any(o in p.name for o in args.only)]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-tile-") as tmp:
         cpu_section(Path(tmp), args.rounds, args.min_run_time)

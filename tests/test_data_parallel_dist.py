@@ -70,12 +70,14 @@ def train(model, batches, *, ddp: DDP | None = None, set_to_none: bool = True):
 class CountAllReduce:
     def __init__(self):
         self.calls = 0
+        self.sizes: list[int] = []  # elements of each all-reduced tensor
 
     def __enter__(self):
         self._orig = dist.all_reduce
 
         def counting(*args, **kwargs):
             self.calls += 1
+            self.sizes.append(args[0].numel())
             return self._orig(*args, **kwargs)
 
         dist.all_reduce = counting

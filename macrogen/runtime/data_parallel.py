@@ -101,6 +101,7 @@ class GradientSync:
         self.gradients_elsewhere = False  # a sharded optimizer reduces the gradients itself
         self.replanned: list[str] = []  # why the buckets were planned again (a replaced parameter)
         self.local_sgd = LocalSGD(self) if config.sync_every > 1 else None
+        self.buffers = BufferBroadcast(self.group)
         self._collect()
         self._reset_window()
         if self.world_size == 1:
@@ -202,7 +203,7 @@ class GradientSync:
         if not self.started:
             self._start()
         if self.config.broadcast_buffers and module.training:
-            broadcast(list(module.buffers()), self.group)
+            self.buffers.broadcast(list(module.buffers()))
 
     # -- backward --------------------------------------------------------------
     def _grad_ready(self, plan_id: int, i: int, param: torch.Tensor) -> None:
@@ -234,6 +235,11 @@ class GradientSync:
             self.syncing = False  # gradients stay local: the optimizer or averaging syncs
         self.ready = bytearray(len(self.params))
         torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def window_ends(self) -> bool:
+        """The backward under way (or the next one) is the last of its ``accumulate`` window."""
+        k = self.config.accumulate
+        return self.backwards % k == k - 1
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
@@ -293,6 +299,56 @@ def broadcast(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) 
             buf = fused.pack_torch(members, flat)
             dist.broadcast(buf, src=src, group=group)
             fused.unpack_torch(buf, members, flat)
+
+
+class BufferBroadcast:
+    """Rank 0's buffers to every rank before each training forward, in one broadcast.
+
+    Buffers of every dtype (BatchNorm's float statistics and its int64
+    ``num_batches_tracked``) are copied as bytes into one flat uint8 buffer per
+    device: a broadcast moves bytes and does no arithmetic, so the result is rank
+    0's values bit for bit, as DDP's, in one collective instead of one per dtype.
+    The flat buffer and the byte views are kept while the buffers stay the same
+    tensors (checked by identity each time).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group  # (ranks read at the first broadcast: none at world size 1)
+        self.key: tuple[int, ...] = ()
+        self.flats: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def broadcast(self, tensors: list[torch.Tensor]) -> None:
+        if not tensors:
+            return
+        if not all(t.is_contiguous() for t in tensors):
+            broadcast(tensors, self.group)  # no byte view of a strided tensor: per dtype
+            return
+        key = tuple(id(t) for t in tensors)
+        if key != self.key:
+            self._plan(tensors)
+            self.key = key
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        root = groups.rank(self.group) == 0
+        with torch.no_grad():
+            for flat, views, slots in self.flats:
+                if root:
+                    torch._foreach_copy_(slots, views)
+                dist.broadcast(flat, src=src, group=self.group)
+                if not root:
+                    torch._foreach_copy_(views, slots)
+
+    def _plan(self, tensors: list[torch.Tensor]) -> None:
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_device.setdefault(t.device, []).append(t.detach().reshape(-1).view(torch.uint8))
+        self.flats = []
+        for device, views in by_device.items():
+            flat = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8, device=device)
+            slots, at = [], 0
+            for v in views:
+                slots.append(flat[at : at + v.numel()])
+                at += v.numel()
+            self.flats.append((flat, views, slots))
 
 
 def syncs_of(params: Sequence[torch.Tensor]) -> list[GradientSync]:

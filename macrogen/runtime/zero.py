@@ -2,23 +2,44 @@
 
     opt = ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1))
 
-Every rank keeps optimizer state for 1/world of the parameters' elements only:
+Every rank keeps optimizer state for 1/world of the parameters' elements only.
+The parameters are cut into buckets as ``@data_parallel`` cuts them (reverse
+registration order, one dtype and device each, about ``bucket_mb``), and each
+bucket, flat, into ``world`` equal chunks (the last one padded):
 
-    flat space (one per dtype and device), parameters in the optimizer's group order:
-    | group 0: wte.weight, blocks.0.attn.qkv.weight, ... | group 1: ln.weight, ... | pad |
-    |<------- rank 0's chunk ------->|<------- rank 1's chunk ------->|   (chunk = ceil(n / world))
+    bucket 1 (first layers):  | wte.weight, blocks.0.attn.qkv.weight, ... | pad |
+                              |<--- rank 0's chunk --->|<--- rank 1's chunk --->|
+    bucket 0 (last layers):   | lm_head.weight, ln_f.weight, ln_f.bias | pad |
 
-``step()``:
+One step, overlapped with the forward and backward around it:
 
-1. each rank's gradients go into one send buffer laid out as the flat space
-   (one ``_foreach_copy_``), and one ``reduce_scatter`` leaves each rank the
-   sum of its chunk, scaled by 1/world: the averaged gradients of its share;
-2. the user's optimizer class, rebuilt over this rank's *pieces* (the parts of
-   each parameter in its chunk, 1-D views of one flat tensor), steps them
-   with the user's hyperparameters: ``fused=True`` as the user chose, else one
+1. during backward, as soon as a bucket's gradients are all in (in bucket order
+   on every rank), they are copied into its send buffer and reduce-scattered
+   asynchronously: each rank receives the sum of its chunk (on gloo as
+   point-to-point sends, cheaper there than its reduce_scatter);
+2. ``step()`` waits for them, scales by 1/world (the averaged gradients of its
+   share) and steps this rank's *pieces* (the parts of each parameter in its
+   chunks, 1-D views of the bucket's flat buffer) with the user's optimizer
+   class and hyperparameters: ``fused=True`` as the user chose, else one
    ``foreach`` (multi-tensor) step over the share;
-3. one ``all_gather`` of the chunks and one ``_foreach_copy_`` put the updated
-   values back into every parameter.
+3. ``step()`` then starts each bucket's all-gather asynchronously, the first
+   layers' bucket first, and returns. A parameter is written when it is first
+   read: a ``TorchFunctionMode`` (the guard) sees every torch operation until
+   all buckets are in, and waits for the bucket of any parameter an operation
+   takes. The next forward's first layers so run while later buckets arrive,
+   and nothing reads a stale value: not the user's code between step() and the
+   forward (logging, an EMA, ``state_dict()``, ``torch.save``, no_grad
+   inference), not a second ``step()``, not the next backward (which waits for
+   every bucket at its start).
+
+The gradients sent during backward are used only if they are still the ones
+``step()`` would read: every bucket was sent in the last backward, and no
+``.grad`` was replaced or written since (tensor version counters: another
+backward accumulating, ``clip_grad_norm_``, a ``GradScaler``'s unscale).
+Otherwise (decided on all ranks together by one small all-reduce, so that all
+issue the same collectives) every bucket is sent again from ``step()``, which
+is the synchronous algorithm. With ``@data_parallel(accumulate=k)`` only the
+k-th backward of a window sends.
 
 A piece is an ordinary tensor of the parameter's elements, so any optimizer
 whose update is element-wise (SGD, Adam, AdamW, Adagrad, RMSprop, ...) gives
@@ -36,39 +57,94 @@ to average its gradients: the reduce-scatter here does it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+import threading
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from macrogen.runtime import groups
+from macrogen.runtime.buckets import plan_buckets
+
+if TYPE_CHECKING:
+    from macrogen.runtime.data_parallel import GradientSync
+
+MB = 2**20
 
 # Not element-wise: their update of one element depends on others (a closure over the
 # whole model, factored row/column statistics, sparse gradients).
 NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
 
+# parameter -> weak reference to the sharded optimizer whose gradient hooks it carries
+_HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _grad_ready(ref: weakref.ref, i: int, param: torch.Tensor) -> None:
+    opt = ref()
+    if opt is not None:
+        opt._grad_ready(i)
+
+
+def _after_forward(ref: weakref.ref, *args: Any) -> None:
+    opt = ref()
+    if opt is not None:
+        opt._after_forward()
+
+
+def _point_to_point(group: dist.ProcessGroup | None, device: torch.device) -> tuple[bool, bool]:
+    """(reduce-scatter, all-gather) as sends and receives: everywhere but NCCL on CUDA.
+
+    gloo's reduce_scatter and all_gather copy through staging buffers: on 2 CPU
+    ranks they cost about 1.3x and 0.8x an all_reduce of the same bucket in CPU
+    time (2.1x together), where pairs of isend/irecv move the same bytes for
+    about half that (docs/data_parallel.md, *Benchmark*). The sum is then taken
+    here, in rank order, so each element's rounding depends neither on where it
+    lies in its bucket nor on the bucket sizes (gloo's reduce_scatter sums an
+    element in an order that depends on its position). On 2 ranks a + b is the
+    same sum in either order: the same bits as gloo's.
+    """
+    if device.type == "cuda" and "nccl" in str(dist.get_backend(group)):
+        return False, False
+    return True, True
+
 
 @dataclass
 class Piece:
-    """The part of one parameter that lies in this rank's chunk."""
+    """The part of one parameter that lies in this rank's chunk of its bucket."""
 
     param: torch.nn.Parameter  # the model's parameter
     index: int  # its position in the optimizer's parameter order (the state_dict key)
     group: int  # its parameter group
     start: int  # first element of the piece within the parameter
     stop: int
-    at: int  # first element of the piece within the rank's chunk
-    tensor: torch.Tensor  # 1-D view into the rank's flat chunk: what the optimizer steps
+    at: int  # first element of the piece within the rank's chunk of the bucket
+    tensor: torch.Tensor  # 1-D view into the bucket's gathered buffer: what the optimizer steps
 
 
-class Space:
-    """One dtype and device: the flat layout, this rank's chunk and its pieces."""
+class ShardBucket:
+    """Parameters of one dtype and device, flat, cut into ``world`` chunks; chunk r is rank r's.
 
-    def __init__(self, params: list[tuple[int, int, torch.nn.Parameter]], world: int, rank: int):
+    ``send`` row j holds this rank's gradients of chunk j (and one used-flag per
+    parameter); the reduce-scatter leaves ``grad``, this rank's chunk summed over
+    the ranks. ``full`` is the parameters, flat: this rank's chunk (``mine``) is
+    what its optimizer steps, and the all-gather fills in the others' chunks.
+    """
+
+    def __init__(
+        self,
+        params: list[tuple[int, int, torch.nn.Parameter]],
+        world: int,
+        rank: int,
+        p2p: tuple[bool, bool],
+    ):
         self.params = [p for _, _, p in params]
         self.offsets: list[int] = []
         at = 0
@@ -77,19 +153,23 @@ class Space:
             at += p.numel()
         self.numel = at
         self.world, self.rank = world, rank
+        self.p2p, self.p2p_gather = p2p  # reduce-scatter, all-gather as sends and receives
         self.chunk = max(1, math.ceil(at / world))
         p0 = self.params[0]
-        self.mine = torch.zeros(self.chunk, dtype=p0.dtype, device=p0.device)  # the share
-        self.full = torch.zeros(self.chunk * world, dtype=p0.dtype, device=p0.device)
-        flags = len(params)  # one "used" flag per parameter after each rank's chunk
-        self.send = torch.zeros(world, self.chunk + flags, dtype=p0.dtype, device=p0.device)
-        self.recv = torch.zeros(self.chunk + flags, dtype=p0.dtype, device=p0.device)
+        kind: dict[str, Any] = dict(dtype=p0.dtype, device=p0.device)
+        flags = len(params)  # one "used" flag per parameter after each chunk
+        self.send = torch.zeros(world, self.chunk + flags, **kind)
+        # rows the other ranks send us (point-to-point); row ``rank`` is unused
+        self.recv = torch.zeros(world, self.chunk + flags, **kind) if self.p2p else None
+        self.grad = torch.zeros(self.chunk + flags, **kind)  # the chunk summed, + use counts
+        self.full = torch.zeros(self.chunk * world, **kind)
         lo, hi = rank * self.chunk, (rank + 1) * self.chunk
+        self.mine = self.full[lo:hi]  # the share: the optimizer steps views of it
         self.pieces: list[Piece] = []
         for (index, group, p), off in zip(params, self.offsets):
             a, b = max(lo, off), min(hi, off + p.numel())
             if a < b:
-                view = self.mine[a - lo : b - lo]
+                view = self.full[a:b]
                 self.pieces.append(Piece(p, index, group, a - off, b - off, a - lo, view))
         # where each parameter's elements go in the send buffer: (param, start, stop, dst view)
         self.spans: list[tuple[int, int, int, torch.Tensor]] = []
@@ -100,11 +180,15 @@ class Space:
                 stop = min(off + p.numel(), (r + 1) * self.chunk)
                 self.spans.append((i, at - off, stop - off, self.send[r, c : c + stop - at]))
                 at = stop
+        self.reducing: list[Any] = []  # the reduce-scatter in flight (dist.Work)
+        self.gathering: list[Any] = []  # the all-gather in flight
+        self.taken: list[tuple[torch.Tensor | None, int]] = []  # each .grad sent, and its version
 
-    # -- one step's communication ------------------------------------------------------------
-    def reduce_scatter(self, group: dist.ProcessGroup | None) -> torch.Tensor:
-        """This rank's chunk of the averaged gradients; returns each parameter's use count."""
+    # -- reduce-scatter ------------------------------------------------------------------------
+    def launch_reduce(self, group: dist.ProcessGroup | None, tag: int) -> None:
+        """Send the parameters' current gradients (asynchronously); remember which they were."""
         grads = [p.grad for p in self.params]
+        self.taken = [(g, -1 if g is None else g._version) for g in grads]
         src, dst, empty = [], [], []
         for i, a, b, view in self.spans:
             g = grads[i]
@@ -119,10 +203,47 @@ class Space:
             torch._foreach_zero_(empty)
         used = torch.tensor([g is not None for g in grads], dtype=self.send.dtype)
         self.send[:, self.chunk :] = used.to(self.send.device)
-        dist.reduce_scatter_single(self.recv, self.send.view(-1), group=group)
-        self.recv[: self.chunk].mul_(1.0 / self.world)
-        return self.recv[self.chunk :]
+        if not self.p2p:
+            work = dist.reduce_scatter_single(
+                self.grad, self.send.view(-1), group=group, async_op=True
+            )
+            self.reducing = [work]
+            return
+        assert self.recv is not None
+        self.reducing = []
+        for j in range(self.world):
+            if j != self.rank:
+                peer = _global(group, j)
+                self.reducing.append(dist.isend(self.send[j], peer, group=group, tag=tag))
+                self.reducing.append(dist.irecv(self.recv[j], peer, group=group, tag=tag))
 
+    def changed(self) -> bool:
+        """A gradient was replaced or written since it was sent (accumulated, clipped, unscaled)."""
+        return any(
+            p.grad is not g or (g is not None and g._version != v)
+            for p, (g, v) in zip(self.params, self.taken)
+        )
+
+    def finish_reduce(self) -> torch.Tensor:
+        """This rank's chunk of the averaged gradients (``grad``); returns the use counts."""
+        self.wait_reduce()
+        self.taken = []
+        if self.p2p:  # the sum in rank order, as one reduce-scatter would take it
+            assert self.recv is not None
+            rows = [self.send[r] if r == self.rank else self.recv[r] for r in range(self.world)]
+            torch.add(rows[0], rows[1], out=self.grad)
+            for row in rows[2:]:
+                self.grad.add_(row)
+        self.grad[: self.chunk].mul_(1.0 / self.world)
+        return self.grad[self.chunk :]
+
+    def wait_reduce(self) -> None:
+        """Wait for the reduce-scatter in flight (if any), without reading it."""
+        for work in self.reducing:
+            work.wait()
+        self.reducing = []
+
+    # -- all-gather ------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Copy the parameters' current values into the share (they may have been loaded)."""
         if self.pieces:
@@ -131,13 +252,57 @@ class Space:
                 [pc.param.detach().reshape(-1)[pc.start : pc.stop] for pc in self.pieces],
             )
 
-    def all_gather(self, group: dist.ProcessGroup | None) -> None:
-        """Every rank's updated share into every parameter."""
-        dist.all_gather_single(self.full, self.mine, group=group)
+    def launch_gather(self, group: dist.ProcessGroup | None, tag: int) -> None:
+        """Start sending every rank's updated share to every rank (asynchronously)."""
+        if not self.p2p_gather:
+            work = dist.all_gather_single(self.full, self.mine, group=group, async_op=True)
+            self.gathering = [work]
+            return
+        self.gathering = []
+        c = self.chunk
+        for j in range(self.world):
+            if j != self.rank:
+                peer = _global(group, j)
+                self.gathering.append(dist.isend(self.mine, peer, group=group, tag=tag))
+                self.gathering.append(
+                    dist.irecv(self.full[j * c : (j + 1) * c], peer, group=group, tag=tag)
+                )
+
+    def finish_gather(self) -> None:
+        """Wait for the all-gather and write the values into the parameters."""
+        for work in self.gathering:
+            work.wait()
+        self.gathering = []
         torch._foreach_copy_(
             [p.detach().reshape(-1) for p in self.params],
             [self.full[off : off + p.numel()] for p, off in zip(self.params, self.offsets)],
         )
+
+
+def _global(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+class _Guard(TorchFunctionMode):
+    """Between ``step()`` and the arrival of the updated parameters, any torch operation on
+    a parameter still in flight waits for its bucket first (and those launched before it).
+
+    The forward's first layers so run while later buckets arrive, and nothing reads a
+    stale parameter: not the forward, not the user between step() and forward (logging,
+    an EMA, ``state_dict()``, ``torch.save``, ``no_grad`` inference), not a second step.
+    """
+
+    def __init__(self, owner: ShardedOptimizer):
+        super().__init__()
+        self.owner = weakref.ref(owner)
+        self.thread = threading.get_ident()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = self.owner()
+        if owner is not None and owner._in_flight:
+            owner._wait_for(args, kwargs)
+        return func(*args, **kwargs)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -149,6 +314,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         *,
         group: dist.ProcessGroup | None = None,
         where: str = "shard_optimizer",
+        bucket_mb: float | None = None,
+        first_bucket_mb: float | None = None,
     ):
         kind = type(optimizer)
         if kind.__name__ in NOT_ELEMENTWISE:
@@ -165,14 +332,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         saved = optimizer.state_dict() if optimizer.state else None
         super().__init__(optimizer.param_groups, optimizer.defaults)
         order = [p for g in self.param_groups for p in g["params"]]
-        by_kind: dict[tuple[torch.dtype, torch.device], list] = defaultdict(list)
-        gi = 0
-        for g_index, g in enumerate(self.param_groups):
-            for p in g["params"]:
-                by_kind[(p.dtype, p.device)].append((gi, g_index, p))
-                gi += 1
-        self.spaces = [Space(ps, self.world_size, self.rank) for ps in by_kind.values()]
-        self.pieces = [pc for s in self.spaces for pc in s.pieces]
+        group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        syncs = self._disable_gradient_sync(order)
+        self.sync = syncs[0] if len(syncs) == 1 else None  # its accumulate window is ours
+        # Buckets over the parameters in the model's registration order (reversed: about
+        # the order backward finishes them), as @data_parallel plans its own.
+        known = {id(p): k for k, p in enumerate(self.sync.params)} if self.sync else {}
+        ranked = sorted(range(len(order)), key=lambda i: known.get(id(order[i]), len(known) + i))
+        config = self.sync.config if self.sync else None
+        mb = bucket_mb if bucket_mb is not None else (config.bucket_mb if config else 25)
+        first = (
+            first_bucket_mb
+            if first_bucket_mb is not None
+            else (config.first_bucket_mb if config else 1)
+        )
+        plan = plan_buckets(
+            [order[i] for i in ranked],
+            bucket_bytes=int(mb * MB),
+            first_bucket_bytes=int(first * MB),
+        )
+        self.buckets: list[ShardBucket] = []
+        self._slot: list[tuple[int, int]] = [(0, 0)] * len(order)  # param -> (bucket, position)
+        for b, layout in enumerate(plan):
+            members = [ranked[k] for k in layout.indices]
+            p2p = _point_to_point(group, layout.device)
+            bucket = ShardBucket(
+                [(i, group_of[i], order[i]) for i in members], self.world_size, self.rank, p2p
+            )
+            self.buckets.append(bucket)
+            for j, i in enumerate(members):
+                self._slot[i] = (b, j)
+        self.pieces = [pc for bucket in self.buckets for pc in bucket.pieces]
         # the user's optimizer class over this rank's pieces: one local group per user group
         local_groups = []
         self._local_of: list[int] = []  # local group -> user group
@@ -190,23 +380,89 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._forced["foreach"] = kwargs["foreach"] = True
             for g in local_groups:
                 g.update(self._forced)
-        # None: this rank's chunk holds only padding
+        # None: this rank's chunks hold only padding
         self.local = kind(local_groups, **kwargs) if local_groups else None
-        self._disable_gradient_sync(order)
+        # -- overlap: the state of one accumulation window (backwards up to a step) ----------
+        self._in_flight: dict[int, int] = {}  # id(param) -> its bucket, all-gather not written
+        self._gather_order: list[int] = []  # buckets in the order their all-gathers started
+        self._guard: _Guard | None = None
+        self._in_backward = False
+        self._eager = False  # this backward reduce-scatters each bucket as it fills
+        self._launched = 0  # buckets reduce-scattered in bucket order during backward
+        self._stale = False  # a later backward accumulated into gradients already sent
+        self._ready = bytearray(len(order))
+        self.resends = 0  # steps whose gradients were all sent again from step() (counted)
+        self._pending = [len(b.params) for b in self.buckets]
+        self._hooks = []
+        for i, p in enumerate(order):
+            if p.requires_grad:
+                hook = functools.partial(_grad_ready, weakref.ref(self), i)
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+        if self.sync is not None:  # the guard is not needed past the model's next forward
+            after = functools.partial(_after_forward, weakref.ref(self))
+            self._hooks.append(self.sync.module.register_forward_hook(after))
+        for p in order:  # a newer sharded optimizer over a parameter takes its hooks over
+            old = _HOOKED.get(p)
+            if old is not None and old() is not None and old() is not self:
+                old()._unhook()
+            _HOOKED[p] = weakref.ref(self)
         if saved is not None:
             self.load_state_dict(saved)
 
-    def _disable_gradient_sync(self, params: list[torch.Tensor]) -> None:
+    def _disable_gradient_sync(self, params: list[torch.Tensor]) -> list[GradientSync]:
         """A @data_parallel model holding these parameters leaves the averaging to us."""
         from macrogen.runtime.data_parallel import syncs_of
 
-        for sync in syncs_of(params):
+        syncs = syncs_of(params)
+        for sync in syncs:
             if sync.local_sgd is not None:
                 raise TypeError(
                     f"{self.where}: shard_optimizer over a @data_parallel(sync_every=k > 1) model"
                     f" ({sync.where}) is not supported: the sharded step averages every step"
                 )
             sync.gradients_elsewhere = True
+        return syncs
+
+    def _unhook(self) -> None:
+        """Another sharded optimizer took these parameters: step() communicates all at once."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # -- during backward: reduce-scatter each bucket as its gradients are in ---------------------
+    def _grad_ready(self, i: int) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+        if not self._eager or self._ready[i]:
+            return
+        self._ready[i] = 1
+        b, _ = self._slot[i]
+        self._pending[b] -= 1
+        while self._launched < len(self.buckets) and self._pending[self._launched] == 0:
+            self._launch_reduce(self._launched)
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self.finish_gather()  # the forward has read what it needed; the rest, now
+        if self._launched:  # a second backward before step(): what was sent is out of date
+            self._stale = True
+        # With @data_parallel(accumulate=k), only the window's last backward sends.
+        ends = self.sync is None or self.sync.window_ends()
+        self._eager = ends and not self._stale
+        self._ready = bytearray(len(self._ready))
+        self._pending = [len(b.params) for b in self.buckets]
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._in_backward = False
+        if self._eager:  # buckets a parameter's gradient never reached: as they are, in order
+            while self._launched < len(self.buckets):
+                self._launch_reduce(self._launched)
+        self._eager = False
+
+    def _launch_reduce(self, b: int) -> None:
+        self.buckets[b].launch_reduce(self.group, tag=2 * b)
+        self._launched = b + 1
 
     # -- the step -------------------------------------------------------------------------
     @torch.no_grad()
@@ -215,24 +471,104 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for space in self.spaces:
-            space.refresh()
-            used = space.reduce_scatter(self.group)
-            unused = {id(space.params[i]) for i in torch.nonzero(used == 0).flatten().tolist()}
-            for pc in space.pieces:  # the optimizer skips a piece no rank had a gradient for
-                grad = space.recv[pc.at : pc.at + pc.tensor.numel()]
+        self.finish_gather()  # a second step without a forward in between
+        # The gradients sent during backward are used only if every bucket went and none of
+        # its gradients changed since (accumulated, clipped, unscaled): else all go again now.
+        # Decided together, so that every rank issues the same collectives; the small
+        # all-reduce that decides runs while the reduce-scatters finish.
+        sent = self._launched == len(self.buckets) and not self._stale
+        again = not sent or any(b.changed() for b in self.buckets)
+        flag = torch.tensor([float(again)], device=self.buckets[0].full.device)
+        agree = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        for bucket in self.buckets:
+            bucket.wait_reduce()
+        agree.wait()
+        if flag.item():
+            self.resends += 1
+            for b, bucket in enumerate(self.buckets):
+                bucket.launch_reduce(self.group, tag=2 * b)
+        self._launched, self._stale = 0, False
+        for bucket in self.buckets:
+            used = bucket.finish_reduce()
+            unused = {id(bucket.params[i]) for i in torch.nonzero(used == 0).flatten().tolist()}
+            for pc in bucket.pieces:  # the optimizer skips a piece no rank had a gradient for
+                grad = bucket.grad[pc.at : pc.at + pc.tensor.numel()]
                 pc.tensor.grad = None if id(pc.param) in unused else grad
+            bucket.refresh()
         if self.local is not None:
             for local, user in zip(self.local.param_groups, self._local_of):
                 local.update(_settings(self.param_groups[user]), **self._forced)
             self.local.step()
-        for space in self.spaces:
-            space.all_gather(self.group)
+        # The forward needs the first layers first: the last buckets (buckets run backwards).
+        self._gather_order = list(reversed(range(len(self.buckets))))
+        for b in self._gather_order:
+            self.buckets[b].launch_gather(self.group, tag=2 * b + 1)
+            for p in self.buckets[b].params:
+                self._in_flight[id(p)] = b
+        if self._guard is None:  # (one left on the stack under a user's mode serves again)
+            self._guard = _Guard(self)
+            self._guard.__enter__()
         return loss
+
+    # -- the updated parameters: waited for where they are read ------------------------------
+    def finish_gather(self) -> None:
+        """Make every parameter current now (the guard waits only for those read).
+
+        Call it before handing the parameters to code the guard can't see (another
+        thread, a view of a parameter taken before ``step()``); the guard is also
+        taken off the torch-function stack here, when it is on top.
+        """
+        if self._in_flight:
+            self._finish_upto(len(self._gather_order) - 1)
+        self._drop_guard()
+
+    def _after_forward(self) -> None:
+        """After the model's forward: the rest (parameters it did not read) now, guard off."""
+        self.finish_gather()
+
+    def _finish_upto(self, k: int) -> None:
+        """Write the all-gathers started first, up to the k-th, into the parameters."""
+        for b in self._gather_order[: k + 1]:
+            bucket = self.buckets[b]
+            if id(bucket.params[0]) not in self._in_flight:
+                continue  # already written
+            for p in bucket.params:  # first: the copy below is an operation on them
+                self._in_flight.pop(id(p), None)
+            bucket.finish_gather()
+
+    def _wait_for(self, args: Any, kwargs: dict[str, Any]) -> None:
+        """Called by the guard on every torch operation: wait if it reads a parameter in flight."""
+        flight = self._in_flight
+        need = -1
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                b = flight.get(id(a))
+            elif isinstance(a, (list, tuple)):  # torch.cat, torch._foreach_*
+                found = [
+                    flight[id(x)] for x in a if isinstance(x, torch.Tensor) and id(x) in flight
+                ]
+                b = max(found, key=self._gather_order.index) if found else None
+            else:
+                continue
+            if b is not None:
+                need = max(need, self._gather_order.index(b))
+        if need >= 0:
+            self._finish_upto(need)
+
+    def _drop_guard(self) -> None:
+        """Take the guard off the torch-function stack once nothing is in flight."""
+        guard = self._guard
+        if guard is None or self._in_flight or guard.thread != threading.get_ident():
+            return
+        depth = torch._C._len_torch_function_stack()
+        if depth and torch._C._get_function_stack_at(depth - 1) is guard:
+            torch._C._pop_torch_function_stack()
+            self._guard = None
 
     # -- checkpoints: the serial optimizer's format ------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The serial optimizer's state_dict (every rank gathers every piece)."""
+        self.finish_gather()
         mine: list[tuple[int, int, int, int, dict[str, Any]]] = []
         if self.local is not None:
             for pc in self.pieces:

@@ -6,6 +6,7 @@ generated code of several nests is pinned by tests/golden/tile_*.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from macrogen.expand import expand_source
 from macrogen.macros.tile import USAGE
 from tests.helpers import expansion_errors, load_module, strip_header
+from tests.macros.tile_cases import CASES, compare, modules
 
 SCALE = """
 import torch
@@ -67,7 +69,79 @@ def test_the_cpu_path_writes_in_place_and_is_not_a_loop(tmp_path) -> None:
     module.scale(out, x, alpha=-1.0)
     torch.testing.assert_close(out, -x)
     torch_path = _expand(SCALE).split("def _scale_torch(")[1].split("\ndef ")[0]
-    assert "for " not in torch_path
+    # Not a loop over elements: the one loop walks blocks of rows (cache-sized passes).
+    loops = [line.strip() for line in torch_path.splitlines() if "for " in line]
+    assert loops == ["for i_lo in range(i_first, i_last, rows):"]
+
+
+@pytest.mark.parametrize(
+    "name, dtypes",
+    [
+        ("softmax", (("x", torch.float64),)),  # not the default dtype: no in-place temporaries
+        ("attention", tuple((t, torch.float64) for t in ("q", "kk", "v"))),
+        ("bias_gelu", (("x", torch.float64),)),  # mixed inputs: float64 results
+        ("row_sum_max", (("total", torch.float64), ("biggest", torch.float16))),  # no out=
+        ("matmul", (("out", torch.float64),)),  # no addmm_: the dtypes differ
+    ],
+)
+def test_the_cpu_path_keeps_its_dtypes_where_the_fast_forms_cannot(
+    name: str, dtypes: tuple, tmp_path
+) -> None:
+    """The in-place, out= and addmm_ forms need agreeing dtypes; else the plain forms run."""
+    case = dataclasses.replace(next(c for c in CASES if c.name == name), dtypes=dtypes)
+    reference, expanded = modules(case, tmp_path)
+    assert compare(case, reference, getattr(expanded, f"_{name}_torch")) is None
+
+
+def test_in_place_overwrites_only_dead_temporaries_of_their_own() -> None:
+    """t - m becomes t.sub_(m) only where t is a floating temporary nothing reads later,
+    that no live local shares, and m fits in t's shape; views of arguments never."""
+    import libcst as cst
+
+    from macrogen.macros.tile.steps import Assign, TorchStore
+    from macrogen.macros.tile.torch_path import Meta, in_place
+
+    ij, i = frozenset("ij"), frozenset("i")
+    meta = {n: Meta(ij, True) for n in ("t", "u", "big")} | {"m": Meta(i, True)}
+    meta["b"] = Meta(ij, False)  # a comparison: bool
+
+    def run(*lines: str) -> list[str]:
+        steps = []
+        for line in lines:
+            target, value = line.split(" = ")
+            if target.startswith("out"):
+                steps.append(
+                    TorchStore(cst.parse_expression(target), cst.parse_expression(value), False)
+                )
+            else:
+                steps.append(Assign(target, cst.parse_expression(value)))
+        out = in_place(steps, meta, "torch", "ok")
+        return [cst.Module([]).code_for_node(s.value) for s in out if isinstance(s, Assign)]
+
+    view = "x[i_lo:i_hi, j_lo:j_hi]"
+    assert run(f"x_ij = {view}", "t = x_ij * 2.0", "u = t - m", "out[0] = u")[2] == (
+        "t.sub_(m) if ok else t - m"
+    )
+    assert run(f"x_ij = {view}", "u = x_ij - m", "out[0] = u")[1] == "x_ij - m"  # a view
+    assert run(f"x_ij = {view}", "t = x_ij * 2.0", "u = t - m", "out[0] = u + t")[2] == "t - m"
+    # an alias of t still read afterwards keeps t
+    lines = (f"x_ij = {view}", "t = x_ij * 2.0", "s = t", "u = t - m", "out[0] = u + s")
+    assert run(*lines)[3] == "t - m"
+    # m's shape is smaller than t's: m - t would need a bigger buffer than m's
+    assert (
+        run(
+            f"x_ij = {view}",
+            "t = x_ij * 2.0",
+            "m = t.amax(dim=1, keepdim=True)",
+            "u = m - t",
+            "out[0] = u",
+        )[3]
+        == "m - t"
+    )
+    assert run(f"x_ij = {view}", "b = x_ij > 0", "u = b * 2.0", "out[0] = u")[2] == "b * 2.0"
+    assert run(f"x_ij = {view}", "t = x_ij * 2.0", "u = torch.exp(t)", "out[0] = u")[2] == (
+        "t.exp_() if ok else torch.exp(t)"
+    )
 
 
 def test_target_cpu_generates_no_kernel(tmp_path) -> None:
@@ -135,8 +209,10 @@ def test_matmul_shape_becomes_tl_dot_only_with_tiles_of_16_or_more() -> None:
     )
     small = _expand(source.format(t=8))
     assert "tl.dot" not in small and "tl.sum(out_acc_tile, axis=2, keep_dims=True)" in small
-    # The torch path of a matmul-shaped reduction is a matmul, not a broadcast product.
-    assert "out_acc = a_ik @ b_kj" in small
+    # The torch path of a matmul-shaped reduction is a matmul, not a broadcast product:
+    # out += a @ b accumulates in place (addmm_) where the dtypes allow it.
+    assert ".addmm_(a_ik, b_kj) if out.dtype == a_ik.dtype == b_kj.dtype" in small
+    assert ".add_(a_ik @ b_kj)" in small
 
 
 def test_expansion_is_deterministic() -> None:

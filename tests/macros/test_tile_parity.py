@@ -51,3 +51,7 @@ def test_torch_path_matches_loop(name: str, tmp_path: Path) -> None:
     assert compare(case, reference, getattr(expanded, f"_{name}_torch")) is None
     # The expanded function itself dispatches CPU tensors to the torch path.
     assert compare(case, reference, getattr(expanded, name)) is None
+    # Blocks of rows (here the fewest, 8 rows: several blocks, the last one ragged).
+    if hasattr(expanded, f"_{name}_torch_block"):
+        setattr(expanded, f"_{name}_torch_block", 1)
+        assert compare(case, reference, getattr(expanded, f"_{name}_torch")) is None

@@ -56,7 +56,13 @@ from macrogen.macros.tile.ir import InnerLoop, Load, Nest
 from macrogen.macros.tile.kernel import KernelEmitter
 from macrogen.macros.tile.kernel import flat as _flat
 from macrogen.macros.tile.names import LoopBounds, loads_in, make_names
-from macrogen.macros.tile.torch_path import TorchEmitter, sharing
+from macrogen.macros.tile.torch_path import (
+    BLOCK_ELEMENTS,
+    MIN_BLOCK_ROWS,
+    TorchEmitter,
+    row_blocks,
+    sharing,
+)
 
 NAME = "tile"
 FORMS: frozenset[Form] = frozenset({"decorator"})
@@ -206,8 +212,9 @@ class _Output:
                 ("kernel", "kernel"),
                 ("launcher", "triton"),
                 ("torch_fn", "torch"),
+                ("torch_block", "torch_block"),
             )
-            if self.kernel_wanted or kind in ("shapes", "torch_fn")
+            if self.kernel_wanted or kind in ("shapes", "torch_fn", "torch_block")
         }
         self.bounds = list(dict.fromkeys(self.names.bounds.values()))
         results = [s.name for s in self.nest.sizes] + [x for b in self.bounds for x in (b.lo, b.hi)]
@@ -320,7 +327,9 @@ class _Output:
     def torch_path(self) -> str:
         torch = self.mods["torch"]
         shared = sharing(self.nest, self.names, torch)
-        steps = TorchEmitter(self.nest, self.names.fork(), torch, shared).steps()
+        names = self.names.fork()
+        steps = TorchEmitter(self.nest, names, torch, shared).steps()
+        blocks = row_blocks(self.nest, names)
         # half-precision inputs are read in float32 (outputs cast back when stored)
         read = {ld.tensor_name for st in _flat(self.nest.body) for ld in loads_in(st.value)}
         widen = [
@@ -329,7 +338,14 @@ class _Output:
             if t in read and t not in self.nest.outputs and t not in self.nest.index_tensors
         ]
         return codegen.render(
-            "tile_torch.py.j2", steps=steps, widen=widen, torch=self.mods["torch"], **self.common
+            "tile_torch.py.j2",
+            steps=steps,
+            widen=widen,
+            blocks=blocks,
+            block_elements=BLOCK_ELEMENTS,
+            min_rows=MIN_BLOCK_ROWS,
+            torch=self.mods["torch"],
+            **self.common,
         )
 
     def function(self) -> cst.FunctionDef:

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import libcst as cst
 
 from macrogen.macros.tile.code import (
+    COMPARE,
     Code,
     binary,
     call,
@@ -33,12 +39,14 @@ from macrogen.macros.tile.ir import (
     Load,
     Name,
     Nest,
+    Statement,
     Store,
+    Unary,
 )
 from macrogen.macros.tile.kernel import IDENTITY
 from macrogen.macros.tile.names import LoopBounds, Names, load_name, loads_in, names_in, vars_in
 from macrogen.macros.tile.printer import TorchPrinter
-from macrogen.macros.tile.steps import Assign, Step, TorchStore, drop_dead_stores
+from macrogen.macros.tile.steps import Assign, Step, TorchStore, _live, drop_dead_stores
 
 
 class TorchEmitter:
@@ -62,6 +70,8 @@ class TorchEmitter:
         self.uses: Counter[str] = Counter()
         self.reductions: dict[str, str] = {}  # a repeated loop's reduction -> its local
         self.repeated = _repeated(nest)
+        self.folded: set[Store] = set()  # stores already written by their reduction (out=)
+        self.meta: dict[str, Meta] = {}  # tensor locals: what in_place needs to know
 
     def steps(self) -> list[Step]:
         out: list[Step] = []
@@ -72,9 +82,20 @@ class TorchEmitter:
                 out.extend(self._inner(s, grid_bounds, self.loaded, ()))
                 continue
             assert not isinstance(s, Accum)  # reductions live in inner loops
+            if s in self.folded:
+                continue
             out.extend(self._loads(s, self.loaded, grid_bounds, axes))
             out.extend(self._statement(s, self.loaded, grid_bounds, ()))
-        return drop_dead_stores(out)
+        out = drop_dead_stores(out)
+        values = sorted(
+            {ld.tensor_name for st in _statements(self.nest.body) for ld in loads_in(st.value)}
+        )
+        flag = self.names.namer("default_dtype")
+        fast = in_place(out, self.meta, self.torch, flag)
+        if fast == out or not values:
+            return out
+        same = " == ".join([*(f"{t}.dtype" for t in values), f"{self.torch}.get_default_dtype()"])
+        return [Assign(flag, parse(same)), *fast]
 
     def _axes(self, level: tuple[str, ...]) -> list[str | None]:
         """The nest's axes inside the inner loops ``level``: the grid's, then theirs, then None."""
@@ -82,7 +103,8 @@ class TorchEmitter:
         return axes + [None] * (self.rank - len(axes))
 
     def _printer(self, loaded: dict[Load, str], into: list[Step]) -> TorchPrinter:
-        return TorchPrinter(
+        return _NotingPrinter(
+            self._note,
             loaded,
             self.torch,
             self.indices,
@@ -93,6 +115,35 @@ class TorchEmitter:
             self.shared,
             self.uses,
         )
+
+    def _note(self, local: str, e: Expr, dims: frozenset[str] | None = None) -> None:
+        """``local`` holds a tensor a torch operation made (its own storage) from ``e``."""
+        if e.tensor:
+            self.meta[local] = Meta(e.dims if dims is None else dims, self._floating(e))
+
+    def _floating(self, e: Expr) -> bool:
+        """Whether ``e`` is a floating-point tensor whenever the value tensors have the
+        default dtype (in_place's run-time condition): loads are, and what arithmetic or a
+        float function makes from them; comparisons and integer index values are not."""
+        if isinstance(e, Load):
+            return True
+        if isinstance(e, Const):
+            return isinstance(e.value, float)
+        if isinstance(e, Name):  # a tensor local; a scalar may be an int
+            meta = self.meta.get(e.name)
+            return meta is not None and meta.floating
+        if isinstance(e, Unary):
+            return self._floating(e.operand)
+        if isinstance(e, Binary):
+            if e.op in _ARITHMETIC:
+                return e.op == "/" or self._floating(e.left) or self._floating(e.right)
+            return False
+        if isinstance(e, Call):
+            if e.fn in ("exp", "log", "sqrt", "tanh", "sigmoid"):
+                return True
+            values = e.args[1:] if e.fn == "where" else e.args
+            return any(self._floating(a) for a in values)
+        return False
 
     def _key(self, text: str) -> str:
         """A shared result's key: its code and the values of the locals it reads."""
@@ -187,7 +238,7 @@ class TorchEmitter:
     ) -> list[Step]:
         shared: list[Step] = []
         printer = self._printer(loaded, shared)
-        direct = isinstance(s, Store) and self._direct(s, level)
+        direct = isinstance(s, Store) and self._direct(s)
         value = printer.expr(s.value) if not direct else number(0)
         if isinstance(s, Let):
             self._assigned(s.name, value)
@@ -199,6 +250,13 @@ class TorchEmitter:
                 self.scalar.discard(s.name)
             else:
                 self.scalar.add(s.name)
+            if _is_name(value):  # the same tensor under another name
+                if value.text in self.meta:
+                    self.meta[s.name] = self.meta[value.text]
+            elif isinstance(s.value, (Binary, Unary)) or (
+                isinstance(s.value, Call) and (s.value.fn != "where" or s.value.args[0].tensor)
+            ):
+                self._note(s.name, s.value)
             return [*shared, Assign(s.name, parse(value))]
         order = list(s.index)
 
@@ -217,7 +275,8 @@ class TorchEmitter:
         if direct:  # the last operation writes the output: no temporary, no copy
             assert isinstance(s.value, Binary)
             fn = f"{self.torch}.{_DIRECT[s.value.op]}"
-            left, right = printer.expr(s.value.left), printer.expr(s.value.right)
+            left = placed(s.value.left, printer.expr(s.value.left))
+            right = placed(s.value.right, printer.expr(s.value.right))
             code = call(fn, left, right, out=target)
             return [*shared, TorchStore(parse(target), parse(code), False, direct=True)]
         value = placed(s.value, value)
@@ -231,11 +290,11 @@ class TorchEmitter:
             )
         return [*shared, TorchStore(parse(target), parse(value), s.add)]
 
-    def _direct(self, s: Store, level: tuple[str, ...]) -> bool:
+    def _direct(self, s: Store) -> bool:
         """Whether ``out[...] = a op b`` can be ``torch.op(a, b, out=out[...])``: a plain store
-        of arithmetic whose result has the store's shape, on the nest's axes as they are."""
+        of arithmetic whose result has the store's shape (each operand is placed on the
+        store's axes: deeper axes dropped, reordered)."""
         e = s.value
-        deeper = self.rank - len(self.grid_vars) - len(level) if self.nest.inner_axis else 0
         return (
             not s.add
             and s.cond is None
@@ -243,8 +302,6 @@ class TorchEmitter:
             and e.op in _DIRECT
             and e.left.tensor
             and e.dims == frozenset(s.index)
-            and deeper == 0
-            and [*self.grid_vars, *level] == list(s.index)
         )
 
     def _inner(
@@ -271,6 +328,10 @@ class TorchEmitter:
                     if ld not in loaded:
                         out.extend(self._view(ld, loaded, bounds, dot_axes))
                 operands.append(TorchPrinter(loaded, self.torch).expr(e))
+            store = self._fold_target(dot.acc, "sum", s)
+            if store is not None:  # out += a @ b as one addmm_: no product temporary
+                out.extend(self._fold_dot(store, operands, bounds))
+                return out
             product = binary("@", operands[0], operands[1])
             out.append(Assign(dot.acc, parse(self._reduce("sum", dot.acc, product))))
             return out
@@ -297,11 +358,24 @@ class TorchEmitter:
                     value, op = Call(value.dims, True, "exp", (diff,)), "sum"
                 printer = self._printer(loaded, out)
                 fn = {"sum": "sum", "max": "amax", "min": "amin"}[op]
+                store = None
+                full = frozenset((*self.grid_vars, s.loop.var))  # the result has the store's shape
+                if (
+                    not level
+                    and axis == self.rank - 1 == len(self.grid_vars)
+                    and value.dims == full
+                ):
+                    store = self._fold_target(st.name, op, s)
+                if (
+                    store is not None and not store.add and not (op == "sum" and _product(value))
+                ):  # total[i] = s: the reduction writes the output (out=), no temporary
+                    out.extend(self._fold_reduction(store, printer.expr(value), fn, axis, bounds))
+                    continue
                 reduced = (
                     op == "sum"
                     and (
                         (axis == self.rank - 1 and self._matvec(value, printer, s.loop.var))
-                        or self._contract(value, printer, axis)
+                        or self._contract(value, printer, axes, axis)
                     )
                 ) or method(printer.expr(value), fn, dim=str(axis), keepdim="True")
                 if s in self.repeated:  # the same loop again (scores in each pass): compute once
@@ -312,16 +386,113 @@ class TorchEmitter:
                 code = self._reduce(op, st.name, reduced)
                 out.append(Assign(st.name, parse(code)))
                 self._assigned(st.name, code)
+                reduced_dims = value.dims - {s.loop.var}
+                for local in {st.name, *(n for n in [reduced.text] if _is_name(reduced))}:
+                    self._note(local, value, reduced_dims)
             else:
                 out.extend(self._statement(st, loaded, bounds, here))
         return out
 
-    def _contract(self, e: Expr, printer: TorchPrinter, axis: int) -> Code | None:
-        """``sum over k of a * b`` as one ``einsum`` (a matrix product where the axes allow it),
-        with no temporary of the product: ``q[i, k] * kk[j, k]`` summed over k is ``q @ kk.T``.
-        Both factors vary along some loop, so both are tensors with every axis of the nest."""
+    def _fold_target(self, acc: str, op: str, loop: InnerLoop) -> Store | None:
+        """The store ``out[grid] = acc`` (or ``+=``) that the reduction into ``acc`` in ``loop``
+        (a loop of the grid body) can write itself: its result is read nowhere else, it starts
+        from the identity, and the store is a plain one in the grid body, after the loop with
+        no assignment of ``acc`` between, indexed by the grid's loops in order."""
+        if self.identity.get(acc) != IDENTITY[op] or loop in self.repeated:
+            return None
+        reads = [st for st in _statements(self.nest.body) if acc in _reads(st)]
+        writes = [
+            st
+            for st in _statements(self.nest.body)
+            if isinstance(st, (Let, Accum)) and st.name == acc
+        ]
+        if len(reads) != 1 or sum(isinstance(st, Accum) for st in writes) != 1:
+            return None
+        store = reads[0]
+        body = list(self.nest.body)
+        if not (
+            isinstance(store, Store)
+            and store in body
+            and store.value == Name(store.value.dims, store.value.tensor, acc)
+            and store.cond is None
+            and list(store.index) == list(self.grid_vars)
+        ):
+            return None
+        start, at = body.index(loop), body.index(store)
+        between = [st for st in body[start + 1 : at] if st in writes]
+        return store if start < at and not between else None
+
+    def _fold_reduction(
+        self, store: Store, value: Code, fn: str, axis: int, bounds: dict[str, LoopBounds]
+    ) -> list[Step]:
+        """``torch.sum(x, dim=1, out=total[...])`` where the dtypes agree (``out=`` would
+        otherwise reduce in the output's dtype), else the reduction copied into the output."""
+        out: list[Step] = []
+        if not _is_name(value):
+            local = self.names.namer("t")
+            out.append(Assign(local, parse(value)))
+            value = name(local)
+        target = self._target(store, bounds)
+        direct = call(f"{self.torch}.{fn}", value, dim=str(axis), out=target)
+        copied = method(target, "copy_", method(value, fn, dim=str(axis)))
+        same = binary("==", _dtype(name(store.tensor_name)), _dtype(value))
+        self.folded.add(store)
+        code = conditional(same, direct, copied)
+        return [*out, TorchStore(parse(target), parse(code), False, direct=True)]
+
+    def _fold_dot(
+        self, store: Store, operands: list[Code], bounds: dict[str, LoopBounds]
+    ) -> list[Step]:
+        """``out[...] += a @ b`` as ``out[...].addmm_(a, b)`` (``out[...] = a @ b`` as
+        ``torch.matmul(a, b, out=...)``) where the three dtypes agree, as both require."""
+        out: list[Step] = []
+        for n, operand in enumerate(operands):
+            if not _is_name(operand):
+                local = self.names.namer("t")
+                out.append(Assign(local, parse(operand)))
+                operands[n] = name(local)
+        a, b = operands
+        target = self._target(store, bounds)
+        product = binary("@", a, b)
+        if store.add:
+            direct = method(target, "addmm_", a, b)
+            other = method(target, "add_", product)
+        else:
+            direct = call(f"{self.torch}.matmul", a, b, out=target)
+            other = method(target, "copy_", product)
+        dtypes = [_dtype(name(store.tensor_name)), _dtype(a), _dtype(b)]
+        same = Code(" == ".join(d.text for d in dtypes), COMPARE)
+        self.folded.add(store)
+        code = conditional(same, direct, other)
+        return [*out, TorchStore(parse(target), parse(code), False, direct=True)]
+
+    def _target(self, store: Store, bounds: dict[str, LoopBounds]) -> Code:
+        """``out[i_lo:i_hi, ...]``: the part of an output a store writes."""
+        subs = [f"{bounds[v].lo}:{bounds[v].hi}{bounds[v].step}" for v in store.index]
+        return suffix(name(store.tensor_name), f"[{', '.join(subs)}]")
+
+    def _contract(self, e: Expr, printer: TorchPrinter, axes: Axes, axis: int) -> Code | None:
+        """``sum over k of a * b`` with no temporary of the product: a matrix product where
+        each factor has at most one axis the other lacks (``q[i, k] * kk[j, k]`` summed over
+        k is ``q @ kk.mT``; shared axes are batch axes), else one ``einsum``. Both factors
+        vary along some loop, so both are tensors with every axis of the nest."""
         if not (isinstance(e, Binary) and e.op == "*" and e.left.dims and e.right.dims):
             return None
+        k = axes[axis]
+        assert k is not None
+        left, right = e.left.dims, e.right.dims
+        only_left, only_right = sorted(left - right), sorted(right - left)
+        if k in left & right and len(only_left) <= 1 and len(only_right) <= 1:
+            batch = [v for v in axes if v in left & right and v != k]
+            a = _matrix(printer.expr(e.left), axes, left, [*batch, *only_left, k])
+            b = _matrix(printer.expr(e.right), axes, right, [*batch, k, *only_right])
+            if not only_left:  # a row: (..., 1, k)
+                a = suffix(a, "[..., None, :]")
+            if not only_right:  # a column: (..., k, 1)
+                b = suffix(b, "[..., None]")
+            squeeze = ("" if only_left else ", 0") + ("" if only_right else ", 0")
+            product = suffix(binary("@", a, b), f"[...{squeeze}]" if squeeze else "")
+            return suffix(product, _arrange([*batch, *only_left, *only_right], axes))
         letters = "abcdefgh"[: self.rank]
         kept = letters.replace(letters[axis], "")
         spec = f"{letters},{letters}->{kept}"
@@ -365,6 +536,165 @@ class TorchEmitter:
         return call(f"{self.torch}.{'maximum' if op == 'max' else 'minimum'}", acc, reduced)
 
 
+@dataclass(frozen=True)
+class Meta:
+    """A tensor local of the torch path: the loops it varies along (its shape on the nest's
+    axes), and whether it is floating-point when the value tensors have the default dtype."""
+
+    dims: frozenset[str]
+    floating: bool
+
+
+class _NotingPrinter(TorchPrinter):
+    """A TorchPrinter that reports each local it computes a tensor operation into."""
+
+    def __init__(self, note: Callable[[str, Expr], None], *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.note = note
+
+    def expr(self, e: Expr) -> Code:
+        before = len(self.into) if self.into is not None else 0
+        code = super().expr(e)
+        if self.into is not None and len(self.into) > before:
+            made = self.into[-1]
+            if isinstance(made, Assign) and made.target == code.text:
+                self.note(made.target, e)
+        return code
+
+
+_ARITHMETIC = ("+", "-", "*", "/", "**")
+_IN_PLACE = {cst.Add: "add_", cst.Subtract: "sub_", cst.Multiply: "mul_", cst.Divide: "div_"}
+_IN_PLACE_CALLS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs")
+
+
+def in_place(steps: list[Step], meta: dict[str, Meta], torch: str, flag: str) -> list[Step]:
+    """Reuse a temporary's storage for the next operation on it, as ``t.sub_(m)`` for
+    ``t - m``, where nothing reads the temporary afterwards: fewer tensors allocated and
+    written (eager torch allocates each). Only for a floating tensor that a torch operation
+    made (no view of an argument) whose shape is the result's, and only when ``flag`` holds
+    at run time (every value tensor has the default dtype, so the result's dtype is the
+    temporary's): ``t.sub_(m) if flag else t - m``."""
+    out = list(steps)
+    groups: dict[str, frozenset[int]] = {}  # local -> the storages it may share
+    made: set[int] = set()  # storages a torch operation made for a local
+    for t, step in enumerate(out):
+        if not isinstance(step, Assign):
+            continue
+        value = step.value
+        rewritten = _in_place_form(value, meta, groups, made, torch, out[t + 1 :], step.target)
+        if rewritten is not None:
+            a, code = rewritten
+            out[t] = Assign(step.target, cst.IfExp(cst.Name(flag), code, value))
+            groups[step.target] = groups[a]
+            continue
+        if isinstance(value, cst.Name):
+            groups[step.target] = groups.get(value.value, frozenset())
+        elif step.target in meta and not isinstance(value, cst.IfExp):  # an operation's result
+            groups[step.target] = frozenset({t})
+            made.add(t)
+        else:  # a view or anything else: it may share what it reads
+            reads = _names(value) - {torch}
+            groups[step.target] = frozenset({t}).union(*(groups.get(n, ()) for n in reads))
+    return out
+
+
+def _in_place_form(
+    value: cst.BaseExpression,
+    meta: dict[str, Meta],
+    groups: dict[str, frozenset[int]],
+    made: set[int],
+    torch: str,
+    later: list[Step],
+    target: str,
+) -> tuple[str, cst.BaseExpression] | None:
+    """(the temporary, the in-place code) for ``value``, if it may overwrite the temporary."""
+    if isinstance(value, cst.BinaryOperation) and type(value.operator) in _IN_PLACE:
+        a, other = value.left, value.right
+        fn = _IN_PLACE[type(value.operator)]
+    elif (
+        isinstance(value, cst.Call)
+        and isinstance(value.func, cst.Attribute)
+        and isinstance(value.func.value, cst.Name)
+        and value.func.value.value == torch
+        and value.func.attr.value in _IN_PLACE_CALLS
+        and len(value.args) == 1
+    ):
+        a, other, fn = value.args[0].value, None, f"{value.func.attr.value}_"
+    else:
+        return None
+    if not isinstance(a, cst.Name) or a.value not in meta or not meta[a.value].floating:
+        return None
+    group = groups.get(a.value, frozenset())
+    if len(group) != 1 or not group <= made:
+        return None
+    sharing_names = [n for n, g in groups.items() if g & group and n != target]
+    if any(_live(n, later) for n in sharing_names):
+        return None
+    if other is not None:
+        for n in _names(other) - {torch}:
+            if n in meta:
+                if not meta[n].dims <= meta[a.value].dims or groups.get(n, frozenset()) & group:
+                    return None
+            elif n in groups:  # a view of an argument: its shape is unknown here
+                return None
+    args = [cst.Arg(other)] if other is not None else []
+    return a.value, cst.Call(cst.Attribute(a, cst.Name(fn)), args)
+
+
+def _names(node: cst.CSTNode) -> set[str]:
+    """The names an expression reads (not attribute names: ``torch`` of ``torch.exp``)."""
+    found: set[str] = set()
+
+    class _Visitor(cst.CSTVisitor):
+        def visit_Name(self, n: cst.Name) -> None:
+            found.add(n.value)
+
+        def visit_Attribute(self, n: cst.Attribute) -> bool:
+            n.value.visit(self)
+            return False
+
+        def visit_Arg(self, n: cst.Arg) -> bool:  # keyword names are not reads
+            n.value.visit(self)
+            return False
+
+    node.visit(_Visitor())
+    return found
+
+
+def _statements(body: tuple[Statement, ...]) -> list[Let | Accum | Store]:
+    """Every statement of ``body``, those of its inner loops too."""
+    out: list[Let | Accum | Store] = []
+    for st in body:
+        if isinstance(st, InnerLoop):
+            out.extend(_statements(st.body))
+        else:
+            out.append(st)
+    return out
+
+
+def _reads(st: Let | Accum | Store) -> set[str]:
+    """The names (locals, scalars) a statement reads; an online softmax's sum reads its max."""
+    found = names_in(st.value)
+    if isinstance(st, Accum) and st.shift is not None:
+        found.add(st.shift)
+    if isinstance(st, Store) and st.cond is not None:
+        found |= names_in(st.cond)
+    return found
+
+
+def _product(e: Expr) -> bool:
+    """A product of two tensors that vary along loops (``_contract``, ``_matvec`` take it)."""
+    return isinstance(e, Binary) and e.op == "*" and bool(e.left.dims) and bool(e.right.dims)
+
+
+def _is_name(code: Code) -> bool:
+    return code.text.isidentifier()
+
+
+def _dtype(code: Code) -> Code:
+    return suffix(code, ".dtype")
+
+
 _DIRECT = {"+": "add", "-": "sub", "*": "mul", "/": "div"}  # torch functions with out=
 Axes = list[str | None]  # the loop variable on each axis of the nest's tensors (None: none)
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -379,6 +709,20 @@ def _arrange(order: list[str], axes: list[str | None]) -> str:
     if len(present) < len(axes):
         code += "[" + ", ".join(":" if a in order else "None" for a in axes) + "]"
     return code
+
+
+def _matrix(code: Code, axes: Axes, dims: frozenset[str], want: list[str]) -> Code:
+    """A tensor on the nest's axes (varying along ``dims``, size 1 elsewhere) as a matmul
+    operand whose dimensions are the loop variables ``want``: index 0 on the other axes,
+    then reorder (``.mT`` for a swap of the last two)."""
+    subs = [":" if a in dims else "0" for a in axes]
+    while subs and subs[-1] == ":":
+        subs.pop()
+    picked = suffix(code, f"[{', '.join(subs)}]" if subs else "")
+    have = [a for a in axes if a is not None and a in dims]
+    if len(want) >= 2 and have != want and have == [*want[:-2], want[-1], want[-2]]:
+        return suffix(picked, ".mT")
+    return suffix(picked, _permute(have, want))
 
 
 def _permute(have: list[str], want: list[str]) -> str:
@@ -401,6 +745,68 @@ def _repeated(nest: Nest) -> set[InnerLoop]:
         )
 
     return {loop for loop, count in loops.items() if count > 1 and pure(loop)}
+
+
+BLOCK_ELEMENTS = 1 << 18  # elements per block of rows (1 MiB of float32): cache-sized passes
+MIN_BLOCK_ROWS = 8  # rows per block at least (per-operation overhead would dominate)
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """The torch path runs over blocks of the first parallel loop's rows, so that a
+    multi-pass computation (GELU's chain of operations, a row's sum then max) reads each
+    block from cache instead of memory: ``for lo in range(first, last, block)``."""
+
+    lo: str  # the loop's bounds, rebound per block
+    hi: str
+    first: str  # its whole range
+    last: str
+    rows: str  # rows per block
+    step: int
+    per_row: str  # code: elements of the widest tensor per row (at least 1)
+
+
+def row_blocks(nest: Nest, names: Names) -> RowBlocks | None:
+    """Blocks of the first grid loop for the torch path; None where it has matrix products
+    (a matmul, ``_contract``, ``_matvec``): BLAS blocks those itself, and smaller products
+    run slower (measured: attention and batched_gate of bench/tile.py)."""
+    products = any(
+        isinstance(st, Accum) and st.op == "sum" and _product(st.value)
+        for st in _statements(nest.body)
+    )
+    if nest.dot is not None or products or not nest.grid:
+        return None
+    first = nest.grid[0]
+    extents = {b.var: f"{b.hi} - {b.lo}" for b in names.bounds.values()}  # (one loop per var)
+    widths = set()
+    for dims in _dim_sets(nest):
+        if first.var in dims and len(dims) > 1:
+            others = [extents[v] for v in sorted(dims - {first.var})]
+            widths.add(others[0] if len(others) == 1 else " * ".join(f"({e})" for e in others))
+    per_row = f"max({', '.join(sorted(widths))}, 1)" if widths else "1"  # 1: no empty range
+    b = names.bounds[first]
+    step = int(b.step[1:]) if b.step else 1
+    namer = names.namer
+    return RowBlocks(
+        b.lo,
+        b.hi,
+        namer(f"{first.var}_first"),
+        namer(f"{first.var}_last"),
+        namer("rows"),
+        step,
+        per_row,
+    )
+
+
+def _dim_sets(nest: Nest) -> set[frozenset[str]]:
+    """The loop variables each value of the nest varies along (its tensors' shapes)."""
+    found: set[frozenset[str]] = set()
+    for st in _statements(nest.body):
+        found.add(st.value.dims)
+        found.update(ld.dims for ld in loads_in(st.value))
+        if isinstance(st, Store):
+            found.add(frozenset(st.index))
+    return found
 
 
 def sharing(nest: Nest, names: Names, torch: str) -> set[str]:

@@ -248,18 +248,19 @@ def _attention_torch(out, q, kk, v, scale):
     q = q.float() if q.dtype in (torch.float16, torch.bfloat16) else q  # compute in float32, as the kernel does
     kk = kk.float() if kk.dtype in (torch.float16, torch.bfloat16) else kk  # compute in float32, as the kernel does
     v = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v  # compute in float32, as the kernel does
+    default_dtype = kk.dtype == q.dtype == v.dtype == torch.get_default_dtype()
     q_ik = q[i_lo:i_hi, k_lo:k_hi][:, None, None, :]
     kk_jk = kk[j_lo:j_hi, k_lo:k_hi][None, None, :, :]
-    s_sum = torch.einsum('abcd,abcd->abc', q_ik, kk_jk).unsqueeze(3)
+    s_sum = (q_ik[:, 0, 0] @ kk_jk[0, 0].mT)[:, None, :, None]
     s = s_sum
-    t = s * scale
+    t = s.mul_(scale) if default_dtype else s * scale
     m = t.amax(dim=2, keepdim=True)
-    t_2 = t - m
-    exp_2 = torch.exp(t_2)
+    t_2 = t.sub_(m) if default_dtype else t - m
+    exp_2 = t_2.exp_() if default_dtype else torch.exp(t_2)
     l = exp_2.sum(dim=2, keepdim=True)
     v_je = v[j_lo:j_hi, e_lo:e_hi].permute(1, 0)[None, :, :, None]
-    acc = torch.einsum('abcd,abcd->abd', exp_2, v_je).unsqueeze(2)
-    out[i_lo:i_hi, e_lo:e_hi] = (acc / l)[..., 0, 0]
+    acc = (exp_2[:, 0, :, 0] @ v_je[0, :, :, 0].mT)[:, :, None, None]
+    torch.div(acc[..., 0, 0], l[..., 0, 0], out=out[i_lo:i_hi, e_lo:e_hi])
 
 
 # macrogen: tile at input.py:5

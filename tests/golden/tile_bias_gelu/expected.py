@@ -133,16 +133,25 @@ def _bias_gelu_triton(out, x, b):
     )
 
 
+# tile at input.py:5: the CPU path runs over blocks of rows, about this many elements of each
+# tensor (at least 8 rows), so that its passes over a block read it from cache.
+_bias_gelu_torch_block = 262144
+
+
 # tile at input.py:5: the CPU path.
 def _bias_gelu_torch(out, x, b):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _bias_gelu_shapes(out, x, b)
     x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
     b = b.float() if b.dtype in (torch.float16, torch.bfloat16) else b  # compute in float32, as the kernel does
-    x_ij = x[i_lo:i_hi, j_lo:j_hi]
-    b_j = b[j_lo:j_hi][None, :]
-    v = x_ij + b_j
-    torch.mul(0.5 * v, 1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v)), out=out[i_lo:i_hi, j_lo:j_hi])
+    rows_2 = max(_bias_gelu_torch_block // max(j_hi - j_lo, 1), 8)
+    i_first, i_last = i_lo, i_hi
+    for i_lo in range(i_first, i_last, rows_2):
+        i_hi = min(i_lo + rows_2, i_last)
+        x_ij = x[i_lo:i_hi, j_lo:j_hi]
+        b_j = b[j_lo:j_hi][None, :]
+        v = x_ij + b_j
+        torch.mul(0.5 * v, 1.0 + torch.tanh(0.79788456 * (v + 0.044715 * v * v * v)), out=out[i_lo:i_hi, j_lo:j_hi])
 
 
 # macrogen: tile at input.py:5

@@ -216,7 +216,7 @@ def _gather_torch(out, sums, table, idx, perm, x):
     i_index = torch.arange(i_lo, i_hi, device=out.device)[:, None]
     perm_j = perm[j_lo:j_hi][None, :]
     x_i_perm = x[i_index, perm_j]
-    s = torch.einsum('ab,ab->a', table_idx_j, x_i_perm).unsqueeze(1)
+    s = (table_idx_j[..., None, :] @ x_i_perm[..., None])[..., 0, 0][:, None]
     sums[i_lo:i_hi] = s[..., 0]
     torch.add(table_idx_j, x_i_perm, out=out[i_lo:i_hi, j_lo:j_hi])
 

@@ -169,28 +169,37 @@ def _causal_triton(out, rows, x, alpha):
     )
 
 
+# tile at input.py:5: the CPU path runs over blocks of rows, about this many elements of each
+# tensor (at least 8 rows), so that its passes over a block read it from cache.
+_causal_torch_block = 262144
+
+
 # tile at input.py:5: the CPU path.
 def _causal_torch(out, rows, x, alpha):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _causal_shapes(out, rows, x, alpha)
     x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
-    j_index = torch.arange(j_lo, j_hi, device=out.device)[None, :]
-    i_index = torch.arange(i_lo, i_hi, device=out.device)[:, None]
-    t = j_index <= i_index
-    cond = t
-    x_ij = x[i_lo:i_hi, j_lo:j_hi]
-    m = torch.where(cond, x_ij, float("-inf")).amax(dim=1, keepdim=True)
-    cond_2 = t
-    s = torch.where(cond_2, torch.exp(x_ij - m), 0.0).sum(dim=1, keepdim=True)
-    cond_3 = t
-    out[i_lo:i_hi, j_lo:j_hi] = torch.where(cond_3, torch.exp(x_ij - m) / s, out[i_lo:i_hi, j_lo:j_hi])
-    cond_4 = s > alpha
-    cond_5 = m < 0.5
-    r_2 = s
-    r_3 = -m
-    r_4 = 0.0
-    r = torch.where(cond_4, r_2, torch.where(cond_5, r_3, r_4))
-    rows[i_lo:i_hi] = r[..., 0]
+    rows_2 = max(_causal_torch_block // max(j_hi - j_lo, 1), 8)
+    i_first, i_last = i_lo, i_hi
+    for i_lo in range(i_first, i_last, rows_2):
+        i_hi = min(i_lo + rows_2, i_last)
+        j_index = torch.arange(j_lo, j_hi, device=out.device)[None, :]
+        i_index = torch.arange(i_lo, i_hi, device=out.device)[:, None]
+        t = j_index <= i_index
+        cond = t
+        x_ij = x[i_lo:i_hi, j_lo:j_hi]
+        m = torch.where(cond, x_ij, float("-inf")).amax(dim=1, keepdim=True)
+        cond_2 = t
+        s = torch.where(cond_2, torch.exp(x_ij - m), 0.0).sum(dim=1, keepdim=True)
+        cond_3 = t
+        out[i_lo:i_hi, j_lo:j_hi] = torch.where(cond_3, torch.exp(x_ij - m) / s, out[i_lo:i_hi, j_lo:j_hi])
+        cond_4 = s > alpha
+        cond_5 = m < 0.5
+        r_2 = s
+        r_3 = -m
+        r_4 = 0.0
+        r = torch.where(cond_4, r_2, torch.where(cond_5, r_3, r_4))
+        rows[i_lo:i_hi] = r[..., 0]
 
 
 # macrogen: tile at input.py:5

@@ -173,8 +173,7 @@ def _matmul_torch(out, a, b):
     b = b.float() if b.dtype in (torch.float16, torch.bfloat16) else b  # compute in float32, as the kernel does
     a_ik = a[i_lo:i_hi, k_lo:k_hi]
     b_kj = b[k_lo:k_hi, j_lo:j_hi]
-    out_acc = a_ik @ b_kj
-    out[i_lo:i_hi, j_lo:j_hi] += out_acc
+    out[i_lo:i_hi, j_lo:j_hi].addmm_(a_ik, b_kj) if out.dtype == a_ik.dtype == b_kj.dtype else out[i_lo:i_hi, j_lo:j_hi].add_(a_ik @ b_kj)
 
 
 # macrogen: tile at input.py:5

@@ -150,18 +150,28 @@ def _online_softmax_triton(out, lse, x):
     )
 
 
+# tile at input.py:5: the CPU path runs over blocks of rows, about this many elements of each
+# tensor (at least 8 rows), so that its passes over a block read it from cache.
+_online_softmax_torch_block = 262144
+
+
 # tile at input.py:5: the CPU path.
 def _online_softmax_torch(out, lse, x):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _online_softmax_shapes(out, lse, x)
     x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
-    x_ij = x[i_lo:i_hi, j_lo:j_hi]
-    m = x_ij.amax(dim=1, keepdim=True)
-    t = x_ij - m
-    exp_2 = torch.exp(t)
-    s = exp_2.sum(dim=1, keepdim=True)
-    lse[i_lo:i_hi] = (m + torch.log(s))[..., 0]
-    torch.div(exp_2, s, out=out[i_lo:i_hi, j_lo:j_hi])
+    rows = max(_online_softmax_torch_block // max(j_hi - j_lo, 1), 8)
+    i_first, i_last = i_lo, i_hi
+    for i_lo in range(i_first, i_last, rows):
+        i_hi = min(i_lo + rows, i_last)
+        default_dtype = x.dtype == torch.get_default_dtype()
+        x_ij = x[i_lo:i_hi, j_lo:j_hi]
+        m = x_ij.amax(dim=1, keepdim=True)
+        t = x_ij - m
+        exp_2 = t.exp_() if default_dtype else torch.exp(t)
+        s = exp_2.sum(dim=1, keepdim=True)
+        torch.add(m[..., 0], torch.log(s)[..., 0], out=lse[i_lo:i_hi])
+        torch.div(exp_2, s, out=out[i_lo:i_hi, j_lo:j_hi])
 
 
 # macrogen: tile at input.py:5

@@ -137,16 +137,23 @@ def _row_sum_max_triton(total, biggest, x):
     )
 
 
+# tile at input.py:5: the CPU path runs over blocks of rows, about this many elements of each
+# tensor (at least 8 rows), so that its passes over a block read it from cache.
+_row_sum_max_torch_block = 262144
+
+
 # tile at input.py:5: the CPU path.
 def _row_sum_max_torch(total, biggest, x):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi = _row_sum_max_shapes(total, biggest, x)
     x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
-    x_ij = x[i_lo:i_hi, j_lo:j_hi]
-    s = x_ij.sum(dim=1, keepdim=True)
-    m = x_ij.amax(dim=1, keepdim=True)
-    total[i_lo:i_hi] = s[..., 0]
-    biggest[i_lo:i_hi] = m[..., 0]
+    rows = max(_row_sum_max_torch_block // max(j_hi - j_lo, 1), 8)
+    i_first, i_last = i_lo, i_hi
+    for i_lo in range(i_first, i_last, rows):
+        i_hi = min(i_lo + rows, i_last)
+        x_ij = x[i_lo:i_hi, j_lo:j_hi]
+        torch.sum(x_ij, dim=1, out=total[i_lo:i_hi]) if total.dtype == x_ij.dtype else total[i_lo:i_hi].copy_(x_ij.sum(dim=1))
+        torch.amax(x_ij, dim=1, out=biggest[i_lo:i_hi]) if biggest.dtype == x_ij.dtype else biggest[i_lo:i_hi].copy_(x_ij.amax(dim=1))
 
 
 # macrogen: tile at input.py:5

@@ -152,16 +152,25 @@ def _strided_triton(out, x, total):
     )
 
 
+# tile at input.py:5: the CPU path runs over blocks of rows, about this many elements of each
+# tensor (at least 8 rows), so that its passes over a block read it from cache.
+_strided_torch_block = 262144
+
+
 # tile at input.py:5: the CPU path.
 def _strided_torch(out, x, total):
     """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
     M, N, i_lo, i_hi, j_lo, j_hi, j_lo_2, j_hi_2 = _strided_shapes(out, x, total)
     x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
-    x_i_jp1 = x[i_lo:i_hi:2, j_lo + 1:j_hi + 1:3]
-    s = x_i_jp1.sum(dim=1, keepdim=True)
-    total[i_lo:i_hi:2] = s[..., 0]
-    x_im1_j = x[i_lo - 1:i_hi - 1:2, j_lo_2:j_hi_2:2]
-    torch.mul(x_im1_j, s, out=out[i_lo:i_hi:2, j_lo_2:j_hi_2:2])
+    rows = max(_strided_torch_block // max(j_hi_2 - j_lo_2, 1), 8)
+    i_first, i_last = i_lo, i_hi
+    for i_lo in range(i_first, i_last, rows * 2):
+        i_hi = min(i_lo + rows * 2, i_last)
+        x_i_jp1 = x[i_lo:i_hi:2, j_lo + 1:j_hi + 1:3]
+        s = x_i_jp1.sum(dim=1, keepdim=True)
+        total[i_lo:i_hi:2] = s[..., 0]
+        x_im1_j = x[i_lo - 1:i_hi - 1:2, j_lo_2:j_hi_2:2]
+        torch.mul(x_im1_j, s, out=out[i_lo:i_hi:2, j_lo_2:j_hi_2:2])
 
 
 # macrogen: tile at input.py:5

@@ -105,13 +105,22 @@ def _scale_shift_triton(out, x, alpha, beta):
     )
 
 
+# tile at input.py:8: the CPU path runs over blocks of rows, about this many elements of each
+# tensor (at least 8 rows), so that its passes over a block read it from cache.
+_scale_shift_torch_block = 262144
+
+
 # tile at input.py:8: the CPU path.
 def _scale_shift_torch(out, x, alpha, beta):
     """The loop nest at input.py:8 as whole-tensor torch operations, in place."""
     N, i_lo, i_hi = _scale_shift_shapes(out, x, alpha, beta)
     x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # compute in float32, as the kernel does
-    x_i = x[i_lo:i_hi]
-    torch.add(alpha * x_i, beta, out=out[i_lo:i_hi])
+    rows = max(_scale_shift_torch_block, 8)
+    i_first, i_last = i_lo, i_hi
+    for i_lo in range(i_first, i_last, rows):
+        i_hi = min(i_lo + rows, i_last)
+        x_i = x[i_lo:i_hi]
+        torch.add(alpha * x_i, beta, out=out[i_lo:i_hi])
 
 
 # macrogen: tunable at input.py:5
