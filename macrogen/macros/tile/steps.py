@@ -99,8 +99,9 @@ class _Reads:
         return frozenset({step.lo, step.hi, step.block}.union(*map(self, inside)))
 
 
-def _live(name: str, later: list[Step], reads: _Reads) -> bool:
+def _live(name: str, later: list[Step], reads: _Reads | None = None) -> bool:
     """Whether ``name``'s value is read by ``later`` before an assignment overwrites it."""
+    reads = _Reads() if reads is None else reads
     for step in later:
         after: list[Step]
         if isinstance(step, LoopBlock):  # runs 0+ times; its ``after`` always runs

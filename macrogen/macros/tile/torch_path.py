@@ -580,11 +580,12 @@ def in_place(steps: list[Step], meta: dict[str, Meta], torch: str, flag: str) ->
     for t, step in enumerate(out):
         if not isinstance(step, Assign):
             continue
-        value = step.value
+        value = cst.parse_expression(step.value.text)  # (steps hold text: code.Parsed)
         rewritten = _in_place_form(value, meta, groups, made, torch, out[t + 1 :], step.target)
         if rewritten is not None:
             a, code = rewritten
-            out[t] = Assign(step.target, cst.IfExp(cst.Name(flag), code, value))
+            fast = cst.IfExp(cst.Name(flag), code, value)
+            out[t] = Assign(step.target, parse(cst.Module([]).code_for_node(fast)))
             groups[step.target] = groups[a]
             continue
         if isinstance(value, cst.Name):
