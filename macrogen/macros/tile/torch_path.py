@@ -15,6 +15,7 @@ from typing import Any
 
 import libcst as cst
 
+from macrogen.expand.walk import Visitor, walk
 from macrogen.macros.tile.code import (
     COMPARE,
     Code,
@@ -646,19 +647,19 @@ def _names(node: cst.CSTNode) -> set[str]:
     """The names an expression reads (not attribute names: ``torch`` of ``torch.exp``)."""
     found: set[str] = set()
 
-    class _Visitor(cst.CSTVisitor):
+    class _Visitor(Visitor):  # (a read-only walk: libcst's visit rebuilds every node)
         def visit_Name(self, n: cst.Name) -> None:
             found.add(n.value)
 
         def visit_Attribute(self, n: cst.Attribute) -> bool:
-            n.value.visit(self)
+            walk(n.value, self)
             return False
 
         def visit_Arg(self, n: cst.Arg) -> bool:  # keyword names are not reads
-            n.value.visit(self)
+            walk(n.value, self)
             return False
 
-    node.visit(_Visitor())
+    walk(node, _Visitor())
     return found
 
 
