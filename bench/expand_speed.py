@@ -26,9 +26,9 @@ time is steady.
 Measured on the shared 2-core machine (load average 5-6; CPU figures), before
 and after the second wave of issue 15's pass work (docs/expand.md, "Speed"):
 
-    macro-dense file:           2.14 -> 1.02 s/kLOC   8.9 -> 3.8 x libcst's parse
-    without tile/TP/DP:         0.87 -> 0.72 s/kLOC   5.4 -> 3.7 x parse
-    expand --help (start-up):   0.113 -> 0.124 s CPU  (python -c pass: 0.043-0.047)
+    macro-dense file:           2.14 -> 1.05 s/kLOC   8.9 -> 4.0 x libcst's parse
+    without tile/TP/DP:         0.87 -> 0.74 s/kLOC   5.4 -> 3.3 x parse
+    expand --help (start-up):   0.113 -> 0.119 s CPU  (python -c pass: 0.043-0.044)
 
 The dense-file goal (0.25 s/kLOC where libcst's parse is 0.1, so about 2.5 x
 parse) is not met.
