@@ -10,11 +10,22 @@ macrogen's expanded class, and the serial class handed to
 RowwiseParallel on a CPU DeviceMesh. A step is forward, backward and an SGD
 step. Steps alternate between the two in one run (same machine load), each
 starts after a barrier, and the figure is the ratio of median step times
-(rank 0's clock; goal <= 0.70), for each model width. Before timing, both
-outputs are checked equal. Other processes on the machine add noise: the
-load average is printed with the results. Last, it measures the logits one
-rank holds for the loss of a vocabulary-split head (``F.cross_entropy``
-rewritten to the vocab-parallel loss) against the serial head's.
+(rank 0's clock; goal <= 0.70), for each model width, in wall time and in
+CPU time (rank 0's process, gloo's threads included: less moved by other
+jobs on the machine than wall time). Before timing, both outputs are checked
+equal. Other processes on the machine add noise: the load average is
+printed with the results.
+
+"no collectives" is the floor: a copy of macrogen's block with every
+sharded layer's group removed, so each rank runs the same per-rank matmuls,
+attention and layer norms with no communication at all (its results are not
+the model's). No tensor-parallel implementation on this machine's two ranks
+can beat it; its ratio says how far below DTensor free communication would
+get. Per phase (forward, backward, optimizer step) medians follow.
+
+Last, it measures the logits one rank holds for the loss of a
+vocabulary-split head (``F.cross_entropy`` rewritten to the vocab-parallel
+loss) against the serial head's.
 """
 
 from __future__ import annotations
@@ -181,11 +192,32 @@ def _torch_tp(serial: torch.nn.Module, world: int, sequence: bool = False) -> to
     return block
 
 
-def _step(model, opt, x):
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _step(model, opt, x) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of each phase of one step."""
+    clocks = [(time.perf_counter(), time.process_time())]
     opt.zero_grad(set_to_none=True)
     loss = model(x).pow(2).mean()
+    clocks.append((time.perf_counter(), time.process_time()))
     loss.backward()
+    clocks.append((time.perf_counter(), time.process_time()))
     opt.step()
+    clocks.append((time.perf_counter(), time.process_time()))
+    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(clocks, clocks[1:])]
+
+
+def _without_collectives(block: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``block`` whose sharded layers have no group: the same per-rank work, no
+    communication (the floor of any tensor-parallel step on these shapes)."""
+    from macrogen.runtime.tensor_parallel import SHARDED
+
+    local = copy.deepcopy(block)
+    for module in local.modules():
+        if isinstance(module, SHARDED):
+            module.group = None
+    return local
 
 
 def _logit_memory(serial_mod, ours_mod, args, world):
@@ -256,25 +288,25 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
             torch.testing.assert_close(ours_sp(mine), theirs_sp(mine), rtol=1e-5, atol=1e-5)
         memory.append((_layer_norm_saved_bytes(serial(x)), _layer_norm_saved_bytes(ours_sp(mine))))
         sgd = torch.optim.SGD(ours.parameters(), lr=1e-3)
+        floor = _without_collectives(ours)
         runs = {  # name: (model, optimizer, collectives.OVERLAP, input)
             "macrogen": (ours, sgd, True, x),  # the default: collectives overlap compute
             "no overlap": (ours, sgd, False, x),  # macrogen with collectives.OVERLAP = False
+            "no collectives": (floor, torch.optim.SGD(floor.parameters(), lr=1e-3), True, x),
             "torch DTensor": (theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3), True, x),
             "macrogen SP": (ours_sp, torch.optim.SGD(ours_sp.parameters(), lr=1e-3), True, mine),
             "torch DTensor SP": (
                 theirs_sp, torch.optim.SGD(theirs_sp.parameters(), lr=1e-3), True, mine
             ),
         }
-        times: dict[str, list[float]] = {name: [] for name in runs}
+        times: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in runs}
         for i in range(args.warmup + args.steps):
             for name, (model, opt, overlap, x) in runs.items():  # alternate: all see the same load
                 collectives.OVERLAP = overlap
                 dist.barrier()
-                start = time.perf_counter()
-                _step(model, opt, x)
-                elapsed = time.perf_counter() - start
+                phases = _step(model, opt, x)
                 if i >= args.warmup:
-                    times[name].append(elapsed)
+                    times[name].append(phases)
         collectives.OVERLAP = True
         results.append((d_model, times))
     logits = _logit_memory(serial_mod, ours_mod, args, world)
@@ -282,6 +314,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         out.put((results, logits, memory))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _totals(steps: list[list[tuple[float, float]]], clock: int) -> list[float]:
+    """Each step's total over its phases, on the wall (0) or CPU (1) clock."""
+    return [sum(phase[clock] for phase in step) for step in steps]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,22 +351,38 @@ def main(argv: list[str] | None = None) -> int:
         f" {args.steps} steps each, medians on rank 0; load average {load:.1f} on"
         f" {os.cpu_count()} CPUs"
     )
-    print(f"  {'d_model':>7}  {'run':<16}  {'median step':>11}  {'ratio':>6}  {'paired':>6}")
+    print(
+        f"  {'d_model':>7}  {'run':<16}  {'median step':>11}  {'ratio':>6}  {'paired':>6}"
+        f"  {'CPU/step':>9}  {'CPU ratio':>9}"
+    )
     for d_model, times in results:
-        for name, mine in times.items():
-            theirs = times["torch DTensor SP" if name.endswith("SP") else "torch DTensor"]
+        for name, steps in times.items():
+            peer = times["torch DTensor SP" if name.endswith("SP") else "torch DTensor"]
+            mine, theirs = _totals(steps, 0), _totals(peer, 0)
             # steps of one round ran back to back: a pair saw the same load
             paired = statistics.median(a / b for a, b in zip(mine, theirs))
             ratio = statistics.median(mine) / statistics.median(theirs)
+            cpu = statistics.median(_totals(steps, 1))
+            cpu_ratio = cpu / statistics.median(_totals(peer, 1))
             print(
                 f"  {d_model:>7}  {name:<16}  {statistics.median(mine) * 1e3:>8.2f} ms"
-                f"  {ratio:>6.3f}  {paired:>6.3f}"
+                f"  {ratio:>6.3f}  {paired:>6.3f}  {cpu * 1e3:>6.2f} ms  {cpu_ratio:>9.3f}"
             )
     print(
-        "  ratio = median step / median DTensor step; paired = median of the per-round"
-        " ratios (robust to load changes); SP rows against torch DTensor SP (SequenceParallel)."
-        " Goal for macrogen: <= 0.70"
+        "  ratio = median step / median DTensor step (wall); paired = median of the per-round"
+        " ratios (robust to load changes); CPU = rank 0's process CPU time (gloo's threads"
+        " included); SP rows against torch DTensor SP (SequenceParallel);"
+        " no collectives = the floor (no communication). Goal for macrogen: <= 0.70"
     )
+    print("  per phase, median wall / CPU ms:")
+    for d_model, times in results:
+        for name, steps in times.items():
+            cells = "  ".join(
+                f"{phase} {statistics.median(s[k][0] for s in steps) * 1e3:6.2f}"
+                f" / {statistics.median(s[k][1] for s in steps) * 1e3:6.2f}"
+                for k, phase in enumerate(PHASES)
+            )
+            print(f"  {d_model:>7}  {name:<16}  {cells}")
     for d_model, (serial_ln, sp_ln) in zip(args.d_model, memory):
         print(
             f"sequence parallel, d_model {d_model}: layer-norm activations saved per rank"

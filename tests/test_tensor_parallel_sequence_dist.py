@@ -39,11 +39,21 @@ TIGHT = dict(rtol=1e-5, atol=1e-6)
 AFTER_ADAM = dict(rtol=1e-5, atol=1e-2 * LR)
 
 
-def _load(tmp: Path, rank: int):
+# DP x TP: the same block, data-parallel over the tensor groups (its gradient hooks,
+# summing over the tensor group, run before data parallelism's average)
+DATA_PARALLEL = """
+
+@mg.data_parallel()
+class DataParallelBlock(Block):
+    pass
+"""
+
+
+def _load(tmp: Path, rank: int, source: str = SOURCE):
     tmp = tmp / f"rank{rank}"
     tmp.mkdir(exist_ok=True)
-    serial = load_module(SOURCE, f"sp_serial_{rank}", tmp)
-    parallel = load_module(expand(SOURCE), f"sp_parallel_{rank}", tmp)
+    serial = load_module(source, f"sp_serial_{rank}", tmp)
+    parallel = load_module(expand(source), f"sp_parallel_{rank}", tmp)
     return serial, parallel
 
 
@@ -118,6 +128,9 @@ def _sequence_parity(rank, world, tmp):
             grads[key], torch_grads[key], **TIGHT, msg=lambda m, k=key: f"{k}: {m}"
         )
 
+    _collectives_of_a_pass(ours, x[:, mine], w[:, mine], grads)
+    _nested_sequence_modules(x, w, mine)
+
     # 3 AdamW steps from the same weights
     reference = copy.deepcopy(initial)
     _train(reference, x, w)
@@ -132,6 +145,72 @@ def _sequence_parity(rank, world, tmp):
             got[key], torch_state[key], **AFTER_ADAM, msg=lambda m, k=key: f"{k}: {m}"
         )
     return memory, _indivisible(world)
+
+
+def _collectives_of_a_pass(ours, x, w, grads):
+    """On gloo a reduce-scatter along T runs as an all-reduce keeping this rank's slice (gloo's
+    own costs more): counted here, and equal, bit for bit, to the reduce-scatter path (other
+    backends'). Each layer norm's weight and bias gradients are summed in one all-reduce."""
+    import torch.distributed as dist
+
+    from macrogen.runtime import collectives
+    from macrogen.runtime.tensor_parallel import full_gradients
+
+    calls = {"all_reduce": 0, "reduce_scatter_single": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    results = {}
+    try:
+        for backends in ({"gloo"}, set()):
+            collectives.REDUCE_SCATTER_BY_ALL_REDUCE = backends
+            for name in calls:
+                calls[name] = 0
+                setattr(dist, name, counting(name))
+            ours.zero_grad()
+            leaf = x.clone().requires_grad_()
+            out = ours(leaf)
+            (out * w).sum().backward()
+            results[bool(backends)] = (out, leaf.grad, full_gradients(ours), dict(calls))
+    finally:
+        collectives.REDUCE_SCATTER_BY_ALL_REDUCE = {"gloo"}
+        for name, call in originals.items():
+            setattr(dist, name, call)
+    (out, grad_x, grads_ar, by_ar), (out_rs, grad_x_rs, grads_rs, by_rs) = results[True], results[False]
+    # all-reduces: 2 rowwise-to-sequence outputs and 1 colwise-from-sequence input gradient
+    # (as reduce-scatters, or not), the attention's colwise input gradient, 1 per layer norm
+    assert by_ar == {"all_reduce": 3 + 1 + 2, "reduce_scatter_single": 0}, by_ar
+    assert by_rs == {"all_reduce": 1 + 2, "reduce_scatter_single": 3}, by_rs
+    torch.testing.assert_close(out_rs, out, rtol=0, atol=0)
+    torch.testing.assert_close(grad_x_rs, grad_x, rtol=0, atol=0)
+    for key, value in grads.items():  # and the same gradients as the first pass
+        torch.testing.assert_close(grads_ar[key], value, rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(grads_rs[key], value, rtol=0, atol=0, msg=key)
+
+
+def _nested_sequence_modules(x, w, mine):
+    """A "sequence" module inside another: its parameters' gradients are summed once."""
+    from macrogen.runtime.mesh import tensor_parallel_group
+    from macrogen.runtime.tensor_parallel_plan import Sequence
+
+    torch.manual_seed(0)
+    serial = torch.nn.Sequential(torch.nn.LayerNorm(SHAPE[2]), torch.nn.LayerNorm(SHAPE[2]))
+    holder = torch.nn.Module()
+    holder.outer = copy.deepcopy(serial)
+    group = tensor_parallel_group(None)
+    Sequence().apply(holder, "outer", "outer", group, None)
+    Sequence().apply(holder.outer, "1", "outer.1", group, None)
+    (serial(x) * w).sum().backward()
+    (holder.outer(x[:, mine]) * w[:, mine]).sum().backward()
+    for (key, p), q in zip(serial.named_parameters(), holder.outer.parameters()):
+        assert type(q) is torch.nn.Parameter  # put back after the forward
+        torch.testing.assert_close(q.grad, p.grad, **TIGHT, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def _torch_sequence_parallel(P, serial, world):
@@ -206,6 +285,56 @@ def _indivisible(world):
     return str(e.value)
 
 
+def _data_x_sequence_parity(rank, world, tmp):
+    """DP=2 x TP=2: each data rank trains on its share of the batch, each tensor rank on its
+    slice of that share's sequence; forward, input gradient and parameters after 3 AdamW
+    steps equal serial, and all four ranks hold the same model."""
+    from macrogen.runtime.mesh import mesh
+    from macrogen.runtime.tensor_parallel import full_state_dict
+
+    tensor = 2
+    os.environ["MACROGEN_TP_SIZE"] = str(tensor)
+    S, P = _load(Path(tmp), rank, SOURCE + DATA_PARALLEL)
+    torch.manual_seed(0)
+    serial = S.Block(S.Config())
+    torch.manual_seed(0)
+    ours = P.DataParallelBlock(P.Config())
+    m = mesh()
+    assert (m.data_size, m.tensor_size) == (world // tensor, tensor)
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    share = SHAPE[0] // m.data_size
+    rows = slice(m.data_rank * share, (m.data_rank + 1) * share)  # my data rank's batch
+    t = torch.distributed.get_rank(m.tensor_group)
+    mine = slice(t * SHAPE[1] // tensor, (t + 1) * SHAPE[1] // tensor)  # my tokens of it
+
+    # data parallelism averages the data ranks' gradients: serial's loss is their mean
+    def serial_loss(model, x):
+        return (model(x) * w).sum() / m.data_size
+
+    def our_loss(model, x):
+        return (model(x) * w[rows, mine]).sum()
+
+    x_s, x_p = x.clone().requires_grad_(), x[rows, mine].clone().requires_grad_()
+    serial_loss(copy.deepcopy(serial), x_s).backward()
+    out_p = ours(x_p)
+    (out_p * w[rows, mine]).sum().backward()
+    torch.testing.assert_close(out_p, serial(x)[rows, mine], **TIGHT)
+    torch.testing.assert_close(x_p.grad, m.data_size * x_s.grad[rows, mine], **TIGHT)
+
+    for model, loss, data in ((serial, serial_loss, x), (ours, our_loss, x[rows, mine])):
+        model.zero_grad()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            loss(model, data).backward()
+            optimizer.step()
+    got = full_state_dict(ours)
+    for key, value in serial.state_dict().items():
+        torch.testing.assert_close(got[key], value, **SERIAL_TOL, msg=lambda m, k=key: f"{k}: {m}")
+    return got
+
+
 def test_sequence_parallel_block_equals_serial_and_torch(tmp_path):
     results = run_ranks(_sequence_parity, 2, args=(str(tmp_path),), timeout=240)
     (serial, mine), error = results[0]
@@ -214,3 +343,10 @@ def test_sequence_parallel_block_equals_serial_and_torch(tmp_path):
         "MLP.c_proj: the sequence length (dim 1) 7 is not divisible by the tensor-parallel size 2;"
         " pad the sequence or choose a size that divides it"
     )
+
+
+def test_sequence_parallel_under_data_x_tensor_parallel(tmp_path):
+    finals = run_ranks(_data_x_sequence_parity, 4, args=(str(tmp_path),), timeout=240)
+    for final in finals[1:]:  # every rank holds the same model
+        for key, value in finals[0].items():
+            torch.testing.assert_close(final[key], value, rtol=0, atol=0, msg=key)

@@ -177,8 +177,7 @@ class RowwiseLinear(_Sharded):
         if x.shape[-1] != self.in_features:  # a full input: keep my slice
             x = scatter_last_dim(x, self.group)
         if not self.sequence:
-            y = rowwise_linear(x, self.weight, self.group)
-            return y if self.bias is None else y + self.bias
+            return rowwise_linear(x, self.weight, self.group, bias=self.bias)
         return rowwise_to_sequence(x, self.weight, self.bias, self.group, self.name)
 
     def extra_repr(self) -> str:

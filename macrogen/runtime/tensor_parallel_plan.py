@@ -29,17 +29,17 @@ shard, shared; a plan that cannot keep a tie is an error naming both names.
 from __future__ import annotations
 
 import sys
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from macrogen.runtime import groups
-from macrogen.runtime.collectives import all_reduce_gradient, gather_sequence, group_size
+from macrogen.runtime.collectives import gather_sequence, group_size, sum_gradients
 from macrogen.runtime.tensor_parallel import (
     ColwiseLinear,
     RowwiseLinear,
@@ -209,6 +209,7 @@ class Sequence(Style):
             )
         if group is not None:
             module.register_forward_pre_hook(_sum_parameter_gradients(group))
+            module.register_forward_hook(_restore_parameters, always_call=True)
 
 
 class FromSequence(Style):
@@ -230,20 +231,44 @@ class FromSequence(Style):
 
 
 def _sum_parameter_gradients(group):
-    """A forward pre-hook giving each parameter of the module, once, a gradient hook summing
-    its gradient over the group. Hooked on first use, not at planning: a parameter's own hooks
-    are lost by ``copy.deepcopy``, the module's pre-hooks are kept (the copy's parameters,
-    new objects, are hooked on its first forward)."""
-    hooked: dict[int, weakref.ref] = {}  # by id, checked by identity (tensors' == is elementwise)
+    """A forward pre-hook running the module on views of its parameters whose gradients are
+    summed over the group, all of them in one all-reduce (``sum_gradients``), rather than
+    one gradient hook and one collective per parameter. ``_restore_parameters`` puts the
+    parameters back after the forward. Set up at every forward, not at planning, so a
+    ``copy.deepcopy`` of the model (its hooks are kept) sums its own parameters' gradients."""
 
     def hook(module: nn.Module, args: tuple) -> None:
-        for param in module.parameters():
-            seen = hooked.get(id(param))
-            if param.requires_grad and (seen is None or seen() is not param):
-                param.register_hook(all_reduce_gradient(group))
-                hooked[id(param)] = weakref.ref(param)
+        _restore_parameters(module)  # a forward that raised may have left views in place
+        if not torch.is_grad_enabled():
+            return
+        slots: list[tuple[nn.Module, str]] = []
+        params: list[torch.Tensor] = []
+        index: dict[int, int] = {}  # a parameter under two names gets one view
+        for owner in module.modules():
+            for name, param in owner._parameters.items():
+                # not a Parameter: a view an enclosing "sequence" module put there (summed once)
+                if isinstance(param, nn.Parameter) and param.requires_grad:
+                    slots.append((owner, name))
+                    if id(param) not in index:
+                        index[id(param)] = len(params)
+                        params.append(param)
+        if not params:
+            return
+        views = sum_gradients(params, group)
+        module.__dict__[_SWAPPED] = [(owner, name, owner._parameters[name]) for owner, name in slots]
+        for owner, name in slots:  # a plain tensor where a parameter was: what forward reads
+            table: dict[str, Any] = owner._parameters
+            table[name] = views[index[id(table[name])]]
 
     return hook
+
+
+_SWAPPED = "_tensor_parallel_parameters"  # (owner, name, parameter) while a forward runs on views
+
+
+def _restore_parameters(module: nn.Module, *_: Any) -> None:
+    for owner, name, param in module.__dict__.pop(_SWAPPED, ()):
+        owner._parameters[name] = param
 
 
 def _gather_first_input(group, name: str):
