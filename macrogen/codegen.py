@@ -5,7 +5,8 @@ identifier), ``py`` (``repr`` of a number, string, bool, None or a tuple/list
 of them: user text inside string literals), ``text`` (user text such as a file
 path inside a comment or docstring, see ``text``) and ``code`` (a libcst
 expression node a macro built, such as a kernel expression rebuilt from a
-validated IR). Nothing from a user's file is pasted in as raw text.
+validated IR; or an ``Expression``, such text checked by ``ast``). Nothing from a
+user's file is pasted in as raw text.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jinja2
 import libcst as cst
 
 from macrogen.expand.errors import InternalError
+from macrogen.expand.rendered import rendered
 
 
 def templates_dir() -> Path:
@@ -75,7 +77,20 @@ def py(value: Any) -> str:
     raise InternalError(f"can't render {type(value).__name__} {value!r} as a Python literal")
 
 
+class Expression:
+    """Expression code a macro generated from validated pieces and checked to be one
+    Python expression (``macros/tile/code.py``): ``code`` writes its text as is."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"Expression({self.text!r})"
+
+
 def code(value: Any) -> str:
+    if isinstance(value, Expression):
+        return value.text
     if not isinstance(value, cst.BaseExpression):
         raise InternalError(f"not a libcst expression: {value!r}")
     return cst.Module([]).code_for_node(value)
@@ -110,17 +125,29 @@ def environment() -> jinja2.Environment:
 
 def render(template: str, **params: Any) -> str:
     """Render ``templates/<template>`` and check that the result parses as Python."""
+    return _render(template, params)[0]
+
+
+def _render(template: str, params: dict[str, Any]) -> tuple[str, ast.Module]:
     try:
         text = environment().get_template(template).render(**params)
     except jinja2.TemplateError as e:
         raise InternalError(f"template {template} failed to render: {e}") from e
     try:
-        ast.parse(text)  # the check only: ast is ten times faster than libcst here
+        tree = ast.parse(text)  # the check: ast is ten times faster than libcst here
     except SyntaxError as e:
         raise InternalError(
             f"template {template} rendered invalid Python (line {e.lineno}): {e.msg}"
         ) from e
-    return text
+    return text, tree
+
+
+def render_definitions(template: str, **params: Any) -> list[cst.BaseStatement]:
+    """``render_statements`` for module-level code a macro adds beside the user's (a
+    class): one statement node that keeps the text and prints it as it is where it
+    can, else as libcst's parse of it (``expand/rendered.py``)."""
+    text, tree = _render(template, params)
+    return [rendered(text, tree, template)]
 
 
 def render_statements(template: str, **params: Any) -> list[cst.BaseStatement]:

@@ -140,8 +140,15 @@ def test_a_fused_block_inside_90_nested_defs_expands():
     compile(result.code, "m.py", "exec")
 
 
-def test_a_macro_argument_nested_150_deep_is_a_clean_error():
-    report = errors("import macrogen as mg\nA = mg.define(" + "[" * 150 + "]" * 150 + ")\n")
+def test_a_macro_argument_nested_150_deep_expands():
+    # The transform does not walk into syntax that holds no macrogen name, so a deep literal
+    # no longer reaches the recursion limit (issue 15's pass work).
+    result = expand_source("import macrogen as mg\nA = mg.define(" + "[" * 150 + "]" * 150 + ")\n", path="m.py")
+    assert "A = " + "[" * 150 + "]" * 150 + "\n" in result.code
+
+
+def test_a_macro_argument_nested_150_deep_around_a_macro_name_is_a_clean_error():
+    report = errors("import macrogen as mg\nA = mg.define(" + "[" * 150 + "mg" + "]" * 150 + ")\n")
     assert "nested too deeply to expand" in report
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import keyword
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +124,10 @@ class Context:
         # Names the site being expanded sees bound by its own function or class: a module
         # import of the same name is hidden there, so generated code must not use it.
         self.shadowed: frozenset[str] = frozenset()
+        # The text of a statement of the user's file (a site's definition), as libcst
+        # prints it but indented where it stands; None where the pass can't tell. A macro
+        # that scans a definition's words reads this instead of printing the tree.
+        self.source_text: Callable[[cst.CSTNode], str | None] = lambda node: None
 
     # -- imports that generated code needs ---------------------------------
     # A macro asks for a name here, uses ``str(imp)`` (its local name) in the code it

@@ -8,17 +8,17 @@ module's import inside that function, so it is not a macro there.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
+import re
 import unicodedata
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import libcst as cst
 
 from macrogen import NON_MACRO_NAMES, macros
 from macrogen.expand.errors import MacroError
+from macrogen.expand.walk import Visitor, walk
 
 PACKAGE = "macrogen"
 
@@ -46,6 +46,16 @@ def dotted(node: cst.CSTNode) -> str | None:
         base = dotted(node.value)
         return None if base is None else f"{base}.{nfkc(node.attr.value)}"
     return None
+
+
+def may_call_with_arguments(text: str | None, func: str) -> bool:
+    """Whether code ``text`` may call ``func`` (a plain name) with arguments: False only when
+    every occurrence of the word is followed by ``()``, so a walk for such calls can be
+    skipped (``super(Cls, self)`` checks: classes call ``super().__init__()``)."""
+    if text is None:
+        return True
+    empty = re.compile(rf"\b{re.escape(func)}\b(?![ \t]*\(\))")
+    return empty.search(text) is not None
 
 
 def did_you_mean(name: str, known: tuple[str, ...] | list[str]) -> str:
@@ -143,11 +153,10 @@ class Scope:
     imports: dict[str, str] = field(default_factory=dict)  # bound by imports alone -> what
 
 
-class _ScopeCollector(cst.CSTVisitor):
+class _ScopeCollector(Visitor):
     """Collects the names bound directly in one scope (not in scopes inside it)."""
 
     def __init__(self, scope: Scope, errors: list[MacroError]):
-        super().__init__()
         self.scope = scope
         self.errors = errors
         self.others: set[str] = set()  # names also bound by something else than macrogen
@@ -239,51 +248,8 @@ def collect_scope(
 ) -> Scope:
     collector = _ScopeCollector(Scope(kind, name), errors)
     for node in nodes:
-        _walk(node, collector)
+        walk(node, collector)  # reads only: libcst's visit would rebuild every node
     return collector.finish()
-
-
-# Which node types the collector has a ``visit_<Type>`` for, and which fields of a type
-# may hold nodes: filled as types are met.
-_VISIT: dict[type, Callable[[_ScopeCollector, Any], bool | None] | None] = {}
-_FIELDS: dict[type, tuple[str, ...]] = {}
-# Syntax that holds no name (whitespace, commas, brackets, operators): not walked.
-_LEAVES = (
-    cst.BaseParenthesizableWhitespace,
-    cst.EmptyLine,
-    cst.TrailingWhitespace,
-    cst.Comment,
-    cst.Newline,
-    cst.Comma,
-    cst.LeftParen,
-    cst.RightParen,
-)
-
-
-def _walk(root: cst.CSTNode, collector: _ScopeCollector) -> None:
-    """``root.visit(collector)``, in the same order, without libcst's visitor machinery
-    (which rebuilds every node it passes; a scope walk only reads)."""
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        kind = type(node)
-        if kind not in _VISIT:
-            _VISIT[kind] = getattr(_ScopeCollector, f"visit_{kind.__name__}", None)
-            _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(node))
-        visit = _VISIT[kind]
-        if visit is not None and visit(collector, node) is False:
-            continue
-        children: list[cst.CSTNode] = []
-        for name in _FIELDS[kind]:
-            value = getattr(node, name)
-            if isinstance(value, cst.CSTNode):
-                if not isinstance(value, _LEAVES):
-                    children.append(value)
-            elif isinstance(value, (list, tuple)):
-                children.extend(
-                    v for v in value if isinstance(v, cst.CSTNode) and not isinstance(v, _LEAVES)
-                )
-        stack.extend(reversed(children))
 
 
 class ScopeStack:

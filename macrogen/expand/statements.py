@@ -72,7 +72,7 @@ def code_and_positions(module: cst.Module) -> tuple[str, Positions, Extents]:
     for line in split_lines(code + state.popped):
         if line.endswith(("\n", "\r")):
             starts.append(starts[-1] + len(line))
-    return code, _OffsetPositions(state.ranges, starts), _OffsetExtents(state.extents, starts)
+    return code, _OffsetPositions(state.ranges, starts), _OffsetExtents(state.extents, starts, code)
 
 
 class _OffsetState(CodegenState):
@@ -105,11 +105,14 @@ class _OffsetState(CodegenState):
         self.stack.append(self.offset)
 
     def after_codegen(self, node: cst.CSTNode) -> None:
-        start = self.stack.pop()
-        if node not in self.ranges:
-            self.ranges[node] = (start, self.offset)
-        if isinstance(node, cst.BaseStatement):
-            self.extents[node] = (start, self.offset)
+        span = (self.stack.pop(), self.offset)
+        self.ranges.setdefault(node, span)
+        kind = type(node)
+        statement = _STATEMENT.get(kind)
+        if statement is None:  # (isinstance on libcst's abstract classes is slow: once per type)
+            statement = _STATEMENT[kind] = issubclass(kind, cst.BaseStatement)
+        if statement:
+            self.extents[node] = span
 
     def record_syntactic_position(  # type: ignore[override]
         self,
@@ -119,6 +122,9 @@ class _OffsetState(CodegenState):
         end_node: cst.CSTNode | None = None,
     ) -> _Syntactic:
         return _Syntactic(self, node, start_node, end_node)
+
+
+_STATEMENT: dict[type, bool] = {}
 
 
 class _Syntactic:
@@ -176,9 +182,16 @@ class _OffsetPositions(Mapping[cst.CSTNode, Any]):
 class _OffsetExtents(Mapping[cst.CSTNode, "tuple[int, int]"]):
     """A statement's first and last line (1-based, counted from the piece's first)."""
 
-    def __init__(self, extents: dict[cst.CSTNode, tuple[int, int]], starts: list[int]):
+    def __init__(self, extents: dict[cst.CSTNode, tuple[int, int]], starts: list[int], code: str):
         self.extents = extents
         self.starts = starts
+        self.code = code
+
+    def text(self, node: cst.CSTNode) -> str | None:
+        """All that the statement printed: its code as ``code_for_node`` gives it, but
+        indented where it stands."""
+        span = self.extents.get(node)
+        return self.code[span[0] : span[1]] if span is not None else None
 
     def __getitem__(self, node: cst.CSTNode) -> tuple[int, int]:
         start, end = self.extents[node]
@@ -192,6 +205,11 @@ class _OffsetExtents(Mapping[cst.CSTNode, "tuple[int, int]"]):
 
     def __len__(self) -> int:
         return len(self.extents)
+
+
+# Python's syntax makes at most ~2 ast nodes per character of source (``-a``: UnaryOp, USub,
+# Name, Load): a statement this short can't reach MAX_NODES, so it is not counted.
+_NODES_PER_CHARACTER = 4
 
 
 def _check_size(nodes: list[ast.stmt]) -> None:
@@ -214,6 +232,14 @@ class Statements:
     @property
     def count(self) -> int:
         return len(self.first_lines)
+
+    def source_text(self, i: int, node: cst.CSTNode) -> str | None:
+        """The text of a statement inside statement ``i`` (see ``_OffsetExtents.text``), or None."""
+        extents = self.extents(i)
+        return extents.text(node) if isinstance(extents, _OffsetExtents) else None
+
+    def extents(self, i: int) -> Extents:
+        raise NotImplementedError
 
     def line_at(self, offset: int) -> int:
         """The 1-based line of a character offset into the source."""
@@ -254,7 +280,7 @@ class Pieces(Statements):
                 ends.append(node.end_lineno or node.lineno)
         # statement i runs from the line after statement i-1 to its own last line
         self.first_lines = [1] + [end + 1 for end in ends[:-1]] if ends else []
-        self.indent = _first_indent(tree, self.lines)
+        self.indent = first_indent(tree, self.lines)
         self._modules: dict[int, cst.Module] = {}
         self._positions: dict[int, tuple[Positions, Extents]] = {}
 
@@ -271,7 +297,8 @@ class Pieces(Statements):
     def module(self, i: int) -> cst.Module:
         """Statement ``i`` parsed alone: its module holds it and its leading comments."""
         if i not in self._modules:
-            _check_size(self.groups[i])
+            if len(self.text(i)) * _NODES_PER_CHARACTER > MAX_NODES:
+                _check_size(self.groups[i])
             try:
                 module = cst.parse_module(self.text(i))
             except cst.ParserSyntaxError:
@@ -406,7 +433,7 @@ def _opens_block(nodes: list[ast.stmt]) -> bool:
     return False
 
 
-def _first_indent(tree: ast.Module, lines: list[str]) -> str:
+def first_indent(tree: ast.Module, lines: list[str]) -> str:
     """The file's first block indentation, as libcst would infer it from the whole file."""
     for node in tree.body:
         body = getattr(node, "body", None)

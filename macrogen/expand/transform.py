@@ -23,11 +23,15 @@ from macrogen.expand.args import ArgumentHook, Evaluator
 from macrogen.expand.context import Context, Position, SiteArguments
 from macrogen.expand.errors import InternalError, MacroError
 from macrogen.expand.protocol import Expanded, Form, Macro, Site
-from macrogen.expand.sites import Scope, ScopeStack, collect_scope
+from macrogen.expand.rendered import materialized
+from macrogen.expand.sites import Scope, ScopeStack, collect_scope, nfkc
+from macrogen.expand.walk import children, leaf, nodes
 
 
 class HotLines(Protocol):
     """Which statements mention a name that may mean macrogen (``expand/__init__.py``)."""
+
+    names: set[str]
 
     def __call__(self, node: cst.CSTNode) -> bool: ...
 
@@ -60,6 +64,9 @@ class Expander(cst.CSTTransformer):
         self.module_names = module_names  # the file's top-level imports: local name -> what
         # Which statements mention a name that may mean macrogen: the others are not visited.
         self.hot = hot
+        # The nodes of the top-level statement that hold a name in ``hot.names`` (by id;
+        # None: visit every node): the others can hold no site, so are not visited.
+        self.live: set[int] | None = None
         self.refs: dict[cst.CSTNode, str] = {}  # original macro call (or bare decorator) -> macro
         self.claimed: dict[cst.CSTNode, Form] = {}  # macro calls a statement form takes
         self.consumed: set[cst.CSTNode] = set()
@@ -75,17 +82,31 @@ class Expander(cst.CSTTransformer):
         self.scopes.push(scope)
         if self.hot is not None and scope.macros:
             self.hot.add(scope.macros)  # a local import of macrogen: its names are hot below
+            self.live = None  # (found with the names before: visit everything from here)
+
+    def _scope(
+        self, kind: str, node: cst.FunctionDef | cst.ClassDef, parts: list[cst.CSTNode]
+    ) -> Scope:
+        """The names a def or class binds. Only worth collecting when a statement of its
+        block mentions a name that may mean macrogen: no other is visited, so nothing in
+        the block asks (a @tile kernel's loops, a @tensor_parallel class's methods)."""
+        body = node.body
+        if (
+            self.hot is not None
+            and isinstance(body, cst.IndentedBlock)
+            and not any(map(self.hot, body.body))
+        ):
+            return Scope(kind, node.name.value)
+        return collect_scope(kind, node.name.value, parts, self.errors)
 
     def visit_FunctionDef_body(self, node: cst.FunctionDef) -> None:
-        self._push(
-            collect_scope("function", node.name.value, [node.params, node.body], self.errors)
-        )
+        self._push(self._scope("function", node, [node.params, node.body]))
 
     def leave_FunctionDef_body(self, node: cst.FunctionDef) -> None:
         self.scopes.pop()
 
     def visit_ClassDef_body(self, node: cst.ClassDef) -> None:
-        self._push(collect_scope("class", node.name.value, [node.body], self.errors))
+        self._push(self._scope("class", node, [node.body]))
 
     def leave_ClassDef_body(self, node: cst.ClassDef) -> None:
         self.scopes.pop()
@@ -98,33 +119,43 @@ class Expander(cst.CSTTransformer):
 
     # -- statements: where a call-form site's comment goes -------------------------
     def on_visit(self, node: cst.CSTNode) -> bool:
-        if isinstance(node, cst.BaseStatement):
+        statement, leaf, visit, _ = _dispatch(type(self), type(node))
+        if leaf:
+            return False  # whitespace, a comma, an operator: nothing inside (nor to rebuild)
+        if statement:
             self.statements.append([])
-            if self.hot is not None and not self.hot(node):
-                return False  # no macro name in its lines: nothing to find (on_leave still runs)
-        visit = _method(type(self), "visit_", type(node))
+            if self.hot is not None:
+                if not self.hot(node):
+                    return False  # no macro name in its lines: nothing to find (on_leave runs)
+                if len(self.statements) == 1:  # the top-level statement
+                    self.live = _live_nodes(node, self.hot)
+        elif self.live is not None and id(node) not in self.live:
+            return False  # no name that may mean macrogen below: no site, nothing to check
         return visit is None or visit(self, node) is not False
 
     def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> Any:
-        leave = _method(type(self), "leave_", type(original))
+        statement, _, _, leave = _dispatch(type(self), type(original))
         result = updated if leave is None else leave(self, original, updated)
-        if isinstance(original, cst.BaseStatement):
+        if statement:
             comments = self.statements.pop()
             if comments:
                 result = _with_comments(result, comments)
         return result
 
     # libcst's own dispatch formats a method name and looks it up for every node and
-    # every attribute of every node; these look each up once per node type.
+    # every attribute of every node; these look each up once per node type, and only
+    # for the attributes this class has hooks for (``_FunctionDef_body``...).
     def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
-        visit = _method(type(self), "visit_", type(node), attribute)
-        if visit is not None:
-            visit(self, node)
+        if attribute in _hooked_attributes(type(self)):
+            visit = _method(type(self), "visit_", type(node), attribute)
+            if visit is not None:
+                visit(self, node)
 
     def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
-        leave = _method(type(self), "leave_", type(original_node), attribute)
-        if leave is not None:
-            leave(self, original_node)
+        if attribute in _hooked_attributes(type(self)):
+            leave = _method(type(self), "leave_", type(original_node), attribute)
+            if leave is not None:
+                leave(self, original_node)
 
     # -- finding macro references and deciding their form ----------------------------
     def _claim(self, node: cst.CSTNode, *forms: Form) -> None:
@@ -216,6 +247,8 @@ class Expander(cst.CSTTransformer):
         for n, i in enumerate(reversed(found)):  # bottom-up, as Python applies decorators
             expr = original.decorators[i].decorator
             macro = self.refs[expr]
+            if n:  # a macro stacked above gets the tree of what the one below rendered
+                statements = materialized(statements)
             at = _definition_of(name, statements)
             if at is None:
                 self._error(
@@ -412,16 +445,73 @@ class Expander(cst.CSTTransformer):
 
 
 _METHODS: dict[tuple[type, str, type, str], Callable[..., Any] | None] = {}
+def _live_nodes(root: cst.CSTNode, hot: HotLines) -> set[int]:
+    """The ids of the nodes at or below ``root`` that hold a ``Name`` in ``hot.names``,
+    not looking into the statements ``hot`` rules out (they are not visited)."""
+    names, live = hot.names, set()
+
+    def mark(node: cst.CSTNode) -> bool:
+        if node is not root and _dispatch(Expander, type(node))[0] and not hot(node):
+            return False
+        found = isinstance(node, cst.Name) and nfkc(node.value) in names
+        for child in children(node):
+            found = mark(child) or found
+        if found:
+            live.add(id(node))
+        return found
+
+    mark(root)
+    return live
+
+
+_ATTRIBUTES: dict[type, frozenset[str]] = {}
+
+
+def _hooked_attributes(owner: type) -> frozenset[str]:
+    """The attributes of ``owner``'s own ``visit_<Node>_<attribute>``/``leave_...`` hooks."""
+    found = _ATTRIBUTES.get(owner)
+    if found is None:
+        found = _ATTRIBUTES[owner] = frozenset(
+            name.split("_", 2)[2]
+            for name in dir(owner)
+            if name.startswith(("visit_", "leave_"))
+            and name.count("_") >= 2
+            and getattr(owner, name) is not getattr(cst.CSTTransformer, name, None)
+        )
+    return found
+
+
+_Dispatch = tuple[bool, bool, Callable[..., Any] | None, Callable[..., Any] | None]
+_DISPATCH: dict[tuple[type, type], _Dispatch] = {}
+
+
+def _dispatch(owner: type, kind: type) -> _Dispatch:
+    """For a node type: whether it is a statement, whether a leaf (``walk.leaf``), and
+    ``owner``'s visit and leave methods for it; worked out once per type."""
+    try:
+        return _DISPATCH[owner, kind]
+    except KeyError:
+        found = _DISPATCH[owner, kind] = (
+            issubclass(kind, cst.BaseStatement),
+            leaf(kind),
+            _method(owner, "visit_", kind),
+            _method(owner, "leave_", kind),
+        )
+        return found
 
 
 def _method(owner: type, prefix: str, kind: type, attribute: str = "") -> Callable[..., Any] | None:
-    """``owner``'s ``visit_If``, ``leave_FunctionDef_body``...: what libcst's dispatch finds."""
+    """``owner``'s ``visit_If``, ``leave_FunctionDef_body``...: what libcst's dispatch finds;
+    None where that is libcst's default (a visit that goes on, a leave that keeps the node)."""
     key = (owner, prefix, kind, attribute)
     try:
         return _METHODS[key]
     except KeyError:
         name = f"{prefix}{kind.__name__}" + (f"_{attribute}" if attribute else "")
-        found = _METHODS[key] = getattr(owner, name, None)
+        found = getattr(owner, name, None)
+        if found is not None and found is getattr(cst.CSTTransformer, name, None):
+            found = None
+        _METHODS[key] = found
         return found
 
 
@@ -507,13 +597,4 @@ def _inside(node: cst.CSTNode, root: cst.CSTNode) -> bool:
 
 
 def inside(node: cst.CSTNode, root: cst.CSTNode) -> bool:
-    found = False
-
-    class _Find(cst.CSTVisitor):
-        def on_visit(self, n: cst.CSTNode) -> bool:
-            nonlocal found
-            found = found or n is node
-            return not found
-
-    root.visit(_Find())
-    return found
+    return any(n is node for n in nodes(root))

@@ -30,13 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import libcst as cst
-import libcst.matchers as m
 
 from macrogen import codegen
 from macrogen.expand.args import Arg
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.expand.sites import may_call_with_arguments
+from macrogen.expand.walk import find
 
 NAME = "data_parallel"
 FORMS: frozenset[Form] = frozenset({"decorator"})
@@ -117,7 +118,7 @@ def validate(site: Site, ctx: Context) -> Spec:
             f"data_parallel() decorates an nn.Module subclass; {node.name.value} has no base class",
             node.name,
         )
-    _reject_named_super(node)
+    _reject_named_super(node, ctx.source_text(node))
     args = site.args.bind(DEFAULTS)
     values = {name: args[name].value if name in args else d for name, d in DEFAULTS.items()}
     for name, arg in args.items():
@@ -139,10 +140,21 @@ def _check(name: str, arg: Arg, ctx: Context) -> None:
             )
 
 
-def _reject_named_super(cls: cst.ClassDef) -> None:
-    """``super(GPT, self)`` would name the generated subclass and recurse forever."""
-    pattern = m.Call(func=m.Name("super"), args=[m.Arg(m.Name(cls.name.value)), m.AtLeastN(n=0)])
-    for call in m.findall(cls.body, pattern):
+def _reject_named_super(cls: cst.ClassDef, text: str | None) -> None:
+    """``super(GPT, self)`` would name the generated subclass and recurse forever.
+
+    ``text``: the class's source, to skip the walk when it can't hold such a call."""
+    if not may_call_with_arguments(text, "super"):
+        return
+    for call in find(cls.body, cst.Call):  # (a read-only walk: libcst's matchers rebuild the tree)
+        if not (
+            isinstance(call.func, cst.Name)
+            and call.func.value == "super"
+            and call.args
+            and isinstance(call.args[0].value, cst.Name)
+            and call.args[0].value.value == cls.name.value
+        ):
+            continue
         raise MacroError(
             f"write super() without arguments in a @data_parallel class: super({cls.name.value}, ...)"
             " would name the generated data-parallel subclass",
@@ -157,7 +169,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     user_class = site.node.with_changes(name=cst.Name(serial))
     gradient_sync = ctx.import_from("macrogen.runtime.data_parallel", "GradientSync")
     config = ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig")
-    generated = codegen.render_statements(
+    generated = codegen.render_definitions(
         "data_parallel.py.j2",
         name=spec.name,
         serial=serial,

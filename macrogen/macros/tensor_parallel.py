@@ -33,7 +33,10 @@ literal or ``tunable``); without it, $MACROGEN_TP_SIZE from the launch, else 1.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import operator
+import re
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -43,7 +46,8 @@ from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
-from macrogen.expand.sites import did_you_mean, dotted
+from macrogen.expand.sites import did_you_mean, dotted, may_call_with_arguments
+from macrogen.expand.walk import Visitor, find, walk
 from macrogen.macros.tensor_parallel_width import feeding, rewrite_forward
 
 NAME = "tensor_parallel"
@@ -252,7 +256,7 @@ def validate(site: Site, ctx: Context) -> Spec:
             " {'fc': 'colwise', 'proj': 'rowwise'}",
             node,
         )
-    classes = _module_classes("\n".join(ctx.lines))
+    classes = _module_classes(ctx)
     entries = []
     for key, value in plan.items():
         key_node, style_node = _element(node, key)
@@ -270,7 +274,7 @@ def validate(site: Site, ctx: Context) -> Spec:
             raise MacroError(f"{style.name} names an attribute, not {path[-1]!r}", key_node)
         _check_fits(site.original, path, style, classes, key_node)
         entries.append(Entry(key, style))
-    _check_super_calls(site.original)
+    _check_super_calls(site.original, ctx.source_text(site.original))
     spec = Spec(site.original.name.value, tuple(entries), size)
     _check_sequence_sizes(site.original, spec)
     return spec
@@ -326,7 +330,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     group = ctx.import_from("macrogen.runtime.mesh", "tensor_parallel_group")
     gather = ctx.import_from(runtime, "serial_state_dict")
     scatter = ctx.import_from(runtime, "load_serial_state_dict")
-    generated = codegen.render_statements(
+    generated = codegen.render_definitions(
         "tensor_parallel_class.py.j2",
         name=spec.name,
         serial=serial,
@@ -345,8 +349,15 @@ def expand(site: Site, ctx: Context) -> Expanded:
         used.append(ctx.import_from("macrogen.runtime.collectives", "vocab_parallel_cross_entropy"))
         return used[-1]
 
-    rewrite_widths(site.original, spec, lambda: "_")  # errors at the user's positions
-    cls = rewrite_widths(site.node, spec, loss)
+    node_body, original_body = site.node.body.body, site.original.body.body
+    if len(node_body) == len(original_body) and all(map(operator.is_, node_body, original_body)):
+        # No site inside the class expanded: rewriting the user's nodes gives the errors
+        # at the user's positions and the result at once.
+        rewritten = rewrite_widths(site.original, spec, loss).body.body
+        cls = site.node.with_changes(body=site.node.body.with_changes(body=rewritten))
+    else:
+        rewrite_widths(site.original, spec, lambda: "_")  # errors at the user's positions
+        cls = rewrite_widths(site.node, spec, loss)
     imports = (*styles.values(), parallelize, group, gather, scatter, *used[:1])
     return Expanded([cls.with_changes(name=cst.Name(serial)), *generated], imports=imports)
 
@@ -363,7 +374,7 @@ def _check_fits(
     cls: cst.ClassDef,
     path: tuple[str, ...],
     style: Style,
-    classes: dict[str, cst.ClassDef],
+    classes: Mapping[str, cst.ClassDef],
     key_node: cst.CSTNode,
 ) -> None:
     """The attribute at ``path`` is assigned in ``__init__`` and its value fits ``style``.
@@ -408,7 +419,7 @@ def _check_fits(
 
 
 def _init_assignments(
-    cls: cst.ClassDef, classes: dict[str, cst.ClassDef], seen: frozenset[str] = frozenset()
+    cls: cst.ClassDef, classes: Mapping[str, cst.ClassDef], seen: frozenset[str] = frozenset()
 ) -> dict[str, cst.BaseExpression] | None:
     """``self.<attr> = value`` in ``__init__``: attr -> last value (bases of this file first).
 
@@ -417,7 +428,7 @@ def _init_assignments(
     found: dict[str, cst.BaseExpression] | None = None
     for base in cls.bases:  # super().__init__() runs theirs; a missing __init__ inherits it
         name = dotted(base.value)
-        if name in classes and name not in seen:
+        if name is not None and name in classes and name not in seen:
             inherited = _init_assignments(classes[name], classes, seen | {cls.name.value})
             if inherited is not None:
                 found = {**(found or {}), **inherited}
@@ -427,8 +438,10 @@ def _init_assignments(
     return {**(found or {}), **own}
 
 
+@functools.lru_cache(maxsize=16)  # by the node itself: asked once per plan entry of a site
 def _own_init_assignments(cls: cst.ClassDef) -> dict[str, cst.BaseExpression] | None:
-    """``self.<attr> = value`` anywhere in the class's own ``__init__``: attr -> last value."""
+    """``self.<attr> = value`` anywhere in the class's own ``__init__``: attr -> last value
+    (not to be changed: it is shared)."""
     init = next(
         (s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"),
         None,
@@ -439,7 +452,7 @@ def _own_init_assignments(cls: cst.ClassDef) -> dict[str, cst.BaseExpression] | 
     me = params[0].name.value if params else "self"
     found: dict[str, cst.BaseExpression] = {}
 
-    class _Assignments(cst.CSTVisitor):
+    class _Assignments(Visitor):
         def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
             return node is init  # nested functions assign their own locals
 
@@ -462,7 +475,7 @@ def _own_init_assignments(cls: cst.ClassDef) -> dict[str, cst.BaseExpression] | 
             ):
                 found[target.attr.value] = value
 
-    init.visit(_Assignments())
+    walk(init, _Assignments())
     return found
 
 
@@ -506,7 +519,7 @@ def _may_be_int(value: cst.BaseExpression) -> bool:
 
 
 def _constructed_class(
-    value: cst.BaseExpression, classes: dict[str, cst.ClassDef]
+    value: cst.BaseExpression, classes: Mapping[str, cst.ClassDef]
 ) -> cst.ClassDef | None:
     """The class of this file that ``value`` constructs (``MLP(...)``), if any."""
     if isinstance(value, cst.Call) and isinstance(value.func, cst.Name):
@@ -514,11 +527,51 @@ def _constructed_class(
     return None
 
 
-@functools.lru_cache(maxsize=8)
-def _module_classes(source: str) -> dict[str, cst.ClassDef]:
-    """Top-level classes of the file, for dotted plan paths into submodules."""
-    module = cst.parse_module(source)
-    return {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+_CLASSES: weakref.WeakKeyDictionary[Context, _ModuleClasses] = weakref.WeakKeyDictionary()
+
+
+def _module_classes(ctx: Context) -> _ModuleClasses:
+    """Top-level classes of the file, for dotted plan paths into submodules and base classes."""
+    if ctx not in _CLASSES:
+        _CLASSES[ctx] = _ModuleClasses("\n".join(ctx.lines))
+    return _CLASSES[ctx]
+
+
+class _ModuleClasses(Mapping[str, cst.ClassDef]):
+    """The file's top-level classes by name. libcst parses the whole file only when a plan
+    path or a base class names one of them: most plans name their own class's layers."""
+
+    _CLASS = re.compile(r"^class\b(?:[ \t]+(\w+))?", re.M)
+
+    def __init__(self, source: str):
+        self.source = source
+        found = [m.group(1) for m in self._CLASS.finditer(source)]
+        # the names on lines that start with ``class`` (None: one is written another way)
+        self.candidates: set[str] | None = None if None in found else set(found)
+        self._classes: dict[str, cst.ClassDef] | None = None
+
+    def _all(self) -> dict[str, cst.ClassDef]:
+        if self._classes is None:
+            module = cst.parse_module(self.source)
+            self._classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+        return self._classes
+
+    def _may_have(self, name: object) -> bool:
+        return self.candidates is None or name in self.candidates
+
+    def __getitem__(self, name: str) -> cst.ClassDef:
+        if not self._may_have(name):
+            raise KeyError(name)
+        return self._all()[name]
+
+    def __contains__(self, name: object) -> bool:
+        return self._may_have(name) and name in self._all()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
 
 
 def _element(plan: cst.BaseExpression, key: object) -> tuple[cst.CSTNode, cst.CSTNode]:
@@ -536,28 +589,30 @@ def _literal(node: cst.BaseExpression) -> object:
     return None
 
 
-def _check_super_calls(cls: cst.ClassDef) -> None:
-    """``super(Cls, self)`` would name the generated subclass once the serial class is renamed."""
+def _check_super_calls(cls: cst.ClassDef, text: str | None) -> None:
+    """``super(Cls, self)`` would name the generated subclass once the serial class is renamed.
+
+    ``text``: the class's source (``Context.source_text``), to skip the walk when it can't
+    hold such a call."""
+    if not may_call_with_arguments(text, "super"):
+        return
     name = cls.name.value
 
-    class _Super(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            if (
-                isinstance(node.func, cst.Name)
-                and node.func.value == "super"
-                and node.args
-                and isinstance(node.args[0].value, cst.Name)
-                and node.args[0].value.value == name
-            ):
-                raise MacroError(
-                    f"write super() without arguments in a tensor_parallel class: {name} becomes"
-                    " the generated subclass, so super("
-                    + name
-                    + ", self) would skip the serial class",
-                    node,
-                )
-
-    cls.visit(_Super())
+    for node in find(cls, cst.Call):
+        if (
+            isinstance(node.func, cst.Name)
+            and node.func.value == "super"
+            and node.args
+            and isinstance(node.args[0].value, cst.Name)
+            and node.args[0].value.value == name
+        ):
+            raise MacroError(
+                f"write super() without arguments in a tensor_parallel class: {name} becomes"
+                " the generated subclass, so super("
+                + name
+                + ", self) would skip the serial class",
+                node,
+            )
 
 
 def _check_sequence_sizes(cls: cst.ClassDef, spec: Spec) -> None:
@@ -579,22 +634,19 @@ def _check_sequence_sizes(cls: cst.ClassDef, spec: Spec) -> None:
         return
     sliced = feeding(forward, params[0], set(params[1:]), gathered)
 
-    class _Sizes(cst.CSTVisitor):
-        def visit_Attribute(self, node: cst.Attribute) -> None:
-            if (
-                node.attr.value in ("size", "shape")
-                and isinstance(node.value, cst.Name)
-                and node.value.value in sliced
-            ):
-                raise MacroError(
-                    f"{node.value.value} reaches a 'colwise from sequence' layer, so it is this"
-                    f" rank's slice of the sequence: its .{node.attr.value} gives T / tp where"
-                    " that layer's output has the whole sequence; plan the layer 'colwise' and this"
-                    " module 'from sequence' in its parent (its input is then gathered on entry)",
-                    node,
-                )
-
-    forward.visit(_Sizes())
+    for node in find(forward, cst.Attribute):
+        if (
+            node.attr.value in ("size", "shape")
+            and isinstance(node.value, cst.Name)
+            and node.value.value in sliced
+        ):
+            raise MacroError(
+                f"{node.value.value} reaches a 'colwise from sequence' layer, so it is this"
+                f" rank's slice of the sequence: its .{node.attr.value} gives T / tp where"
+                " that layer's output has the whole sequence; plan the layer 'colwise' and this"
+                " module 'from sequence' in its parent (its input is then gathered on entry)",
+                node,
+            )
 
 
 def rewrite_widths(cls: cst.ClassDef, spec: Spec, loss: Callable[[], str]) -> cst.ClassDef:

@@ -33,6 +33,7 @@ import libcst as cst
 
 from macrogen.expand.errors import MacroError
 from macrogen.expand.sites import dotted
+from macrogen.expand.walk import Visitor, find, leaf, walk
 
 SHAPE_METHODS = ("view", "reshape", "split", "unflatten", "expand")
 CROSS_ENTROPY = (
@@ -71,20 +72,16 @@ def feeding(forward: cst.FunctionDef, me: str, inputs: set[str], colwise: set[st
     """The inputs passed to a colwise layer (``self.c_attn(x)``): their last dim is the width
     the layer splits; other inputs (token ids) have no width to rewrite."""
     found: set[str] = set()
-
-    class _Find(cst.CSTVisitor):
-        def visit_Call(self, call: cst.Call) -> None:
-            func = call.func
-            if (
-                isinstance(func, cst.Attribute)
-                and isinstance(func.value, cst.Name)
-                and func.value.value == me
-                and func.attr.value in colwise
-            ):
-                for arg in call.args:
-                    found.update(_names(arg.value) & inputs)
-
-    forward.visit(_Find())
+    for call in find(forward, cst.Call):
+        func = call.func
+        if (
+            isinstance(func, cst.Attribute)
+            and isinstance(func.value, cst.Name)
+            and func.value.value == me
+            and func.attr.value in colwise
+        ):
+            for arg in call.args:
+                found.update(_names(arg.value) & inputs)
     return found
 
 
@@ -92,20 +89,17 @@ def _full_width_names(forward: cst.FunctionDef, me: str, inputs: set[str]) -> di
     """Names bound to an input's last dimension: ``B, T, C = x.size()``, ``C = x.shape[-1]``."""
     found: dict[str, str] = {}
 
-    class _Find(cst.CSTVisitor):
-        def visit_Assign(self, node: cst.Assign) -> None:
-            if len(node.targets) != 1:
-                return
-            target, value = node.targets[0].target, node.value
-            source = _whole_shape_of(value)
-            if source in inputs and isinstance(target, (cst.Tuple, cst.List)) and target.elements:
-                last = target.elements[-1].value
-                if isinstance(last, cst.Name):
-                    found[last.value] = source
-            elif _last_dim_of(value) in inputs and isinstance(target, cst.Name):
-                found[target.value] = _last_dim_of(value)  # type: ignore[assignment]
-
-    forward.visit(_Find())
+    for node in find(forward, cst.Assign):
+        if len(node.targets) != 1:
+            continue
+        target, value = node.targets[0].target, node.value
+        source = _whole_shape_of(value)
+        if source in inputs and isinstance(target, (cst.Tuple, cst.List)) and target.elements:
+            last = target.elements[-1].value
+            if isinstance(last, cst.Name):
+                found[last.value] = source
+        elif _last_dim_of(value) in inputs and isinstance(target, cst.Name):
+            found[target.value] = _last_dim_of(value)  # type: ignore[assignment]
     return found
 
 
@@ -179,7 +173,7 @@ class _Widths(cst.CSTTransformer):
             if layer is not None:
                 self.sharded.update(dict.fromkeys(_names(comp.target), layer))
         self.stack.append(node)
-        return True
+        return not leaf(type(node))  # whitespace, commas, operators: nothing inside to rewrite
 
     def on_leave(  # type: ignore[override]
         self, original: cst.CSTNode, updated: cst.CSTNode
@@ -233,27 +227,18 @@ class _Widths(cst.CSTTransformer):
         )
 
     def _calls(self, node: cst.CSTNode, layers: set[str]) -> bool:
-        found = False
-
-        class _Find(cst.CSTVisitor):
-            def visit_Call(_, call: cst.Call) -> None:
-                nonlocal found
-                found = found or self._self_attr(call.func, layers)
-
-        node.visit(_Find())
-        return found
+        return any(self._self_attr(call.func, layers) for call in find(node, cst.Call))
 
     def _shard_source(self, node: cst.CSTNode) -> str | None:
         """The colwise layer whose (sharded) output ``node`` is computed from, if any."""
-        found: str | None = None
-
-        class _Find(cst.CSTVisitor):
-            def visit_Call(_, call: cst.Call) -> None:
-                nonlocal found
-                if found is None and self._self_attr(call.func, self.colwise):
-                    found = call.func.attr.value  # type: ignore[attr-defined]
-
-        node.visit(_Find())
+        found: str | None = next(
+            (
+                call.func.attr.value
+                for call in find(node, cst.Call)
+                if self._self_attr(call.func, self.colwise)
+            ),
+            None,
+        )
         if found is None:
             found = next((self.sharded[n] for n in _names(node) if n in self.sharded), None)
         return found
@@ -324,13 +309,13 @@ def _names(node: cst.CSTNode, loads: bool = False) -> set[str]:
     """Plain names in ``node`` (attribute names excluded: ``self.x`` gives ``self``)."""
     found: set[str] = set()
 
-    class _Find(cst.CSTVisitor):
+    class _Find(Visitor):
         def visit_Name(self, n: cst.Name) -> None:
             found.add(n.value)
 
         def visit_Attribute(self, n: cst.Attribute) -> bool:
-            n.value.visit(self)
+            walk(n.value, self)
             return False
 
-    node.visit(_Find())
+    walk(node, _Find())
     return found

@@ -37,7 +37,6 @@ Where the rest lives (this package):
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
 import libcst as cst
@@ -46,7 +45,7 @@ from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site
-from macrogen.macros.tile.analysis import analyze, is_docstring
+from macrogen.macros.tile.analysis import analyze, is_docstring, words
 from macrogen.macros.tile.checks import alias_checks, index_checks
 from macrogen.macros.tile.code import parse
 from macrogen.macros.tile.constraints import block_shape, too_big
@@ -73,7 +72,6 @@ OPTIONS = {"num_warps": 4, "num_stages": 2, "dot_precision": "torch", "group_siz
 # "torch": TF32 only where torch.backends.cuda.matmul.allow_tf32 allows it (off by default),
 # so that an fp32 matmul keeps fp32 semantics unless the user opts in, here or in torch
 DOT_PRECISIONS = ("torch", "ieee", "tf32", "tf32x3")
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -88,6 +86,7 @@ class Spec:
     group_size: int = (
         8  # a matmul's row tiles that walk the columns together (L2 reuse); 1: row-major
     )
+    words: frozenset[str] = frozenset()  # the function's identifier-like words (analysis.words)
 
     @property
     def tile(self) -> dict[str, int]:
@@ -107,7 +106,8 @@ def validate(site: Site, ctx: Context) -> Spec:
         raise MacroError(
             f"tile() decorates a function, not a class: {USAGE}", site.call or site.original
         )
-    nest = analyze(fn, ctx.constants)
+    taken = words(fn, ctx.source_text(fn))  # for the analysis and the generated names
+    nest = analyze(fn, ctx.constants, taken)
     variables = list(
         dict.fromkeys([g.var for g in nest.grid] + [s.loop.var for s in nest.all_inner_loops])
     )
@@ -158,7 +158,9 @@ def validate(site: Site, ctx: Context) -> Spec:
         raise MacroError(
             f"group_size must be a positive integer, not {group!r}", args["group_size"].node
         )
-    return Spec(nest, tuple(tiles.items()), num_warps, num_stages, precision, group)
+    return Spec(
+        nest, tuple(tiles.items()), num_warps, num_stages, precision, group, frozenset(taken)
+    )
 
 
 def kernel_nest(nest: Nest, tiles: dict[str, int]) -> Nest:
@@ -201,8 +203,7 @@ class _Output:
         if self.kernel_wanted:
             for name in ("triton", "tl", "use_triton", "interpreting", "int64_offsets"):
                 self.mods[name] = ctx.import_from(runtime, name)
-        taken = set(_IDENT.findall(cst.Module([]).code_for_node(site.original)))
-        self.names = make_names(self.nest, taken | set(self.mods.values()))
+        self.names = make_names(self.nest, set(spec.words) | set(self.mods.values()))
         base = self.nest.name.strip("_") or "tile"
         self.fns = {
             kind: ctx.names.fresh(f"_{base}_{suffix}")

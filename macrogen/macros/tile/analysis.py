@@ -31,6 +31,7 @@ from typing import Any, TypeGuard
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
+from macrogen.expand.walk import find
 from macrogen.macros.tile.expressions import ExpressionReader, Scope, code_of, contains, negate
 from macrogen.macros.tile.ir import (
     Accum,
@@ -55,13 +56,24 @@ from macrogen.macros.tile.names import loads_in, vars_in
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def analyze(fn: cst.FunctionDef, constants: Mapping[str, Any]) -> Nest:
-    """The ``Nest`` of ``fn`` (its decorator already removed), or a MacroError."""
-    return _Analyzer(fn, constants).nest()
+def analyze(
+    fn: cst.FunctionDef, constants: Mapping[str, Any], taken: set[str] | None = None
+) -> Nest:
+    """The ``Nest`` of ``fn`` (its decorator already removed), or a MacroError.
+
+    ``taken``: ``words(fn)``, when the caller has them."""
+    return _Analyzer(fn, constants, words(fn) if taken is None else taken).nest()
+
+
+def words(fn: cst.FunctionDef, text: str | None = None) -> set[str]:
+    """Every identifier-like word of the function's code (comments and strings too):
+    names the generated code must not take. ``text``: its source text, when the pass
+    has it (``Context.source_text``: the same words, without printing the tree)."""
+    return set(_IDENT.findall(code_of(fn) if text is None else text))
 
 
 class _Analyzer(ExpressionReader):
-    def __init__(self, fn: cst.FunctionDef, constants: Mapping[str, Any]):
+    def __init__(self, fn: cst.FunctionDef, constants: Mapping[str, Any], taken: set[str]):
         self.fn = fn
         self.constants = constants
         self.params = self._params()
@@ -70,7 +82,7 @@ class _Analyzer(ExpressionReader):
         self.sizes: dict[str, Size] = {}
         self.loop_vars: set[str] = set()
         self.stored: dict[str, cst.CSTNode] = {}
-        self.taken = set(_IDENT.findall(code_of(fn)))
+        self.taken = set(taken)
         self.outputs = self._outputs(fn.body)
         self.index_tensors: set[str] = set()  # tensors read as indices (integers)
         self.value_tensors: set[str] = set()  # tensors read as values
@@ -137,18 +149,10 @@ class _Analyzer(ExpressionReader):
         """Every tensor the function stores into (known before any load is read)."""
         found: set[str] = set()
 
-        class _Find(cst.CSTVisitor):
-            def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-                _add(node.target)
-
-            def visit_AugAssign(self, node: cst.AugAssign) -> None:
-                _add(node.target)
-
-        def _add(target: cst.CSTNode) -> None:
+        for node in find(body, (cst.AssignTarget, cst.AugAssign)):
+            target = node.target
             if isinstance(target, cst.Subscript) and isinstance(target.value, cst.Name):
                 found.add(target.value.value)
-
-        body.visit(_Find())
         return found
 
     def _size_binding(self, stmt: cst.BaseStatement) -> None:
@@ -1049,15 +1053,7 @@ def _index_names(target: cst.Subscript | None) -> set[str]:
     """Every name that appears in the subscript (offsets included)."""
     if target is None:
         return set()
-    names: set[str] = set()
-
-    class _Names(cst.CSTVisitor):
-        def visit_Name(self, node: cst.Name) -> None:
-            names.add(node.value)
-
-    for el in target.slice:
-        el.visit(_Names())
-    return names
+    return {node.value for el in target.slice for node in find(el, cst.Name)}
 
 
 def _suite(body: cst.BaseSuite) -> list[cst.BaseStatement]:

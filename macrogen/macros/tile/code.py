@@ -4,18 +4,21 @@ Every piece of generated expression text is a ``Code``: its text and the
 precedence of its outermost operator, so that operands get parentheses only
 where Python needs them (``a * (b + c)``, ``(-0.5) ** 2``) and evaluation
 order stays the loop's (``a - (b - c)``). Text comes from validated identifiers
-and ``repr`` of numbers only; ``parse`` turns it into the libcst expression
-the templates render (and so checks it).
+and ``repr`` of numbers only; ``parse`` makes it the ``Expression`` the templates
+render (``codegen``'s ``code`` filter), which knows the names it reads. A tile
+site makes dozens of these: parsing each (libcst's parse cost ten times ast's)
+gave nothing the printer needs, and the template's output is checked as a whole.
 """
 
 from __future__ import annotations
 
+import functools
+import keyword
 import math
+import re
 from dataclasses import dataclass
 
-import libcst as cst
-
-from macrogen.codegen import ident
+from macrogen.codegen import Expression, ident
 
 ATOM, POWER, UNARY, MUL, ADD, AND, OR, COMPARE, CONDITIONAL = 100, 14, 13, 12, 11, 8, 6, 5, 1
 _BINARY = {
@@ -115,5 +118,26 @@ def suffix(obj: Code, text: str) -> Code:
     return Code(obj.at(ATOM) + text) if text else obj
 
 
-def parse(code: Arg) -> cst.BaseExpression:
-    return cst.parse_expression(_text(code))
+def parse(code: Arg) -> Parsed:
+    """Generated expression text, ready for a template's ``code`` filter."""
+    return Parsed(_text(code))
+
+
+class Parsed(Expression):
+    """Generated expression text and, when asked, the names in it (``steps.drop_dead_stores``)."""
+
+    @functools.cached_property
+    def names(self) -> frozenset[str]:
+        """Every name in the expression as libcst counts ``Name`` nodes: variables, attribute
+        and keyword names, lambda parameters, and ``True``/``False``/``None`` (not keywords,
+        nor words inside string literals or numbers: ``1e5``; tile writes no f-strings)."""
+        return frozenset(
+            word
+            for word in _WORD.findall(self.text)
+            if word and not (keyword.iskeyword(word) and word not in _NAMED_CONSTANTS)
+        )
+
+
+_NAMED_CONSTANTS = ("True", "False", "None")
+# a string literal (skipped: the group is empty) or a word that does not start inside a number
+_WORD = re.compile(r"""[rRbBuUfF]{0,2}(?:"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')|\b([^\W\d]\w*)""")

@@ -15,6 +15,7 @@ from typing import Any
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
+from macrogen.expand.walk import find
 from macrogen.macros.tile.ir import Binary, Call, Const, Expr, Index, Load, Name, Size, Unary, Var
 
 _UNARY_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs")
@@ -287,13 +288,4 @@ def negate(e: Expr) -> Expr:
 
 def contains(node: cst.CSTNode, kind: type) -> bool:
     """Whether ``node`` or anything under it is a ``kind``."""
-    found = False
-
-    class _Find(cst.CSTVisitor):
-        def on_visit(self, n: cst.CSTNode) -> bool:
-            nonlocal found
-            found = found or isinstance(n, kind)
-            return not found
-
-    node.visit(_Find())
-    return found
+    return next(find(node, kind), None) is not None

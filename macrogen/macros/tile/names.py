@@ -5,10 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import libcst as cst
-
 from macrogen.codegen import ident
-from macrogen.macros.tile.code import Code, binary, call, name, number, parse, plus
+from macrogen.macros.tile.code import Code, Parsed, binary, call, name, number, parse, plus
 from macrogen.macros.tile.ir import Binary, Bound, Call, Expr, Load, Loop, Name, Nest, Unary, Var
 
 
@@ -34,12 +32,12 @@ class LoopBounds:
     var: str
     lo: str
     hi: str
-    lo_code: cst.BaseExpression
-    hi_code: cst.BaseExpression
+    lo_code: Parsed
+    hi_code: Parsed
     step: str = ""  # the slice suffix of a stepped loop, ":2"
     # the stop as the shapes function computes it: never below the start, so that
     # an empty range is an empty slice (x[0:-1] is not)
-    clamped_hi_code: cst.BaseExpression | None = None
+    clamped_hi_code: Parsed | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 
 import libcst as cst
 
+from macrogen.expand.walk import Visitor, walk
 from macrogen.macros.tile.code import (
     COMPARE,
     Code,
@@ -580,11 +581,12 @@ def in_place(steps: list[Step], meta: dict[str, Meta], torch: str, flag: str) ->
     for t, step in enumerate(out):
         if not isinstance(step, Assign):
             continue
-        value = step.value
+        value = cst.parse_expression(step.value.text)  # (steps hold text: code.Parsed)
         rewritten = _in_place_form(value, meta, groups, made, torch, out[t + 1 :], step.target)
         if rewritten is not None:
             a, code = rewritten
-            out[t] = Assign(step.target, cst.IfExp(cst.Name(flag), code, value))
+            fast = cst.IfExp(cst.Name(flag), code, value)
+            out[t] = Assign(step.target, parse(cst.Module([]).code_for_node(fast)))
             groups[step.target] = groups[a]
             continue
         if isinstance(value, cst.Name):
@@ -645,19 +647,19 @@ def _names(node: cst.CSTNode) -> set[str]:
     """The names an expression reads (not attribute names: ``torch`` of ``torch.exp``)."""
     found: set[str] = set()
 
-    class _Visitor(cst.CSTVisitor):
+    class _Visitor(Visitor):  # (a read-only walk: libcst's visit rebuilds every node)
         def visit_Name(self, n: cst.Name) -> None:
             found.add(n.value)
 
         def visit_Attribute(self, n: cst.Attribute) -> bool:
-            n.value.visit(self)
+            walk(n.value, self)
             return False
 
         def visit_Arg(self, n: cst.Arg) -> bool:  # keyword names are not reads
-            n.value.visit(self)
+            walk(n.value, self)
             return False
 
-    node.visit(_Visitor())
+    walk(node, _Visitor())
     return found
 
 

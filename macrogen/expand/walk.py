@@ -1,0 +1,149 @@
+"""Read-only walks over libcst trees, in libcst's order, without libcst's visitor machinery.
+
+``node.visit(visitor)`` rebuilds (and re-validates) every node it passes, even
+for a ``CSTVisitor`` that only reads: a macro's analysis (which attributes
+``__init__`` assigns, where ``super`` is called, which names a loop reads)
+would cost as much as a transform. These walks read the nodes' fields
+instead, in the order libcst visits them (learnt once per node type from
+libcst itself), so a walk that stops at the first match stops where
+``visit`` would. Whitespace, comments and punctuation are not walked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import libcst as cst
+
+# Syntax that holds no name or expression (whitespace, commas, brackets, operators).
+_LEAVES = (
+    cst.BaseParenthesizableWhitespace,
+    cst.EmptyLine,
+    cst.TrailingWhitespace,
+    cst.Comment,
+    cst.Newline,
+    cst.Comma,
+    cst.LeftParen,
+    cst.RightParen,
+    cst.LeftSquareBracket,
+    cst.RightSquareBracket,
+    cst.LeftCurlyBrace,
+    cst.RightCurlyBrace,
+    cst.BaseBinaryOp,
+    cst.BaseBooleanOp,
+    cst.BaseCompOp,
+    cst.BaseUnaryOp,
+    cst.BaseAugOp,
+    cst.AssignEqual,
+    cst.Colon,
+    cst.Dot,
+    cst.Semicolon,
+    cst.ImportStar,
+)
+
+_FIELDS: dict[type, tuple[str, ...]] = {}  # node type -> its fields, in libcst's visiting order
+
+
+class _Fields(cst.CSTVisitor):
+    """Records the fields ``_visit_and_replace_children`` visits, in order, and descends nowhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        return False
+
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        if attribute not in self.order:
+            self.order.append(attribute)
+
+
+def _fields(node: cst.CSTNode) -> tuple[str, ...]:
+    kind = type(node)
+    order = _FIELDS.get(kind)
+    if order is None:
+        recorder = _Fields()
+        node._visit_and_replace_children(recorder)
+        order = _FIELDS[kind] = tuple(recorder.order)
+    return order
+
+
+# What a field's value is, by its type: 1 a node to walk, 2 a sequence, 0 neither (a
+# string, None, a leaf). Asked by type once: isinstance on libcst's abstract classes is slow.
+_KIND: dict[type, int] = {}
+
+
+def _kind(value: object) -> int:
+    kind = type(value)
+    found = _KIND.get(kind)
+    if found is None:
+        if issubclass(kind, cst.CSTNode):
+            found = 0 if issubclass(kind, _LEAVES) else 1
+        else:
+            found = 2 if issubclass(kind, (list, tuple)) else 0
+        _KIND[kind] = found
+    return found
+
+
+def leaf(kind: type) -> bool:
+    """Whether nodes of this type are syntax that holds no name or expression."""
+    found = _LEAF.get(kind)
+    if found is None:
+        found = _LEAF[kind] = issubclass(kind, _LEAVES)
+    return found
+
+
+_LEAF: dict[type, bool] = {}
+
+
+def children(node: cst.CSTNode) -> list[cst.CSTNode]:
+    """The node's children that are not leaves, in visiting order."""
+    children: list[cst.CSTNode] = []
+    for name in _fields(node):
+        value = getattr(node, name)
+        kind = _kind(value)
+        if kind == 1:
+            children.append(value)
+        elif kind == 2:
+            children.extend(v for v in value if _kind(v) == 1)
+    return children
+
+
+def nodes(root: cst.CSTNode) -> Iterator[cst.CSTNode]:
+    """``root`` and every node below it, in the order ``root.visit`` meets them."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(reversed(children(node)))
+
+
+def find(root: cst.CSTNode, kind: type[cst.CSTNode] | tuple[type[cst.CSTNode], ...]) -> Iterator[Any]:
+    """The nodes of ``kind`` at or below ``root``, in visiting order."""
+    return (n for n in nodes(root) if isinstance(n, kind))
+
+
+class Visitor:
+    """A read-only visitor for ``walk``: ``visit_<NodeType>(node)`` methods, as for libcst;
+    one that returns False skips the node's children. No ``leave_`` methods."""
+
+
+_METHODS: dict[tuple[type, type], Callable[[Any, Any], bool | None] | None] = {}
+
+
+def walk(root: cst.CSTNode, visitor: Visitor) -> None:
+    """``root.visit(visitor)`` for a visitor that only reads."""
+    owner = type(visitor)
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        key = (owner, type(node))
+        try:
+            visit = _METHODS[key]
+        except KeyError:
+            visit = _METHODS[key] = getattr(owner, f"visit_{type(node).__name__}", None)
+        if visit is not None and visit(visitor, node) is False:
+            continue
+        stack.extend(reversed(children(node)))

@@ -1,0 +1,185 @@
+"""The pass's shortcuts agree with the slow, obvious way (issue 15's speed work).
+
+- Generated classes kept as text (``expand/rendered.py``) print what libcst's parse of
+  that text prints: the same output with the plain-text path on and off, on every
+  golden case and on files where the text must go through libcst (tabs, CRLF, a
+  nested class, stacked decorators, no final newline).
+- ``@tile``'s generated expressions are text; the names ``drop_dead_stores`` reads
+  from them are libcst's ``Name`` nodes of their parse.
+- ``walk.nodes`` meets the nodes in the order libcst's ``visit`` does.
+- ``Context.source_text`` gives a definition's words as printing it would.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+import pytest
+
+from macrogen import codegen
+from macrogen.expand import ExpansionError, expand_source, rendered
+from macrogen.expand.walk import find, leaf, nodes
+from macrogen.macros.tile.code import Parsed
+from tests.test_golden import CASES, GOLDEN, expand_case
+
+MODEL = """\
+import torch.nn as nn
+
+import macrogen as mg
+
+
+@mg.tensor_parallel(plan={"fc": "colwise", "proj": "rowwise"})
+class MLP(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.proj(self.fc(x))
+
+
+@mg.data_parallel(bucket_mb=1)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x):
+        return self.mlp(x).sum()
+"""
+
+STACKED = MODEL.replace("class Net(nn.Module):", "@mg.tensor_parallel(plan={'fc': 'colwise'})\nclass Net(nn.Module):").replace(
+    "        self.mlp = MLP()", "        self.fc = nn.Linear(8, 8)"
+).replace("self.mlp(x)", "self.fc(x)")
+
+NESTED = MODEL + """
+
+def build():
+    @mg.data_parallel(bucket_mb=4)
+    class Inner(nn.Module):
+        def forward(self, x):
+            return x
+
+    return Inner()
+"""
+
+SOURCES = {
+    "plain": MODEL,
+    "tabs": MODEL.replace("    ", "\t"),
+    "two spaces": MODEL.replace("    ", "  "),
+    "crlf": MODEL.replace("\n", "\r\n"),
+    "no final newline": MODEL.rstrip("\n"),
+    "stacked": STACKED,
+    "nested": NESTED,
+}
+
+
+def _both(expand: object) -> tuple[object, object]:
+    outputs = []
+    for plain in (True, False):
+        saved, rendered.PLAIN_TEXT = rendered.PLAIN_TEXT, plain
+        try:
+            outputs.append(expand())  # type: ignore[operator]
+        finally:
+            rendered.PLAIN_TEXT = saved
+    return outputs[0], outputs[1]
+
+
+@pytest.mark.parametrize("name", [c for c in CASES if "parallel" in c or "pipeline" in c])
+def test_golden_cases_print_the_same(name: str) -> None:
+    plain, parsed = _both(lambda: expand_case(GOLDEN / name))
+    assert plain == parsed
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_files_print_the_same(name: str) -> None:
+    def expand() -> str:
+        try:
+            return expand_source(SOURCES[name], path="model.py").code
+        except ExpansionError as e:  # the same errors either way
+            return e.report()
+
+    plain, parsed = _both(expand)
+    assert plain == parsed
+    assert "class MLP(_MLP_serial):" in str(plain)
+
+
+def test_tile_expression_names_are_libcst_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[codegen.Expression] = []
+    init = codegen.Expression.__init__
+
+    def record(self: codegen.Expression, text: str) -> None:
+        init(self, text)
+        made.append(self)
+
+    monkeypatch.setattr(codegen.Expression, "__init__", record)
+    for name in CASES:
+        if name.startswith("tile"):
+            expand_case(GOLDEN / name)
+    made.append(Parsed('x.to(b"r" + rb"\\"") if not y else float("-inf") + 1e5 + 0x1f'))
+    texts = {e.text for e in made if isinstance(e, Parsed)}
+    assert len(texts) > 300
+    for text in texts:
+        expected = {n.value for n in find(cst.parse_expression(text), cst.Name)}
+        assert Parsed(text).names == expected, text
+
+
+class _Order(cst.CSTVisitor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[cst.CSTNode] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.seen.append(node)
+        return True
+
+
+@pytest.mark.parametrize("name", [c for c in CASES if c.startswith(("tile", "tensor_parallel"))][:12])
+def test_walk_meets_nodes_in_libcst_order(name: str) -> None:
+    module = cst.parse_module((GOLDEN / name / "input.py").read_text(encoding="utf-8"))
+    order = _Order()
+    module.visit(order)
+    # libcst's visit rebuilds the nodes: compare the kinds met, leaves left out as walk does
+    walked = [type(n).__name__ for n in nodes(module)]
+    visited = [type(n).__name__ for n in order.seen]
+    assert walked == [k for k, n in zip(visited, order.seen) if not leaf(type(n))]
+
+
+def test_source_text_has_the_words_of_the_printed_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    import macrogen.macros.tile as tile
+    from macrogen.macros.tile import analysis
+
+    compared = []
+
+    def words(fn: cst.FunctionDef, text: str | None = None) -> set[str]:
+        assert text is not None
+        assert analysis.words(fn, text) == analysis.words(fn)
+        compared.append(fn)
+        return analysis.words(fn, text)
+
+    monkeypatch.setattr(tile, "words", words)
+    for name in CASES:
+        if name.startswith("tile"):
+            expand_case(GOLDEN / name)
+    source = "class K:\n  # a comment: comment_word\n  @mg.tile(i=4)\n  def f(out, x):  # tail_word\n    for i in range(x.shape[0]):\n      out[i] = x[i]\n"
+    expand_source("import macrogen as mg\n\n\n" + source, path="k.py")
+    assert len(compared) > 20
+
+
+@pytest.mark.parametrize(
+    ("text", "may"),
+    [
+        ("super().__init__()", False),
+        ("super ().__init__()\nsuper()", False),
+        ("super(Net, self).__init__()", True),
+        ("super( ).__init__()", True),  # unsure: walk
+        ("super \\\n(Net, self)", True),
+        ("(super)(Net, self)", True),
+        ("x = superb(1)", False),
+        (None, True),
+    ],
+)
+def test_super_prefilter_only_rules_out_plain_super_calls(text: str | None, may: bool) -> None:
+    from macrogen.expand.sites import may_call_with_arguments
+
+    assert may_call_with_arguments(text, "super") is may
