@@ -25,6 +25,7 @@ NON_MACRO_NAMES = frozenset(
     {
         "__version__",
         "autotune",
+        "clip_grad_norm_",
         "expand",
         "expand_source",
         "ExpansionError",
@@ -48,12 +49,17 @@ def __getattr__(name: str):
         from macrogen.runtime.launch import launch
 
         return launch
+    if name == "clip_grad_norm_":  # serial: torch's; shard_optimizer: the averaged gradients' norm
+        from macrogen.runtime.zero import clip_grad_norm_
+
+        return clip_grad_norm_
     raise AttributeError(f"module 'macrogen' has no attribute {name!r}")
 
 
 __all__ = [
     "ExpansionError",
     "__version__",
+    "clip_grad_norm_",
     "data_parallel",
     "define",
     "expand_source",

@@ -14,11 +14,11 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import macrogen as mg
 from macrogen.runtime.data_parallel import gradient_sync
 from macrogen.runtime.zero import (
     ShardedGradientError,
     ShardedOptimizer,
-    clip_grad_norm_,
     shard_optimizer,
 )
 from tests.distributed import run_ranks
@@ -170,7 +170,7 @@ def test_world_size_one_returns_the_optimizer_itself():
     assert shard_optimizer(opt) is opt
     layer(torch.ones(1, 2)).sum().backward()
     norm = layer.weight.grad.norm().hypot(layer.bias.grad.norm())
-    torch.testing.assert_close(clip_grad_norm_(opt, 0.1), norm)  # torch's, unsharded
+    torch.testing.assert_close(mg.clip_grad_norm_(opt, 0.1), norm)  # torch's, unsharded
     torch.testing.assert_close(
         layer.weight.grad.norm().hypot(layer.bias.grad.norm()),
         torch.tensor(0.1),
@@ -313,7 +313,7 @@ def _clip_cases(rank: int, world: int, out_dir: str) -> dict:
         opt.zero_grad()
         ours(*mine).backward()
         # the method, and the function that also runs unsharded
-        got = opt.clip_grad_norm_(0.05) if step % 2 else clip_grad_norm_(opt, 0.05)
+        got = opt.clip_grad_norm_(0.05) if step % 2 else mg.clip_grad_norm_(opt, 0.05)
         opt.step()
         torch.testing.assert_close(got, want, **FP32)
         assert want > 0.05, "the clipping triggers"
@@ -331,7 +331,7 @@ def _clip_cases(rank: int, world: int, out_dir: str) -> dict:
         lambda: torch.nn.utils.clip_grad_value_(params, 0.01),
         lambda: params[0].grad.norm(),
     ):
-        with pytest.raises(ShardedGradientError, match=r"use opt.clip_grad_norm_\(max_norm\)"):
+        with pytest.raises(ShardedGradientError, match=r"use mg.clip_grad_norm_\(opt, max_norm\)"):
             clip()
     params[0].grad.mul_(1.0)  # (in place and uniform, as a GradScaler's unscale: allowed)
     opt.clip_grad_norm_(0.05)

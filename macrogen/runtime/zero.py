@@ -639,7 +639,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 name = getattr(func, "__name__", str(func))
                 raise ShardedGradientError(
                     f"{self.where}: {name} of gradients sent by the sharded optimizer: use"
-                    " opt.clip_grad_norm_(max_norm) with shard_optimizer: the gradients are"
+                    " mg.clip_grad_norm_(opt, max_norm) with shard_optimizer: the gradients are"
                     " reduce-scattered, each rank's .grad holds only its local gradient"
                 )
 
