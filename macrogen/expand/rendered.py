@@ -8,7 +8,7 @@ the template's indentation and ``\\n`` line endings, it is the text, after the
 leading lines a macro gave it; anywhere else (an indented block, a file
 indented with tabs, CRLF line endings) and for a macro stacked above that
 needs the tree, it is what libcst parses from the text, so the output is the
-same either way (``tests/test_rendered.py``).
+same either way (``tests/test_pass_shortcuts.py``).
 """
 
 from __future__ import annotations

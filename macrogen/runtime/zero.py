@@ -319,7 +319,7 @@ class _Guard(TorchFunctionMode):
     From the end of a training forward to ``step()`` / ``zero_grad()``, a norm (or clamp)
     of gradients already sent raises ``ShardedGradientError``: each rank's ``.grad`` is
     its local gradient, so ``torch.nn.utils.clip_grad_norm_`` would silently clip by a
-    local norm (``opt.clip_grad_norm_`` is the sharded one).
+    local norm (``mg.clip_grad_norm_(opt, max_norm)`` clips by the averaged gradients).
     """
 
     def __init__(self, owner: ShardedOptimizer):
