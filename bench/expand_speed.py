@@ -1,6 +1,6 @@
 """How fast ``macrogen expand`` is, beside libcst's parse of the same input in the same run.
 
-    python bench/expand_speed.py [--repeat 9] [--torch-dir DIR] [--quick]
+    python bench/expand_speed.py [--repeat 9] [--torch-dir DIR] [--quick] [--phases]
 
 Three figures (issue 15, "goals for the pass"):
 
@@ -18,6 +18,10 @@ Three figures (issue 15, "goals for the pass"):
 3. Start-up: ``macrogen expand --help`` and ``macrogen expand`` of a small file
    without macros, each a fresh process, beside a bare ``python -c pass``;
    goal <= 0.15 s.
+
+``--phases`` prints instead where the dense file's expansion spends its CPU time,
+phase by phase (exclusive: a phase's time leaves out the phases it calls), as
+multiples of libcst's parse of the whole file.
 
 Times are medians, the rivals run alternately (so load on the machine hits all
 alike); wall-clock and CPU time both, since on a loaded machine only the CPU
@@ -201,6 +205,72 @@ def dense_figures(title: str, source: str, repeat: int) -> None:
     )
 
 
+def _phase_hooks() -> list[tuple[str, object, str]]:
+    """(phase, owner, attribute): the functions timed by ``--phases``, replaced on their owner."""
+    import libcst
+
+    import macrogen.codegen as codegen
+    import macrogen.expand.statements as statements
+    from macrogen.macros import data_parallel, tensor_parallel, tile
+    from macrogen.macros.tile import torch_path
+
+    return [
+        ("libcst parse", libcst, "parse_module"),
+        ("libcst parse", libcst, "parse_expression"),
+        ("libcst parse", libcst, "parse_statement"),
+        ("positions codegen", statements, "code_and_positions"),
+        ("render templates (Jinja2 + ast check)", codegen, "_render"),
+        ("print expanded statements", statements.Pieces, "code"),
+        ("@tile (own)", tile, "expand"),
+        ("@tile torch_path.in_place", torch_path, "in_place"),
+        ("@tensor_parallel (own)", tensor_parallel, "expand"),
+        ("@data_parallel (own)", data_parallel, "expand"),
+    ]
+
+
+def phase_figures(source: str, repeat: int) -> None:
+    """Exclusive CPU time per phase of ``expand_source`` on ``source``, as x libcst's parse."""
+    spent: dict[str, float] = {}
+    stack: list[list[float]] = []  # per running phase: [its start, time its callees took]
+
+    def timed(phase: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def run(*args: object, **kwargs: object) -> object:
+            start = time.process_time()
+            stack.append([start, 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                began, inner = stack.pop()
+                total = time.process_time() - began
+                spent[phase] = spent.get(phase, 0.0) + total - inner
+                if stack:
+                    stack[-1][1] += total
+
+        return run
+
+    hooks = _phase_hooks()
+    saved = [(owner, attr, getattr(owner, attr)) for _, owner, attr in hooks]
+    (parse_t,) = medians([lambda: cst.parse_module(source)], repeat)
+    expand_source(source, path="dense.py")  # warm-up
+    for phase, owner, attr in hooks:
+        setattr(owner, attr, timed(phase, getattr(owner, attr)))
+    try:
+        whole = 0.0
+        for _ in range(repeat):
+            begin = time.process_time()
+            expand_source(source, path="dense.py")
+            whole += time.process_time() - begin
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+    parse = parse_t.c * repeat
+    print("where the dense file's expansion goes (CPU, exclusive; x libcst's parse of the file):")
+    for phase, t in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {t / parse:5.2f} x  {phase}")
+    print(f"  {(whole - sum(spent.values())) / parse:5.2f} x  the transform's visit and the rest")
+    print(f"  {whole / parse:5.2f} x  in all (timers included)")
+
+
 def torch_dir() -> Path | None:
     import importlib.util
 
@@ -215,7 +285,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--torch-dir", type=Path, default=None, help="default: the installed torch")
     parser.add_argument("--quick", action="store_true", help="skip the torch/ walk")
+    parser.add_argument("--phases", action="store_true", help="only the dense file's phases")
     args = parser.parse_args()
+    if args.phases:
+        phase_figures(dense_source(), args.repeat)
+        return
 
     # 1. the macro-dense file
     dense_figures("macro-dense file", dense_source(), args.repeat)
