@@ -219,6 +219,8 @@ def _phase_hooks() -> list[tuple[str, object, str]]:
         ("libcst parse", libcst, "parse_expression"),
         ("libcst parse", libcst, "parse_statement"),
         ("positions codegen", statements, "code_and_positions"),
+        ("positions codegen", statements.LazyPositions, "_run"),
+        ("statement lines from ast", statements, "ast_extents"),
         ("render templates (Jinja2 + ast check)", codegen, "_render"),
         ("print expanded statements", statements.Pieces, "code"),
         ("@tile (own)", tile, "expand"),
