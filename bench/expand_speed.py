@@ -210,7 +210,10 @@ def _phase_hooks() -> list[tuple[str, object, str]]:
     import libcst
 
     import macrogen.codegen as codegen
+    import macrogen.expand.expansion as expansion
     import macrogen.expand.statements as statements
+    import macrogen.expand.transform as transform
+    from macrogen.expand.args import Evaluator
     from macrogen.macros import data_parallel, tensor_parallel, tile
     from macrogen.macros.tile import torch_path
 
@@ -223,6 +226,10 @@ def _phase_hooks() -> list[tuple[str, object, str]]:
         ("statement lines from ast", statements, "ast_extents"),
         ("render templates (Jinja2 + ast check)", codegen, "_render"),
         ("print expanded statements", statements.Pieces, "code"),
+        ("scope collection", expansion, "collect_scope"),
+        ("scope collection", transform, "collect_scope"),
+        ("the transform's live nodes", transform, "_live_nodes"),
+        ("macro arguments", Evaluator, "call_args"),
         ("@tile (own)", tile, "expand"),
         ("@tile torch_path.in_place", torch_path, "in_place"),
         ("@tensor_parallel (own)", tensor_parallel, "expand"),

@@ -218,3 +218,30 @@ def test_a_statements_source_text_is_what_it_prints():
                 assert pieces.source_text(i, node) == sure.text(node)
                 compared += 1
     assert compared > 500
+
+
+def test_site_ranges_from_ast_are_the_codegens():
+    """``Pieces.site_range`` (ast's positions of a top-level assignment's value or decorator)
+    is the codegen's position of that node, or None."""
+    compared = 0
+    for source in [*_piece_sources(), "x = (  f(1,\n  2))\n@a . b\n@c(\n)\nclass K: pass\ny: int = -1\n"]:
+        for text in (source, source.replace("\n", "\r\n"), source.replace("    ", "\t")):
+            try:
+                pieces = Pieces(text, ast.parse(text))
+            except SyntaxError:
+                continue
+            for i in range(pieces.count):
+                try:
+                    stmt = pieces.node(i)
+                except Disagree:
+                    continue
+                _, sure, _ = code_and_positions(pieces._parsed[i])
+                candidates = [d.decorator for d in getattr(stmt, "decorators", ())]
+                if isinstance(stmt, cst.SimpleStatementLine):
+                    candidates += [getattr(s, "value", None) for s in stmt.body]
+                for node in filter(None, candidates):
+                    found = pieces.site_range(i, node)
+                    if found is not None:
+                        assert found == sure[node], (text, i)
+                        compared += 1
+    assert compared > 100

@@ -309,6 +309,9 @@ class Statements:
     def extents(self, i: int) -> Extents:
         raise NotImplementedError
 
+    def site_range(self, i: int, node: cst.CSTNode) -> CodeRange | None:
+        return None  # (Pieces knows some from ast)
+
     def line_at(self, offset: int) -> int:
         """The 1-based line of a character offset into the source."""
         return bisect_right(self._starts, offset)
@@ -354,6 +357,7 @@ class Pieces(Statements):
         self._positions: dict[int, tuple[Positions, Extents]] = {}  # a full codegen's
         self._lazy: dict[int, LazyPositions] = {}
         self._extents: dict[int, Extents] = {}
+        self._plain: dict[int, bool] = {}  # the piece is printable ASCII and "\n" (_PLAIN)
 
     def text(self, i: int) -> str:
         stop = self.first_lines[i + 1] - 1 if i + 1 < self.count else len(self.lines)
@@ -378,7 +382,8 @@ class Pieces(Statements):
             if len(module.body) != 1:
                 raise Disagree
             self._parsed[i] = module
-            if not _PLAIN.fullmatch(text):
+            self._plain[i] = bool(_PLAIN.fullmatch(text))
+            if not self._plain[i]:
                 # libcst reads odd characters (a lone CR, form feeds, backslashes...) in ways
                 # of its own: check that the piece reads back as written (else: whole file)
                 code, positions, extents = code_and_positions(module)
@@ -410,6 +415,34 @@ class Pieces(Statements):
         if i not in self._lazy:
             self._lazy[i] = LazyPositions(self._parsed[i])
         return self._lazy[i]
+
+    def site_range(self, i: int, node: cst.CSTNode) -> CodeRange | None:
+        """``positions(i)[node]`` from ast's positions, without a codegen, for the nodes most
+        sites are: the value of a top-level ``NAME = value``, a top-level decorator. None for
+        any other node, or where ast's columns (bytes) might not be libcst's (characters)."""
+        self.module(i)
+        if not self._plain[i] or len(self.groups[i]) != 1:
+            return None
+        stmt, tree = self._parsed[i].body[0], self.groups[i][0]
+        found: ast.expr | None = None
+        if isinstance(stmt, cst.SimpleStatementLine) and isinstance(tree, (ast.Assign, ast.AnnAssign)):
+            small = stmt.body[0] if len(stmt.body) == 1 else None
+            if isinstance(small, (cst.Assign, cst.AnnAssign)) and small.value is node:
+                found = tree.value
+        elif isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) and isinstance(
+            tree, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        ):
+            if len(stmt.decorators) == len(tree.decorator_list):
+                for decorator, expr in zip(stmt.decorators, tree.decorator_list):
+                    if decorator.decorator is node:
+                        found = expr
+        if found is None or found.end_lineno is None or found.end_col_offset is None:
+            return None
+        offset = self.first_lines[i] - 1  # (lines counted from the piece's first, as positions)
+        return CodeRange(
+            CodePosition(found.lineno - offset, found.col_offset),
+            CodePosition(found.end_lineno - offset, found.end_col_offset),
+        )
 
     def extents(self, i: int) -> Extents:
         """The lines each statement inside statement ``i`` spans, from its first line of code
