@@ -214,7 +214,15 @@ def _phase_hooks() -> list[tuple[str, object, str]]:
     import macrogen.expand.statements as statements
     import macrogen.expand.transform as transform
     from macrogen.expand.args import Evaluator
-    from macrogen.macros import data_parallel, tensor_parallel, tile
+    from macrogen.macros import (
+        data_parallel,
+        define,
+        fused_allreduce,
+        target,
+        tensor_parallel,
+        tile,
+        tunable,
+    )
     from macrogen.macros.tile import torch_path
 
     return [
@@ -230,10 +238,19 @@ def _phase_hooks() -> list[tuple[str, object, str]]:
         ("scope collection", transform, "collect_scope"),
         ("the transform's live nodes", transform, "_live_nodes"),
         ("macro arguments", Evaluator, "call_args"),
+        ("module constants (their hooks)", expansion._FileExpansion, "_module_constants"),
+        ("which statements mention macrogen", expansion._FileExpansion, "_lines_with"),
+        ("the output's text", expansion._FileExpansion, "_output"),
+        ("hot statements", expansion._HotLines, "__call__"),
+        ("splicing the replacements", transform.Expander, "_splice"),
         ("@tile (own)", tile, "expand"),
         ("@tile torch_path.in_place", torch_path, "in_place"),
         ("@tensor_parallel (own)", tensor_parallel, "expand"),
         ("@data_parallel (own)", data_parallel, "expand"),
+        ("define, tunable, target, fused_allreduce (own)", define, "expand"),
+        ("define, tunable, target, fused_allreduce (own)", tunable, "expand"),
+        ("define, tunable, target, fused_allreduce (own)", target, "expand"),
+        ("define, tunable, target, fused_allreduce (own)", fused_allreduce, "expand"),
     ]
 
 

@@ -267,3 +267,28 @@ def test_tile_goldens_the_same_read_by_libcst(name: str, monkeypatch: pytest.Mon
     by_ast = expand_case(GOLDEN / name)
     monkeypatch.setattr(in_place, "READ_WITH_AST", False)
     assert expand_case(GOLDEN / name) == by_ast
+
+
+# -- the pass's own walk of the transform (expand/drive.py) is libcst's visit ------------
+@pytest.mark.parametrize("name", CASES)
+def test_goldens_the_same_through_libcsts_visit(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from macrogen.expand import drive
+
+    own = expand_case(GOLDEN / name)
+    monkeypatch.setattr(drive, "OWN_WALK", False)
+    assert expand_case(GOLDEN / name) == own
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_files_the_same_through_libcsts_visit(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from macrogen.expand import drive
+
+    def expand() -> str:
+        try:
+            return expand_source(SOURCES[name], path="model.py").code
+        except ExpansionError as e:
+            return e.report()
+
+    own = expand()
+    monkeypatch.setattr(drive, "OWN_WALK", False)
+    assert expand() == own

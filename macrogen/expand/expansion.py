@@ -18,7 +18,7 @@ from typing import Any
 import libcst as cst
 
 from macrogen import __version__, codegen, macros
-from macrogen.expand import Expansion
+from macrogen.expand import Expansion, drive
 from macrogen.expand.args import Evaluator, no_argument_macros
 from macrogen.expand.context import Context, Options, Position, SiteArguments
 from macrogen.expand.errors import Diagnostic, ExpansionError, MacroError
@@ -140,7 +140,7 @@ class _FileExpansion:
                 module_names=module_names,
                 hot=hot,
             )
-            result = statements.node(i).visit(expander)
+            result = drive.visit(statements.node(i), expander)
             expander.check_unconsumed()
             self._flush_errors()
             if expander.expanded:
