@@ -27,12 +27,13 @@ Times are medians, the rivals run alternately (so load on the machine hits all
 alike); wall-clock and CPU time both, since on a loaded machine only the CPU
 time is steady.
 
-Measured on the shared 2-core machine (load average 5-6; CPU figures), before
-and after the second wave of issue 15's pass work (docs/expand.md, "Speed"):
+Measured on the shared 2-core machine (load average 1-2; CPU figures), before
+and after the third wave of issue 15's pass work (docs/expand.md, "Speed"),
+main's code and this one run alternately:
 
-    macro-dense file:           2.14 -> 1.05 s/kLOC   8.9 -> 4.0 x libcst's parse
-    without tile/TP/DP:         0.87 -> 0.74 s/kLOC   5.4 -> 3.3 x parse
-    expand --help (start-up):   0.113 -> 0.119 s CPU  (python -c pass: 0.043-0.044)
+    macro-dense file:           4.50-4.57 -> 3.32-3.37 x libcst's parse
+    without tile/TP/DP:         4.12-4.16 -> 3.26-3.37 x parse
+    expand --help (start-up):   0.108 -> 0.106-0.109 s CPU  (python -c pass: 0.040-0.042)
 
 The dense-file goal (0.25 s/kLOC where libcst's parse is 0.1, so about 2.5 x
 parse) is not met.
