@@ -23,7 +23,7 @@ import libcst as cst
 from libcst._nodes.internal import CodegenState
 from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionProvider
 
-from macrogen.expand.extents import ast_extents
+from macrogen.expand.extents import Paired, ast_extents
 from macrogen.expand.layout import Layout, split_lines
 
 
@@ -356,7 +356,7 @@ class Pieces(Statements):
         self._parsed: dict[int, cst.Module] = {}  # as parsed (the codegen's positions are of these)
         self._positions: dict[int, tuple[Positions, Extents]] = {}  # a full codegen's
         self._lazy: dict[int, LazyPositions] = {}
-        self._extents: dict[int, Extents] = {}
+        self._pairs: dict[int, Paired | None] = {}
         self._plain: dict[int, bool] = {}  # the piece is printable ASCII and "\n" (_PLAIN)
 
     def text(self, i: int) -> str:
@@ -417,28 +417,17 @@ class Pieces(Statements):
         return self._lazy[i]
 
     def site_range(self, i: int, node: cst.CSTNode) -> CodeRange | None:
-        """``positions(i)[node]`` from ast's positions, without a codegen, for the nodes most
-        sites are: the value of a top-level ``NAME = value``, a top-level decorator. None for
-        any other node, or where ast's columns (bytes) might not be libcst's (characters)."""
-        self.module(i)
-        if not self._plain[i] or len(self.groups[i]) != 1:
+        """``positions(i)[node]`` from ast's positions, without a codegen, for the nodes
+        statement-form sites are (a decorator, an ``if``'s test, a ``with`` item, an
+        assignment's value...). None for any other node, or where ast's columns (bytes)
+        might not be libcst's (characters)."""
+        paired = self._paired(i)
+        if paired is None or not self._plain[i]:
             return None
-        stmt, tree = self._parsed[i].body[0], self.groups[i][0]
-        found: ast.expr | None = None
-        if isinstance(stmt, cst.SimpleStatementLine) and isinstance(tree, (ast.Assign, ast.AnnAssign)):
-            small = stmt.body[0] if len(stmt.body) == 1 else None
-            if isinstance(small, (cst.Assign, cst.AnnAssign)) and small.value is node:
-                found = tree.value
-        elif isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) and isinstance(
-            tree, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-        ):
-            if len(stmt.decorators) == len(tree.decorator_list):
-                for decorator, expr in zip(stmt.decorators, tree.decorator_list):
-                    if decorator.decorator is node:
-                        found = expr
+        found = paired.sites.get(node)
         if found is None or found.end_lineno is None or found.end_col_offset is None:
             return None
-        offset = self.first_lines[i] - 1  # (lines counted from the piece's first, as positions)
+        offset = paired.offset  # (lines counted from the piece's first, as positions)
         return CodeRange(
             CodePosition(found.lineno - offset, found.col_offset),
             CodePosition(found.end_lineno - offset, found.end_col_offset),
@@ -447,11 +436,15 @@ class Pieces(Statements):
     def extents(self, i: int) -> Extents:
         """The lines each statement inside statement ``i`` spans, from its first line of code
         (``extents.ast_extents``; else, from the codegen, from its leading comments)."""
+        paired = self._paired(i)
+        return paired.extents if paired is not None else self._codegen(i)[1]
+
+    def _paired(self, i: int) -> Paired | None:
+        """Statement ``i``'s libcst tree paired with ast's (None: they differ)."""
         self.module(i)
-        if i not in self._extents:
-            found = ast_extents(self._parsed[i].body, self.groups[i], self.first_lines[i])
-            self._extents[i] = found if found is not None else self._codegen(i)[1]
-        return self._extents[i]
+        if i not in self._pairs:
+            self._pairs[i] = ast_extents(self._parsed[i].body, self.groups[i], self.first_lines[i])
+        return self._pairs[i]
 
     def source_text(self, i: int, node: cst.CSTNode) -> str | None:
         self.module(i)
