@@ -27,13 +27,13 @@ Times are medians, the rivals run alternately (so load on the machine hits all
 alike); wall-clock and CPU time both, since on a loaded machine only the CPU
 time is steady.
 
-Measured on the shared 2-core machine (load average 1-2; CPU figures), before
+Measured on the shared 2-core machine (load average 1-7; CPU figures), before
 and after the third wave of issue 15's pass work (docs/expand.md, "Speed"),
-main's code and this one run alternately:
+main's code and this one run alternately, two rounds:
 
-    macro-dense file:           4.50-4.57 -> 3.32-3.37 x libcst's parse
-    without tile/TP/DP:         4.12-4.16 -> 3.26-3.37 x parse
-    expand --help (start-up):   0.108 -> 0.106-0.109 s CPU  (python -c pass: 0.040-0.042)
+    macro-dense file:           4.46-4.59 -> 3.06-3.38 x libcst's parse
+    without tile/TP/DP:         3.89-4.25 -> 3.08-3.37 x parse
+    expand --help (start-up):   0.108-0.114 -> 0.106-0.111 s CPU  (python -c pass: 0.040-0.042)
 
 The dense-file goal (0.25 s/kLOC where libcst's parse is 0.1, so about 2.5 x
 parse) is not met.
