@@ -21,7 +21,8 @@ sharded layer's group removed, so each rank runs the same per-rank matmuls,
 attention and layer norms with no communication at all (its results are not
 the model's). No tensor-parallel implementation on this machine's two ranks
 can beat it; its ratio says how far below DTensor free communication would
-get. Per phase (forward, backward, optimizer step) medians follow.
+get. Per phase (forward, backward, optimizer step) medians follow, then the CPU
+of a step split between the Python thread and the others (gloo's transport).
 
 Last, it measures the logits one rank holds for the loss of a
 vocabulary-split head (``F.cross_entropy`` rewritten to the vocab-parallel
@@ -195,17 +196,21 @@ def _torch_tp(serial: torch.nn.Module, world: int, sequence: bool = False) -> to
 PHASES = ("forward", "backward", "optimizer")
 
 
-def _step(model, opt, x) -> list[tuple[float, float]]:
-    """(wall, CPU) seconds of each phase of one step."""
-    clocks = [(time.perf_counter(), time.process_time())]
+def _clocks() -> tuple[float, float, float]:
+    return time.perf_counter(), time.process_time(), time.thread_time()
+
+
+def _step(model, opt, x) -> list[tuple[float, float, float]]:
+    """(wall, process CPU, this thread's CPU) seconds of each phase of one step."""
+    clocks = [_clocks()]
     opt.zero_grad(set_to_none=True)
     loss = model(x).pow(2).mean()
-    clocks.append((time.perf_counter(), time.process_time()))
+    clocks.append(_clocks())
     loss.backward()
-    clocks.append((time.perf_counter(), time.process_time()))
+    clocks.append(_clocks())
     opt.step()
-    clocks.append((time.perf_counter(), time.process_time()))
-    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(clocks, clocks[1:])]
+    clocks.append(_clocks())
+    return [tuple(b[i] - a[i] for i in range(3)) for a, b in zip(clocks, clocks[1:])]
 
 
 def _without_collectives(block: torch.nn.Module) -> torch.nn.Module:
@@ -317,7 +322,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
 
 
 def _totals(steps: list[list[tuple[float, float]]], clock: int) -> list[float]:
-    """Each step's total over its phases, on the wall (0) or CPU (1) clock."""
+    """Each step's total over its phases, on the wall (0), process CPU (1) or thread CPU (2) clock."""
     return [sum(phase[clock] for phase in step) for step in steps]
 
 
@@ -383,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
                 for k, phase in enumerate(PHASES)
             )
             print(f"  {d_model:>7}  {name:<16}  {cells}")
+    print("  CPU of a step by thread, median ms: the Python thread (compute, waits) / the rest (gloo's):")
+    for d_model, times in results:
+        for name, steps in times.items():
+            main_cpu = statistics.median(_totals(steps, 2))
+            rest = statistics.median(a - b for a, b in zip(_totals(steps, 1), _totals(steps, 2)))
+            print(f"  {d_model:>7}  {name:<16}  {main_cpu * 1e3:6.2f} / {rest * 1e3:5.2f}")
     for d_model, (serial_ln, sp_ln) in zip(args.d_model, memory):
         print(
             f"sequence parallel, d_model {d_model}: layer-norm activations saved per rank"
