@@ -1,7 +1,7 @@
 """Train-step time of @tensor_parallel vs torch's DTensor tensor parallelism, 2 gloo ranks.
 
     python bench/tp.py [--d-model 128 256 512] [--n-head 8] [--batch 8] [--seq 64] [--steps 40]
-                       [--vocab 8192]
+                       [--vocab 8192] [--breakdown]
 
 Both sides train the same transformer block (attention: qkv colwise, proj
 rowwise, n_head divided; MLP: fc colwise, proj rowwise) from the same weights:
@@ -23,6 +23,9 @@ the model's). No tensor-parallel implementation on this machine's two ranks
 can beat it; its ratio says how far below DTensor free communication would
 get. Per phase (forward, backward, optimizer step) medians follow, then the CPU
 of a step split between the Python thread and the others (gloo's transport).
+``--breakdown`` adds macrogen's step with every all-reduce reducing 4 bytes
+(the collectives' synchronization without their data) and with no all-reduce
+at all (macrogen's own code path, without communication): timing only.
 
 Last, it measures the logits one rank holds for the loss of a
 vocabulary-split head (``F.cross_entropy`` rewritten to the vocab-parallel
@@ -213,6 +216,33 @@ def _step(model, opt, x) -> list[tuple[float, float, float]]:
     return [tuple(b[i] - a[i] for i in range(3)) for a, b in zip(clocks, clocks[1:])]
 
 
+class _FourByteReductions:
+    """torch.distributed for macrogen's collectives, except that each all-reduce reduces 4 bytes:
+    what a collective costs without its data (waking gloo's threads, waiting, the round trip).
+    Timing only: the model's results are wrong."""
+
+    def __init__(self):
+        self.one = torch.zeros(1)
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        return dist.all_reduce(self.one, group=group, async_op=async_op)
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class _NoReductions(_FourByteReductions):
+    """Every all-reduce skipped: macrogen's own per-rank work, its layers' code path included."""
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        return _Done() if async_op else None
+
+
 def _without_collectives(block: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``block`` whose sharded layers have no group: the same per-rank work, no
     communication (the floor of any tensor-parallel step on these shapes)."""
@@ -294,7 +324,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         memory.append((_layer_norm_saved_bytes(serial(x)), _layer_norm_saved_bytes(ours_sp(mine))))
         sgd = torch.optim.SGD(ours.parameters(), lr=1e-3)
         floor = _without_collectives(ours)
-        runs = {  # name: (model, optimizer, collectives.OVERLAP, input)
+        runs = {  # name: (model, optimizer, collectives.OVERLAP, input[, collectives.dist])
             "macrogen": (ours, sgd, True, x),  # the default: collectives overlap compute
             "no overlap": (ours, sgd, False, x),  # macrogen with collectives.OVERLAP = False
             "no collectives": (floor, torch.optim.SGD(floor.parameters(), lr=1e-3), True, x),
@@ -304,15 +334,19 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
                 theirs_sp, torch.optim.SGD(theirs_sp.parameters(), lr=1e-3), True, mine
             ),
         }
+        if args.breakdown:  # macrogen's step with its all-reduces moving 4 bytes, and with none
+            runs["tiny all-reduces"] = (ours, sgd, True, x, _FourByteReductions())
+            runs["no all-reduces"] = (ours, sgd, True, x, _NoReductions())
         times: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in runs}
         for i in range(args.warmup + args.steps):
-            for name, (model, opt, overlap, x) in runs.items():  # alternate: all see the same load
+            for name, (model, opt, overlap, x, *transport) in runs.items():  # alternate: same load
                 collectives.OVERLAP = overlap
+                collectives.dist = transport[0] if transport else dist
                 dist.barrier()
                 phases = _step(model, opt, x)
                 if i >= args.warmup:
                     times[name].append(phases)
-        collectives.OVERLAP = True
+        collectives.OVERLAP, collectives.dist = True, dist
         results.append((d_model, times))
     logits = _logit_memory(serial_mod, ours_mod, args, world)
     if rank == 0:
@@ -336,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary of the loss check")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time macrogen with 4-byte all-reduces and with none (what the reductions cost)",
+    )
     args = parser.parse_args(argv)
 
     from tests.distributed import free_port
