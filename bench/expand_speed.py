@@ -1,6 +1,6 @@
 """How fast ``macrogen expand`` is, beside libcst's parse of the same input in the same run.
 
-    python bench/expand_speed.py [--repeat 9] [--torch-dir DIR] [--quick]
+    python bench/expand_speed.py [--repeat 9] [--torch-dir DIR] [--quick] [--phases]
 
 Three figures (issue 15, "goals for the pass"):
 
@@ -19,16 +19,21 @@ Three figures (issue 15, "goals for the pass"):
    without macros, each a fresh process, beside a bare ``python -c pass``;
    goal <= 0.15 s.
 
+``--phases`` prints instead where the dense file's expansion spends its CPU time,
+phase by phase (exclusive: a phase's time leaves out the phases it calls), as
+multiples of libcst's parse of the whole file.
+
 Times are medians, the rivals run alternately (so load on the machine hits all
 alike); wall-clock and CPU time both, since on a loaded machine only the CPU
 time is steady.
 
-Measured on the shared 2-core machine (load average 5-6; CPU figures), before
-and after the second wave of issue 15's pass work (docs/expand.md, "Speed"):
+Measured on the shared 2-core machine (load average 1-7; CPU figures), before
+and after the third wave of issue 15's pass work (docs/expand.md, "Speed"),
+main's code and this one run alternately, two rounds:
 
-    macro-dense file:           2.14 -> 1.05 s/kLOC   8.9 -> 4.0 x libcst's parse
-    without tile/TP/DP:         0.87 -> 0.74 s/kLOC   5.4 -> 3.3 x parse
-    expand --help (start-up):   0.113 -> 0.119 s CPU  (python -c pass: 0.043-0.044)
+    macro-dense file:           4.46-4.59 -> 3.06-3.38 x libcst's parse
+    without tile/TP/DP:         3.89-4.25 -> 3.08-3.37 x parse
+    expand --help (start-up):   0.108-0.114 -> 0.106-0.111 s CPU  (python -c pass: 0.040-0.042)
 
 The dense-file goal (0.25 s/kLOC where libcst's parse is 0.1, so about 2.5 x
 parse) is not met.
@@ -201,6 +206,98 @@ def dense_figures(title: str, source: str, repeat: int) -> None:
     )
 
 
+def _phase_hooks() -> list[tuple[str, object, str]]:
+    """(phase, owner, attribute): the functions timed by ``--phases``, replaced on their owner."""
+    import libcst
+
+    import macrogen.codegen as codegen
+    import macrogen.expand.expansion as expansion
+    import macrogen.expand.statements as statements
+    import macrogen.expand.transform as transform
+    from macrogen.expand.args import Evaluator
+    from macrogen.macros import (
+        data_parallel,
+        define,
+        fused_allreduce,
+        target,
+        tensor_parallel,
+        tile,
+        tunable,
+    )
+    from macrogen.macros.tile import torch_path
+
+    return [
+        ("libcst parse", libcst, "parse_module"),
+        ("libcst parse", libcst, "parse_expression"),
+        ("libcst parse", libcst, "parse_statement"),
+        ("positions codegen", statements, "code_and_positions"),
+        ("positions codegen", statements.LazyPositions, "_run"),
+        ("statement lines from ast", statements, "ast_extents"),
+        ("render templates (Jinja2 + ast check)", codegen, "_render"),
+        ("print expanded statements", statements.Pieces, "code"),
+        ("scope collection", expansion, "collect_scope"),
+        ("scope collection", transform, "collect_scope"),
+        ("the transform's live nodes", transform, "_live_nodes"),
+        ("macro arguments", Evaluator, "call_args"),
+        ("module constants (their hooks)", expansion._FileExpansion, "_module_constants"),
+        ("which statements mention macrogen", expansion._FileExpansion, "_lines_with"),
+        ("the output's text", expansion._FileExpansion, "_output"),
+        ("hot statements", expansion._HotLines, "__call__"),
+        ("splicing the replacements", transform.Expander, "_splice"),
+        ("@tile (own)", tile, "expand"),
+        ("@tile torch_path.in_place", torch_path, "in_place"),
+        ("@tensor_parallel (own)", tensor_parallel, "expand"),
+        ("@data_parallel (own)", data_parallel, "expand"),
+        ("define, tunable, target, fused_allreduce (own)", define, "expand"),
+        ("define, tunable, target, fused_allreduce (own)", tunable, "expand"),
+        ("define, tunable, target, fused_allreduce (own)", target, "expand"),
+        ("define, tunable, target, fused_allreduce (own)", fused_allreduce, "expand"),
+    ]
+
+
+def phase_figures(source: str, repeat: int) -> None:
+    """Exclusive CPU time per phase of ``expand_source`` on ``source``, as x libcst's parse."""
+    spent: dict[str, float] = {}
+    stack: list[list[float]] = []  # per running phase: [its start, time its callees took]
+
+    def timed(phase: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def run(*args: object, **kwargs: object) -> object:
+            start = time.process_time()
+            stack.append([start, 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                began, inner = stack.pop()
+                total = time.process_time() - began
+                spent[phase] = spent.get(phase, 0.0) + total - inner
+                if stack:
+                    stack[-1][1] += total
+
+        return run
+
+    hooks = _phase_hooks()
+    saved = [(owner, attr, getattr(owner, attr)) for _, owner, attr in hooks]
+    (parse_t,) = medians([lambda: cst.parse_module(source)], repeat)
+    expand_source(source, path="dense.py")  # warm-up
+    for phase, owner, attr in hooks:
+        setattr(owner, attr, timed(phase, getattr(owner, attr)))
+    try:
+        whole = 0.0
+        for _ in range(repeat):
+            begin = time.process_time()
+            expand_source(source, path="dense.py")
+            whole += time.process_time() - begin
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+    parse = parse_t.c * repeat
+    print("where the dense file's expansion goes (CPU, exclusive; x libcst's parse of the file):")
+    for phase, t in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {t / parse:5.2f} x  {phase}")
+    print(f"  {(whole - sum(spent.values())) / parse:5.2f} x  the transform's visit and the rest")
+    print(f"  {whole / parse:5.2f} x  in all (timers included)")
+
+
 def torch_dir() -> Path | None:
     import importlib.util
 
@@ -215,7 +312,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--torch-dir", type=Path, default=None, help="default: the installed torch")
     parser.add_argument("--quick", action="store_true", help="skip the torch/ walk")
+    parser.add_argument("--phases", action="store_true", help="only the dense file's phases")
     args = parser.parse_args()
+    if args.phases:
+        phase_figures(dense_source(), args.repeat)
+        return
 
     # 1. the macro-dense file
     dense_figures("macro-dense file", dense_source(), args.repeat)

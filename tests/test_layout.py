@@ -12,7 +12,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from macrogen.expand import expand_source
 from macrogen.expand.layout import Layout, split_lines
-from macrogen.expand.statements import Pieces, code_and_positions
+from macrogen.expand.statements import Disagree, Pieces, _OffsetExtents, code_and_positions
 from tests.helpers import expansion_errors, strip_header
 
 TORCH_NN = Path(torch.__file__).resolve().parent / "nn"
@@ -136,3 +136,114 @@ def test_a_statement_indented_unlike_the_file_keeps_its_indentation():
     assert "\nclass A:\n  def f(self, a, b):\n" in out
     assert "\n    if a:\n      return 1\n" in out
     compile(out, "m.py", "exec")
+
+
+# -- what the pass now learns without a codegen of every statement ---------------------
+_EXTRA = [
+    "import macrogen as mg\n\n# lead\n@mg.tile(i=4)\n# between\ndef k(out, x):\n    for i in range(4):  # c\n        out[i] = x[i]\n    # trailing\n",
+    "try:\n    a = 1; b = 2\nexcept* E:\n    pass\nelse:\n    c = 3\nfinally:\n    d = 4\n",
+    "match x:\n    case 1:\n        y = 2\n    case _:\n        if a: b = 1\n        elif c:\n            d = 2\n        else:\n            e = 3\n",
+    "async def f():\n    async with a as b:\n        async for x in y:\n            pass\n        else:\n            z = 1\n    while q:\n        break\n    else:\n        w = 2\n",
+    "class C:\n    x = 1\n\n    def f(self): return 1\n    # footer\n# dedented\n",
+]
+
+
+def _piece_sources() -> list[str]:
+    goldens = [p.read_text(encoding="latin-1") for p in sorted(GOLDEN.glob("*/input.py"))]
+    out = []
+    for source in [*goldens, *ODD, *_EXTRA]:
+        try:
+            ast.parse(source)
+        except SyntaxError:
+            continue
+        out.append(source)
+    return out
+
+
+def test_statement_lines_from_ast_are_inside_the_codegens():
+    """``extents.ast_extents`` pairs every statement the codegen sees, and gives it the lines
+    of its code: within the codegen's extent, which adds the leading comment lines."""
+    from macrogen.expand.extents import ast_extents
+
+    compared = 0
+    for source in _piece_sources():
+        pieces = Pieces(source, ast.parse(source))
+        for i in range(pieces.count):
+            module = cst.parse_module(pieces.text(i))
+            _, _, sure = code_and_positions(module)
+            paired = ast_extents(module.body, pieces.groups[i], pieces.first_lines[i])
+            assert paired is not None
+            found = paired.extents
+            assert set(found) == set(sure)
+            for node, (first, last) in found.items():
+                assert sure[node][0] <= first <= last <= sure[node][1]
+                compared += 1
+    assert compared > 1000
+
+
+def test_lazy_positions_are_the_codegens():
+    """``LazyPositions`` (a codegen stopping at the node asked for; a second miss runs it all)
+    gives every node the codegen's position, whichever node is asked for first."""
+    from macrogen.expand.statements import LazyPositions
+
+    compared = 0
+    for source in _piece_sources()[::3]:
+        for text in (source, source.replace("\n", "\r\n")):
+            module = cst.parse_module(text)
+            _, sure, _ = code_and_positions(module)
+            every = list(sure)
+            for first in every[::11]:
+                lazy = LazyPositions(module)
+                assert lazy[first] == sure[first]
+                for node in every[::5]:
+                    assert lazy.get(node) == sure[node]
+                    compared += 1
+                assert lazy.get(cst.Name("elsewhere")) is None
+    assert compared > 10_000
+
+
+def test_a_statements_source_text_is_what_it_prints():
+    """``Pieces.source_text`` of a top-level statement (its piece, less the module's header and
+    footer lines) is the text the codegen prints for it."""
+    compared = 0
+    for source in _piece_sources():
+        for text in (source, source.replace("\n", "\r\n"), source.rstrip("\n")):
+            pieces = Pieces(text, ast.parse(text))
+            for i in range(pieces.count):
+                try:
+                    node = pieces.node(i)
+                except Disagree:
+                    continue
+                _, _, sure = code_and_positions(pieces._parsed[i])
+                assert isinstance(sure, _OffsetExtents)
+                assert pieces.source_text(i, node) == sure.text(node)
+                compared += 1
+    assert compared > 500
+
+
+def test_site_ranges_from_ast_are_the_codegens():
+    """``Pieces.site_range`` (ast's positions of the expressions statement-form sites are:
+    decorators, assigned values, if tests, with items, for iterables; at any depth) is the
+    codegen's position of that node, or None; every node is asked."""
+    compared = 0
+    odd = "x = (  f(1,\n  2))\n@a . b\n@c(\n)\nclass K: pass\ny: int = -1\n"
+    nested = "def f():\n    with (a(1)) as b, c:\n        if (x):\n            pass\n        elif y . z():\n            for q in (r):\n                w = (1)\n"
+    for source in [*_piece_sources(), odd, nested]:
+        for text in (source, source.replace("\n", "\r\n"), source.replace("    ", "\t")):
+            try:
+                pieces = Pieces(text, ast.parse(text))
+            except SyntaxError:
+                continue
+            for i in range(pieces.count):
+                try:
+                    stmt = pieces.node(i)
+                except Disagree:
+                    continue
+                _, sure, _ = code_and_positions(pieces._parsed[i])
+                assert stmt is pieces._parsed[i].body[0]
+                for node in sure:
+                    found = pieces.site_range(i, node)
+                    if found is not None:
+                        assert found == sure[node], (text, i)
+                        compared += 1
+    assert compared > 400

@@ -183,3 +183,112 @@ def test_super_prefilter_only_rules_out_plain_super_calls(text: str | None, may:
     from macrogen.expand.sites import may_call_with_arguments
 
     assert may_call_with_arguments(text, "super") is may
+
+
+# -- @tile's in-place rewrite reads its steps with ast where their text allows -----
+_IN_PLACE_TEXTS = [
+    "t - (m + 1)",
+    "(t) - m",
+    "t -  m",
+    "t * m if c else t",
+    "torch.exp(t)",
+    "torch.exp( t )",
+    "torch.exp(input=t)",
+    "torch.exp(*t)",
+    "torch.exp(x - m)",
+    "torch.log(t) / 2",
+    "t / -m",
+    "lambda q: q + t",
+    "f(k=v, w=True) + None",
+    "(t - m)",
+    "t - m.sum(-1, keepdim=True)",
+    "t + m[:, None] - u",
+]
+
+
+def _in_place_texts(monkeypatch: pytest.MonkeyPatch) -> set[tuple[str, str]]:
+    """(step text, torch's local name) of every step in_place reads in the tile goldens."""
+    from macrogen.macros.tile import in_place
+
+    seen: set[tuple[str, str]] = set()
+    read = in_place.read
+
+    def record(text: str, torch: str) -> in_place.Read:
+        seen.add((text, torch))
+        return read(text, torch)
+
+    monkeypatch.setattr(in_place, "read", record)
+    for name in CASES:
+        if name.startswith("tile"):
+            expand_case(GOLDEN / name)
+    monkeypatch.undo()
+    return seen | {(text, "torch") for text in _IN_PLACE_TEXTS}
+
+
+def test_tile_in_place_reads_steps_as_libcst(monkeypatch: pytest.MonkeyPatch) -> None:
+    from macrogen.macros.tile.in_place import read_ast, read_cst
+
+    texts = _in_place_texts(monkeypatch)
+    by_ast = {(text, torch): read_ast(text, torch) for text, torch in texts}
+    assert len(texts) > 50 and sum(r is not None for r in by_ast.values()) > 40
+    assert sum(r is not None and r.kind == "in place" for r in by_ast.values()) > 5
+    for (text, torch), read in by_ast.items():
+        assert read is None or read == read_cst(text, torch), text
+
+
+def test_tile_in_place_prints_as_libcst(monkeypatch: pytest.MonkeyPatch) -> None:
+    """in_place's text for ``t.sub_(m) if flag else t - m`` is libcst's print of that IfExp."""
+    from macrogen.macros.tile.in_place import read_cst
+
+    texts = _in_place_texts(monkeypatch)
+    checked = 0
+    for text, torch in texts:
+        value = cst.parse_expression(text)
+        read = read_cst(text, torch)
+        if read.kind != "in place":
+            continue
+        if isinstance(value, cst.BinaryOperation):
+            a, args = value.left, [cst.Arg(value.right)]
+        else:
+            assert isinstance(value, cst.Call)
+            a, args = value.args[0].value, []
+        call = cst.Call(cst.Attribute(a, cst.Name(read.fn)), args)
+        want = cst.Module([]).code_for_node(cst.IfExp(cst.Name("flag"), call, value))
+        other = read.other if read.other is not None else ""
+        assert f"{read.a_code}.{read.fn}({other}) if flag else {read.code}" == want
+        checked += 1
+    assert checked > 5
+
+
+@pytest.mark.parametrize("name", [c for c in CASES if c.startswith("tile") and "err" not in c])
+def test_tile_goldens_the_same_read_by_libcst(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from macrogen.macros.tile import in_place
+
+    by_ast = expand_case(GOLDEN / name)
+    monkeypatch.setattr(in_place, "READ_WITH_AST", False)
+    assert expand_case(GOLDEN / name) == by_ast
+
+
+# -- the pass's own walk of the transform (expand/drive.py) is libcst's visit ------------
+@pytest.mark.parametrize("name", CASES)
+def test_goldens_the_same_through_libcsts_visit(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from macrogen.expand import drive
+
+    own = expand_case(GOLDEN / name)
+    monkeypatch.setattr(drive, "OWN_WALK", False)
+    assert expand_case(GOLDEN / name) == own
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_files_the_same_through_libcsts_visit(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from macrogen.expand import drive
+
+    def expand() -> str:
+        try:
+            return expand_source(SOURCES[name], path="model.py").code
+        except ExpansionError as e:
+            return e.report()
+
+    own = expand()
+    monkeypatch.setattr(drive, "OWN_WALK", False)
+    assert expand() == own

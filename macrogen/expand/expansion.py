@@ -18,7 +18,7 @@ from typing import Any
 import libcst as cst
 
 from macrogen import __version__, codegen, macros
-from macrogen.expand import Expansion
+from macrogen.expand import Expansion, drive
 from macrogen.expand.args import Evaluator, no_argument_macros
 from macrogen.expand.context import Context, Options, Position, SiteArguments
 from macrogen.expand.errors import Diagnostic, ExpansionError, MacroError
@@ -140,7 +140,7 @@ class _FileExpansion:
                 module_names=module_names,
                 hot=hot,
             )
-            result = statements.node(i).visit(expander)
+            result = drive.visit(statements.node(i), expander)
             expander.check_unconsumed()
             self._flush_errors()
             if expander.expanded:
@@ -257,7 +257,9 @@ class _FileExpansion:
 
     def _position(self, node: cst.CSTNode, i: int | None = None) -> Position:
         i = self.current if i is None else i
-        code_range = self.statements.positions(i).get(node) if i >= 0 else None
+        code_range = None
+        if i >= 0:
+            code_range = self.statements.site_range(i, node) or self.statements.positions(i).get(node)
         if code_range is None:
             return Position(self.statements.first_lines[i] if i >= 0 else 1, 1)
         first_line = self.statements.first_lines[i]

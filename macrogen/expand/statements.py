@@ -13,6 +13,7 @@ of the whole file (``WholeFile``).
 from __future__ import annotations
 
 import ast
+import re
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping
 from itertools import accumulate
@@ -22,6 +23,7 @@ import libcst as cst
 from libcst._nodes.internal import CodegenState
 from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionProvider
 
+from macrogen.expand.extents import Paired, ast_extents
 from macrogen.expand.layout import Layout, split_lines
 
 
@@ -81,8 +83,9 @@ class _OffsetState(CodegenState):
     The same ranges as ``PositionProvidingCodegenState``: syntactic where a node
     records one, else everything the node printed."""
 
-    def __init__(self, default_indent: str, default_newline: str):
+    def __init__(self, default_indent: str, default_newline: str, stop: cst.CSTNode | None = None):
         super().__init__(default_indent=default_indent, default_newline=default_newline)
+        self.stop = stop  # raise _Stop once this node is printed (LazyPositions)
         self.offset = 0
         self.ranges: dict[cst.CSTNode, tuple[int, int]] = {}
         self.extents: dict[cst.CSTNode, tuple[int, int]] = {}  # statements, all they print
@@ -113,6 +116,8 @@ class _OffsetState(CodegenState):
             statement = _STATEMENT[kind] = issubclass(kind, cst.BaseStatement)
         if statement:
             self.extents[node] = span
+        if node is self.stop:
+            raise _Stop
 
     def record_syntactic_position(  # type: ignore[override]
         self,
@@ -125,6 +130,67 @@ class _OffsetState(CodegenState):
 
 
 _STATEMENT: dict[type, bool] = {}
+
+
+class _Stop(Exception):
+    """The node a partial codegen was run for is printed."""
+
+
+class LazyPositions(Mapping[cst.CSTNode, Any]):
+    """``code_and_positions``'s positions of a module's nodes, computed when first asked for.
+
+    The pass needs few: a site's line, the node an error is reported at. A codegen that
+    stops once the node asked for is printed knows every node printed before it (a
+    decorator's site: the first line); a second node not among those runs the codegen
+    to the end."""
+
+    def __init__(self, module: cst.Module):
+        self.module = module
+        self.ranges: dict[cst.CSTNode, tuple[int, int]] = {}
+        self.starts = [0]
+        self.runs = 0
+        self.complete = False
+
+    def _span(self, node: object) -> tuple[int, int] | None:
+        span: tuple[int, int] | None = self.ranges.get(node)  # type: ignore[call-overload]
+        if span is None and not self.complete:
+            self._run(node if self.runs == 0 and isinstance(node, cst.CSTNode) else None)
+            span = self.ranges.get(node)  # type: ignore[call-overload]
+        return span
+
+    def _run(self, stop: cst.CSTNode | None) -> None:
+        module = self.module
+        state = _OffsetState(module.default_indent, module.default_newline, stop)
+        try:
+            module._codegen(state)
+            self.complete = True
+        except _Stop:
+            pass
+        self.runs += 1
+        self.ranges = state.ranges
+        self.starts = [0]
+        for line in split_lines("".join(state.tokens) + state.popped):
+            if line.endswith(("\n", "\r")):
+                self.starts.append(self.starts[-1] + len(line))
+
+    def __getitem__(self, node: cst.CSTNode) -> Any:
+        span = self._span(node)
+        if span is None:
+            raise KeyError(node)
+        return CodeRange(_line_col(self.starts, span[0]), _line_col(self.starts, span[1]))
+
+    def __contains__(self, node: object) -> bool:
+        return self._span(node) is not None
+
+    def __iter__(self) -> Iterator[cst.CSTNode]:
+        if not self.complete:
+            self._run(None)
+        return iter(self.ranges)
+
+    def __len__(self) -> int:
+        if not self.complete:
+            self._run(None)
+        return len(self.ranges)
 
 
 class _Syntactic:
@@ -145,7 +211,9 @@ class _Syntactic:
     def __enter__(self) -> None:
         self.start = self.state.offset
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None:
+            return  # (a partial codegen stopping: this node is not all printed)
         ranges = self.state.ranges
         start = ranges[self.start_node][0] if self.start_node is not None else self.start
         end = ranges[self.end_node][1] if self.end_node is not None else self.state.offset
@@ -241,6 +309,9 @@ class Statements:
     def extents(self, i: int) -> Extents:
         raise NotImplementedError
 
+    def site_range(self, i: int, node: cst.CSTNode) -> CodeRange | None:
+        return None  # (Pieces knows some from ast)
+
     def line_at(self, offset: int) -> int:
         """The 1-based line of a character offset into the source."""
         return bisect_right(self._starts, offset)
@@ -282,7 +353,11 @@ class Pieces(Statements):
         self.first_lines = [1] + [end + 1 for end in ends[:-1]] if ends else []
         self.indent = first_indent(tree, self.lines)
         self._modules: dict[int, cst.Module] = {}
-        self._positions: dict[int, tuple[Positions, Extents]] = {}
+        self._parsed: dict[int, cst.Module] = {}  # as parsed (the codegen's positions are of these)
+        self._positions: dict[int, tuple[Positions, Extents]] = {}  # a full codegen's
+        self._lazy: dict[int, LazyPositions] = {}
+        self._pairs: dict[int, Paired | None] = {}
+        self._plain: dict[int, bool] = {}  # the piece is printable ASCII and "\n" (_PLAIN)
 
     def text(self, i: int) -> str:
         stop = self.first_lines[i + 1] - 1 if i + 1 < self.count else len(self.lines)
@@ -297,18 +372,24 @@ class Pieces(Statements):
     def module(self, i: int) -> cst.Module:
         """Statement ``i`` parsed alone: its module holds it and its leading comments."""
         if i not in self._modules:
-            if len(self.text(i)) * _NODES_PER_CHARACTER > MAX_NODES:
+            text = self.text(i)
+            if len(text) * _NODES_PER_CHARACTER > MAX_NODES:
                 _check_size(self.groups[i])
             try:
-                module = cst.parse_module(self.text(i))
+                module = cst.parse_module(text)
             except cst.ParserSyntaxError:
                 raise Disagree from None
             if len(module.body) != 1:
                 raise Disagree
-            code, positions, extents = code_and_positions(module)
-            self._positions[i] = (positions, extents)
-            if code != self.text(i):
-                raise Disagree
+            self._parsed[i] = module
+            self._plain[i] = bool(_PLAIN.fullmatch(text))
+            if not self._plain[i]:
+                # libcst reads odd characters (a lone CR, form feeds, backslashes...) in ways
+                # of its own: check that the piece reads back as written (else: whole file)
+                code, positions, extents = code_and_positions(module)
+                self._positions[i] = (positions, extents)
+                if code != text:
+                    raise Disagree
             # A statement with blocks keeps the indentation libcst read from it (blocks that
             # use it print with the module's); one without takes the file's for new code.
             indent = module.default_indent
@@ -318,7 +399,7 @@ class Pieces(Statements):
                 default_newline=self.newline,
                 default_indent=indent,
                 # libcst misses a final lone "\r"; the piece's own end is what counts
-                has_trailing_newline=self.text(i).endswith(("\n", "\r")),
+                has_trailing_newline=text.endswith(("\n", "\r")),
             )
         return self._modules[i]
 
@@ -326,14 +407,62 @@ class Pieces(Statements):
         return self.module(i).body[0]
 
     def positions(self, i: int) -> Positions:
-        """Where each node of statement ``i`` is, lines counted from the piece's first."""
+        """Where each node of statement ``i`` is, lines counted from the piece's first
+        (computed when asked for: ``LazyPositions``)."""
         self.module(i)
-        return self._positions[i][0]
+        if i in self._positions:
+            return self._positions[i][0]
+        if i not in self._lazy:
+            self._lazy[i] = LazyPositions(self._parsed[i])
+        return self._lazy[i]
+
+    def site_range(self, i: int, node: cst.CSTNode) -> CodeRange | None:
+        """``positions(i)[node]`` from ast's positions, without a codegen, for the nodes
+        statement-form sites are (a decorator, an ``if``'s test, a ``with`` item, an
+        assignment's value...). None for any other node, or where ast's columns (bytes)
+        might not be libcst's (characters)."""
+        paired = self._paired(i)
+        if paired is None or not self._plain[i]:
+            return None
+        found = paired.sites.get(node)
+        if found is None or found.end_lineno is None or found.end_col_offset is None:
+            return None
+        offset = paired.offset  # (lines counted from the piece's first, as positions)
+        return CodeRange(
+            CodePosition(found.lineno - offset, found.col_offset),
+            CodePosition(found.end_lineno - offset, found.end_col_offset),
+        )
 
     def extents(self, i: int) -> Extents:
-        """The lines each statement inside statement ``i`` spans (counted as positions)."""
+        """The lines each statement inside statement ``i`` spans, from its first line of code
+        (``extents.ast_extents``; else, from the codegen, from its leading comments)."""
+        paired = self._paired(i)
+        return paired.extents if paired is not None else self._codegen(i)[1]
+
+    def _paired(self, i: int) -> Paired | None:
+        """Statement ``i``'s libcst tree paired with ast's (None: they differ)."""
         self.module(i)
-        return self._positions[i][1]
+        if i not in self._pairs:
+            self._pairs[i] = ast_extents(self._parsed[i].body, self.groups[i], self.first_lines[i])
+        return self._pairs[i]
+
+    def source_text(self, i: int, node: cst.CSTNode) -> str | None:
+        self.module(i)
+        module = self._parsed[i]
+        if node is module.body[0]:
+            # the statement prints as its piece does, less the comment lines libcst
+            # gives the module (header and footer: whole lines)
+            lines = split_lines(self.text(i))
+            return "".join(lines[len(module.header) : len(lines) - len(module.footer)])
+        extents = self._codegen(i)[1]
+        return extents.text(node) if isinstance(extents, _OffsetExtents) else None
+
+    def _codegen(self, i: int) -> tuple[Positions, Extents]:
+        """``code_and_positions``'s positions and extents of statement ``i``."""
+        if i not in self._positions:
+            _, positions, extents = code_and_positions(self._parsed[i])
+            self._positions[i] = (positions, extents)
+        return self._positions[i]
 
     def code(self, i: int, statements: list[cst.BaseStatement]) -> str:
         return self.module(i).with_changes(body=statements).code
@@ -420,6 +549,10 @@ class WholeFile(Statements):
 
     def imported_names(self) -> dict[str, str]:
         return Pieces.imported_names(self)  # type: ignore[arg-type]
+
+
+# Text libcst surely reads back as written: printable ASCII (no backslash) and "\n"
+_PLAIN = re.compile(r"[\n\x20-\x5b\x5d-\x7e]*\n")
 
 
 def _opens_block(nodes: list[ast.stmt]) -> bool:

@@ -142,6 +142,10 @@ class Expander(cst.CSTTransformer):
                 result = _with_comments(result, comments)
         return result
 
+    def hooked_attributes(self) -> frozenset[str]:
+        """The attributes of this class's ``visit_<Node>_<attribute>`` hooks (``drive.py``)."""
+        return _hooked_attributes(type(self))
+
     # libcst's own dispatch formats a method name and looks it up for every node and
     # every attribute of every node; these look each up once per node type, and only
     # for the attributes this class has hooks for (``_FunctionDef_body``...).

@@ -11,10 +11,12 @@ libcst itself), so a walk that stops at the first match stops where
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import libcst as cst
+from libcst import MaybeSentinel
 
 # Syntax that holds no name or expression (whitespace, commas, brackets, operators).
 _LEAVES = (
@@ -70,6 +72,39 @@ def _fields(node: cst.CSTNode) -> tuple[str, ...]:
     return order
 
 
+_NODE_FIELDS: dict[type, tuple[str, ...]] = {}  # node type -> the fields that may hold a non-leaf
+
+
+def _node_fields(node: cst.CSTNode) -> tuple[str, ...]:
+    """``_fields`` less those whose declared type admits only leaves, strings and sentinels
+    (whitespace, commas, parentheses: most of them), which ``children`` would read for nothing."""
+    kind = type(node)
+    found = _NODE_FIELDS.get(kind)
+    if found is None:
+        try:
+            hints = typing.get_type_hints(kind)
+        except Exception:  # pragma: no cover - an annotation typing can't resolve: read all
+            hints = {}
+        found = _NODE_FIELDS[kind] = tuple(
+            name for name in _fields(node) if name not in hints or _may_hold_node(hints[name])
+        )
+    return found
+
+
+def _may_hold_node(annotation: object) -> bool:
+    """Whether a field of this declared type may hold a node that is not a leaf (when unsure: True)."""
+    if annotation in (str, int, float, bool, type(None), MaybeSentinel):
+        return False
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return False
+    if origin is not None:  # Union, Optional, Sequence[...]
+        return any(_may_hold_node(a) for a in typing.get_args(annotation))
+    if isinstance(annotation, type) and issubclass(annotation, cst.CSTNode):
+        return not issubclass(annotation, _LEAVES)
+    return True
+
+
 # What a field's value is, by its type: 1 a node to walk, 2 a sequence, 0 neither (a
 # string, None, a leaf). Asked by type once: isinstance on libcst's abstract classes is slow.
 _KIND: dict[type, int] = {}
@@ -101,7 +136,7 @@ _LEAF: dict[type, bool] = {}
 def children(node: cst.CSTNode) -> list[cst.CSTNode]:
     """The node's children that are not leaves, in visiting order."""
     children: list[cst.CSTNode] = []
-    for name in _fields(node):
+    for name in _node_fields(node):
         value = getattr(node, name)
         kind = _kind(value)
         if kind == 1:

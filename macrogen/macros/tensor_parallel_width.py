@@ -63,6 +63,8 @@ def rewrite_forward(
     me = params[0]
     inputs = feeding(forward, me, set(params[1:]), colwise)  # whose last dim is the width
     full = _full_width_names(forward, me, inputs)
+    if not full and not any(dotted(c.func) in CROSS_ENTROPY for c in find(forward, cst.Call)):
+        return forward  # nothing to rewrite nor to report: spare the transform's rebuild
     rewritten = forward.visit(_Widths(me, full, colwise, rowwise, divided, cross_entropy))
     assert isinstance(rewritten, cst.FunctionDef)
     return rewritten

@@ -13,9 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import libcst as cst
-
-from macrogen.expand.walk import Visitor, walk
 from macrogen.macros.tile.code import (
     COMPARE,
     Code,
@@ -29,6 +26,7 @@ from macrogen.macros.tile.code import (
     plus,
     suffix,
 )
+from macrogen.macros.tile.in_place import Meta, in_place
 from macrogen.macros.tile.ir import (
     Accum,
     Binary,
@@ -47,7 +45,7 @@ from macrogen.macros.tile.ir import (
 from macrogen.macros.tile.kernel import IDENTITY
 from macrogen.macros.tile.names import LoopBounds, Names, load_name, loads_in, names_in, vars_in
 from macrogen.macros.tile.printer import TorchPrinter
-from macrogen.macros.tile.steps import Assign, Step, TorchStore, _live, drop_dead_stores
+from macrogen.macros.tile.steps import Assign, Step, TorchStore, drop_dead_stores
 
 
 class TorchEmitter:
@@ -74,7 +72,9 @@ class TorchEmitter:
         self.folded: set[Store] = set()  # stores already written by their reduction (out=)
         self.meta: dict[str, Meta] = {}  # tensor locals: what in_place needs to know
 
-    def steps(self) -> list[Step]:
+    def steps(self, *, rewrite: bool = True) -> list[Step]:
+        """The torch path's steps; ``rewrite=False``: without in_place's rewrite (``sharing``
+        only counts the uses, which the rewrite does not change)."""
         out: list[Step] = []
         grid_bounds = {loop.var: self.names.bounds[loop] for loop in self.nest.grid}
         axes = self._axes(())
@@ -88,6 +88,8 @@ class TorchEmitter:
             out.extend(self._loads(s, self.loaded, grid_bounds, axes))
             out.extend(self._statement(s, self.loaded, grid_bounds, ()))
         out = drop_dead_stores(out)
+        if not rewrite:
+            return out
         values = sorted(
             {ld.tensor_name for st in _statements(self.nest.body) for ld in loads_in(st.value)}
         )
@@ -537,15 +539,6 @@ class TorchEmitter:
         return call(f"{self.torch}.{'maximum' if op == 'max' else 'minimum'}", acc, reduced)
 
 
-@dataclass(frozen=True)
-class Meta:
-    """A tensor local of the torch path: the loops it varies along (its shape on the nest's
-    axes), and whether it is floating-point when the value tensors have the default dtype."""
-
-    dims: frozenset[str]
-    floating: bool
-
-
 class _NotingPrinter(TorchPrinter):
     """A TorchPrinter that reports each local it computes a tensor operation into."""
 
@@ -564,105 +557,6 @@ class _NotingPrinter(TorchPrinter):
 
 
 _ARITHMETIC = ("+", "-", "*", "/", "**")
-_IN_PLACE = {cst.Add: "add_", cst.Subtract: "sub_", cst.Multiply: "mul_", cst.Divide: "div_"}
-_IN_PLACE_CALLS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs")
-
-
-def in_place(steps: list[Step], meta: dict[str, Meta], torch: str, flag: str) -> list[Step]:
-    """Reuse a temporary's storage for the next operation on it, as ``t.sub_(m)`` for
-    ``t - m``, where nothing reads the temporary afterwards: fewer tensors allocated and
-    written (eager torch allocates each). Only for a floating tensor that a torch operation
-    made (no view of an argument) whose shape is the result's, and only when ``flag`` holds
-    at run time (every value tensor has the default dtype, so the result's dtype is the
-    temporary's): ``t.sub_(m) if flag else t - m``."""
-    out = list(steps)
-    groups: dict[str, frozenset[int]] = {}  # local -> the storages it may share
-    made: set[int] = set()  # storages a torch operation made for a local
-    for t, step in enumerate(out):
-        if not isinstance(step, Assign):
-            continue
-        value = cst.parse_expression(step.value.text)  # (steps hold text: code.Parsed)
-        rewritten = _in_place_form(value, meta, groups, made, torch, out[t + 1 :], step.target)
-        if rewritten is not None:
-            a, code = rewritten
-            fast = cst.IfExp(cst.Name(flag), code, value)
-            out[t] = Assign(step.target, parse(cst.Module([]).code_for_node(fast)))
-            groups[step.target] = groups[a]
-            continue
-        if isinstance(value, cst.Name):
-            groups[step.target] = groups.get(value.value, frozenset())
-        elif step.target in meta and not isinstance(value, cst.IfExp):  # an operation's result
-            groups[step.target] = frozenset({t})
-            made.add(t)
-        else:  # a view or anything else: it may share what it reads
-            reads = _names(value) - {torch}
-            groups[step.target] = frozenset({t}).union(*(groups.get(n, ()) for n in reads))
-    return out
-
-
-def _in_place_form(
-    value: cst.BaseExpression,
-    meta: dict[str, Meta],
-    groups: dict[str, frozenset[int]],
-    made: set[int],
-    torch: str,
-    later: list[Step],
-    target: str,
-) -> tuple[str, cst.BaseExpression] | None:
-    """(the temporary, the in-place code) for ``value``, if it may overwrite the temporary."""
-    if isinstance(value, cst.BinaryOperation) and type(value.operator) in _IN_PLACE:
-        a, other = value.left, value.right
-        fn = _IN_PLACE[type(value.operator)]
-    elif (
-        isinstance(value, cst.Call)
-        and isinstance(value.func, cst.Attribute)
-        and isinstance(value.func.value, cst.Name)
-        and value.func.value.value == torch
-        and value.func.attr.value in _IN_PLACE_CALLS
-        and len(value.args) == 1
-    ):
-        a, other, fn = value.args[0].value, None, f"{value.func.attr.value}_"
-    else:
-        return None
-    if not isinstance(a, cst.Name) or a.value not in meta or not meta[a.value].floating:
-        return None
-    group = groups.get(a.value, frozenset())
-    if len(group) != 1 or not group <= made:
-        return None
-    sharing_names = [n for n, g in groups.items() if g & group and n != target]
-    if any(_live(n, later) for n in sharing_names):
-        return None
-    if other is not None:
-        for n in _names(other) - {torch}:
-            if n in meta:
-                if not meta[n].dims <= meta[a.value].dims or groups.get(n, frozenset()) & group:
-                    return None
-            elif n in groups:  # a view of an argument: its shape is unknown here
-                return None
-    args = [cst.Arg(other)] if other is not None else []
-    return a.value, cst.Call(cst.Attribute(a, cst.Name(fn)), args)
-
-
-def _names(node: cst.CSTNode) -> set[str]:
-    """The names an expression reads (not attribute names: ``torch`` of ``torch.exp``)."""
-    found: set[str] = set()
-
-    class _Visitor(Visitor):  # (a read-only walk: libcst's visit rebuilds every node)
-        def visit_Name(self, n: cst.Name) -> None:
-            found.add(n.value)
-
-        def visit_Attribute(self, n: cst.Attribute) -> bool:
-            walk(n.value, self)
-            return False
-
-        def visit_Arg(self, n: cst.Arg) -> bool:  # keyword names are not reads
-            walk(n.value, self)
-            return False
-
-    walk(node, _Visitor())
-    return found
-
-
 def _statements(body: tuple[Statement, ...]) -> list[Let | Accum | Store]:
     """Every statement of ``body``, those of its inner loops too."""
     out: list[Let | Accum | Store] = []
@@ -816,5 +710,5 @@ def sharing(nest: Nest, names: Names, torch: str) -> set[str]:
     ``exp(x - m)``): only these get a local, so that the others' temporaries are freed
     (and their memory reused) as in eager torch."""
     emitter = TorchEmitter(nest, names.fork(), torch)
-    emitter.steps()
+    emitter.steps(rewrite=False)
     return {key for key, n in emitter.uses.items() if n > 1}
