@@ -336,7 +336,7 @@ class _Guard(TorchFunctionMode):
             if owner._sent_grads and func in NORMS:
                 owner._check_not_sent(func, args, kwargs)
             elif owner._sent_grads and func is _UNSCALE:  # writes without a version bump
-                owner._stale = True  # so step() sends the unscaled gradients again
+                return owner._unscale(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -612,6 +612,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._launched and not self._in_backward:
+            # sent, never stepped (a GradScaler skipped the step on every rank): discard
+            for bucket in self.buckets:
+                bucket.wait_reduce()
+            self._launched, self._stale = 0, False
+        self._reduced = False
         self._unguard_grads()
         super().zero_grad(set_to_none)
         self._drop_guard()
@@ -629,6 +635,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _unguard_grads(self) -> None:
         self._sent_grads = {}
         self._guard_grads = False
+
+    def _unscale(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """A GradScaler's unscale of gradients sent: send them again; agree on found_inf.
+
+        Each rank's ``.grad`` is its local gradient, so the scaler's inf check is local:
+        one rank could skip ``step()`` while another steps (a hang, or parameters that
+        differ) and their loss scales would part. The serial program's averaged
+        gradient is non-finite if any rank's is, so the flag becomes the MAX over the
+        ranks, in place, before the scaler reads it (as torch's ShardedGradScaler).
+        """
+        # (grads, found_inf, inv_scale): the schema's names are self, found_inf, inv_scale
+        grads = args[0] if args else kwargs["self"]
+        found_inf = args[1] if len(args) > 1 else kwargs["found_inf"]
+        result = func(*args, **kwargs)
+        sent = self._sent_grads
+        if any(sent.get(id(g)) is g for g in grads):
+            self._stale = True  # so step() sends the unscaled gradients again
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
+        return result
 
     def _check_not_sent(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """Called by the guard on a norm or clamp: refuse one of gradients already sent."""
