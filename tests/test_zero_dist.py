@@ -254,6 +254,22 @@ def _overlap_cases(rank: int, world: int, out_dir: str) -> dict:
         opt.finish_gather()
         with torch.no_grad():
             assert torch.equal(early, ours(*mine)), "inference read stale parameters"
+    # the parameters are views of the gathered buffers: stepped and gathered in place
+    for bucket in opt.buckets:
+        assert all(bucket.bound), "every parameter of this GPT can be a view"
+        base = bucket.full.untyped_storage().data_ptr()
+        assert all(p.untyped_storage().data_ptr() == base for p in bucket.params)
+    # .data replaced (bound again at the step, its values taken), or strided (copied in and out)
+    fc = ours.blocks[0].mlp.fc.weight
+    ours.wte.weight.data = ours.wte.weight.data.clone()
+    fc.data = fc.data.t().contiguous().t()
+    both()
+    assert (
+        ours.wte.weight.untyped_storage().data_ptr()
+        == opt.buckets[-1].full.untyped_storage().data_ptr()
+    )
+    assert not fc.is_contiguous() and not opt.buckets[opt._slot[10][0]].bound[opt._slot[10][1]]
+    assert_params_close(ours, serial, "re-bound and strided parameters", **FP32)
     # 3. two backwards before step(): the first one's sends are out of date
     both(micro=2)
     assert opt.resends == 1

@@ -166,11 +166,13 @@ class ShardBucket:
         lo, hi = rank * self.chunk, (rank + 1) * self.chunk
         self.mine = self.full[lo:hi]  # the share: the optimizer steps views of it
         self.pieces: list[Piece] = []
-        for (index, group, p), off in zip(params, self.offsets):
+        self.piece_of: list[int] = []  # each piece's parameter: its position in the bucket
+        for j, ((index, group, p), off) in enumerate(zip(params, self.offsets)):
             a, b = max(lo, off), min(hi, off + p.numel())
             if a < b:
                 view = self.full[a:b]
                 self.pieces.append(Piece(p, index, group, a - off, b - off, a - lo, view))
+                self.piece_of.append(j)
         # where each parameter's elements go in the send buffer: (param, start, stop, dst view)
         self.spans: list[tuple[int, int, int, torch.Tensor]] = []
         for i, (p, off) in enumerate(zip(self.params, self.offsets)):
@@ -180,6 +182,12 @@ class ShardBucket:
                 stop = min(off + p.numel(), (r + 1) * self.chunk)
                 self.spans.append((i, at - off, stop - off, self.send[r, c : c + stop - at]))
                 at = stop
+        # Each parameter's elements in ``full``; a parameter that can be is made a view of
+        # them (``bound``), so the step writes it and the all-gather fills it in place.
+        self.flats = [self.full[off : off + p.numel()] for p, off in zip(self.params, self.offsets)]
+        self.ptrs = [f.data_ptr() for f in self.flats]
+        self.bound = [False] * len(self.params)
+        self.bind()
         self.reducing: list[Any] = []  # the reduce-scatter in flight (dist.Work)
         self.gathering: list[Any] = []  # the all-gather in flight
         self.taken: list[tuple[torch.Tensor | None, int]] = []  # each .grad sent, and its version
@@ -244,12 +252,41 @@ class ShardBucket:
         self.reducing = []
 
     # -- all-gather ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def bind(self) -> None:
+        """Make every parameter that can be a view of ``full`` one, its values copied in.
+
+        A view needs no copy in before the step nor out after the all-gather: the
+        step writes the share in place and the all-gather writes the rest. A
+        parameter whose ``.data`` was replaced since (``p.data = ...``) is bound
+        again; one that can't be a view (another dtype or device, a strided layout
+        such as channels_last, a tensor subclass) is copied in and out instead.
+        """
+        for i, (p, flat, ptr) in enumerate(zip(self.params, self.flats, self.ptrs)):
+            if self.bound[i] and p.data_ptr() == ptr:
+                continue
+            self.bound[i] = False
+            if (
+                type(p) is torch.nn.Parameter
+                and p.numel() > 0
+                and p.dtype == flat.dtype
+                and p.device == flat.device
+                and p.is_contiguous()
+            ):
+                flat.copy_(p.detach().reshape(-1))
+                p.data = flat.view(p.shape)
+                self.bound[i] = True
+
     def refresh(self) -> None:
-        """Copy the parameters' current values into the share (they may have been loaded)."""
-        if self.pieces:
+        """Before the step: the share holds the parameters' current values.
+
+        Bound parameters are the share; any other is copied in (it may have been loaded)."""
+        self.bind()
+        pieces = [pc for pc, j in zip(self.pieces, self.piece_of) if not self.bound[j]]
+        if pieces:
             torch._foreach_copy_(
-                [pc.tensor for pc in self.pieces],
-                [pc.param.detach().reshape(-1)[pc.start : pc.stop] for pc in self.pieces],
+                [pc.tensor for pc in pieces],
+                [pc.param.detach().reshape(-1)[pc.start : pc.stop] for pc in pieces],
             )
 
     def launch_gather(self, group: dist.ProcessGroup | None, tag: int) -> None:
@@ -269,14 +306,16 @@ class ShardBucket:
                 )
 
     def finish_gather(self) -> None:
-        """Wait for the all-gather and write the values into the parameters."""
+        """Wait for the all-gather; copy the values into parameters that are not views."""
         for work in self.gathering:
             work.wait()
         self.gathering = []
-        torch._foreach_copy_(
-            [p.detach().reshape(-1) for p in self.params],
-            [self.full[off : off + p.numel()] for p, off in zip(self.params, self.offsets)],
-        )
+        unbound = [i for i, b in enumerate(self.bound) if not b]
+        if unbound:
+            torch._foreach_copy_(  # (in the parameter's own layout: reshape(-1) may copy)
+                [self.params[i].detach() for i in unbound],
+                [self.flats[i].view(self.params[i].shape) for i in unbound],
+            )
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
