@@ -11,6 +11,11 @@ bucket, flat, into ``world`` equal chunks (the last one padded):
                               |<--- rank 0's chunk --->|<--- rank 1's chunk --->|
     bucket 0 (last layers):   | lm_head.weight, ln_f.weight, ln_f.bias | pad |
 
+Each parameter is a view of its bucket's flat buffer (``ShardBucket.bind``):
+the step writes this rank's chunk in place, the all-gather the others', and
+nothing is copied between the parameters and the buffer (a parameter that
+can't be a view, e.g. a strided one, is copied in before and out after).
+
 One step, overlapped with the forward and backward around it:
 
 1. during backward, as soon as a bucket's gradients are all in (in bucket order
@@ -23,8 +28,8 @@ One step, overlapped with the forward and backward around it:
    class and hyperparameters: ``fused=True`` as the user chose, else one
    ``foreach`` (multi-tensor) step over the share;
 3. ``step()`` then starts each bucket's all-gather asynchronously, the first
-   layers' bucket first, and returns. A parameter is written when it is first
-   read: a ``TorchFunctionMode`` (the guard) sees every torch operation until
+   layers' bucket first, and returns. A parameter is waited for when it is
+   first read: a ``TorchFunctionMode`` (the guard) sees every torch operation until
    all buckets are in, and waits for the bucket of any parameter an operation
    takes. The next forward's first layers so run while later buckets arrive,
    and nothing reads a stale value: not the user's code between step() and the
