@@ -1,7 +1,7 @@
 """Train-step time of @tensor_parallel vs torch's DTensor tensor parallelism, 2 gloo ranks.
 
     python bench/tp.py [--d-model 128 256 512] [--n-head 8] [--batch 8] [--seq 64] [--steps 40]
-                       [--vocab 8192]
+                       [--vocab 8192] [--breakdown]
 
 Both sides train the same transformer block (attention: qkv colwise, proj
 rowwise, n_head divided; MLP: fc colwise, proj rowwise) from the same weights:
@@ -21,7 +21,11 @@ sharded layer's group removed, so each rank runs the same per-rank matmuls,
 attention and layer norms with no communication at all (its results are not
 the model's). No tensor-parallel implementation on this machine's two ranks
 can beat it; its ratio says how far below DTensor free communication would
-get. Per phase (forward, backward, optimizer step) medians follow.
+get. Per phase (forward, backward, optimizer step) medians follow, then the CPU
+of a step split between the Python thread and the others (gloo's transport).
+``--breakdown`` adds macrogen's step with every all-reduce reducing 4 bytes
+(the collectives' synchronization without their data) and with no all-reduce
+at all (macrogen's own code path, without communication): timing only.
 
 Last, it measures the logits one rank holds for the loss of a
 vocabulary-split head (``F.cross_entropy`` rewritten to the vocab-parallel
@@ -195,17 +199,48 @@ def _torch_tp(serial: torch.nn.Module, world: int, sequence: bool = False) -> to
 PHASES = ("forward", "backward", "optimizer")
 
 
-def _step(model, opt, x) -> list[tuple[float, float]]:
-    """(wall, CPU) seconds of each phase of one step."""
-    clocks = [(time.perf_counter(), time.process_time())]
+def _clocks() -> tuple[float, float, float]:
+    return time.perf_counter(), time.process_time(), time.thread_time()
+
+
+def _step(model, opt, x) -> list[tuple[float, float, float]]:
+    """(wall, process CPU, this thread's CPU) seconds of each phase of one step."""
+    clocks = [_clocks()]
     opt.zero_grad(set_to_none=True)
     loss = model(x).pow(2).mean()
-    clocks.append((time.perf_counter(), time.process_time()))
+    clocks.append(_clocks())
     loss.backward()
-    clocks.append((time.perf_counter(), time.process_time()))
+    clocks.append(_clocks())
     opt.step()
-    clocks.append((time.perf_counter(), time.process_time()))
-    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(clocks, clocks[1:])]
+    clocks.append(_clocks())
+    return [tuple(b[i] - a[i] for i in range(3)) for a, b in zip(clocks, clocks[1:])]
+
+
+class _FourByteReductions:
+    """torch.distributed for macrogen's collectives, except that each all-reduce reduces 4 bytes:
+    what a collective costs without its data (waking gloo's threads, waiting, the round trip).
+    Timing only: the model's results are wrong."""
+
+    def __init__(self):
+        self.one = torch.zeros(1)
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        return dist.all_reduce(self.one, group=group, async_op=async_op)
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class _NoReductions(_FourByteReductions):
+    """Every all-reduce skipped: macrogen's own per-rank work, its layers' code path included."""
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        return _Done() if async_op else None
 
 
 def _without_collectives(block: torch.nn.Module) -> torch.nn.Module:
@@ -289,7 +324,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         memory.append((_layer_norm_saved_bytes(serial(x)), _layer_norm_saved_bytes(ours_sp(mine))))
         sgd = torch.optim.SGD(ours.parameters(), lr=1e-3)
         floor = _without_collectives(ours)
-        runs = {  # name: (model, optimizer, collectives.OVERLAP, input)
+        runs = {  # name: (model, optimizer, collectives.OVERLAP, input[, collectives.dist])
             "macrogen": (ours, sgd, True, x),  # the default: collectives overlap compute
             "no overlap": (ours, sgd, False, x),  # macrogen with collectives.OVERLAP = False
             "no collectives": (floor, torch.optim.SGD(floor.parameters(), lr=1e-3), True, x),
@@ -299,15 +334,19 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
                 theirs_sp, torch.optim.SGD(theirs_sp.parameters(), lr=1e-3), True, mine
             ),
         }
+        if args.breakdown:  # macrogen's step with its all-reduces moving 4 bytes, and with none
+            runs["tiny all-reduces"] = (ours, sgd, True, x, _FourByteReductions())
+            runs["no all-reduces"] = (ours, sgd, True, x, _NoReductions())
         times: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in runs}
         for i in range(args.warmup + args.steps):
-            for name, (model, opt, overlap, x) in runs.items():  # alternate: all see the same load
+            for name, (model, opt, overlap, x, *transport) in runs.items():  # alternate: same load
                 collectives.OVERLAP = overlap
+                collectives.dist = transport[0] if transport else dist
                 dist.barrier()
                 phases = _step(model, opt, x)
                 if i >= args.warmup:
                     times[name].append(phases)
-        collectives.OVERLAP = True
+        collectives.OVERLAP, collectives.dist = True, dist
         results.append((d_model, times))
     logits = _logit_memory(serial_mod, ours_mod, args, world)
     if rank == 0:
@@ -317,7 +356,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
 
 
 def _totals(steps: list[list[tuple[float, float]]], clock: int) -> list[float]:
-    """Each step's total over its phases, on the wall (0) or CPU (1) clock."""
+    """Each step's total over its phases, on the wall (0), process CPU (1) or thread CPU (2) clock."""
     return [sum(phase[clock] for phase in step) for step in steps]
 
 
@@ -331,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary of the loss check")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time macrogen with 4-byte all-reduces and with none (what the reductions cost)",
+    )
     args = parser.parse_args(argv)
 
     from tests.distributed import free_port
@@ -383,6 +427,12 @@ def main(argv: list[str] | None = None) -> int:
                 for k, phase in enumerate(PHASES)
             )
             print(f"  {d_model:>7}  {name:<16}  {cells}")
+    print("  CPU of a step by thread, median ms: the Python thread (compute, waits) / the rest (gloo's):")
+    for d_model, times in results:
+        for name, steps in times.items():
+            main_cpu = statistics.median(_totals(steps, 2))
+            rest = statistics.median(a - b for a, b in zip(_totals(steps, 1), _totals(steps, 2)))
+            print(f"  {d_model:>7}  {name:<16}  {main_cpu * 1e3:6.2f} / {rest * 1e3:5.2f}")
     for d_model, (serial_ln, sp_ln) in zip(args.d_model, memory):
         print(
             f"sequence parallel, d_model {d_model}: layer-norm activations saved per rank"

@@ -422,6 +422,8 @@ def _two_rank_checks(rank, world, tmp):
         "proj.bias": (D_MODEL,),
     }, shapes
     assert type(mlp.fc.weight) is torch.nn.Parameter
+    # a rowwise layer with one reduction is torch's linear + bias add: no Python autograd node
+    assert type(mlp(x).grad_fn).__name__ == "AddBackward0", mlp(x).grad_fn
     twin = copy.deepcopy(mlp)  # an EMA copy: same group, own tensors
     assert twin.fc.group is mlp.fc.group and twin.fc.weight is not mlp.fc.weight
     torch.testing.assert_close(twin(x), mlp(x))

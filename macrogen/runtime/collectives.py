@@ -18,6 +18,9 @@ communicated.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -130,7 +133,20 @@ OVERLAP = True
 
 # Under torch.autocast the backward runs with the forward's autocast state, as F.linear's does.
 _autocast_forward = torch.amp.custom_fwd(device_type="cuda")
-_autocast_backward = torch.amp.custom_bwd(device_type="cuda")
+
+
+def _autocast_backward(backward):
+    """``torch.amp.custom_bwd(device_type="cuda")``, entering no autocast context where neither
+    the forward nor the caller had autocast on (the usual case; the context costs ~20 us a call)."""
+    with_autocast = torch.amp.custom_bwd(backward, device_type="cuda")
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        if ctx._fwd_used_autocast or torch.is_autocast_enabled("cuda"):
+            return with_autocast(ctx, *grads)
+        return backward(ctx, *grads)
+
+    return run
 
 
 class _ColwiseLinear(torch.autograd.Function):
@@ -219,9 +235,17 @@ def rowwise_linear(
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
     if chunks is None:
-        big = x[..., :1].numel() * weight.shape[0] // CHUNK_ELEMENTS
+        big = math.prod(x.shape[:-1]) * weight.shape[0] // CHUNK_ELEMENTS
         chunks = max(1, min(4, big)) if OVERLAP else 1
-    return _RowwiseLinear.apply(x, weight, bias, group, chunks)
+    if chunks > 1:
+        return _RowwiseLinear.apply(x, weight, bias, group, chunks)
+    # One reduction: no autograd Function. g's backward is the identity, so autograd's own
+    # backward of the local linear (and of the bias add) is already the right one; the partial
+    # output is summed in place outside autograd (nothing saved it). Same products as the
+    # Function, without its Python forward and backward (~0.15 ms a layer a step, measured).
+    out = F.linear(x, weight)
+    dist.all_reduce(out.detach(), group=group)
+    return out if bias is None else out.add_(bias)
 
 
 # -- vocabulary-parallel cross-entropy -------------------------------------------------------
