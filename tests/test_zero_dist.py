@@ -9,6 +9,8 @@ back; each rank holds about 1/world of the optimizer state.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -252,6 +254,22 @@ def _overlap_cases(rank: int, world: int, out_dir: str) -> dict:
         opt.finish_gather()
         with torch.no_grad():
             assert torch.equal(early, ours(*mine)), "inference read stale parameters"
+    # the parameters are views of the gathered buffers: stepped and gathered in place
+    for bucket in opt.buckets:
+        assert all(bucket.bound), "every parameter of this GPT can be a view"
+        base = bucket.full.untyped_storage().data_ptr()
+        assert all(p.untyped_storage().data_ptr() == base for p in bucket.params)
+    # .data replaced (bound again at the step, its values taken), or strided (copied in and out)
+    fc = ours.blocks[0].mlp.fc.weight
+    ours.wte.weight.data = ours.wte.weight.data.clone()
+    fc.data = fc.data.t().contiguous().t()
+    both()
+    assert (
+        ours.wte.weight.untyped_storage().data_ptr()
+        == opt.buckets[-1].full.untyped_storage().data_ptr()
+    )
+    assert not fc.is_contiguous() and not opt.buckets[opt._slot[10][0]].bound[opt._slot[10][1]]
+    assert_params_close(ours, serial, "re-bound and strided parameters", **FP32)
     # 3. two backwards before step(): the first one's sends are out of date
     both(micro=2)
     assert opt.resends == 1
@@ -305,18 +323,23 @@ def _clip_cases(rank: int, world: int, out_dir: str) -> dict:
     ours = models.ManyBuckets(config)
     opt = shard_optimizer(adamw(ours.parameters()))
     report: dict = {"norms": []}
-    for step in range(4):
+    for step, norm_type in enumerate((2.0, 2.0, math.inf, 1.0, math.inf, 1.0)):
         serial_opt.zero_grad()
         serial(*inputs).backward()
-        want = torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.05)
+        grads = [p.grad for p in serial.parameters() if p.grad is not None]
+        # half the serial norm: the clipping triggers (every rank computes the same serial run)
+        limit = float(torch.nn.utils.get_total_norm(grads, norm_type)) / 2
+        want = torch.nn.utils.clip_grad_norm_(serial.parameters(), limit, norm_type)
         serial_opt.step()
         opt.zero_grad()
         ours(*mine).backward()
         # the method, and the function that also runs unsharded
-        got = opt.clip_grad_norm_(0.05) if step % 2 else mg.clip_grad_norm_(opt, 0.05)
+        if step % 2:
+            got = opt.clip_grad_norm_(limit, norm_type=norm_type)
+        else:
+            got = mg.clip_grad_norm_(opt, limit, norm_type)
         opt.step()
-        torch.testing.assert_close(got, want, **FP32)
-        assert want > 0.05, "the clipping triggers"
+        torch.testing.assert_close(got, want, **FP32, msg=f"norm_type {norm_type}")
         report["norms"].append(float(got))
     assert opt.resends == 0, "the shares sent during backward were clipped, not sent again"
     assert_params_close(ours, serial, "clipped ZeRO vs serial", skip=NOISE_ONLY, **FP32)
@@ -344,3 +367,60 @@ def _clip_cases(rank: int, world: int, out_dir: str) -> dict:
 def test_clip_grad_norm_of_the_sharded_optimizer_equals_serial(tmp_path):
     results = run_ranks(_clip_cases, 2, args=(str(tmp_path),), timeout=150)
     assert results[0]["norms"] == results[1]["norms"]
+
+
+def _scaler_cases(rank: int, world: int, out_dir: str) -> dict:
+    """torch.amp.GradScaler: an inf in one rank's gradients makes every rank skip the step."""
+    from examples.gpt import GPT, batch
+
+    models = expanded_models(out_dir, rank)
+    config = tiny_config()
+    inputs = batch(config, GLOBAL_BATCH, seed=13)
+    mine = micro_batches(inputs, 1, rank, world)[0]
+    torch.manual_seed(0)
+    serial = GPT(config)
+    serial_opt = sgd(serial.parameters())
+    torch.manual_seed(0)
+    ours = models.ManyBuckets(config)
+    opt = shard_optimizer(sgd(ours.parameters()))
+    # a parameter that lies in rank 0's chunk of its bucket: the inf goes into rank 1's
+    # local gradient only, so only rank 1's own inf check would see it
+    poisoned = opt.buckets[0].params[0]
+    assert opt.buckets[0].offsets[0] < opt.buckets[0].chunk
+    name = next(n for n, p in ours.named_parameters() if p is poisoned)
+    report: dict = {"scales": [], "skipped": []}
+    scalers = {id(serial_opt): torch.amp.GradScaler("cpu", init_scale=2.0**10),
+               id(opt): torch.amp.GradScaler("cpu", init_scale=2.0**10)}  # fmt: skip
+    for step in range(4):
+        before = [p.detach().clone() for p in ours.parameters()]
+        for model, o, rows, poison in (
+            (serial, serial_opt, inputs, step == 1),
+            (ours, opt, mine, step == 1 and rank == 1),
+        ):
+            scaler = scalers[id(o)]
+            o.zero_grad()
+            scaler.scale(model(*rows)).backward()
+            if poison:
+                dict(model.named_parameters())[name].grad.view(-1)[0] = float("inf")
+            if step == 2:  # unscaled by hand, then clipped (the averaged gradients' norm)
+                scaler.unscale_(o)
+                mg.clip_grad_norm_(o, 0.05)
+            scaler.step(o)
+            scaler.update()
+        opt.finish_gather()
+        skipped = all(torch.equal(a, b) for a, b in zip(before, ours.parameters()))
+        report["skipped"].append(skipped)
+        report["scales"].append(scalers[id(opt)].get_scale())
+        assert report["scales"][-1] == scalers[id(serial_opt)].get_scale(), step
+        assert_params_close(ours, serial, f"GradScaler step {step}", **FP32)
+    report["params"] = [p.detach().clone() for p in ours.parameters()]
+    return report
+
+
+def test_grad_scaler_skips_the_step_on_every_rank_when_one_rank_finds_an_inf(tmp_path):
+    results = run_ranks(_scaler_cases, 2, args=(str(tmp_path),), timeout=150)
+    for r in results:
+        assert r["skipped"] == [False, True, False, False], r["skipped"]
+        assert r["scales"][1] == r["scales"][0] / 2, "the scale backed off on every rank"
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b), "the ranks' parameters parted"

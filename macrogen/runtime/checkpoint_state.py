@@ -147,7 +147,12 @@ def _serial_form(
         from torch.distributed.device_mesh import DeviceMesh
 
         mesh = meshes[id(group)] = DeviceMesh.from_group(group, t.device.type)
-    return DTensor.from_local(t.detach(), mesh, [Shard(dim)], run_check=False)
+    local = t.detach()
+    if not load and local.storage_offset():
+        # a parameter that is a view of a ZeRO-1 bucket: DCP's staging copies the storage
+        # of a DTensor whose data_ptr is not 0, and this wrapper has none (torch 2.13)
+        local = local.clone()
+    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
 
 
 # ---- ZeRO (shard_optimizer) ----------------------------------------------------------------

@@ -11,6 +11,11 @@ bucket, flat, into ``world`` equal chunks (the last one padded):
                               |<--- rank 0's chunk --->|<--- rank 1's chunk --->|
     bucket 0 (last layers):   | lm_head.weight, ln_f.weight, ln_f.bias | pad |
 
+Each parameter is a view of its bucket's flat buffer (``ShardBucket.bind``):
+the step writes this rank's chunk in place, the all-gather the others', and
+nothing is copied between the parameters and the buffer (a parameter that
+can't be a view, e.g. a strided one, is copied in before and out after).
+
 One step, overlapped with the forward and backward around it:
 
 1. during backward, as soon as a bucket's gradients are all in (in bucket order
@@ -23,8 +28,8 @@ One step, overlapped with the forward and backward around it:
    class and hyperparameters: ``fused=True`` as the user chose, else one
    ``foreach`` (multi-tensor) step over the share;
 3. ``step()`` then starts each bucket's all-gather asynchronously, the first
-   layers' bucket first, and returns. A parameter is written when it is first
-   read: a ``TorchFunctionMode`` (the guard) sees every torch operation until
+   layers' bucket first, and returns. A parameter is waited for when it is
+   first read: a ``TorchFunctionMode`` (the guard) sees every torch operation until
    all buckets are in, and waits for the bucket of any parameter an operation
    takes. The next forward's first layers so run while later buckets arrive,
    and nothing reads a stale value: not the user's code between step() and the
@@ -166,11 +171,13 @@ class ShardBucket:
         lo, hi = rank * self.chunk, (rank + 1) * self.chunk
         self.mine = self.full[lo:hi]  # the share: the optimizer steps views of it
         self.pieces: list[Piece] = []
-        for (index, group, p), off in zip(params, self.offsets):
+        self.piece_of: list[int] = []  # each piece's parameter: its position in the bucket
+        for j, ((index, group, p), off) in enumerate(zip(params, self.offsets)):
             a, b = max(lo, off), min(hi, off + p.numel())
             if a < b:
                 view = self.full[a:b]
                 self.pieces.append(Piece(p, index, group, a - off, b - off, a - lo, view))
+                self.piece_of.append(j)
         # where each parameter's elements go in the send buffer: (param, start, stop, dst view)
         self.spans: list[tuple[int, int, int, torch.Tensor]] = []
         for i, (p, off) in enumerate(zip(self.params, self.offsets)):
@@ -180,6 +187,12 @@ class ShardBucket:
                 stop = min(off + p.numel(), (r + 1) * self.chunk)
                 self.spans.append((i, at - off, stop - off, self.send[r, c : c + stop - at]))
                 at = stop
+        # Each parameter's elements in ``full``; a parameter that can be is made a view of
+        # them (``bound``), so the step writes it and the all-gather fills it in place.
+        self.flats = [self.full[off : off + p.numel()] for p, off in zip(self.params, self.offsets)]
+        self.ptrs = [f.data_ptr() for f in self.flats]
+        self.bound = [False] * len(self.params)
+        self.bind()
         self.reducing: list[Any] = []  # the reduce-scatter in flight (dist.Work)
         self.gathering: list[Any] = []  # the all-gather in flight
         self.taken: list[tuple[torch.Tensor | None, int]] = []  # each .grad sent, and its version
@@ -244,12 +257,41 @@ class ShardBucket:
         self.reducing = []
 
     # -- all-gather ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def bind(self) -> None:
+        """Make every parameter that can be a view of ``full`` one, its values copied in.
+
+        A view needs no copy in before the step nor out after the all-gather: the
+        step writes the share in place and the all-gather writes the rest. A
+        parameter whose ``.data`` was replaced since (``p.data = ...``) is bound
+        again; one that can't be a view (another dtype or device, a strided layout
+        such as channels_last, a tensor subclass) is copied in and out instead.
+        """
+        for i, (p, flat, ptr) in enumerate(zip(self.params, self.flats, self.ptrs)):
+            if self.bound[i] and p.data_ptr() == ptr:
+                continue
+            self.bound[i] = False
+            if (
+                type(p) is torch.nn.Parameter
+                and p.numel() > 0
+                and p.dtype == flat.dtype
+                and p.device == flat.device
+                and p.is_contiguous()
+            ):
+                flat.copy_(p.detach().reshape(-1))
+                p.data = flat.view(p.shape)
+                self.bound[i] = True
+
     def refresh(self) -> None:
-        """Copy the parameters' current values into the share (they may have been loaded)."""
-        if self.pieces:
+        """Before the step: the share holds the parameters' current values.
+
+        Bound parameters are the share; any other is copied in (it may have been loaded)."""
+        self.bind()
+        pieces = [pc for pc, j in zip(self.pieces, self.piece_of) if not self.bound[j]]
+        if pieces:
             torch._foreach_copy_(
-                [pc.tensor for pc in self.pieces],
-                [pc.param.detach().reshape(-1)[pc.start : pc.stop] for pc in self.pieces],
+                [pc.tensor for pc in pieces],
+                [pc.param.detach().reshape(-1)[pc.start : pc.stop] for pc in pieces],
             )
 
     def launch_gather(self, group: dist.ProcessGroup | None, tag: int) -> None:
@@ -269,14 +311,16 @@ class ShardBucket:
                 )
 
     def finish_gather(self) -> None:
-        """Wait for the all-gather and write the values into the parameters."""
+        """Wait for the all-gather; copy the values into parameters that are not views."""
         for work in self.gathering:
             work.wait()
         self.gathering = []
-        torch._foreach_copy_(
-            [p.detach().reshape(-1) for p in self.params],
-            [self.full[off : off + p.numel()] for p, off in zip(self.params, self.offsets)],
-        )
+        unbound = [i for i, b in enumerate(self.bound) if not b]
+        if unbound:
+            torch._foreach_copy_(  # (in the parameter's own layout: reshape(-1) may copy)
+                [self.params[i].detach() for i in unbound],
+                [self.flats[i].view(self.params[i].shape) for i in unbound],
+            )
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -308,6 +352,11 @@ NORMS = frozenset(
 _UNSCALE = torch._amp_foreach_non_finite_check_and_unscale_
 
 
+# The runtime's own tensor operations while the guard is on (during backward, in step()):
+# without it, each would pay the guard's ~10 us (about 1 ms per step on bench/ddp.py's GPT).
+_UNWATCHED = torch._C.DisableTorchFunction
+
+
 class _Guard(TorchFunctionMode):
     """Between ``step()`` and the arrival of the updated parameters, any torch operation on
     a parameter still in flight waits for its bucket first (and those launched before it).
@@ -336,7 +385,7 @@ class _Guard(TorchFunctionMode):
             if owner._sent_grads and func in NORMS:
                 owner._check_not_sent(func, args, kwargs)
             elif owner._sent_grads and func is _UNSCALE:  # writes without a version bump
-                owner._stale = True  # so step() sends the unscaled gradients again
+                return owner._unscale(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -506,7 +555,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._eager = False
 
     def _launch_reduce(self, b: int) -> None:
-        self.buckets[b].launch_reduce(self.group, tag=2 * b)
+        with _UNWATCHED():  # (runs in backward, under the guard: its checks are not needed)
+            self.buckets[b].launch_reduce(self.group, tag=2 * b)
         self._launched = b + 1
 
     # -- the step -------------------------------------------------------------------------
@@ -539,6 +589,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _reduce(self) -> None:
         """Leave this rank's share of the averaged gradients in the pieces' ``.grad``."""
+        with _UNWATCHED():  # our own bookkeeping: nothing in flight, no user norm
+            self._reduce_now()
+
+    def _reduce_now(self) -> None:
         # The gradients sent during backward are used only if every bucket went and none of
         # its gradients changed since (accumulated, clipped, unscaled): else all go again now.
         # Decided together, so that every rank issues the same collectives; the small
@@ -612,6 +666,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._launched and not self._in_backward:
+            # sent, never stepped (a GradScaler skipped the step on every rank): discard
+            for bucket in self.buckets:
+                bucket.wait_reduce()
+            self._launched, self._stale = 0, False
+        self._reduced = False
         self._unguard_grads()
         super().zero_grad(set_to_none)
         self._drop_guard()
@@ -629,6 +689,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _unguard_grads(self) -> None:
         self._sent_grads = {}
         self._guard_grads = False
+
+    def _unscale(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """A GradScaler's unscale of gradients sent: send them again; agree on found_inf.
+
+        Each rank's ``.grad`` is its local gradient, so the scaler's inf check is local:
+        one rank could skip ``step()`` while another steps (a hang, or parameters that
+        differ) and their loss scales would part. The serial program's averaged
+        gradient is non-finite if any rank's is, so the flag becomes the MAX over the
+        ranks, in place, before the scaler reads it (as torch's ShardedGradScaler).
+        """
+        # (grads, found_inf, inv_scale): the schema's names are self, found_inf, inv_scale
+        grads = args[0] if args else kwargs["self"]
+        found_inf = args[1] if len(args) > 1 else kwargs["found_inf"]
+        result = func(*args, **kwargs)
+        sent = self._sent_grads
+        if any(sent.get(id(g)) is g for g in grads):
+            self._stale = True  # so step() sends the unscaled gradients again
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
+        return result
 
     def _check_not_sent(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """Called by the guard on a norm or clamp: refuse one of gradients already sent."""
