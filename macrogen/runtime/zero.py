@@ -26,7 +26,8 @@ One step, overlapped with the forward and backward around it:
    share) and steps this rank's *pieces* (the parts of each parameter in its
    chunks, 1-D views of the bucket's flat buffer) with the user's optimizer
    class and hyperparameters: ``fused=True`` as the user chose, else one
-   ``foreach`` (multi-tensor) step over the share;
+   ``foreach`` (multi-tensor) step over the share; consecutive pieces of one
+   parameter group are stepped as one flat run (zero_runs.py);
 3. ``step()`` then starts each bucket's all-gather asynchronously, the first
    layers' bucket first, and returns. A parameter is waited for when it is
    first read: a ``TorchFunctionMode`` (the guard) sees every torch operation until
