@@ -18,7 +18,16 @@ to torch DDP measured in the same run:
     zero1_fused       ... + shard_optimizer(AdamW(fused=True))    / DDP, AdamW(fused=True)
     sync4             @data_parallel(sync_every=4), AdamW         / DDP, AdamW
     ddp_zero          DDP + torch ZeroRedundancyOptimizer(AdamW)  / DDP, AdamW
+    zero1_floor       DDP, AdamW over half the elements only      / DDP, AdamW
     macrogen_bn       @data_parallel conv net with BatchNorm, SGD / DDP, SGD
+    bn_floor          the conv net, no communication at all, SGD  / DDP, SGD
+    bn_allreduce      bn_floor + one blocking all-reduce of as many bytes as its gradients
+
+The floors bound what any change can reach here: zero1_floor is ZeRO-1
+with nothing of its own (DDP's collectives, 1/world of the optimizer work),
+bn_floor is data parallelism whose communication costs nothing, and
+bn_allreduce one whose only cost is moving the gradients' bytes once with
+gloo's all-reduce (not overlapped; the rank-to-rank lockstep included).
 
 ``--curve`` trains the GPT example (2 layers, d=64, byte-level text of this
 repository's docs) for a few hundred steps with sync_every = 1, 4 and 16 and
@@ -203,10 +212,48 @@ def variants(models, rank: int) -> dict[str, Variant]:
     m = DDP(fresh(GPT), bucket_cap_mb=BUCKET_MB)
     zero = ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4)
     out["ddp_zero"] = (m, zero, tokens)
+    # ZeRO-1's floor: DDP (its collectives) with 1/world of the AdamW work, nothing else
+    m = DDP(fresh(GPT), bucket_cap_mb=BUCKET_MB)
+    out["zero1_floor"] = (m, plain(first_elements(list(m.parameters()), 0.5)), tokens)
     m = DDP(fresh(models.ConvNet), bucket_cap_mb=BUCKET_MB)
     out["ddp_bn"] = (m, sgd(m.parameters()), images)
     m = fresh(models.ConvNetDataParallel)
     out["macrogen_bn"] = (m, sgd(m.parameters()), images)
+    # any data-parallel scheme's floor: the conv net with no communication at all
+    m = fresh(models.ConvNet)
+    out["bn_floor"] = (m, sgd(m.parameters()), images)
+    # ... plus one blocking all-reduce of as many bytes as its gradients, after backward
+    m = fresh(models.ConvNet)
+    out["bn_allreduce"] = (m, AllReduceFirst(sgd(m.parameters())), images)
+    return out
+
+
+class AllReduceFirst(torch.optim.Optimizer):
+    """``optimizer``, after one all-reduce of a buffer the size of its gradients (a floor)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.inner = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        numel = sum(p.numel() for g in self.param_groups for p in g["params"])
+        self.buffer = torch.zeros(numel)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def step(self, closure=None):
+        dist.all_reduce(self.buffer)
+        return self.inner.step(closure)
+
+
+def first_elements(params: list[torch.Tensor], fraction: float) -> list[torch.Tensor]:
+    """The first parameters holding about ``fraction`` of the elements."""
+    total, taken, out = sum(p.numel() for p in params), 0, []
+    for p in params:
+        if taken >= fraction * total:
+            break
+        out.append(p)
+        taken += p.numel()
     return out
 
 
@@ -276,7 +323,7 @@ def worker(rank: int, world: int, port: int, steps: int, rounds: int, out_dir: s
 
     gpt_batch, conv_batch = runs["ddp"][2], runs["ddp_bn"][2]
     ddp_calls = ddp_calls_per_step(GPT(GPTConfig(**MODEL)), gpt_batch)
-    for name in ("ddp", "ddp_fused", "ddp_zero"):
+    for name in ("ddp", "ddp_fused", "ddp_zero", "zero1_floor"):
         calls[name] += ddp_calls
     calls["ddp_bn"] += ddp_calls_per_step(models.ConvNet(), conv_batch)
     states = {name: state_bytes(opt) for name, (_, opt, _) in runs.items()}
@@ -396,6 +443,9 @@ def report(times, cpu_times, calls, states, seconds: float) -> None:
         ("DDP + ZeroRedundancyOptimizer / DDP", "ddp_zero", "ddp", None),
         ("ZeRO-1 / DDP + ZeroRedundancyOptimizer", "zero1", "ddp_zero", None),
         ("conv+BN: macrogen / DDP", "macrogen_bn", "ddp_bn", 0.95),
+        ("floor: DDP, AdamW on 1/world / DDP", "zero1_floor", "ddp", None),
+        ("floor: conv+BN, no communication / DDP", "bn_floor", "ddp_bn", None),
+        ("floor: conv+BN + 1 all-reduce / DDP", "bn_allreduce", "ddp_bn", None),
     ):
         goal_text = f"goal <= {goal}; " if goal else ""
         print(f"{what:<40} {med[a] / med[b]:.3f}  ({goal_text}CPU time {cpu[a] / cpu[b]:.3f})")

@@ -26,7 +26,8 @@ One step, overlapped with the forward and backward around it:
    share) and steps this rank's *pieces* (the parts of each parameter in its
    chunks, 1-D views of the bucket's flat buffer) with the user's optimizer
    class and hyperparameters: ``fused=True`` as the user chose, else one
-   ``foreach`` (multi-tensor) step over the share;
+   ``foreach`` (multi-tensor) step over the share; consecutive pieces of one
+   parameter group are stepped as one flat run (zero_runs.py);
 3. ``step()`` then starts each bucket's all-gather asynchronously, the first
    layers' bucket first, and returns. A parameter is waited for when it is
    first read: a ``TorchFunctionMode`` (the guard) sees every torch operation until
@@ -76,7 +77,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from macrogen.runtime import groups
+from macrogen.runtime import groups, zero_runs
 from macrogen.runtime.buckets import plan_buckets
 
 if TYPE_CHECKING:
@@ -447,11 +448,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for j, i in enumerate(members):
                 self._slot[i] = (b, j)
         self.pieces = [pc for bucket in self.buckets for pc in bucket.pieces]
-        # the user's optimizer class over this rank's pieces: one local group per user group
+        # the share as flat runs (consecutive pieces of one group), for torch's element-wise
+        # optimizers; one piece per parameter for any other class (zero_runs.py)
+        self.runs = zero_runs.make_runs(self.buckets, flat=kind in zero_runs.FLAT_SAFE)
+        # the user's optimizer class over this rank's runs: one local group per user group
         local_groups = []
         self._local_of: list[int] = []  # local group -> user group
         for g_index, g in enumerate(self.param_groups):
-            mine = [pc.tensor for pc in self.pieces if pc.group == g_index]
+            mine = [t for run in self.runs if run.group == g_index for t in run.units()]
             if mine:
                 local_groups.append({**_settings(g), "params": mine})
                 self._local_of.append(g_index)
@@ -467,8 +471,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # None: this rank's chunks hold only padding
         self.local = kind(local_groups, **kwargs) if local_groups else None
         # -- overlap: the state of one accumulation window (backwards up to a step) ----------
-        self._in_flight: dict[int, int] = {}  # id(param) -> its bucket, all-gather not written
-        self._gather_order: list[int] = []  # buckets in the order their all-gathers started
+        self._in_flight: dict[int, int] = {}  # id(param) -> k: in the k-th bucket gathered
+        self._gathers: list[ShardBucket] = []  # buckets in the order their all-gathers started
+        self._done = 0  # all-gathers waited for and written
         self._guard: _Guard | None = None
         self._in_backward = False
         self._eager = False  # this backward reduce-scatters each bucket as it fills
@@ -577,11 +582,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 local.update(_settings(self.param_groups[user]), **self._forced)
             self.local.step()
         # The forward needs the first layers first: the last buckets (buckets run backwards).
-        self._gather_order = list(reversed(range(len(self.buckets))))
-        for b in self._gather_order:
-            self.buckets[b].launch_gather(self.group, tag=2 * b + 1)
-            for p in self.buckets[b].params:
-                self._in_flight[id(p)] = b
+        self._gathers, self._done = [], 0
+        for b in reversed(range(len(self.buckets))):
+            bucket = self.buckets[b]
+            bucket.launch_gather(self.group, tag=2 * b + 1)
+            for p in bucket.params:  # (a position, so that the guard compares ints)
+                self._in_flight[id(p)] = len(self._gathers)
+            self._gathers.append(bucket)
         if self._guard is None:  # (one left on the stack under a user's mode serves again)
             self._guard = _Guard(self)
             self._guard.__enter__()
@@ -609,13 +616,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for b, bucket in enumerate(self.buckets):
                 bucket.launch_reduce(self.group, tag=2 * b)
         self._launched, self._stale = 0, False
+        unused: set[int] = set()
         for bucket in self.buckets:
             used = bucket.finish_reduce()
-            unused = {id(bucket.params[i]) for i in torch.nonzero(used == 0).flatten().tolist()}
-            for pc in bucket.pieces:  # the optimizer skips a piece no rank had a gradient for
-                grad = bucket.grad[pc.at : pc.at + pc.tensor.numel()]
-                pc.tensor.grad = None if id(pc.param) in unused else grad
+            if not bool((used > 0).all()):
+                unused.update(
+                    id(bucket.params[i]) for i in torch.nonzero(used == 0).flatten().tolist()
+                )
             bucket.refresh()
+        for run in self.runs:  # the optimizer skips a piece no rank had a gradient for
+            if run.flat and unused and any(id(pc.param) in unused for pc in run.pieces):
+                assert self.local is not None
+                zero_runs.split(run, self.local)  # (for good: its pieces' steps now differ)
+            if run.flat:
+                run.tensor.grad = run.grad()
+                continue
+            for pc in run.pieces:
+                grad = run.bucket.grad[pc.at : pc.at + pc.tensor.numel()]
+                pc.tensor.grad = None if id(pc.param) in unused else grad
         self._reduced = True
 
     @torch.no_grad()
@@ -730,8 +748,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         thread, a view of a parameter taken before ``step()``); the guard is also
         taken off the torch-function stack here, when it is on top.
         """
-        if self._in_flight:
-            self._finish_upto(len(self._gather_order) - 1)
+        if self._done < len(self._gathers):
+            self._finish_upto(len(self._gathers) - 1)
         self._drop_guard()
 
     def _after_forward(self) -> None:
@@ -743,30 +761,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _finish_upto(self, k: int) -> None:
         """Write the all-gathers started first, up to the k-th, into the parameters."""
-        for b in self._gather_order[: k + 1]:
-            bucket = self.buckets[b]
-            if id(bucket.params[0]) not in self._in_flight:
-                continue  # already written
+        while self._done <= k:
+            bucket = self._gathers[self._done]
             for p in bucket.params:  # first: the copy below is an operation on them
                 self._in_flight.pop(id(p), None)
+            self._done += 1
             bucket.finish_gather()
 
     def _wait_for(self, args: Any, kwargs: dict[str, Any]) -> None:
         """Called by the guard on every torch operation: wait if it reads a parameter in flight."""
         flight = self._in_flight
         need = -1
-        for a in (*args, *kwargs.values()):
+        for a in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(a, torch.Tensor):
-                b = flight.get(id(a))
+                k = flight.get(id(a), -1)
+                need = k if k > need else need
             elif isinstance(a, (list, tuple)):  # torch.cat, torch._foreach_*
-                found = [
-                    flight[id(x)] for x in a if isinstance(x, torch.Tensor) and id(x) in flight
-                ]
-                b = max(found, key=self._gather_order.index) if found else None
-            else:
-                continue
-            if b is not None:
-                need = max(need, self._gather_order.index(b))
+                for x in a:
+                    if isinstance(x, torch.Tensor):
+                        k = flight.get(id(x), -1)
+                        need = k if k > need else need
         if need >= 0:
             self._finish_upto(need)
 
@@ -788,8 +802,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.finish_gather()
         mine: list[tuple[int, int, int, int, dict[str, Any]]] = []
         if self.local is not None:
-            for pc in self.pieces:
-                piece = self.local.state.get(pc.tensor)
+            for pc, piece in self._piece_states():
                 if piece:
                     numel = pc.param.numel()
                     mine.append((pc.index, pc.start, pc.stop, numel, _to_cpu(piece)))
@@ -839,21 +852,39 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.local is None:
             return
         self.local.state.clear()
-        for pc in self.pieces:
-            entry = saved_state.get(ids[pc.index])
-            if entry is None:
-                continue
-            shape = pc.param.shape
-            piece_state = {}
-            for key, value in entry.items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape:
-                    flat = value.reshape(-1)[pc.start : pc.stop]
-                    piece_state[key] = flat.to(pc.tensor.device, copy=True)
-                else:  # replicated (e.g. Adam's "step")
-                    piece_state[key] = value.clone() if torch.is_tensor(value) else value
-            self.local.state[pc.tensor] = piece_state
+        for run in self.runs:
+            states: list[dict[str, Any] | None] = []
+            for pc in run.pieces:
+                entry = saved_state.get(ids[pc.index])
+                if entry is None:
+                    states.append(None)
+                    continue
+                shape = pc.param.shape
+                piece_state = {}
+                for key, value in entry.items():
+                    if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape:
+                        flat = value.reshape(-1)[pc.start : pc.stop]
+                        piece_state[key] = flat.to(pc.tensor.device, copy=True)
+                    else:  # replicated (e.g. Adam's "step")
+                        piece_state[key] = value.clone() if torch.is_tensor(value) else value
+                states.append(piece_state)
+            zero_runs.load_run(run, self.local, states)
         for local, user in zip(self.local.param_groups, self._local_of):
             local.update(_settings(self.param_groups[user]), **self._forced)
+
+    def _piece_states(self) -> list[tuple[Piece, dict[str, Any] | None]]:
+        """Each piece's optimizer state (its slice of a flat run's)."""
+        assert self.local is not None
+        out: list[tuple[Piece, dict[str, Any] | None]] = []
+        for run in self.runs:
+            state = self.local.state.get(run.tensor) if run.flat else None
+            for pc in run.pieces:
+                if run.flat:
+                    piece = zero_runs.piece_state(run, pc, state, view=True) if state else None
+                else:
+                    piece = self.local.state.get(pc.tensor)
+                out.append((pc, piece))
+        return out
 
     # -- measurement ---------------------------------------------------------------------------
     def state_bytes(self) -> int:
