@@ -292,3 +292,47 @@ def test_files_the_same_through_libcsts_visit(name: str, monkeypatch: pytest.Mon
     own = expand()
     monkeypatch.setattr(drive, "OWN_WALK", False)
     assert expand() == own
+
+
+# -- blocks kept as parsed print as their source lines (expand/printing.py) ---------------
+KEPT_BLOCKS = {
+    "if else": "import macrogen as mg\nA = mg.define(1)\nif mg.target('cuda'):\n    y = 1\nelse:\n    y = 2\n",
+    "if": "import macrogen as mg\n\nif mg.target('cuda'):  # why\n\n    # first\n    y = 1\n\n        # deeper\n# last\n",
+    "for": "import macrogen as mg\n\nfor i in range(3):\n    if mg.target('cuda'):\n        y = 1\n",
+    "while": "import macrogen as mg\n\nwhile mg.target('cuda'):\n    y = 1\n    # in\n",
+    "try": "import macrogen as mg\n\ntry:\n    x = 1\nexcept ValueError:\n    if mg.target('cuda'):\n        x = 2\n",
+    "trailing comments": MODEL.replace(
+        "        return self.proj(self.fc(x))\n",
+        "        return self.proj(self.fc(x))\n        # inside forward\n    # inside the class\n# after it\n",
+    ),
+    "last, no final newline": MODEL + "\n    # the class's\n  # odd\n# the module's",
+    "header comment": MODEL.replace("class Net(nn.Module):", "class Net(nn.Module):  # the net:\n    # first line"),
+    "one-line class": MODEL + "\n\n@mg.data_parallel(bucket_mb=2)\nclass One(nn.Module): pass\n",
+    "decorated method first": MODEL.replace(
+        "    def __init__(self, d: int = 8):", "    # c\n\n    @staticmethod\n    # d\n    def g():\n        pass\n\n    def __init__(self, d: int = 8):"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_goldens_the_same_printing_every_block(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from macrogen.expand import printing
+
+    kept = expand_case(GOLDEN / name)
+    monkeypatch.setattr(printing, "VERBATIM", False)
+    assert expand_case(GOLDEN / name) == kept
+
+
+@pytest.mark.parametrize("name", sorted({**SOURCES, **KEPT_BLOCKS}))
+def test_files_the_same_printing_every_block(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from macrogen.expand import printing
+
+    def expand() -> str:
+        try:
+            return expand_source({**SOURCES, **KEPT_BLOCKS}[name], path="model.py").code
+        except ExpansionError as e:
+            return e.report()
+
+    kept = expand()
+    monkeypatch.setattr(printing, "VERBATIM", False)
+    assert expand() == kept
