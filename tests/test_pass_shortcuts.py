@@ -336,3 +336,44 @@ def test_files_the_same_printing_every_block(name: str, monkeypatch: pytest.Monk
     kept = expand()
     monkeypatch.setattr(printing, "VERBATIM", False)
     assert expand() == kept
+
+
+# -- literal values without ast.literal_eval (expand/literals.py) --------------------------
+@pytest.mark.parametrize(
+    "text",
+    ["1", "0x1F", "0o17", "0b101", "1_000", "00", "1e5", "1.", ".5", "1_0.5e-3", "3j", "'abc'",
+     '"a b"', "'''x\ny'''", 'r"raw"', 'u"u"', "b'x'", "rb'x'", "BR'x'", "'a\\nb'", '""', "''''''",
+     "'é'", '"""a"b"""', "'\"'", "'a' 'b'", "9" * 5000],
+)
+def test_literal_values_are_libcsts(text: str) -> None:
+    from macrogen.expand.literals import evaluated
+
+    node = cst.parse_expression(text)
+    try:
+        expected: object = node.evaluated_value  # type: ignore[attr-defined]
+    except Exception as e:  # (too many digits for int(): the same error)
+        with pytest.raises(type(e)):
+            evaluated(node)
+    else:
+        assert evaluated(node) == expected and type(evaluated(node)) is type(expected)
+
+
+def test_a_template_that_renders_invalid_python_is_named_with_its_line(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from macrogen.expand.errors import InternalError
+
+    folder = Path(str(tmp_path))
+    (folder / "bad_check.py.j2").write_text("x = {{ v|py }}\ndef f(:\n    pass\n")
+    (folder / "twice_check.py.j2").write_text("def f(a, a):\n    pass\n")
+    saved = list(codegen._extra_dirs)
+    codegen.add_templates(folder)
+    try:
+        for render in (codegen.render, codegen.render_definitions):
+            with pytest.raises(InternalError, match=r"template bad_check.py.j2 rendered invalid Python \(line 2\): "):
+                render("bad_check.py.j2", v=1)
+        with pytest.raises(InternalError, match="duplicate argument 'a'"):  # as compile() says
+            codegen.render("twice_check.py.j2")
+    finally:
+        codegen._extra_dirs[:] = saved
+        codegen.environment.cache_clear()
