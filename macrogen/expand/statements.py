@@ -13,7 +13,6 @@ of the whole file (``WholeFile``).
 from __future__ import annotations
 
 import ast
-import operator
 import re
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping
@@ -26,7 +25,7 @@ from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionPr
 
 from macrogen.expand.extents import Paired, ast_extents
 from macrogen.expand.layout import Layout, split_lines
-from macrogen.expand.printing import VerbatimBlock, print_module
+from macrogen.expand.printing import Kept, print_module
 
 
 class Disagree(Exception):
@@ -467,39 +466,13 @@ class Pieces(Statements):
         return self._positions[i]
 
     def code(self, i: int, statements: list[cst.BaseStatement]) -> str:
-        block = _last_block(self._parsed[i].body[0])
-        if block is not None:
-            kept = [_same_block(getattr(s, "body", None), block) for s in statements]
-            text = self._block_text(i, block) if any(kept) else None
-            if text is not None:  # a block a statement kept as parsed: its lines
-                suite = VerbatimBlock(block, text, self._parsed[i].default_indent)
-                statements = [
-                    s.with_changes(body=suite) if same else s for s, same in zip(statements, kept)
-                ]
-        return print_module(self.module(i).with_changes(body=statements))
-
-    def _block_text(self, i: int, block: cst.IndentedBlock) -> str | None:
-        """The source lines of statement ``i``'s last block (``_last_block``) after its header
-        line, to the piece's end less the module's footer (None: not sure of them, or not
-        plain text)."""
         paired = self._paired(i) if self._plain[i] and self.newline == "\n" else None
-        first = block.body[0] if block.body else None
-        extent = paired.extents.get(first) if paired is not None and first is not None else None
-        leading = getattr(first, "leading_lines", None)
-        if extent is None or leading is None:
-            return None
-        base = self.first_lines[i] - 1  # the piece's first line, as an index into lines
-        header = base + extent[0] - len(leading) - 2  # (index)
-        stop = (self.first_lines[i + 1] - 1 if i + 1 < self.count else len(self.lines)) - len(
-            self._parsed[i].footer
-        )
-        trailing = block.header
-        comment = trailing.comment.value if trailing.comment is not None else ""
-        if not base <= header < stop or not self.lines[header].endswith(
-            ":" + trailing.whitespace.value + comment + "\n"
-        ):
-            return None
-        return "".join(self.lines[header + 1 : stop])
+        if paired is not None:  # the statements kept as parsed print as their lines
+            first = self.first_lines[i] - 1
+            stop = self.first_lines[i + 1] - 1 if i + 1 < self.count else len(self.lines)
+            kept = Kept(self.lines[first:stop], paired.extents, self._parsed[i].default_indent)
+            statements = kept.statements(statements)
+        return print_module(self.module(i).with_changes(body=statements))
 
     def is_import(self, i: int) -> bool:
         return any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in self.groups[i])
@@ -583,33 +556,6 @@ class WholeFile(Statements):
 
     def imported_names(self) -> dict[str, str]:
         return Pieces.imported_names(self)  # type: ignore[arg-type]
-
-
-def _last_block(statement: cst.BaseStatement) -> cst.IndentedBlock | None:
-    """The statement's block, where nothing of the statement follows it (no else, except...)."""
-    block = getattr(statement, "body", None)
-    if not isinstance(block, cst.IndentedBlock):
-        return None
-    if isinstance(statement, (cst.FunctionDef, cst.ClassDef, cst.With)):
-        return block
-    if isinstance(statement, (cst.If, cst.For, cst.While)) and statement.orelse is None:
-        return block
-    return None
-
-
-def _same_block(block: object, parsed: cst.IndentedBlock) -> bool:
-    """``block`` is ``parsed``, or a copy of it with the same nodes (a macro rebuilt it)."""
-    if block is parsed:
-        return True
-    return (
-        isinstance(block, cst.IndentedBlock)
-        and block.header is parsed.header
-        and block.indent == parsed.indent
-        and len(block.footer) == len(parsed.footer)
-        and all(map(operator.is_, block.footer, parsed.footer))
-        and len(block.body) == len(parsed.body)
-        and all(map(operator.is_, block.body, parsed.body))
-    )
 
 
 # Text libcst surely reads back as written: printable ASCII (no backslash) and "\n"

@@ -465,14 +465,22 @@ def _live_nodes(root: cst.CSTNode, hot: HotLines) -> set[int]:
 def _mark(node: cst.CSTNode, root: cst.CSTNode, hot: HotLines, live: set[int]) -> bool:
     # (a function of its own, not a closure: a closure that calls itself is a reference
     # cycle, which would keep the tree alive until the cycle collector runs)
-    if node is not root and _dispatch(Expander, type(node))[0] and not hot(node):
+    kind = type(node)
+    statement = _STATEMENTS.get(kind)
+    if statement is None:
+        statement = _STATEMENTS[kind] = _dispatch(Expander, kind)[0]
+    if statement and node is not root and not hot(node):
         return False
-    found = isinstance(node, cst.Name) and nfkc(node.value) in hot.names
+    found = kind is cst.Name and nfkc(node.value) in hot.names  # type: ignore[attr-defined]
     for child in children(node):
-        found = _mark(child, root, hot, live) or found
+        if _mark(child, root, hot, live):
+            found = True
     if found:
         live.add(id(node))
     return found
+
+
+_STATEMENTS: dict[type, bool] = {}  # node type -> whether a statement (_dispatch's first)
 
 
 _ATTRIBUTES: dict[type, frozenset[str]] = {}
