@@ -23,6 +23,7 @@ import jinja2
 import libcst as cst
 
 from macrogen.expand.errors import InternalError
+from macrogen.expand.parsing import parse_module
 from macrogen.expand.rendered import rendered
 
 
@@ -178,7 +179,7 @@ def render_statements(template: str, **params: Any) -> list[cst.BaseStatement]:
     """Render a template into statements to splice into the user's tree."""
     text = render(template, **params)
     try:
-        return list(cst.parse_module(text).body)
+        return list(parse_module(text).body)  # (libcst's tree, its parser's nodes not re-validated)
     except cst.ParserSyntaxError as e:
         raise InternalError(
             f"template {template} rendered code libcst can't parse: {e.message}"

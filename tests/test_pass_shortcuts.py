@@ -377,3 +377,53 @@ def test_a_template_that_renders_invalid_python_is_named_with_its_line(tmp_path:
     finally:
         codegen._extra_dirs[:] = saved
         codegen.environment.cache_clear()
+
+
+# -- pieces parsed without libcst re-validating its parser's nodes (expand/parsing.py) ------
+@pytest.mark.parametrize("name", [c for c in CASES if "error" not in c][:40])
+def test_pieces_parse_to_libcsts_tree(name: str) -> None:
+    from macrogen.expand.parsing import parse_module
+
+    text = (GOLDEN / name / "input.py").read_text(encoding="utf-8", errors="replace")
+    assert parse_module(text).deep_equals(cst.parse_module(text))
+
+
+def test_nodes_are_validated_outside_the_parse() -> None:
+    import threading
+
+    from macrogen.expand import parsing
+
+    validate = cst.CSTNode.__post_init__
+    parsing.parse_module("x = (1)\n")
+    assert cst.CSTNode.__post_init__ is validate
+    with pytest.raises(cst.CSTValidationError):
+        cst.Name("x", lpar=[cst.LeftParen()])  # unbalanced: libcst refuses it
+
+    # another thread's nodes, built while a parse runs, are validated
+    errors: list[BaseException] = []
+    started, go = threading.Event(), threading.Event()
+
+    def build() -> None:
+        started.set()
+        go.wait(5)
+        try:
+            cst.Name("x", lpar=[cst.LeftParen()])
+        except cst.CSTValidationError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    started.wait(5)
+    original = cst.parse_module
+
+    def parse_then_let_it_build(text: str) -> cst.Module:
+        go.set()
+        thread.join(5)
+        return original(text)
+
+    parsing.cst.parse_module = parse_then_let_it_build  # type: ignore[assignment]
+    try:
+        parsing.parse_module("y = 2\n")
+    finally:
+        parsing.cst.parse_module = original  # type: ignore[assignment]
+    assert len(errors) == 1

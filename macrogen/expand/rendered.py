@@ -23,6 +23,7 @@ from libcst._nodes.internal import CodegenState
 
 from macrogen.expand.errors import InternalError
 from macrogen.expand.layout import split_lines
+from macrogen.expand.parsing import parse_module
 from macrogen.expand.statements import first_indent
 
 PLAIN_TEXT = True  # False: always print through libcst's parse (the tests compare the two)
@@ -40,7 +41,7 @@ class Rendered(cst.BaseStatement):
     def statements(self) -> list[cst.BaseStatement]:
         """The text parsed, with the leading lines given to the first statement."""
         try:
-            body: list[cst.BaseStatement] = list(cst.parse_module(self.text).body)
+            body: list[cst.BaseStatement] = list(parse_module(self.text).body)
         except cst.ParserSyntaxError as e:
             raise InternalError(
                 f"template {self.template} rendered code libcst can't parse: {e.message}"

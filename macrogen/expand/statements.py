@@ -25,6 +25,7 @@ from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionPr
 
 from macrogen.expand.extents import Paired, ast_extents
 from macrogen.expand.layout import Layout, split_lines
+from macrogen.expand.parsing import parse_module
 from macrogen.expand.printing import Kept, print_module
 
 
@@ -377,7 +378,7 @@ class Pieces(Statements):
             if len(text) * _NODES_PER_CHARACTER > MAX_NODES:
                 _check_size(self.groups[i])
             try:
-                module = cst.parse_module(text)
+                module = parse_module(text)
             except cst.ParserSyntaxError:
                 raise Disagree from None
             if len(module.body) != 1:
