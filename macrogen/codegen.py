@@ -175,6 +175,14 @@ def render_definitions(template: str, **params: Any) -> list[cst.BaseStatement]:
     return [rendered(text, tree, template)]
 
 
+def render_block(template: str, **params: Any) -> list[cst.BaseStatement]:
+    """``render_statements`` for the block of a definition a macro returns (a @tile
+    function's dispatch): its text as one statement node, printed as the text where it
+    can (``expand/rendered.py``), else as libcst's parse of it."""
+    text, tree = _render(template, params)
+    return [rendered(text, tree, template)]
+
+
 def render_statements(template: str, **params: Any) -> list[cst.BaseStatement]:
     """Render a template into statements to splice into the user's tree."""
     text = render(template, **params)

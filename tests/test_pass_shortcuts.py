@@ -63,6 +63,25 @@ def build():
     return Inner()
 """
 
+TILED = """\
+import macrogen as mg
+
+
+class Ops:
+    @staticmethod
+    @mg.tile(i=4)
+    def add(out, x, y):
+        \"\"\"out = x + y\"\"\"
+        for i in range(x.shape[0]):
+            out[i] = x[i] + y[i]
+
+
+@mg.tile(i=4)
+def scale(out, x):
+    for i in range(x.shape[0]):
+        out[i] = 2.0 * x[i]
+"""
+
 SOURCES = {
     "plain": MODEL,
     "tabs": MODEL.replace("    ", "\t"),
@@ -71,6 +90,10 @@ SOURCES = {
     "no final newline": MODEL.rstrip("\n"),
     "stacked": STACKED,
     "nested": NESTED,
+    "tile": TILED,
+    "tile, two spaces": TILED.replace("    ", "  "),
+    "tile, tabs": TILED.replace("    ", "\t"),
+    "tile, crlf": TILED.replace("\n", "\r\n"),
 }
 
 
@@ -85,7 +108,9 @@ def _both(expand: object) -> tuple[object, object]:
     return outputs[0], outputs[1]
 
 
-@pytest.mark.parametrize("name", [c for c in CASES if "parallel" in c or "pipeline" in c])
+@pytest.mark.parametrize(
+    "name", [c for c in CASES if "parallel" in c or "pipeline" in c or c.startswith("tile")]
+)
 def test_golden_cases_print_the_same(name: str) -> None:
     plain, parsed = _both(lambda: expand_case(GOLDEN / name))
     assert plain == parsed
@@ -101,7 +126,7 @@ def test_files_print_the_same(name: str) -> None:
 
     plain, parsed = _both(expand)
     assert plain == parsed
-    assert "class MLP(_MLP_serial):" in str(plain)
+    assert "class MLP(_MLP_serial):" in str(plain) or "def scale(out, x):" in str(plain)
 
 
 def test_tile_expression_names_are_libcst_names(monkeypatch: pytest.MonkeyPatch) -> None:
