@@ -164,7 +164,19 @@ def nodes(root: cst.CSTNode) -> Iterator[cst.CSTNode]:
 
 def find(root: cst.CSTNode, kind: type[cst.CSTNode] | tuple[type[cst.CSTNode], ...]) -> Iterator[Any]:
     """The nodes of ``kind`` at or below ``root``, in visiting order."""
-    return (n for n in nodes(root) if isinstance(n, kind))
+    return (n for n in nodes(root) if _is(type(n), kind))
+
+
+_IS: dict[tuple[type, Any], bool] = {}
+
+
+def _is(node_type: type, kind: Any) -> bool:
+    """``issubclass``, remembered: isinstance on libcst's classes (ABCs) runs Python code."""
+    key = (node_type, kind)
+    found = _IS.get(key)
+    if found is None:
+        found = _IS[key] = issubclass(node_type, kind)
+    return found
 
 
 class Visitor:
