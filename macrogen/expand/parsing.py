@@ -7,8 +7,10 @@ so for its nodes that check is repeated work: about a sixth of the parse
 (libcst's own comment on ``CSTNode.__post_init__`` says as much). While
 ``parse_module`` runs here, the validation is skipped for the nodes this
 thread builds; every other thread's nodes, and every node the pass builds
-itself, are validated as always. ``VALIDATE = True`` validates every node
-(the tests compare the trees).
+itself, are validated as always. (In a process with one thread the hook is
+``tuple``, which costs no Python frame per node; with several, a function
+that checks the thread.) ``VALIDATE = True`` validates every node (the tests
+compare the trees).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import libcst as cst
 VALIDATE = False  # True: libcst's parse as it is (the tests compare the two)
 
 _LOCK = threading.Lock()  # one parse at a time swaps the hook (and puts libcst's back)
+_NOTHING = staticmethod(tuple)
 
 
 def parse_module(text: str) -> cst.Module:
@@ -35,7 +38,10 @@ def parse_module(text: str) -> cst.Module:
             if get_ident() != owner:
                 validate(node)
 
-        cst.CSTNode.__post_init__ = post_init  # type: ignore[method-assign, assignment]
+        # The only thread (none can start while the parse runs): a hook without a Python
+        # frame per node, tuple() called with no argument.
+        hook = _NOTHING if threading.active_count() == 1 else post_init
+        cst.CSTNode.__post_init__ = hook  # type: ignore[method-assign, assignment]
         try:
             return cst.parse_module(text)
         finally:
