@@ -29,16 +29,16 @@ time is steady.
 
 Measured on the shared 2-core machine, before and after the fourth wave of
 issue 15's pass work (docs/expand.md, "Speed"), main's code and this one run
-one after the other, load average 0.7-1.4 (CPU figures):
+alternately, load average 0.8-1.0 (CPU figures):
 
-    macro-dense file:           3.10 -> 2.49-2.51 x libcst's parse  (0.344 -> 0.278-0.280 s/kLOC)
-    without tile/TP/DP:         2.91 -> 2.43 x parse                (0.255 -> 0.212-0.214 s/kLOC)
-    expand --help (start-up):   0.060 -> 0.059-0.060 s  (python -c pass: 0.024)
+    macro-dense file:           3.07-3.10 -> 2.30-2.49 x libcst's parse  (0.343-0.344 -> 0.274-0.275 s/kLOC)
+    without tile/TP/DP:         2.91-2.92 -> 2.13-2.40 x parse           (0.255 -> 0.212-0.215 s/kLOC)
+    expand --help (start-up):   0.060 -> 0.060 s  (python -c pass: 0.024)
     torch/ (no macros):         0.21 ms/kLOC beyond start-up
 
 The dense-file goal (0.25 s/kLOC where libcst's parse is 0.1, so about 2.5 x
-parse) is met as a ratio, barely (2.49-2.53 over several runs); in seconds this
-machine's libcst parse is 0.11 s/kLOC, so 2.5 x is 0.28 s/kLOC here.
+parse) is met as a ratio, with little room; this machine's libcst parse is
+0.11-0.12 s/kLOC, so in seconds 0.25 s/kLOC is not reached here.
 """
 
 from __future__ import annotations
