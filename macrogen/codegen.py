@@ -15,6 +15,7 @@ import ast
 import functools
 import keyword
 import math
+import symtable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import jinja2
 import libcst as cst
 
 from macrogen.expand.errors import InternalError
+from macrogen.expand.parsing import parse_module
 from macrogen.expand.rendered import rendered
 
 
@@ -32,9 +34,16 @@ def templates_dir() -> Path:
 
 
 def ident(value: Any) -> str:
+    if type(value) is str and value in _IDENTIFIERS:
+        return value  # (checked before: templates ask for the same names again and again)
     if not isinstance(value, str) or not value.isidentifier() or keyword.iskeyword(value):
         raise InternalError(f"not an identifier: {value!r}")
+    if len(_IDENTIFIERS) < 100_000:
+        _IDENTIFIERS.add(value)
     return value
+
+
+_IDENTIFIERS: set[str] = set()
 
 
 def text(value: Any) -> str:
@@ -115,6 +124,7 @@ def environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
+        auto_reload=False,  # each template compiled once per process, its file not checked again
     )
     env.filters["ident"] = ident
     env.filters["py"] = py
@@ -124,21 +134,36 @@ def environment() -> jinja2.Environment:
 
 
 def render(template: str, **params: Any) -> str:
-    """Render ``templates/<template>`` and check that the result parses as Python."""
-    return _render(template, params)[0]
+    """Render ``templates/<template>`` and check that the result is Python."""
+    text = _text(template, params)
+    try:
+        # The check: Python's parser and symbol table, as compile() runs them, without
+        # building ast's objects (a third cheaper than ast.parse; stricter: it also
+        # refuses a duplicate parameter name, as compile does)
+        symtable.symtable(text, "<template>", "exec")
+    except SyntaxError as e:
+        raise _invalid(template, e) from e
+    return text
+
+
+def _text(template: str, params: dict[str, Any]) -> str:
+    try:
+        return environment().get_template(template).render(**params)
+    except jinja2.TemplateError as e:
+        raise InternalError(f"template {template} failed to render: {e}") from e
+
+
+def _invalid(template: str, e: SyntaxError) -> InternalError:
+    return InternalError(f"template {template} rendered invalid Python (line {e.lineno}): {e.msg}")
 
 
 def _render(template: str, params: dict[str, Any]) -> tuple[str, ast.Module]:
-    try:
-        text = environment().get_template(template).render(**params)
-    except jinja2.TemplateError as e:
-        raise InternalError(f"template {template} failed to render: {e}") from e
+    """``render``, and ast's tree of the text."""
+    text = _text(template, params)
     try:
         tree = ast.parse(text)  # the check: ast is ten times faster than libcst here
     except SyntaxError as e:
-        raise InternalError(
-            f"template {template} rendered invalid Python (line {e.lineno}): {e.msg}"
-        ) from e
+        raise _invalid(template, e) from e
     return text, tree
 
 
@@ -150,11 +175,19 @@ def render_definitions(template: str, **params: Any) -> list[cst.BaseStatement]:
     return [rendered(text, tree, template)]
 
 
+def render_block(template: str, **params: Any) -> list[cst.BaseStatement]:
+    """``render_statements`` for the block of a definition a macro returns (a @tile
+    function's dispatch): its text as one statement node, printed as the text where it
+    can (``expand/rendered.py``), else as libcst's parse of it."""
+    text, tree = _render(template, params)
+    return [rendered(text, tree, template)]
+
+
 def render_statements(template: str, **params: Any) -> list[cst.BaseStatement]:
     """Render a template into statements to splice into the user's tree."""
     text = render(template, **params)
     try:
-        return list(cst.parse_module(text).body)
+        return list(parse_module(text).body)  # (libcst's tree, its parser's nodes not re-validated)
     except cst.ParserSyntaxError as e:
         raise InternalError(
             f"template {template} rendered code libcst can't parse: {e.message}"

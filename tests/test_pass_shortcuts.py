@@ -63,6 +63,25 @@ def build():
     return Inner()
 """
 
+TILED = """\
+import macrogen as mg
+
+
+class Ops:
+    @staticmethod
+    @mg.tile(i=4)
+    def add(out, x, y):
+        \"\"\"out = x + y\"\"\"
+        for i in range(x.shape[0]):
+            out[i] = x[i] + y[i]
+
+
+@mg.tile(i=4)
+def scale(out, x):
+    for i in range(x.shape[0]):
+        out[i] = 2.0 * x[i]
+"""
+
 SOURCES = {
     "plain": MODEL,
     "tabs": MODEL.replace("    ", "\t"),
@@ -71,6 +90,10 @@ SOURCES = {
     "no final newline": MODEL.rstrip("\n"),
     "stacked": STACKED,
     "nested": NESTED,
+    "tile": TILED,
+    "tile, two spaces": TILED.replace("    ", "  "),
+    "tile, tabs": TILED.replace("    ", "\t"),
+    "tile, crlf": TILED.replace("\n", "\r\n"),
 }
 
 
@@ -85,7 +108,9 @@ def _both(expand: object) -> tuple[object, object]:
     return outputs[0], outputs[1]
 
 
-@pytest.mark.parametrize("name", [c for c in CASES if "parallel" in c or "pipeline" in c])
+@pytest.mark.parametrize(
+    "name", [c for c in CASES if "parallel" in c or "pipeline" in c or c.startswith("tile")]
+)
 def test_golden_cases_print_the_same(name: str) -> None:
     plain, parsed = _both(lambda: expand_case(GOLDEN / name))
     assert plain == parsed
@@ -101,7 +126,7 @@ def test_files_print_the_same(name: str) -> None:
 
     plain, parsed = _both(expand)
     assert plain == parsed
-    assert "class MLP(_MLP_serial):" in str(plain)
+    assert "class MLP(_MLP_serial):" in str(plain) or "def scale(out, x):" in str(plain)
 
 
 def test_tile_expression_names_are_libcst_names(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -292,3 +317,138 @@ def test_files_the_same_through_libcsts_visit(name: str, monkeypatch: pytest.Mon
     own = expand()
     monkeypatch.setattr(drive, "OWN_WALK", False)
     assert expand() == own
+
+
+# -- blocks kept as parsed print as their source lines (expand/printing.py) ---------------
+KEPT_BLOCKS = {
+    "if else": "import macrogen as mg\nA = mg.define(1)\nif mg.target('cuda'):\n    y = 1\nelse:\n    y = 2\n",
+    "if": "import macrogen as mg\n\nif mg.target('cuda'):  # why\n\n    # first\n    y = 1\n\n        # deeper\n# last\n",
+    "for": "import macrogen as mg\n\nfor i in range(3):\n    if mg.target('cuda'):\n        y = 1\n",
+    "while": "import macrogen as mg\n\nwhile mg.target('cuda'):\n    y = 1\n    # in\n",
+    "try": "import macrogen as mg\n\ntry:\n    x = 1\nexcept ValueError:\n    if mg.target('cuda'):\n        x = 2\n",
+    "trailing comments": MODEL.replace(
+        "        return self.proj(self.fc(x))\n",
+        "        return self.proj(self.fc(x))\n        # inside forward\n    # inside the class\n# after it\n",
+    ),
+    "last, no final newline": MODEL + "\n    # the class's\n  # odd\n# the module's",
+    "header comment": MODEL.replace("class Net(nn.Module):", "class Net(nn.Module):  # the net:\n    # first line"),
+    "one-line class": MODEL + "\n\n@mg.data_parallel(bucket_mb=2)\nclass One(nn.Module): pass\n",
+    "decorated method first": MODEL.replace(
+        "    def __init__(self, d: int = 8):", "    # c\n\n    @staticmethod\n    # d\n    def g():\n        pass\n\n    def __init__(self, d: int = 8):"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_goldens_the_same_printing_every_block(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from macrogen.expand import printing
+
+    kept = expand_case(GOLDEN / name)
+    monkeypatch.setattr(printing, "VERBATIM", False)
+    assert expand_case(GOLDEN / name) == kept
+
+
+@pytest.mark.parametrize("name", sorted({**SOURCES, **KEPT_BLOCKS}))
+def test_files_the_same_printing_every_block(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from macrogen.expand import printing
+
+    def expand() -> str:
+        try:
+            return expand_source({**SOURCES, **KEPT_BLOCKS}[name], path="model.py").code
+        except ExpansionError as e:
+            return e.report()
+
+    kept = expand()
+    monkeypatch.setattr(printing, "VERBATIM", False)
+    assert expand() == kept
+
+
+# -- literal values without ast.literal_eval (expand/literals.py) --------------------------
+@pytest.mark.parametrize(
+    "text",
+    ["1", "0x1F", "0o17", "0b101", "1_000", "00", "1e5", "1.", ".5", "1_0.5e-3", "3j", "'abc'",
+     '"a b"', "'''x\ny'''", 'r"raw"', 'u"u"', "b'x'", "rb'x'", "BR'x'", "'a\\nb'", '""', "''''''",
+     "'é'", '"""a"b"""', "'\"'", "'a' 'b'", "9" * 5000],
+)
+def test_literal_values_are_libcsts(text: str) -> None:
+    from macrogen.expand.literals import evaluated
+
+    node = cst.parse_expression(text)
+    try:
+        expected: object = node.evaluated_value  # type: ignore[attr-defined]
+    except Exception as e:  # (too many digits for int(): the same error)
+        with pytest.raises(type(e)):
+            evaluated(node)
+    else:
+        assert evaluated(node) == expected and type(evaluated(node)) is type(expected)
+
+
+def test_a_template_that_renders_invalid_python_is_named_with_its_line(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from macrogen.expand.errors import InternalError
+
+    folder = Path(str(tmp_path))
+    (folder / "bad_check.py.j2").write_text("x = {{ v|py }}\ndef f(:\n    pass\n")
+    (folder / "twice_check.py.j2").write_text("def f(a, a):\n    pass\n")
+    saved = list(codegen._extra_dirs)
+    codegen.add_templates(folder)
+    try:
+        for render in (codegen.render, codegen.render_definitions):
+            with pytest.raises(InternalError, match=r"template bad_check.py.j2 rendered invalid Python \(line 2\): "):
+                render("bad_check.py.j2", v=1)
+        with pytest.raises(InternalError, match="duplicate argument 'a'"):  # as compile() says
+            codegen.render("twice_check.py.j2")
+    finally:
+        codegen._extra_dirs[:] = saved
+        codegen.environment.cache_clear()
+
+
+# -- pieces parsed without libcst re-validating its parser's nodes (expand/parsing.py) ------
+@pytest.mark.parametrize("name", [c for c in CASES if "error" not in c][:40])
+def test_pieces_parse_to_libcsts_tree(name: str) -> None:
+    from macrogen.expand.parsing import parse_module
+
+    text = (GOLDEN / name / "input.py").read_text(encoding="utf-8", errors="replace")
+    assert parse_module(text).deep_equals(cst.parse_module(text))
+
+
+def test_nodes_are_validated_outside_the_parse() -> None:
+    import threading
+
+    from macrogen.expand import parsing
+
+    validate = cst.CSTNode.__post_init__
+    parsing.parse_module("x = (1)\n")
+    assert cst.CSTNode.__post_init__ is validate
+    with pytest.raises(cst.CSTValidationError):
+        cst.Name("x", lpar=[cst.LeftParen()])  # unbalanced: libcst refuses it
+
+    # another thread's nodes, built while a parse runs, are validated
+    errors: list[BaseException] = []
+    started, go = threading.Event(), threading.Event()
+
+    def build() -> None:
+        started.set()
+        go.wait(5)
+        try:
+            cst.Name("x", lpar=[cst.LeftParen()])
+        except cst.CSTValidationError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    started.wait(5)
+    original = cst.parse_module
+
+    def parse_then_let_it_build(text: str) -> cst.Module:
+        go.set()
+        thread.join(5)
+        return original(text)
+
+    parsing.cst.parse_module = parse_then_let_it_build  # type: ignore[assignment]
+    try:
+        parsing.parse_module("y = 2\n")
+    finally:
+        parsing.cst.parse_module = original  # type: ignore[assignment]
+    assert len(errors) == 1

@@ -17,6 +17,7 @@ from typing import Any
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
+from macrogen.expand.literals import evaluated
 from macrogen.expand.sites import did_you_mean
 
 _BINOPS: dict[type, Callable[[Any, Any], Any]] = {
@@ -140,11 +141,11 @@ class Evaluator:
     def value(self, node: cst.BaseExpression) -> Any:
         if isinstance(node, (cst.Integer, cst.Float, cst.Imaginary)):
             try:
-                return _small(node.evaluated_value, node)
+                return _small(evaluated(node), node)
             except ValueError:  # more digits than int() converts
                 raise MacroError(_TOO_LARGE, node) from None
         if isinstance(node, (cst.SimpleString, cst.ConcatenatedString)):
-            value = node.evaluated_value
+            value = evaluated(node)
             if isinstance(value, str) or isinstance(value, bytes):
                 return value
             raise MacroError("f-strings are not known at expansion time", node)

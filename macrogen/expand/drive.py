@@ -16,11 +16,12 @@ two on the goldens; ``OWN_WALK = False`` uses libcst's).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import libcst as cst
 
-from macrogen.expand.walk import _kind, _node_fields, leaf
+from macrogen.expand.walk import _KIND, _NODE_FIELDS, _kind, _node_fields, leaf
 
 OWN_WALK = True  # False: libcst's visit (the tests compare the two)
 
@@ -43,11 +44,15 @@ def _visit(node: cst.CSTNode, t: Any, hooked: frozenset[str]) -> Any:
 
 def _children(node: cst.CSTNode, t: Any, hooked: frozenset[str]) -> cst.CSTNode:
     changes: dict[str, Any] = {}
-    for name in _node_fields(node):  # (the others hold leaves: nothing to visit, no hook)
+    fields = _NODE_FIELDS.get(type(node))
+    # (the other fields hold leaves: nothing to visit, no hook)
+    for name in fields if fields is not None else _node_fields(node):
         if name in hooked:
             t.on_visit_attribute(node, name)
         value = getattr(node, name)
-        kind = _kind(value)
+        kind = _KIND.get(type(value))
+        if kind is None:
+            kind = _kind(value)
         if kind == 1:
             new = _visit(value, t, hooked)
             if isinstance(new, cst.RemovalSentinel):  # (as libcst's visit_optional, _sentinel)
@@ -62,7 +67,24 @@ def _children(node: cst.CSTNode, t: Any, hooked: frozenset[str]) -> cst.CSTNode:
             changes[name] = tuple(_sequence(node, name, value, t, hooked))
         if name in hooked:
             t.on_leave_attribute(node, name)
-    return node.with_changes(**changes)
+    return rebuilt(node, changes)
+
+
+_INIT_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def rebuilt(node: cst.CSTNode, changes: dict[str, Any]) -> cst.CSTNode:
+    """``node.with_changes(**changes)`` (``dataclasses.replace``: a new node, validated),
+    without scanning the node's dataclass fields at every call. ``changes`` is used up."""
+    kind = type(node)
+    names = _INIT_FIELDS.get(kind)
+    if names is None:
+        names = _INIT_FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind) if f.init)
+    for name in names:
+        if name not in changes:
+            changes[name] = getattr(node, name)
+    new: cst.CSTNode = kind(**changes)
+    return new
 
 
 def _sequence(node: cst.CSTNode, name: str, values: Any, t: Any, hooked: frozenset[str]) -> Any:

@@ -23,6 +23,7 @@ from libcst._nodes.internal import CodegenState
 
 from macrogen.expand.errors import InternalError
 from macrogen.expand.layout import split_lines
+from macrogen.expand.parsing import parse_module
 from macrogen.expand.statements import first_indent
 
 PLAIN_TEXT = True  # False: always print through libcst's parse (the tests compare the two)
@@ -36,11 +37,14 @@ class Rendered(cst.BaseStatement):
     plain: bool  # starts with a statement, ends with one, no CR, tab or form feed
     names: tuple[str, ...] = ()  # the classes and functions it defines at its top level
     leading_lines: Sequence[cst.EmptyLine] | None = None  # None: the text's own
+    # each line a line of code (no blank line, comment, string or backslash): inside a
+    # block, libcst prints it as the text with the block's indentation before each line
+    indentable: bool = False
 
     def statements(self) -> list[cst.BaseStatement]:
         """The text parsed, with the leading lines given to the first statement."""
         try:
-            body: list[cst.BaseStatement] = list(cst.parse_module(self.text).body)
+            body: list[cst.BaseStatement] = list(parse_module(self.text).body)
         except cst.ParserSyntaxError as e:
             raise InternalError(
                 f"template {self.template} rendered code libcst can't parse: {e.message}"
@@ -56,7 +60,7 @@ class Rendered(cst.BaseStatement):
         if not (
             PLAIN_TEXT
             and self.plain
-            and not state.indent_tokens
+            and (self.indentable or not state.indent_tokens)
             and state.default_indent == self.indent
             and state.default_newline == "\n"
         ):
@@ -65,7 +69,11 @@ class Rendered(cst.BaseStatement):
             return
         for line in self.leading_lines or ():
             line._codegen(state)
-        state.add_token(self.text[:-1])
+        text = self.text
+        if state.indent_tokens:
+            indent = "".join(state.indent_tokens)
+            text = indent + text[:-1].replace("\n", "\n" + indent) + "\n"
+        state.add_token(text[:-1])
         state.add_token("\n")  # a token of its own: the module may pop a last newline
 
 
@@ -87,12 +95,24 @@ def rendered(text: str, tree: ast.Module, template: str) -> Rendered:
         for node in tree.body
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
     )
-    return Rendered(text, template, first_indent(tree, lines), plain, names)
+    indentable = not any(c in text for c in "#\\'\"") and all(
+        line.strip() and sum(map(line.count, "([{")) == sum(map(line.count, ")]}"))
+        for line in lines
+    )  # (no line continues a bracket the line before opened: each is a statement's own)
+    return Rendered(text, template, first_indent(tree, lines), plain, names, indentable=indentable)
 
 
 def materialized(statements: Sequence[cst.BaseStatement]) -> list[cst.BaseStatement]:
-    """The statements with each ``Rendered`` one replaced by its parsed statements."""
+    """The statements with each ``Rendered`` one replaced by its parsed statements, and
+    those of a definition's block (a @tile function's body)."""
     out: list[cst.BaseStatement] = []
     for s in statements:
-        out.extend(s.statements() if isinstance(s, Rendered) else [s])
+        if isinstance(s, Rendered):
+            out.extend(s.statements())
+            continue
+        body = getattr(s, "body", None)
+        if isinstance(s, (cst.FunctionDef, cst.ClassDef)) and isinstance(body, cst.IndentedBlock):
+            if any(isinstance(b, Rendered) for b in body.body):
+                s = s.with_changes(body=body.with_changes(body=materialized(body.body)))
+        out.append(s)
     return out

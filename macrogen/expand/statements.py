@@ -25,6 +25,8 @@ from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionPr
 
 from macrogen.expand.extents import Paired, ast_extents
 from macrogen.expand.layout import Layout, split_lines
+from macrogen.expand.parsing import parse_module
+from macrogen.expand.printing import Kept, print_module
 
 
 class Disagree(Exception):
@@ -376,7 +378,7 @@ class Pieces(Statements):
             if len(text) * _NODES_PER_CHARACTER > MAX_NODES:
                 _check_size(self.groups[i])
             try:
-                module = cst.parse_module(text)
+                module = parse_module(text)
             except cst.ParserSyntaxError:
                 raise Disagree from None
             if len(module.body) != 1:
@@ -465,7 +467,13 @@ class Pieces(Statements):
         return self._positions[i]
 
     def code(self, i: int, statements: list[cst.BaseStatement]) -> str:
-        return self.module(i).with_changes(body=statements).code
+        paired = self._paired(i) if self._plain[i] and self.newline == "\n" else None
+        if paired is not None:  # the statements kept as parsed print as their lines
+            first = self.first_lines[i] - 1
+            stop = self.first_lines[i + 1] - 1 if i + 1 < self.count else len(self.lines)
+            kept = Kept(self.lines[first:stop], paired.extents, self._parsed[i].default_indent)
+            statements = kept.statements(statements)
+        return print_module(self.module(i).with_changes(body=statements))
 
     def is_import(self, i: int) -> bool:
         return any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in self.groups[i])

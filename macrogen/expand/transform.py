@@ -418,6 +418,11 @@ class Expander(cst.CSTTransformer):
         statements[0] = first.with_changes(leading_lines=leading)
         return statements
 
+    def release(self) -> None:
+        """Drop the evaluator, whose callbacks are this expander's methods: that reference
+        cycle would keep the nodes it holds alive until the cycle collector runs."""
+        del self.evaluator
+
     def check_unconsumed(self) -> None:
         """Macro calls no site took are in a place where that macro means nothing."""
         for node, name in self.refs.items():
@@ -452,20 +457,30 @@ _METHODS: dict[tuple[type, str, type, str], Callable[..., Any] | None] = {}
 def _live_nodes(root: cst.CSTNode, hot: HotLines) -> set[int]:
     """The ids of the nodes at or below ``root`` that hold a ``Name`` in ``hot.names``,
     not looking into the statements ``hot`` rules out (they are not visited)."""
-    names, live = hot.names, set()
-
-    def mark(node: cst.CSTNode) -> bool:
-        if node is not root and _dispatch(Expander, type(node))[0] and not hot(node):
-            return False
-        found = isinstance(node, cst.Name) and nfkc(node.value) in names
-        for child in children(node):
-            found = mark(child) or found
-        if found:
-            live.add(id(node))
-        return found
-
-    mark(root)
+    live: set[int] = set()
+    _mark(root, root, hot, live)
     return live
+
+
+def _mark(node: cst.CSTNode, root: cst.CSTNode, hot: HotLines, live: set[int]) -> bool:
+    # (a function of its own, not a closure: a closure that calls itself is a reference
+    # cycle, which would keep the tree alive until the cycle collector runs)
+    kind = type(node)
+    statement = _STATEMENTS.get(kind)
+    if statement is None:
+        statement = _STATEMENTS[kind] = _dispatch(Expander, kind)[0]
+    if statement and node is not root and not hot(node):
+        return False
+    found = kind is cst.Name and nfkc(node.value) in hot.names  # type: ignore[attr-defined]
+    for child in children(node):
+        if _mark(child, root, hot, live):
+            found = True
+    if found:
+        live.add(id(node))
+    return found
+
+
+_STATEMENTS: dict[type, bool] = {}  # node type -> whether a statement (_dispatch's first)
 
 
 _ATTRIBUTES: dict[type, frozenset[str]] = {}

@@ -135,14 +135,21 @@ _LEAF: dict[type, bool] = {}
 
 def children(node: cst.CSTNode) -> list[cst.CSTNode]:
     """The node's children that are not leaves, in visiting order."""
+    # (the pass's hottest loop: the caches are read inline, _kind called on a miss)
     children: list[cst.CSTNode] = []
-    for name in _node_fields(node):
+    fields = _NODE_FIELDS.get(type(node))
+    for name in fields if fields is not None else _node_fields(node):
         value = getattr(node, name)
-        kind = _kind(value)
+        kind = _KIND.get(type(value))
+        if kind is None:
+            kind = _kind(value)
         if kind == 1:
             children.append(value)
         elif kind == 2:
-            children.extend(v for v in value if _kind(v) == 1)
+            for v in value:
+                k = _KIND.get(type(v))
+                if k == 1 or (k is None and _kind(v) == 1):
+                    children.append(v)
     return children
 
 
@@ -157,7 +164,19 @@ def nodes(root: cst.CSTNode) -> Iterator[cst.CSTNode]:
 
 def find(root: cst.CSTNode, kind: type[cst.CSTNode] | tuple[type[cst.CSTNode], ...]) -> Iterator[Any]:
     """The nodes of ``kind`` at or below ``root``, in visiting order."""
-    return (n for n in nodes(root) if isinstance(n, kind))
+    return (n for n in nodes(root) if _is(type(n), kind))
+
+
+_IS: dict[tuple[type, Any], bool] = {}
+
+
+def _is(node_type: type, kind: Any) -> bool:
+    """``issubclass``, remembered: isinstance on libcst's classes (ABCs) runs Python code."""
+    key = (node_type, kind)
+    found = _IS.get(key)
+    if found is None:
+        found = _IS[key] = issubclass(node_type, kind)
+    return found
 
 
 class Visitor:

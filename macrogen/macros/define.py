@@ -60,7 +60,7 @@ def literal_assignment(
     if name not in ctx.constants:  # its evaluation failed; that error is already reported
         raise MacroError(f"{name} has no value", site.original)
     try:
-        literal = cst.parse_expression(py(ctx.constants[name]))
+        literal = _literal(ctx.constants[name])
     except InternalError as e:
         raise MacroError(
             f"{site.macro}() value can't be written back as a literal: {e}", site.original
@@ -70,3 +70,12 @@ def literal_assignment(
     assign = stmt.body[0]
     assert isinstance(assign, cst.Assign)
     return stmt.with_changes(body=[assign.with_changes(value=literal)], leading_lines=leading or [])
+
+
+def _literal(value: object) -> cst.BaseExpression:
+    """The node libcst parses from ``py(value)``: built at once for a plain int or str."""
+    if type(value) is int and value >= 0:
+        return cst.Integer(py(value))
+    if type(value) is str:
+        return cst.SimpleString(py(value))
+    return cst.parse_expression(py(value))

@@ -45,6 +45,7 @@ import libcst as cst
 from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
+from macrogen.expand.literals import evaluated
 from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
 from macrogen.expand.sites import did_you_mean, dotted, may_call_with_arguments
 from macrogen.expand.walk import Visitor, find, walk
@@ -585,7 +586,7 @@ def _element(plan: cst.BaseExpression, key: object) -> tuple[cst.CSTNode, cst.CS
 
 def _literal(node: cst.BaseExpression) -> object:
     if isinstance(node, (cst.SimpleString, cst.ConcatenatedString)):
-        return node.evaluated_value
+        return evaluated(node)
     return None
 
 

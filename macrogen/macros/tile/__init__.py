@@ -352,7 +352,7 @@ class _Output:
         """The user's function, same signature, its body replaced by the dispatch."""
         fn = self.site.node
         assert isinstance(fn, cst.FunctionDef)
-        body = codegen.render_statements(
+        body = codegen.render_block(
             "tile_dispatch.py.j2",
             use_triton=self.mods.get("use_triton", ""),
             first=self.first,

@@ -28,32 +28,10 @@ def alias_checks(nest: Nest) -> list[dict[str, str]]:
 def index_checks(nest: Nest, names: Names) -> list[dict[str, object]]:
     """One range check per distinct (tensor, dimension, loop, offset) the nest indexes with."""
     # (tensor, dim, loop or None, offset, variable), and (tensor, dim, index load, its loops)
-    accesses: dict[tuple[str, int, Loop | None, int, str | None], None] = {}
-    gathers: dict[tuple[str, int, Load, tuple[tuple[str, Loop], ...]], None] = {}
+    accesses: _Accesses = {}
+    gathers: _Gathers = {}
     loops = {g.var: g for g in nest.grid}
-
-    def load(ld: Load, scope: dict[str, Loop]) -> None:
-        for d, ix in enumerate(ld.index):
-            if ix.gather is not None:
-                load(ix.gather, scope)
-                gathers[(ld.tensor_name, d, ix.gather, tuple(scope.items()))] = None
-                continue
-            key = (ld.tensor_name, d, scope.get(ix.var) if ix.var else None, ix.offset, ix.var)
-            accesses[key] = None
-
-    def visit(stmts: tuple[Statement, ...], scope: dict[str, Loop]) -> None:
-        for s in stmts:
-            if isinstance(s, InnerLoop):
-                visit(s.body, {**scope, s.loop.var: s.loop})
-                continue
-            if isinstance(s, (Let, Accum, Store)):
-                for ld in loads_in(s.value):
-                    load(ld, scope)
-            if isinstance(s, Store):
-                for d, var in enumerate(s.index):
-                    accesses[(s.tensor_name, d, scope[var], 0, var)] = None
-
-    visit(nest.body, loops)
+    _visit(nest.body, loops, accesses, gathers)
     checks: list[dict[str, object]] = []
     for tensor, d, loop, offset, var in accesses:
         size = f"{tensor}.shape[{d}]"
@@ -98,3 +76,33 @@ def index_checks(nest: Nest, names: Names) -> list[dict[str, object]]:
             }
         )
     return checks
+
+
+_Accesses = dict[tuple[str, int, Loop | None, int, str | None], None]
+_Gathers = dict[tuple[str, int, Load, tuple[tuple[str, Loop], ...]], None]
+
+
+def _load(ld: Load, scope: dict[str, Loop], accesses: _Accesses, gathers: _Gathers) -> None:
+    for d, ix in enumerate(ld.index):
+        if ix.gather is not None:
+            _load(ix.gather, scope, accesses, gathers)
+            gathers[(ld.tensor_name, d, ix.gather, tuple(scope.items()))] = None
+            continue
+        key = (ld.tensor_name, d, scope.get(ix.var) if ix.var else None, ix.offset, ix.var)
+        accesses[key] = None
+
+
+def _visit(
+    stmts: tuple[Statement, ...], scope: dict[str, Loop], accesses: _Accesses, gathers: _Gathers
+) -> None:
+    # (functions of their own, not closures that call themselves: reference cycles)
+    for s in stmts:
+        if isinstance(s, InnerLoop):
+            _visit(s.body, {**scope, s.loop.var: s.loop}, accesses, gathers)
+            continue
+        if isinstance(s, (Let, Accum, Store)):
+            for ld in loads_in(s.value):
+                _load(ld, scope, accesses, gathers)
+        if isinstance(s, Store):
+            for d, var in enumerate(s.index):
+                accesses[(s.tensor_name, d, scope[var], 0, var)] = None

@@ -15,6 +15,7 @@ from typing import Any
 import libcst as cst
 
 from macrogen.expand.errors import MacroError
+from macrogen.expand.literals import evaluated
 from macrogen.expand.walk import find
 from macrogen.macros.tile.ir import Binary, Call, Const, Expr, Index, Load, Name, Size, Unary, Var
 
@@ -79,7 +80,7 @@ class ExpressionReader:
 
     def _expr(self, node: cst.BaseExpression, scope: Scope) -> Expr:
         if isinstance(node, (cst.Integer, cst.Float)):
-            return Const(frozenset(), False, node.evaluated_value)
+            return Const(frozenset(), False, evaluated(node))
         if isinstance(node, cst.Name):
             return self._name(node, scope)
         if isinstance(node, cst.Attribute):
@@ -190,7 +191,7 @@ class ExpressionReader:
             and len(node.args) == 1
             and isinstance(node.args[0].value, cst.SimpleString)
         ):
-            value = node.args[0].value.evaluated_value
+            value = evaluated(node.args[0].value)
             if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf"):
                 return Const(frozenset(), False, float(value))
         fn = self._function_name(node.func)

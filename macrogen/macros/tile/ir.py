@@ -177,14 +177,7 @@ class Nest:
     def all_inner_loops(self) -> tuple[InnerLoop, ...]:
         """Every inner loop, nested ones too, outer before inner."""
         out: list[InnerLoop] = []
-
-        def walk(body: tuple[Statement, ...]) -> None:
-            for s in body:
-                if isinstance(s, InnerLoop):
-                    out.append(s)
-                    walk(s.body)
-
-        walk(self.body)
+        _inner_loops(self.body, out)
         return tuple(out)
 
     @property
@@ -209,3 +202,12 @@ class Nest:
 
 
 FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs", "where", "max", "min")
+
+
+def _inner_loops(body: tuple[Statement, ...], out: list[InnerLoop]) -> None:
+    # (not a closure that calls itself: that is a reference cycle, freed only by the
+    # cycle collector, with all it holds)
+    for s in body:
+        if isinstance(s, InnerLoop):
+            out.append(s)
+            _inner_loops(s.body, out)
