@@ -24,7 +24,8 @@ import libcst as cst
 
 from macrogen.expand.errors import InternalError
 from macrogen.expand.parsing import parse_module
-from macrogen.expand.rendered import rendered
+from macrogen.expand.rendered import Rendered, rendered
+from macrogen.shapes import Checked
 
 
 def templates_dir() -> Path:
@@ -136,6 +137,8 @@ def environment() -> jinja2.Environment:
 def render(template: str, **params: Any) -> str:
     """Render ``templates/<template>`` and check that the result is Python."""
     text = _text(template, params)
+    if CHECKED.find(text) is not None:
+        return text  # the shape of a checked text (macrogen/shapes.py)
     try:
         # The check: Python's parser and symbol table, as compile() runs them, without
         # building ast's objects (a third cheaper than ast.parse; stricter: it also
@@ -143,7 +146,19 @@ def render(template: str, **params: Any) -> str:
         symtable.symtable(text, "<template>", "exec")
     except SyntaxError as e:
         raise _invalid(template, e) from e
+    CHECKED.add(text, None)
     return text
+
+
+# Texts that passed the check, by shape; with the Rendered node built for a definition
+CHECKED: Checked[None] = Checked()
+CHECKED_NODES: Checked[Rendered] = Checked()
+
+
+def clear_checked() -> None:
+    """Forget the checked shapes (the bench times a first expansion in a process)."""
+    CHECKED.clear()
+    CHECKED_NODES.clear()
 
 
 def _text(template: str, params: dict[str, Any]) -> str:
@@ -157,30 +172,35 @@ def _invalid(template: str, e: SyntaxError) -> InternalError:
     return InternalError(f"template {template} rendered invalid Python (line {e.lineno}): {e.msg}")
 
 
-def _render(template: str, params: dict[str, Any]) -> tuple[str, ast.Module]:
-    """``render``, and ast's tree of the text."""
+def _rendered(template: str, params: dict[str, Any]) -> Rendered:
+    """``render``, as a ``Rendered`` node (built from ast's tree of the text)."""
     text = _text(template, params)
+    found = CHECKED_NODES.find(text)
+    if found is not None:  # the shape of a checked text: the same node, other names
+        node, words = found
+        names = tuple(words.get(n, n) for n in node.names)
+        return Rendered(text, template, node.indent, node.plain, names, indentable=node.indentable)
     try:
         tree = ast.parse(text)  # the check: ast is ten times faster than libcst here
     except SyntaxError as e:
         raise _invalid(template, e) from e
-    return text, tree
+    node = rendered(text, tree, template)
+    CHECKED_NODES.add(text, node)
+    return node
 
 
 def render_definitions(template: str, **params: Any) -> list[cst.BaseStatement]:
     """``render_statements`` for module-level code a macro adds beside the user's (a
     class): one statement node that keeps the text and prints it as it is where it
     can, else as libcst's parse of it (``expand/rendered.py``)."""
-    text, tree = _render(template, params)
-    return [rendered(text, tree, template)]
+    return [_rendered(template, params)]
 
 
 def render_block(template: str, **params: Any) -> list[cst.BaseStatement]:
     """``render_statements`` for the block of a definition a macro returns (a @tile
     function's dispatch): its text as one statement node, printed as the text where it
     can (``expand/rendered.py``), else as libcst's parse of it."""
-    text, tree = _render(template, params)
-    return [rendered(text, tree, template)]
+    return [_rendered(template, params)]
 
 
 def render_statements(template: str, **params: Any) -> list[cst.BaseStatement]:
