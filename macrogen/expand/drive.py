@@ -17,7 +17,7 @@ two on the goldens; ``OWN_WALK = False`` uses libcst's).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 import libcst as cst
 
@@ -73,7 +73,10 @@ def _children(node: cst.CSTNode, t: Any, hooked: frozenset[str]) -> cst.CSTNode:
 _INIT_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
-def rebuilt(node: cst.CSTNode, changes: dict[str, Any]) -> cst.CSTNode:
+_Node = TypeVar("_Node", bound=cst.CSTNode)
+
+
+def rebuilt(node: _Node, changes: dict[str, Any]) -> _Node:
     """``node.with_changes(**changes)`` (``dataclasses.replace``: a new node, validated),
     without scanning the node's dataclass fields at every call. ``changes`` is used up."""
     kind = type(node)
@@ -83,7 +86,7 @@ def rebuilt(node: cst.CSTNode, changes: dict[str, Any]) -> cst.CSTNode:
     for name in names:
         if name not in changes:
             changes[name] = getattr(node, name)
-    new: cst.CSTNode = kind(**changes)
+    new: _Node = kind(**changes)
     return new
 
 

@@ -179,9 +179,16 @@ class _FileExpansion:
         names = set(names)
         if not names:
             return set()
-        pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(names))) + r")\b")
-        at = self.statements
-        found = {at.line_at(m.start()) for m in pattern.finditer(self.source)}
+        # (no \b before the names: a pattern that starts with its literals is searched for
+        # fast, five times faster for one name; the match's start is checked instead, as
+        # \b checks it: a word character is alphanumeric or "_", for re as for str)
+        pattern = re.compile(r"(?:" + "|".join(map(re.escape, sorted(names))) + r")(?!\w)")
+        at, source = self.statements, self.source
+        found = {
+            at.line_at(start)
+            for start in (m.start() for m in pattern.finditer(source))
+            if not start or not (source[start - 1].isalnum() or source[start - 1] == "_")
+        }
         if not self.source.isascii():  # Python reads identifiers NFKC-normalized: ｍg is mg
             for m in _NON_ASCII_WORD.finditer(self.source):
                 if nfkc(m.group()) in names:

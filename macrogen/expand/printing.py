@@ -24,6 +24,8 @@ from typing import Any
 import libcst as cst
 from libcst._nodes.internal import CodegenState
 
+from macrogen.expand.drive import rebuilt
+
 VERBATIM = True  # False: print every statement through libcst (the tests compare the two)
 
 
@@ -126,10 +128,10 @@ class Kept:
         body = [self._statement(x) for x in block.body]
         if all(map(lambda a, b: a is b, body, block.body)):
             return s
-        block = block.with_changes(body=body)
+        block = rebuilt(block, {"body": body})  # (with_changes, without its field scan)
         if field == "orelse":
-            return s.with_changes(orelse=holder.with_changes(body=block))
-        return s.with_changes(**{field: block})
+            return rebuilt(s, {"orelse": rebuilt(holder, {"body": block})})
+        return rebuilt(s, {field: block})
 
     def _verbatim(self, s: cst.BaseStatement) -> Verbatim | None:
         first, last = self.extents[s]

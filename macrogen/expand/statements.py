@@ -23,6 +23,7 @@ import libcst as cst
 from libcst._nodes.internal import CodegenState
 from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionProvider
 
+from macrogen.expand.drive import rebuilt
 from macrogen.expand.extents import Paired, ast_extents
 from macrogen.expand.layout import Layout, split_lines
 from macrogen.expand.parsing import parse_module
@@ -397,11 +398,14 @@ class Pieces(Statements):
             indent = module.default_indent
             if indent != self.indent and not _opens_block(self.groups[i]):
                 indent = self.indent
-            self._modules[i] = module.with_changes(
-                default_newline=self.newline,
-                default_indent=indent,
-                # libcst misses a final lone "\r"; the piece's own end is what counts
-                has_trailing_newline=text.endswith(("\n", "\r")),
+            self._modules[i] = rebuilt(  # (with_changes, without its field scan)
+                module,
+                {
+                    "default_newline": self.newline,
+                    "default_indent": indent,
+                    # libcst misses a final lone "\r"; the piece's own end is what counts
+                    "has_trailing_newline": text.endswith(("\n", "\r")),
+                },
             )
         return self._modules[i]
 
@@ -473,7 +477,7 @@ class Pieces(Statements):
             stop = self.first_lines[i + 1] - 1 if i + 1 < self.count else len(self.lines)
             kept = Kept(self.lines[first:stop], paired.extents, self._parsed[i].default_indent)
             statements = kept.statements(statements)
-        return print_module(self.module(i).with_changes(body=statements))
+        return print_module(rebuilt(self.module(i), {"body": statements}))
 
     def is_import(self, i: int) -> bool:
         return any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in self.groups[i])
