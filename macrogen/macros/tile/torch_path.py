@@ -73,8 +73,8 @@ class TorchEmitter:
         self.meta: dict[str, Meta] = {}  # tensor locals: what in_place needs to know
 
     def steps(self, *, rewrite: bool = True) -> list[Step]:
-        """The torch path's steps; ``rewrite=False``: without in_place's rewrite (``sharing``
-        only counts the uses, which the rewrite does not change)."""
+        """The torch path's steps; ``rewrite=False``: as emitted, without dropping dead stores
+        or in_place's rewrite (``sharing`` only counts the uses, which the emission makes)."""
         out: list[Step] = []
         grid_bounds = {loop.var: self.names.bounds[loop] for loop in self.nest.grid}
         axes = self._axes(())
@@ -87,9 +87,9 @@ class TorchEmitter:
                 continue
             out.extend(self._loads(s, self.loaded, grid_bounds, axes))
             out.extend(self._statement(s, self.loaded, grid_bounds, ()))
-        out = drop_dead_stores(out)
         if not rewrite:
             return out
+        out = drop_dead_stores(out)
         values = sorted(
             {ld.tensor_name for st in _statements(self.nest.body) for ld in loads_in(st.value)}
         )
