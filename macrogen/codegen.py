@@ -135,7 +135,8 @@ def environment() -> jinja2.Environment:
 
 
 def render(template: str, **params: Any) -> str:
-    """Render ``templates/<template>`` and check that the result is Python."""
+    """Render ``templates/<template>`` and check that the result is Python (or that it
+    has the shape of a text that passed, where that proves it: macrogen/shapes.py)."""
     text = _text(template, params)
     if CHECKED.find(text) is not None:
         return text  # the shape of a checked text (macrogen/shapes.py)
