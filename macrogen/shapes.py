@@ -34,7 +34,7 @@ ENABLED = True  # False: every text is checked (the tests compare the two)
 LIMIT = 4096  # shapes remembered at most (a file's sites need a few per template)
 
 _WORD = re.compile(r"\w+", re.ASCII)
-_ZEROS = str.maketrans("123456789", "000000000")
+_ZEROS = bytes.maketrans(b"123456789", b"000000000")  # (bytes: ten times faster than str)
 
 T = TypeVar("T")
 
@@ -43,7 +43,7 @@ class Checked(Generic[T]):
     """Shapes of texts that passed a check, each with a value computed from its text."""
 
     def __init__(self) -> None:
-        self._known: dict[str, tuple[str, list[str], T]] = {}  # shape: text, its lines, value
+        self._known: dict[bytes, tuple[str, list[str], T]] = {}  # shape: text, its lines, value
 
     def clear(self) -> None:
         self._known.clear()
@@ -53,7 +53,7 @@ class Checked(Generic[T]):
         to this text's; None if there is none or the rules above don't hold."""
         if not ENABLED or "\\" in text or not text.isascii():
             return None
-        known = self._known.get(text.translate(_ZEROS))
+        known = self._known.get(text.encode().translate(_ZEROS))
         if known is None:
             return None
         old_text, old_lines, value = known
@@ -89,7 +89,7 @@ class Checked(Generic[T]):
             return  # a private name: mangled
         if len(self._known) >= LIMIT:
             self._known.clear()
-        self._known[text.translate(_ZEROS)] = (text, text.split("\n"), value)
+        self._known[text.encode().translate(_ZEROS)] = (text, text.split("\n"), value)
 
 
 def _same_number(old: str, new: str) -> bool:
