@@ -56,8 +56,11 @@ def text(value: Any) -> str:
     a comment can't end early and a docstring reads back the exact text (a
     newline in a path is written as backslash-n).
     """
+    value = str(value)
+    if value.isprintable() and "\\" not in value and '"' not in value:
+        return value  # (what the loop below gives: every character as it is)
     out = []
-    for ch in str(value):
+    for ch in value:
         if ch in '\\"':
             out.append("\\" + ch)
         elif ch.isprintable():

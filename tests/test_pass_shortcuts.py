@@ -452,3 +452,16 @@ def test_nodes_are_validated_outside_the_parse() -> None:
     finally:
         parsing.cst.parse_module = original  # type: ignore[assignment]
     assert len(errors) == 1
+
+
+# -- codegen.text: the fast path for text with nothing to escape ---------------------------
+@pytest.mark.parametrize(
+    "value", ["", "dense.py:20", "a b/c.py", "é ü", 'q"', "back\\slash", "new\nline", "\r", "\x00", "\u2028", "\udcff", 3]
+)
+def test_text_is_the_character_loop(value: object) -> None:
+    def escaped(ch: str) -> str:
+        if ch in '\\"':
+            return "\\" + ch
+        return ch if ch.isprintable() else repr(ch)[1:-1]
+
+    assert codegen.text(value) == "".join(map(escaped, str(value)))
