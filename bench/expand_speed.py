@@ -44,8 +44,9 @@ The fifth wave (template checks by shape, macrogen/shapes.py; the timed
 expansions forget the shapes first, as a process's first file would), main and
 this code alternately, load average 0.2-1.0:
 
-    macro-dense file:           0.276-0.317 -> 0.256-0.279 s/kLOC (2.45-2.54 -> 2.21-2.32 x parse)
-    without tile/TP/DP:         0.226-0.236 -> 0.220-0.223 s/kLOC
+    macro-dense file:           0.275-0.317 -> 0.249-0.279 s/kLOC (2.45-2.54 -> 2.20-2.32 x parse;
+                                0.275 -> 0.249 when the machine ran fast, parse 0.111-0.113)
+    without tile/TP/DP:         0.211-0.236 -> 0.205-0.223 s/kLOC
 """
 
 from __future__ import annotations
