@@ -465,3 +465,31 @@ def test_text_is_the_character_loop(value: object) -> None:
         return ch if ch.isprintable() else repr(ch)[1:-1]
 
     assert codegen.text(value) == "".join(map(escaped, str(value)))
+
+
+# -- _lines_with: the names' literals searched, their start checked as \b checks it --------
+@pytest.mark.parametrize(
+    "names",
+    [{"mg"}, {"mg", "tile", "define"}, {"a", "ba"}, {"é"}, {"x\u0301"}],  # (the last ends in a mark)
+)
+def test_lines_with_is_the_word_boundary_search(names: set[str]) -> None:
+    import ast
+    import re
+
+    from macrogen.expand import Options
+    from macrogen.expand.expansion import _NON_ASCII_WORD, _FileExpansion, nfkc
+    from macrogen.expand.statements import Pieces
+
+    source = (
+        "import macrogen as mg\nx = mg.define(1)  # mg\nomg = 1\nmg_x = 2\nmgx = 3\n"
+        "y = _mg + mg\nba = a + ba\naba = 1\né = 1\nxé = 2\nx\u0301 = 3\nx\u0301y = 4\n"
+        "s = 'tile define'\n"
+    )
+    expansion = _FileExpansion(source, Options(path="t.py"))
+    expansion.statements = Pieces(source, ast.parse(source))
+    pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(names))) + r")\b")
+    want = {source.count("\n", 0, m.start()) + 1 for m in pattern.finditer(source)}
+    for m in _NON_ASCII_WORD.finditer(source):  # (as before: identifiers read NFKC-normalized)
+        if nfkc(m.group()) in names:
+            want.add(source.count("\n", 0, m.start()) + 1)
+    assert expansion._lines_with(names) == want

@@ -182,13 +182,18 @@ class _FileExpansion:
         # (no \b before the names: a pattern that starts with its literals is searched for
         # fast, five times faster for one name; the match's start is checked instead, as
         # \b checks it: a word character is alphanumeric or "_", for re as for str)
-        pattern = re.compile(r"(?:" + "|".join(map(re.escape, sorted(names))) + r")(?!\w)")
+        alternatives = "|".join(map(re.escape, sorted(names)))
         at, source = self.statements, self.source
-        found = {
-            at.line_at(start)
-            for start in (m.start() for m in pattern.finditer(source))
-            if not start or not (source[start - 1].isalnum() or source[start - 1] == "_")
-        }
+        if all(_is_word(n[0]) and _is_word(n[-1]) for n in names):
+            pattern = re.compile(r"(?:" + alternatives + r")(?!\w)")
+            found = {
+                at.line_at(start)
+                for start in (m.start() for m in pattern.finditer(source))
+                if not start or not _is_word(source[start - 1])
+            }
+        else:  # (a name that ends in a combining mark: \b means something else there)
+            pattern = re.compile(r"\b(?:" + alternatives + r")\b")
+            found = {at.line_at(m.start()) for m in pattern.finditer(source)}
         if not self.source.isascii():  # Python reads identifiers NFKC-normalized: ｍg is mg
             for m in _NON_ASCII_WORD.finditer(self.source):
                 if nfkc(m.group()) in names:
@@ -444,3 +449,8 @@ def _blank_lines_before(text: str, count: int, newline: str) -> str:
     while blank < len(lines) and not lines[blank].strip():
         blank += 1
     return newline * max(0, count - blank) + text
+
+
+def _is_word(ch: str) -> bool:
+    """Whether re's \\w (of a str pattern) matches ``ch``."""
+    return ch.isalnum() or ch == "_"
