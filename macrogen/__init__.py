@@ -8,6 +8,7 @@ from macrogen.markers import (
     data_parallel,
     define,
     fused_allreduce,
+    parallelize,
     pipeline,
     pipeline_step,
     resumable,
@@ -33,6 +34,7 @@ NON_MACRO_NAMES = frozenset(
         "kernels",
         "launch",
         "markers",
+        "mesh",
         "pipeline_step",
         "runtime",
     }
@@ -49,6 +51,10 @@ def __getattr__(name: str):
         from macrogen.runtime.launch import launch
 
         return launch
+    if name == "mesh":  # the program's one mesh: mg.mesh().data_rank / .data_size / .device_mesh
+        from macrogen.runtime.mesh import mesh
+
+        return mesh
     if name == "clip_grad_norm_":  # serial: torch's; shard_optimizer: the averaged gradients' norm
         from macrogen.runtime.zero import clip_grad_norm_
 
@@ -65,6 +71,8 @@ __all__ = [
     "expand_source",
     "fused_allreduce",
     "launch",
+    "mesh",
+    "parallelize",
     "pipeline",
     "pipeline_step",
     "resumable",

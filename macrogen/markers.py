@@ -93,10 +93,17 @@ def shard_optimizer(optimizer: T) -> T:
     return optimizer
 
 
+def parallelize(model: T, **options: Any) -> T:
+    """``model = parallelize(model, tp=2, tp_plan=..., dp="replicate")``: the model itself until
+    expanded (then it is sharded and its gradients averaged, in place: docs/parallelize.md)."""
+    return model
+
+
 MACRO_NAMES = (
     "data_parallel",
     "define",
     "fused_allreduce",
+    "parallelize",
     "pipeline",
     "resumable",
     "shard_optimizer",

@@ -12,6 +12,9 @@ order, shapes, dtypes and devices, so it is the same on every rank.
 Each ``param.grad`` is a view into its bucket's flat buffer: autograd
 accumulates straight into the buffer and the all-reduce reads it in place,
 with no copy in either direction.
+
+A tensor-parallel parameter is a DTensor (``mg.parallelize``): its bucket holds
+its local shard's gradient, and its ``.grad`` is a DTensor over that view.
 """
 
 from __future__ import annotations
@@ -21,8 +24,23 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from macrogen.kernels.grad_compress import compress, decompress
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank computes on and communicates); else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _as_grad(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``view`` as ``p``'s gradient: a DTensor with ``p``'s placements for a DTensor ``p``."""
+    if not isinstance(p, DTensor):
+        return view
+    return DTensor.from_local(
+        view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 @dataclass(frozen=True)
@@ -50,11 +68,11 @@ def plan_buckets(
         offsets, at = [], 0
         for i in indices:
             offsets.append(at)
-            at += params[i].numel()
+            at += local(params[i]).numel()
         layouts.append(BucketLayout(tuple(indices), tuple(offsets), at, *key))
 
     for i in reversed(range(len(params))):
-        p = params[i]
+        p = local(params[i])
         key = (p.dtype, p.device)
         open_.setdefault(key, []).append(i)
         held[key] = held.get(key, 0) + p.numel() * p.element_size()
@@ -84,9 +102,11 @@ class Bucket:
         self.grads = self.buffer[: layout.numel]
         self.extra = self.buffer[layout.numel :]
         self.views = [
-            self.grads[off : off + p.numel()].view_as(p)
+            self.grads[off : off + local(p).numel()].view_as(local(p))
             for p, off in zip(self.params, layout.offsets)
         ]
+        # what each parameter's .grad is made (the view itself, or a DTensor over it)
+        self.grad_views = [_as_grad(v, p) for v, p in zip(self.views, self.params)]
         # a half-precision copy to send, when compressing (same length as the buffer)
         self.comm = (
             None
@@ -95,7 +115,8 @@ class Bucket:
         )
         if self.comm is not None:
             self.comm_views = [
-                self.comm[off : off + p.numel()] for p, off in zip(self.params, layout.offsets)
+                self.comm[off : off + local(p).numel()]
+                for p, off in zip(self.params, layout.offsets)
             ]
             self.comm_extra = self.comm[layout.numel :]
         # gradient already in the outgoing buffer, scaled by 1/world size (compressed, if so)
@@ -113,17 +134,17 @@ class Bucket:
         (accumulation, ``set_to_none=False``) is scaled at launch instead.
         """
         p, view = self.params[i], self.views[i]
-        if p.grad is view:
+        if p.grad is self.grad_views[i]:
             return
         if p.grad is None:  # no gradient reached it (an unused parameter): send zeros
             view.zero_()
             if self.comm is not None:
                 self.comm_views[i].zero_()
         elif self.comm is not None:
-            compress(p.grad.reshape(-1), self.comm_views[i], scale)
+            compress(local(p.grad).reshape(-1), self.comm_views[i], scale)
         else:
-            torch.mul(p.grad, scale, out=view)
-        p.grad = view
+            torch.mul(local(p.grad), scale, out=view)
+        p.grad = self.grad_views[i]
         self.scaled[i] = True
 
     def launch(self, group: dist.ProcessGroup | None, scale: float) -> None:

@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from macrogen.kernels.grad_compress import COMM_DTYPES
 from macrogen.runtime import fused, groups, tensor_parallel_plan
 from macrogen.runtime.agreement import Fingerprint, check_agreement, fingerprint
-from macrogen.runtime.buckets import Bucket, plan_buckets
+from macrogen.runtime.buckets import Bucket, local, plan_buckets
 from macrogen.runtime.local_sgd import LocalSGD
 
 MB = 2**20
@@ -106,7 +106,8 @@ class GradientSync:
         self._reset_window()
         if self.world_size == 1:
             return  # serial: plain autograd gradients, nothing to average
-        module.register_forward_pre_hook(self._before_forward)
+        # first, before other hooks (mg.parallelize's swap to local tensors) change the parameters
+        module.register_forward_pre_hook(self._before_forward, prepend=True)
 
     def _collect(self) -> None:
         """The module's parameters that need gradients, each with a gradient hook."""
@@ -293,7 +294,7 @@ def broadcast(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) 
     if not tensors:
         return
     src = 0 if group is None else dist.get_global_rank(group, 0)
-    members = [t.detach() for t in tensors]
+    members = [local(t).detach() for t in tensors]  # a DTensor: its shard
     with torch.no_grad():
         for flat in fused.plan(members):  # the same flat buffers as fused_allreduce
             buf = fused.pack_torch(members, flat)

@@ -1,0 +1,239 @@
+"""``mg.parallelize(model, ...)``: parallelism applied to a model that is already built.
+
+    model = LlamaForCausalLM(config)                    model = LlamaForCausalLM(config)
+    model = mg.parallelize(model, tp=2,           ->    model = _parallelize_l12(model)
+                           tp_plan="hf")
+                                                        # in the generated block after the imports:
+                                                        def _parallelize_l12(model):
+                                                            mesh = device_mesh(tp=2, ...)
+                                                            apply_tensor_parallel(model, mesh, ...)
+                                                            apply_data_parallel(model, mesh, ...)
+                                                            return model
+
+Unexpanded, the marker returns the model: the file is the serial program. The
+model expression is the program's own code, kept as written. The generated
+function names each step it takes, in a fixed order (tensor parallel, then data
+parallel), on one mesh; ``macrogen.runtime.parallelize`` does the work.
+
+Arguments (each may be ``define``d or a ``tunable``, but ``tp_plan``):
+``tp`` (1), ``pp`` (1), ``dp`` ("replicate", "zero1" or "none"), ``tp_plan``
+(None, "hf" or a dict ``{"path.*.layer": style}``), and for data parallel
+``bucket_mb`` (25), ``compress`` (None, "bf16", "fp16"), ``accumulate`` (1).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import libcst as cst
+
+from macrogen import codegen
+from macrogen.expand.args import Arg
+from macrogen.expand.context import Context
+from macrogen.expand.errors import MacroError
+from macrogen.expand.protocol import Expanded, Form, Site
+
+NAME = "parallelize"
+FORMS: frozenset[Form] = frozenset({"call"})
+USAGE = (
+    'model = parallelize(model, tp=2, tp_plan={"layers.*.attn.q": "colwise", ...} or "hf",'
+    ' dp="replicate")'
+)
+CODE_ARGUMENTS = frozenset({"0"})  # the model expression runs in the program
+
+# Mirrors macrogen.runtime.parallelize.STYLES (the runtime imports torch; the pass must not).
+STYLES = ("colwise", "colwise_gather_output", "rowwise", "vocab", "divide", "replicate")
+DP_MODES = ("replicate", "zero1", "none")
+
+DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "tp": 1,
+    "pp": 1,
+    "dp": "replicate",
+    "tp_plan": None,
+    "bucket_mb": 25,
+    "compress": None,
+    "accumulate": 1,
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    tp: int  # tensor-parallel ways
+    pp: int  # pipeline stages (1: a built model is not cut yet)
+    dp: str  # "replicate", "zero1" or "none"
+    plan: tuple[tuple[str, str | tuple[str, int]], ...] | None  # path -> style, in order
+    hf: bool  # tp_plan="hf": the plan the model ships
+    bucket_mb: int | float
+    compress: str | None
+    accumulate: int
+
+
+def _degree(v: Any) -> str | None:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "an int >= 1"
+
+
+def _dp(v: Any) -> str | None:
+    if v == "fsdp":
+        return '"replicate", "zero1" or "none" ("fsdp" is not built yet: docs/parallelize.md)'
+    return None if v in DP_MODES else '"replicate", "zero1" or "none"'
+
+
+def _mib(v: Any) -> str | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+    return None if ok else "a positive number of MiB"
+
+
+def _compress(v: Any) -> str | None:
+    return None if v in (None, "bf16", "fp16") else 'None, "bf16" or "fp16"'
+
+
+CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "tp": _degree,
+    "pp": _degree,
+    "dp": _dp,
+    "bucket_mb": _mib,
+    "compress": _compress,
+    "accumulate": _degree,
+}
+
+
+def validate(site: Site, ctx: Context) -> Spec:
+    args = site.args.bind(DEFAULTS, positional=("model",))
+    if "model" not in args:
+        raise MacroError(
+            f"parallelize() takes the model first: {USAGE}", site.call or site.original
+        )
+    values = {k: args[k].value if k in args else d for k, d in DEFAULTS.items() if k != "model"}
+    for name, arg in args.items():
+        if name in CHECKS:
+            _check(name, arg, ctx)
+    if values["pp"] != 1:
+        raise MacroError(
+            "pp > 1: cutting a built model into pipeline stages is not supported yet; use"
+            " @mg.pipeline on the model's class (docs/pipeline.md)",
+            args["pp"].node,
+        )
+    plan, hf = _plan(args.get("tp_plan"))
+    tp_arg = args.get("tp")
+    if (plan is None and not hf) and tp_arg is not None and tp_arg.value != 1:
+        raise MacroError(
+            f"tp={tp_arg.value} needs a plan: tp_plan={{'path.to.layer': 'colwise', ...}} or"
+            ' tp_plan="hf" (the plan a transformers model ships)',
+            tp_arg.node,
+        )
+    return Spec(
+        tp=values["tp"],
+        pp=values["pp"],
+        dp=values["dp"],
+        plan=plan,
+        hf=hf,
+        bucket_mb=values["bucket_mb"],
+        compress=values["compress"],
+        accumulate=values["accumulate"],
+    )
+
+
+def _check(name: str, arg: Arg, ctx: Context) -> None:
+    """The value, and every choice of a tunable (autotune may pick any of them)."""
+    candidates = [arg.value]
+    if arg.tunable is not None and arg.tunable in ctx.tunables:
+        candidates = list(ctx.tunables[arg.tunable].choices)
+    for value in candidates:
+        wanted = CHECKS[name](value)
+        if wanted is not None:
+            what = "a choice of " if arg.tunable is not None else ""
+            raise MacroError(f"{name} must be {wanted}, not {what}{value!r}", arg.node)
+
+
+def _plan(arg: Arg | None) -> tuple[tuple[tuple[str, str | tuple[str, int]], ...] | None, bool]:
+    """The plan's entries, every bad one reported at once (as one error listing them)."""
+    if arg is None or arg.value is None:
+        return None, False
+    if arg.value == "hf":
+        return None, True
+    if not isinstance(arg.value, dict) or not arg.value:
+        raise MacroError(
+            'tp_plan must be "hf" or a non-empty dict {"path.to.layer": style}', arg.node
+        )
+    entries: list[tuple[str, str | tuple[str, int]]] = []
+    problems: list[str] = []
+    for path, style in arg.value.items():
+        problem = _entry(path, style)
+        if problem:
+            problems.append(problem)
+        else:
+            entries.append((path, tuple(style) if isinstance(style, (tuple, list)) else style))
+    if problems:
+        raise MacroError("; ".join(problems), arg.node)
+    return tuple(entries), False
+
+
+def _entry(path: Any, style: Any) -> str | None:
+    if not isinstance(path, str) or not path or any(not p for p in path.split(".")):
+        return f"tp_plan key {path!r} is not a dotted path (use '*' for every child)"
+    if isinstance(style, (tuple, list)):
+        if len(style) == 2 and style[0] == "colwise" and _degree(style[1]) is None:
+            return None
+        return f"{path}: a packed style is ('colwise', k) with k >= 1, not {style!r}"
+    if style in STYLES:
+        return None
+    near = difflib.get_close_matches(str(style), STYLES, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return f"{path}: unknown style {style!r}{hint} (styles: {', '.join(STYLES)}, ('colwise', k))"
+
+
+def _summary(spec: Spec) -> str:
+    steps = []
+    if spec.hf:
+        steps.append(f"tensor parallel {spec.tp} ways (the model's own plan)")
+    elif spec.plan is not None:
+        steps.append(f"tensor parallel {spec.tp} ways ({len(spec.plan)} plan entries)")
+    if spec.dp != "none":
+        steps.append(f"data parallel ({spec.dp})")
+    return ", then ".join(steps) or "the mesh only"
+
+
+def expand(site: Site, ctx: Context) -> Expanded:
+    spec = validate(site, ctx)
+    call = site.node
+    assert isinstance(call, cst.Call)
+    runtime = "macrogen.runtime.parallelize"
+    imports = [ctx.import_from(runtime, "device_mesh")]
+    if spec.plan is not None or spec.hf:
+        imports.append(ctx.import_from(runtime, "apply_tensor_parallel"))
+        if spec.hf:
+            imports.append(ctx.import_from(runtime, "hf_plan"))
+    if spec.dp != "none":
+        imports.append(ctx.import_from(runtime, "apply_data_parallel"))
+        imports.append(ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig"))
+    names = {imp.name: imp for imp in imports}
+    fn = ctx.names.fresh(f"_parallelize_l{site.line}")
+    helper = codegen.render(
+        "parallelize.py.j2",
+        fn=fn,
+        location=ctx.location(site.line),
+        summary=_summary(spec),
+        tp=spec.tp,
+        pp=spec.pp,
+        planned=spec.plan is not None or spec.hf,
+        plan=spec.plan,
+        hf=spec.hf,
+        dp=spec.dp,
+        bucket_mb=spec.bucket_mb,
+        compress=spec.compress,
+        accumulate=spec.accumulate,
+        device_mesh=names["device_mesh"],
+        apply_tensor_parallel=names.get("apply_tensor_parallel", ""),
+        hf_plan=names.get("hf_plan", ""),
+        apply_data_parallel=names.get("apply_data_parallel", ""),
+        config=names.get("DataParallelConfig", ""),
+    )
+    model = cst.Arg(call.args[0].value)  # the rest were expansion-time values, now in the helper
+    replacement = call.with_changes(
+        func=cst.Name(fn), args=[model], whitespace_before_args=cst.SimpleWhitespace("")
+    )
+    return Expanded(replacement, helpers=(helper,), imports=tuple(imports))
