@@ -199,6 +199,17 @@ def _torch_tp(serial: torch.nn.Module, world: int, sequence: bool = False) -> to
 PHASES = ("forward", "backward", "optimizer")
 
 
+def _parallelized(serial: torch.nn.Module, world: int) -> torch.nn.Module:
+    """The serial block through ``mg.parallelize``'s apply step (what its expansion calls)."""
+    from macrogen.runtime.parallelize import apply_tensor_parallel, device_mesh
+
+    plan = {"attn.qkv": "colwise", "attn.proj": "rowwise", "attn.n_head": "divide",
+            "mlp.fc": "colwise", "mlp.proj": "rowwise"}  # fmt: skip
+    model = copy.deepcopy(serial)
+    return apply_tensor_parallel(model, device_mesh(tp=world, planned=True, where="bench"), plan,
+                                 where="bench")  # fmt: skip
+
+
 def _clocks() -> tuple[float, float, float]:
     return time.perf_counter(), time.process_time(), time.thread_time()
 
@@ -322,6 +333,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
             torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(ours_sp(mine), theirs_sp(mine), rtol=1e-5, atol=1e-5)
         memory.append((_layer_norm_saved_bytes(serial(x)), _layer_norm_saved_bytes(ours_sp(mine))))
+        built = _parallelized(serial, world)
+        with torch.no_grad():
+            torch.testing.assert_close(built(x), theirs(x), rtol=1e-5, atol=1e-5)
         sgd = torch.optim.SGD(ours.parameters(), lr=1e-3)
         floor = _without_collectives(ours)
         runs = {  # name: (model, optimizer, collectives.OVERLAP, input[, collectives.dist])
@@ -329,9 +343,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
             "no overlap": (ours, sgd, False, x),  # macrogen with collectives.OVERLAP = False
             "no collectives": (floor, torch.optim.SGD(floor.parameters(), lr=1e-3), True, x),
             "torch DTensor": (theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3), True, x),
+            "mg.parallelize": (built, torch.optim.SGD(built.parameters(), lr=1e-3), True, x),
             "macrogen SP": (ours_sp, torch.optim.SGD(ours_sp.parameters(), lr=1e-3), True, mine),
             "torch DTensor SP": (
-                theirs_sp, torch.optim.SGD(theirs_sp.parameters(), lr=1e-3), True, mine
+                theirs_sp,
+                torch.optim.SGD(theirs_sp.parameters(), lr=1e-3),
+                True,
+                mine,
             ),
         }
         if args.breakdown:  # macrogen's step with its all-reduces moving 4 bytes, and with none
@@ -418,6 +436,13 @@ def main(argv: list[str] | None = None) -> int:
         " included); SP rows against torch DTensor SP (SequenceParallel);"
         " no collectives = the floor (no communication). Goal for macrogen: <= 0.70"
     )
+    for d_model, times in results:
+        mine, ours = _totals(times["mg.parallelize"], 0), _totals(times["macrogen"], 0)
+        print(
+            f"  {d_model:>7}  mg.parallelize / @tensor_parallel (DTensor parameters, local"
+            f" forward vs plain shards): {statistics.median(mine) / statistics.median(ours):.3f}"
+            f" (paired {statistics.median(a / b for a, b in zip(mine, ours)):.3f}; goal <= 1.05)"
+        )
     print("  per phase, median wall / CPU ms:")
     for d_model, times in results:
         for name, steps in times.items():
@@ -427,7 +452,9 @@ def main(argv: list[str] | None = None) -> int:
                 for k, phase in enumerate(PHASES)
             )
             print(f"  {d_model:>7}  {name:<16}  {cells}")
-    print("  CPU of a step by thread, median ms: the Python thread (compute, waits) / the rest (gloo's):")
+    print(
+        "  CPU of a step by thread, median ms: the Python thread (compute, waits) / the rest (gloo's):"
+    )
     for d_model, times in results:
         for name, steps in times.items():
             main_cpu = statistics.median(_totals(steps, 2))

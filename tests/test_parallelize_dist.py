@@ -345,11 +345,20 @@ def _data_parallel_only(rank, world, tmp):
     module = load_module(
         expand(
             """
+            import torch
             import torch.nn as nn
             import macrogen as mg
 
             def build():
                 return mg.parallelize(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+
+            def build_zero():
+                return mg.parallelize(
+                    nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)), dp="zero1"
+                )
+
+            def optimizer(model):
+                return mg.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
             """
         ),
         f"dp_only_{rank}",
@@ -361,15 +370,28 @@ def _data_parallel_only(rank, world, tmp):
     serial = module.nn.Sequential(
         module.nn.Linear(8, 16), module.nn.ReLU(), module.nn.Linear(16, 1)
     )
+    torch.manual_seed(0)
+    zero = module.build_zero()
+    torch.manual_seed(0)
+    serial_adam = module.nn.Sequential(
+        module.nn.Linear(8, 16), module.nn.ReLU(), module.nn.Linear(16, 1)
+    )
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(3))
-    for m, rows in ((serial, slice(None)), (model, slice(4 * rank, 4 * rank + 4))):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    mine = slice(4 * rank, 4 * rank + 4)
+    runs = (
+        (serial, slice(None), torch.optim.SGD(serial.parameters(), lr=0.1)),
+        (model, mine, torch.optim.SGD(model.parameters(), lr=0.1)),
+        (serial_adam, slice(None), torch.optim.AdamW(serial_adam.parameters(), lr=0.1)),
+        (zero, mine, module.optimizer(zero)),  # ZeRO-1: each rank steps its share
+    )
+    for m, rows, opt in runs:
         for _ in range(2):
             m(x[rows]).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-    for (name, a), b in zip(model.named_parameters(), serial.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+    for ours, reference in ((model, serial), (zero, serial_adam)):
+        for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
     return True
 
 

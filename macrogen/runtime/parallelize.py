@@ -487,21 +487,50 @@ _STYLE = "_mg_tensor_parallel"  # a planned layer's style, for repr and tests
 _SWAPPED = "_mg_swapped_parameters"  # (owner, name, DTensor parameter) while a forward runs
 
 
+class _ToLocal(torch.autograd.Function):
+    """Every DTensor parameter's local tensor in one autograd node (``to_local()`` is one node,
+    and one DTensor built in backward, per parameter); backward wraps each gradient in its
+    parameter's placements, which is what ``to_local()``'s backward gives."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        ctx.specs = [p._spec for p in params]
+        return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from torch.distributed.tensor import DTensor
+
+        return tuple(
+            None if g is None else DTensor(g, spec, requires_grad=False)
+            for g, spec in zip(grads, ctx.specs)
+        )
+
+
 def _to_local(model: nn.Module, args: Any) -> None:
     from torch.distributed.tensor import DTensor
 
     _restore(model)  # a forward that raised may have left local tensors in place
-    swapped: list[tuple[nn.Module, str, Any]] = []
-    local: dict[int, torch.Tensor] = {}
+    slots: list[tuple[nn.Module, str, Any]] = []
+    index: dict[int, int] = {}  # a parameter under two names (tied) gets one local tensor
+    params: list[Any] = []
     for owner in model.modules():
-        table: dict[str, Any] = owner._parameters
-        for key, p in table.items():
+        for key, p in owner._parameters.items():
             if isinstance(p, DTensor):
-                if id(p) not in local:
-                    local[id(p)] = p.to_local()
-                swapped.append((owner, key, p))
-                table[key] = local[id(p)]
-    model.__dict__[_SWAPPED] = swapped
+                if id(p) not in index:
+                    index[id(p)] = len(params)
+                    params.append(p)
+                slots.append((owner, key, p))
+    if not params:
+        return
+    grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+    if grad:
+        local = _ToLocal.apply(*params)
+    else:
+        local = [p._local_tensor for p in params]
+    for owner, key, p in slots:
+        owner._parameters[key] = local[index[id(p)]]
+    model.__dict__[_SWAPPED] = slots
 
 
 def _restore(model: nn.Module, *_: Any) -> None:
@@ -564,6 +593,11 @@ def apply_data_parallel(
         raise ValueError(f"mg.parallelize at {where}: dp={mode!r}: expected one of {DP_MODES}")
     if mode == "none":
         return model
+    if mode == "zero1" and mesh.tensor_size > 1:
+        raise ValueError(
+            f"mg.parallelize at {where}: dp='zero1' with tp={mesh.tensor_size} is not supported yet"
+            " (the sharded optimizer steps plain tensors, not DTensor shards): use dp='replicate'"
+        )
     sync = GradientSync(model, config or DataParallelConfig(), where=where)
     model.__dict__["_mg_gradient_sync"] = sync
     return model
