@@ -92,3 +92,36 @@ def test_paths_go_through_containers_and_stars():
         AttributeError, match=r"M.d.b: ModuleDict has no submodule 'b' \(children: a\)"
     ):
         list(resolve(model, "d.b.weight", "M"))
+
+
+def test_subclasses_of_the_layers_are_planned():
+    class Linear(nn.Linear):  # torchtitan's own Linear
+        pass
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = Linear(4, 8)
+            self.proj = Linear(8, 4)
+            parallelize(self, "Model", None, {"fc": Colwise(), "proj": plan.Rowwise()})
+
+    Model()
+
+
+def test_every_problem_of_a_plan_is_reported_at_once():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(2, 2, 1)
+            self.emb = nn.Linear(2, 2)
+            parallelize(
+                self, "Model", None, {"conv": Colwise(), "emb": plan.Vocab(), "x": Colwise()}
+            )
+
+    with pytest.raises(TypeError) as e:
+        Model()
+    lines = str(e.value).splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("Model.conv: colwise needs an nn.Linear (or a subclass), not Conv1d")
+    assert lines[1].startswith("Model.emb: vocab needs an nn.Embedding (or a subclass), not Linear")
+    assert lines[2].startswith("Model.x: Model has no attribute 'x'")

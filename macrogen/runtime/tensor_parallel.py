@@ -236,9 +236,9 @@ def local_count(value: Any, group: dist.ProcessGroup | None, what: str) -> int:
 
 
 def _expect(layer: nn.Module, kind: type, style: str, name: str) -> None:
-    if type(layer) is not kind:
+    if not isinstance(layer, kind):  # subclasses too (torchtitan's Linear)
         raise TypeError(
-            f"{name}: {style} needs an nn.{kind.__name__}, not {type(layer).__name__}"
+            f"{name}: {style} needs an nn.{kind.__name__} (or a subclass), not {type(layer).__name__}"
             " (colwise/rowwise: nn.Linear, vocab: nn.Embedding, divide: an int attribute)"
         )
 

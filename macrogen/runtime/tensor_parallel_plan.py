@@ -28,7 +28,9 @@ shard, shared; a plan that cannot keep a tie is an error naming both names.
 
 from __future__ import annotations
 
+import functools
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
@@ -90,9 +92,9 @@ class Style:
 
 def _layer(owner: nn.Module, attr: str, name: str, kind: type, style: str) -> nn.Module:
     layer = getattr(owner, attr, None)
-    if type(layer) is not kind:
+    if not isinstance(layer, kind):  # subclasses too (torchtitan's Linear)
         raise TypeError(
-            f"{name}: {style} needs an nn.{kind.__name__}, not {type(layer).__name__}"
+            f"{name}: {style} needs an nn.{kind.__name__} (or a subclass), not {type(layer).__name__}"
             " (colwise/rowwise: nn.Linear, vocab: nn.Embedding, divide: an int attribute)"
         )
     assert isinstance(layer, nn.Module)
@@ -347,6 +349,8 @@ def parallelize(
             " one of them, or derive both from an undecorated base class"
         )
     module.__dict__["_tensor_parallel_plan"] = name
+    if group is None and dist.is_initialized() and dist.get_world_size() > 1:
+        _warn_whole(name)
     planned = _Planned(module, name, group, plan)
     frame = _outermost_init(module)
     if frame is None:  # this module is the model: cut its shards and those waiting for it
@@ -362,6 +366,18 @@ def parallelize(
     if not _roots:
         _install()
     _roots.append(_Root(_self_of(frame), frame, [planned]))
+
+
+@functools.cache
+def _warn_whole(name: str) -> None:
+    """Once per plan: a plan in a job of several ranks at tensor-parallel size 1 shards nothing."""
+    warnings.warn(
+        f"tensor_parallel plan {name}: the tensor-parallel size is 1 in a job of"
+        f" {dist.get_world_size()} ranks (no size= in the plan, $MACROGEN_TP_SIZE unset), so every"
+        " rank holds the full layers; set size= or MACROGEN_TP_SIZE, or use"
+        " mg.parallelize(model, tp=N, ...)",
+        stacklevel=4,
+    )
 
 
 def materialize(module: nn.Module) -> None:
@@ -429,13 +445,32 @@ def _forget(root: _Root) -> None:
 
 def _apply(planned: list[_Planned], root: nn.Module) -> None:
     shards = Shards()
+    problems: list[Exception] = []  # every entry's problem, reported at once
+    # divided attributes' serial values, before dividing: what every rank must agree on
+    serial = {id(p): _divided(p) for p in planned if p.group is not None}
     for p in planned:
         for path, style in p.plan.items():
-            for owner, attr, name in list(resolve(p.module, path, p.name)):
-                style.apply(owner, attr, name, p.group, shards)
+            try:
+                for owner, attr, name in list(resolve(p.module, path, p.name)):
+                    style.apply(owner, attr, name, p.group, shards)
+            except (TypeError, ValueError, AttributeError) as e:
+                problems.append(e)
         object.__setattr__(p.module, "tp_size", group_size(p.group))
+    if problems:
+        raise type(problems[0])("\n".join(str(e) for e in problems))
     _check_ties(root, planned, shards)
-    _check_agreement(planned)
+    _check_agreement(planned, serial)
+
+
+def _divided(p: _Planned) -> tuple[tuple[str, Any], ...]:
+    found = []
+    for path, style in p.plan.items():
+        if isinstance(style, Divide):
+            try:
+                found += [(n, getattr(o, a, None)) for o, a, n in resolve(p.module, path, p.name)]
+            except AttributeError:
+                pass  # reported by the plan's own checks
+    return tuple(found)
 
 
 def _check_ties(root: nn.Module, planned: list[_Planned], shards: Shards) -> None:
@@ -452,7 +487,7 @@ def _check_ties(root: nn.Module, planned: list[_Planned], shards: Shards) -> Non
                 )
 
 
-def _check_agreement(planned: list[_Planned]) -> None:
+def _check_agreement(planned: list[_Planned], serial: dict[int, tuple]) -> None:
     """Every rank must have planned the same: plan, divided counts and shard shapes.
 
     Divided attributes matter most: ``n_head`` 8 on one rank and 4 on another
@@ -466,12 +501,7 @@ def _check_agreement(planned: list[_Planned]) -> None:
             p.name,
             tuple((k, repr(v)) for k, v in p.plan.items()),
             tuple((n, tuple(t.shape)) for n, t in p.module.state_dict().items()),
-            tuple(
-                (name, getattr(owner, attr))
-                for path, style in p.plan.items()
-                if isinstance(style, Divide)
-                for owner, attr, name in resolve(p.module, path, p.name)
-            ),
+            serial[id(p)],
         )
         for p in live
     )
@@ -488,7 +518,7 @@ def _check_agreement(planned: list[_Planned]) -> None:
 
 
 def _difference(a: tuple, b: tuple) -> str:
-    labels = ("module", "plan", "parameter shapes", "divided attributes")
+    labels = ("module", "plan", "parameter shapes", "divided attributes (serial values)")
     for one, two in zip(a, b):
         for label, x, y in zip(labels, one, two):
             if x != y:
