@@ -192,6 +192,9 @@ class GradientSync:
         )
 
     # -- forward ---------------------------------------------------------------
+    # Start-up (agreement check, broadcasts) and the identity checks talk to process groups
+    # and mutate Python state: under torch.compile they run eagerly, outside the graph.
+    @torch.compiler.disable
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         # Inference (torch.no_grad(), often on rank 0 only) takes part in no collective:
         # it neither starts up nor re-plans nor broadcasts buffers, as DDP under no_grad.

@@ -507,6 +507,7 @@ class _ToLocal(torch.autograd.Function):
         )
 
 
+@torch.compiler.disable  # swaps entries of the modules' parameter tables: eager, outside a graph
 def _to_local(model: nn.Module, args: Any) -> None:
     from torch.distributed.tensor import DTensor
 
@@ -533,6 +534,7 @@ def _to_local(model: nn.Module, args: Any) -> None:
     model.__dict__[_SWAPPED] = slots
 
 
+@torch.compiler.disable
 def _restore(model: nn.Module, *_: Any) -> None:
     for owner, key, p in model.__dict__.pop(_SWAPPED, ()):
         owner._parameters[key] = p
