@@ -300,3 +300,21 @@ def test_the_tensor_parallel_doc_names_only_functions_that_exist():
     text = (ROOT / "docs" / "tensor_parallel.md").read_text()
     for name in re.findall(r"groups\.(\w+)", text):
         assert hasattr(groups, name), f"docs/tensor_parallel.md cites groups.{name}"
+
+
+def test_a_form_feed_piece_reads_and_prints_as_libcst_is_given_it():
+    """The pieces of a file with form feeds in indentation: libcst gets them without those
+    (``Pieces.readable``); each is one statement, and ``source_text`` is what it prints."""
+    import ast
+
+    from macrogen.expand.statements import Pieces, _OffsetExtents, code_and_positions
+
+    source = "import macrogen as mg\n\x0c\n\ndef f(a, b):\n  if a:\n\x0c    x = 1\n\x0c  y = 2\n"
+    pieces = Pieces(source, ast.parse(source))
+    assert "".join(pieces.text(i) for i in range(pieces.count)) == source
+    for i in range(pieces.count):
+        assert pieces.module(i).code == pieces.readable(i)
+        _, _, sure = code_and_positions(pieces._parsed[i])
+        assert isinstance(sure, _OffsetExtents)
+        assert pieces.source_text(i, pieces.node(i)) == sure.text(pieces.node(i))
+    assert pieces.readable(1) == "\x0c\n\ndef f(a, b):\n  if a:\n    x = 1\n  y = 2\n"

@@ -378,7 +378,7 @@ class Pieces(Statements):
             text = self.text(i)
             if len(text) * _NODES_PER_CHARACTER > MAX_NODES:
                 _check_size(self.groups[i])
-            readable = without_indent_form_feeds(text)
+            readable = self.readable(i)
             try:
                 module = parse_module(readable)
             except cst.ParserSyntaxError:
@@ -409,6 +409,11 @@ class Pieces(Statements):
                 },
             )
         return self._modules[i]
+
+    def readable(self, i: int) -> str:
+        """Statement ``i``'s text as libcst is given it: its indentation's form feeds out
+        (``layout.without_indent_form_feeds``); the text itself almost always."""
+        return without_indent_form_feeds(self.text(i))
 
     def node(self, i: int) -> cst.BaseStatement:
         return self.module(i).body[0]
@@ -459,7 +464,7 @@ class Pieces(Statements):
         if node is module.body[0]:
             # the statement prints as its piece does, less the comment lines libcst
             # gives the module (header and footer: whole lines)
-            lines = split_lines(self.text(i))
+            lines = split_lines(self.readable(i))
             return "".join(lines[len(module.header) : len(lines) - len(module.footer)])
         extents = self._codegen(i)[1]
         return extents.text(node) if isinstance(extents, _OffsetExtents) else None
