@@ -17,6 +17,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import tempfile
 import traceback
@@ -28,6 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from macrogen.commands.expand import expand_files
+from macrogen.expand import expand_source
+from macrogen.expand.sites import nfkc
 
 SCALE = int(os.environ.get("MACROGEN_FUZZ_SCALE", "1"))
 TIME_BOUND = 20  # seconds per example: far above any clean run, far below "hangs"
@@ -517,6 +520,111 @@ def test_the_hook_imports_with_any_of_these_databases(tmp_path, monkeypatch):
         COUNTS["clean"] += 1
 
 
+# -- import forms -------------------------------------------------------------------------
+# (the header, how the block names the macro; "{a}" is the alias drawn)
+IMPORT_FORMS = [
+    ("import macrogen as {a}\n", "{a}.fused_allreduce"),
+    ("import macrogen\n", "macrogen.fused_allreduce"),
+    ("import macrogen.markers as {a}\n", "{a}.fused_allreduce"),
+    ("import macrogen.markers\n", "macrogen.markers.fused_allreduce"),
+    ("import macrogen.markers\n", "macrogen.fused_allreduce"),
+    ("import torch, macrogen.markers as {a}\n", "{a}.fused_allreduce"),
+    ("from macrogen import markers as {a}\n", "{a}.fused_allreduce"),
+    ("from macrogen import markers\n", "markers.fused_allreduce"),
+    ("from macrogen import fused_allreduce as {a}\n", "{a}"),
+    ("from macrogen.markers import fused_allreduce as {a}\n", "{a}"),
+    ("from macrogen.markers import (fused_allreduce)\n", "fused_allreduce"),
+    ("from macrogen import *\n", "fused_allreduce"),
+    ("from macrogen.markers import *\n", "fused_allreduce"),
+]
+NOT_MACROGEN = [  # forms that do not reach the markers: the file comes out as it went in
+    ("import macrogen_extra as {a}\n", "{a}.fused_allreduce"),
+    ("from macrogen.runtime import markers as {a}\n", "{a}.fused_allreduce"),
+    ("from .macrogen import markers as {a}\n", "{a}.fused_allreduce"),
+]
+ALIASES = st.sampled_from(["mg", "m", "mm", "markers", "ｍg", "macrogen_", "_x"])
+
+
+@fuzz(150)
+@given(
+    form=st.sampled_from(IMPORT_FORMS + NOT_MACROGEN),
+    alias=ALIASES,
+    local=st.booleans(),  # the import inside the function instead of at module level
+    padding=st.integers(0, 2),
+)
+def test_import_forms(form, alias, local, padding):
+    """Every public import form expands the block as ``import macrogen as mg`` does."""
+    header, use = (part.format(a=alias) for part in form)
+    body = (
+        "def f(a, b):\n"
+        + ("    " + header if local else "")
+        + f"    with {use}():\n        dist.all_reduce(a)\n        dist.all_reduce(b)\n"
+    )
+    source = ("" if local else header) + "import torch.distributed as dist\n" + "\n" * padding
+    source += "\n" + body
+    COUNTS["import forms"] += 1
+    assert run(source.encode()) == 0
+    result = expand_source(source, path="m.py")
+    if form in NOT_MACROGEN:
+        assert not result.changed
+        return
+    assert result.changed, f"not expanded:\n{source}"
+    assert [name for name, _ in result.sites] == ["fused_allreduce"]
+    assert re.search(r"\n    _fused_allreduce_l\d+\(a, b\)\n", result.code), result.code
+
+
+# -- comprehension scopes --------------------------------------------------------------------
+@st.composite
+def comprehensions(draw, name: str) -> tuple[str, bool]:
+    """A comprehension that mentions ``name``, and whether it binds ``name`` outside itself."""
+    kind = draw(st.sampled_from(["list", "set", "gen", "dict"]))
+    where = draw(st.sampled_from(["first for", "inner for", "nested", "walrus", "element"]))
+    element = draw(st.sampled_from([name, f"{name}.tlie", f"{name}.fused_allreduce", "0"]))
+    outside = False
+    if where == "first for":
+        head, fors = element, f"for {name} in ()"
+    elif where == "inner for":
+        head, fors = element, f"for y in () for {name} in y"
+    elif where == "nested":
+        head, fors = f"[{element} for {name} in y]", "for y in ()"
+    elif where == "walrus":
+        head, fors, outside = f"({name} := y)", "for y in ()", True
+    else:  # a use, not a binding
+        head, fors = name, "for y in ()"
+    return {
+        "list": f"[{head} {fors}]",
+        "set": "{" + f"{head} {fors}" + "}",
+        "gen": f"({head} {fors})",
+        "dict": "{" + f"{head}: 1 {fors}" + "}",
+    }[kind], outside
+
+
+@fuzz(150)
+@given(data=st.data(), alias=st.sampled_from(["mg", "m", "ｍg"]), where=st.sampled_from(
+    ["module", "function", "class"]))  # fmt: skip
+def test_comprehension_scopes(data, alias, where):
+    """A comprehension's for names are its own: the macros around it still expand."""
+    comprehension, outside = data.draw(comprehensions(nfkc(alias)))
+    comprehension = comprehension.replace(nfkc(alias), alias, 1)  # another spelling, same name
+    use = f"{nfkc(alias)}.fused_allreduce"
+    block = f"    with {use}():\n        dist.all_reduce(a)\n        dist.all_reduce(b)\n"
+    source = f"import macrogen as {alias}\nimport torch.distributed as dist\n\n"
+    if where == "module":
+        source += f"G = {comprehension}\n\n\ndef f(a, b):\n" + block
+    elif where == "function":
+        source += f"\ndef f(a, b):\n    G = {comprehension}\n" + block
+    else:  # a class body's names are not the methods': only the class is shadowed
+        source += f"\nclass C:\n    G = {comprehension}\n\n\ndef f(a, b):\n" + block
+        outside = False
+    COUNTS["comprehension scopes"] += 1
+    assert run(source.encode()) == 0
+    result = expand_source(source, path="m.py")
+    assert result.changed is not outside, f"{'' if outside else 'not '}expanded:\n{source}"
+
+
+CATEGORIES = ("import forms", "comprehension scopes")
+
+
 def test_counts(capsys):
     """The tally over this file's examples (printed with -s; also the closing note's figures)."""
     with capsys.disabled():
@@ -526,4 +634,5 @@ def test_counts(capsys):
                 f"{k} {COUNTS[k]}" for k in ("tried", "clean", "traceback", "hang", "partial")
             )
         )
+        print("reliability fuzz categories: " + ", ".join(f"{k} {COUNTS[k]}" for k in CATEGORIES))
     assert COUNTS["traceback"] == COUNTS["hang"] == COUNTS["partial"] == 0

@@ -22,8 +22,8 @@ from macrogen.expand import Expansion, drive
 from macrogen.expand.args import Evaluator, no_argument_macros
 from macrogen.expand.context import Context, Options, Position, SiteArguments
 from macrogen.expand.errors import Diagnostic, ExpansionError, MacroError
-from macrogen.expand.layout import split_lines
-from macrogen.expand.sites import MODULE, PACKAGE, Scope, ScopeStack, collect_scope, nfkc
+from macrogen.expand.layout import split_lines, without_indent_form_feeds
+from macrogen.expand.sites import PACKAGE, Scope, ScopeStack, collect_scope, nfkc
 from macrogen.expand.statements import MAX_NODES, Disagree, Pieces, TooLarge, WholeFile
 from macrogen.expand.transform import Expander
 
@@ -119,7 +119,7 @@ class _FileExpansion:
         module_scope = collect_scope(
             "module", "", [statements.node(i) for i in self.visited], self.errors
         )
-        imports = {name: PACKAGE for name, b in module_scope.macros.items() if b is MODULE}
+        imports = {name: b.module for name, b in module_scope.macros.items() if b.macro is None}
         self.ctx = Context(self.source, self.options, {**statements.module_imports(), **imports})
         self.ctx.source_text = lambda node: (
             statements.source_text(self.current, node) if self.current >= 0 else None
@@ -249,7 +249,7 @@ class _FileExpansion:
 
     def _parse_whole(self) -> cst.Module:
         try:
-            return cst.parse_module(self.source)
+            return cst.parse_module(without_indent_form_feeds(self.source))
         except cst.ParserSyntaxError as e:
             line = e.editor_line
             raise ExpansionError(

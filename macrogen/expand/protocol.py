@@ -15,6 +15,9 @@ and optionally
                                      # "0", "1"... (shard_optimizer's optimizer expression).
                                      # ``site.args`` holds them as expressions (``Arg.code``);
                                      # take the expanded expression from ``site.node``.
+    BUILT: str                       # a decorator macro: how to apply it to a built object
+                                     # ('parallelize(model, dp="replicate")'), shown when a
+                                     # user calls the decorator on one: m()(obj)
 
 and these hooks:
 
@@ -45,7 +48,8 @@ an error that shows ``USAGE``.
 
 Stacked macro decorators expand bottom-up, as Python applies decorators: each
 one above gets the definition carrying the user's name among the statements the
-one below returned (``expand/transform.py``). The registry (``macrogen.macros``)
+one below returned (``expand/transform.py``). The same macro twice on one
+definition is an error at the second. The registry (``macrogen.macros``)
 finds every module of ``macrogen/macros/`` that assigns ``FORMS``.
 """
 

@@ -1,9 +1,13 @@
 """Which names in a file mean macrogen's macros, scope by scope.
 
 Names resolve through the file's own imports (``import macrogen as mg``,
-``from macrogen import tile as t``) with Python's scoping rules: a name a
-function binds itself (a parameter, an assignment, another import) shadows the
-module's import inside that function, so it is not a macro there.
+``from macrogen import tile as t``, and the same through ``macrogen.markers``:
+``import macrogen.markers as mm``, ``import macrogen.markers`` then
+``macrogen.markers.tile``, ``from macrogen import markers``) with Python's
+scoping rules: a name a function binds itself (a parameter, an assignment,
+another import) shadows the module's import inside that function, so it is not
+a macro there. A comprehension's ``for`` names are its own (Python 3): they
+shadow nothing outside it.
 """
 
 from __future__ import annotations
@@ -23,14 +27,21 @@ from macrogen.expand.walk import Visitor, walk
 PACKAGE = "macrogen"
 
 
+MARKERS_MODULE = f"{PACKAGE}.markers"
+
+
 @dataclass(frozen=True)
 class Binding:
     """What a name bound by an import of macrogen means."""
 
-    macro: str | None  # the macro's name, or None when the name is the macrogen module
+    macro: str | None  # the macro's name, or None when the name is a module (below)
+    module: str = PACKAGE  # for a module: macrogen or macrogen.markers
 
 
 MODULE = Binding(None)
+MARKERS = Binding(None, MARKERS_MODULE)  # macrogen.markers: the same macros, no other names
+COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp)
+Comprehension = cst.ListComp | cst.SetComp | cst.GeneratorExp | cst.DictComp
 
 
 def nfkc(name: str) -> str:
@@ -103,14 +114,14 @@ def import_bindings(
             full = dotted(alias.name) or ""
             if alias.asname is not None:
                 local = dotted(alias.asname.name) or ""
-                out[local] = MODULE if full == PACKAGE else None
+                out[local] = _MODULES.get(full)
             else:
                 top = full.split(".", 1)[0]
                 out[top] = MODULE if top == PACKAGE else None
         return out
     module = dotted(stmt.module) if stmt.module is not None else None
     from_macrogen = stmt.relative == () or len(stmt.relative) == 0
-    from_macrogen = from_macrogen and module in (PACKAGE, f"{PACKAGE}.markers")
+    from_macrogen = from_macrogen and module in (PACKAGE, MARKERS_MODULE)
     known = macros.names()
     if isinstance(stmt.names, cst.ImportStar):
         if from_macrogen:
@@ -123,12 +134,17 @@ def import_bindings(
             out[local or name] = None
         elif name in known:
             out[local or name] = Binding(name)
+        elif module == PACKAGE and name == "markers":  # from macrogen import markers
+            out[local or name] = MARKERS
         elif name in NON_MACRO_NAMES or module != PACKAGE:
             out[local or name] = None
         else:
             errors.append(unknown_macro(name, alias.name))
             out[local or name] = None
     return out
+
+
+_MODULES = {PACKAGE: MODULE, MARKERS_MODULE: MARKERS}  # import X as name: what name is
 
 
 def _target_names(node: cst.CSTNode, into: set[str]) -> None:
@@ -221,8 +237,8 @@ class _ScopeCollector(Visitor):
     def visit_For(self, node: cst.For) -> None:
         self._targets(node.target)
 
-    def visit_CompFor(self, node: cst.CompFor) -> None:
-        self._targets(node.target)
+    # (A comprehension's ``for`` targets are its own scope's: ``comprehension_scope``.
+    # What else it binds, ``:=``, binds here: its walk goes on.)
 
     def visit_AsName(self, node: cst.AsName) -> None:
         self._targets(node.name)
@@ -241,6 +257,16 @@ class _ScopeCollector(Visitor):
         _target_names(target, names)
         for name in names - self.scope.globals:
             self._bind(name)
+
+
+def comprehension_scope(node: Comprehension) -> Scope:
+    """The names a comprehension binds: its ``for`` targets, local to it (Python 3)."""
+    scope = Scope("comprehension", "")
+    for_in: cst.CompFor | None = node.for_in
+    while for_in is not None:
+        _target_names(for_in.target, scope.bound)
+        for_in = for_in.inner_for_in
+    return scope
 
 
 def collect_scope(
@@ -266,7 +292,7 @@ class ScopeStack:
 
     @property
     def qualname(self) -> str:
-        return ".".join(s.name for s in self.stack[1:])
+        return ".".join(s.name for s in self.stack[1:] if s.kind != "comprehension")
 
     @property
     def at_module_level(self) -> bool:
@@ -308,20 +334,35 @@ class ScopeStack:
         if isinstance(expr, cst.Name):
             binding = self.resolve(nfkc(expr.value))
             return binding.macro if binding is not None else None
-        if isinstance(expr, cst.Attribute) and isinstance(expr.value, cst.Name):
-            binding = self.resolve(nfkc(expr.value.value))
+        if isinstance(expr, cst.Attribute) and self.module_of(expr.value) is not None:
             attr = nfkc(expr.attr.value)
-            if binding is MODULE and attr in macros.names():
+            if attr in macros.names():
                 return attr
+        return None
+
+    def module_of(self, expr: cst.CSTNode) -> Binding | None:
+        """MODULE or MARKERS where ``expr`` names that module here (``mg``, ``macrogen.markers``)."""
+        if isinstance(expr, cst.Name):
+            binding = self.resolve(nfkc(expr.value))
+            return binding if binding is not None and binding.macro is None else None
+        if isinstance(expr, cst.Attribute) and nfkc(expr.attr.value) == "markers":
+            return MARKERS if self.module_of(expr.value) is MODULE else None
         return None
 
     def check_attribute(self, node: cst.Attribute) -> None:
         """``mg.tlie`` is an error with a did-you-mean; ``mg.hook`` is fine."""
-        if (
-            not isinstance(node.value, cst.Name)
-            or self.resolve(nfkc(node.value.value)) is not MODULE
-        ):
+        module = self.module_of(node.value)
+        if module is None:
             return
         attr = nfkc(node.attr.value)
-        if attr not in macros.names() and attr not in NON_MACRO_NAMES:
+        if attr in macros.names():
+            return
+        if attr not in (NON_MACRO_NAMES if module is MODULE else _markers_names()):
             raise unknown_macro(attr, node.attr)
+
+
+def _markers_names() -> frozenset[str]:
+    """What ``macrogen.markers`` has besides macros (``pipeline_step``, ``TARGETS``...)."""
+    from macrogen import markers
+
+    return frozenset(dir(markers))

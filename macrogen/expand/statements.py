@@ -25,7 +25,7 @@ from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionPr
 
 from macrogen.expand.drive import rebuilt
 from macrogen.expand.extents import Paired, ast_extents
-from macrogen.expand.layout import Layout, split_lines
+from macrogen.expand.layout import Layout, split_lines, without_indent_form_feeds
 from macrogen.expand.parsing import parse_module
 from macrogen.expand.printing import Kept, print_module
 
@@ -378,8 +378,9 @@ class Pieces(Statements):
             text = self.text(i)
             if len(text) * _NODES_PER_CHARACTER > MAX_NODES:
                 _check_size(self.groups[i])
+            readable = self.readable(i)
             try:
-                module = parse_module(text)
+                module = parse_module(readable)
             except cst.ParserSyntaxError:
                 raise Disagree from None
             if len(module.body) != 1:
@@ -391,7 +392,7 @@ class Pieces(Statements):
                 # of its own: check that the piece reads back as written (else: whole file)
                 code, positions, extents = code_and_positions(module)
                 self._positions[i] = (positions, extents)
-                if code != text:
+                if code != readable:
                     raise Disagree
             # A statement with blocks keeps the indentation libcst read from it (blocks that
             # use it print with the module's); one without takes the file's for new code.
@@ -408,6 +409,11 @@ class Pieces(Statements):
                 },
             )
         return self._modules[i]
+
+    def readable(self, i: int) -> str:
+        """Statement ``i``'s text as libcst is given it: its indentation's form feeds out
+        (``layout.without_indent_form_feeds``); the text itself almost always."""
+        return without_indent_form_feeds(self.text(i))
 
     def node(self, i: int) -> cst.BaseStatement:
         return self.module(i).body[0]
@@ -458,7 +464,7 @@ class Pieces(Statements):
         if node is module.body[0]:
             # the statement prints as its piece does, less the comment lines libcst
             # gives the module (header and footer: whole lines)
-            lines = split_lines(self.text(i))
+            lines = split_lines(self.readable(i))
             return "".join(lines[len(module.header) : len(lines) - len(module.footer)])
         extents = self._codegen(i)[1]
         return extents.text(node) if isinstance(extents, _OffsetExtents) else None

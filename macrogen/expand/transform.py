@@ -24,7 +24,14 @@ from macrogen.expand.context import Context, Position, SiteArguments
 from macrogen.expand.errors import InternalError, MacroError
 from macrogen.expand.protocol import Expanded, Form, Macro, Site
 from macrogen.expand.rendered import materialized
-from macrogen.expand.sites import Scope, ScopeStack, collect_scope, nfkc
+from macrogen.expand.sites import (
+    Comprehension,
+    Scope,
+    ScopeStack,
+    collect_scope,
+    comprehension_scope,
+    nfkc,
+)
 from macrogen.expand.walk import children, leaf, nodes
 
 
@@ -76,6 +83,9 @@ class Expander(cst.CSTTransformer):
         self.expanded: list[tuple[str, int]] = []  # (macro, line) of each expanded site
         self.arguments: list[SiteArguments] = []
         self.evaluator = Evaluator(ctx.constants, self._argument_macro, self._use_tunable)
+        self.applied: dict[cst.Call, cst.Call] = {}  # macro call -> the call m(...)(obj) around it
+        self.outermost: set[cst.CompFor] = set()  # the comprehensions' first for, being visited
+        self.suspended: list[Scope] = []  # comprehension scopes left while their first iterable is
 
     # -- scopes ----------------------------------------------------------------
     def _push(self, scope: Scope) -> None:
@@ -116,6 +126,80 @@ class Expander(cst.CSTTransformer):
 
     def leave_Lambda_body(self, node: cst.Lambda) -> None:
         self.scopes.pop()
+
+    # A comprehension's for names are its own scope's, around all of it but the
+    # outermost iterable, which Python evaluates outside (``[mg for mg in mg.x]``).
+    def _enter_comprehension(self, node: Comprehension, whole: bool) -> None:
+        if whole:
+            self.outermost.add(node.for_in)
+        self._push(comprehension_scope(node))
+
+    def _leave_comprehension(self, node: Comprehension, whole: bool) -> None:
+        if whole:
+            self.outermost.discard(node.for_in)
+        self.scopes.pop()
+
+    def visit_CompFor_iter(self, node: cst.CompFor) -> None:
+        if node in self.outermost:
+            self.suspended.append(self.scopes.stack.pop())
+
+    def leave_CompFor_iter(self, node: cst.CompFor) -> None:
+        if node in self.outermost:
+            self.scopes.push(self.suspended.pop())
+
+    def visit_ListComp_elt(self, node: cst.ListComp) -> None:
+        self._enter_comprehension(node, False)
+
+    def leave_ListComp_elt(self, node: cst.ListComp) -> None:
+        self._leave_comprehension(node, False)
+
+    def visit_ListComp_for_in(self, node: cst.ListComp) -> None:
+        self._enter_comprehension(node, True)
+
+    def leave_ListComp_for_in(self, node: cst.ListComp) -> None:
+        self._leave_comprehension(node, True)
+
+    def visit_SetComp_elt(self, node: cst.SetComp) -> None:
+        self._enter_comprehension(node, False)
+
+    def leave_SetComp_elt(self, node: cst.SetComp) -> None:
+        self._leave_comprehension(node, False)
+
+    def visit_SetComp_for_in(self, node: cst.SetComp) -> None:
+        self._enter_comprehension(node, True)
+
+    def leave_SetComp_for_in(self, node: cst.SetComp) -> None:
+        self._leave_comprehension(node, True)
+
+    def visit_GeneratorExp_elt(self, node: cst.GeneratorExp) -> None:
+        self._enter_comprehension(node, False)
+
+    def leave_GeneratorExp_elt(self, node: cst.GeneratorExp) -> None:
+        self._leave_comprehension(node, False)
+
+    def visit_GeneratorExp_for_in(self, node: cst.GeneratorExp) -> None:
+        self._enter_comprehension(node, True)
+
+    def leave_GeneratorExp_for_in(self, node: cst.GeneratorExp) -> None:
+        self._leave_comprehension(node, True)
+
+    def visit_DictComp_key(self, node: cst.DictComp) -> None:
+        self._enter_comprehension(node, False)
+
+    def leave_DictComp_key(self, node: cst.DictComp) -> None:
+        self._leave_comprehension(node, False)
+
+    def visit_DictComp_value(self, node: cst.DictComp) -> None:
+        self._enter_comprehension(node, False)
+
+    def leave_DictComp_value(self, node: cst.DictComp) -> None:
+        self._leave_comprehension(node, False)
+
+    def visit_DictComp_for_in(self, node: cst.DictComp) -> None:
+        self._enter_comprehension(node, True)
+
+    def leave_DictComp_for_in(self, node: cst.DictComp) -> None:
+        self._leave_comprehension(node, True)
 
     # -- statements: where a call-form site's comment goes -------------------------
     def on_visit(self, node: cst.CSTNode) -> bool:
@@ -173,6 +257,12 @@ class Expander(cst.CSTTransformer):
             self.claimed[node] = declared
 
     def visit_Call(self, node: cst.Call) -> None:
+        if isinstance(node.func, cst.Call):
+            # m(...)(obj): the inner call is the macro's, this one applies it (to a class or
+            # a built model where a decorator belongs: one error, at the inner call)
+            if self.scopes.macro_of(node.func) is not None:
+                self.applied[node.func] = node
+            return
         macro = self.scopes.macro_of(node.func)
         if macro is not None:
             self.refs[node] = macro
@@ -242,6 +332,8 @@ class Expander(cst.CSTTransformer):
         if not found:
             return updated
         self.consumed.update(original.decorators[i].decorator for i in found)
+        if self._applied_twice(original, found):
+            return updated
         stripped = updated.with_changes(
             decorators=[d for i, d in enumerate(updated.decorators) if i not in found]
         )
@@ -271,6 +363,28 @@ class Expander(cst.CSTTransformer):
                 return updated
             statements[at : at + 1] = self._splice(result, target, self._comment(macro, expr))
         return cst.FlattenSentinel(statements)
+
+    def _applied_twice(self, original: cst.FunctionDef | cst.ClassDef, found: list[int]) -> bool:
+        """A macro decorator used twice on one definition would expand into nested layers
+        (a model data-parallel twice over, a kernel of a kernel): an error at the second."""
+        first: dict[str, cst.CSTNode] = {}
+        twice = False
+        for i in found:
+            expr = original.decorators[i].decorator
+            macro = self.refs[expr]
+            if macro in first:
+                line = self.position(first[macro]).line
+                self._error(
+                    MacroError(
+                        f"{macro}() is applied twice to {original.name.value} (first at line"
+                        f" {line}): a macro decorator goes on a definition once; remove one",
+                        expr,
+                    )
+                )
+                twice = True
+            else:
+                first[macro] = expr
+        return twice
 
     def leave_With(self, original: cst.With, updated: cst.With) -> Result:
         found = [item for item in original.items if item.item in self.claimed]
@@ -428,11 +542,47 @@ class Expander(cst.CSTTransformer):
         for node, name in self.refs.items():
             if node not in self.consumed:
                 try:
-                    usage = _macro(name, node).USAGE
+                    macro = _macro(name, node)
                 except MacroError as e:
                     self._error(e)
                     continue
-                self._error(MacroError(f"{name}() can't be used here: {usage}", node))
+                self._error(self._misplaced(name, macro, node))
+
+    def _misplaced(self, name: str, macro: Macro, node: cst.CSTNode) -> MacroError:
+        """Why a macro call is not a site; for a decorator called on an object (``m()(Net)``,
+        ``m(Net)``), how to write the decorator instead, or how to apply it to a built one."""
+        obj: cst.BaseExpression | None = None
+        if isinstance(node, cst.Call) and "decorator" in macro.FORMS:
+            outer = self.applied.get(node)
+            call = outer if outer is not None else node
+            if len(call.args) == 1 and not call.args[0].keyword and not call.args[0].star:
+                obj = call.args[0].value
+        if obj is None or not isinstance(node, cst.Call):
+            return MacroError(f"{name}() can't be used here: {macro.USAGE}", node)
+        outer = self.applied.get(node)
+        decorator = "@" + _code(node if outer is not None else node.func)
+        built = getattr(macro, "BUILT", None)  # a model macro: how it applies to a built model
+        if not isinstance(built, str):
+            message = (
+                f"{name}() is a decorator; it is not called on an object: write `{decorator}`"
+                f" above the definition of {_code(obj)} ({macro.USAGE})"
+            )
+        elif isinstance(obj, (cst.Name, cst.Attribute)):  # a class, most likely
+            module = _code(node.func.value) if isinstance(node.func, cst.Attribute) else "macrogen"
+            cls = _code(obj)
+            message = (
+                f"{name}() decorates a class definition; it is not called on a class: write"
+                f" `{decorator}` above `class My{cls.rsplit('.', 1)[-1]}({cls}): ...` (a"
+                f" subclass), or for a built model `model = {module}.{built}`"
+            )
+        else:  # an instance: a built model
+            module = _code(node.func.value) if isinstance(node.func, cst.Attribute) else "macrogen"
+            message = (
+                f"{name}() decorates a class definition; it is not called on a built model:"
+                f" write `model = {module}.{built}`, or put `{decorator}` above a subclass of"
+                " its class (`class MyNet(ResNet): ...`)"
+            )
+        return MacroError(message, outer if outer is not None else node)
 
     # -- callbacks for argument evaluation -----------------------------------------
     def _argument_macro(self, call: cst.Call) -> tuple[str, str, ArgumentHook] | None:
@@ -532,6 +682,11 @@ def _method(owner: type, prefix: str, kind: type, attribute: str = "") -> Callab
             found = None
         _METHODS[key] = found
         return found
+
+
+def _code(node: cst.CSTNode) -> str:
+    """A node's code as the user wrote it (one line)."""
+    return " ".join(cst.Module([]).code_for_node(node).split())
 
 
 def _lookup(name: str) -> Macro | None:

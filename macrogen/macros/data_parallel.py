@@ -45,6 +45,8 @@ USAGE = (
     "@data_parallel(bucket_mb=25, first_bucket_mb=1, compress=None, accumulate=1,"
     " broadcast_buffers=True, sync_every=1, sync_warmup=0) decorates an nn.Module class"
 )
+# For an instance (``data_parallel()(resnet18())``): what applies data parallelism to a built model.
+BUILT = 'parallelize(model, dp="replicate")'
 
 DEFAULTS: dict[str, Any] = {
     "bucket_mb": 25,
