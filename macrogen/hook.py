@@ -374,9 +374,7 @@ def _expand(path, name, source, options, values, where, db) -> cache.Entry:
             f"macrogen: warning: can't use the tuning database {db} at"
             f" {d.path}:{d.line}:{d.col}: {d.message}; using the defaults for this file"
             for d in e.diagnostics
-        )
-        for warning in warnings:
-            _warn_once(warning)
+        )  # load() says them, now and at each warm import
     if not result.changed:
         code = compile(source, str(path), "exec", dont_inherit=True)
         return cache.Entry(code, None, (), warnings)
