@@ -30,6 +30,7 @@ import importlib.util
 import json
 import marshal
 import os
+import re
 import stat
 import struct
 import sys
@@ -50,6 +51,7 @@ class Entry(NamedTuple):
     code: types.CodeType  # the module's code, ready to exec
     expanded: str | None  # the expanded source; None when the module has no macro sites
     sites: tuple[tuple[str, int], ...]  # (macro, source line) of each expanded site
+    warnings: tuple[str, ...] = ()  # said at every import, warm or cold (a bad tuning winner)
 
 
 class Location(NamedTuple):
@@ -73,7 +75,7 @@ def key(source: bytes, *, path: Path, target: str | None, tuning: Mapping[str, A
     """What the expansion depends on, hashed: change any of it and the entry is rebuilt."""
     h = hashlib.sha256()
     for part in (
-        b"macrogen-hook-1",
+        b"macrogen-hook-2",  # the entry's layout: 2 added the warnings
         __version__.encode(),
         importlib.util.MAGIC_NUMBER,  # bytecode of another Python is no use
         os.fsencode(path),  # code objects name the file; a moved tree re-expands
@@ -111,7 +113,17 @@ def trust(location: Location, cache_dir: Path | None) -> str | None:
         except OSError as e:
             return f"{directory} can't be examined ({e.strerror or e})"
         if stat.S_ISLNK(st.st_mode):
-            st = os.stat(directory)
+            # Someone else's link (in a shared, sticky cache root) would send our
+            # entries where they chose: only links the user (or root) made are followed.
+            if st.st_uid not in (os.geteuid(), 0):
+                return (
+                    f"{directory} is a symbolic link that belongs to another user:"
+                    " a cache folder must be yours and writable by you alone"
+                )
+            try:
+                st = os.stat(directory)
+            except OSError as e:
+                return f"{directory} can't be examined ({e.strerror or e})"
         shared_root = directory == root and cache_dir is not None and st.st_mode & stat.S_ISVTX
         if not _ours(st) and not shared_root:
             owner = "another user" if st.st_uid != os.geteuid() else "you"
@@ -129,51 +141,83 @@ def read(path: Path, expected_key: bytes) -> tuple[Entry | None, str]:
     macrogen changed), "corrupt" (short, garbled) or "untrusted" (owned by another
     user, or writable by others: never unmarshalled).
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return None, "missing"
-    except OSError:
+    parsed = _parse(path)
+    if isinstance(parsed, str):
+        return None, parsed
+    entry_key, payload = parsed
+    if entry_key != expected_key:
+        return None, "stale"
+    fields = _unmarshal(payload)
+    if fields is None or len(fields) != 4:
         return None, "corrupt"
+    code, expanded, sites, warnings = fields
+    if (
+        not isinstance(code, types.CodeType)
+        or not isinstance(expanded, (str, type(None)))
+        or not isinstance(warnings, tuple)
+        or not all(isinstance(w, str) for w in warnings)
+    ):
+        return None, "corrupt"
+    return Entry(code, expanded, tuple(tuple(s) for s in sites), tuple(warnings)), "hit"
+
+
+def _parse(path: Path) -> tuple[bytes, memoryview] | str:
+    """(key, payload) of a whole entry the current user wrote; else "missing", "untrusted" or "corrupt"."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return "missing"
+    except OSError:
+        return "corrupt"
     try:
         st = os.fstat(fd)  # the file we opened, not whatever the path names now
         if not stat.S_ISREG(st.st_mode) or not _ours(st):
-            return None, "untrusted"
+            return "untrusted"
         with os.fdopen(os.dup(fd), "rb") as f:
             data = f.read()
     except OSError:
-        return None, "corrupt"
+        return "corrupt"
     finally:
         os.close(fd)
     if len(data) < HEADER.size:
-        return None, "corrupt"
+        return "corrupt"
     magic, entry_key, length, digest = HEADER.unpack_from(data)
     if magic != MAGIC:
-        return None, "corrupt"
-    if entry_key != expected_key:
-        return None, "stale"
+        return "corrupt"
     payload = memoryview(data)[HEADER.size :]
     if len(payload) != length or hashlib.sha256(payload).digest() != digest:
-        return None, "corrupt"
+        return "corrupt"
+    return entry_key, payload
+
+
+def _unmarshal(payload: memoryview) -> tuple | None:
+    """The entry's fields: (code, expanded, sites, warnings) now, the first three before."""
     try:
-        code, expanded, sites = marshal.loads(payload)
+        fields = marshal.loads(payload)
     except (EOFError, ValueError, TypeError):
-        return None, "corrupt"
-    if not isinstance(code, types.CodeType) or not isinstance(expanded, (str, type(None))):
-        return None, "corrupt"
-    return Entry(code, expanded, tuple(tuple(s) for s in sites)), "hit"
+        return None
+    return fields if isinstance(fields, tuple) and len(fields) >= 2 else None
 
 
-def write(location: Location, entry_key: bytes, entry: Entry) -> None:
-    """Write both files atomically: concurrent writers of one key write the same bytes."""
+def write(
+    location: Location, entry_key: bytes, entry: Entry, *, cache_dir: Path | None = None
+) -> None:
+    """Write both files atomically: concurrent writers of one key write the same bytes.
+
+    The folders are checked again (``trust``) once made: a link planted after the
+    caller's check is refused here, with OSError, before anything is written.
+    """
     from macrogen.files import write_atomic  # only the cold path needs tempfile
 
     _make_private(location.entry.parent)
+    distrust = trust(location, cache_dir)
+    if distrust is not None:
+        raise OSError(distrust)
     if entry.expanded is not None:
         write_atomic(location.expanded, entry.expanded.encode("utf-8"), mode=0o644)
     else:
         location.expanded.unlink(missing_ok=True)  # left by a version that had sites
-    payload = marshal.dumps((entry.code, entry.expanded, tuple(entry.sites)))
+    payload = marshal.dumps((entry.code, entry.expanded, tuple(entry.sites), tuple(entry.warnings)))
     header = HEADER.pack(MAGIC, entry_key, len(payload), hashlib.sha256(payload).digest())
     write_atomic(location.entry, header + payload, mode=0o644)  # never writable by others
 
@@ -190,45 +234,94 @@ def _make_private(folder: Path) -> None:
         try:
             directory.mkdir(mode=0o700)
         except FileExistsError:
-            pass
+            # made meanwhile (another rank; or a link planted since: never chmod through it)
+            st = os.lstat(directory)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                raise OSError(f"{directory} is not a folder of the cache") from None
         os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
 
 
 # -- `macrogen cache clear | info` -------------------------------------------------------
-def cache_files(trees: list[Path], cache_dirs: list[Path] = ()) -> Iterator[Path]:
-    """macrogen's cache files: entries, expanded code and left-over temp files.
+# A temp file of write_atomic for a cache file: .<cache name>.macrogen-<pid>-<random>.tmp
+_TEMP = re.compile(r"^\.(.+\.macrogen-[^.]+\.(?:[^.]+\.mgc|py))\.macrogen-(\d+)-[^.]+\.tmp$")
 
-    In a source tree only ``__pycache__`` folders are searched, and only macrogen's
-    files in them (the interpreter's own ``.pyc`` files stay); a cache directory
-    (``MACROGEN_CACHE_DIR``) is searched whole.
+
+def cache_files(trees: list[Path], cache_dirs: list[Path] = ()) -> Iterator[Path]:
+    """The files the cache wrote: entries, their expanded code and temp files of killed writes.
+
+    In a source tree only ``__pycache__`` folders are searched (the interpreter's own
+    ``.pyc`` files stay); a cache directory (``MACROGEN_CACHE_DIR``) is searched whole.
+    A name is not proof: an ``.mgc`` counts only if it is a whole entry (magic and
+    checksum), an expanded ``.py`` only if an entry beside it holds exactly its text,
+    so a user's own ``train.macrogen-cpu.py`` in a tree given as ``--cache-dir`` stays.
     """
     seen: set[Path] = set()
     for root, whole in [(t, False) for t in trees] + [(c, True) for c in cache_dirs]:
         if not root.is_dir():
             continue
-        for folder, dirs, files in os.walk(root):
+        for folder, dirs, names in os.walk(root):
             dirs[:] = [d for d in dirs if d not in (".git", ".venv", "node_modules")]
             if not whole and Path(folder).name != "__pycache__":
                 continue
-            for name in files:
-                path = Path(folder) / name
-                if MARKER in name and _is_cache_file(name) and path not in seen:
+            for path in _written_here(Path(folder), names):
+                if path not in seen:
                     seen.add(path)
                     yield path
 
 
-def _is_cache_file(name: str) -> bool:
-    if name.startswith("."):  # write_atomic's temp files: .<name>.<random>.tmp
-        return name.endswith(".tmp")
-    return name.endswith((ENTRY_SUFFIX, ".py"))
+def _written_here(folder: Path, names: list[str]) -> Iterator[Path]:
+    """Which of ``names`` (the files of ``folder``) the cache wrote; see ``cache_files``."""
+    expansions: dict[str, set[bytes]] = {}  # expanded .py name -> texts the entries hold
+    for name in names:
+        if MARKER in name and name.endswith(ENTRY_SUFFIX) and not name.startswith("."):
+            parsed = _parse(folder / name)
+            if isinstance(parsed, str):
+                continue
+            yield folder / name
+            payload = _unmarshal(parsed[1])
+            if payload is not None and isinstance(payload[1], str):
+                py = name[: -len(ENTRY_SUFFIX)].rsplit(".", 1)[0] + ".py"  # drop the tag
+                expansions.setdefault(py, set()).add(payload[1].encode("utf-8"))
+    for name in names:
+        if name in expansions and _contents(folder / name) in expansions[name]:
+            yield folder / name
+        match = _TEMP.match(name)
+        if match is not None and not _alive(int(match.group(2))):
+            yield folder / name  # a killed write's; a live one's stays (it renames it soon)
+
+
+def _contents(path: Path) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's process
+    return True
 
 
 def clear(trees: list[Path], cache_dirs: list[Path] = ()) -> tuple[int, int]:
-    """Remove macrogen's cache files (see ``cache_files``); returns (files, bytes) removed."""
+    """Remove the files the cache wrote (see ``cache_files``); returns (files, bytes) removed."""
     count = size = 0
     for path in list(cache_files(trees, cache_dirs)):
         try:
-            n = path.stat().st_size
+            n = os.lstat(path).st_size
             path.unlink()
         except FileNotFoundError:
             continue

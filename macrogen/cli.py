@@ -67,6 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("macrogen: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # whatever a command did not handle is macrogen's bug
+        # Exit 3, never Python's 1 (which means "your input"), in one line worth reporting.
+        import traceback
+
+        frames = traceback.extract_tb(e.__traceback__)
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        print(
+            f"macrogen {args.command}: internal error (a macrogen bug, please report it):"
+            f" {type(e).__name__}: {e}{where}",
+            file=sys.stderr,
+        )
+        return 3
 
 
 if __name__ == "__main__":

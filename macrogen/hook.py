@@ -30,6 +30,7 @@ import importlib.machinery
 import linecache
 import os
 import re
+import stat
 import sys
 import types
 from pathlib import Path
@@ -247,7 +248,7 @@ class MacroLoader(importlib.machinery.SourceFileLoader):
 def load(path: Path, name: str, options: Options) -> types.CodeType:
     """The code of the module at ``path`` (absolute): from the cache, else expanded and cached."""
     source = path.read_bytes()
-    values, stale = _tuning(path, source, options, name)
+    values, stale, db = _tuning(path, source, options)
     entry_key = cache.key(source, path=path, target=options.target, tuning=values)
     where = cache.locate(path, target=options.target, cache_dir=options.cache_dir)
     distrust = cache.trust(where, options.cache_dir)
@@ -267,12 +268,14 @@ def load(path: Path, name: str, options: Options) -> types.CodeType:
                 f"{path}: warning: tuning entry {key!r} is stale (the source changed); using its default",
                 file=sys.stderr,
             )
-        entry = _expand(path, name, source, options, values, where)
+        entry = _expand(path, name, source, options, values, where, db)
         try:  # (PYTHONDONTWRITEBYTECODE does not apply: this caches expansions)
             if distrust is None:  # never write into a folder that is not ours alone
-                cache.write(where, entry_key, entry)
+                cache.write(where, entry_key, entry, cache_dir=options.cache_dir)
         except OSError:
             pass  # a read-only tree runs uncached, as Python does without its .pyc
+    for warning in entry.warnings:  # a bad winner: said on warm imports too
+        _warn_once(warning)
     if entry.expanded is not None:
         # Generated frames name this file; serve it from memory even if it is deleted.
         linecache.cache[str(where.expanded)] = (
@@ -302,21 +305,38 @@ def _describe(record: Record) -> str:
     return f"macrogen: {record.name} ({record.path}): {sites} -> {record.expanded} [{how}]"
 
 
-def _tuning(path: Path, source: bytes, options: Options, name: str):
-    """The tuning database's winners for this file (and its stale keys); ({}, []) without one."""
+def _tuning(path: Path, source: bytes, options: Options):
+    """The tuning database's winners for this file, its stale keys and the database's path.
+
+    ({}, [], None) without a database. A bad database must not break every import
+    beside it: the defaults run (what `macrogen expand` reports as an error, the
+    hook warns about once).
+    """
     db = options.tuning or path.parent / TUNING_FILE
-    if not db.is_file():
-        return {}, []
+    try:
+        mode = os.stat(db).st_mode
+    except FileNotFoundError:
+        return {}, [], None
+    except OSError as e:
+        _warn_once(f"macrogen: warning: can't use the tuning database {db}, using defaults: {e}")
+        return {}, [], None
+    if not stat.S_ISREG(mode):  # a FIFO would hang the import; say what it is instead
+        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        _warn_once(
+            f"macrogen: warning: can't use the tuning database {db} ({what}), using defaults"
+        )
+        return {}, [], None
     from macrogen.autotune import database
     from macrogen.files import read_source
 
     try:
-        return database.winners(db, read_source(source)[0], file=path.name, target=options.target)
+        values, stale = database.winners(
+            db, read_source(source)[0], file=path.name, target=options.target
+        )
     except (OSError, ValueError, SyntaxError) as e:
-        # A bad database must not break every import beside it: the defaults run
-        # (what `macrogen expand` reports as an error, the hook warns about once).
         _warn_once(f"macrogen: warning: can't use the tuning database, using defaults: {e}")
-        return {}, []
+        return {}, [], None
+    return values, stale, db
 
 
 _warned: set[str] = set()
@@ -328,7 +348,7 @@ def _warn_once(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _expand(path, name, source, options, values, where) -> cache.Entry:
+def _expand(path, name, source, options, values, where, db) -> cache.Entry:
     from macrogen.expand import ExpansionError, expand_source
     from macrogen.files import read_source
 
@@ -338,16 +358,30 @@ def _expand(path, name, source, options, values, where) -> cache.Entry:
         raise MacroExpansionError(
             f"{path}:1:1: error: can't decode the file: {e}", name=name, path=str(path)
         ) from None
+    warnings: tuple[str, ...] = ()
     try:
         result = expand_source(text, path=str(path), target=options.target, tuning=values)
     except ExpansionError as e:
-        raise MacroExpansionError(e.report(), name=name, path=str(path)) from None
+        if not values:
+            raise MacroExpansionError(e.report(), name=name, path=str(path)) from None
+        # A winner the source no longer accepts (not one of the choices): the database
+        # is bad, not the program. Expand with the defaults, as for a malformed file.
+        try:
+            result = expand_source(text, path=str(path), target=options.target, tuning={})
+        except ExpansionError as plain:
+            raise MacroExpansionError(plain.report(), name=name, path=str(path)) from None
+        warnings = tuple(
+            f"macrogen: warning: can't use the tuning database {db} at"
+            f" {d.path}:{d.line}:{d.col}: {d.message}; using the defaults for this file"
+            for d in e.diagnostics
+        )  # load() says them, now and at each warm import
     if not result.changed:
-        return cache.Entry(compile(source, str(path), "exec", dont_inherit=True), None, ())
+        code = compile(source, str(path), "exec", dont_inherit=True)
+        return cache.Entry(code, None, (), warnings)
     from macrogen.linemap import compile_expanded
 
     code = compile_expanded(text, result.code, str(path), str(where.expanded))
-    return cache.Entry(code, result.code, tuple(result.sites))
+    return cache.Entry(code, result.code, tuple(result.sites), warnings)
 
 
 # -- running a script -------------------------------------------------------------------------

@@ -18,5 +18,21 @@ def test_examples_run_agrees_and_names_each_ranks_device_and_backend():
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "serial and data-parallel training agree" in done.stdout
-    for rank in range(2):  # this machine has no GPU: gloo on the CPU
-        assert f"rank {rank} of 2 on cpu (backend gloo)" in done.stdout
+    for rank in range(2):  # what the decision function picks for this host: cpu/gloo, or GPUs
+        where = placement_here(rank, 2)
+        assert f"rank {rank} of 2 on {where.device} (backend {where.backend})" in done.stdout
+
+
+def placement_here(local_rank: int, local_world_size: int):
+    import torch
+
+    from macrogen.runtime.groups import BACKEND_ENV, choose_placement
+
+    cuda = torch.cuda.is_available()
+    return choose_placement(
+        cuda_available=cuda,
+        device_count=torch.cuda.device_count() if cuda else 0,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        requested=os.environ.get(BACKEND_ENV),
+    )

@@ -41,6 +41,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -164,10 +165,11 @@ def _natural(values: Mapping[str, Any]) -> list[tuple[str, int, Any]]:
 # -- the file -----------------------------------------------------------------------
 def load(path: Path) -> dict[str, Any]:
     """The database at ``path`` (empty if there is none); ValueError naming the file and the record if malformed."""
-    if not path.exists():
+    raw = read_regular(path)
+    if raw is None:
         return {"format": FORMAT, "version": FORMAT_VERSION, "records": []}
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
@@ -192,7 +194,53 @@ def load(path: Path) -> dict[str, Any]:
                 f"{path}: record {i + 1} of {len(data['records'])}: {problem}"
                 " (fix or remove the record, or delete the file and run macrogen autotune again)"
             )
+        # What a record may leave out (a hand-written winner): nothing measured yet.
+        record.setdefault("candidates", [])
+        record["key"].setdefault("signature", {})
     return data
+
+
+def kind(path: Path) -> str | None:
+    """None if ``path`` is a regular file (or a link to one); else what it is, for a message."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as e:
+        return f"can't be examined ({e.strerror or e})"
+    if stat.S_ISREG(mode):
+        return None
+    for test, what in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return f"{what}, not a regular file"
+    return "not a regular file"
+
+
+def read_regular(path: Path) -> bytes | None:
+    """The bytes of the file at ``path``; None if there is none; ValueError if it is no regular file.
+
+    Opened without blocking and checked on the descriptor: a FIFO (or a device)
+    named like a database would otherwise hang the reader until someone writes.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: a directory, not a regular file") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: {kind(path) or 'not a regular file'}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 def _record_problem(record: Any) -> str | None:
@@ -201,6 +249,8 @@ def _record_problem(record: Any) -> str | None:
         return f"a record is a JSON object, not {type(record).__name__}"
     if not isinstance(record.get("key"), dict):
         return 'no "key" object'
+    if not isinstance(record["key"].get("signature", {}), dict):
+        return '"key"."signature" must be an object'
     generation = record.get("generation", 0)
     if not isinstance(generation, int) or isinstance(generation, bool):
         return f'"generation" must be a whole number, not {generation!r}'
@@ -212,6 +262,8 @@ def _record_problem(record: Any) -> str | None:
     ):
         return '"candidates" must be a list of objects with "values"'
     for c in candidates:
+        if "error" in c and not isinstance(c["error"], str):
+            return f'"error" must be a string, not {c["error"]!r}'
         if "time_s" in c and (
             not isinstance(c["time_s"], (int, float)) or isinstance(c["time_s"], bool)
         ):

@@ -122,8 +122,12 @@ def expand_files(
     stderr = stderr or sys.stderr
     try:
         jobs = plan_jobs(sources, output=output, out_dir=out_dir, in_place=in_place)
-        if tuning is not None and not Path(tuning).is_file():
-            raise UsageError(f"--tuning {tuning}: no such file")
+        if tuning is not None:
+            from macrogen.autotune import database
+
+            what = database.kind(Path(tuning))
+            if what is not None:  # "no such file", "a FIFO (named pipe), not a regular file", ...
+                raise UsageError(f"--tuning {tuning}: {what}")
     except UsageError as e:
         print(f"macrogen expand: error: {e}", file=stderr)
         return 2

@@ -17,14 +17,20 @@ function, ``choose_placement`` (tests call it directly with made-up machines):
   ranks share the GPUs (``cuda:LOCAL_RANK % GPUs``). Asking for NCCL
   explicitly (``MACROGEN_BACKEND=nccl``) on such a node is an error instead.
 
-``MACROGEN_BACKEND`` overrides the backend (any string ``init_process_group``
-takes); ``MACROGEN_TIMEOUT`` (seconds) bounds every collective and barrier.
+``MACROGEN_BACKEND`` overrides the backend (a backend torch knows, such as
+``gloo``, or ``device:backend`` pairs such as ``cpu:gloo,cuda:nccl``);
+``MACROGEN_TIMEOUT`` (seconds) bounds every collective and barrier, and the whole
+start-up under torchrun: reaching the store, then every rank's check that all
+ranks were started with the same ``WORLD_SIZE`` and backend (``StartupError``
+naming the rank and the setting that differ).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +39,15 @@ import torch.distributed as dist
 BACKEND_ENV = "MACROGEN_BACKEND"  # e.g. "gloo", "nccl", "cpu:gloo,cuda:nccl"; unset: chosen here
 TIMEOUT_ENV = "MACROGEN_TIMEOUT"  # seconds a rank waits for the others; unset: torch's default
 GLOO_AND_NCCL = "cpu:gloo,cuda:nccl"
+MAX_TIMEOUT_S = 365 * 24 * 3600  # a year: "forever" for a job, and within what timedelta holds
 
 
 class RankTimeoutError(RuntimeError):
     """A rank did not reach a collective within the timeout (stopped, hung or too slow)."""
+
+
+class StartupError(RuntimeError):
+    """The ranks could not start together: they disagree on a setting, or one never came."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,8 @@ def choose_placement(
     requested = (requested or "").strip() or None
     if requested == "auto":
         requested = None
+    if requested is not None:
+        check_backend(requested)
     if not 0 <= local_rank < max(local_world_size, 1):
         raise ValueError(f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}")
     if not cuda_available or device_count < 1:
@@ -97,6 +110,22 @@ def choose_placement(
     )
 
 
+def check_backend(text: str) -> None:
+    """ValueError naming ``MACROGEN_BACKEND`` unless ``text`` is a backend torch knows.
+
+    (torch itself fails on a typo with a bare "AssertionError: Unknown backend type".)
+    """
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    for part in text.split(","):
+        device, sep, name = part.strip().rpartition(":")
+        if name.lower() not in known or (sep and not device.isidentifier()):
+            raise ValueError(
+                f"{BACKEND_ENV}={text!r}: {part.strip()!r} is not a backend; expected one of"
+                f" {', '.join(known)}, or device:backend pairs such as {GLOO_AND_NCCL!r}"
+                " (unset, or 'auto', lets macrogen choose)"
+            )
+
+
 def placement() -> Placement:
     """``choose_placement`` for this process, from torchrun's environment and this machine."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -122,8 +151,11 @@ def timeout() -> datetime.timedelta | None:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected a positive number of seconds")
+    if not 0 < seconds <= MAX_TIMEOUT_S:  # (NaN fails too)
+        raise ValueError(
+            f"{TIMEOUT_ENV}={text!r}: expected a positive number of seconds,"
+            f" at most {MAX_TIMEOUT_S} (a year); unset it for torch's default"
+        )
     return datetime.timedelta(seconds=seconds)
 
 
@@ -148,23 +180,148 @@ def init(where: Placement, **kwargs) -> None:
     if where.cuda_ordinal is not None:
         torch.cuda.set_device(where.cuda_ordinal)
     if "store" not in kwargs and launched_by_torchrun():
-        kwargs.update(_attempt_store())
+        kwargs.update(_attempt_store(where))
     dist.init_process_group(backend=where.backend, timeout=timeout(), **kwargs)
 
 
-def _attempt_store() -> dict:
-    """torchrun's store, with this attempt's keys under a prefix of their own.
+def _attempt_store(where: Placement) -> dict:
+    """torchrun's store, with this attempt's keys under a prefix of their own; ranks checked.
 
     torchrun keeps one store for the whole job, and a worker group it restarted
     (``--max-restarts``) would read the previous attempt's addresses from it
     (gloo: "connectFullMesh failed ... Connection refused").
+
+    The store is made as torch's ``env://`` makes it, but without rank 0 waiting for
+    WORLD_SIZE clients: with ranks started with different WORLD_SIZEs that wait, then
+    the connect, each took the whole timeout and named neither the rank nor the
+    setting. Here reaching the store and ``_agree`` share one deadline.
     """
     limit = timeout()
-    found = dist.rendezvous("env://") if limit is None else dist.rendezvous("env://", timeout=limit)
-    store, rank, world_size = next(found)
+    seconds = (limit or dist.constants.default_pg_timeout).total_seconds()
+    deadline = time.monotonic() + seconds
+    rank, world_size = _int_env("RANK"), _int_env("WORLD_SIZE")
+    if not 0 <= rank < world_size:
+        raise StartupError(f"RANK={rank} is not below WORLD_SIZE={world_size}")
+    host, port = os.environ["MASTER_ADDR"], _int_env("MASTER_PORT")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # torchrun's own store
+    within = _within(limit)
+    try:
+        if rank != 0 or agent:
+            _wait_for_listener(host, port, deadline)
+        tcp = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=rank == 0 and not agent,
+            timeout=datetime.timedelta(seconds=seconds),
+            wait_for_workers=False,
+            multi_tenant=not agent,
+        )
+    except (RuntimeError, OSError) as e:
+        raise StartupError(
+            f"rank {rank}: can't reach the store at MASTER_ADDR={host} MASTER_PORT={port}"
+            f" within {within}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"macrogen/attempt_{attempt}", store)
+    store = dist.PrefixStore(f"macrogen/attempt_{attempt}", tcp)
+    _agree(store, rank, {"WORLD_SIZE": str(world_size), "backend": where.backend}, deadline, within)
     return {"store": store, "rank": rank, "world_size": world_size}
+
+
+def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+    """Until the store accepts connections; TimeoutError at ``deadline``.
+
+    (TCPStore's client retries on its own, but a try that times out is followed by
+    a back-off and another full try: about twice the timeout, and C++ logs.)
+    """
+    import socket
+
+    while True:
+        try:
+            left = max(deadline - time.monotonic(), 0.05)
+            socket.create_connection((host, port), timeout=left).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing accepted a connection ({e.strerror or e})") from None
+            time.sleep(0.05)
+
+
+def _int_env(name: str) -> int:
+    text = os.environ.get(name, "")
+    try:
+        return int(text)
+    except ValueError:
+        raise StartupError(f"{name}={text!r}: expected a whole number") from None
+
+
+def _within(limit: datetime.timedelta | None) -> str:
+    return f"{limit.total_seconds():g} s ({TIMEOUT_ENV})" if limit else "torch's default timeout"
+
+
+def _agree(store, rank: int, mine: dict[str, str], deadline: float, within: str) -> None:
+    """Every rank posts its settings; rank 0 compares them all and posts the verdict.
+
+    A rank that differs from rank 0 says so itself; the others learn it from the
+    verdict. Nobody waits past ``deadline``. Keys live under this attempt's prefix.
+    """
+    if store.add(f"startup/count_{rank}", 1) > 1:
+        raise StartupError(f"RANK={rank} was given to two processes: each rank needs its own RANK")
+    store.set(f"startup/rank_{rank}", json.dumps(mine))
+    world_size = int(mine["WORLD_SIZE"])
+
+    def differ(other: int, theirs: dict[str, str]) -> str | None:
+        for name, value in mine.items():
+            if theirs.get(name) != value:
+                first, second = sorted([(rank, value), (other, theirs.get(name))])
+                return (
+                    f"ranks were started with different {name}: rank {first[0]} has {name}="
+                    f"{first[1]}, rank {second[0]} has {name}={second[1]}"
+                    " (every rank needs the same; check the launcher's environment)"
+                )
+        return None
+
+    def left() -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+
+    if rank != 0:
+        try:
+            store.wait(["startup/rank_0"], left())
+            problem = differ(0, json.loads(store.get("startup/rank_0")))
+            if problem is not None:
+                raise StartupError(f"rank {rank}: {problem}")
+            store.wait(["startup/verdict"], left())
+        except (RuntimeError, OSError) as e:
+            if isinstance(e, StartupError):
+                raise
+            raise StartupError(
+                f"rank {rank}: rank 0 did not confirm that all {world_size} ranks started"
+                f" within {within}; a rank did not start, or was started with other settings"
+            ) from None
+        verdict = store.get("startup/verdict").decode()
+        if verdict != "ok":
+            raise StartupError(f"rank {rank}: {verdict}")
+        return
+    pending = list(range(1, world_size))
+    while pending:
+        for other in list(pending):
+            if store.check([f"startup/rank_{other}"]):
+                pending.remove(other)
+                problem = differ(other, json.loads(store.get(f"startup/rank_{other}")))
+                if problem is not None:
+                    store.set("startup/verdict", problem)
+                    raise StartupError(f"rank 0: {problem}")
+        if pending and time.monotonic() > deadline:
+            missing = ", ".join(map(str, pending[:8])) + (" ..." if len(pending) > 8 else "")
+            problem = (
+                f"rank{'s' * (len(pending) > 1)} {missing} of WORLD_SIZE={world_size} did not"
+                f" start within {within} (or started with another MASTER_ADDR/MASTER_PORT)"
+            )
+            store.set("startup/verdict", problem)
+            raise StartupError(f"rank 0: {problem}")
+        if pending:
+            time.sleep(0.02)
+    store.set("startup/verdict", "ok")
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
