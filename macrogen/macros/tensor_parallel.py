@@ -58,6 +58,8 @@ USAGE = (
     " | 'sequence' | 'from sequence' | 'colwise from sequence' | 'rowwise to sequence'},"
     " size=N) on an nn.Module class"
 )
+# For an instance (``tensor_parallel(plan=...)(model)``): what applies a plan to a built model.
+BUILT = 'parallelize(model, tp=2, tp_plan={"path.to.layer": "colwise", ...})'
 
 # -- styles: each owns its check at expansion and the call it renders ------------------------
 
