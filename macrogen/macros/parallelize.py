@@ -16,9 +16,12 @@ function names each step it takes, in a fixed order (tensor parallel, then data
 parallel), on one mesh; ``macrogen.runtime.parallelize`` does the work.
 
 Arguments (each may be ``define``d or a ``tunable``, but ``tp_plan``):
-``tp`` (1), ``pp`` (1), ``dp`` ("replicate", "zero1" or "none"), ``tp_plan``
-(None, "hf" or a dict ``{"path.*.layer": style}``), and for data parallel
-``bucket_mb`` (25), ``compress`` (None, "bf16", "fp16"), ``accumulate`` (1).
+``tp`` (1), ``pp`` (1), ``dp`` ("replicate", "zero1", "fsdp" or "none"), ``tp_plan``
+(None, "hf" or a dict ``{"path.*.layer": style}``), ``accumulate`` (1); for
+replicate/zero1 ``bucket_mb`` (25) and ``compress`` (None, "bf16", "fp16"); for fsdp
+``reshard_after_forward`` (True), ``mixed_precision`` (None, "bf16", "fp16"),
+``cpu_offload`` (False), ``shard_units`` (None: the repeated layer list; or a list of
+paths) and ``dp_replicate`` (1; R > 1: HSDP over R replicas).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ CODE_ARGUMENTS = frozenset({"0"})  # the model expression runs in the program
 
 # Mirrors macrogen.runtime.parallelize.STYLES (the runtime imports torch; the pass must not).
 STYLES = ("colwise", "colwise_gather_output", "rowwise", "vocab", "divide", "replicate")
-DP_MODES = ("replicate", "zero1", "none")
+DP_MODES = ("replicate", "zero1", "fsdp", "none")
 
 DEFAULTS: dict[str, Any] = {
     "model": None,
@@ -57,19 +60,37 @@ DEFAULTS: dict[str, Any] = {
     "bucket_mb": 25,
     "compress": None,
     "accumulate": 1,
+    "reshard_after_forward": True,
+    "mixed_precision": None,
+    "cpu_offload": False,
+    "shard_units": None,
+    "dp_replicate": 1,
 }
+FSDP_ONLY = (
+    "reshard_after_forward",
+    "mixed_precision",
+    "cpu_offload",
+    "shard_units",
+    "dp_replicate",
+)
+NOT_FSDP = ("bucket_mb", "compress")
 
 
 @dataclass(frozen=True)
 class Spec:
     tp: int  # tensor-parallel ways
     pp: int  # pipeline stages (1: a built model is not cut yet)
-    dp: str  # "replicate", "zero1" or "none"
+    dp: str  # "replicate", "zero1", "fsdp" or "none"
     plan: tuple[tuple[str, str | tuple[str, int]], ...] | None  # path -> style, in order
     hf: bool  # tp_plan="hf": the plan the model ships
     bucket_mb: int | float
     compress: str | None
     accumulate: int
+    reshard_after_forward: bool  # fsdp: free each unit's gathered parameters after its forward
+    mixed_precision: str | None  # fsdp: "bf16"/"fp16" compute, fp32 gradient reduction
+    cpu_offload: bool  # fsdp: sharded parameters and gradients in CPU memory
+    shard_units: tuple[str, ...] | None  # fsdp: the modules sharded one by one
+    dp_replicate: int  # fsdp: > 1 is HSDP
 
 
 def _degree(v: Any) -> str | None:
@@ -77,9 +98,22 @@ def _degree(v: Any) -> str | None:
 
 
 def _dp(v: Any) -> str | None:
-    if v == "fsdp":
-        return '"replicate", "zero1" or "none" ("fsdp" is not built yet: docs/parallelize.md)'
-    return None if v in DP_MODES else '"replicate", "zero1" or "none"'
+    return None if v in DP_MODES else '"replicate", "zero1", "fsdp" or "none"'
+
+
+def _bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "True or False"
+
+
+def _precision(v: Any) -> str | None:
+    return None if v in (None, "bf16", "fp16") else 'None, "bf16" or "fp16"'
+
+
+def _units(v: Any) -> str | None:
+    ok = v is None or (
+        isinstance(v, (list, tuple)) and v and all(isinstance(p, str) and p for p in v)
+    )
+    return None if ok else 'None or a list of module paths (["layers.*"])'
 
 
 def _mib(v: Any) -> str | None:
@@ -98,6 +132,11 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "bucket_mb": _mib,
     "compress": _compress,
     "accumulate": _degree,
+    "reshard_after_forward": _bool,
+    "mixed_precision": _precision,
+    "cpu_offload": _bool,
+    "shard_units": _units,
+    "dp_replicate": _degree,
 }
 
 
@@ -117,6 +156,18 @@ def validate(site: Site, ctx: Context) -> Spec:
             " @mg.pipeline on the model's class (docs/pipeline.md)",
             args["pp"].node,
         )
+    for name in FSDP_ONLY if values["dp"] != "fsdp" else NOT_FSDP:
+        if name in args:
+            wanted = 'dp="fsdp"' if name in FSDP_ONLY else 'dp="replicate" or "zero1"'
+            raise MacroError(
+                f"{name} applies with {wanted}, and dp is {values['dp']!r}", args[name].node
+            )
+    if values["dp"] == "fsdp" and values["tp"] != 1 and "tp" in args:
+        raise MacroError(
+            'dp="fsdp" with tp > 1 is not supported yet: use dp="fsdp" alone, or tp with'
+            ' dp="replicate"',
+            args["dp"].node,
+        )
     plan, hf = _plan(args.get("tp_plan"))
     tp_arg = args.get("tp")
     if (plan is None and not hf) and tp_arg is not None and tp_arg.value != 1:
@@ -134,6 +185,11 @@ def validate(site: Site, ctx: Context) -> Spec:
         bucket_mb=values["bucket_mb"],
         compress=values["compress"],
         accumulate=values["accumulate"],
+        reshard_after_forward=values["reshard_after_forward"],
+        mixed_precision=values["mixed_precision"],
+        cpu_offload=values["cpu_offload"],
+        shard_units=None if values["shard_units"] is None else tuple(values["shard_units"]),
+        dp_replicate=values["dp_replicate"],
     )
 
 
@@ -192,7 +248,12 @@ def _summary(spec: Spec) -> str:
         steps.append(f"tensor parallel {spec.tp} ways (the model's own plan)")
     elif spec.plan is not None:
         steps.append(f"tensor parallel {spec.tp} ways ({len(spec.plan)} plan entries)")
-    if spec.dp != "none":
+    if spec.dp == "fsdp":
+        steps.append(
+            "fully sharded data parallel (FSDP2)"
+            + (f", {spec.dp_replicate} replicas (HSDP)" if spec.dp_replicate > 1 else "")
+        )
+    elif spec.dp != "none":
         steps.append(f"data parallel ({spec.dp})")
     return ", then ".join(steps) or "the mesh only"
 
@@ -207,7 +268,10 @@ def expand(site: Site, ctx: Context) -> Expanded:
         imports.append(ctx.import_from(runtime, "apply_tensor_parallel"))
         if spec.hf:
             imports.append(ctx.import_from(runtime, "hf_plan"))
-    if spec.dp != "none":
+    if spec.dp == "fsdp":
+        imports.append(ctx.import_from("macrogen.runtime.fully_sharded", "apply_fully_sharded"))
+        imports.append(ctx.import_from("macrogen.runtime.fully_sharded", "FullyShardedConfig"))
+    elif spec.dp != "none":
         imports.append(ctx.import_from(runtime, "apply_data_parallel"))
         imports.append(ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig"))
     names = {imp.name: imp for imp in imports}
@@ -226,6 +290,13 @@ def expand(site: Site, ctx: Context) -> Expanded:
         bucket_mb=spec.bucket_mb,
         compress=spec.compress,
         accumulate=spec.accumulate,
+        reshard_after_forward=spec.reshard_after_forward,
+        mixed_precision=spec.mixed_precision,
+        cpu_offload=spec.cpu_offload,
+        shard_units=spec.shard_units,
+        dp_replicate=spec.dp_replicate,
+        apply_fully_sharded=names.get("apply_fully_sharded", ""),
+        fsdp_config=names.get("FullyShardedConfig", ""),
         device_mesh=names["device_mesh"],
         apply_tensor_parallel=names.get("apply_tensor_parallel", ""),
         hf_plan=names.get("hf_plan", ""),

@@ -79,7 +79,7 @@ HF_STYLES = {
     "replicate": "replicate",
 }
 STYLES = ("colwise", "colwise_gather_output", "rowwise", "vocab", "divide", "replicate")
-DP_MODES = ("replicate", "zero1", "none")
+DP_MODES = ("replicate", "zero1", "none")  # "fsdp": macrogen.runtime.fully_sharded
 
 
 class PlanError(ValueError):

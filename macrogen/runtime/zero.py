@@ -932,6 +932,15 @@ def clip_grad_norm_(
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, *, where: str = "shard_optimizer"):
     """``optimizer`` sharded over the data-parallel group; itself when the world size is 1."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, DTensor)]
+    if sharded:  # FSDP's (or tensor-parallel) parameters: DTensors, not plain tensors
+        raise ValueError(
+            f"{where}: the optimizer's parameters are DTensors (mg.parallelize with dp='fsdp' or"
+            " tp > 1): FSDP already shards the optimizer state, so shard_optimizer is redundant;"
+            " use the optimizer as it is (with tp > 1, use dp='replicate')"
+        )
     group = groups.data_parallel_group()
     if groups.world_size(group) == 1:
         return optimizer

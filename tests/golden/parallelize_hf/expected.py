@@ -15,7 +15,7 @@ from macrogen.runtime.parallelize import hf_plan
 def _parallelize_l9(model):
     """mg.parallelize at input.py:9: tensor parallel 2 ways (the model's own plan), then data parallel (replicate).
 
-    The model keeps its class; each step below changes it in place, in torchtitan's order.
+    The model object is kept; each step below changes it in place, in torchtitan's order.
     """
     mesh = device_mesh(tp=2, pp=1, planned=True, where='input.py:9')
     # 1. tensor parallel over the mesh's tensor dim: shards as DTensors, forward on local shards

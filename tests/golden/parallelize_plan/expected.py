@@ -15,7 +15,7 @@ from macrogen.runtime.parallelize import device_mesh
 def _parallelize_l9(model):
     """mg.parallelize at input.py:9: tensor parallel 2 ways (6 plan entries), then data parallel (zero1).
 
-    The model keeps its class; each step below changes it in place, in torchtitan's order.
+    The model object is kept; each step below changes it in place, in torchtitan's order.
     """
     mesh = device_mesh(tp=2, pp=1, planned=True, where='input.py:9')
     # 1. tensor parallel over the mesh's tensor dim: shards as DTensors, forward on local shards
@@ -39,7 +39,7 @@ def _parallelize_l9(model):
 def _parallelize_l26(model):
     """mg.parallelize at input.py:26: data parallel (replicate).
 
-    The model keeps its class; each step below changes it in place, in torchtitan's order.
+    The model object is kept; each step below changes it in place, in torchtitan's order.
     """
     mesh = device_mesh(tp=1, pp=1, planned=False, where='input.py:26')
     # 1. data parallel (replicate): gradients averaged over the mesh's data dim

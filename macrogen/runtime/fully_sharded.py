@@ -1,0 +1,156 @@
+"""``mg.parallelize(model, dp="fsdp")``: parameters, gradients and optimizer state sharded over the
+data ranks, on torch's FSDP2 (``fully_shard``), as torchtitan shards every model.
+
+    apply_fully_sharded(model, mesh, FullyShardedConfig(...), where="train.py:12")
+
+shards each block of the model's repeated layer list (the ``nn.ModuleList`` of
+one class holding the most parameters: HF's ``model.layers``, GPT-2's
+``transformer.h``, nanoGPT's ``transformer.h``), or the paths ``shard_units``
+names, then the root. Each unit's parameters are gathered for its forward and
+backward and freed after (``reshard_after_forward``); gradients are
+reduce-scattered, so each rank keeps 1/world of parameters, gradients and
+AdamW state: ZeRO-3, with no runtime of macrogen's own.
+
+``dp_replicate=R`` is HSDP: a (replicate x shard) mesh of R x world/R ranks,
+parameters sharded within a group of world/R and replicated across the R groups.
+``accumulate=k`` skips the gradient reduction on k-1 of every k forwards
+(``set_requires_gradient_sync``), as FSDP users do by hand.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from macrogen.runtime import groups
+from macrogen.runtime import mesh as meshes
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class FullyShardedConfig:
+    reshard_after_forward: bool = True  # free each unit's gathered parameters after its forward
+    mixed_precision: str | None = None  # "bf16"/"fp16": compute in it, reduce gradients in fp32
+    cpu_offload: bool = False  # keep the sharded parameters and their gradients in CPU memory
+    shard_units: tuple[str, ...] | None = None  # the modules to shard one by one (None: found)
+    dp_replicate: int = 1  # > 1: HSDP, that many replicas of a sharded group
+    accumulate: int = 1  # reduce gradients on every k-th forward only
+
+
+def repeated_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks of the model's repeated layer list: the ModuleList of one class (2 or more
+    entries) holding the most parameters; [] when there is none."""
+    best: list[tuple[str, nn.Module]] = []
+    best_size = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            prefix = f"{name}." if name else ""
+            best, best_size = [(f"{prefix}{i}", child) for i, child in enumerate(module)], size
+    return best
+
+
+def _units(
+    model: nn.Module, paths: Sequence[str] | None, where: str
+) -> list[tuple[str, nn.Module]]:
+    if paths is None:
+        return repeated_layers(model)
+    named = dict(model.named_modules())
+    found: list[tuple[str, nn.Module]] = []
+    problems = []
+    for path in paths:
+        pattern = re.compile(
+            ".".join("[^.]+" if p == "*" else re.escape(p) for p in path.split("."))
+        )
+        hits = [(n, m) for n, m in named.items() if n and pattern.fullmatch(n)]
+        if not hits:
+            problems.append(f"shard_units: {path!r} matches no submodule of {type(model).__name__}")
+        found += hits
+    if problems:
+        raise ValueError(f"mg.parallelize at {where}: " + "; ".join(problems))
+    return found
+
+
+def _data_mesh(mesh: meshes.Mesh, replicate: int, where: str):
+    """The DeviceMesh FSDP shards over: the data dim, or (replicate, shard) for HSDP."""
+    if mesh.tensor_size > 1 or mesh.pipeline_size > 1:
+        raise ValueError(
+            f"mg.parallelize at {where}: dp='fsdp' with tp > 1 or pp > 1 is not supported yet;"
+            " use dp='fsdp' alone, or tp with dp='replicate'"
+        )
+    world = dist.get_world_size()
+    if replicate < 1 or world % replicate:
+        raise ValueError(
+            f"mg.parallelize at {where}: dp_replicate={replicate} does not divide the world size"
+            f" {world}: launch a multiple of {replicate} processes"
+        )
+    if replicate == 1:
+        return mesh.device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = torch.device(groups.placement().device).type
+    return init_device_mesh(
+        device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def apply_fully_sharded(
+    model: nn.Module, mesh: meshes.Mesh, config: FullyShardedConfig, *, where: str
+) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 (see the module docstring); returns ``model``."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"mg.parallelize at {where}: {len(meta)} parameters are on the meta device ({meta[0]},"
+            " ...): build the model on a device, or materialize it first (model.to_empty(device=...)"
+            " and the model's own init, as torchtitan does), then parallelize it"
+        )
+    units = _units(model, config.shard_units, where)
+    if mesh.device_mesh is None:  # serial: one rank holds everything, as the serial program
+        return model
+    device_mesh = _data_mesh(mesh, config.dp_replicate, where)
+    mp = MixedPrecisionPolicy()
+    if config.mixed_precision is not None:
+        mp = MixedPrecisionPolicy(
+            param_dtype=DTYPES[config.mixed_precision], reduce_dtype=torch.float32
+        )
+    offload = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
+    options = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload)
+    for _, unit in units:
+        fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
+    fully_shard(model, reshard_after_forward=config.reshard_after_forward, **options)
+    if config.accumulate > 1:
+        model.register_forward_pre_hook(_Accumulate(config.accumulate), prepend=True)
+    return model
+
+
+class _Accumulate:
+    """Gradients are reduced on the k-th training forward of every k (FSDP2's
+    ``set_requires_gradient_sync``): the k-1 before accumulate unreduced, sharded by nothing."""
+
+    def __init__(self, k: int):
+        self.k, self.seen = k, 0
+
+    @torch.compiler.disable
+    def __call__(self, module: nn.Module, args: object) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        module.set_requires_gradient_sync(self.seen % self.k == self.k - 1)  # type: ignore[operator]
+        self.seen += 1
