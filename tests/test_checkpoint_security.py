@@ -18,13 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from macrogen.cli import main
-from macrogen.runtime.checkpoint import (
-    CheckpointError,
-    examine,
-    resumable,
-    step_dir,
-    write_marker,
-)
+from macrogen.runtime import checkpoint
+from macrogen.runtime.checkpoint import CheckpointError, resumable, step_dir, write_marker
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # skip warnings are not the point here
 
@@ -45,12 +40,15 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
 
 
-def _checkpoint(ckpt: Path) -> Path:
-    """A real checkpoint at step 2 (what resumable writes)."""
+def _resume(ckpt: Path, steps: int = 4) -> list[int]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in resumable(range(2), model=model, optimizer=opt, dir=ckpt, every=2):
-        pass
+    return list(resumable(range(steps), model=model, optimizer=opt, dir=ckpt, every=2))
+
+
+def _checkpoint(ckpt: Path) -> Path:
+    """A real checkpoint at step 2 (what resumable writes)."""
+    _resume(ckpt, 2)
     return step_dir(ckpt, 2)
 
 
@@ -58,7 +56,7 @@ def _plant(folder: Path, where: str, mark: Path) -> None:
     """Put the payload in ``where`` of the checkpoint at ``folder``, keeping it complete."""
     if where == "metadata":
         (folder / ".metadata").write_bytes(pickle.dumps(Payload(mark)))
-    else:  # a byte item, saved by DCP itself: loop.step, or an extra entry of the model
+    else:  # a byte item, saved by DCP itself
         state: dict = {}
         from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -71,8 +69,8 @@ def _plant(folder: Path, where: str, mark: Path) -> None:
         )
         if where == "loop.step":
             state["loop"]["step"] = Payload(mark)
-        else:
-            state["model"]["extra"] = Payload(mark)
+        else:  # a value resumable() loads into the optimizer
+            state["optim"]["param_groups"][0]["lr"] = Payload(mark)
         for p in folder.iterdir():
             p.unlink()
         dcp.save(state, checkpoint_id=folder, no_dist=True)
@@ -93,7 +91,7 @@ def _make_foreign(ckpt: Path, folder: Path, how: str) -> None:
         ckpt.chmod(0o757)
 
 
-WHERE = ["metadata", "loop.step", "model item"]
+WHERE = ["metadata", "loop.step", "optimizer item"]
 OWNERS = [
     "own",
     pytest.param("chown folder", marks=ROOT_ONLY),
@@ -134,7 +132,7 @@ def _params():
 def test_resumable_never_runs_a_planted_pickle(planted) -> None:
     ckpt, folder, mark = planted
     with pytest.raises(CheckpointError) as e:
-        resumable(range(4), model=_model(), dir=ckpt, every=2)
+        _resume(ckpt)
     assert not mark.exists()
     assert "\n" not in str(e.value)
     assert folder.exists()  # and not deleted
@@ -171,9 +169,9 @@ def test_a_foreign_checkpoint_is_refused_with_a_message(tmp_path: Path, how: str
     _make_foreign(ckpt, folder, how)
     reason = "belongs to another user" if "chown" in how else "writable by group or others"
     with pytest.raises(CheckpointError, match=reason):
-        resumable(range(4), model=_model(), dir=ckpt, every=2)
+        _resume(ckpt)
     if how != "chmod o+w dir":
-        state, why = examine(folder)
+        state, why = checkpoint.examine(folder)
         assert state == "unusable" and reason in why
 
 
@@ -181,4 +179,4 @@ def test_a_sticky_shared_dir_is_fine(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     _checkpoint(ckpt)
     ckpt.chmod(0o1777)  # like /tmp: others can't replace what is ours
-    resumable(range(4), model=_model(), dir=ckpt, every=2)
+    _resume(ckpt)
