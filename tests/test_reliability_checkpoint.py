@@ -549,3 +549,22 @@ def test_list_on_a_step_folder_lists_it(tmp_path: Path, capsys) -> None:
     _train(ckpt, steps=2)
     assert main(["checkpoint", "list", str(step_dir(ckpt, 2))]) == 0
     assert capsys.readouterr().out == f"{step_dir(ckpt, 2)}  complete\n"
+
+
+# ---- the macro passes fresh and on_save_error on -----------------------------------------------
+
+
+def test_the_macro_passes_fresh_and_on_save_error() -> None:
+    from macrogen import expand_source
+    from macrogen.expand import ExpansionError
+
+    source = (
+        "import macrogen as mg\n"
+        'for s in mg.resumable(range(8), model=m, dir="c", every=2, fresh=args.fresh,'
+        ' on_save_error="warn"):\n'
+        "    pass\n"
+    )
+    code = expand_source(source, path="t.py").code
+    assert "every=2, keep=2, fresh=args.fresh, on_save_error='warn')" in code
+    with pytest.raises(ExpansionError, match="on_save_error must be 'error' or 'warn', not 'no'"):
+        expand_source(source.replace('"warn"', '"no"'), path="t.py")
