@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import stat
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -257,9 +258,7 @@ class _Checkpointer:
                     continue
                 try:
                     start = self._load(path, step, length)
-                except (
-                    _Unreadable
-                ) as e:  # alike on every rank: one file, or DCP's gathered failures
+                except _Unreadable as e:  # alike on every rank: DCP gathers failures
                     unusable[step] = str(e)
                     self._warn(f"skipping checkpoint {path}: {e}")
                     continue
@@ -282,7 +281,7 @@ class _Checkpointer:
 
     def _warn(self, message: str) -> None:
         if self.rank == 0:
-            warnings.warn(message, stacklevel=4)
+            _warn(message)
 
     def _load(self, path: Path, step: int, length: int | None) -> int:
         """Load the checkpoint at ``path`` (of step ``step``) into the model and optimizers;
@@ -383,14 +382,14 @@ class _Checkpointer:
     def _save_failed(self, path: Path, e: BaseException) -> None:
         """A save that failed: its partial folder removed; a disk's refusal named, and with
         on_save_error="warn" only warned about (the last complete checkpoint stays)."""
+        cause = _save_cause(path, e)  # before the removal frees the space
         if self.rank == 0:
             _remove(path)
-        cause = _save_cause(path, e)
         if cause is None:  # not the disk: a bug, raised as it is
             raise e
         message = f"can't save checkpoint {path}: {cause}"
         if self.config.on_save_error == "warn":
-            warnings.warn(f"{message}; training goes on from the last complete one", stacklevel=4)
+            _warn(f"{message}; training goes on from the last complete one")
             return
         raise CheckpointError(message) from None
 
@@ -456,6 +455,14 @@ class _Checkpointer:
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
+
+
+def _warn(message: str) -> None:
+    """A warning pointing at the program's line (the loop or the call), not at this module."""
+    level, frame = 2, sys._getframe(1)  # 1: this function; 2: its caller
+    while frame is not None and frame.f_code.co_filename == __file__:
+        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    warnings.warn(message, stacklevel=level)
 
 
 # ---- the checkpoint directory (rank 0's side) ---------------------------------------------
@@ -661,7 +668,7 @@ def _set_aside(path: Path) -> None:
         raise CheckpointError(
             f"can't move the unusable checkpoint {path} out of the way: {e.strerror or e}"
         ) from None
-    warnings.warn(f"kept the unusable checkpoint {path} as {aside.name}", stacklevel=5)
+    _warn(f"kept the unusable checkpoint {path} as {aside.name}")
 
 
 # ---- model mismatch ----------------------------------------------------------------------
@@ -756,7 +763,7 @@ def _save_atomic(obj: Any, out: Path) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     try:
-        files.write_atomic(out, buffer.getbuffer().tobytes())
+        files.write_atomic(out, buffer.getvalue())  # staged beside OUT, renamed
     except OSError as e:
         raise CheckpointError(f"can't write {out}: {e.strerror or e}") from None
 
@@ -768,16 +775,9 @@ def _save_cause(path: Path, e: BaseException) -> str | None:
     """The disk's reason a save failed, in one line (None if the disk is not the reason)."""
     error = storage_error(e)
     free = free_bytes(path)
-    if (
-        error is not None
-        and error.errno == errno.ENOSPC
-        or (short_write(e) and free is not None and free < LOW_SPACE)
-    ):
-        return (
-            f"no space left on device ({free} bytes free)"
-            if free is not None
-            else ("no space left on device")
-        )
+    full = error is not None and error.errno == errno.ENOSPC
+    if full or (short_write(e) and free is not None and free < LOW_SPACE):
+        return "no space left on device" + (f" ({free} bytes free)" if free is not None else "")
     if error is not None:
         return one_line(error)
     if short_write(e):
