@@ -568,3 +568,34 @@ def test_the_macro_passes_fresh_and_on_save_error() -> None:
     assert "every=2, keep=2, fresh=args.fresh, on_save_error='warn')" in code
     with pytest.raises(ExpansionError, match="on_save_error must be 'error' or 'warn', not 'no'"):
         expand_source(source.replace('"warn"', '"no"'), path="t.py")
+
+
+# ---- umask 002: the checkpoints resumable writes are its own to read -----------------------------
+
+
+def test_checkpoints_written_under_umask_002_are_usable(tmp_path: Path) -> None:
+    old = os.umask(0o002)  # user-private groups (Debian, Ubuntu): group-writable by default
+    try:
+        ckpt = tmp_path / "ckpt"
+        _train(ckpt, steps=2)
+        assert _train(ckpt, steps=4) == [2, 3]
+    finally:
+        os.umask(old)
+    assert not os.stat(ckpt).st_mode & 0o022
+    assert all(
+        not os.stat(p).st_mode & 0o022 for p in [step_dir(ckpt, 4), *step_dir(ckpt, 4).iterdir()]
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file of mode 000")
+def test_an_unreadable_shard_is_one_line(tmp_path: Path, capsys) -> None:
+    ckpt = tmp_path / "ckpt"
+    _train(ckpt, steps=2)
+    shard = step_dir(ckpt, 2) / "__0_0.distcp"
+    shard.chmod(0)
+    try:
+        assert main(["checkpoint", "convert", str(ckpt), str(tmp_path / "m.pt")]) == 1
+        assert "Permission denied" in _one_line_error(capsys)
+        _resume_refused(ckpt, step_dir(ckpt, 2))
+    finally:
+        shard.chmod(0o644)

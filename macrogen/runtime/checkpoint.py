@@ -471,7 +471,7 @@ def _warn(message: str) -> None:
 def _writable_error(root: Path, rank: int) -> str | None:
     """Why this rank can't write checkpoints under ``root`` (None if it can)."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True, mode=0o755)  # not group-writable under umask 002
         with tempfile.NamedTemporaryFile(dir=root, prefix=f".probe-rank{rank}-"):
             pass
     except OSError as e:
@@ -598,10 +598,11 @@ def _none_usable(root: Path, unusable: dict[int, str]) -> str:
 
 def write_marker(path: Path, step: int, world_size: int) -> None:
     """Mark ``path`` complete: a JSON file written to a temporary name, fsynced, renamed."""
-    files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
-    files.pop(MARKER, None)
+    _writable_by_owner_only(path)
+    sizes = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
+    sizes.pop(MARKER, None)
     text = json.dumps(
-        {"format": FORMAT, "step": step, "world_size": world_size, "files": files}, indent=1
+        {"format": FORMAT, "step": step, "world_size": world_size, "files": sizes}, indent=1
     )
     fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{MARKER}.")
     try:
@@ -615,6 +616,18 @@ def write_marker(path: Path, step: int, world_size: int) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path)
+
+
+def _writable_by_owner_only(path: Path) -> None:
+    """Take group and other write permission off the folder DCP wrote and its files, which a
+    umask of 002 gives them: a checkpoint others can write is refused at the next start."""
+    for p in (path, *path.iterdir()):
+        try:
+            mode = os.lstat(p).st_mode
+            if mode & 0o022 and not stat.S_ISLNK(mode):
+                os.chmod(p, stat.S_IMODE(mode) & ~0o022)
+        except OSError:
+            pass  # another user's file: refused, with its name, when it is read
 
 
 def _fsync_dir(path: Path) -> None:
