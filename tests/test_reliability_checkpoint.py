@@ -599,3 +599,18 @@ def test_an_unreadable_shard_is_one_line(tmp_path: Path, capsys) -> None:
         _resume_refused(ckpt, step_dir(ckpt, 2))
     finally:
         shard.chmod(0o644)
+
+
+@pytest.mark.parametrize("kind", ["directory", "read-only file"])
+def test_convert_to_an_unwritable_out_is_one_line(tmp_path: Path, kind: str, capsys) -> None:
+    ckpt = tmp_path / "ckpt"
+    _train(ckpt, steps=2)
+    out = tmp_path / "out"
+    if kind == "directory":
+        out.mkdir()
+    else:
+        out.write_bytes(b"previous")
+        out.chmod(0o444)
+    assert main(["checkpoint", "convert", str(ckpt), str(out)]) == 1
+    err = _one_line_error(capsys)
+    assert err.count(str(out)) == 1, err

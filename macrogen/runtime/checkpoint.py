@@ -777,6 +777,8 @@ def _save_atomic(obj: Any, out: Path) -> None:
     torch.save(obj, buffer)
     try:
         files.write_atomic(out, buffer.getvalue())  # staged beside OUT, renamed
+    except files.WriteError as e:  # a directory, a read-only file: it says so itself
+        raise CheckpointError(str(e)) from None
     except OSError as e:
         raise CheckpointError(f"can't write {out}: {e.strerror or e}") from None
 
