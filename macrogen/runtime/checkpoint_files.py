@@ -305,7 +305,8 @@ def one_line(e: BaseException) -> str:
             return str(x)
     for x in causes:
         if isinstance(x, OSError) and x.strerror:
-            where = f" ({Path(x.filename).name})" if x.filename else ""
+            named = isinstance(x.filename, (str, os.PathLike)) and str(x.filename)
+            where = f" ({Path(x.filename).name})" if named else ""
             return f"{x.strerror}{where}"
     inner = next((x for x in reversed(causes) if not isinstance(x, CheckpointException)), e)
     text = str(inner).strip().splitlines()
