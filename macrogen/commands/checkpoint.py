@@ -38,18 +38,37 @@ def run(args: argparse.Namespace) -> int:
     from macrogen.runtime import checkpoint  # torch only when this command runs
 
     if args.action == "list":
-        root = Path(args.dir)
-        if not root.is_dir():
-            print(f"macrogen checkpoint: error: not a directory: {root}", file=sys.stderr)
-            return 1
-        for path in checkpoint.step_dirs(root):
-            why = checkpoint.check_complete(path)
-            print(f"{path}  {'complete' if why is None else 'INCOMPLETE: ' + why}")
-        return 0
+        return _list(Path(args.dir))
     try:
         used = checkpoint.convert(args.src, args.out, model_only=args.model_only)
     except (checkpoint.CheckpointError, OSError) as e:
         print(f"macrogen checkpoint: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {args.out} from {used}")
+    return 0
+
+
+def _list(root: Path) -> int:
+    """Each checkpoint folder under ``root`` (or ``root`` itself, if it is one) and its state."""
+    from macrogen.runtime import checkpoint
+
+    if not root.is_dir():
+        print(f"macrogen checkpoint: error: not a directory: {root}", file=sys.stderr)
+        return 1
+    try:
+        if checkpoint.is_step_dir(root):
+            folders = [root]
+        else:
+            folders = checkpoint.step_dirs(root)
+    except OSError as e:
+        print(f"macrogen checkpoint: error: can't list {root}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    if not folders:
+        print(f"{root}: no checkpoint folders (step_NNNNNNNN) in it")
+    for path in folders:
+        state, why = checkpoint.examine(path, deep=True)
+        label = {checkpoint.COMPLETE: "complete", checkpoint.PARTIAL: "INCOMPLETE: "}.get(
+            state, "UNUSABLE: "
+        )
+        print(f"{path}  {label}{why if state != checkpoint.COMPLETE else ''}")
     return 0

@@ -11,9 +11,10 @@ expanded, ``macrogen.runtime.checkpoint.resumable`` loads the latest complete DC
 checkpoint under ``dir``, skips the steps it covers and saves every ``every`` steps
 asynchronously, keeping the last ``keep`` (docs/elastic.md).
 
-Arguments: the iterable, ``model``, ``optimizer`` (optional) and ``dir`` are the
-program's own expressions; ``every`` and ``keep`` (default 2) are known at expansion
-time (literals, ``define``d constants, ``tunable``).
+Arguments: the iterable, ``model``, ``optimizer`` (optional), ``dir`` and ``fresh``
+(optional: start at step 0, ``args.fresh`` works) are the program's own expressions;
+``every``, ``keep`` (default 2) and ``on_save_error`` (optional, ``"error"`` or
+``"warn"``) are known at expansion time (literals, ``define``d constants, ``tunable``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ USAGE = (
     'for step in resumable(range(steps), model=model, optimizer=opt, dir="ckpt", every=50,'
     " keep=2): ..."
 )
-CODE_ARGUMENTS = frozenset({"0", "iterable", "model", "optimizer", "dir"})
+CODE_ARGUMENTS = frozenset({"0", "iterable", "model", "optimizer", "dir", "fresh"})
 PARAMETERS: dict[str, Any] = {
     "iterable": None,
     "model": None,
@@ -43,7 +44,10 @@ PARAMETERS: dict[str, Any] = {
     "dir": None,
     "every": None,
     "keep": 2,
+    "fresh": None,
+    "on_save_error": None,
 }
+ON_SAVE_ERROR = ("error", "warn")
 REQUIRED = ("iterable", "model", "dir", "every")
 
 
@@ -51,6 +55,7 @@ REQUIRED = ("iterable", "model", "dir", "every")
 class Spec:
     every: int  # steps between checkpoints
     keep: int  # complete checkpoints kept
+    on_save_error: str | None  # "warn": a save the disk refuses is a warning (None: the default)
 
 
 def validate(site: Site) -> Spec:
@@ -60,7 +65,15 @@ def validate(site: Site) -> Spec:
         if name not in args:
             raise MacroError(f"resumable() needs {name}=...: {USAGE}", at)
     keep = _count("keep", args["keep"]) if "keep" in args else PARAMETERS["keep"]
-    return Spec(every=_count("every", args["every"]), keep=keep)
+    on_save_error = None
+    if "on_save_error" in args:
+        arg = args["on_save_error"]
+        if arg.value not in ON_SAVE_ERROR:
+            raise MacroError(
+                f"on_save_error must be 'error' or 'warn', not {arg.value!r}", arg.node
+            )
+        on_save_error = arg.value
+    return Spec(every=_count("every", args["every"]), keep=keep, on_save_error=on_save_error)
 
 
 def _count(name: str, arg: Arg) -> int:
@@ -82,6 +95,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
         if (a.keyword.value if a.keyword else "iterable") in CODE_ARGUMENTS
     }
     code.update(every=_literal(spec.every), keep=_literal(spec.keep))
+    if spec.on_save_error is not None:
+        code["on_save_error"] = _literal(spec.on_save_error)
     args = [cst.Arg(code.pop("iterable"))]
     args += [
         cst.Arg(code[name], keyword=cst.Name(name), equal=_EQUAL)
@@ -95,7 +110,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
 _EQUAL = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))
 
 
-def _literal(value: int) -> cst.BaseExpression:
+def _literal(value: int | str) -> cst.BaseExpression:
     return cst.parse_expression(py(value))
 
 
