@@ -19,7 +19,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.distributed import run_ranks
 from tests.helpers import expand, load_module
