@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).with_name("checkpoint_train.py")
 TIMEOUT = 400  # seconds per launch: a loaded 2-core machine starts 4 ranks slowly
 EVERY = 4
 
-pytestmark = [pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]  # spawns ranks (torchrun restarts)
 
 
 def launch(tmp: Path, name: str, nproc: int, *extra: str, ckpt: Path | None = None) -> dict:

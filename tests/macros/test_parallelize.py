@@ -55,8 +55,21 @@ def test_degrees_may_be_defined_or_tunable():
     "call, message",
     [
         ("mg.parallelize(m, tp=2)", "tp=2 needs a plan"),
-        ("mg.parallelize(m, dp='fsdp')", '"fsdp" is not built yet'),
-        ("mg.parallelize(m, dp='ddp')", 'dp must be "replicate", "zero1" or "none"'),
+        (
+            "mg.parallelize(m, dp='fsdp', bucket_mb=4)",
+            'bucket_mb applies with dp="replicate" or "zero1"',
+        ),
+        ("mg.parallelize(m, dp_replicate=2)", 'dp_replicate applies with dp="fsdp"'),
+        (
+            "mg.parallelize(m, dp='fsdp', tp=2, tp_plan='hf')",
+            'dp="fsdp" with tp > 1 is not supported',
+        ),
+        ("mg.parallelize(m, dp='fsdp', shard_units=[])", "shard_units must be None or a list"),
+        (
+            "mg.parallelize(m, dp='fsdp', mixed_precision='fp8')",
+            'mixed_precision must be None, "bf16"',
+        ),
+        ("mg.parallelize(m, dp='ddp')", 'dp must be "replicate", "zero1", "fsdp" or "none"'),
         ("mg.parallelize(m, tp=2, tp_plan={'a': 'rowise'})", "did you mean 'rowwise'?"),
         ("mg.parallelize(m, tp=2, tp_plan={'a': ('colwise', 0)})", "('colwise', k) with k >= 1"),
         ("mg.parallelize(m, tp=2, tp_plan={'a..b': 'colwise'})", "is not a dotted path"),
@@ -70,6 +83,16 @@ def test_degrees_may_be_defined_or_tunable():
 def test_bad_arguments_are_errors_at_the_argument(call, message):
     errors = expansion_errors(f"import macrogen as mg\nm = {call}\n")
     assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_fsdp_expands_to_fully_shard_with_the_settings():
+    code = expand(
+        "import macrogen as mg\nm = mg.parallelize(m, dp='fsdp', mixed_precision='bf16',"
+        " shard_units=['layers.*'], dp_replicate=2)\n"
+    )
+    assert "apply_fully_sharded(model, mesh, FullyShardedConfig(" in code
+    assert "mixed_precision='bf16'," in code and "shard_units=('layers.*',)," in code
+    assert "dp_replicate=2," in code and "apply_data_parallel" not in code
 
 
 def test_every_bad_plan_entry_in_one_error():
