@@ -162,12 +162,6 @@ def validate(site: Site, ctx: Context) -> Spec:
             raise MacroError(
                 f"{name} applies with {wanted}, and dp is {values['dp']!r}", args[name].node
             )
-    if values["dp"] == "fsdp" and values["tp"] != 1 and "tp" in args:
-        raise MacroError(
-            'dp="fsdp" with tp > 1 is not supported yet: use dp="fsdp" alone, or tp with'
-            ' dp="replicate"',
-            args["dp"].node,
-        )
     plan, hf = _plan(args.get("tp_plan"))
     tp_arg = args.get("tp")
     if (plan is None and not hf) and tp_arg is not None and tp_arg.value != 1:

@@ -83,11 +83,15 @@ def _units(
 
 def _data_mesh(mesh: meshes.Mesh, replicate: int, where: str):
     """The DeviceMesh FSDP shards over: the data dim, or (replicate, shard) for HSDP."""
-    if mesh.tensor_size > 1 or mesh.pipeline_size > 1:
-        raise ValueError(
-            f"mg.parallelize at {where}: dp='fsdp' with tp > 1 or pp > 1 is not supported yet;"
-            " use dp='fsdp' alone, or tp with dp='replicate'"
-        )
+    if mesh.pipeline_size > 1:
+        raise ValueError(f"mg.parallelize at {where}: dp='fsdp' with pp > 1 is not supported yet")
+    if mesh.tensor_size > 1:  # FSDP x TP: shard over the data dim of the one 2-D mesh
+        if replicate != 1:
+            raise ValueError(
+                f"mg.parallelize at {where}: dp_replicate with tp > 1 (HSDP x TP) is not"
+                " supported yet"
+            )
+        return mesh.device_mesh["data"]
     world = dist.get_world_size()
     if replicate < 1 or world % replicate:
         raise ValueError(
@@ -136,6 +140,10 @@ def apply_fully_sharded(
     for _, unit in units:
         fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **options)
+    if getattr(model, "_mg_local_forward", False):  # tensor parallel first (torchtitan's order)
+        from macrogen.runtime.parallelize import local_forward_per_unit
+
+        local_forward_per_unit(model, [unit for _, unit in units] + [model])
     if config.accumulate > 1:
         model.register_forward_pre_hook(_Accumulate(config.accumulate), prepend=True)
     return model

@@ -336,8 +336,10 @@ def apply_tensor_parallel(
     for layer in layers:
         _shard(layer, group, tensor_mesh, holders)
     _replicate_the_rest(model, tensor_mesh)
-    model.register_forward_pre_hook(_to_local)
-    model.register_forward_hook(_restore, always_call=True)
+    model.__dict__[_HOOKS] = (
+        model.register_forward_pre_hook(_to_local),
+        model.register_forward_hook(_restore, always_call=True),
+    )
     object.__setattr__(model, _LOCAL_FORWARD, True)
     _tell_transformers(model, tp)
     return model
@@ -485,6 +487,30 @@ def _replicate_the_rest(model: nn.Module, tensor_mesh: Any) -> None:
 _LOCAL_FORWARD = "_mg_local_forward"  # the model runs its forward on local tensors
 _STYLE = "_mg_tensor_parallel"  # a planned layer's style, for repr and tests
 _SWAPPED = "_mg_swapped_parameters"  # (owner, name, DTensor parameter) while a forward runs
+_HOOKS = "_mg_local_hooks"  # the model's swap hooks (FSDP moves the swap into each unit)
+_SCOPE = "_mg_local_scope"  # the modules whose parameters a unit's swap covers (default: all)
+
+
+def local_forward_per_unit(model: nn.Module, units: list[nn.Module]) -> None:
+    """Under FSDP, each unit's parameters are gathered (as tensor-parallel DTensors) only while
+    the unit runs: swap them to local tensors there, after FSDP's gathering pre-hook (prepended)
+    and back before its resharding post-hook (appended), instead of once for the whole model."""
+    for handle in model.__dict__.pop(_HOOKS, ()):
+        handle.remove()
+    boundaries = {id(u) for u in units}
+
+    def scope(unit: nn.Module) -> list[nn.Module]:
+        found, stack = [], [unit]
+        while stack:
+            module = stack.pop()
+            found.append(module)
+            stack += [c for c in module.children() if id(c) not in boundaries]
+        return found
+
+    for unit in units:
+        unit.__dict__[_SCOPE] = scope(unit)
+        unit.register_forward_pre_hook(_to_local)
+        unit.register_forward_hook(_restore, prepend=True, always_call=True)
 
 
 class _ToLocal(torch.autograd.Function):
@@ -515,7 +541,7 @@ def _to_local(model: nn.Module, args: Any) -> None:
     slots: list[tuple[nn.Module, str, Any]] = []
     index: dict[int, int] = {}  # a parameter under two names (tied) gets one local tensor
     params: list[Any] = []
-    for owner in model.modules():
+    for owner in model.__dict__.get(_SCOPE) or model.modules():
         for key, p in owner._parameters.items():
             if isinstance(p, DTensor):
                 if id(p) not in index:
