@@ -13,6 +13,12 @@ have the same key on every rank for copies of one tensor and stores one of them:
   this rank's rows ``[q_r | k_r | v_r]``) is k separate pieces of the serial
   tensor, which no DTensor placement describes: it is gathered to the serial
   tensor for the save (stored once) and split again on load.
+- ``mg.parallelize``'s tensor-parallel parameters are DTensors already, and DCP
+  saves and reshards them as they are (FSDP's too), with one exception: a packed
+  colwise layer (``("colwise", k)``) is a ``_StridedShard`` DTensor, whose pieces
+  DCP's planner takes for contiguous chunks (it reports them overlapping). Such a
+  tensor (and its optimizer state) is gathered to the serial tensor for the save
+  (``full_tensor()``, stored once) and redistributed to its placements on load.
 - A ZeRO ``ShardedOptimizer`` keeps no state in ``optimizer.state``, so
   ``get_state_dict`` would see an empty optimizer (and step it with lr 0 to
   "initialize" it). Its ``state_dict()`` is the serial optimizer's (consolidated
@@ -45,8 +51,9 @@ from macrogen.runtime.tensor_parallel import _gather, _sharded_keys, split
 from macrogen.runtime.zero import ShardedOptimizer
 
 Optimizers = Sequence[torch.optim.Optimizer]
-# (container, key, shard dim, packed blocks, group): an entry handed to DCP in serial form
-Globalized = list[tuple[dict[str, Any], str, int, int, dist.ProcessGroup]]
+# (container, key, shard dim, packed blocks, group): an entry handed to DCP in serial form;
+# blocks 0: a strided DTensor, and the last item is the DTensor it is loaded back into
+Globalized = list[tuple[dict[str, Any], str, int, int, Any]]
 
 
 class UnsupportedModel(RuntimeError):
@@ -57,6 +64,15 @@ def check_supported(model: nn.Module, where: str = "resumable()") -> None:
     """Refuse what would lose data, at start-up."""
     from macrogen.runtime.pipeline import pipeline_of
 
+    two_d = [
+        n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.device_mesh.ndim > 1
+    ]
+    if two_d:
+        raise UnsupportedModel(
+            f"{where}: the model's parameters are 2-D DTensors (FSDP x TP, e.g. {two_d[0]});"
+            " checkpoints of FSDP x TP models are not supported yet (resuming gave wrong"
+            " parameters in our tests): train FSDP alone or TP with dp='replicate' under resumable"
+        )
     pipe = pipeline_of(model)
     if pipe is not None and pipe.layout is not None:
         raise UnsupportedModel(
@@ -84,7 +100,8 @@ def get_state(
             osd = get_optimizer_state_dict(model, opt)
         optim_sd["state"].update(osd["state"])
         optim_sd["param_groups"].extend(osd["param_groups"])
-    return model_sd, optim_sd, _globalize(model, model_sd, optim_sd, load)
+    done = _globalize(model, model_sd, optim_sd, load)
+    return model_sd, optim_sd, done + _unstride(model_sd, optim_sd, load)
 
 
 def set_state(
@@ -97,7 +114,12 @@ def set_state(
     """Load what DCP read into the model's shards and the optimizers."""
     for box, key, dim, blocks, group in globalized:
         value = box[key]
-        box[key] = value.to_local() if isinstance(value, DTensor) else split(value, dim, group, blocks)
+        if blocks == 0:  # a strided DTensor, loaded whole: back to its placements
+            box[key] = _restride(value, group)
+        else:
+            box[key] = (
+                value.to_local() if isinstance(value, DTensor) else split(value, dim, group, blocks)
+            )
     set_model_state_dict(model, model_sd)
     plain = [o for o in optimizers if not isinstance(o, ShardedOptimizer)]
     if plain:
@@ -153,6 +175,44 @@ def _serial_form(
         # of a DTensor whose data_ptr is not 0, and this wrapper has none (torch 2.13)
         local = local.clone()
     return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
+
+
+# ---- mg.parallelize's packed colwise layers (_StridedShard DTensors) ----------------------
+
+
+def _strided(t: Any) -> bool:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def _unstride(model_sd: dict[str, Any], optim_sd: dict[str, Any], load: bool) -> Globalized:
+    """Every strided DTensor, as the serial tensor (saved once; DCP can't plan its pieces)."""
+    boxes: list[tuple[dict[str, Any], str]] = [(model_sd, k) for k in model_sd]
+    for name in list(optim_sd["state"]):
+        entry = optim_sd["state"][name] = dict(optim_sd["state"][name])  # (a copy, as above)
+        boxes += [(entry, k) for k in entry]
+    done: Globalized = []
+    for box, key in boxes:
+        value = box[key]
+        if not _strided(value):
+            continue
+        whole = (
+            torch.empty(value.shape, dtype=value.dtype, device=value.to_local().device)
+            if load
+            else value.full_tensor()
+        )
+        box[key] = whole
+        done.append((box, key, -1, 0, value))
+    return done
+
+
+def _restride(whole: torch.Tensor, template: DTensor) -> DTensor:
+    from torch.distributed.tensor import Replicate
+
+    mesh = template.device_mesh
+    replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, template.placements)
 
 
 # ---- ZeRO (shard_optimizer) ----------------------------------------------------------------
