@@ -213,7 +213,13 @@ PATTERNS = [
     Pattern(
         "matmul",
         """
-        @mg.tile(i=64, j=64, k=32, num_stages=3)
+        @mg.tile(
+            i=mg.tunable(64, choices=[64, 128]),
+            j=mg.tunable(64, choices=[64, 128, 256]),
+            k=mg.tunable(32, choices=[32, 64]),
+            num_stages=mg.tunable(3, choices=[3, 4]),
+            num_warps=mg.tunable(4, choices=[4, 8]),
+        )
         def matmul(out, a, b):
             M, K = a.shape
             _, N = b.shape
@@ -369,16 +375,38 @@ def traffic_section(directory: Path, as_json: bool) -> None:
         )
 
 
+# The matmul's configurations worth trying on a GPU (Triton's matmul tutorial's list for
+# CUDA, within the pattern's tunable choices): bench/gpu.py times each and reports the best;
+# `macrogen autotune` searches the whole product of the choices.
+MATMUL_CONFIGS = [
+    {"i": i, "j": j, "k": k, "num_stages": stages, "num_warps": warps}
+    for i, j, k, stages, warps in (
+        (64, 64, 32, 3, 4),  # the default
+        (128, 256, 64, 3, 8),
+        (64, 256, 32, 4, 4),
+        (128, 128, 32, 4, 4),
+        (128, 64, 32, 4, 4),
+        (64, 128, 32, 4, 4),
+        (128, 128, 64, 3, 8),
+    )
+]
+
+
 def _function_name(p: Pattern) -> str:
     return p.name.split()[0]
 
 
-def load(p: Pattern, directory: Path):
-    """(the unexpanded module, the expanded module) of one pattern."""
+def load(p: Pattern, directory: Path, config: dict | None = None):
+    """(the unexpanded module, the expanded module) of one pattern; ``config``: tunable
+    values (argument -> value), as a tuning database would give them."""
     src = HEADER + textwrap.dedent(p.source)
+    fn = _function_name(p)
+    tuning = {f"{fn}.{k}": v for k, v in (config or {}).items()}
+    tag = "_".join(f"{k}{v}" for k, v in (config or {}).items())
     modules = []
-    for kind, code in (("loop", src), ("tiled", expand_source(src, path=f"{p.name}.py").code)):
-        path = directory / f"bench_tile_{_function_name(p)}_{kind}.py"
+    expanded = expand_source(src, path=f"{p.name}.py", tuning=tuning).code
+    for kind, code in (("loop", src), ("tiled", expanded)):
+        path = directory / f"bench_tile_{fn}_{kind}{'_' + tag if tag else ''}.py"
         path.write_text(code)
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)

@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.tile import HEADER, PATTERNS
+from bench.tile import HEADER, MATMUL_CONFIGS, PATTERNS
 from macrogen.expand import expand_source
 from tests.helpers import load_module
 from tests.macros.tile_cases import CASES, source
@@ -102,3 +102,13 @@ def test_benchmark_kernels_compile(tmp_path, target: GPUTarget) -> None:
         dtype = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}.get(str(p.gpu_dtype), "fp32")
         for persistent in (False, True) if "PERSISTENT:" in code else (False,):
             compile_kernel(code, name, {}, dtype, tmp_path, persistent=persistent, target=target)
+
+
+def test_matmul_configs_compile_for_sm90(tmp_path) -> None:
+    """bench/gpu.py's matmul configurations (tunable values from a tuning database), in fp16."""
+    (p,) = [p for p in PATTERNS if p.flops is not None]
+    for config in MATMUL_CONFIGS:
+        tuning = {f"matmul.{k}": v for k, v in config.items()}
+        code = expand_source(HEADER + textwrap.dedent(p.source), path="m.py", tuning=tuning).code
+        assert f"BLOCK_J={config['j']}," in code and f"num_warps={config['num_warps']}," in code
+        compile_kernel(code, "matmul", {}, "fp16", tmp_path)
