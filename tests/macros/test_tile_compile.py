@@ -37,6 +37,8 @@ def compile_kernel(
     wide: bool = False,
     persistent: bool = False,
     target: GPUTarget = TARGET,
+    overrides: dict | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Compile ``_<name>_kernel`` of the expanded ``code`` with the launcher's meta-parameters
     (a kernel with a persistent variant: that one or the looped one, at the default tiles)."""
@@ -59,6 +61,7 @@ def compile_kernel(
     if "DOT_PRECISION" in kernel.arg_names:  # chosen at run time from torch's allow_tf32
         constexprs.setdefault("DOT_PRECISION", "ieee")
     constexprs["INDEX_64"] = wide  # chosen at launch from the tensors' sizes
+    constexprs.update(overrides or {})
     signature = {
         arg: "*i64"
         if arg.endswith("_ptr") and arg[: -len("_ptr")] in indices
@@ -72,8 +75,9 @@ def compile_kernel(
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Triton's notice about its FP-fusion default
+        options = {"num_warps": num_warps} if num_warps else None
         compiled = triton.compile(
-            ASTSource(kernel, signature, constexprs=constexprs), target=target
+            ASTSource(kernel, signature, constexprs=constexprs), target=target, options=options
         )
     assert compiled.asm["cubin"]
 
@@ -112,3 +116,13 @@ def test_matmul_configs_compile_for_sm90(tmp_path) -> None:
         code = expand_source(HEADER + textwrap.dedent(p.source), path="m.py", tuning=tuning).code
         assert f"BLOCK_J={config['j']}," in code and f"num_warps={config['num_warps']}," in code
         compile_kernel(code, "matmul", {}, "fp16", tmp_path)
+
+
+@pytest.mark.parametrize("name", ["softmax", "rms"])
+def test_persistent_variant_at_its_longest_row_compiles_for_sm90(name: str, tmp_path) -> None:
+    """A 16K row: the launcher's choice for it (one row per program, 16 warps)."""
+    (p,) = [p for p in PATTERNS if p.name == name]
+    code = expand_source(HEADER + textwrap.dedent(p.source), path=f"{name}.py").code
+    assert f"_{name}_persistent_max = 16384" in code
+    rows = {"BLOCK_I": 1, "BLOCK_J": 16384}
+    compile_kernel(code, name, {}, "fp32", tmp_path, persistent=True, overrides=rows, num_warps=16)
