@@ -8,7 +8,9 @@ Rows (each checked against a reference, then timed):
 - ``tile``: every bench/tile.py pattern's generated kernel, its max error against
   eager torch, and its speed against ``torch.compile`` of the eager expression
   (goal >= 0.9) and eager; the matmul in fp16, bf16 and fp32 as TFLOP/s against
-  cuBLAS (``torch.matmul``; goal >= 0.8 for fp16/bf16);
+  cuBLAS (``torch.matmul``; goal >= 0.8 for fp16/bf16; the best of
+  bench/tile.py's MATMUL_CONFIGS); the attention pattern against
+  ``F.scaled_dot_product_attention`` (goal >= 0.5);
 - ``kernels``: gradient compression (fp32 -> bf16 and back) and the fused
   all-reduce's pack/unpack, as a fraction of the device's copy bandwidth;
 - ``fused_allreduce``: 16 small tensors, world size 1 (NCCL; gloo in a dry
@@ -105,6 +107,8 @@ def tile_rows(directory: Path, device: str) -> list[Row]:
             label = name if len(dtypes) == 1 else f"{name} {str(dtype).split('.')[-1]}"
             if p.flops is None:
                 rows.append(_tile_row(p, label, launcher, shapes, device, dtype))
+                if name == "attention":
+                    rows.append(_attention_vs_sdpa(launcher, shapes, device, dtype))
             else:
                 rows.append(_best_matmul(p, label, directory, shapes, device, dtype))
     return rows
@@ -158,6 +162,23 @@ def _tile_row(p: Pattern, label: str, launcher, shapes: dict, device: str, dtype
     note = f"eager {t_eager / t_ours:.2f}x"
     return Row(
         "tile", label, error, tolerance, t_ours, "torch.compile", t_compiled / t_ours, ">=0.9", note
+    )
+
+
+def _attention_vs_sdpa(launcher, shapes: dict, device: str, dtype) -> Row:
+    """The attention pattern (scale 0.125, one head) against F.scaled_dot_product_attention."""
+    import torch.nn.functional as F
+
+    args = _inputs(shapes, device, dtype)
+    q, k, v = (args[n][None, None] for n in ("q", "kk", "v"))  # (1, 1, L, D)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125)[0, 0]
+    launcher(**args)
+    error = rel_error(args["out"], want)
+    tolerance = 2e-2 if dtype != torch.float32 else 1e-4
+    t_ours = bench(lambda: launcher(**args), device)
+    t_sdpa = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=0.125), device)
+    return Row(
+        "tile", "attention vs SDPA", error, tolerance, t_ours, "SDPA", t_sdpa / t_ours, ">=0.5"
     )
 
 

@@ -30,7 +30,8 @@ def test_dry_run_checks_every_row_and_exits_zero() -> None:
     lines = proc.stdout.splitlines()
     for p in PATTERNS:
         assert any(line.startswith("tile") and p.name.split()[0] in line for line in lines), p.name
-    for case in ("compress", "decompress", "fused pack", "fused unpack", "16 small fp32"):
+    cases = ("attention vs SDPA", "compress", "decompress", "fused pack", "fused unpack")
+    for case in (*cases, "16 small fp32"):
         assert any(case in line for line in lines), case
     assert lines[-1].endswith(" 0 wrong ==")
     assert not any(" NO " in line or "CRASH" in line for line in lines)
