@@ -1,6 +1,7 @@
 """@tile: the generated CPU path against eager torch and the unexpanded loop; the kernel on CUDA.
 
     python bench/tile.py [--threads 1] [--rounds 7] [--min-run-time 0.3] [--only softmax ...]
+    python bench/tile.py --traffic [--json]   # memory traffic of each kernel, on CPU
 
 CPU, per pattern (medians of torch.utils.benchmark):
   * the expanded function's torch path over eager torch written as the same
@@ -13,12 +14,18 @@ CUDA (only where a GPU exists): the generated Triton kernel and
 torch.compile of the eager expression, timed with triton.testing.do_bench, as
 GB/s (TFLOP/s for the matmul) and as a fraction of the device's measured copy
 bandwidth.
+Traffic (``--traffic``, no GPU needed): each pattern's kernel under
+TRITON_INTERPRET=1 with macrogen.macros.tile.traffic's meter, as bytes moved
+over compulsory bytes (each input read once, each output written once) at
+row lengths up to 16K; for the matmul, bytes loaded per FLOP over its tile
+sizes' ideal.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import statistics
 import sys
@@ -47,6 +54,8 @@ class Pattern:
     gpu: dict  # parameter -> shape, for the CUDA section
     flops: object = None  # (shapes) -> floating-point operations, for TFLOP/s
     gpu_dtype: torch.dtype = torch.float32
+    outputs: tuple = ("out",)  # the parameters the nest writes
+    traffic: tuple = ()  # shapes (parameter -> shape) at which --traffic meters the kernel
 
 
 def _bias_gelu(out, x, b):
@@ -71,6 +80,14 @@ def _matmul(out, a, b):
 
 def _batched_gate(out, x, w, bias):
     out.copy_(torch.sigmoid((x * w).sum(dim=2) + bias))
+
+
+def _rms(out, x, w):
+    out.copy_(x * torch.rsqrt((x * x).sum(dim=1, keepdim=True) / x.shape[1] + 1e-6) * w)
+
+
+def _silu_residual(out, x, y):
+    out.copy_(x * torch.sigmoid(x) + y)
 
 
 def _attention(out, q, kk, v):
@@ -158,11 +175,51 @@ PATTERNS = [
         {"total": (2048,), "biggest": (2048,), "x": (2048, 2048)},
         {"total": (48,), "biggest": (48,), "x": (48, 64)},
         {"total": (16384,), "biggest": (16384,), "x": (16384, 4096)},
+        outputs=("total", "biggest"),
+    ),
+    Pattern(
+        "rms",
+        """
+        @mg.tile(i=4, j=1024)
+        def rms(out, x, w):
+            M, N = x.shape
+            for i in range(M):
+                ss = 0.0
+                for j in range(N):
+                    ss += x[i, j] * x[i, j]
+                r = 1.0 / torch.sqrt(ss / N + 1e-6)
+                for j in range(N):
+                    out[i, j] = x[i, j] * r * w[j]
+        """,
+        _rms,
+        {"out": (2048, 2048), "x": (2048, 2048), "w": (2048,)},
+        {"out": (32, 64), "x": (32, 64), "w": (64,)},
+        {"out": (16384, 4096), "x": (16384, 4096), "w": (4096,)},
+    ),
+    Pattern(
+        "silu_residual (1-D)",
+        """
+        @mg.tile(i=1024)
+        def silu_residual(out, x, y):
+            N = x.shape[0]
+            for i in range(N):
+                out[i] = x[i] * torch.sigmoid(x[i]) + y[i]
+        """,
+        _silu_residual,
+        {"out": (1 << 22,), "x": (1 << 22,), "y": (1 << 22,)},
+        {"out": (4096,), "x": (4096,), "y": (4096,)},
+        {"out": (1 << 26,), "x": (1 << 26,), "y": (1 << 26,)},
     ),
     Pattern(
         "matmul",
         """
-        @mg.tile(i=64, j=64, k=32, num_stages=3)
+        @mg.tile(
+            i=mg.tunable(64, choices=[64, 128]),
+            j=mg.tunable(64, choices=[64, 128, 256]),
+            k=mg.tunable(32, choices=[32, 64]),
+            num_stages=mg.tunable(3, choices=[3, 4]),
+            num_warps=mg.tunable(4, choices=[4, 8]),
+        )
         def matmul(out, a, b):
             M, K = a.shape
             _, N = b.shape
@@ -230,16 +287,126 @@ PATTERNS = [
 ]
 
 
+def _rows(n: int, m: int, outputs: tuple[str, ...] = ("out",), extra: dict | None = None) -> dict:
+    """Shapes of a row-wise pattern with ``m`` rows of ``n``."""
+    shapes = {name: (m, n) if name == "out" else (m,) for name in outputs}
+    return {**shapes, "x": (m, n), **(extra or {})}
+
+
+# --traffic: the shapes each kernel is metered at (rows up to 16K, and one past the persistent
+# bound, where the looped variant runs), sizes not multiples of the tiles
+TRAFFIC: dict[str, list[dict]] = {
+    "bias_gelu": [_rows(n, 37, extra={"b": (n,)}) for n in (1000, 16384)],
+    "softmax": [_rows(n, m) for n, m in ((1000, 9), (16384, 3), (20000, 2))],
+    "online_softmax": [_rows(n, m) for n, m in ((1000, 9), (16384, 3), (20000, 2))],
+    "row_sum_max": [_rows(n, m, ("total", "biggest")) for n, m in ((1000, 9), (16384, 3))],
+    "rms": [_rows(n, m, extra={"w": (n,)}) for n, m in ((1000, 9), (16384, 3), (20000, 2))],
+    "silu_residual": [{"out": (n,), "x": (n,), "y": (n,)} for n in (1000, 100_003)],
+    "matmul": [{"out": (256, 256), "a": (256, 512), "b": (512, 256)}],
+}
+
+
+def traffic_rows(directory: Path) -> list[dict]:
+    """Each pattern's kernel metered under the Triton interpreter (TRITON_INTERPRET=1 must be set
+    before triton is imported): one row per shape."""
+    import numpy as np
+
+    from macrogen.macros.tile.traffic import Meter, compulsory, matmul_ideal_bytes_per_flop
+
+    rows = []
+    for p in PATTERNS:
+        fn = _function_name(p)
+        if fn not in TRAFFIC:
+            continue
+        _, tiled = load(p, directory)
+        launcher = getattr(tiled, f"_{fn}_triton")
+        for shapes in TRAFFIC[fn]:
+            args = inputs(shapes)
+            with Meter() as meter, np.errstate(all="ignore"):  # (masked lanes' inf - inf)
+                launcher(**args)
+            outs = [args[o] for o in p.outputs]
+            ins = [t for k, t in args.items() if k not in p.outputs]
+            row = {
+                "pattern": fn,
+                # the looped variant: a reduction's row past the persistent bound
+                "looped": hasattr(tiled, f"_{fn}_persistent_max")
+                and shapes["x"][-1] > getattr(tiled, f"_{fn}_persistent_max"),
+                "shapes": {k: list(v) for k, v in shapes.items()},
+                "loaded": meter.loaded,
+                "raw_loaded": meter.raw_loaded,
+                "stored": meter.stored,
+                "compulsory": compulsory(ins, outs),
+                "ratio": meter.traffic / compulsory(ins, outs),
+                "raw_ratio": (meter.raw_loaded + meter.stored) / compulsory(ins, outs),
+                "load_ratio": meter.loaded / compulsory(ins, []),
+            }
+            if p.flops is not None:  # reuse: bytes loaded per FLOP against the tiles' ideal
+                tiles = {"i": 64, "j": 64}  # the pattern's @mg.tile(i=64, j=64, ...)
+                ideal = matmul_ideal_bytes_per_flop(tiles["i"], tiles["j"], 4)
+                per_flop = meter.raw_loaded / p.flops(shapes)  # what each program loads
+                row.update(bytes_per_flop=per_flop, ideal=ideal, reuse_ratio=per_flop / ideal)
+            rows.append(row)
+    return rows
+
+
+def traffic_section(directory: Path, as_json: bool) -> None:
+    rows = traffic_rows(directory)
+    if as_json:
+        print(json.dumps(rows))
+        return
+    print("== memory traffic of each kernel (Triton interpreter; masked lanes excluded) ==")
+    print("   traffic: bytes stored + bytes loaded that no earlier program of the launch loaded")
+    print("   (those come from L2); raw: every load of every program; matmul: each program's loads")
+    print(
+        f"{'pattern':<16}{'shape':<22}{'traffic/compulsory':>20}{'loads/inputs':>14}{'raw':>12}{'goal':>10}"
+    )
+    for r in rows:
+        shape = "x".join(map(str, r["shapes"].get("x", r["shapes"].get("a"))))
+        if "reuse_ratio" in r:
+            print(
+                f"{r['pattern']:<16}{shape:<22}{'bytes/FLOP':>12}{r['bytes_per_flop']:>8.4f}"
+                f"  ideal {r['ideal']:.4f} ({r['reuse_ratio']:.2f}x){'<=1.2x':>8}"
+            )
+            continue
+        goal = "(looped)" if r["looped"] else "<=1.05"
+        print(
+            f"{r['pattern']:<16}{shape:<22}{r['ratio']:>20.3f}{r['load_ratio']:>14.3f}"
+            f"{r['raw_ratio']:>12.3f}{goal:>10}"
+        )
+
+
+# The matmul's configurations worth trying on a GPU (Triton's matmul tutorial's list for
+# CUDA, within the pattern's tunable choices): bench/gpu.py times each and reports the best;
+# `macrogen autotune` searches the whole product of the choices.
+MATMUL_CONFIGS = [
+    {"i": i, "j": j, "k": k, "num_stages": stages, "num_warps": warps}
+    for i, j, k, stages, warps in (
+        (64, 64, 32, 3, 4),  # the default
+        (128, 256, 64, 3, 8),
+        (64, 256, 32, 4, 4),
+        (128, 128, 32, 4, 4),
+        (128, 64, 32, 4, 4),
+        (64, 128, 32, 4, 4),
+        (128, 128, 64, 3, 8),
+    )
+]
+
+
 def _function_name(p: Pattern) -> str:
     return p.name.split()[0]
 
 
-def load(p: Pattern, directory: Path):
-    """(the unexpanded module, the expanded module) of one pattern."""
+def load(p: Pattern, directory: Path, config: dict | None = None):
+    """(the unexpanded module, the expanded module) of one pattern; ``config``: tunable
+    values (argument -> value), as a tuning database would give them."""
     src = HEADER + textwrap.dedent(p.source)
+    fn = _function_name(p)
+    tuning = {f"{fn}.{k}": v for k, v in (config or {}).items()}
+    tag = "_".join(f"{k}{v}" for k, v in (config or {}).items())
     modules = []
-    for kind, code in (("loop", src), ("tiled", expand_source(src, path=f"{p.name}.py").code)):
-        path = directory / f"bench_tile_{_function_name(p)}_{kind}.py"
+    expanded = expand_source(src, path=f"{p.name}.py", tuning=tuning).code
+    for kind, code in (("loop", src), ("tiled", expanded)):
+        path = directory / f"bench_tile_{fn}_{kind}{'_' + tag if tag else ''}.py"
         path.write_text(code)
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
@@ -366,12 +533,27 @@ def main() -> int:
         "--clock", choices=("cpu", "wall"), default="cpu", help="CPU: this thread's CPU time"
     )
     parser.add_argument("--only", nargs="*", default=(), help="patterns whose names contain these")
+    parser.add_argument(
+        "--traffic", action="store_true", help="meter each kernel's memory traffic (interpreter)"
+    )
+    parser.add_argument("--json", action="store_true", help="--traffic: print the rows as JSON")
     args = parser.parse_args()
     global CLOCK
     CLOCK = args.clock
     if args.only:
         PATTERNS[:] = [p for p in PATTERNS if any(o in p.name for o in args.only)]
     torch.set_num_threads(args.threads)
+    if args.traffic:
+        os.environ["TRITON_INTERPRET"] = "1"  # (before triton is first imported: by the kernels)
+        if "triton" in sys.modules:
+            print(
+                "--traffic: triton was imported before TRITON_INTERPRET=1 could be set",
+                file=sys.stderr,
+            )
+            return 3
+        with tempfile.TemporaryDirectory(prefix="bench-tile-") as tmp:
+            traffic_section(Path(tmp), args.json)
+        return 0
     with tempfile.TemporaryDirectory(prefix="bench-tile-") as tmp:
         cpu_section(Path(tmp), args.rounds, args.min_run_time)
         cuda_section(Path(tmp))

@@ -20,6 +20,7 @@ from tests.macros.tile_cases import CASES, RANDOM_CASES, WIDE_CASES, compare, mo
 
 NAMES = [case.name for case in CASES]
 WIDE = [f"{name}@int64" for name in WIDE_CASES]
+LOOPED = [f"{name}@looped" for name in NAMES]  # _<name>_persistent_max = 0: rows a tile at a time
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +32,18 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
 
 
-@pytest.mark.parametrize("name", NAMES + WIDE)
+@pytest.mark.parametrize("name", NAMES + WIDE + LOOPED)
 def test_triton_kernel_matches_loop(name: str, interpreted: dict) -> None:
-    """Every case; some again with the kernel's 64-bit offsets (INDEX_64) forced on."""
+    """Every case (a reduction's short rows take the persistent variant); some again with the
+    kernel's 64-bit offsets (INDEX_64) forced on; each again with the looped variant."""
     assert interpreted[name] is None, interpreted[name]
 
 
 def test_triton_kernel_matches_loop_on_random_bodies(interpreted: dict) -> None:
-    random = {name: result for name, result in interpreted.items() if name not in NAMES + WIDE}
-    assert len(random) == RANDOM_CASES
+    random = {
+        name: result for name, result in interpreted.items() if name not in NAMES + WIDE + LOOPED
+    }
+    assert len(random) == 2 * RANDOM_CASES  # each also @looped
     failures = [result for result in random.values() if result is not None]
     assert not failures, "\n".join(failures)
 

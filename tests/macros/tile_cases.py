@@ -484,6 +484,21 @@ CASES = [
         dtype=torch.float16,  # summed in float16, the total would be off by far more than this
     ),
     Case(
+        "stepped_rms",  # a persistent row over a stepped range, odd columns only; ragged rows
+        """
+        @mg.tile(i=2, j=16)
+        def stepped_rms(out, x, w):
+            M, N = x.shape
+            for i in range(M):
+                ss = 0.0
+                for j in range(1, N, 2):
+                    ss += x[i, j] * x[i, j]
+                for j in range(1, N, 2):
+                    out[i, j] = x[i, j] * w[j] / torch.sqrt(ss + 1.0)
+        """,
+        {"out": ("nan", (7, 301)), "x": ("randn", (7, 301)), "w": ("randn", (301,))},
+    ),
+    Case(
         "gelu_bf16_to_fp32",
         """
         @mg.tile(i=16, j=32)

@@ -35,6 +35,18 @@ def main(directory: str) -> None:
             results[case.name] = compare(case, reference, getattr(expanded, f"_{case.name}_triton"))
         except Exception:  # report, and go on with the other cases
             results[case.name] = traceback.format_exc(limit=4)
+        # the looped variant of a reduction (the rows here are short: the persistent one ran)
+        try:
+            reference, expanded = modules(case, Path(directory))
+            if hasattr(expanded, f"_{case.name}_persistent_max"):
+                setattr(expanded, f"_{case.name}_persistent_max", 0)
+                results[f"{case.name}@looped"] = compare(
+                    case, reference, getattr(expanded, f"_{case.name}_triton")
+                )
+            else:
+                results[f"{case.name}@looped"] = None  # (no inner loop: one variant)
+        except Exception:
+            results[f"{case.name}@looped"] = traceback.format_exc(limit=4)
     for case in CASES:  # the 64-bit-offset variant of some kernels, as if a tensor were huge
         if case.name not in WIDE_CASES:
             continue

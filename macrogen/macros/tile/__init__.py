@@ -53,9 +53,15 @@ from macrogen.macros.tile.constraints import (
     tuning_constraint as tuning_constraint,  # autotune's hook
 )
 from macrogen.macros.tile.ir import InnerLoop, Load, Nest
-from macrogen.macros.tile.kernel import KernelEmitter
+from macrogen.macros.tile.kernel import (
+    PERSISTENT_MAX,
+    PERSISTENT_TILE,
+    KernelEmitter,
+    persistent_ok,
+)
 from macrogen.macros.tile.kernel import flat as _flat
-from macrogen.macros.tile.names import LoopBounds, loads_in, make_names
+from macrogen.macros.tile.names import LoopBounds, Namer, Names, loads_in, make_names
+from macrogen.macros.tile.steps import Branch, Step
 from macrogen.macros.tile.torch_path import (
     BLOCK_ELEMENTS,
     MIN_BLOCK_ROWS,
@@ -213,6 +219,7 @@ class _Output:
                 ("launcher", "triton"),
                 ("torch_fn", "torch"),
                 ("torch_block", "torch_block"),
+                ("persistent_max", "persistent_max"),
             )
             if self.kernel_wanted or kind in ("shapes", "torch_fn", "torch_block")
         }
@@ -230,6 +237,11 @@ class _Output:
             self.names.namer("DOT_PRECISION") if self.kernel_nest.dot is not None else ""
         )
         self.group = self.names.namer("GROUP_SIZE") if self.kernel_nest.dot is not None else ""
+        self.persistent = (
+            self.names.namer("PERSISTENT")
+            if self.kernel_wanted and persistent_ok(self.kernel_nest)
+            else ""
+        )
 
     def _tensor(self, t: str, ndim: int) -> dict[str, object]:
         first = self.first
@@ -275,30 +287,53 @@ class _Output:
             grouping=emitter.grouping,
             group=self.group if grouped else "",
             wide=self.names.wide,
-            steps=emitter.steps(),
+            steps=self._kernel_steps(emitter, names),
+            persistent=self.persistent,
             **self.common,
         )
 
+    def _kernel_steps(self, emitter: KernelEmitter, names: Names) -> list[Step]:
+        """The kernel's body: with a persistent variant, both under ``if PERSISTENT:``."""
+        if not self.persistent:
+            return emitter.steps()
+        variants = []
+        for persistent in (True, False):
+            fork = names.fork()  # each variant's locals named afresh: only one is compiled
+            variant = KernelEmitter(self.kernel_nest, fork, self.mods["tl"], self.dot_precision)
+            variant.grid_vars, variant.grouping = emitter.grid_vars, emitter.grouping
+            variants.append(tuple(variant.steps(persistent)))
+        comment = "every row in one block: loaded once, each pass reads registers"
+        return [Branch(self.persistent, variants[0], variants[1], comment)]
+
     def launcher(self) -> str:
         triton, launcher = self.mods["triton"], self.fns["launcher"]
+        namer = self.names.fork().namer
+        programs_name = namer("programs")
+        local = {v: namer(f"block_{v}") for v in self.names.block}
+        blocks = [
+            {"name": self.names.block[v], "value": self.spec.tile[v], "local": local[v]}
+            for v in self.names.block
+        ]
+        persistent = self._persistent_launch(local, namer) if self.persistent else None
         programs = " * ".join(
-            f"{triton}.cdiv({_iterations(self.names.bounds[g], g.step, triton)}, {self.spec.tile[g.var]})"
+            f"{triton}.cdiv({_iterations(self.names.bounds[g], g.step, triton)}, "
+            f"{local[g.var] if persistent else self.spec.tile[g.var]})"
             for g in self.nest.grid
         )
         return codegen.render(
             "tile_launcher.py.j2",
+            persistent=persistent,
+            triton=triton,
             torch=self.mods["torch"],
             interpreting=self.mods["interpreting"],
             first=self.first,
             device_message=f"{launcher} runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ",
             dtype_message=f"{launcher} takes float16, bfloat16 or float32 tensors, not ",
-            programs=self.names.fork().namer("programs"),
+            programs=programs_name,
             programs_code=parse(programs),
             scalars=self.nest.scalars,
             sizes=[s.name for s in self.nest.sizes],
-            blocks=[
-                {"name": self.names.block[v], "value": self.spec.tile[v]} for v in self.names.block
-            ],
+            blocks=blocks,
             dot_precision=self.dot_precision,
             dot_precision_value=self.spec.dot_precision,
             dot_operands=self._dot_operands(),
@@ -315,6 +350,37 @@ class _Output:
             int64_offsets=self.mods["int64_offsets"],
             **self.common,
         )
+
+    def _persistent_launch(self, local: dict[str, str], namer: Namer) -> dict[str, object]:
+        """What the launcher needs to pick the persistent variant and size its blocks
+        (``local``: loop variable -> the launcher's local holding its block size)."""
+        extents: dict[str, str] = {}
+        for s in self.kernel_nest.inner_loops:  # (persistent_ok: one range per variable)
+            bounds = self.names.bounds[s.loop]
+            extents.setdefault(s.loop.var, _iterations(bounds, s.loop.step, self.mods["triton"]))
+        widest = [local[v] for v in extents]
+        row_elements = widest[0] if len(widest) == 1 else f"max({', '.join(widest)})"
+        grid = [local[g.var] for g in self.nest.grid]
+        flag, warps = namer("persistent"), namer("warps")
+        defaults = f"{', '.join([*local.values(), warps])} = "
+        defaults += ", ".join(str(v) for v in [*self.spec.tile.values(), self.spec.num_warps])
+        knob = self.fns["persistent_max"]
+        test = " and ".join(f"{e} <= {knob}" for e in extents.values())
+        return {
+            "knob": self.fns["persistent_max"],
+            "max": PERSISTENT_MAX,
+            "tile": PERSISTENT_TILE,
+            "flag": self.persistent,
+            "flag_local": flag,
+            "warps": warps,
+            "defaults": parse(defaults),
+            "test": parse(test),
+            "room": namer("room"),
+            "rows": [{"local": local[v], "extent": parse(e)} for v, e in extents.items()],
+            "row_elements": parse(row_elements),
+            "tile_elements": parse(" * ".join([*grid, row_elements])),
+            "grid": [{"local": g} for g in reversed(grid)],  # the last axis shrinks first
+        }
 
     def _dot_operands(self) -> list[str]:
         """The tensors a tl.dot reads in their own dtype (both plain loads), else none."""

@@ -6,6 +6,13 @@ loop variable is an ``arange`` broadcast along its axis, so ``b[j]`` loads a
 Inner loops walk their row one tile at a time; a reduction keeps a tile-shaped
 accumulator and folds it after the loop; a matmul-shaped one is a ``tl.dot``
 per K tile. Masks are computed once per scope and named.
+
+A *persistent* variant (``steps(persistent=True)``, for a nest that
+``persistent_ok``) is the same body with each inner loop's row in one block
+(the launcher passes ``BLOCK_J`` >= the row's length): no ``for``, and every
+pass over a row reads the values the first pass loaded, from registers. The
+kernel holds both variants under ``if PERSISTENT:`` (a constexpr), and the
+launcher picks one from the sizes (``PERSISTENT_MAX`` elements per row).
 """
 
 from __future__ import annotations
@@ -49,6 +56,24 @@ from macrogen.macros.tile.steps import (
 )
 
 IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf, "expsum": 0.0}
+# the longest row a persistent reduction holds in registers (float32 elements per row; the
+# launcher also shrinks the grid's tiles so that a program holds at most PERSISTENT_TILE)
+PERSISTENT_MAX = 16384
+PERSISTENT_TILE = 8192
+
+
+def persistent_ok(nest: Nest) -> bool:
+    """Whether the kernel gets a persistent variant: one level of inner loops (no tl.dot), and
+    the loops over one variable share their bounds (so that passes share the loaded row)."""
+    loops = nest.inner_loops
+    if not loops or nest.dot is not None or nest.depth != 1:
+        return False
+    ranges: dict[str, tuple[object, ...]] = {}
+    for s in loops:
+        key = (s.loop.start, s.loop.stop, s.loop.step)
+        if ranges.setdefault(s.loop.var, key) != key:
+            return False
+    return True
 
 
 @dataclass
@@ -71,6 +96,7 @@ class KernelEmitter:
         self.grid_vars = tuple(loop.var for loop in nest.grid)
         self.rank = nest.rank
         self.identity: dict[str, float] = {}  # locals whose value is still a constant
+        self.rows: dict[str, _Scope] | None = None  # persistent: loop variable -> its row
 
     def axis_suffix(self, axis: int) -> str:
         if self.rank == 1:
@@ -154,15 +180,22 @@ class KernelEmitter:
             )
         return out
 
-    def steps(self) -> list[Step]:
+    def steps(self, persistent: bool = False) -> list[Step]:
+        """The body's steps; ``persistent``: each inner loop's row in one block, loaded once."""
+        self.rows = {} if persistent else None
         out: list[Step] = [Widen(self.grid_vars, self.names.wide)]
         grid = _Scope({v: name(v) for v in self.grid_vars}, dict(self.names.mask), {}, out)
         for s in self.nest.body:
             if isinstance(s, InnerLoop):
                 self._hoist(s, grid)
-                out.append(
-                    self._dot_loop(s, grid) if self.nest.dot is not None else self._loop(s, grid)
-                )
+                if self.rows is not None:
+                    out.extend(self._row(s, grid))
+                else:
+                    out.append(
+                        self._dot_loop(s, grid)
+                        if self.nest.dot is not None
+                        else self._loop(s, grid)
+                    )
             else:
                 assert not isinstance(s, Accum)  # reductions live in inner loops
                 self._statement(s, grid, out)
@@ -280,27 +313,39 @@ class KernelEmitter:
         return "[" + ", ".join(blocks + ["1"] * (self.rank - len(blocks))) + "]"
 
     # -- inner loops -----------------------------------------------------------------------------
-    def _loop(self, s: InnerLoop, outer: _Scope, level: tuple[str, ...] = ()) -> LoopBlock:
-        """The tiles of an inner loop; ``level``: the inner loops around it (their variables)."""
+    def _loop(
+        self,
+        s: InnerLoop,
+        outer: _Scope,
+        level: tuple[str, ...] = (),
+        scope: _Scope | None = None,
+    ) -> LoopBlock:
+        """The tiles of an inner loop; ``level``: the inner loops around it (their variables).
+        With ``scope`` (a persistent row, set up by ``_row``) the steps are for one block: the
+        caller lays out ``before``, ``body`` and ``after`` without the ``for``."""
         loop, namer, tl = s.loop, self.names.namer, self.tl
         bounds = self.names.bounds[loop]
-        start = namer(f"{loop.var}_start")
         block = self.names.block[loop.var]
-        inner_mask = namer(f"{loop.var}_mask")
         axis = len(self.grid_vars) + len(level)
-        offsets = self._spaced(self.arange(block, axis), loop.step)
-        setup: list[Step] = [
-            Assign(loop.var, parse(binary("+", name(start), offsets))),
-            Widen((loop.var,), self.names.wide),
-            Assign(inner_mask, parse(binary("<", name(loop.var), name(bounds.hi)))),
-        ]
-        scope = _Scope(
-            {**outer.index, loop.var: name(loop.var)},
-            {**outer.masks, loop.var: inner_mask},
-            dict(outer.loaded),
-            setup,
-            dict(outer.combined or {}),
-        )
+        setup: list[Step] = []
+        start = ""
+        if scope is None:
+            start = namer(f"{loop.var}_start")
+            inner_mask = namer(f"{loop.var}_mask")
+            offsets = self._spaced(self.arange(block, axis), loop.step)
+            setup = [
+                Assign(loop.var, parse(binary("+", name(start), offsets))),
+                Widen((loop.var,), self.names.wide),
+                Assign(inner_mask, parse(binary("<", name(loop.var), name(bounds.hi)))),
+            ]
+            scope = _Scope(
+                {**outer.index, loop.var: name(loop.var)},
+                {**outer.masks, loop.var: inner_mask},
+                dict(outer.loaded),
+                setup,
+                dict(outer.combined or {}),
+            )
+        once = not start  # one block: an accumulator starts as its first (only) value
         here = (*level, loop.var)
         body: list[Step] = []
         before: list[Assign] = []
@@ -326,6 +371,17 @@ class KernelEmitter:
             assert mask is not None  # an inner loop always has its own mask
             printed = TritonPrinter(scope.loaded, tl).expr(st.value)
             reduce_axis = str(axis)
+            if once:  # one block: reduce it now; an online softmax's sum uses the row's max
+                before.pop()
+                op, identity = st.op, number(IDENTITY[st.op])
+                if st.op == "expsum":
+                    assert st.shift is not None
+                    printed = call(f"{tl}.exp", binary("-", printed, name(st.shift)))
+                    op = "sum"
+                body.append(Assign(tile, parse(call(f"{tl}.where", mask, printed, identity))))
+                reduced = call(f"{tl}.{op}", tile, axis=reduce_axis, keep_dims="True")
+                body.append(Assign(st.name, parse(self._combine(op, st.name, reduced))))
+                continue
             if st.op == "expsum":  # s * exp(m_old - m_new) + exp(e - m_new), per lane
                 assert st.shift is not None
                 old, new = running[st.shift]
@@ -382,6 +438,35 @@ class KernelEmitter:
             var=loop.var,
             dot=False,
         )
+
+    def _row(self, s: InnerLoop, grid: _Scope) -> list[Step]:
+        """A top-level inner loop whose whole row is one block: straight-line steps. The first
+        loop over a variable sets up its index and mask; later passes reuse them and its loads."""
+        assert self.rows is not None
+        loop = s.loop
+        out = grid.sink  # the setup first: combined masks follow it there as they are needed
+        scope = self.rows.get(loop.var)
+        if scope is None:
+            bounds = self.names.bounds[loop]
+            mask = self.names.namer(f"{loop.var}_mask")
+            offsets = self._spaced(
+                self.arange(self.names.block[loop.var], len(self.grid_vars)), loop.step
+            )
+            out += [
+                Assign(loop.var, parse(binary("+", name(bounds.lo), offsets))),
+                Widen((loop.var,), self.names.wide),
+                Assign(mask, parse(binary("<", name(loop.var), name(bounds.hi)))),
+            ]
+            scope = _Scope(
+                {**grid.index, loop.var: name(loop.var)},
+                {**grid.masks, loop.var: mask},
+                grid.loaded,  # loads of the grid's tile hoisted later are seen here too
+                grid.sink,
+                grid.combined,
+            )
+            self.rows[loop.var] = scope
+        block = self._loop(s, grid, scope=scope)
+        return [*block.before, *block.body, *block.after]
 
     def _dot_loop(self, s: InnerLoop, grid: _Scope) -> LoopBlock:
         dot = self.nest.dot

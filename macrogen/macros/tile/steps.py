@@ -67,7 +67,19 @@ class Widen:
     kind: str = "widen"
 
 
-Step = Assign | TritonStore | TorchStore | LoopBlock | Widen
+@dataclass(frozen=True)
+class Branch:
+    """``if FLAG: then else: orelse`` on a constexpr: the kernel's variants, one compiled per launch
+    (a persistent reduction, its row in registers, or the looped one). Nothing follows it."""
+
+    flag: str
+    then: tuple[Step, ...]
+    orelse: tuple[Step, ...]
+    comment: str
+    kind: str = "branch"
+
+
+Step = Assign | TritonStore | TorchStore | LoopBlock | Widen | Branch
 
 
 class _Reads:
@@ -95,6 +107,8 @@ class _Reads:
             return step.target.names | step.value.names
         if isinstance(step, Widen):
             return frozenset({*step.names, step.flag})
+        if isinstance(step, Branch):
+            return frozenset({step.flag}).union(*map(self, (*step.then, *step.orelse)))
         inside = (*step.before, *step.setup, *step.body, *step.after)
         return frozenset({step.lo, step.hi, step.block}.union(*map(self, inside)))
 
@@ -104,6 +118,10 @@ def _live(name: str, later: list[Step], reads: _Reads | None = None) -> bool:
     reads = _Reads() if reads is None else reads
     for step in later:
         after: list[Step]
+        if isinstance(step, Branch):  # (conservative: live if either variant reads it)
+            if name in reads(step):
+                return True
+            continue
         if isinstance(step, LoopBlock):  # runs 0+ times; its ``after`` always runs
             inner = (*step.before, *step.setup, *step.body)
             if name in (step.lo, step.hi) or any(name in reads(s) for s in inner):

@@ -102,6 +102,7 @@ def _gather_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    PERSISTENT: tl.constexpr,  # each inner loop's row is one block
     INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
@@ -116,15 +117,13 @@ def _gather_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
-    if INDEX_64:
-        i = i.to(tl.int64)
-    idx_i = tl.load(idx_ptr + i * stride_idx0, mask=i_mask, other=0)
-    if INDEX_64:
-        idx_i = idx_i.to(tl.int64)
-    # ---- for j in range(j_lo, j_hi), one tile at a time
-    s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
-    for j_start in range(j_lo, j_hi, BLOCK_J):
-        j = j_start + tl.arange(0, BLOCK_J)[None, :]
+    if PERSISTENT:  # every row in one block: loaded once, each pass reads registers
+        if INDEX_64:
+            i = i.to(tl.int64)
+        idx_i = tl.load(idx_ptr + i * stride_idx0, mask=i_mask, other=0)
+        if INDEX_64:
+            idx_i = idx_i.to(tl.int64)
+        j = j_lo + tl.arange(0, BLOCK_J)[None, :]
         if INDEX_64:
             j = j.to(tl.int64)
         j_mask = j < j_hi
@@ -134,22 +133,51 @@ def _gather_kernel(
         if INDEX_64:
             perm_j = perm_j.to(tl.int64)
         x_i_perm = tl.load(x_ptr + i * stride_x0 + perm_j * stride_x1, mask=mask, other=0.0).to(tl.float32)
-        s_tile = s_tile + tl.where(mask, table_idx_j * x_i_perm, 0.0)
-    s = tl.sum(s_tile, axis=1, keep_dims=True)
-    tl.store(sums_ptr + i * stride_sums0, s.to(sums_ptr.dtype.element_ty), mask=i_mask)
-    # ---- for j in range(j_lo, j_hi), one tile at a time
-    for j_start_2 in range(j_lo, j_hi, BLOCK_J):
-        j = j_start_2 + tl.arange(0, BLOCK_J)[None, :]
+        s_tile = tl.where(mask, table_idx_j * x_i_perm, 0.0)
+        s = tl.sum(s_tile, axis=1, keep_dims=True)
+        tl.store(sums_ptr + i * stride_sums0, s.to(sums_ptr.dtype.element_ty), mask=i_mask)
+        tl.store(out_ptr + i * stride_out0 + j * stride_out1, (table_idx_j + x_i_perm).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
         if INDEX_64:
-            j = j.to(tl.int64)
-        j_mask_2 = j < j_hi
-        mask_2 = i_mask & j_mask_2
-        table_idx_j_2 = tl.load(table_ptr + idx_i * stride_table0 + j * stride_table1, mask=mask_2, other=0.0).to(tl.float32)
-        perm_j_2 = tl.load(perm_ptr + j * stride_perm0, mask=j_mask_2, other=0)
+            i = i.to(tl.int64)
+        idx_i = tl.load(idx_ptr + i * stride_idx0, mask=i_mask, other=0)
         if INDEX_64:
-            perm_j_2 = perm_j_2.to(tl.int64)
-        x_i_perm_2 = tl.load(x_ptr + i * stride_x0 + perm_j_2 * stride_x1, mask=mask_2, other=0.0).to(tl.float32)
-        tl.store(out_ptr + i * stride_out0 + j * stride_out1, (table_idx_j_2 + x_i_perm_2).to(out_ptr.dtype.element_ty), mask=mask_2)
+            idx_i = idx_i.to(tl.int64)
+        # ---- for j in range(j_lo, j_hi), one tile at a time
+        s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
+        for j_start in range(j_lo, j_hi, BLOCK_J):
+            j = j_start + tl.arange(0, BLOCK_J)[None, :]
+            if INDEX_64:
+                j = j.to(tl.int64)
+            j_mask = j < j_hi
+            mask = i_mask & j_mask
+            table_idx_j = tl.load(table_ptr + idx_i * stride_table0 + j * stride_table1, mask=mask, other=0.0).to(tl.float32)
+            perm_j = tl.load(perm_ptr + j * stride_perm0, mask=j_mask, other=0)
+            if INDEX_64:
+                perm_j = perm_j.to(tl.int64)
+            x_i_perm = tl.load(x_ptr + i * stride_x0 + perm_j * stride_x1, mask=mask, other=0.0).to(tl.float32)
+            s_tile = s_tile + tl.where(mask, table_idx_j * x_i_perm, 0.0)
+        s = tl.sum(s_tile, axis=1, keep_dims=True)
+        tl.store(sums_ptr + i * stride_sums0, s.to(sums_ptr.dtype.element_ty), mask=i_mask)
+        # ---- for j in range(j_lo, j_hi), one tile at a time
+        for j_start_2 in range(j_lo, j_hi, BLOCK_J):
+            j = j_start_2 + tl.arange(0, BLOCK_J)[None, :]
+            if INDEX_64:
+                j = j.to(tl.int64)
+            j_mask_2 = j < j_hi
+            mask_2 = i_mask & j_mask_2
+            table_idx_j_2 = tl.load(table_ptr + idx_i * stride_table0 + j * stride_table1, mask=mask_2, other=0.0).to(tl.float32)
+            perm_j_2 = tl.load(perm_ptr + j * stride_perm0, mask=j_mask_2, other=0)
+            if INDEX_64:
+                perm_j_2 = perm_j_2.to(tl.int64)
+            x_i_perm_2 = tl.load(x_ptr + i * stride_x0 + perm_j_2 * stride_x1, mask=mask_2, other=0.0).to(tl.float32)
+            tl.store(out_ptr + i * stride_out0 + j * stride_out1, (table_idx_j_2 + x_i_perm_2).to(out_ptr.dtype.element_ty), mask=mask_2)
+
+
+# tile at input.py:6: a row of at most this many elements is one block, loaded once and
+# kept in registers for every pass over it (a persistent reduction); longer rows are walked
+# a tile at a time.
+_gather_persistent_max = 16384
 
 
 # tile at input.py:6: the launcher.
@@ -175,7 +203,14 @@ def _gather_triton(out, sums, table, idx, perm, x):
         raise ValueError('perm indexes other tensors: it must be an int32 or int64 tensor on the same device as out')
     if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
-    programs = triton.cdiv(max(i_hi - i_lo, 0), 8)
+    block_i, block_j, warps = 8, 16, 4
+    persistent = max(j_hi - j_lo, 0) <= _gather_persistent_max
+    if persistent:
+        block_j = triton.next_power_of_2(max(max(j_hi - j_lo, 0), 1))
+        room = max(8192 // block_j, 1)  # the grid's tile: at most 8192 elements in all
+        block_i = min(block_i, room)
+        warps = min(max(warps, block_i * block_j // 512), 16)  # 512 elements a warp
+    programs = triton.cdiv(max(i_hi - i_lo, 0), block_i)
     if programs == 0:
         return
     _gather_kernel[(programs,)](
@@ -196,10 +231,11 @@ def _gather_triton(out, sums, table, idx, perm, x):
         perm.stride(0),
         x.stride(0),
         x.stride(1),
-        BLOCK_I=8,
-        BLOCK_J=16,
+        BLOCK_I=block_i,
+        BLOCK_J=block_j,
+        PERSISTENT=persistent,
         INDEX_64=int64_offsets(out, sums, table, idx, perm, x),
-        num_warps=4,
+        num_warps=warps,
         num_stages=2,
     )
 

@@ -70,6 +70,7 @@ def _causal_kernel(
     # Meta-parameters
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    PERSISTENT: tl.constexpr,  # each inner loop's row is one block
     INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
@@ -84,49 +85,80 @@ def _causal_kernel(
     i_mask = i < i_hi
 
     # ---- the loop body, on whole tiles
-    if INDEX_64:
-        i = i.to(tl.int64)
-    # ---- for j in range(j_lo, j_hi), one tile at a time
-    m_tile = tl.full([BLOCK_I, BLOCK_J], float("-inf"), tl.float32)
-    for j_start in range(j_lo, j_hi, BLOCK_J):
-        j = j_start + tl.arange(0, BLOCK_J)[None, :]
+    if PERSISTENT:  # every row in one block: loaded once, each pass reads registers
+        if INDEX_64:
+            i = i.to(tl.int64)
+        j = j_lo + tl.arange(0, BLOCK_J)[None, :]
         if INDEX_64:
             j = j.to(tl.int64)
         j_mask = j < j_hi
         mask = i_mask & j_mask
         cond = j <= i
         x_ij = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask, other=0.0).to(tl.float32)
-        m_tile = tl.maximum(m_tile, tl.where(mask, tl.where(cond, x_ij, float("-inf")), float("-inf")))
-    m = tl.max(m_tile, axis=1, keep_dims=True)
-    # ---- for j in range(j_lo, j_hi), one tile at a time
-    s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
-    for j_start_2 in range(j_lo, j_hi, BLOCK_J):
-        j = j_start_2 + tl.arange(0, BLOCK_J)[None, :]
-        if INDEX_64:
-            j = j.to(tl.int64)
-        j_mask_2 = j < j_hi
-        mask_2 = i_mask & j_mask_2
+        m_tile = tl.where(mask, tl.where(cond, x_ij, float("-inf")), float("-inf"))
+        m = tl.max(m_tile, axis=1, keep_dims=True)
         cond_2 = j <= i
-        x_ij_2 = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask_2, other=0.0).to(tl.float32)
-        s_tile = s_tile + tl.where(mask_2, tl.where(cond_2, tl.exp(x_ij_2 - m), 0.0), 0.0)
-    s = tl.sum(s_tile, axis=1, keep_dims=True)
-    # ---- for j in range(j_lo, j_hi), one tile at a time
-    for j_start_3 in range(j_lo, j_hi, BLOCK_J):
-        j = j_start_3 + tl.arange(0, BLOCK_J)[None, :]
-        if INDEX_64:
-            j = j.to(tl.int64)
-        j_mask_3 = j < j_hi
-        mask_3 = i_mask & j_mask_3
+        s_tile = tl.where(mask, tl.where(cond_2, tl.exp(x_ij - m), 0.0), 0.0)
+        s = tl.sum(s_tile, axis=1, keep_dims=True)
         cond_3 = j <= i
-        x_ij_3 = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask_3, other=0.0).to(tl.float32)
-        tl.store(out_ptr + i * stride_out0 + j * stride_out1, (tl.exp(x_ij_3 - m) / s).to(out_ptr.dtype.element_ty), mask=mask_3 & cond_3)
-    cond_4 = s > alpha
-    cond_5 = m < 0.5
-    r_2 = s
-    r_3 = -m
-    r_4 = 0.0
-    r = tl.where(cond_4, r_2, tl.where(cond_5, r_3, r_4))
-    tl.store(rows_ptr + i * stride_rows0, r.to(rows_ptr.dtype.element_ty), mask=i_mask)
+        tl.store(out_ptr + i * stride_out0 + j * stride_out1, (tl.exp(x_ij - m) / s).to(out_ptr.dtype.element_ty), mask=mask & cond_3)
+        cond_4 = s > alpha
+        cond_5 = m < 0.5
+        r_2 = s
+        r_3 = -m
+        r_4 = 0.0
+        r = tl.where(cond_4, r_2, tl.where(cond_5, r_3, r_4))
+        tl.store(rows_ptr + i * stride_rows0, r.to(rows_ptr.dtype.element_ty), mask=i_mask)
+    else:
+        if INDEX_64:
+            i = i.to(tl.int64)
+        # ---- for j in range(j_lo, j_hi), one tile at a time
+        m_tile = tl.full([BLOCK_I, BLOCK_J], float("-inf"), tl.float32)
+        for j_start in range(j_lo, j_hi, BLOCK_J):
+            j = j_start + tl.arange(0, BLOCK_J)[None, :]
+            if INDEX_64:
+                j = j.to(tl.int64)
+            j_mask = j < j_hi
+            mask = i_mask & j_mask
+            cond = j <= i
+            x_ij = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask, other=0.0).to(tl.float32)
+            m_tile = tl.maximum(m_tile, tl.where(mask, tl.where(cond, x_ij, float("-inf")), float("-inf")))
+        m = tl.max(m_tile, axis=1, keep_dims=True)
+        # ---- for j in range(j_lo, j_hi), one tile at a time
+        s_tile = tl.full([BLOCK_I, BLOCK_J], 0.0, tl.float32)
+        for j_start_2 in range(j_lo, j_hi, BLOCK_J):
+            j = j_start_2 + tl.arange(0, BLOCK_J)[None, :]
+            if INDEX_64:
+                j = j.to(tl.int64)
+            j_mask_2 = j < j_hi
+            mask_2 = i_mask & j_mask_2
+            cond_2 = j <= i
+            x_ij_2 = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask_2, other=0.0).to(tl.float32)
+            s_tile = s_tile + tl.where(mask_2, tl.where(cond_2, tl.exp(x_ij_2 - m), 0.0), 0.0)
+        s = tl.sum(s_tile, axis=1, keep_dims=True)
+        # ---- for j in range(j_lo, j_hi), one tile at a time
+        for j_start_3 in range(j_lo, j_hi, BLOCK_J):
+            j = j_start_3 + tl.arange(0, BLOCK_J)[None, :]
+            if INDEX_64:
+                j = j.to(tl.int64)
+            j_mask_3 = j < j_hi
+            mask_3 = i_mask & j_mask_3
+            cond_3 = j <= i
+            x_ij_3 = tl.load(x_ptr + i * stride_x0 + j * stride_x1, mask=mask_3, other=0.0).to(tl.float32)
+            tl.store(out_ptr + i * stride_out0 + j * stride_out1, (tl.exp(x_ij_3 - m) / s).to(out_ptr.dtype.element_ty), mask=mask_3 & cond_3)
+        cond_4 = s > alpha
+        cond_5 = m < 0.5
+        r_2 = s
+        r_3 = -m
+        r_4 = 0.0
+        r = tl.where(cond_4, r_2, tl.where(cond_5, r_3, r_4))
+        tl.store(rows_ptr + i * stride_rows0, r.to(rows_ptr.dtype.element_ty), mask=i_mask)
+
+
+# tile at input.py:5: a row of at most this many elements is one block, loaded once and
+# kept in registers for every pass over it (a persistent reduction); longer rows are walked
+# a tile at a time.
+_causal_persistent_max = 16384
 
 
 # tile at input.py:5: the launcher.
@@ -146,7 +178,14 @@ def _causal_triton(out, rows, x, alpha):
         raise ValueError("rows must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     if x.device != out.device or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError("x must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
-    programs = triton.cdiv(max(i_hi - i_lo, 0), 4)
+    block_i, block_j, warps = 4, 8, 4
+    persistent = max(j_hi - j_lo, 0) <= _causal_persistent_max
+    if persistent:
+        block_j = triton.next_power_of_2(max(max(j_hi - j_lo, 0), 1))
+        room = max(8192 // block_j, 1)  # the grid's tile: at most 8192 elements in all
+        block_i = min(block_i, room)
+        warps = min(max(warps, block_i * block_j // 512), 16)  # 512 elements a warp
+    programs = triton.cdiv(max(i_hi - i_lo, 0), block_i)
     if programs == 0:
         return
     _causal_kernel[(programs,)](
@@ -161,10 +200,11 @@ def _causal_triton(out, rows, x, alpha):
         rows.stride(0),
         x.stride(0),
         x.stride(1),
-        BLOCK_I=4,
-        BLOCK_J=8,
+        BLOCK_I=block_i,
+        BLOCK_J=block_j,
+        PERSISTENT=persistent,
         INDEX_64=int64_offsets(out, rows, x),
-        num_warps=4,
+        num_warps=warps,
         num_stages=2,
     )
 

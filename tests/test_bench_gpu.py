@@ -1,0 +1,46 @@
+"""bench/gpu.py --dry-run: the GPU machine's one command, run here on CPU (issue 28).
+
+The dry run takes every code path the GPU run takes (tile kernels under
+TRITON_INTERPRET=1, the runtime kernels, fused_allreduce at world size 1 on
+gloo) at tiny sizes and checks each result; its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from bench.tile import PATTERNS
+from tests.helpers import REPO
+
+
+def test_dry_run_checks_every_row_and_exits_zero() -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu.py", "--dry-run"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    for p in PATTERNS:
+        assert any(line.startswith("tile") and p.name.split()[0] in line for line in lines), p.name
+    cases = ("attention vs SDPA", "compress", "decompress", "fused pack", "fused unpack")
+    for case in (*cases, "16 small fp32"):
+        assert any(case in line for line in lines), case
+    assert lines[-1].endswith(" 0 wrong ==")
+    assert not any(" NO " in line or "CRASH" in line for line in lines)
+
+
+def test_a_wrong_or_crashed_row_fails_the_run() -> None:
+    sys.path.insert(0, str(REPO))
+    from bench.gpu import Row
+
+    assert Row("tile", "x", float("nan"), 1e-4, 0.0, "", 0.0, "").wrong  # a crash reads as NaN
+    assert Row("tile", "x", 2e-4, 1e-4, 0.0, "", 0.0, "").wrong
+    assert not Row("tile", "x", 0.0, 0.0, 0.0, "", 0.0, "").wrong
