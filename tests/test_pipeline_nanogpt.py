@@ -296,3 +296,19 @@ def test_the_container_golden_plans_at_run_time_as_its_expansion_says(tmp_path):
     balanced = rp.plan(module.Balanced(), 2, None)  # a Sequential inside a ModuleDict
     assert balanced.forward.loops == ("body.layers",)
     assert balanced.describe() == "stage 0: body.inp, body.layers.0 | stage 1: body.layers.1-2, head"
+
+
+class NoLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.ModuleDict(dict(a=nn.Linear(4, 4), b=nn.Linear(4, 4)))
+
+    def forward(self, x):
+        x = self.body.a(x)
+        return self.body.b(x)
+
+
+def test_no_loop_to_balance_names_where_a_stage_may_start():
+    with pytest.raises(ValueError, match=r"give split=\[...\] .*stages may start at: body\.b\)"):
+        rp.plan(NoLoop(), 2, None)
+    assert rp.plan(NoLoop(), 2, ("body.b",)).describe() == "stage 0: body.a | stage 1: body.b"

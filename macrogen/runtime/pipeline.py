@@ -211,7 +211,8 @@ def _balance(model: nn.Module, forward: pf.Forward, units: list[pf.Unit], stages
     if not loops:
         raise pf.SplitError(
             f"forward has no `for block in self.<ModuleList>:` loop to balance over: give"
-            f" split=[...] (the submodules that start stages 1..{stages - 1})"
+            f" split=[...] (the submodules that start stages 1..{stages - 1};"
+            f" {pf.starts_text(units)})"
         )
     candidates = [k for k, u in enumerate(units) if u.block is not None and u.block > 0]
     total = sum(1 for u in units if u.block is not None)
