@@ -59,10 +59,12 @@ tile = _decorator_marker("tile")
 pipeline = _decorator_marker("pipeline")
 
 
-def pipeline_step(model: Any, x: Any, y: Any, loss_fn: Callable[..., Any]) -> Any:
+def pipeline_step(model: Any, x: Any, y: Any, loss_fn: Callable[..., Any] | None = None) -> Any:
     """``loss = pipeline_step(model, x, y, loss_fn)``: one training step's forward and backward.
 
-    Serially ``loss = loss_fn(model(x), y); loss.backward(); return loss``. A model
+    Serially ``loss = loss_fn(model(x), y); loss.backward(); return loss`` (a tuple
+    from forward gives loss_fn its first element). Without ``loss_fn`` the model
+    computes its loss, nanoGPT's way: ``model(x, y)`` returns it or ``(output, loss)``. A model
     made ``@pipeline`` runs its schedule instead (a schedule interleaves the
     micro-batches' backwards with forwards, so it must own the backward) and
     returns the batch's mean loss, detached, on every rank. Not a macro: the

@@ -74,6 +74,7 @@ class Spec:
     split: tuple[str, ...] | None  # names that start stages 1..; None: balanced at run time
     cut: str  # where it cuts, for the generated docstring
     stages_per_rank: int = 1  # > 1: interleaved, rank r holding stages r, r + P, ...
+    tied: tuple[str, ...] = ()  # "transformer.wte.weight = lm_head.weight": shared tensors
 
 
 def validate(site: Site, ctx: Context) -> Spec:
@@ -128,9 +129,10 @@ def validate(site: Site, ctx: Context) -> Spec:
     forward = _analyse(forward_node)
     blocks = _static_blocks(node, forward, ctx)
     splits = _choices(args, "split", ctx) if "split" in args else [None]
-    cut = ""
+    cut, placed = "", None
+    plain = _plain(node)
     for split in splits:
-        cut = _check_split(split, stages, forward, forward_node, blocks, args, anchor)
+        cut, placed = _check_split(split, stages, forward, forward_node, blocks, args, anchor, plain)
     value = args["split"].value if "split" in args else None
     return Spec(
         node.name.value,
@@ -140,6 +142,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         None if value is None else tuple(value),
         cut,
         _stages_per_rank(spr, args["schedule"].value if "schedule" in args else "1f1b"),
+        _tied(node, placed),
     )
 
 
@@ -214,27 +217,110 @@ def _statement(fn: cst.FunctionDef, path: tuple[int, ...]) -> cst.CSTNode:
     return node
 
 
+def _init(cls: cst.ClassDef) -> ast.FunctionDef | None:
+    """__init__ as ``ast``, if the class defines one."""
+    for stmt in cls.body.body:
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__":
+            code = cst.Module([]).code_for_node(stmt.with_changes(decorators=(), leading_lines=()))
+            fn = ast.parse(code).body[0]
+            return fn if isinstance(fn, ast.FunctionDef) and fn.args.args else None
+    return None
+
+
+def _assigned(init: ast.FunctionDef) -> dict[str, ast.expr]:
+    """``self.<path> = value`` in __init__, by path (the last assignment wins)."""
+    me = init.args.args[0].arg
+    found: dict[str, ast.expr] = {}
+    for node in ast.walk(init):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            path = pf.self_path(node.targets[0], me)
+            if path is not None:
+                found[path] = node.value
+    return found
+
+
 def _static_blocks(cls: cst.ClassDef, forward: pf.Forward, ctx: Context) -> dict[str, int | None]:
     """How many blocks each looped-over ModuleList has, where __init__ shows it literally."""
     found: dict[str, int | None] = {loop: None for loop in forward.loops}
-    init = next(
-        (s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"),
-        None,
-    )
+    init = _init(cls)
     if init is None:
         return found
-    code = cst.Module([]).code_for_node(init.with_changes(decorators=(), leading_lines=()))
-    for node in ast.walk(ast.parse(code)):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target = node.targets[0]
-            if (
-                isinstance(target, ast.Attribute)
-                and isinstance(target.value, ast.Name)
-                and target.value.id == "self"
-                and target.attr in found
-            ):
-                found[target.attr] = _count(node.value, ctx)
+    assigned = _assigned(init)
+    for loop in found:
+        value = _inside(assigned, loop)
+        found[loop] = None if value is None else _count(value, ctx)
     return found
+
+
+def _inside(assigned: dict[str, ast.expr], path: str) -> ast.expr | None:
+    """The value built for ``transformer.h``: ``self.transformer = nn.ModuleDict(dict(h=...))``."""
+    names = path.split(".")
+    for k in range(len(names), 0, -1):
+        value = assigned.get(".".join(names[:k]))
+        if value is None:
+            continue
+        for name in names[k:]:
+            value = _entry(value, name)
+            if value is None:
+                return None
+        return value
+    return None
+
+
+def _entry(value: ast.expr, name: str) -> ast.expr | None:
+    """``v`` of ``ModuleDict(dict(name=v))`` or ``ModuleDict({"name": v})``."""
+    if not (isinstance(value, ast.Call) and len(value.args) == 1):
+        return None
+    func = value.func
+    if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")) != "ModuleDict":
+        return None
+    inner = value.args[0]
+    if isinstance(inner, ast.Dict):
+        for key, v in zip(inner.keys, inner.values):
+            if isinstance(key, ast.Constant) and key.value == name:
+                return v
+    if isinstance(inner, ast.Call) and getattr(inner.func, "id", "") == "dict":
+        for kw in inner.keywords:
+            if kw.arg == name:
+                return kw.value
+    return None
+
+
+def _plain(cls: cst.ClassDef) -> frozenset[str]:
+    """Attributes __init__ sets to no module (``self.config = config``): not parts to place."""
+    init = _init(cls)
+    if init is None:
+        return frozenset()
+    assigned = _assigned(init)
+    return frozenset(p for p, v in assigned.items() if "." not in p and not isinstance(v, ast.Call))
+
+
+def _tied(cls: cst.ClassDef, placed: list[list[str]] | None) -> tuple[str, ...]:
+    """``transformer.wte.weight = lm_head.weight``: a tensor __init__ makes two parts share,
+    and the stages that hold it (``placed``: each stage's parts; None: cut at run time)."""
+    init = _init(cls)
+    if init is None:
+        return ()
+    me = init.args.args[0].arg
+    ties = []
+    for path, value in _assigned(init).items():
+        source = pf.self_path(value, me)
+        if source is None or source.rpartition(".")[2] not in ("weight", "bias"):
+            continue
+        where = "each stage that uses it holds it, its gradients summed over them"
+        if placed is not None:
+            stages = [
+                str(k)
+                for k, parts in enumerate(placed)
+                if any(t.startswith(q + ".") for q in parts for t in (path, source))
+            ]
+            if len(stages) > 1:
+                names = f"{', '.join(stages[:-1])} and {stages[-1]}"
+                where = f"stages {names} hold it, its gradients summed over them"
+            else:
+                where = "one stage holds it"
+        ties.append(f"{path} = {source}: {where}")
+    return tuple(ties)
 
 
 def _count(value: ast.expr, ctx: Context) -> int | None:
@@ -277,15 +363,25 @@ def _check_split(
     blocks: dict[str, int | None],
     args: dict[str, Arg],
     anchor: cst.CSTNode,
-) -> str:
-    """Check one split (or None) against forward; where it cuts, as the docstring says it."""
+    plain: frozenset[str] = frozenset(),
+) -> tuple[str, list[list[str]] | None]:
+    """Check one split (or None) against forward; where it cuts, as the docstring says it,
+    and each stage's parts (None: the run time cuts)."""
     loops = forward.loops
     if split is None:
+        if not loops and not pf.split_names(forward.units({})[1:]):
+            raise MacroError(
+                "forward can't be cut into pipeline stages: it has no `for block in"
+                " self.<ModuleList>:` loop and calls no submodule at top level after its first"
+                f" statement (supported: {pf.SUPPORTED})",
+                fn.name,
+            )
         if not loops:
             raise MacroError(
                 "without split=[...], @pipeline balances the blocks of a `for block in"
                 " self.<ModuleList>:` loop in forward, and this forward has none: name the"
-                f" submodules that start stages 1..{stages - 1} (split=[...])",
+                f" submodules that start stages 1..{stages - 1} (split=[...];"
+                f" {pf.starts_text(forward.units({}))})",
                 fn.name,
             )
         total = [blocks[lp] for lp in loops]
@@ -300,7 +396,7 @@ def _check_split(
         units = forward.units(at_least_two)
         first = next(k for k, u in enumerate(units) if u.block == 1)
         _cuts(forward, fn, units, [first], None, anchor)
-        return f"at run time, between blocks of self.{loops[0]}, balancing parameter counts"
+        return f"at run time, between blocks of self.{loops[0]}, balancing parameter counts", None
     node = args["split"].node
     if not isinstance(split, (list, tuple)) or not all(isinstance(s, str) for s in split):
         raise MacroError(
@@ -310,33 +406,40 @@ def _check_split(
         raise MacroError(pf.split_count_message(stages, len(split)), node)
     counts: dict[str, int] = {}
     for lp in loops:
-        wanted = [int(s.split(".", 1)[1]) for s in split if _block_of(s, lp) is not None]
+        wanted = [b for s in split if (b := _block_of(s, lp)) is not None]
         known = blocks[lp]
         counts[lp] = known if known is not None else max([1, *wanted]) + 1
     units = forward.units(counts)
+    open_ended = frozenset(lp for lp in loops if blocks[lp] is None)
     for k, name in enumerate(split):
         el = _element(node, k)
         if not any(_names(u, name) for u in units):
-            raise MacroError(pf.unknown_split_message(forward, units, name), el)
+            raise MacroError(pf.unknown_split_message(forward, units, name, open_ended), el)
     try:
         starts = pf.resolve_split(forward, units, list(split))
     except pf.SplitError as e:
         raise MacroError(e.message, node) from None
     _cuts(forward, fn, units, starts, list(split), node)
     edges = [0, *starts, len(units)]
-    open_ended = {lp for lp in loops if blocks[lp] is None}
     described = []
+    placed = []
     for s in range(stages):
-        parts = [p for u in units[edges[s] : edges[s + 1]] for p in u.parts]
+        parts = [
+            p
+            for u in units[edges[s] : edges[s + 1]]
+            for p in u.parts
+            if p.partition(".")[0] not in plain
+        ]
+        placed.append(parts)
         text = pf.runs(parts)
-        for lp in open_ended:  # the last block is the run time's: "blocks.3-"
-            text = text.replace(f"{lp}.{counts[lp] - 1}", f"{lp}.{counts[lp] - 1}..")
+        for lp in open_ended:  # the last block is the run time's: "blocks.3.."
+            text = pf.open_end(text, lp, counts[lp] - 1)
         described.append(f"stage {s}: {text}")
-    return " | ".join(described)
+    return " | ".join(described), placed
 
 
 def _block_of(name: str, loop: str) -> int | None:
-    head, _, tail = name.partition(".")
+    head, _, tail = name.rpartition(".")
     return int(tail) if head == loop and tail.isdigit() else None
 
 
@@ -369,8 +472,9 @@ def _element(node: cst.BaseExpression, k: int) -> cst.CSTNode:
 
 def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
-    if not re.fullmatch(r"[\w.,:|()\- ]*", spec.cut):  # it goes into a comment: names only
-        raise InternalError(f"pipeline: unexpected text in the cut description {spec.cut!r}")
+    for text in (spec.cut, *spec.tied):  # they go into comments: names only
+        if not re.fullmatch(r"[\w.,:|()=\- ]*", text):
+            raise InternalError(f"pipeline: unexpected text in the cut description {text!r}")
     assert isinstance(site.node, cst.ClassDef)
     serial = ctx.names.fresh(f"_{spec.name}_serial")
     runtime = "macrogen.runtime.pipeline"
@@ -393,6 +497,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         split=spec.split,
         stages_per_rank=spec.stages_per_rank,
         cut=spec.cut,
+        tied=spec.tied,
         attach=attach,
         declare=declare,
         config=config,

@@ -17,7 +17,14 @@ serial run). The ``Pipeline``:
    were, so ``model.parameters()`` is this stage's parameters;
 4. at the first ``pipeline_step``, wraps this stage's code in torch's
    ``PipelineStage`` and runs ``ScheduleGPipe`` or ``Schedule1F1B`` over
-   ``microbatches`` micro-batches on every step.
+   ``microbatches`` micro-batches on every step;
+5. keeps a tensor that parts on several stages share (nanoGPT's ``wte`` tied
+   to ``lm_head``) on each of them, Megatron-LM's way, and after the backward
+   sums its gradients over the pipeline ranks holding it.
+
+Parts are paths through containers (``transformer.h.3``, ``transformer.wte``).
+Without a ``loss_fn`` forward computes the loss: the last stage gets each
+micro-batch's ``y`` as forward's targets parameter and sends on the loss.
 
 Loss scaling: each micro-batch's loss is divided by the number of micro-batches
 and the schedule does not rescale the gradients, so the gradients add to
@@ -33,7 +40,7 @@ from __future__ import annotations
 import ast
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -125,7 +132,12 @@ class Plan:
     units: list[pf.Unit]
     starts: list[int]  # unit index where each stage after the first starts
     carried: list[str]  # the value each cut sends on
-    owners: dict[str, set[int]]  # part ("wte", "blocks.3", "pos") -> stages that use it
+    owners: dict[str, set[int]]  # part ("transformer.wte", "blocks.3", "pos") -> stages using it
+    # parameters that parts on several stages share (nanoGPT's tied wte and lm_head weight):
+    # (their first name, those stages); each stage holds it, its gradients are summed
+    tied: list[tuple[str, frozenset[int]]] = field(default_factory=list)
+    # the paths forward reads that name a part of the model (not self.config.block_size)
+    placeable: frozenset[str] = frozenset()
 
     def bounds(self, stage: int) -> tuple[int, int]:
         edges = [0, *self.starts, len(self.units)]
@@ -136,9 +148,13 @@ class Plan:
         stages = []
         for s in range(len(self.starts) + 1):
             a, b = self.bounds(s)
-            stages.append(
-                f"stage {s}: {pf.runs([part for u in self.units[a:b] for part in u.parts])}"
-            )
+            parts = [
+                part
+                for u in self.units[a:b]
+                for part in u.parts
+                if u.block is not None or part in self.placeable
+            ]
+            stages.append(f"stage {s}: {pf.runs(parts)}")
         return " | ".join(stages)
 
 
@@ -164,7 +180,7 @@ def plan(model: nn.Module, stages: int, split: tuple[str, ...] | None) -> Plan:
     name = type(model).__name__
     blocks: dict[str, int] = {}
     for loop in forward.loops:
-        seq = getattr(model, loop, None)
+        seq = _get(model, loop)
         if not isinstance(seq, (nn.ModuleList, nn.Sequential)):
             raise ValueError(
                 f"{name}.forward loops over self.{loop}, which is a {type(seq).__name__}:"
@@ -184,6 +200,9 @@ def plan(model: nn.Module, stages: int, split: tuple[str, ...] | None) -> Plan:
         raise ValueError(f"{name}: {e.message}") from None
     p = Plan(forward, units, starts, carried, {})
     p.owners = _owners(model, p, stages)
+    p.tied = _tied(model, p)
+    paths = {a for u in units for a in u.statement.attrs}
+    p.placeable = frozenset(a for a in paths if _placeable(model, a) is not None)
     return p
 
 
@@ -192,7 +211,8 @@ def _balance(model: nn.Module, forward: pf.Forward, units: list[pf.Unit], stages
     if not loops:
         raise pf.SplitError(
             f"forward has no `for block in self.<ModuleList>:` loop to balance over: give"
-            f" split=[...] (the submodules that start stages 1..{stages - 1})"
+            f" split=[...] (the submodules that start stages 1..{stages - 1};"
+            f" {pf.starts_text(units)})"
         )
     candidates = [k for k, u in enumerate(units) if u.block is not None and u.block > 0]
     total = sum(1 for u in units if u.block is not None)
@@ -202,11 +222,11 @@ def _balance(model: nn.Module, forward: pf.Forward, units: list[pf.Unit], stages
             f" {', '.join('self.' + lp for lp in loops)} ha{'ve' if len(loops) > 1 else 's'}"
             f" {total} blocks: at most one stage per block"
         )
-    seen: set[int] = set()
     weights = []
     for u in units:
         n = 0
-        for part in _parts(forward, u):
+        seen: set[int] = set()  # per unit: a tied tensor weighs on each stage that holds it
+        for part in _parts(model, forward, u):
             for p in _part_params(model, part):
                 if id(p) not in seen:
                     seen.add(id(p))
@@ -215,15 +235,45 @@ def _balance(model: nn.Module, forward: pf.Forward, units: list[pf.Unit], stages
     return pf.balanced(weights, candidates, stages)
 
 
-def _parts(forward: pf.Forward, unit: pf.Unit) -> list[str]:
-    """The parts of the model a unit uses: ``blocks.3`` for a block, ``wte`` for self.wte."""
-    attrs = set(unit.statement.attrs)
-    parts = []
-    if unit.block is not None:
-        attrs.discard(unit.statement.loop or "")
-        parts.append(unit.name)
+def _parts(model: nn.Module, forward: pf.Forward, unit: pf.Unit) -> list[str]:
+    """The parts of the model a unit uses: ``blocks.3`` for a block, ``transformer.wte``.
+
+    A path the unit reads (``self.transformer.wte.weight``) is cut where it leaves the
+    containers (ModuleDict, ModuleList, Sequential): the part is ``transformer.wte``.
+    """
+    parts = [unit.name] if unit.block is not None else []
     loops = set(forward.loops)
-    return parts + sorted(a for a in attrs if a not in loops)
+    for path in sorted(unit.statement.attrs):
+        part = _placeable(model, path)
+        if part is not None and part not in loops and part not in parts:
+            parts.append(part)
+    return parts
+
+
+CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.Sequential)
+
+
+def _child(obj: Any, name: str) -> Any:
+    if not isinstance(obj, nn.Module):
+        return None
+    for table in (obj._modules, obj._parameters, obj._buffers):
+        if name in table:
+            return table[name]
+    return None
+
+
+def _placeable(model: nn.Module, path: str) -> str | None:
+    """``transformer.wte`` for ``transformer.wte.weight``: the path down to a non-container."""
+    obj: Any = model
+    kept: list[str] = []
+    for name in path.split("."):
+        obj = _child(obj, name)
+        if obj is None:
+            break
+        kept.append(name)
+        if not isinstance(obj, CONTAINERS):
+            break
+    return ".".join(kept) or None  # None: an int, a config, a method: nothing to place
 
 
 def _part_params(model: nn.Module, part: str) -> list[nn.Parameter]:
@@ -236,13 +286,13 @@ def _part_params(model: nn.Module, part: str) -> list[nn.Parameter]:
 
 
 def _get(model: nn.Module, part: str) -> Any:
-    head, _, index = part.partition(".")
-    if index:
-        return getattr(model, head)[int(index)]
-    for table in (model._modules, model._parameters, model._buffers):
-        if head in table:
-            return table[head]
-    return None  # an int, a config, a method: nothing to place
+    """The module, parameter or buffer at a dotted path (``transformer.h.3``); None if none."""
+    obj: Any = model
+    for name in part.split("."):
+        obj = _child(obj, name)
+        if obj is None:
+            return None
+    return obj
 
 
 def _owners(model: nn.Module, p: Plan, stages: int) -> dict[str, set[int]]:
@@ -250,30 +300,38 @@ def _owners(model: nn.Module, p: Plan, stages: int) -> dict[str, set[int]]:
     for s in range(stages):
         a, b = p.bounds(s)
         for u in p.units[a:b]:
-            for part in _parts(p.forward, u):
-                if _get(model, part) is not None:
-                    owners.setdefault(part, set()).add(s)
-    loops = set(p.forward.loops)
+            for part in _parts(model, p.forward, u):
+                owners.setdefault(part, set()).add(s)
+
     # Parts forward never names (a head only a method uses, an unused layer) live on stage 0.
-    for table in (model._modules, model._parameters, model._buffers):
-        for name, value in table.items():
-            if value is not None and name not in loops and name not in owners:
-                owners[name] = {0}
-    # A parameter may live on one stage only (tied weights across stages would need a
-    # collective of their own).
-    where: dict[int, tuple[str, int]] = {}
-    for part, users in sorted(owners.items()):
-        for param in _part_params(model, part):
-            for s in users:
-                if id(param) in where and where[id(param)][1] != s:
-                    other, t = where[id(param)]
-                    raise ValueError(
-                        f"{type(model).__name__}: stages {t} and {s} both use a parameter of"
-                        f" {other!r} and {part!r} (tied weights or a layer used twice): a"
-                        " parameter must live on one stage; move the cut or untie the weights"
-                    )
-                where[id(param)] = (part, s)
+    def walk(module: nn.Module, prefix: str) -> None:
+        for table in (module._modules, module._parameters, module._buffers):
+            for name, value in table.items():
+                path = f"{prefix}{name}"
+                if value is None or any(path == q or path.startswith(q + ".") for q in owners):
+                    continue
+                if isinstance(value, nn.Module) and any(q.startswith(path + ".") for q in owners):
+                    walk(value, path + ".")  # a container some of whose entries are placed
+                else:
+                    owners[path] = {0}
+
+    walk(model, "")
     return owners
+
+
+def _tied(model: nn.Module, p: Plan) -> list[tuple[str, frozenset[int]]]:
+    """Parameters that parts on more than one stage share: each such stage keeps a copy."""
+    names: dict[int, str] = {}
+    users: dict[int, set[int]] = {}
+    for part, stages in sorted(p.owners.items()):
+        obj = _get(model, part)
+        found: Any = [(part, obj)] if isinstance(obj, nn.Parameter) else []
+        if isinstance(obj, nn.Module):
+            found = obj.named_parameters(prefix=part)
+        for name, param in found:
+            names.setdefault(id(param), name)
+            users.setdefault(id(param), set()).update(stages)
+    return [(names[i], frozenset(users[i])) for i in names if len(users[i]) > 1]
 
 
 # -- this rank's stage ------------------------------------------------------------------
@@ -298,20 +356,30 @@ class Elsewhere(nn.Module):
 
 
 class StageModule(nn.Module):
-    """This rank's stage for ``PipelineStage``: the stage's code over the model's own parts."""
+    """This rank's stage for ``PipelineStage``: the stage's code over the model's own parts.
+
+    The last stage sends one tensor to the schedule's loss: forward's output (the first
+    element of a tuple), or, when forward computes the loss itself, that loss.
+    """
 
     model: nn.Module
     code: Callable[..., Any]
 
-    def __init__(self, model: nn.Module, code: Callable[..., Any], parts: list[Any]):
+    def __init__(
+        self, model: nn.Module, code: Callable[..., Any], parts: list[Any], last: str | None = None
+    ):
         super().__init__()
         self.__dict__["model"] = model  # not a submodule: its parameters are not all ours
         self.__dict__["code"] = code
         self.parts = nn.ModuleList(p for p in parts if isinstance(p, nn.Module))
         self.params = nn.ParameterList(p for p in parts if isinstance(p, nn.Parameter))
+        self.last = last  # None: not the last stage; "output" or "loss": what it sends on
 
-    def forward(self, *args: Any) -> Any:
-        return self.code(self.model, *args)
+    def forward(self, *args: Any, **targets: Any) -> Any:
+        if self.last is None:  # the schedule gives every stage of a rank the same kwargs
+            return self.code(self.model, *args)
+        out = self.code(self.model, *args, **targets)
+        return output_of(out) if self.last == "output" else loss_of(out, type(self.model))
 
 
 def stage_code(model: nn.Module, p: Plan, stage: int) -> Callable[..., Any]:
@@ -367,6 +435,7 @@ class Pipeline:
         # must see the sharded layers, and every rank still holds every layer, so the
         # tensor-parallel rank-agreement check runs on the same modules everywhere.
         tensor_parallel_plan.materialize(model)
+        self.tied: list[tuple[nn.Parameter, Any]] = []  # shared parameters and their groups
         self._schedule: Any = None
         self._shape: Any = None
         self._loss_fn: Callable[..., torch.Tensor] | None = None
@@ -390,6 +459,7 @@ class Pipeline:
     def _cut(self, stages: list[int]) -> None:
         """Keep these stages' parts; an ``Elsewhere`` (or nothing, for a tensor) for the others'."""
         model = self.model
+        self.tied = self._tie_groups(stages)  # on the whole model: every name resolves
         kept: dict[int, list[Any]] = {s: [] for s in stages}
         for part, users in self.plan.owners.items():
             if users & kept.keys():
@@ -397,33 +467,72 @@ class Pipeline:
                     kept[s].append(_get(model, part))
                 continue
             owner = min(users)
-            head, _, index = part.partition(".")
-            if index:
-                getattr(model, head)[int(index)] = Elsewhere(part, owner)
-            elif head in model._modules:
-                setattr(model, head, Elsewhere(part, owner))
+            head, _, name = part.rpartition(".")
+            parent = _get(model, head) if head else model
+            if name in parent._modules:
+                parent._modules[name] = Elsewhere(part, owner)
             else:
-                model._parameters.pop(head, None)
-                model._buffers.pop(head, None)
+                parent._parameters.pop(name, None)
+                parent._buffers.pop(name, None)
         self.parts = kept
         self.code = {s: stage_code(model, self.plan, s) for s in stages}
 
+    def _tie_groups(self, stages: list[int]) -> list[tuple[nn.Parameter, Any]]:
+        """The shared parameters this rank holds, each with the group of ranks holding it.
+
+        Every rank makes every group (``new_group`` is collective), in the same order.
+        """
+        lay = self.layout
+        assert lay is not None
+        world = dist.get_world_size()
+        grid = torch.arange(world).view(lay.stages, lay.data_size, lay.tensor_size)
+        mine = dist.get_rank()
+        out: list[tuple[nn.Parameter, Any]] = []
+        for name, users in self.plan.tied:
+            ranks = sorted({s % lay.stages for s in users})  # pipeline ranks holding it
+            held = any(s in users for s in stages)
+            if len(ranks) == 1:
+                continue  # one rank holds every stage that uses it: one tensor, one gradient
+            group = lay.pipeline_group if len(ranks) == lay.stages else None
+            if group is None:
+                for line in grid[ranks].reshape(len(ranks), -1).t().tolist():
+                    g = dist.new_group(line, timeout=groups.timeout())
+                    if mine in line:
+                        group = g
+            if held:
+                param = _get(self.model, name)
+                assert isinstance(param, nn.Parameter), name
+                out.append((param, group))
+        return out
+
     # -- the step ---------------------------------------------------------------------
     def step(
-        self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor]
+        self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor] | None
     ) -> torch.Tensor:
-        """One training step's forward and backward; the batch's mean loss on every rank."""
+        """One training step's forward and backward; the batch's mean loss on every rank.
+
+        Without ``loss_fn``, forward computes the loss: the last stage gets ``y`` as
+        forward's targets parameter and its (last) returned value is the loss.
+        """
         if self.layout is None:
             return serial_step(self.model, x, y, loss_fn)
+        targets = self.plan.forward.targets
+        if loss_fn is None and targets is None:
+            raise ValueError(
+                f"{_at(self.where)}pipeline_step without a loss_fn gives y to forward's second"
+                f" parameter, and {type(self.model).__name__}.forward has none with a default"
+                " (nanoGPT's targets=None): give a loss_fn"
+            )
         m = self.config.microbatches
         if x.shape[0] % m:
             raise ValueError(
                 f"{_at(self.where)}a batch of {x.shape[0]} does not split into {m} equal"
                 " micro-batches (the mean loss over unequal ones is not the batch's mean)"
             )
-        shape = (tuple(x.shape), x.dtype, tuple(y.shape))
+        last = "loss" if loss_fn is None else "output"
+        shape = (tuple(x.shape), x.dtype, tuple(y.shape), last)
         if self._schedule is None or shape != self._shape:
-            self._schedule, self._shape = self._build(), shape  # new shapes: new p2p buffers
+            self._schedule, self._shape = self._build(last), shape  # new shapes: new p2p buffers
         self._loss_fn = loss_fn
         # The schedule calls this stage's code, not the model: run the model's forward
         # pre-hooks once, as model(x) would (@data_parallel's start-up and buffer broadcast).
@@ -433,22 +542,35 @@ class Pipeline:
         here = getattr(self._schedule, "_stages", None) or [self._schedule._stage]
         first, last_here = any(s.is_first for s in here), any(s.is_last for s in here)
         losses: list[torch.Tensor] = []
+        given = {targets: y} if loss_fn is None and last_here and targets else {}
         self._schedule.step(
             *((x,) if first else ()),
             target=y if last_here else None,
             losses=losses if last_here else None,
             return_outputs=False,
+            **given,
         )
         if lay.data_size > 1 and not _has_gradient_sync(self.model):
             self._average_over_data()  # (@data_parallel on the model averages in its buckets)
+        self._sum_tied()
         device = self._device()
         loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
-        last = dist.get_global_rank(lay.pipeline_group, lay.stages - 1)  # holds the last stage
-        dist.broadcast(loss, src=last, group=lay.pipeline_group)
+        src = dist.get_global_rank(lay.pipeline_group, lay.stages - 1)  # holds the last stage
+        dist.broadcast(loss, src=src, group=lay.pipeline_group)
         return loss
 
+    def _sum_tied(self) -> None:
+        """A parameter stages share gets the sum of their gradients, as the serial one does."""
+        for param, group in self.tied:
+            if param.grad is None:  # this stage's use got no gradient: it adds zero
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor's shard
+            dist.all_reduce(local, group=group)
+
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        assert self._loss_fn is not None
+        if self._loss_fn is None:  # the last stage's output is forward's own loss
+            return output / self.config.microbatches
         return self._loss_fn(output, target) / self.config.microbatches
 
     def _device(self) -> torch.device:
@@ -456,7 +578,7 @@ class Pipeline:
             return p.device
         return torch.device("cpu")
 
-    def _build(self) -> Any:
+    def _build(self, last: str) -> Any:
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -468,7 +590,12 @@ class Pipeline:
         assert lay is not None
         stages: list[Any] = [
             PipelineStage(
-                StageModule(self.model, self.code[s], self.parts[s]),
+                StageModule(
+                    self.model,
+                    self.code[s],
+                    self.parts[s],
+                    last if s == self.config.stages - 1 else None,
+                ),
                 s,
                 self.config.stages,
                 self._device(),
@@ -548,10 +675,32 @@ def _has_gradient_sync(model: nn.Module) -> bool:
 
 
 def serial_step(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor]
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    loss = loss_fn(model(x), y)
+    if loss_fn is None:  # forward computes its loss: nanoGPT's `logits, loss = model(x, y)`
+        loss = loss_of(model(x, y), type(model))
+    else:
+        loss = loss_fn(output_of(model(x)), y)
     loss.backward()
+    return loss
+
+
+def output_of(out: Any) -> Any:
+    """What goes on to the loss: forward's output, or the first element of its tuple."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def loss_of(out: Any, cls: type) -> torch.Tensor:
+    """forward's own loss: what it returns, or the last element of its tuple."""
+    loss = out[-1] if isinstance(out, (tuple, list)) and out else out
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            f"pipeline_step without a loss_fn calls {cls.__name__}(x, y) for its loss, and got"
+            f" {type(loss).__name__}: return the loss (or (output, loss)), or give a loss_fn"
+        )
     return loss
 
 
@@ -561,9 +710,16 @@ def pipeline_of(model: nn.Module) -> Pipeline | None:
 
 
 def pipeline_step(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor]
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``loss = loss_fn(model(x), y); loss.backward(); return loss``, or the model's schedule."""
+    """``loss = loss_fn(model(x), y); loss.backward(); return loss``, or the model's schedule.
+
+    A tuple from forward gives its first element to ``loss_fn``. Without ``loss_fn``
+    forward computes the loss: ``model(x, y)`` returns it, or ``(output, loss)``.
+    """
     pipe = pipeline_of(model)
     return serial_step(model, x, y, loss_fn) if pipe is None else pipe.step(x, y, loss_fn)
 

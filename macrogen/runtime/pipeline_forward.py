@@ -15,6 +15,13 @@ each cut exactly one local value is still needed after it (``x``): that
 tensor is what the stage sends to the next one. Any other statement (an
 ``if``, a ``with``, a loop over something else) is one unit that runs wholly
 inside one stage.
+
+Paths reach through containers: ``for block in self.transformer.h:`` loops
+over ``transformer.h`` (a ModuleList inside a ModuleDict), its blocks are
+``transformer.h.0``, ... and ``self.transformer.wte(idx)`` calls
+``transformer.wte``. A second parameter with a default (nanoGPT's
+``targets=None``) is no value a cut carries: it reaches the last stage only,
+where a forward that computes its own loss reads it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import ast
 import copy
 import difflib
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -51,10 +59,11 @@ class Statement:
 
     index: int  # position in forward's body
     node: ast.stmt
-    loop: str | None  # "blocks" for `for block in self.blocks:` (one unit per block)
-    calls: frozenset[str]  # self.<attr>(...) called here at top level (split names it may start)
-    attrs: frozenset[str]  # every self.<attr> read here (the parts of the model it needs)
-    parts: tuple[str, ...] = ()  # those attrs in source order, the loop's own list left out
+    loop: str | None  # "transformer.h" for `for block in self.transformer.h:` (a unit per block)
+    calls: frozenset[str]  # self.<path>(...) called here at top level (split names it may start)
+    attrs: frozenset[str]  # every self.<path> read here (the parts of the model it needs)
+    parts: tuple[str, ...] = ()  # those paths in source order, the loop's own list left out
+    inner: frozenset[str] = frozenset()  # self.<path>(...) called anywhere in it, nested too
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,7 @@ class Unit:
 
     @property
     def name(self) -> str:
-        """The split name that starts a stage here: ``blocks.3``, ``ln_f`` or ``#4``."""
+        """The split name that starts a stage here: ``transformer.h.3``, ``ln_f`` or ``#4``."""
         if self.block is not None:
             return f"{self.statement.loop}.{self.block}"
         calls = sorted(self.statement.calls)
@@ -88,6 +97,9 @@ class Forward:
     self_name: str
     params: tuple[str, ...]  # parameters after self
     statements: tuple[Statement, ...]  # the final return is the last
+    # forward's second parameter when it has a default (nanoGPT's ``targets=None``): no cut
+    # carries it; pipeline_step without a loss_fn gives the last stage y there
+    targets: str | None = None
 
     @property
     def loops(self) -> tuple[str, ...]:
@@ -138,7 +150,10 @@ def analyse(fn: ast.FunctionDef) -> Forward:
             where.lineno,
         )
     params = tuple(a.arg for a in [*positional[1:], *args.kwonlyargs])
-    return Forward(fn, me, params, tuple(statements))
+    # defaults belong to the last positional parameters: the second has one if enough do
+    with_default = len(positional) > 2 and len(args.defaults) >= len(positional) - 2
+    targets = positional[2].arg if with_default else None
+    return Forward(fn, me, params, tuple(statements), targets)
 
 
 def _statement(i: int, stmt: ast.stmt, me: str, last: bool) -> Statement:
@@ -169,45 +184,61 @@ def _statement(i: int, stmt: ast.stmt, me: str, last: bool) -> Statement:
                         getattr(node, "lineno", stmt.lineno),
                     )
     found = sorted(
-        (getattr(n, "lineno", 0), getattr(n, "col_offset", 0), a)
-        for n in ast.walk(stmt)
-        if (a := _self_attr(n, me)) is not None
+        (getattr(n, "lineno", 0), getattr(n, "col_offset", 0), a) for n, a in _paths(stmt, me)
     )
     parts = tuple(dict.fromkeys(a for _, _, a in found if a != loop))
-    return Statement(i, stmt, loop, _calls(stmt, me), _attrs(stmt, me), parts)
+    attrs = frozenset(a for _, _, a in found)
+    inner = _called(stmt, me)
+    calls = inner if isinstance(stmt, _SIMPLE) else frozenset()
+    return Statement(i, stmt, loop, calls, attrs, parts, inner)
+
+
+_SIMPLE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)
 
 
 def _module_list_loop(stmt: ast.stmt, me: str) -> str | None:
-    """``blocks`` for ``for block in self.blocks:`` (a plain loop variable, no else)."""
-    if (
-        isinstance(stmt, ast.For)
-        and isinstance(stmt.target, ast.Name)
-        and _self_attr(stmt.iter, me) is not None
-        and not stmt.orelse
-    ):
-        return _self_attr(stmt.iter, me)
+    """``transformer.h`` for ``for block in self.transformer.h:`` (a plain variable, no else)."""
+    if isinstance(stmt, ast.For) and isinstance(stmt.target, ast.Name) and not stmt.orelse:
+        return self_path(stmt.iter, me)
     return None
 
 
-def _self_attr(node: ast.AST, me: str) -> str | None:
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me:
-        return node.attr
+def self_path(node: ast.AST, me: str) -> str | None:
+    """``transformer.wte`` for ``self.transformer.wte``: the attribute path from ``self``."""
+    names: list[str] = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if names and isinstance(node, ast.Name) and node.id == me:
+        return ".".join(reversed(names))
     return None
 
 
-def _attrs(stmt: ast.stmt, me: str) -> frozenset[str]:
-    return frozenset(a for n in ast.walk(stmt) if (a := _self_attr(n, me)) is not None)
+def _paths(stmt: ast.stmt, me: str) -> list[tuple[ast.AST, str]]:
+    """Every whole ``self.a.b.c`` in stmt (not its prefixes ``self.a``, ``self.a.b``)."""
+    inside = {id(n.value) for n in ast.walk(stmt) if isinstance(n, ast.Attribute)}
+    return [
+        (n, p)
+        for n in ast.walk(stmt)
+        if id(n) not in inside and (p := self_path(n, me)) is not None
+    ]
 
 
-def _calls(stmt: ast.stmt, me: str) -> frozenset[str]:
-    """self.<attr>(...) calls anywhere in a simple statement (not inside a compound one)."""
-    if not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)):
-        return frozenset()
+def _called(stmt: ast.stmt, me: str) -> frozenset[str]:
+    """self.<path>(...) calls anywhere in stmt."""
     return frozenset(
         a
         for n in ast.walk(stmt)
-        if isinstance(n, ast.Call) and (a := _self_attr(n.func, me)) is not None
+        if isinstance(n, ast.Call) and (a := self_path(n.func, me)) is not None
     )
+
+
+def _chain(me: str, path: str) -> ast.expr:
+    """``self.transformer.h`` from ``transformer.h``."""
+    node: ast.expr = ast.Name(me, ast.Load())
+    for name in path.split("."):
+        node = ast.Attribute(node, name, ast.Load())
+    return node
 
 
 # -- where values live ---------------------------------------------------------------
@@ -233,7 +264,7 @@ def _names(nodes: list[ast.stmt]) -> tuple[set[str], set[str]]:
 
 
 def unit_code(forward: Forward, unit: Unit) -> list[ast.stmt]:
-    """The statements one unit runs (a block: ``block = self.blocks[3]`` then the loop body)."""
+    """The statements one unit runs (a block: ``block = self.transformer.h[3]``, the loop body)."""
     stmt = unit.statement.node
     if unit.block is None:
         return [stmt]
@@ -243,9 +274,7 @@ def unit_code(forward: Forward, unit: Unit) -> list[ast.stmt]:
     pick = ast.Assign(
         targets=[ast.Name(loop.target.id, ast.Store())],
         value=ast.Subscript(
-            value=ast.Attribute(
-                ast.Name(forward.self_name, ast.Load()), unit.statement.loop, ast.Load()
-            ),
+            value=_chain(forward.self_name, unit.statement.loop),
             slice=ast.Constant(unit.block),
             ctx=ast.Load(),
         ),
@@ -255,8 +284,11 @@ def unit_code(forward: Forward, unit: Unit) -> list[ast.stmt]:
 
 
 def carried(forward: Forward, units: list[Unit], cut: int) -> list[str]:
-    """The local names units[cut:] still need from before the cut (forward's parameters included)."""
-    before: set[str] = set(forward.params)
+    """The local names units[cut:] still need from before the cut (forward's parameters included).
+
+    The targets parameter is left out: it reaches the last stage on its own.
+    """
+    before: set[str] = set(forward.params) - {forward.targets}
     for u in units[:cut]:
         before |= _names(unit_code(forward, u))[1]
     after: list[ast.stmt] = [st for u in units[cut:] for st in unit_code(forward, u)]
@@ -302,19 +334,56 @@ def split_names(units: list[Unit]) -> list[str]:
     return names
 
 
-def unknown_split_message(forward: Forward, units: list[Unit], name: str) -> str:
-    names = split_names(units)
+def unknown_split_message(
+    forward: Forward, units: list[Unit], name: str, open_ended: frozenset[str] = frozenset()
+) -> str:
+    """Why ``name`` starts no stage, and the names that do (``open_ended``: loops whose
+    length only the run time knows, shown ``transformer.h.0-1..``)."""
+    names = split_names(units[1:])  # stage 0 starts at the first unit: no split name
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    head, _, tail = name.partition(".")
+    head, _, tail = name.rpartition(".")
     if head in forward.loops and tail.isdigit():
         n = sum(1 for u in units if u.statement.loop == head)
-        return f"split name {name!r}: self.{head} has {n} blocks (blocks.0 to blocks.{n - 1})"
-    shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-    return (
-        f"split name {name!r} is no submodule forward calls at top level{hint}"
-        f" (stages may start at: {shown})"
-    )
+        return f"split name {name!r}: self.{head} has {n} blocks ({head}.0 to {head}.{n - 1})"
+    if name in forward.loops:
+        blocks = [u.name for u in units[1:] if u.statement.loop == name]
+        text = runs(blocks)
+        if name in open_ended and blocks:
+            text = open_end(text, name, max(u.block or 0 for u in units if u.statement.loop == name))
+        return (
+            f"split name {name!r} is the list forward loops over: name the block that starts"
+            f" the stage ({text})"
+        )
+    shown = starts_text(units, open_ended)
+    nested = next((s for s in forward.statements if name in s.inner and name not in s.calls), None)
+    if nested is not None:
+        head = ast.unparse(nested.node).splitlines()[0]
+        return (
+            f"split name {name!r} is called inside `{head}`, which runs wholly in one stage:"
+            f" a stage starts at a top-level statement or a block ({shown})"
+        )
+    return f"split name {name!r} is no submodule forward calls at top level{hint} ({shown})"
+
+
+def starts_text(units: list[Unit], open_ended: frozenset[str] = frozenset()) -> str:
+    """``stages may start at: transformer.wte, transformer.h.1-11, ...``, never an empty list."""
+    names = split_names(units[1:])
+    if not names:
+        return (
+            "and none may: forward calls no submodule at top level after its first statement"
+            f" (supported: {SUPPORTED})"
+        )
+    text = runs(names)
+    for loop in open_ended:
+        last = max(u.block for u in units if u.statement.loop == loop and u.block is not None)
+        text = open_end(text, loop, last)
+    return f"stages may start at: {text}"
+
+
+def open_end(text: str, loop: str, last: int) -> str:
+    """``blocks.0-3`` -> ``blocks.0-3..``: the list may be longer at run time."""
+    return re.sub(rf"\b{re.escape(loop)}\.(\d+-)?{last}\b", r"\g<0>..", text)
 
 
 def check_cuts(
@@ -335,7 +404,23 @@ def check_cuts(
                 unit.statement.node.lineno,
             )
         values.append(live[0])
+    if forward.targets and starts:
+        _targets_last(forward, units, starts[-1])
     return values
+
+
+def _targets_last(forward: Forward, units: list[Unit], last: int) -> None:
+    """The targets parameter reaches the last stage only: no earlier unit may read it."""
+    for unit in units[:last]:
+        if forward.targets in _names(unit_code(forward, unit))[0]:
+            raise SplitError(
+                f"{forward.targets!r} (forward's targets parameter) reaches the last stage only,"
+                f" and {unit.name!r} reads it before that stage starts at"
+                f" {units[last].name!r}: cut after it, or read {forward.targets} in the last"
+                " stage only",
+                _path(unit),
+                unit.statement.node.lineno,
+            )
 
 
 def _path(unit: Unit) -> tuple[int, ...]:
@@ -388,12 +473,19 @@ def stage_function(
     if first == 0:
         args = copy.deepcopy(fn.args)
     else:
+        names = [forward.self_name, *inputs]
+        defaults: list[ast.expr] = []
+        if output is None and forward.targets:  # the last stage: targets=None, as forward has
+            names.append(forward.targets)
+            positional = [*fn.args.posonlyargs, *fn.args.args]
+            default = fn.args.defaults[len(fn.args.defaults) - len(positional) + 2]
+            defaults.append(copy.deepcopy(default))
         args = ast.arguments(
             posonlyargs=[],
-            args=[ast.arg(forward.self_name), *(ast.arg(name) for name in inputs)],
+            args=[ast.arg(name) for name in names],
             kwonlyargs=[],
             kw_defaults=[],
-            defaults=[],
+            defaults=defaults,
         )
     new = copy.copy(fn)  # keeps the fields each Python version's FunctionDef has
     new.name, new.args, new.body, new.decorator_list, new.returns = "forward", args, body, [], None
