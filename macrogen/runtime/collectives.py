@@ -284,8 +284,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local, hit, valid = ctx.saved_tensors
         grad = grad.to(softmax.dtype)
         g = softmax * (grad * valid).unsqueeze(-1)
-        rows = hit.nonzero().squeeze(-1)
-        g[rows, local[rows]] -= grad[rows]
+        # minus grad at each row's target where it is one of my columns (0 elsewhere): a
+        # scatter, not an index by hit.nonzero(), whose data-dependent shape breaks a graph
+        n_local = g.shape[-1]
+        g.scatter_add_(-1, local.clamp(0, n_local - 1).unsqueeze(-1), (-grad * hit).unsqueeze(-1))
         return g.to(ctx.dtype), None, None, None
 
 
@@ -336,6 +338,7 @@ def as_sharded_dtensor(x: torch.Tensor, group: dist.ProcessGroup | None) -> torc
     return DTensor.from_local(x, _mesh(group, x.device.type), [Shard(x.dim() - 1)], run_check=False)
 
 
+@torch.compiler.disable  # built once, outside any traced region (dynamo can't build one)
 @functools.lru_cache(maxsize=8)
 def _mesh(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type)
