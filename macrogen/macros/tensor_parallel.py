@@ -16,7 +16,10 @@ The generated class first builds the serial module (same layers, same random
 initialization), then replaces each planned layer by this rank's shard (a
 module from ``macrogen.runtime.tensor_parallel`` holding plain tensors under
 the serial parameter names, calling the autograd collectives of
-``macrogen.runtime.collectives``). ``forward`` is the user's, unchanged.
+``macrogen.runtime.collectives``). ``forward`` is the user's, with its full
+widths made local where they meet a shard (``tensor_parallel_width``), the
+cross-entropy of a vocab-split head made vocab-parallel, and a colwise output it
+returns gathered (``tensor_parallel_outputs``).
 
 Styles: ``colwise`` (or ``("colwise", 3)`` for a fused q, k, v output of 3
 packed blocks, each split on its own) and ``rowwise`` on ``nn.Linear``, ``vocab`` on
