@@ -3,6 +3,7 @@
     python bench/ddp.py [--steps 4] [--rounds 6]
     python bench/ddp.py --curve docs/local_sgd_loss.png [--curve-steps 300]
     python bench/ddp.py --profile       # where each variant's time goes (cProfile, rank 0)
+    python bench/ddp.py --compile [--backend inductor]   # both under torch.compile
 
 Two gloo ranks on this machine train the GPT of examples/gpt.py (6 layers,
 d=256) with AdamW, and a small conv net with BatchNorm (written here) with SGD.
@@ -28,6 +29,13 @@ with nothing of its own (DDP's collectives, 1/world of the optimizer work),
 bn_floor is data parallelism whose communication costs nothing, and
 bn_allreduce one whose only cost is moving the gradients' bytes once with
 gloo's all-reduce (not overlapped; the rank-to-rank lockstep included).
+
+``--compile`` times the GPT under ``torch.compile`` applied after the wrapper:
+``torch.compile(@data_parallel GPT)`` against ``torch.compile(DDP(GPT))``, same
+bucket size (DDP's compiled graph is split at its buckets by DDPOptimizer), AdamW
+uncompiled on both, and prints the ratio (goal <= 1.0), the graphs each compiled
+and its graph breaks, any recompilation during the timed rounds, and the losses of
+both (equal up to rounding: same weights, same batches).
 
 ``--curve`` trains the GPT example (2 layers, d=64, byte-level text of this
 repository's docs) for a few hundred steps with sync_every = 1, 4 and 16 and
@@ -455,6 +463,88 @@ def report(times, cpu_times, calls, states, seconds: float) -> None:
         print(f"optimizer state per rank, {v} / DDP: {states[v] / full:.3f} (1/world = 0.5)")
 
 
+# -- under torch.compile ------------------------------------------------------------------
+def compile_worker(
+    rank: int, world: int, port: int, steps: int, rounds: int, out_dir: str, backend: str
+) -> None:
+    """torch.compile(@data_parallel GPT) against torch.compile(DDP(GPT)), interleaved."""
+    from torch._dynamo.utils import counters
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    setup(rank, world, port)
+    from examples.gpt import GPT, GPTConfig, batch
+
+    models = expanded_module(Path(out_dir))
+    config = GPTConfig(**MODEL)
+    tokens = batch(config, BATCH, seed=1 + rank)
+
+    def fresh(cls):
+        torch.manual_seed(0)
+        return cls(config)
+
+    ddp = DDP(fresh(GPT), bucket_cap_mb=BUCKET_MB)
+    ours = fresh(models.GPTDataParallel)
+    runs = {
+        name: (torch.compile(m, backend=backend), torch.optim.AdamW(m.parameters(), lr=1e-4))
+        for name, m in (("ddp", ddp), ("macrogen", ours))
+    }
+    losses: dict[str, list[float]] = {n: [] for n in runs}
+
+    def step(name: str) -> None:
+        model, opt = runs[name]
+        opt.zero_grad()
+        loss = model(*tokens)
+        loss.backward()
+        opt.step()
+        losses[name].append(float(loss.detach()))
+
+    def graphs() -> int:
+        return counters["stats"]["unique_graphs"]
+
+    compiled, breaks, seconds = {}, {}, {}
+    for name in runs:  # compile and warm up (recompilations, DDP's bucket rebuild) apart
+        g, b, t = graphs(), sum(counters["graph_break"].values()), time.perf_counter()
+        for _ in range(3):
+            step(name)
+        compiled[name], seconds[name] = graphs() - g, time.perf_counter() - t
+        breaks[name] = sum(counters["graph_break"].values()) - b
+    before = graphs()
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    cpu_times: dict[str, list[float]] = {n: [] for n in runs}
+    started = time.perf_counter()
+    for _ in range(rounds):
+        for name in runs:
+            dist.barrier()
+            c, t = cpu_seconds(), time.perf_counter()
+            for _ in range(steps):
+                step(name)
+            times[name].append((time.perf_counter() - t) / steps)
+            cpu_times[name].append((cpu_seconds() - c) / steps)
+    recompiled = graphs() - before
+    if rank == 0:
+        med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+        cpu = {n: statistics.median(t) * 1e3 for n, t in cpu_times.items()}
+        print(f"GPT {MODEL}, batch {BATCH}x{MODEL['block_size']} tokens per rank, AdamW;"
+              f" torch.compile(backend={backend!r}); 2 gloo ranks, bucket {BUCKET_MB} MB")  # fmt: skip
+        print(f"{rounds} rounds of {steps} timed steps per variant, interleaved;"
+              f" {time.perf_counter() - started:.0f} s; load average {os.getloadavg()}")  # fmt: skip
+        print(f"{'variant':<10} {'median ms/step':>15} {'CPU ms/step':>12} {'graphs':>7}"
+              f" {'graph breaks':>13} {'compile+warm-up s':>18}")  # fmt: skip
+        for n in runs:
+            print(f"{n:<10} {med[n]:>15.1f} {cpu[n]:>12.1f} {compiled[n]:>7}"
+                  f" {breaks[n]:>13} {seconds[n]:>18.1f}")  # fmt: skip
+        print(f"graphs compiled during the timed rounds (recompilations): {recompiled}")
+        first = [losses[n][0] for n in runs]
+        last = [losses[n][-1] for n in runs]
+        print(f"loss, first step: ddp {first[0]:.6f}, macrogen {first[1]:.6f};"
+              f" after {len(losses['ddp'])} steps: ddp {last[0]:.6f}, macrogen {last[1]:.6f}")  # fmt: skip
+        print()
+        print(f"{'compiled: macrogen / DDP':<40} {med['macrogen'] / med['ddp']:.3f}"
+              f"  (goal <= 1.0; CPU time {cpu['macrogen'] / cpu['ddp']:.3f})")  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 # -- the loss curves of local SGD -------------------------------------------------------
 def corpus() -> torch.Tensor:
     """Bytes of this repository's docs: text a byte-level GPT can learn from."""
@@ -525,6 +615,10 @@ def main() -> None:
     parser.add_argument("--curve", metavar="PNG", help="draw local SGD's loss curves instead")
     parser.add_argument("--curve-steps", type=int, default=300)
     parser.add_argument("--profile", action="store_true", help="cProfile each variant instead")
+    parser.add_argument(
+        "--compile", action="store_true", help="@data_parallel + torch.compile vs DDP + torch.compile"
+    )
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend (--compile)")
     args = parser.parse_args()
     import tempfile
 
@@ -534,6 +628,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.profile:
             mp.spawn(profile_worker, args=(2, port, 10, tmp), nprocs=2)
+        elif args.compile:
+            spawn_args = (2, port, args.steps, args.rounds, tmp, args.backend)
+            mp.spawn(compile_worker, args=spawn_args, nprocs=2, join=True)
         elif args.curve:
             png = str(Path(args.curve).resolve())
             mp.spawn(curve_worker, args=(2, port, args.curve_steps, tmp, png), nprocs=2)

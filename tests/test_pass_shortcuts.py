@@ -48,7 +48,7 @@ class Net(nn.Module):
         return self.mlp(x).sum()
 """
 
-STACKED = MODEL.replace("class Net(nn.Module):", "@mg.tensor_parallel(plan={'fc': 'colwise'})\nclass Net(nn.Module):").replace(
+STACKED = MODEL.replace("class Net(nn.Module):", "@mg.tensor_parallel(plan={'fc': 'rowwise'})\nclass Net(nn.Module):").replace(
     "        self.mlp = MLP()", "        self.fc = nn.Linear(8, 8)"
 ).replace("self.mlp(x)", "self.fc(x)")
 

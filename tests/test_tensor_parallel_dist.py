@@ -96,7 +96,7 @@ MODELS = textwrap.dedent(
             self.head = nn.Linear(d_model, vocab, bias=False)
 
         def forward(self, ids):
-            return self.head(torch.tanh(self.wte(ids)))  # logits sharded over the vocabulary
+            return self.head(torch.tanh(self.wte(ids)))  # returned logits: gathered (Replicate)
 
 
     class Inner(nn.Module):
@@ -158,7 +158,8 @@ MODELS = textwrap.dedent(
 
     @mg.tensor_parallel(plan={"wte": "vocab", "head": "colwise"})
     class TiedLM(Tied):
-        pass  # vocab rows and colwise rows are one shard, shared; logits sharded
+        pass  # vocab rows and colwise rows are one shard, shared; logits sharded (the
+        # inherited forward is not rewritten: only the decorated class's own is)
 
 
     @mg.tensor_parallel(plan={"wte": "vocab", "head": "rowwise"})
@@ -342,7 +343,6 @@ def _two_rank_checks(rank, world, tmp):
         ids,
         rank,
         world,
-        gather_output=True,
     )
     counts["LMColwiseHead"] = (fwd, bwd)
     _, _, fwd, bwd = _check_block(
@@ -469,9 +469,10 @@ def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
         {"all_reduce": 2, "all_gather": 0},
         {"all_reduce": 0, "all_gather": 1},
     )
-    # vocab (one all-reduce forward), colwise head (one all-reduce backward)
+    # vocab (one all-reduce forward), colwise head (one all-reduce backward); forward returns
+    # the head's output, so it is gathered (one all-gather forward, none backward)
     one_each = {"all_reduce": 1, "all_gather": 0}
-    assert counts["LMColwiseHead"] == (one_each, one_each)
+    assert counts["LMColwiseHead"] == ({"all_reduce": 1, "all_gather": 1}, one_each)
     assert counts["Containers"] == (
         {"all_reduce": 4, "all_gather": 0},
         {"all_reduce": 4, "all_gather": 0},
@@ -489,7 +490,8 @@ def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
         " plan both with the same split (a vocab embedding and a colwise head share rows) or"
         " untie them",
         "tensor_parallel: rank 1 built a different model than rank 0: Attention's divided"
-        " attributes: (('Attention.n_head', 2),) on rank 0 but (('Attention.n_head', 4),)",
+        " attributes (serial values): (('Attention.n_head', 4),) on rank 0 but"
+        " (('Attention.n_head', 8),)",
     ]
 
 

@@ -16,7 +16,10 @@ The generated class first builds the serial module (same layers, same random
 initialization), then replaces each planned layer by this rank's shard (a
 module from ``macrogen.runtime.tensor_parallel`` holding plain tensors under
 the serial parameter names, calling the autograd collectives of
-``macrogen.runtime.collectives``). ``forward`` is the user's, unchanged.
+``macrogen.runtime.collectives``). ``forward`` is the user's, with its full
+widths made local where they meet a shard (``tensor_parallel_width``), the
+cross-entropy of a vocab-split head made vocab-parallel, and a colwise output it
+returns gathered (``tensor_parallel_outputs``).
 
 Styles: ``colwise`` (or ``("colwise", 3)`` for a fused q, k, v output of 3
 packed blocks, each split on its own) and ``rowwise`` on ``nn.Linear``, ``vocab`` on
@@ -46,7 +49,7 @@ from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.literals import evaluated
-from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
+from macrogen.expand.protocol import Expanded, Form, Import, Site, TuningEnv
 from macrogen.expand.sites import did_you_mean, dotted, may_call_with_arguments
 from macrogen.expand.walk import Visitor, find, walk
 from macrogen.macros.tensor_parallel_width import feeding, rewrite_forward
@@ -346,22 +349,23 @@ def expand(site: Site, ctx: Context) -> Expanded:
     )
     blank = [cst.EmptyLine()] * (1 if "." in site.qualname else 2)
     generated[0] = generated[0].with_changes(leading_lines=blank)
-    used = []  # the vocab-parallel loss, imported only where forward computes one
+    used: dict[str, Import] = {}  # collectives forward calls (the vocab-parallel loss, gathers)
 
-    def loss() -> str:
-        used.append(ctx.import_from("macrogen.runtime.collectives", "vocab_parallel_cross_entropy"))
-        return used[-1]
+    def collective(function: str) -> str:
+        if function not in used:
+            used[function] = ctx.import_from("macrogen.runtime.collectives", function)
+        return used[function]
 
     node_body, original_body = site.node.body.body, site.original.body.body
     if len(node_body) == len(original_body) and all(map(operator.is_, node_body, original_body)):
         # No site inside the class expanded: rewriting the user's nodes gives the errors
         # at the user's positions and the result at once.
-        rewritten = rewrite_widths(site.original, spec, loss).body.body
+        rewritten = rewrite_widths(site.original, spec, collective).body.body
         cls = site.node.with_changes(body=site.node.body.with_changes(body=rewritten))
     else:
-        rewrite_widths(site.original, spec, lambda: "_")  # errors at the user's positions
-        cls = rewrite_widths(site.node, spec, loss)
-    imports = (*styles.values(), parallelize, group, gather, scatter, *used[:1])
+        rewrite_widths(site.original, spec, lambda _: "_")  # errors at the user's positions
+        cls = rewrite_widths(site.node, spec, collective)
+    imports = (*styles.values(), parallelize, group, gather, scatter, *used.values())
     return Expanded([cls.with_changes(name=cst.Name(serial)), *generated], imports=imports)
 
 
@@ -652,15 +656,23 @@ def _check_sequence_sizes(cls: cst.ClassDef, spec: Spec) -> None:
             )
 
 
-def rewrite_widths(cls: cst.ClassDef, spec: Spec, loss: Callable[[], str]) -> cst.ClassDef:
-    """The class with its ``forward``'s full-width arithmetic made local (tensor_parallel_width)."""
+def rewrite_widths(
+    cls: cst.ClassDef, spec: Spec, collective: Callable[[str], str]
+) -> cst.ClassDef:
+    """The class with its ``forward``'s full-width arithmetic made local, its vocab-sharded
+    loss vocab-parallel and its returned colwise outputs gathered (tensor_parallel_width)."""
     mine = {e.key for e in spec.entries if len(e.path) == 1}  # forward sees its own layers
     colwise = {e.key for e in spec.entries if e.key in mine and isinstance(e.style, Colwise)}
     rowwise = {e.key for e in spec.entries if e.key in mine and isinstance(e.style, Rowwise)}
     divided = {e.key for e in spec.entries if e.key in mine and isinstance(e.style, Divide)}
+    packed = {
+        e.key
+        for e in spec.entries
+        if e.key in colwise and isinstance(e.style, Colwise) and e.style.blocks > 1
+    }
     body = []
     for stmt in cls.body.body:
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
-            stmt = rewrite_forward(stmt, colwise, rowwise, divided, loss)
+            stmt = rewrite_forward(stmt, colwise, rowwise, divided, packed, collective)
         body.append(stmt)
     return cls.with_changes(body=cls.body.with_changes(body=body))

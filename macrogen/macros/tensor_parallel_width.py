@@ -34,13 +34,9 @@ import libcst as cst
 from macrogen.expand.errors import MacroError
 from macrogen.expand.sites import dotted
 from macrogen.expand.walk import Visitor, find, leaf, walk
+from macrogen.macros.tensor_parallel_outputs import CROSS_ENTROPY, GATHER, colwise_outputs
 
 SHAPE_METHODS = ("view", "reshape", "split", "unflatten", "expand")
-CROSS_ENTROPY = (
-    "F.cross_entropy",
-    "torch.nn.functional.cross_entropy",
-    "nn.functional.cross_entropy",
-)
 CROSS_ENTROPY_OPTIONS = ("ignore_index", "reduction")
 COMPREHENSIONS = (cst.GeneratorExp, cst.ListComp, cst.SetComp, cst.DictComp)
 
@@ -50,12 +46,15 @@ def rewrite_forward(
     colwise: set[str],
     rowwise: set[str],
     divided: set[str],
-    cross_entropy: Callable[[], str],
+    packed: set[str],
+    runtime: Callable[[str], str],
 ) -> cst.FunctionDef:
     """``forward`` with full-width names rewritten to the local width where they meet a shard,
-    and ``F.cross_entropy`` of vocabulary-sharded logits made vocab-parallel.
+    ``F.cross_entropy`` of vocabulary-sharded logits made vocab-parallel, and colwise outputs
+    that forward returns gathered (tensor_parallel_outputs).
 
-    ``cross_entropy()`` gives the name generated code calls for the latter (imported on use).
+    ``runtime(name)`` gives the name generated code calls for a function of
+    ``macrogen.runtime.collectives`` (imported on use).
     """
     params = [p.name.value for p in (*forward.params.posonly_params, *forward.params.params)]
     if len(params) < 2 or not colwise:
@@ -63,9 +62,14 @@ def rewrite_forward(
     me = params[0]
     inputs = feeding(forward, me, set(params[1:]), colwise)  # whose last dim is the width
     full = _full_width_names(forward, me, inputs)
-    if not full and not any(dotted(c.func) in CROSS_ENTROPY for c in find(forward, cst.Call)):
+    wrap = colwise_outputs(forward, me, colwise, packed)
+    if (
+        not full
+        and not wrap
+        and not any(dotted(c.func) in CROSS_ENTROPY for c in find(forward, cst.Call))
+    ):
         return forward  # nothing to rewrite nor to report: spare the transform's rebuild
-    rewritten = forward.visit(_Widths(me, full, colwise, rowwise, divided, cross_entropy))
+    rewritten = forward.visit(_Widths(me, full, colwise, rowwise, divided, wrap, runtime))
     assert isinstance(rewritten, cst.FunctionDef)
     return rewritten
 
@@ -158,12 +162,14 @@ class _Widths(cst.CSTTransformer):
         colwise: set[str],
         rowwise: set[str],
         divided: set[str],
-        cross_entropy: Callable[[], str],
+        wrap: dict[int, tuple[str, str]],
+        runtime: Callable[[str], str],
     ):
         super().__init__()
         self.me, self.full = me, full
         self.colwise, self.rowwise, self.divided = colwise, rowwise, divided
-        self.cross_entropy = cross_entropy
+        self.wrap = wrap  # id(colwise call) -> (runtime function, layer): returned outputs
+        self.runtime = runtime
         self.sharded: dict[str, str] = {}  # name -> the colwise layer its tensor comes from
         self.stack: list[cst.CSTNode] = []
 
@@ -192,7 +198,20 @@ class _Widths(cst.CSTTransformer):
             return self._use(original, updated)
         if isinstance(original, cst.Call) and isinstance(updated, cst.Call) and dotted(original.func) in CROSS_ENTROPY:
             return self._cross_entropy(original, updated)
+        if id(original) in self.wrap and isinstance(updated, cst.Call):
+            function, layer = self.wrap[id(original)]
+            return cst.Call(
+                cst.Name(self.runtime(function)),
+                [
+                    cst.Arg(updated, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                    cst.Arg(self._group(layer)),
+                ],
+            )
         return updated
+
+    def _group(self, layer: str) -> cst.BaseExpression:
+        """The layer's group: None serially (the layer is then the full nn.Linear)."""
+        return cst.parse_expression(f"getattr({self.me}.{layer}, 'group', None)")
 
     def _cross_entropy(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         """``F.cross_entropy(logits, target)`` of vocabulary-sharded logits: vocab-parallel."""
@@ -211,14 +230,15 @@ class _Widths(cst.CSTTransformer):
                 " (logits, target) and ignore_index=, reduction=; write the call in that form",
                 bad[0] if bad else original,
             )
-        # the head's group: None serially (the layer is then the full nn.Linear)
-        group = cst.parse_expression(f"getattr({self.me}.{layer}, 'group', None)")
+        group = self._group(layer)
         comma = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
         args = list(updated.args)
         last = len(args) == 2
         args[1] = args[1].with_changes(comma=comma)
         args.insert(2, cst.Arg(group, comma=updated.args[1].comma if last else comma))
-        return updated.with_changes(func=cst.Name(self.cross_entropy()), args=args)
+        return updated.with_changes(
+            func=cst.Name(self.runtime("vocab_parallel_cross_entropy")), args=args
+        )
 
     def _self_attr(self, node: cst.CSTNode, names: set[str]) -> bool:
         return (
@@ -238,6 +258,7 @@ class _Widths(cst.CSTTransformer):
                 call.func.attr.value
                 for call in find(node, cst.Call)
                 if self._self_attr(call.func, self.colwise)
+                and self.wrap.get(id(call), ("",))[0] != GATHER  # gathered: whole again
             ),
             None,
         )

@@ -24,6 +24,8 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -261,7 +263,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, ignore_index):
         n_local = logits.shape[-1]
         start = dist.get_rank(group) * n_local  # first vocabulary id of my columns
-        z = logits.float()
+        z = logits.to(_loss_dtype(logits.dtype))  # fp16/bf16 in fp32; fp32, fp64 as they are
         row_max = z.detach().amax(dim=-1)  # (N,)
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         shifted = z - row_max.unsqueeze(-1)  # (N, V / T)
@@ -275,14 +277,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = target != ignore_index
         ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local, mine & valid, valid)
         ctx.dtype = logits.dtype
-        return loss * valid
+        return (loss * valid).to(logits.dtype)  # F.cross_entropy's loss has the logits' dtype
 
     @staticmethod
     def backward(ctx, grad):  # d loss_i / d z_iv = softmax_iv - [v == target_i]
         softmax, local, hit, valid = ctx.saved_tensors
+        grad = grad.to(softmax.dtype)
         g = softmax * (grad * valid).unsqueeze(-1)
-        rows = hit.nonzero().squeeze(-1)
-        g[rows, local[rows]] -= grad[rows]
+        # minus grad at each row's target where it is one of my columns (0 elsewhere): a
+        # scatter, not an index by hit.nonzero(), whose data-dependent shape breaks a graph
+        n_local = g.shape[-1]
+        g.scatter_add_(-1, local.clamp(0, n_local - 1).unsqueeze(-1), (-grad * hit).unsqueeze(-1))
         return g.to(ctx.dtype), None, None, None
 
 
@@ -296,8 +301,12 @@ def vocab_parallel_cross_entropy(
     """``F.cross_entropy(full_logits, target)`` from this rank's vocabulary slice of the logits.
 
     ``logits``: (N, V / T), rank r holding columns [r V/T, (r+1) V/T) (a colwise
-    head's output); ``target``: (N,) global ids. Without a group: F.cross_entropy.
+    head's output), or the DTensor ``as_sharded_dtensor`` made of it; ``target``: (N,)
+    global ids. Without a group: F.cross_entropy. Computed in the logits' dtype (fp32
+    for fp16/bf16); the loss has their dtype, as F.cross_entropy's.
     """
+    if isinstance(logits, DTensor):  # forward also returns these logits: see as_sharded_dtensor
+        logits = logits.to_local()
     if group_size(group) == 1:
         return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
     if logits.dim() != 2 or reduction not in ("mean", "sum", "none"):
@@ -311,6 +320,28 @@ def vocab_parallel_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / (target != ignore_index).sum()
+
+
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def as_sharded_dtensor(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``x``, this rank's slice of the last dim, as a DTensor sharded there (no communication).
+
+    What a colwise head returns when forward also feeds it to the vocab-parallel loss
+    (torch's ``loss_parallel`` logits): the loss takes the local part; any other use
+    sees the serial tensor (``.full_tensor()``) or fails loudly, never a slice.
+    """
+    if group_size(group) == 1:
+        return x
+    return DTensor.from_local(x, _mesh(group, x.device.type), [Shard(x.dim() - 1)], run_check=False)
+
+
+@torch.compiler.disable  # built once, outside any traced region (dynamo can't build one)
+@functools.lru_cache(maxsize=8)
+def _mesh(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
+    return DeviceMesh.from_group(group, device_type)
 
 
 # -- sequence parallelism (Megatron-SP, torch's SequenceParallel) ------------------------------
