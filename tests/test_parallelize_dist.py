@@ -312,6 +312,23 @@ def _errors(rank, world, tmp):
     return True
 
 
+def _sharded_logits(rank, world, tmp):
+    import torch.nn as nn
+
+    from macrogen.runtime import parallelize as P
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 16))  # the last one: an LM head
+    mesh = P.device_mesh(tp=2, planned=True, where="t.py:2")
+    P.apply_tensor_parallel(model, mesh, {"1": "colwise"}, where="t.py:2")
+    with pytest.raises(P.PlanError, match=r"1 is colwise, and the model returns its output.*'colwise_gather_output'"):  # fmt: skip
+        model(torch.randn(2, 8))
+    return True
+
+
+def test_a_colwise_output_the_model_returns_is_an_error(tmp_path):
+    assert run_ranks(_sharded_logits, 2, args=(str(tmp_path),), timeout=120) == [True, True]
+
+
 def test_plan_errors_all_at_once_and_degrees_checked(tmp_path):
     assert run_ranks(_errors, 2, args=(str(tmp_path),), timeout=120) == [True, True]
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import re
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -341,8 +342,35 @@ def apply_tensor_parallel(
         model.register_forward_hook(_restore, always_call=True),
     )
     object.__setattr__(model, _LOCAL_FORWARD, True)
+    colwise = [(layer.name, getattr(layer.owner, layer.attr)) for layer in layers
+               if layer.style.kind == "colwise"]  # fmt: skip
+    if colwise:
+        model.register_forward_hook(functools.partial(_no_sharded_outputs, colwise, where))
     _tell_transformers(model, tp)
     return model
+
+
+def _no_sharded_outputs(
+    colwise: list[tuple[str, nn.Module]], where: str, model: nn.Module, args: Any, output: Any
+) -> None:
+    """A colwise layer's output returned by the model is this rank's slice of the features (an
+    LM head's logits: a slice of the vocabulary, so a loss or a sampler would silently differ
+    from serial): an error naming the layer. Plan such a layer colwise_gather_output."""
+    from torch.utils._pytree import tree_leaves
+
+    if torch.compiler.is_compiling():
+        return
+    returned = {id(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor)}
+    for name, layer in colwise:
+        ref = layer.__dict__.get(_LAST_OUTPUT)
+        out = ref() if ref is not None else None
+        if out is not None and id(out) in returned:
+            raise PlanError(
+                f"mg.parallelize at {where}: {name} is colwise, and the model returns its output,"
+                " which holds this rank's slice of the features only: plan it"
+                f" {{{name!r}: 'colwise_gather_output'}} (HF's colwise_gather_output) to return"
+                " them whole"
+            )
 
 
 def _tell_transformers(model: nn.Module, tp: int) -> None:
@@ -579,12 +607,19 @@ def _weight(module: nn.Module, kind: str | None) -> torch.Tensor:
     return w.t() if kind == "conv1d" else w  # F.linear's (out, in)
 
 
+_LAST_OUTPUT = "_mg_last_output"  # a colwise layer's last output (weakly): may the model return it?
+
+
 def _colwise_forward(module: nn.Module, group, kind, x: torch.Tensor) -> torch.Tensor:
-    return colwise_linear(x, _weight(module, kind), _local(module.bias), group)
+    out = colwise_linear(x, _weight(module, kind), _local(module.bias), group)
+    if not torch.compiler.is_compiling():  # (an eager run checks it: no weakref of a traced value)
+        module.__dict__[_LAST_OUTPUT] = weakref.ref(out)
+    return out
 
 
 def _colwise_gather_forward(module: nn.Module, group, kind, x: torch.Tensor) -> torch.Tensor:
-    return gather_last_dim(_colwise_forward(module, group, kind, x), group)
+    local = colwise_linear(x, _weight(module, kind), _local(module.bias), group)
+    return gather_last_dim(local, group)
 
 
 def _rowwise_forward(module: nn.Module, group, kind, x: torch.Tensor) -> torch.Tensor:
