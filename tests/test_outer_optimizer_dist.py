@@ -254,6 +254,53 @@ def test_outer_optimizer_and_overlap_on_two_ranks(tmp_path):
         assert r["flushed"] == -1
 
 
+def _resume(rank: int, world: int, out_dir: str) -> dict:
+    """8 steps straight, against 4 steps, a checkpoint (a round in flight: sent after step 3,
+    due after step 4) and 4 more steps in a fresh model resumed from it. Both ranks see the
+    same data, so their parameters agree and one stored copy of them is exact."""
+    from pathlib import Path
+
+    from macrogen.runtime.checkpoint import resumable
+
+    code = expand_source(MODELS, path="outer_models.py").code
+    m = load_module(code, f"outer_models_resume_rank{rank}", Path(out_dir))
+
+    def run(model, stop=None):
+        opt = inner(model.parameters())
+        loop = resumable(range(8), model=model, optimizer=opt, dir=Path(out_dir) / "ckpt", every=4)
+        loaded = gradient_sync(model).local_sgd.due  # the start-up loaded the checkpoint
+        for s in loop:
+            opt.zero_grad()
+            model(*data(0, s)).backward()
+            opt.step()
+            if s == stop:  # (the save after step 3 ran when the loop asked for step 4)
+                break
+        return model, loaded
+
+    straight = build(m.Delay1)
+    opt = inner(straight.parameters())
+    for s in range(8):
+        opt.zero_grad()
+        straight(*data(0, s)).backward()
+        opt.step()
+    run(build(m.Delay1), stop=4)
+    resumed, loaded = run(build(m.Delay1))
+    local = gradient_sync(resumed).local_sgd
+    report = {"due at the checkpoint": loaded, "steps": local.steps}
+    local_sgd.flush(straight)
+    local_sgd.flush(resumed)
+    report["equal"] = torch.equal(flat(resumed), flat(straight))
+    return report
+
+
+def test_checkpoint_holds_the_outer_state_and_the_round_in_flight(tmp_path):
+    results = run_ranks(_resume, 2, args=(str(tmp_path),), timeout=120)
+    for r in results:
+        assert r["due at the checkpoint"] == 4  # the checkpoint after step 3 had a round in flight
+        assert r["steps"] == 8
+        assert r["equal"]
+
+
 def test_delay_beyond_sync_every_is_refused():
     model = torch.nn.Linear(2, 2)
     config = DataParallelConfig(sync_every=2, overlap=True, delay=3)

@@ -206,6 +206,49 @@ class LocalSGD:
         if sync is not None and self.due >= 0:
             self._apply(sync)
 
+    # -- checkpoints (runtime/checkpoint_state.py) --------------------------------
+    def state_dict(self, *, load: bool = False) -> dict[str, torch.Tensor]:
+        """The outer state as flat tensors, the same keys whether or not it exists yet.
+
+        Saving waits for the round in flight (a checkpoint is one of the two places the
+        overlapped form waits for the network); the round stays due at its step. ``load``:
+        buffers for a checkpoint to be read into (then ``load_state_dict``). ``sent`` is
+        this rank's; a checkpoint holds one rank's copy, as of the parameters themselves.
+        """
+        sync = self._sync()
+        assert sync is not None
+        if not load:
+            self.settle()
+        has = self.parts is not None
+        parts = self.parts if self.parts is not None else self._snapshot(sync)
+        out = {"counters": torch.tensor([self.steps, self.averages, self.due, int(has)])}
+        for i, part in enumerate(parts):
+            out[f"synced.{i}"] = part.synced
+            if part.momentum is not None:
+                out[f"momentum.{i}"] = part.momentum
+            zeros = torch.zeros_like(part.synced)
+            out[f"sent.{i}"] = part.sent if part.sent is not None and not load else zeros
+            out[f"delta.{i}"] = part.delta if part.delta is not None and not load else zeros.clone()
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        sync = self._sync()
+        assert sync is not None
+        self.steps, self.averages, self.due, has = (int(v) for v in state["counters"].tolist())
+        if not has:
+            self.parts = None
+            return
+        parts = self._snapshot(sync)
+        for i, part in enumerate(parts):
+            part.synced = state[f"synced.{i}"].to(part.synced)
+            if part.momentum is not None:
+                part.momentum = state[f"momentum.{i}"].to(part.momentum)
+            if self.due >= 0:  # a round in flight when saved: its averaged delta, applied when due
+                part.sent = state[f"sent.{i}"].to(part.synced)
+                part.delta = state[f"delta.{i}"].to(part.synced)
+                part.averaged = True
+        self.parts = parts
+
     def _holds_params(self, optimizer: torch.optim.Optimizer, sync: GradientSync) -> bool:
         holds = self._holds.get(optimizer)
         if holds is None:
@@ -248,6 +291,14 @@ def average(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None, w
             dist.all_reduce(buf, group=group)
             buf.div_(world)
             fused.unpack_torch(buf, members, flat)
+
+
+def outer_states(model: torch.nn.Module) -> list[LocalSGD]:
+    """The model's local SGD with an outer optimizer (whose state a checkpoint holds)."""
+    from macrogen.runtime.data_parallel import syncs_of
+
+    found = (s.local_sgd for s in syncs_of(list(model.parameters())))
+    return [local for local in found if local is not None and local.outer is not None]
 
 
 def flush(model: torch.nn.Module) -> None:
