@@ -246,7 +246,7 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"])
     parser.add_argument("--n-layer", type=int, default=MODEL["n_layer"])
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank (compute ~ latency)")
     parser.add_argument("--losses", action="store_true", help="final losses instead of times")
     parser.add_argument("--loss-steps", type=int, default=300)
     args = parser.parse_args()
