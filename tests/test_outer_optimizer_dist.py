@@ -4,7 +4,8 @@ One spawned run (fp64, a two-layer net, 10 optimizer steps, sync_every=3: the
 ranks synchronize after steps 0, 3, 6 and 9) checks that
 
 - ``outer=None`` is bit-identical to plain ``sync_every`` (today's averaging);
-- outer SGD with lr 1 and no momentum equals plain averaging;
+- outer SGD with lr 1 and no momentum equals plain averaging (also after a
+  synchronous warm-up);
 - Nesterov outer SGD matches DiLoCo's pseudo-code, simulated here serially for
   both workers, to 1e-6 after 3 rounds;
 - ``overlap=True, delay=0`` is bit-identical to ``overlap=False``;
@@ -59,6 +60,16 @@ MODELS = textwrap.dedent(
 
     @mg.data_parallel(sync_every=3, outer=mg.outer_sgd(lr=1.0, momentum=0.0, nesterov=False))
     class OuterOne(Net):
+        pass
+
+
+    @mg.data_parallel(sync_every=3, sync_warmup=2)
+    class PlainWarm(Net):
+        pass
+
+
+    @mg.data_parallel(sync_every=3, sync_warmup=2, outer=mg.outer_sgd(lr=1, momentum=0.0, nesterov=False))
+    class OuterOneWarm(Net):
         pass
 
 
@@ -216,6 +227,9 @@ def _cases(rank: int, world: int, out_dir: str) -> dict:
 
     one = train(build(m.OuterOne), rank)
     torch.testing.assert_close(flat(one), flat(plain), rtol=0, atol=1e-12)
+    # after 2 synchronous steps: the outer optimizer starts from the warmed-up parameters
+    one_warm = train(build(m.OuterOneWarm), rank)
+    torch.testing.assert_close(flat(one_warm), flat(train(build(m.PlainWarm), rank)), rtol=0, atol=1e-12)
 
     # 3 rounds: after steps 0, 3 and 6, i.e. 1, 3 and 3 inner steps
     nesterov = train(build(m.Nesterov), rank, steps=7)
