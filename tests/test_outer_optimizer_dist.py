@@ -11,7 +11,9 @@ ranks synchronize after steps 0, 3, 6 and 9) checks that
 - ``overlap=True, delay=0`` is bit-identical to ``overlap=False``;
 - ``delay=1`` matches the same simulation with each outer step applied one
   inner step late (the local steps in between kept on top);
-- an overlapped run issues one asynchronous all-reduce per round and nothing else.
+- an overlapped run issues one asynchronous all-reduce per round and nothing else;
+- a ``resumable`` checkpoint holds the outer state and the round in flight: 4
+  steps, a checkpoint, 4 steps in a fresh model resumed from it equal 8 steps.
 """
 
 from __future__ import annotations
@@ -253,10 +255,11 @@ def _cases(rank: int, world: int, out_dir: str) -> dict:
     report["in flight after the run"] = gradient_sync(delay1).local_sgd.due
     local_sgd.flush(delay1)  # the round sent after step 9 lands now
     report["flushed"] = gradient_sync(delay1).local_sgd.due
+    report["resume"] = _resume(rank, world, out_dir)  # (in the same processes: one spawn)
     return report
 
 
-def test_outer_optimizer_and_overlap_on_two_ranks(tmp_path):
+def test_outer_optimizer_overlap_and_checkpoint_on_two_ranks(tmp_path):
     results = run_ranks(_cases, 2, args=(str(tmp_path),), timeout=120)
     for r in results:
         assert r["outer=None bit-identical"]
@@ -266,6 +269,8 @@ def test_outer_optimizer_and_overlap_on_two_ranks(tmp_path):
         assert r["calls"] == (4, 4, 4, 4)
         assert r["in flight after the run"] == 10  # sent after step 9, due after step 10
         assert r["flushed"] == -1
+        # a checkpoint taken after step 3 with that round in flight (due after step 4)
+        assert r["resume"] == {"due at the checkpoint": 4, "steps": 8, "equal": True}
 
 
 def _resume(rank: int, world: int, out_dir: str) -> dict:
@@ -305,14 +310,6 @@ def _resume(rank: int, world: int, out_dir: str) -> dict:
     local_sgd.flush(resumed)
     report["equal"] = torch.equal(flat(resumed), flat(straight))
     return report
-
-
-def test_checkpoint_holds_the_outer_state_and_the_round_in_flight(tmp_path):
-    results = run_ranks(_resume, 2, args=(str(tmp_path),), timeout=120)
-    for r in results:
-        assert r["due at the checkpoint"] == 4  # the checkpoint after step 3 had a round in flight
-        assert r["steps"] == 8
-        assert r["equal"]
 
 
 def test_delay_beyond_sync_every_is_refused():
