@@ -255,6 +255,14 @@ def _cases(rank: int, world: int, out_dir: str) -> dict:
     report["in flight after the run"] = gradient_sync(delay1).local_sgd.due
     local_sgd.flush(delay1)  # the round sent after step 9 lands now
     report["flushed"] = gradient_sync(delay1).local_sgd.due
+    moved = train(build(m.Nesterov), rank, steps=2).float()  # the outer state is float64
+    try:
+        x, y = data(rank, 2)
+        moved(x.float(), y.float()).backward()
+        inner(moved.parameters()).step()
+        report["converted"] = "no error"
+    except RuntimeError as e:
+        report["converted"] = str(e)
     report["resume"] = _resume(rank, world, out_dir)  # (in the same processes: one spawn)
     return report
 
@@ -269,6 +277,7 @@ def test_outer_optimizer_overlap_and_checkpoint_on_two_ranks(tmp_path):
         assert r["calls"] == (4, 4, 4, 4)
         assert r["in flight after the run"] == 10  # sent after step 9, due after step 10
         assert r["flushed"] == -1
+        assert "replaced, moved or converted after local SGD's outer steps began" in r["converted"]
         # a checkpoint taken after step 3 with that round in flight (due after step 4)
         assert r["resume"] == {"due at the checkpoint": 4, "steps": 8, "equal": True}
 

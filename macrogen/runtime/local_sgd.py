@@ -100,6 +100,7 @@ class LocalSGD:
         self.averages = 0  # synchronizations started so far
         self.due = -1  # the step after which the round in flight is applied (-1: none)
         self.parts: list[_Part] | None = None  # the outer state, from the first local step on
+        self._plan = 0  # the GradientSync plan the outer state was laid out for
         self._sync = weakref.ref(sync)
         self._holds: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         if sync.world_size > 1:
@@ -129,6 +130,8 @@ class LocalSGD:
         sync = self._ours(optimizer)
         if sync is None:
             return
+        if self.parts is not None:
+            self._check_layout(sync)
         s = self.steps
         self.steps += 1
         if s == self.due:
@@ -144,7 +147,21 @@ class LocalSGD:
                 self._apply(sync)
 
     # -- the outer step ----------------------------------------------------------
+    def _check_layout(self, sync: GradientSync) -> None:
+        """The outer state is flat copies of the parameters as they were laid out: a replaced
+        parameter, or one moved to another device or dtype, no longer fits it."""
+        first = self.parts[0] if self.parts else None
+        p = sync.params[first.flat.members[0]] if first is not None else None
+        if sync.plan_id != self._plan or (
+            p is not None and first is not None and (p.device, p.dtype) != (first.synced.device, first.synced.dtype)
+        ):
+            raise RuntimeError(
+                f"data_parallel at {sync.where}: the model's parameters were replaced, moved or"
+                " converted after local SGD's outer steps began; move the model before its first step"
+            )
+
     def _snapshot(self, sync: GradientSync) -> list[_Part]:
+        self._plan = sync.plan_id
         members = [p.detach() for p in sync.params]
         parts = []
         for flat in fused.plan(members):
