@@ -142,12 +142,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     times: dict[str, list[float]] = {n: [] for n in runs}
     waits: dict[str, list[float]] = {n: [] for n in runs}
+    cpu: dict[str, list[float]] = {n: [] for n in runs}
     with SlowLink(args.latency_ms / 1000) as link:
         for r in range(args.rounds + 1):  # round 0 warms up
             for name, (model, opt) in runs.items():
                 dist.barrier()
                 waited = link.waited
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 for _ in range(args.steps):
                     opt.zero_grad()
                     model(x, y).backward()
@@ -155,15 +156,22 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
                 if r:
                     times[name].append((time.perf_counter() - start) / args.steps)
                     waits[name].append((link.waited - waited) / args.steps)
+                    cpu[name].append((time.process_time() - cpu_start) / args.steps)
     if rank == 0:
-        report(times, waits, args)
+        report(times, waits, cpu, args)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def report(times: dict[str, list[float]], waits: dict[str, list[float]], args: argparse.Namespace) -> None:
+def report(
+    times: dict[str, list[float]],
+    waits: dict[str, list[float]],
+    cpu: dict[str, list[float]],
+    args: argparse.Namespace,
+) -> None:
     ms = {n: 1000 * statistics.median(t) for n, t in times.items()}
     wait = {n: 1000 * statistics.median(t) for n, t in waits.items()}
+    cpu_ms = {n: 1000 * statistics.median(t) for n, t in cpu.items()}
     c = ms["compute"]
     model = {**MODEL, "n_embd": args.n_embd, "n_layer": args.n_layer}
     print(f"2 gloo ranks, GPT {model}, batch {args.batch}/rank, AdamW; injected all-reduce latency"
@@ -179,6 +187,8 @@ def report(times: dict[str, list[float]], waits: dict[str, list[float]], args: a
         ideal = (c + max(0.0, lat - c) / k) / (c + lat / k)
         ratio = ms[names[1]] / ms[names[0]]
         print(f"{k:>10}  {outer:>14}  {over:>14}  {ratio:5.2f}  {d0:>14}  {ideal:5.2f}")
+    print("rank 0's CPU time per step (all threads), ms: "
+          + ", ".join(f"{n} {v:.1f}" for n, v in cpu_ms.items()))  # fmt: skip
 
 
 # -- what each variant costs in loss ------------------------------------------------------
