@@ -101,10 +101,18 @@ def parallelize(model: T, **options: Any) -> T:
     return model
 
 
+def outer_sgd(*, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> dict[str, Any]:
+    """``@data_parallel(sync_every=k, outer=outer_sgd(lr=0.7, momentum=0.9, nesterov=True))``:
+    the outer optimizer of local SGD (DiLoCo; docs/async.md), an expansion-time argument of
+    ``data_parallel``; at run time, unexpanded, only a description the no-op decorator ignores."""
+    return {"lr": lr, "momentum": momentum, "nesterov": nesterov}
+
+
 MACRO_NAMES = (
     "data_parallel",
     "define",
     "fused_allreduce",
+    "outer_sgd",
     "parallelize",
     "pipeline",
     "resumable",

@@ -251,7 +251,7 @@ def test_errors_are_reported_with_caret_and_nothing_is_written(tmp_path: Path):
     assert run.status == 1 and run.out == b""
     assert run.err == (
         f"{src}:3:12: error: macrogen has no macro 'defne'; did you mean 'define'?"
-        " (macros: data_parallel, define, fused_allreduce, parallelize, pipeline, resumable, shard_optimizer, target,"
+        " (macros: data_parallel, define, fused_allreduce, outer_sgd, parallelize, pipeline, resumable, shard_optimizer, target,"
         " tensor_parallel, tile, tunable)\n"
         "    WIDTH = mg.defne(4)\n"
         "               ^~~~~\n"

@@ -83,7 +83,7 @@ def test_module_level_errors_point_at_their_own_statement():
         """
     ) == [
         "test.py:3:22: error: macrogen has no macro 'fused_allreduse'; did you mean"
-        " 'fused_allreduce'? (macros: data_parallel, define, fused_allreduce, parallelize, pipeline, resumable, shard_optimizer,"
+        " 'fused_allreduce'? (macros: data_parallel, define, fused_allreduce, outer_sgd, parallelize, pipeline, resumable, shard_optimizer,"
         " target, tensor_parallel, tile, tunable)"
     ]
 

@@ -20,12 +20,18 @@ Arguments (keyword only; each may be a ``tunable``):
 ``bucket_mb`` (25), ``first_bucket_mb`` (1), ``compress`` (None, "bf16" or
 "fp16"), ``accumulate`` (1), ``broadcast_buffers`` (True), ``sync_every`` (1: average
 gradients every step; k > 1: local SGD, average parameters every k optimizer
-steps), ``sync_warmup`` (0: synchronous steps before local SGD starts).
+steps), ``sync_warmup`` (0: synchronous steps before local SGD starts), ``overlap``
+(False: the synchronization's all-reduce runs during the next ``delay`` steps),
+``delay`` (1, with ``overlap``: 0 <= delay <= sync_every).
+
+``outer=outer_sgd(lr=0.7, momentum=0.9, nesterov=True)`` (None: average the
+parameters) is local SGD's outer optimizer (DiLoCo, docs/async.md), evaluated at
+expansion (macros/outer_sgd.py): its ``lr`` and ``momentum`` may be ``tunable`` too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,16 +41,19 @@ from macrogen import codegen
 from macrogen.expand.args import Arg
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
 from macrogen.expand.sites import may_call_with_arguments
 from macrogen.expand.walk import find
+from macrogen.macros.outer_sgd import Outer
 
 NAME = "data_parallel"
 FORMS: frozenset[Form] = frozenset({"decorator"})
 USAGE = (
     "@data_parallel(bucket_mb=25, first_bucket_mb=1, compress=None, accumulate=1,"
-    " broadcast_buffers=True, sync_every=1, sync_warmup=0) decorates an nn.Module class"
+    " broadcast_buffers=True, sync_every=1, sync_warmup=0, outer=None, overlap=False, delay=1)"
+    " decorates an nn.Module class"
 )
+
 # For an instance (``data_parallel()(resnet18())``): what applies data parallelism to a built model.
 BUILT = 'parallelize(model, dp="replicate")'
 
@@ -56,6 +65,9 @@ DEFAULTS: dict[str, Any] = {
     "broadcast_buffers": True,
     "sync_every": 1,
     "sync_warmup": 0,
+    "outer": None,
+    "overlap": False,
+    "delay": 1,
 }
 
 
@@ -69,6 +81,9 @@ class Spec:
     broadcast_buffers: bool  # rank 0's buffers to every rank before each forward
     sync_every: int  # >1: local SGD, parameters averaged every k optimizer steps
     sync_warmup: int  # fully synchronous optimizer steps before local SGD starts
+    outer: Outer | None  # local SGD's outer optimizer (DiLoCo); None: average the parameters
+    overlap: bool  # the synchronization's all-reduce runs during the next `delay` steps
+    delay: int  # with overlap: steps from the all-reduce's start to its use
 
 
 def _positive_number(v: Any) -> str | None:
@@ -100,6 +115,12 @@ def _bool(v: Any) -> str | None:
     return None if isinstance(v, bool) else "True or False"
 
 
+def _outer(v: Any) -> str | None:
+    if v is None or isinstance(v, Outer):
+        return None
+    return "None or outer_sgd(lr=0.7, momentum=0.9, nesterov=True)"
+
+
 CHECKS: dict[str, Callable[[Any], str | None]] = {
     "bucket_mb": _positive_number,
     "first_bucket_mb": _positive_number,
@@ -108,6 +129,9 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "broadcast_buffers": _bool,
     "sync_every": _steps(1),
     "sync_warmup": _steps(0),
+    "overlap": _bool,
+    "delay": _steps(0),
+    "outer": _outer,
 }
 
 
@@ -125,7 +149,24 @@ def validate(site: Site, ctx: Context) -> Spec:
     values = {name: args[name].value if name in args else d for name, d in DEFAULTS.items()}
     for name, arg in args.items():
         _check(name, arg, ctx)
+    if "delay" in args and not values["overlap"]:
+        raise MacroError("delay= needs overlap=True: it is how late an overlapped round is applied", args["delay"].node)
+    if values["overlap"] and values["delay"] > values["sync_every"]:
+        at = args.get("delay") or args["overlap"]
+        raise MacroError(
+            f"delay must be at most sync_every ({values['sync_every']}): one round in flight at a"
+            f" time, not {values['delay']}",
+            at.node,
+        )
     return Spec(name=node.name.value, **values)
+
+
+def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
+    """An overlapped round must be applied before the next one starts."""
+    every, delay = arguments.get("sync_every", 1), arguments.get("delay", 1)
+    if arguments.get("overlap") and isinstance(every, int) and isinstance(delay, int) and delay > every:
+        return f"delay={delay} > sync_every={every}"
+    return None
 
 
 def _check(name: str, arg: Arg, ctx: Context) -> None:
@@ -171,6 +212,11 @@ def expand(site: Site, ctx: Context) -> Expanded:
     user_class = site.node.with_changes(name=cst.Name(serial))
     gradient_sync = ctx.import_from("macrogen.runtime.data_parallel", "GradientSync")
     config = ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig")
+    imports = [gradient_sync, config]
+    outer_sgd = None
+    if spec.outer is not None:
+        outer_sgd = ctx.import_from("macrogen.runtime.local_sgd", "OuterSGD")
+        imports.append(outer_sgd)
     generated = codegen.render_definitions(
         "data_parallel.py.j2",
         name=spec.name,
@@ -186,9 +232,13 @@ def expand(site: Site, ctx: Context) -> Expanded:
         broadcast_buffers=spec.broadcast_buffers,
         sync_every=spec.sync_every,
         sync_warmup=spec.sync_warmup,
+        outer=spec.outer,
+        outer_sgd=outer_sgd,
+        overlap=spec.overlap,
+        delay=spec.delay,
     )
     blank = [cst.EmptyLine(), cst.EmptyLine()]
     return Expanded(
         [user_class, generated[0].with_changes(leading_lines=blank)],
-        imports=(gradient_sync, config),
+        imports=tuple(imports),
     )

@@ -25,6 +25,11 @@ have the same key on every rank for copies of one tensor and stores one of them:
   on every rank), which is saved under the parameter names, exactly as
   ``get_state_dict`` saves the serial optimizer: the two load each other's.
 
+Local SGD's outer optimizer (``@data_parallel(outer=..., overlap=...)``) keeps its
+state outside ``optimizer.state``: it rides along in the optimizer state under
+``_mg_local_sgd`` (``LocalSGD.state_dict``), so a checkpoint of such a model is
+resumed by such a model.
+
 ``@pipeline`` models (each rank holds one stage) are refused at start-up: the
 ranks of different stages would save different optimizer ``param_groups`` under
 one key, and DCP would keep one of them.
@@ -47,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 
 from macrogen.runtime.collectives import group_size
+from macrogen.runtime.local_sgd import outer_states
 from macrogen.runtime.tensor_parallel import _gather, _sharded_keys, split
 from macrogen.runtime.zero import ShardedOptimizer
 
@@ -100,8 +106,11 @@ def get_state(
             osd = get_optimizer_state_dict(model, opt)
         optim_sd["state"].update(osd["state"])
         optim_sd["param_groups"].extend(osd["param_groups"])
-    done = _globalize(model, model_sd, optim_sd, load)
-    return model_sd, optim_sd, done + _unstride(model_sd, optim_sd, load)
+    globalized = _globalize(model, model_sd, optim_sd, load)
+    globalized += _unstride(model_sd, optim_sd, load)
+    for i, local in enumerate(outer_states(model)):
+        optim_sd[f"_mg_local_sgd.{i}"] = local.state_dict(load=load)
+    return model_sd, optim_sd, globalized
 
 
 def set_state(
@@ -120,6 +129,10 @@ def set_state(
             box[key] = (
                 value.to_local() if isinstance(value, DTensor) else split(value, dim, group, blocks)
             )
+    for i, local in enumerate(outer_states(model)):
+        outer = optim_sd.pop(f"_mg_local_sgd.{i}", None)  # (None: saved without an optimizer)
+        if outer is not None:
+            local.load_state_dict(outer)
     set_model_state_dict(model, model_sd)
     plain = [o for o in optimizers if not isinstance(o, ShardedOptimizer)]
     if plain:

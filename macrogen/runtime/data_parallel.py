@@ -41,7 +41,7 @@ from macrogen.kernels.grad_compress import COMM_DTYPES
 from macrogen.runtime import fused, groups, tensor_parallel_plan
 from macrogen.runtime.agreement import Fingerprint, check_agreement, fingerprint
 from macrogen.runtime.buckets import Bucket, local, plan_buckets
-from macrogen.runtime.local_sgd import LocalSGD
+from macrogen.runtime.local_sgd import LocalSGD, OuterSGD
 
 MB = 2**20
 
@@ -59,6 +59,9 @@ class DataParallelConfig:
     broadcast_buffers: bool = True  # copy rank 0's buffers to all ranks before each forward
     sync_every: int = 1  # >1: local SGD, parameters averaged every k optimizer steps
     sync_warmup: int = 0  # with sync_every > 1: this many fully synchronous steps first
+    outer: OuterSGD | None = None  # local SGD's outer optimizer (DiLoCo); None: average
+    overlap: bool = False  # the synchronization's all-reduce runs during the next steps
+    delay: int = 1  # with overlap: inner steps between its start and its use (<= sync_every)
 
     def describe(self) -> str:
         return (
@@ -66,6 +69,11 @@ class DataParallelConfig:
             f" compress={self.compress!r}, accumulate={self.accumulate!r},"
             f" broadcast_buffers={self.broadcast_buffers!r}, sync_every={self.sync_every!r},"
             f" sync_warmup={self.sync_warmup!r}"
+            + (
+                f", outer={self.outer!r}, overlap={self.overlap!r}, delay={self.delay!r}"
+                if self.outer is not None or self.overlap
+                else ""
+            )
         )
 
 
@@ -100,7 +108,8 @@ class GradientSync:
         self.backwards = 0  # backward passes so far (accumulate counts them)
         self.gradients_elsewhere = False  # a sharded optimizer reduces the gradients itself
         self.replanned: list[str] = []  # why the buckets were planned again (a replaced parameter)
-        self.local_sgd = LocalSGD(self) if config.sync_every > 1 else None
+        local = config.sync_every > 1 or config.outer is not None or config.overlap
+        self.local_sgd = LocalSGD(self) if local else None
         self.buffers = BufferBroadcast(self.group)
         self._collect()
         self._reset_window()

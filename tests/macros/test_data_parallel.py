@@ -153,7 +153,7 @@ def test_unsupported_uses_say_what_is_supported():
     assert expansion_errors(on_function) == [
         "test.py:2:2: error: data_parallel() decorates a class: @data_parallel(bucket_mb=25,"
         " first_bucket_mb=1, compress=None, accumulate=1, broadcast_buffers=True, sync_every=1,"
-        " sync_warmup=0) decorates an nn.Module class"
+        " sync_warmup=0, outer=None, overlap=False, delay=1) decorates an nn.Module class"
     ]
     no_base = "import macrogen as mg\n@mg.data_parallel()\nclass Net:\n    pass\n"
     assert expansion_errors(no_base) == [
