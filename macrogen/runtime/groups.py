@@ -27,6 +27,7 @@ naming the rank and the setting that differ).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -284,11 +285,16 @@ def _agree(store, rank: int, mine: dict[str, str], deadline: float, within: str)
     def left() -> datetime.timedelta:
         return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
 
+    def done() -> None:  # rank 0 hosts the store: it stays until the others have read from it
+        with contextlib.suppress(RuntimeError, OSError):
+            store.set(f"startup/done_{rank}", "1")
+
     if rank != 0:
         try:
             store.wait(["startup/rank_0"], left())
             problem = differ(0, json.loads(store.get("startup/rank_0")))
             if problem is not None:
+                done()
                 raise StartupError(f"rank {rank}: {problem}")
             store.wait(["startup/verdict"], left())
         except (RuntimeError, OSError) as e:
@@ -299,9 +305,22 @@ def _agree(store, rank: int, mine: dict[str, str], deadline: float, within: str)
                 f" within {within}; a rank did not start, or was started with other settings"
             ) from None
         verdict = store.get("startup/verdict").decode()
+        done()
         if verdict != "ok":
             raise StartupError(f"rank {rank}: {verdict}")
         return
+
+    def refuse(problem: str) -> StartupError:
+        """Post the verdict, and give the ranks that started a moment to read it before this
+        process (the store's host) exits."""
+        store.set("startup/verdict", problem)
+        started = [r for r in range(1, world_size) if store.check([f"startup/rank_{r}"])]
+        until = min(deadline, time.monotonic() + 5.0)
+        while started and time.monotonic() < until:
+            started = [r for r in started if not store.check([f"startup/done_{r}"])]
+            time.sleep(0.02)
+        return StartupError(f"rank 0: {problem}")
+
     pending = list(range(1, world_size))
     while pending:
         for other in list(pending):
@@ -309,16 +328,14 @@ def _agree(store, rank: int, mine: dict[str, str], deadline: float, within: str)
                 pending.remove(other)
                 problem = differ(other, json.loads(store.get(f"startup/rank_{other}")))
                 if problem is not None:
-                    store.set("startup/verdict", problem)
-                    raise StartupError(f"rank 0: {problem}")
+                    raise refuse(problem)
         if pending and time.monotonic() > deadline:
             missing = ", ".join(map(str, pending[:8])) + (" ..." if len(pending) > 8 else "")
             problem = (
                 f"rank{'s' * (len(pending) > 1)} {missing} of WORLD_SIZE={world_size} did not"
                 f" start within {within} (or started with another MASTER_ADDR/MASTER_PORT)"
             )
-            store.set("startup/verdict", problem)
-            raise StartupError(f"rank 0: {problem}")
+            raise refuse(problem)
         if pending:
             time.sleep(0.02)
     store.set("startup/verdict", "ok")
