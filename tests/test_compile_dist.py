@@ -7,7 +7,9 @@ data: the parameters agree within 1e-6 (fp32), no new graph is compiled after
 step 2 (no recompilation per step), and the graph breaks are counted and printed.
 
 Kinds: ``@data_parallel``, ZeRO-1 (``mg.shard_optimizer``), tensor parallel
-through ``mg.parallelize`` (2 ranks), and data x tensor parallel (4 ranks). The
+through ``mg.parallelize`` (2 ranks), data x tensor parallel (4 ranks), FSDP
+(``dp="fsdp"``), and each block compiled on its own (torchtitan's way) under
+``@data_parallel`` and under tensor parallelism. The
 tests compile with the ``aot_eager`` backend (dynamo and AOTAutograd, where hooks,
 graph breaks and recompilations happen, without Inductor's C++ build, which costs
 this 2-core machine half a minute per model); one case uses Inductor itself.
@@ -119,6 +121,10 @@ SOURCE = textwrap.dedent(
         return mg.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
 
 
+    def fully_sharded(model):
+        return mg.parallelize(model, dp="fsdp")
+
+
     def tensor_parallel(model):
         return mg.parallelize(model, tp=2, dp="replicate", tp_plan={
             "transformer.h.*.attn.c_attn": ("colwise", 3),
@@ -142,8 +148,10 @@ def _run(rank, world, tmp, kind, backend):
     finals, graphs = [], []
     for compiled in (False, True):
         torch.manual_seed(0)
-        if kind in ("dp", "zero"):
+        if kind in ("dp", "zero", "dp_blocks"):
             model = module.GPTDataParallel()
+        elif kind == "fsdp":
+            model = module.fully_sharded(module.GPT())
         else:
             model = module.tensor_parallel(module.GPT())
         opt = (
@@ -151,7 +159,12 @@ def _run(rank, world, tmp, kind, backend):
             if kind == "zero"
             else torch.optim.AdamW(model.parameters(), lr=1e-2)
         )
-        step = torch.compile(model, backend=backend) if compiled else model
+        step = model
+        if compiled and kind.endswith("_blocks"):  # each block on its own (torchtitan's way)
+            for block in model.transformer.h:
+                block.compile(backend=backend)
+        elif compiled:
+            step = torch.compile(model, backend=backend)
         torch._dynamo.reset()
         dynamo_utils.counters.clear()
         data = torch.Generator().manual_seed(1 + mg.mesh().data_rank)
@@ -189,6 +202,9 @@ def _run(rank, world, tmp, kind, backend):
         ("tp", 2, "aot_eager"),
         ("tp", 4, "aot_eager"),  # data x tensor
         ("dp", 2, "inductor"),
+        ("fsdp", 2, "aot_eager"),
+        ("dp_blocks", 2, "aot_eager"),
+        ("tp_blocks", 2, "aot_eager"),
     ],
 )
 def test_compiled_training_equals_eager(tmp_path, kind, world, backend):
