@@ -197,11 +197,10 @@ def _run(rank, world, tmp, kind, backend):
 @pytest.mark.parametrize(
     "kind, world, backend",
     [
-        ("dp", 2, "aot_eager"),
         ("zero", 2, "aot_eager"),
         ("tp", 2, "aot_eager"),
         ("tp", 4, "aot_eager"),  # data x tensor
-        ("dp", 2, "inductor"),
+        ("dp", 2, "inductor"),  # @data_parallel itself: with Inductor
         ("fsdp", 2, "aot_eager"),
         ("dp_blocks", 2, "aot_eager"),
         ("tp_blocks", 2, "aot_eager"),
