@@ -471,6 +471,43 @@ CASES = [
         atol=2e-3,
         dtype=torch.float16,
     ),
+    # the benchmark's form: an online softmax for m and l in the first pass, then p @ v
+    # (v stored transposed, the factors in the other order)
+    Case(
+        "flash_attention_online",
+        """
+        @mg.tile(i=16, e=16, j=16, k=16)
+        def flash_attention_online(out, q, kk, vt):
+            M, D = q.shape
+            E, N = vt.shape
+            for i in range(M):
+                for e in range(E):
+                    m = float("-inf")
+                    l = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += kk[j, k] * q[i, k]
+                        m_new = max(m, s / 4.0)
+                        l = l * torch.exp(m - m_new) + torch.exp(s / 4.0 - m_new)
+                        m = m_new
+                    acc = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += kk[j, k] * q[i, k]
+                        acc += vt[e, j] * torch.exp(s / 4.0 - m)
+                    out[i, e] = acc / l
+        """,
+        {
+            "out": ("nan", (18, 17)),
+            "q": ("randn_t", (18, 20)),
+            "kk": ("randn", (33, 20)),
+            "vt": ("randn", (17, 33)),
+        },
+        rtol=1e-4,
+        atol=1e-4,
+    ),
     Case(
         "scores_softmax",
         """

@@ -64,26 +64,24 @@ class Flash:
 
 
 def match(nest: Nest) -> Flash | None:
-    """The attention nest's parts, or None if the nest is not exactly that shape."""
-    if len(nest.grid) != 2 or nest.index_tensors or len(nest.body) != 7:
+    """The attention nest's parts, or None if the nest is not exactly one of its two shapes:
+    three passes (max; sum; weighted sum) or two (an online softmax; the weighted sum)."""
+    if len(nest.grid) != 2 or nest.index_tensors or not isinstance(nest.body[-1], Store):
         return None
-    init_m, pass_m, init_l, pass_l, init_acc, pass_acc, store = nest.body
-    lets = [s for s in (init_m, init_l, init_acc) if isinstance(s, Let)]
-    passes = [
-        s for s in (pass_m, pass_l, pass_acc) if isinstance(s, InnerLoop) and len(s.body) == 3
-    ]
-    if len(lets) != 3 or len(passes) != 3:
+    store = nest.body[-1]
+    lets = [s for s in nest.body if isinstance(s, Let)]
+    passes = [s for s in nest.body if isinstance(s, InnerLoop)]
+    if len(lets) != 3 or len(lets) + len(passes) + 1 != len(nest.body):
         return None
-    starts = [s.value.value if isinstance(s.value, Const) else None for s in lets]
-    if starts != [float("-inf"), 0.0, 0.0]:
+    starts = {s.name: s.value.value if isinstance(s.value, Const) else None for s in lets}
+    # each pass: the same score loop, then its reductions
+    first = passes[0]
+    if len(first.body) < 3 or first.loop.step != 1:
         return None
-    init_m, init_l, init_acc = lets
-    pass_m = passes[0]
-    # each pass: the same score loop, then one reduction
-    score_let, score_loop, _ = pass_m.body
-    if any(p.loop != pass_m.loop or p.body[:2] != (score_let, score_loop) for p in passes):
+    score_let, score_loop = first.body[:2]
+    if any(p.loop != first.loop or p.body[:2] != (score_let, score_loop) for p in passes):
         return None
-    if pass_m.loop.step != 1 or not isinstance(score_loop, InnerLoop) or score_loop.loop.step != 1:
+    if not isinstance(score_loop, InnerLoop) or score_loop.loop.step != 1:
         return None
     if not (isinstance(score_let, Let) and score_let.value == Const(frozenset(), False, 0.0)):
         return None
@@ -94,7 +92,7 @@ def match(nest: Nest) -> Flash | None:
     if dot.name != score_let.name or dot.op != "sum" or not _product(product):
         return None
     assert isinstance(product, Binary)
-    keys, depth = pass_m.loop.var, score_loop.loop.var
+    keys, depth = first.loop.var, score_loop.loop.var
     grid = [g.var for g in nest.grid]
     q, kk = _pair(product.left, product.right, depth, keys)
     if q is None or kk is None:
@@ -103,11 +101,28 @@ def match(nest: Nest) -> Flash | None:
     if query is None or q.dims != {query, depth}:
         return None
     column = grid[1 - grid.index(query)]
-    # the three reductions: max of f(s), sum of exp(f(s) - m), sum of exp(f(s) - m) * v[j, e]
-    red_m, red_l, red_acc = (p.body[2] for p in passes)
-    if not all(isinstance(r, Accum) and r.shift is None for r in (red_m, red_l, red_acc)):
+    # the reductions: max of f(s) into m, sum of exp(f(s) - m) into l (a second pass, or the
+    # online softmax's "expsum" in the first), sum of exp(f(s) - m) * v[j, e] into acc (last)
+    reductions = [[r for r in p.body[2:] if isinstance(r, Accum)] for p in passes]
+    online = [len(r) for r in reductions] == [2, 1]
+    if [len(r) for r in reductions] == [1, 1, 1]:
+        (red_m,), (red_l,), (red_acc,) = reductions
+        if red_l.op != "sum" or red_l.shift is not None:
+            return None
+    elif [len(r) for r in reductions] == [2, 1]:
+        (red_m, red_l), (red_acc,) = reductions
+        if red_l.op != "expsum" or red_l.shift != red_m.name or red_l.value != red_m.value:
+            return None
+    else:
         return None
-    assert isinstance(red_m, Accum) and isinstance(red_l, Accum) and isinstance(red_acc, Accum)
+    if any(len(p.body) != 2 + len(r) for p, r in zip(passes, reductions)):
+        return None  # (a pass holding anything but its reductions)
+    names = (red_m.name, red_l.name, red_acc.name)
+    if len(set(names)) != 3 or [starts.get(n) for n in names] != [float("-inf"), 0.0, 0.0]:
+        return None
+    if red_m.shift is not None or red_acc.shift is not None:
+        return None
+    init_m, init_l, init_acc = (next(s for s in lets if s.name == n) for n in names)
     if (red_m.name, red_m.op) != (init_m.name, "max"):
         return None
     logit = red_m.value
@@ -127,9 +142,9 @@ def match(nest: Nest) -> Flash | None:
             ),
         ),
     )
-    if (red_l.name, red_l.op) != (init_l.name, "sum") or not _same(red_l.value, shifted):
+    if not online and not _same(red_l.value, shifted):
         return None
-    if (red_acc.name, red_acc.op) != (init_acc.name, "sum"):
+    if red_acc.op != "sum":
         return None
     weighted = red_acc.value
     if not (isinstance(weighted, Binary) and weighted.op == "*"):
@@ -153,9 +168,7 @@ def match(nest: Nest) -> Flash | None:
         and _same(store.value, ratio)
     ):
         return None
-    return Flash(
-        query, column, pass_m.loop, score_loop.loop, q, kk, v, score_let.name, logit, store
-    )
+    return Flash(query, column, first.loop, score_loop.loop, q, kk, v, score_let.name, logit, store)
 
 
 def wanted(nest: Nest, tiles: dict[str, int]) -> Flash | None:
