@@ -7,6 +7,8 @@ its sm_90 build in test_tile_compile.py.
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
@@ -147,3 +149,17 @@ def test_the_golden_case_is_the_flash_kernel() -> None:
 
     expected = Path(__file__).parents[1] / "golden" / "tile_attention" / "expected.py"
     assert FLASH in expected.read_text()
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_benchmark_attention_compiles_in_half_precision(dtype: str, tmp_path) -> None:
+    """bench/gpu.py runs the attention kernel in fp16 too: 64-tiles, for an H100 and an A100."""
+    from bench.tile import HEADER as BENCH_HEADER
+    from bench.tile import PATTERNS
+    from tests.macros.test_tile_compile import A100, TARGET, compile_kernel
+
+    (p,) = [p for p in PATTERNS if p.name.startswith("attention")]
+    code = expand_source(BENCH_HEADER + textwrap.dedent(p.source), path="attention.py").code
+    assert FLASH in code and "BLOCK_J=64," in code
+    for target in (TARGET, A100):
+        compile_kernel(code, "attention", {}, dtype, tmp_path, target=target)
