@@ -163,3 +163,18 @@ def test_benchmark_attention_compiles_in_half_precision(dtype: str, tmp_path) ->
     assert FLASH in code and "BLOCK_J=64," in code
     for target in (TARGET, A100):
         compile_kernel(code, "attention", {}, dtype, tmp_path, target=target)
+
+
+def test_a_grid_with_the_columns_first_keeps_the_elementwise_kernel() -> None:
+    """The kernel's query tile is the grid's first axis; ``for e: for i:`` is not matched."""
+    text = THREE_PASSES.format(
+        tiles="i=16, e=16, j=16, k=16",
+        weighted="torch.exp(s * scale - m) * v[j, e]",
+        result="acc / l",
+    ).replace(
+        "for i in range(M):\n        for e in range(E):",
+        "for e in range(E):\n        for i in range(M):",
+    )
+    assert "for e in range(E):\n        for i in range(M):" in text
+    code = expand_source(HEADER + text, path="att.py").code
+    assert FLASH not in code and "def _attention_kernel(" in code

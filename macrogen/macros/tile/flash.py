@@ -97,8 +97,8 @@ def match(nest: Nest) -> Flash | None:
     q, kk = _pair(product.left, product.right, depth, keys)
     if q is None or kk is None:
         return None
-    query = next((v for v in grid if v in q.dims), None)
-    if query is None or q.dims != {query, depth}:
+    query = grid[0]  # the queries' tile is the grid's first axis: a column [BLOCK_I, 1]
+    if q.dims != {query, depth}:
         return None
     column = grid[1 - grid.index(query)]
     # the reductions: max of f(s) into m, sum of exp(f(s) - m) into l (a second pass, or the
