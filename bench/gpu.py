@@ -10,7 +10,7 @@ Rows (each checked against a reference, then timed):
   (goal >= 0.9) and eager; the matmul in fp16, bf16 and fp32 as TFLOP/s against
   cuBLAS (``torch.matmul``; goal >= 0.8 for fp16/bf16; the best of
   bench/tile.py's MATMUL_CONFIGS); the attention pattern against
-  ``F.scaled_dot_product_attention`` (goal >= 0.5);
+  ``F.scaled_dot_product_attention`` (goal >= 0.5), in fp32 and fp16;
 - ``kernels``: gradient compression (fp32 -> bf16 and back) and the fused
   all-reduce's pack/unpack, as a fraction of the device's copy bandwidth;
 - ``fused_allreduce``: 16 small tensors, world size 1 (NCCL; gloo in a dry
@@ -99,6 +99,8 @@ def tile_rows(directory: Path, device: str) -> list[Row]:
         launcher = getattr(tiled, f"_{name}_triton")
         shapes = p.small if DRY else p.gpu
         dtypes = [p.gpu_dtype]
+        if name == "attention":  # the FlashAttention kernel: fp32 (ieee tl.dot) and fp16
+            dtypes = [torch.float32, torch.float16]
         if p.flops is not None:  # the matmul in every dtype the kernel takes
             dtypes = [torch.float16, torch.bfloat16, torch.float32]
             if DRY:  # the interpreter multiplies bfloat16's bit patterns in tl.dot (triton#11584)
@@ -178,7 +180,14 @@ def _attention_vs_sdpa(launcher, shapes: dict, device: str, dtype) -> Row:
     t_ours = bench(lambda: launcher(**args), device)
     t_sdpa = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=0.125), device)
     return Row(
-        "tile", "attention vs SDPA", error, tolerance, t_ours, "SDPA", t_sdpa / t_ours, ">=0.5"
+        "tile",
+        f"attention vs SDPA {str(dtype).split('.')[-1]}",
+        error,
+        tolerance,
+        t_ours,
+        "SDPA",
+        t_sdpa / t_ours,
+        ">=0.5",
     )
 
 

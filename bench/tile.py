@@ -256,7 +256,7 @@ PATTERNS = [
     Pattern(
         "attention (2 inner levels)",
         """
-        @mg.tile(i=8, e=16, j=16, k=16)
+        @mg.tile(i=64, e=64, j=64, k=64)
         def attention(out, q, kk, v):
             M, D = q.shape
             N, E = v.shape

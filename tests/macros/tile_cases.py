@@ -388,6 +388,126 @@ CASES = [
         rtol=1e-4,
         atol=1e-4,
     ),
+    # the same nest with tiles tl.dot takes: a FlashAttention kernel (tile/flash.py); sizes
+    # not multiples of 16 along any axis, kk a transposed view, three tiles of keys
+    Case(
+        "flash_attention",
+        """
+        @mg.tile(i=16, e=16, j=16, k=16)
+        def flash_attention(out, q, kk, v, scale):
+            M, D = q.shape
+            N, E = v.shape
+            for i in range(M):
+                for e in range(E):
+                    m = float("-inf")
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        m = max(m, s * scale)
+                    l = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        l += torch.exp(s * scale - m)
+                    acc = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        acc += torch.exp(s * scale - m) * v[j, e]
+                    out[i, e] = acc / l
+        """,
+        {
+            "out": ("nan", (37, 19)),
+            "q": ("randn", (37, 23)),
+            "kk": ("randn_t", (45, 23)),
+            "v": ("randn", (45, 19)),
+            "scale": 0.3,
+        },
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    # float16 operands for both tl.dots (p is rounded to float16 for p @ v, as FlashAttention
+    # does), float32 accumulation; against the float32 loop on the rounded inputs
+    Case(
+        "flash_attention_half",
+        """
+        @mg.tile(i=16, e=32, j=16, k=16)
+        def flash_attention_half(out, q, kk, v, scale):
+            M, D = q.shape
+            N, E = v.shape
+            for i in range(M):
+                for e in range(E):
+                    m = float("-inf")
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        m = max(m, s * scale)
+                    l = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        l += torch.exp(s * scale - m)
+                    acc = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        acc += torch.exp(s * scale - m) * v[j, e]
+                    out[i, e] = acc / l
+        """,
+        {
+            "out": ("nan", (21, 35)),
+            "q": ("randn", (21, 40)),
+            "kk": ("randn", (50, 40)),
+            "v": ("randn", (50, 35)),
+            "scale": 0.15,
+        },
+        rtol=1e-2,
+        atol=2e-3,
+        dtype=torch.float16,
+    ),
+    # the benchmark's form: an online softmax for m and l in the first pass, then p @ v
+    # (v stored transposed, the factors in the other order)
+    Case(
+        "flash_attention_online",
+        """
+        @mg.tile(i=16, e=16, j=16, k=16)
+        def flash_attention_online(out, q, kk, vt):
+            M, D = q.shape
+            E, N = vt.shape
+            for i in range(M):
+                for e in range(E):
+                    m = float("-inf")
+                    l = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += kk[j, k] * q[i, k]
+                        m_new = max(m, s / 4.0)
+                        l = l * torch.exp(m - m_new) + torch.exp(s / 4.0 - m_new)
+                        m = m_new
+                    acc = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += kk[j, k] * q[i, k]
+                        acc += vt[e, j] * torch.exp(s / 4.0 - m)
+                    out[i, e] = acc / l
+        """,
+        {
+            "out": ("nan", (18, 17)),
+            "q": ("randn_t", (18, 20)),
+            "kk": ("randn", (33, 20)),
+            "vt": ("randn", (17, 33)),
+        },
+        rtol=1e-4,
+        atol=1e-4,
+    ),
     Case(
         "scores_softmax",
         """
@@ -563,7 +683,7 @@ CASES = [
 
 
 # kernels the interpreter also runs with 64-bit offsets forced on (tile_interpret.py)
-WIDE_CASES = ("gather", "attention", "strided_matmul", "scores_softmax")
+WIDE_CASES = ("gather", "attention", "flash_attention", "strided_matmul", "scores_softmax")
 
 
 # -- random bodies: the hypothesis test (torch path) and the interpreter run (kernel) ----------

@@ -45,6 +45,7 @@ from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macros.tile import flash
 from macrogen.macros.tile.analysis import analyze, is_docstring, words
 from macrogen.macros.tile.checks import alias_checks, index_checks
 from macrogen.macros.tile.code import parse
@@ -101,7 +102,7 @@ class Spec:
 
 def default_tile(nest: Nest) -> int:
     """About a thousand elements per tile: 1024, 32x32, 16x16x16, 8x8x8x8 (32 each for a tl.dot)."""
-    if nest.dot is not None:
+    if nest.dot is not None or flash.match(nest) is not None:
         return 32
     return {1: 1024, 2: 32, 3: 16, 4: 8}.get(nest.rank, 4)
 
@@ -156,7 +157,10 @@ def validate(site: Site, ctx: Context) -> Spec:
             f"dot_precision must be one of {', '.join(map(repr, DOT_PRECISIONS))}, not {precision!r}",
             args["dot_precision"].node,
         )
-    problem = too_big(block_shape(kernel_nest(nest, tiles), tiles))
+    # a FlashAttention kernel's blocks are 2-D; the elementwise one's have an axis per loop
+    problem = (
+        None if flash.wanted(nest, tiles) else too_big(block_shape(kernel_nest(nest, tiles), tiles))
+    )
     if problem:
         raise MacroError(problem, site.call or site.original)
     group = args["group_size"].value if "group_size" in args else OPTIONS["group_size"]
@@ -233,8 +237,12 @@ class _Output:
             **self.fns,
         }
         self.kernel_nest = kernel_nest(self.nest, spec.tile)
+        # the attention nest with tiles tl.dot takes: a FlashAttention kernel (flash.py)
+        self.flash = flash.wanted(self.nest, spec.tile) if self.kernel_wanted else None
         self.dot_precision = (
-            self.names.namer("DOT_PRECISION") if self.kernel_nest.dot is not None else ""
+            self.names.namer("DOT_PRECISION")
+            if self.kernel_nest.dot is not None or self.flash
+            else ""
         )
         self.group = self.names.namer("GROUP_SIZE") if self.kernel_nest.dot is not None else ""
         self.persistent = (
@@ -270,7 +278,8 @@ class _Output:
 
     def kernel(self) -> str:
         names = self.names.fork()
-        emitter = KernelEmitter(self.kernel_nest, names, self.mods["tl"], self.dot_precision)
+        grid_nest = dataclasses.replace(self.nest, body=()) if self.flash else self.kernel_nest
+        emitter = KernelEmitter(grid_nest, names, self.mods["tl"], self.dot_precision)
         pid = names.namer("pid")
         grouped = self.kernel_nest.dot is not None and self.spec.group_size > 1
         return codegen.render(
@@ -287,7 +296,11 @@ class _Output:
             grouping=emitter.grouping,
             group=self.group if grouped else "",
             wide=self.names.wide,
-            steps=self._kernel_steps(emitter, names),
+            steps=(
+                flash.FlashEmitter(self.flash, names, self.mods["tl"], self.dot_precision).steps()
+                if self.flash
+                else self._kernel_steps(emitter, names)
+            ),
             persistent=self.persistent,
             **self.common,
         )
@@ -384,6 +397,9 @@ class _Output:
 
     def _dot_operands(self) -> list[str]:
         """The tensors a tl.dot reads in their own dtype (both plain loads), else none."""
+        if self.flash:
+            pair = [self.flash.q.tensor_name, self.flash.kk.tensor_name]
+            return pair if pair[0] != pair[1] else []
         dot = self.kernel_nest.dot
         if dot is None or not (isinstance(dot.left, Load) and isinstance(dot.right, Load)):
             return []

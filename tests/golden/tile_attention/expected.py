@@ -61,7 +61,7 @@ def _attention_shapes(out, q, kk, v, scale):
     return M, D, N, E, i_lo, i_hi, e_lo, e_hi, j_lo, j_hi, k_lo, k_hi
 
 
-# tile at input.py:5: one program per tile of the parallel loops (i: 4, e: 8).
+# tile at input.py:5: one program per tile of the parallel loops (i: 32, e: 32).
 @triton.jit
 def _attention_kernel(
     # Pointers to the tensors
@@ -90,6 +90,7 @@ def _attention_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
     # ---- loop bounds: for v in range(v_lo, v_hi)
@@ -103,92 +104,50 @@ def _attention_kernel(
     tiles_i = tl.cdiv(i_hi - i_lo, BLOCK_I)
     tiles_e = tl.cdiv(e_hi - e_lo, BLOCK_E)
     pid_i = pid // tiles_e
-    i = i_lo + pid_i * BLOCK_I + tl.arange(0, BLOCK_I)[:, None, None, None]
+    i = i_lo + pid_i * BLOCK_I + tl.arange(0, BLOCK_I)[:, None]
     i_mask = i < i_hi
     pid_e = pid % tiles_e
-    e = e_lo + pid_e * BLOCK_E + tl.arange(0, BLOCK_E)[None, :, None, None]
+    e = e_lo + pid_e * BLOCK_E + tl.arange(0, BLOCK_E)[None, :]
     e_mask = e < e_hi
 
     # ---- the loop body, on whole tiles
     if INDEX_64:
         i = i.to(tl.int64)
         e = e.to(tl.int64)
-    # ---- for j in range(j_lo, j_hi), one tile at a time
-    m_tile = tl.full([BLOCK_I, BLOCK_E, BLOCK_J, 1], float("-inf"), tl.float32)
+    m_run = tl.full([BLOCK_I, 1], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_I, 1], dtype=tl.float32)
+    acc_run = tl.zeros([BLOCK_I, BLOCK_E], dtype=tl.float32)
+    # ---- for j in range(j_lo, j_hi), one tile at a time: a tl.dot per tile
     for j_start in range(j_lo, j_hi, BLOCK_J):
-        j = j_start + tl.arange(0, BLOCK_J)[None, None, :, None]
+        j_row = j_start + tl.arange(0, BLOCK_J)[None, :]
+        j_col = j_start + tl.arange(0, BLOCK_J)[:, None]
         if INDEX_64:
-            j = j.to(tl.int64)
-        j_mask = j < j_hi
-        mask_4 = i_mask & e_mask & j_mask
-        # ---- for k in range(k_lo, k_hi), one tile at a time
-        s_tile = tl.full([BLOCK_I, BLOCK_E, BLOCK_J, BLOCK_K], 0.0, tl.float32)
+            j_row = j_row.to(tl.int64)
+            j_col = j_col.to(tl.int64)
+        j_row_mask = j_row < j_hi
+        j_col_mask = j_col < j_hi
+        # ---- for k in range(k_lo, k_hi), one tile at a time: a tl.dot per tile
+        s_tile = tl.zeros([BLOCK_I, BLOCK_J], dtype=tl.float32)
         for k_start in range(k_lo, k_hi, BLOCK_K):
-            k = k_start + tl.arange(0, BLOCK_K)[None, None, None, :]
+            k_row = k_start + tl.arange(0, BLOCK_K)[None, :]
+            k_col = k_start + tl.arange(0, BLOCK_K)[:, None]
             if INDEX_64:
-                k = k.to(tl.int64)
-            k_mask = k < k_hi
-            mask = i_mask & k_mask
-            mask_2 = j_mask & k_mask
-            mask_3 = i_mask & e_mask & j_mask & k_mask
-            q_ik = tl.load(q_ptr + i * stride_q0 + k * stride_q1, mask=mask, other=0.0).to(tl.float32)
-            kk_jk = tl.load(kk_ptr + j * stride_kk0 + k * stride_kk1, mask=mask_2, other=0.0).to(tl.float32)
-            s_tile = s_tile + tl.where(mask_3, q_ik * kk_jk, 0.0)
-        s = tl.sum(s_tile, axis=3, keep_dims=True)
-        m_tile = tl.maximum(m_tile, tl.where(mask_4, s * scale, float("-inf")))
-    m = tl.max(m_tile, axis=2, keep_dims=True)
-    # ---- for j in range(j_lo, j_hi), one tile at a time
-    l_tile = tl.full([BLOCK_I, BLOCK_E, BLOCK_J, 1], 0.0, tl.float32)
-    for j_start_2 in range(j_lo, j_hi, BLOCK_J):
-        j = j_start_2 + tl.arange(0, BLOCK_J)[None, None, :, None]
-        if INDEX_64:
-            j = j.to(tl.int64)
-        j_mask_2 = j < j_hi
-        mask_8 = i_mask & e_mask & j_mask_2
-        # ---- for k in range(k_lo, k_hi), one tile at a time
-        s_tile_2 = tl.full([BLOCK_I, BLOCK_E, BLOCK_J, BLOCK_K], 0.0, tl.float32)
-        for k_start_2 in range(k_lo, k_hi, BLOCK_K):
-            k = k_start_2 + tl.arange(0, BLOCK_K)[None, None, None, :]
-            if INDEX_64:
-                k = k.to(tl.int64)
-            k_mask_2 = k < k_hi
-            mask_5 = i_mask & k_mask_2
-            mask_6 = j_mask_2 & k_mask_2
-            mask_7 = i_mask & e_mask & j_mask_2 & k_mask_2
-            q_ik_2 = tl.load(q_ptr + i * stride_q0 + k * stride_q1, mask=mask_5, other=0.0).to(tl.float32)
-            kk_jk_2 = tl.load(kk_ptr + j * stride_kk0 + k * stride_kk1, mask=mask_6, other=0.0).to(tl.float32)
-            s_tile_2 = s_tile_2 + tl.where(mask_7, q_ik_2 * kk_jk_2, 0.0)
-        s = tl.sum(s_tile_2, axis=3, keep_dims=True)
-        l_tile = l_tile + tl.where(mask_8, tl.exp(s * scale - m), 0.0)
-    l = tl.sum(l_tile, axis=2, keep_dims=True)
-    # ---- for j in range(j_lo, j_hi), one tile at a time
-    acc_tile = tl.full([BLOCK_I, BLOCK_E, BLOCK_J, 1], 0.0, tl.float32)
-    for j_start_3 in range(j_lo, j_hi, BLOCK_J):
-        j = j_start_3 + tl.arange(0, BLOCK_J)[None, None, :, None]
-        if INDEX_64:
-            j = j.to(tl.int64)
-        j_mask_3 = j < j_hi
-        mask_12 = j_mask_3 & e_mask
-        mask_13 = i_mask & e_mask & j_mask_3
-        # ---- for k in range(k_lo, k_hi), one tile at a time
-        s_tile_3 = tl.full([BLOCK_I, BLOCK_E, BLOCK_J, BLOCK_K], 0.0, tl.float32)
-        for k_start_3 in range(k_lo, k_hi, BLOCK_K):
-            k = k_start_3 + tl.arange(0, BLOCK_K)[None, None, None, :]
-            if INDEX_64:
-                k = k.to(tl.int64)
-            k_mask_3 = k < k_hi
-            mask_9 = i_mask & k_mask_3
-            mask_10 = j_mask_3 & k_mask_3
-            mask_11 = i_mask & e_mask & j_mask_3 & k_mask_3
-            q_ik_3 = tl.load(q_ptr + i * stride_q0 + k * stride_q1, mask=mask_9, other=0.0).to(tl.float32)
-            kk_jk_3 = tl.load(kk_ptr + j * stride_kk0 + k * stride_kk1, mask=mask_10, other=0.0).to(tl.float32)
-            s_tile_3 = s_tile_3 + tl.where(mask_11, q_ik_3 * kk_jk_3, 0.0)
-        s = tl.sum(s_tile_3, axis=3, keep_dims=True)
-        v_je = tl.load(v_ptr + j * stride_v0 + e * stride_v1, mask=mask_12, other=0.0).to(tl.float32)
-        acc_tile = acc_tile + tl.where(mask_13, tl.exp(s * scale - m) * v_je, 0.0)
-    acc = tl.sum(acc_tile, axis=2, keep_dims=True)
-    mask_14 = i_mask & e_mask
-    tl.store(out_ptr + i * stride_out0 + e * stride_out1, (acc / l).to(out_ptr.dtype.element_ty), mask=mask_14)
+                k_row = k_row.to(tl.int64)
+                k_col = k_col.to(tl.int64)
+            k_row_mask = k_row < k_hi
+            k_col_mask = k_col < k_hi
+            q_tile = tl.load(q_ptr + i * stride_q0 + k_row * stride_q1, mask=i_mask & k_row_mask, other=0.0)
+            kk_tile = tl.load(kk_ptr + j_row * stride_kk0 + k_col * stride_kk1, mask=j_row_mask & k_col_mask, other=0.0)
+            s_tile = tl.dot(q_tile, kk_tile, s_tile, input_precision=DOT_PRECISION)
+        logit = tl.where(j_row_mask, s_tile * scale, float("-inf"))
+        m_next = tl.maximum(m_run, tl.max(logit, axis=1, keep_dims=True))
+        p = tl.exp(logit - m_next)
+        alpha = tl.exp(m_run - m_next)
+        l_run = l_run * alpha + tl.sum(p, axis=1, keep_dims=True)
+        v_tile = tl.load(v_ptr + j_col * stride_v0 + e * stride_v1, mask=j_col_mask & e_mask, other=0.0)
+        acc_run = tl.dot(p.to(v_tile.dtype), v_tile, acc_run * alpha, input_precision=DOT_PRECISION)
+        m_run = m_next
+    tl.store(out_ptr + i * stride_out0 + e * stride_out1, (acc_run / l_run).to(out_ptr.dtype.element_ty), mask=i_mask & e_mask)
 
 
 # tile at input.py:5: the launcher.
@@ -210,7 +169,9 @@ def _attention_triton(out, q, kk, v, scale):
         raise ValueError("kk must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     if v.device != out.device or v.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError("v must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
-    programs = triton.cdiv(max(i_hi - i_lo, 0), 4) * triton.cdiv(max(e_hi - e_lo, 0), 8)
+    if q.dtype != kk.dtype:
+        raise ValueError('the operands of a tl.dot must have one dtype: q and kk')
+    programs = triton.cdiv(max(i_hi - i_lo, 0), 32) * triton.cdiv(max(e_hi - e_lo, 0), 32)
     if programs == 0:
         return
     _attention_kernel[(programs,)](
@@ -231,11 +192,12 @@ def _attention_triton(out, q, kk, v, scale):
         kk.stride(1),
         v.stride(0),
         v.stride(1),
-        BLOCK_I=4,
-        BLOCK_E=8,
-        BLOCK_J=8,
-        BLOCK_K=8,
+        BLOCK_I=32,
+        BLOCK_E=32,
+        BLOCK_J=32,
+        BLOCK_K=32,
         INDEX_64=int64_offsets(out, q, kk, v),
+        DOT_PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
         num_warps=4,
         num_stages=2,
     )

@@ -2,7 +2,7 @@ import torch
 import macrogen as mg
 
 
-@mg.tile(i=4, e=8, j=8, k=8)
+@mg.tile(i=32, e=32, j=32, k=32)
 def attention(out, q, kk, v, scale):
     M, D = q.shape
     N, E = v.shape
