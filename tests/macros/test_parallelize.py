@@ -60,10 +60,6 @@ def test_degrees_may_be_defined_or_tunable():
             'bucket_mb applies with dp="replicate" or "zero1"',
         ),
         ("mg.parallelize(m, dp_replicate=2)", 'dp_replicate applies with dp="fsdp"'),
-        (
-            "mg.parallelize(m, dp='fsdp', tp=2, tp_plan='hf')",
-            'dp="fsdp" with tp > 1 is not supported',
-        ),
         ("mg.parallelize(m, dp='fsdp', shard_units=[])", "shard_units must be None or a list"),
         (
             "mg.parallelize(m, dp='fsdp', mixed_precision='fp8')",
