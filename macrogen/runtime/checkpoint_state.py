@@ -202,9 +202,12 @@ def _strided(t: Any) -> bool:
 def _unstride(model_sd: dict[str, Any], optim_sd: dict[str, Any], load: bool) -> Globalized:
     """Every strided DTensor, as the serial tensor (saved once; DCP can't plan its pieces)."""
     boxes: list[tuple[dict[str, Any], str]] = [(model_sd, k) for k in model_sd]
-    for name in list(optim_sd["state"]):
-        entry = optim_sd["state"][name] = dict(optim_sd["state"][name])  # (a copy, as above)
-        boxes += [(entry, k) for k in entry]
+    for name, entry in list(optim_sd["state"].items()):
+        if any(_strided(v) for v in entry.values()):
+            # a copy (the optimizer's own dict), made only here: an entry _globalize copied and
+            # recorded must stay the one DCP fills
+            entry = optim_sd["state"][name] = dict(entry)
+            boxes += [(entry, k) for k in entry]
     done: Globalized = []
     for box, key in boxes:
         value = box[key]
