@@ -375,8 +375,9 @@ class _Output:
         row_elements = widest[0] if len(widest) == 1 else f"max({', '.join(widest)})"
         grid = [local[g.var] for g in self.nest.grid]
         flag, warps = namer("persistent"), namer("warps")
-        defaults = f"{', '.join([*local.values(), warps])} = "
-        defaults += ", ".join(str(v) for v in [*self.spec.tile.values(), self.spec.num_warps])
+        # the looped variant's block sizes and warps: ``targets = values`` in the launcher
+        targets = [*local.values(), warps]
+        defaults = ", ".join(str(v) for v in [*self.spec.tile.values(), self.spec.num_warps])
         knob = self.fns["persistent_max"]
         test = " and ".join(f"{e} <= {knob}" for e in extents.values())
         return {
@@ -386,6 +387,7 @@ class _Output:
             "flag": self.persistent,
             "flag_local": flag,
             "warps": warps,
+            "targets": targets,
             "defaults": parse(defaults),
             "test": parse(test),
             "room": namer("room"),
