@@ -27,6 +27,7 @@ naming the rank and the setting that differ).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -183,6 +184,16 @@ def init(where: Placement, **kwargs) -> None:
     if "store" not in kwargs and launched_by_torchrun():
         kwargs.update(_attempt_store(where))
     dist.init_process_group(backend=where.backend, timeout=timeout(), **kwargs)
+    # The group macrogen made, macrogen destroys at exit: a process left to tear down live
+    # gloo groups in its interpreter's shutdown was seen to abort ("terminate called without an
+    # active exception") after a program that never called destroy_process_group.
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _attempt_store(where: Placement) -> dict:
