@@ -15,7 +15,7 @@ from typing import Any
 import libcst as cst
 
 from macrogen import codegen
-from macrogen.expand.args import Args
+from macrogen.expand.args import Arg, Args
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Import
 
@@ -186,6 +186,18 @@ class Context:
         return sorted(self._imports)
 
     # -- tunables ----------------------------------------------------------
+    def check_each_choice(self, name: str, arg: Arg, check: Callable[[Any], str | None]) -> None:
+        """A macro argument's value and, for a tunable, every choice (autotune may pick any of
+        them) pass ``check`` (None, or what was wanted); else an error at the argument."""
+        candidates = [arg.value]
+        if arg.tunable is not None and arg.tunable in self.tunables:
+            candidates = list(self.tunables[arg.tunable].choices)
+        for value in candidates:
+            wanted = check(value)
+            if wanted is not None:
+                what = "a choice of " if arg.tunable is not None else ""
+                raise MacroError(f"{name} must be {wanted}, not {what}{value!r}", arg.node)
+
     def tunable(
         self, key: str, default: Any, choices: tuple[Any, ...], node: cst.CSTNode, line: int
     ) -> Any:

@@ -170,17 +170,7 @@ def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | 
 
 
 def _check(name: str, arg: Arg, ctx: Context) -> None:
-    """The value, and every choice of a tunable (autotune may pick any of them)."""
-    candidates = [arg.value]
-    if arg.tunable is not None and arg.tunable in ctx.tunables:
-        candidates = list(ctx.tunables[arg.tunable].choices)
-    for value in candidates:
-        wanted = CHECKS[name](value)
-        if wanted is not None:
-            what = "a choice of" if arg.tunable is not None else ""
-            raise MacroError(
-                f"{name} must be {wanted}, not {what + ' ' if what else ''}{value!r}", arg.node
-            )
+    ctx.check_each_choice(name, arg, CHECKS[name])
 
 
 def _reject_named_super(cls: cst.ClassDef, text: str | None) -> None:

@@ -19,7 +19,6 @@ parameters sharded within a group of world/R and replicated across the R groups.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ import torch.nn as nn
 
 from macrogen.runtime import groups
 from macrogen.runtime import mesh as meshes
+from macrogen.runtime.parallelize import local_forward_per_unit, path_pattern
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -69,9 +69,7 @@ def _units(
     found: list[tuple[str, nn.Module]] = []
     problems = []
     for path in paths:
-        pattern = re.compile(
-            ".".join("[^.]+" if p == "*" else re.escape(p) for p in path.split("."))
-        )
+        pattern = path_pattern(path)
         hits = [(n, m) for n, m in named.items() if n and pattern.fullmatch(n)]
         if not hits:
             problems.append(f"shard_units: {path!r} matches no submodule of {type(model).__name__}")
@@ -141,8 +139,6 @@ def apply_fully_sharded(
         fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **options)
     if getattr(model, "_mg_local_forward", False):  # tensor parallel first (torchtitan's order)
-        from macrogen.runtime.parallelize import local_forward_per_unit
-
         local_forward_per_unit(model, [unit for _, unit in units] + [model])
     if config.accumulate > 1:
         model.register_forward_pre_hook(_Accumulate(config.accumulate), prepend=True)

@@ -53,7 +53,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from macrogen.runtime import groups
 from macrogen.runtime import mesh as meshes
@@ -63,10 +62,10 @@ from macrogen.runtime.collectives import (
     gather_last_dim,
     group_rank,
     group_size,
-    reduce_from_tensor_parallel,
     rowwise_linear,
     scatter_last_dim,
 )
+from macrogen.runtime.tensor_parallel import split, vocab_lookup
 
 # HF's tensor-parallel style names (``model._tp_plan``, ``config.base_model_tp_plan``) -> ours
 HF_STYLES = {
@@ -182,7 +181,7 @@ def device_mesh(*, tp: int = 1, pp: int = 1, planned: bool = False, where: str) 
 # -- tensor parallel ---------------------------------------------------------------------------
 
 
-def _pattern(path: str) -> re.Pattern[str]:
+def path_pattern(path: str) -> re.Pattern[str]:
     # "*" is one name segment (any child), as in torch's and HF's plans
     return re.compile(
         ".".join("[^.]+" if part == "*" else re.escape(part) for part in path.split("."))
@@ -191,9 +190,9 @@ def _pattern(path: str) -> re.Pattern[str]:
 
 def _matches(model: nn.Module, path: str) -> Iterator[tuple[str, nn.Module | None, str]]:
     """(full name, owner, attribute) for every submodule or attribute ``path`` names."""
-    pattern = _pattern(path)
+    pattern = path_pattern(path)
     owner_path, _, attr = path.rpartition(".")
-    owner_pattern = _pattern(owner_path) if owner_path else None
+    owner_pattern = path_pattern(owner_path) if owner_path else None
     for name, module in model.named_modules():
         if owner_pattern is None:
             if name == "":
@@ -337,6 +336,7 @@ def apply_tensor_parallel(
     for layer in layers:
         _shard(layer, group, tensor_mesh, holders)
     _replicate_the_rest(model, tensor_mesh)
+    model.__dict__[_SCOPE] = list(model.modules())
     model.__dict__[_HOOKS] = (
         model.register_forward_pre_hook(_to_local),
         model.register_forward_hook(_restore, always_call=True),
@@ -403,12 +403,6 @@ def _check_ranks(model: nn.Module, layers: list[_Layer], mesh: meshes.Mesh, wher
     )
 
 
-def _split(t: torch.Tensor, dim: int, group: dist.ProcessGroup, blocks: int) -> torch.Tensor:
-    size, rank = group_size(group), group_rank(group)
-    parts = [b.chunk(size, dim=dim)[rank] for b in t.detach().chunk(blocks, dim=dim)]
-    return torch.cat(parts, dim=dim).contiguous()
-
-
 def _dtensor_parameter(
     full: nn.Parameter, dim: int | None, group: dist.ProcessGroup, tensor_mesh: Any, blocks: int = 1
 ) -> nn.Parameter:
@@ -419,7 +413,7 @@ def _dtensor_parameter(
     if dim is None:
         local = full.detach()
     else:
-        local = _split(full, dim, group, blocks)
+        local = split(full.detach(), dim, group, blocks)
         placement = Shard(dim) if blocks == 1 else _StridedShard(dim, split_factor=blocks)
     if local.device.type != tensor_mesh.device_type:
         raise RuntimeError(
@@ -468,9 +462,6 @@ def _shard(layer: _Layer, group: dist.ProcessGroup, tensor_mesh: Any, holders: d
         "vocab": _vocab_forward,
     }[style.kind]
     module.__dict__["forward"] = functools.partial(forward, module, group, kind)
-    module.__dict__[_STYLE] = style.kind + (
-        f" in {style.blocks} blocks" if style.blocks > 1 else ""
-    )
 
 
 def _cut(
@@ -513,10 +504,9 @@ def _replicate_the_rest(model: nn.Module, tensor_mesh: Any) -> None:
 
 
 _LOCAL_FORWARD = "_mg_local_forward"  # the model runs its forward on local tensors
-_STYLE = "_mg_tensor_parallel"  # a planned layer's style, for repr and tests
 _SWAPPED = "_mg_swapped_parameters"  # (owner, name, DTensor parameter) while a forward runs
 _HOOKS = "_mg_local_hooks"  # the model's swap hooks (FSDP moves the swap into each unit)
-_SCOPE = "_mg_local_scope"  # the modules whose parameters a unit's swap covers (default: all)
+_SCOPE = "_mg_local_scope"  # the modules a swap covers (found once, not per forward)
 
 
 def local_forward_per_unit(model: nn.Module, units: list[nn.Module]) -> None:
@@ -569,7 +559,7 @@ def _to_local(model: nn.Module, args: Any) -> None:
     slots: list[tuple[nn.Module, str, Any]] = []
     index: dict[int, int] = {}  # a parameter under two names (tied) gets one local tensor
     params: list[Any] = []
-    for owner in model.__dict__.get(_SCOPE) or model.modules():
+    for owner in model.__dict__[_SCOPE]:
         for key, p in owner._parameters.items():
             if isinstance(p, DTensor):
                 if id(p) not in index:
@@ -632,14 +622,8 @@ def _rowwise_forward(module: nn.Module, group, kind, x: torch.Tensor) -> torch.T
 def _vocab_forward(module: nn.Module, group, kind, ids: torch.Tensor) -> torch.Tensor:
     weight = _local(module.weight)
     assert weight is not None and isinstance(module, nn.Embedding)
-    rows = weight.shape[0]
-    start = group_rank(group) * rows
-    local = ids - start
-    outside = (local < 0) | (local >= rows)  # another rank's tokens
-    pad = module.padding_idx
-    pad = pad - start if pad is not None and 0 <= pad - start < rows else None
-    out = F.embedding(local.masked_fill(outside, 0), weight, pad)
-    return reduce_from_tensor_parallel(out.masked_fill(outside.unsqueeze(-1), 0.0), group)
+    start = group_rank(group) * weight.shape[0]
+    return vocab_lookup(ids, weight, start, module.padding_idx, group)
 
 
 # -- data parallel -------------------------------------------------------------------------------

@@ -213,19 +213,28 @@ class VocabEmbedding(_Sharded):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return F.embedding(ids, self.weight, self.padding_idx)
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.num_embeddings)  # another rank's tokens
-        out = F.embedding(local.masked_fill(outside, 0), self.weight, self._local_padding_idx())
-        return reduce_from_tensor_parallel(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
-
-    def _local_padding_idx(self) -> int | None:
-        if self.padding_idx is None:
-            return None
-        local = self.padding_idx - self.start
-        return local if 0 <= local < self.num_embeddings else None
+        return vocab_lookup(ids, self.weight, self.start, self.padding_idx, self.group)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings} of {self.num_embeddings * group_size(self.group)} rows from {self.start}, {self.embedding_dim}"
+
+
+def vocab_lookup(
+    ids: torch.Tensor,
+    weight: torch.Tensor,
+    start: int,
+    padding_idx: int | None,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Embedding rows ``start..start + len(weight)`` of the vocabulary: other ranks' tokens give
+    zeros, then the partial lookups are summed over the group (each token found on one rank)."""
+    rows = weight.shape[0]
+    local = ids - start
+    outside = (local < 0) | (local >= rows)  # another rank's tokens
+    pad = padding_idx - start if padding_idx is not None else None
+    pad = pad if pad is not None and 0 <= pad < rows else None
+    out = F.embedding(local.masked_fill(outside, 0), weight, pad)
+    return reduce_from_tensor_parallel(out.masked_fill(outside.unsqueeze(-1), 0.0), group)
 
 
 def local_count(value: Any, group: dist.ProcessGroup | None, what: str) -> int:
