@@ -168,7 +168,9 @@ class _ColwiseLinear(torch.autograd.Function):
         grad_x = work = None
         if ctx.needs_input_grad[0]:
             grad_x = grad.matmul(weight)  # (..., in): a partial sum on each rank
-            work = dist.all_reduce(grad_x, group=ctx.group, async_op=OVERLAP)
+            # traced (AOTAutograd traces this backward too): synchronous, or dynamo breaks the graph
+            overlap = OVERLAP and not torch.compiler.is_compiling()
+            work = dist.all_reduce(grad_x, group=ctx.group, async_op=overlap)
         grad2d = grad.reshape(-1, grad.shape[-1])  # (N, out / T)
         grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
         grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -188,14 +190,20 @@ class _RowwiseLinear(torch.autograd.Function):
         ctx.has_bias = bias is not None
         x2d = x.reshape(-1, x.shape[-1])  # (N, in / T)
         out = x2d.new_empty(x2d.shape[0], weight.shape[0])  # (N, out)
-        works = []
-        for xs, ys in zip(
-            x2d.split(_rows(x2d.shape[0], chunks)), out.split(_rows(x2d.shape[0], chunks))
-        ):
-            torch.mm(xs, weight.t(), out=ys)
-            works.append(dist.all_reduce(ys, group=group, async_op=True))
-        for work in works:
-            work.wait()
+        if torch.compiler.is_compiling():
+            # dynamo breaks the graph at an async collective: one synchronous all-reduce, which
+            # it traces (and Inductor may overlap on its own)
+            torch.mm(x2d, weight.t(), out=out)
+            dist.all_reduce(out, group=group)
+        else:
+            works = []
+            for xs, ys in zip(
+                x2d.split(_rows(x2d.shape[0], chunks)), out.split(_rows(x2d.shape[0], chunks))
+            ):
+                torch.mm(xs, weight.t(), out=ys)
+                works.append(dist.all_reduce(ys, group=group, async_op=True))
+            for work in works:
+                work.wait()
         if bias is not None:
             out.add_(bias)
         return out.view(*x.shape[:-1], weight.shape[0])
