@@ -99,6 +99,8 @@ def _grad_ready(ref: weakref.ref, i: int, param: torch.Tensor) -> None:
         opt._grad_ready(i)
 
 
+# it finishes gathers and (un)installs the guard: Python state that dynamo runs eagerly
+@torch.compiler.disable
 def _after_forward(ref: weakref.ref, *args: Any) -> None:
     opt = ref()
     if opt is not None:
