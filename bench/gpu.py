@@ -15,7 +15,12 @@ Rows (each checked against a reference, then timed):
   all-reduce's pack/unpack, as a fraction of the device's copy bandwidth;
 - ``fused_allreduce``: 16 small tensors, world size 1 (NCCL; gloo in a dry
   run): host time per call, and its time over 16 separate ``all_reduce`` calls
-  (goal <= 0.5).
+  (goal <= 0.5);
+- ``training``: one training step of a GPT (8 blocks, d 1024, 8 x 1024 tokens) at
+  world size 1 for each parallel wrapper (``@data_parallel``, ``shard_optimizer``,
+  ``mg.parallelize`` TP and FSDP, the first two also under ``torch.compile``)
+  against its torch peer from the same weights (bench/gpu_training.py): losses
+  equal, and the peer's step time over ours (goal >= 0.95).
 
 The exit status is 1 when any result is wrong (a goal missed is reported, not
 an error: the table is the measurement); 0 otherwise. A dry run checks the
@@ -45,6 +50,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.* from a checkout
 
 from bench.fused_allreduce import block_source  # noqa: E402
+from bench.gpu_training import training_rows  # noqa: E402
 from bench.tile import MATMUL_CONFIGS, PATTERNS, Pattern, load  # noqa: E402
 from macrogen.expand import expand_source  # noqa: E402
 
@@ -327,7 +333,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU, no GPU needed")
     parser.add_argument(
-        "--only", nargs="*", default=(), help="sections: tile kernels fused_allreduce"
+        "--only", nargs="*", default=(), help="sections: tile kernels fused_allreduce training"
     )
     args = parser.parse_args()
     device = "cpu" if args.dry_run else "cuda"
@@ -344,13 +350,14 @@ def main() -> int:
     )
     print(f"== bench/gpu.py: {title}; torch {torch.__version__} ==")
     rows: list[Row] = []
-    sections = args.only or ("tile", "kernels", "fused_allreduce")
+    sections = args.only or ("tile", "kernels", "fused_allreduce", "training")
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         directory = Path(tmp)
         for section, run in (
             ("tile", lambda: tile_rows(directory, device)),
             ("kernels", lambda: kernel_rows(device)),
             ("fused_allreduce", lambda: allreduce_rows(directory, device)),
+            ("training", lambda: training_rows(directory, device, DRY, bench, Row)),
         ):
             if section not in sections:
                 continue
@@ -369,13 +376,13 @@ def main() -> int:
                         "",
                     )
                 )
-    head = f"{'section':<16}{'case':<26}{'max err':>10}{'ok':>5}{'time':>11}{'vs':>17}{'ratio':>8}{'goal':>7}  note"
+    head = f"{'section':<16}{'case':<26}{'max err':>10}{'ok':>5}{'time':>11}{'vs':>20}{'ratio':>8}{'goal':>7}  note"
     print(head)
     for r in rows:
         ok = "NO" if r.wrong else "ok"
         print(
             f"{r.section:<16}{r.name:<26}{r.error:>10.2e}{ok:>5}{r.seconds * 1e3:>9.3f}ms"
-            f"{r.reference:>17}{r.ratio:>8.2f}{r.goal:>7}  {r.note}"
+            f"{r.reference:>20}{r.ratio:>8.2f}{r.goal:>7}  {r.note}"
         )
     wrong = [r for r in rows if r.wrong]
     print(f"== {len(rows)} rows, {len(wrong)} wrong ==")

@@ -2,7 +2,8 @@
 
 The dry run takes every code path the GPU run takes (tile kernels under
 TRITON_INTERPRET=1, the runtime kernels, fused_allreduce at world size 1 on
-gloo) at tiny sizes and checks each result; its times mean nothing.
+gloo, one training step per parallel wrapper against its torch peer) at tiny
+sizes and checks each result; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def test_dry_run_checks_every_row_and_exits_zero() -> None:
     for p in PATTERNS:
         assert any(line.startswith("tile") and p.name.split()[0] in line for line in lines), p.name
     cases = ("attention vs SDPA", "compress", "decompress", "fused pack", "fused unpack")
-    for case in (*cases, "16 small fp32"):
+    training = ("@data_parallel", "shard_optimizer", "parallelize tp=1", "parallelize fsdp")
+    for case in (*cases, "16 small fp32", *training, "@data_parallel compiled"):
         assert any(case in line for line in lines), case
     assert lines[-1].endswith(" 0 wrong ==")
     assert not any(" NO " in line or "CRASH" in line for line in lines)
