@@ -38,8 +38,10 @@ and its graph breaks, any recompilation during the timed rounds, and the losses 
 both (equal up to rounding: same weights, same batches).
 
 ``--curve`` trains the GPT example (2 layers, d=64, byte-level text of this
-repository's docs) for a few hundred steps with sync_every = 1, 4 and 16 and
-draws the loss curves into a PNG with matplotlib. matplotlib is needed by that
+repository's docs) for a few hundred steps with sync_every = 1, 8 and 32, each
+with plain averaging, the outer Nesterov step and that step overlapped
+(bench/local_sgd.py's ``--losses`` runs), and draws the loss curves into a PNG
+with matplotlib. matplotlib is needed by that
 mode only (``pip install matplotlib``); it is not a macrogen dependency.
 """
 
@@ -63,7 +65,6 @@ MODEL = dict(n_layer=6, n_embd=256, n_head=8, vocab_size=1024, block_size=64)
 BATCH = 2  # sequences per rank
 IMAGES = 16  # conv net: 3x32x32 images per rank
 BUCKET_MB = 25  # torch DDP's default bucket_cap_mb; both sides use it
-CURVE_MODEL = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=32)
 
 # Expanded once per run: each class is a data-parallel model; the serial ones are for DDP.
 SOURCE = """
@@ -106,21 +107,6 @@ class GPTLocalSGD4(GPT):
 
 @mg.data_parallel(bucket_mb={bucket_mb})
 class ConvNetDataParallel(ConvNet):
-    pass
-
-
-@mg.data_parallel(sync_every=1)
-class CurveK1(GPT):
-    pass
-
-
-@mg.data_parallel(sync_every=4)
-class CurveK4(GPT):
-    pass
-
-
-@mg.data_parallel(sync_every=16)
-class CurveK16(GPT):
     pass
 
 
@@ -545,69 +531,6 @@ def compile_worker(
     dist.destroy_process_group()
 
 
-# -- the loss curves of local SGD -------------------------------------------------------
-def corpus() -> torch.Tensor:
-    """Bytes of this repository's docs: text a byte-level GPT can learn from."""
-    text = b"".join(p.read_bytes() for p in sorted((ROOT / "docs").glob("*.md")))
-    text += (ROOT / "README.md").read_bytes()
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-
-
-def curve_worker(rank: int, world: int, port: int, steps: int, out_dir: str, png: str) -> None:
-    setup(rank, world, port)
-    models = expanded_module(Path(out_dir))
-    from examples.gpt import GPTConfig
-
-    config = GPTConfig(**CURVE_MODEL)
-    data = corpus()
-    T, B = config.block_size, 8
-    losses: dict[int, list[float]] = {}
-    for k, cls in ((1, models.CurveK1), (4, models.CurveK4), (16, models.CurveK16)):
-        torch.manual_seed(0)
-        model = cls(config)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        g = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
-        losses[k] = []
-        for _ in range(steps):
-            starts = torch.randint(0, len(data) - T - 1, (B,), generator=g)
-            window = torch.stack([data[s : s + T + 1] for s in starts])
-            opt.zero_grad()
-            loss = model(window[:, :-1], window[:, 1:])
-            loss.backward()
-            opt.step()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)  # for the plot: the loss averaged over the ranks
-            losses[k].append(float(mean) / world)
-    if rank == 0:
-        plot(losses, png)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def plot(losses: dict[int, list[float]], png: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    for k, ys in losses.items():
-        smooth = torch.tensor(ys).unfold(0, 10, 1).mean(1).tolist()  # 10-step moving average
-        label = "sync_every=1 (gradients averaged every step)" if k == 1 else f"sync_every={k}"
-        ax.plot(range(10, len(ys) + 1), smooth, label=label)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (mean over 2 ranks, 10-step average)")
-    ax.set_title("Local SGD on examples/gpt.py (2 layers, d=64, 2 gloo ranks, AdamW)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png)
-    print(f"wrote {png}")
-    for k, ys in losses.items():
-        print(f"sync_every={k:<3} loss: first 10 steps {statistics.mean(ys[:10]):.3f},"
-              f" last 10 steps {statistics.mean(ys[-10:]):.3f}")  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
@@ -631,9 +554,12 @@ def main() -> None:
         elif args.compile:
             spawn_args = (2, port, args.steps, args.rounds, tmp, args.backend)
             mp.spawn(compile_worker, args=spawn_args, nprocs=2, join=True)
-        elif args.curve:
+        elif args.curve:  # bench/local_sgd.py's loss runs, drawn
+            sys.path.insert(0, str(ROOT))
+            from bench.local_sgd import loss_worker
+
             png = str(Path(args.curve).resolve())
-            mp.spawn(curve_worker, args=(2, port, args.curve_steps, tmp, png), nprocs=2)
+            mp.spawn(loss_worker, args=(2, port, args.curve_steps, tmp, png), nprocs=2)
         else:
             mp.spawn(worker, args=(2, port, args.steps, args.rounds, tmp), nprocs=2, join=True)
 

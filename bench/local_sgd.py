@@ -207,7 +207,9 @@ def loss_classes() -> dict[str, str]:
     return out
 
 
-def loss_worker(rank: int, world: int, port: int, steps: int, out_dir: str) -> None:
+def loss_worker(
+    rank: int, world: int, port: int, steps: int, out_dir: str, png: str | None = None
+) -> None:
     setup(rank, world, port)
     from examples.gpt import GPTConfig
     from macrogen.runtime.local_sgd import flush
@@ -218,25 +220,26 @@ def loss_worker(rank: int, world: int, port: int, steps: int, out_dir: str) -> N
     data = corpus()
     T, B = config.block_size, 8
     final: dict[str, float] = {}
+    curves: dict[str, list[float]] = {}
     for name in classes:
         torch.manual_seed(0)
         model = getattr(models, name)(config)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
-        tail = []
-        for step in range(steps):
+        every = []
+        for _ in range(steps):
             starts = torch.randint(0, len(data) - T - 1, (B,), generator=g)
             window = torch.stack([data[s : s + T + 1] for s in starts])
             opt.zero_grad()
             loss = model(window[:, :-1], window[:, 1:])
             loss.backward()
             opt.step()
-            if step >= steps - 20:
-                tail.append(loss.detach())
+            every.append(loss.detach())
         flush(model)
-        mean = torch.stack(tail).mean()
-        dist.all_reduce(mean)
-        final[name] = float(mean) / world
+        mean = torch.stack(every)
+        dist.all_reduce(mean)  # each step's loss, summed over the ranks
+        curves[name] = (mean / world).tolist()
+        final[name] = float(mean[-20:].mean()) / world
     if rank == 0:
         print(f"GPT {LOSS_MODEL}, 2 gloo ranks x {B} sequences, AdamW lr 3e-3, {steps} steps;"
               " training loss, mean of the last 20 steps and both ranks")  # fmt: skip
@@ -244,8 +247,36 @@ def loss_worker(rank: int, world: int, port: int, steps: int, out_dir: str) -> N
         for k in (1, 8, 32):
             row = [final[f"{v}_k{k}"] for v in ("plain", "outer", "overlap")]
             print(f"{k:>10}  " + "  ".join(f"{v:7.3f}" for v in row))
+        if png is not None:
+            plot(curves, png, steps)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def plot(curves: dict[str, list[float]], png: str, steps: int) -> None:
+    """One panel per k: plain averaging, the outer Nesterov step, and it overlapped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), dpi=110, sharey=True)
+    labels = {"plain": "plain averaging", "outer": "outer Nesterov (DiLoCo)",
+              "overlap": "outer Nesterov, overlapped (delay 1)"}  # fmt: skip
+    for ax, k in zip(axes, (1, 8, 32)):
+        for variant, label in labels.items():
+            ys = torch.tensor(curves[f"{variant}_k{k}"])
+            smooth = ys.unfold(0, 10, 1).mean(1)  # 10-step moving average
+            ax.plot(range(10, len(ys) + 1), smooth.tolist(), label=label)
+        ax.set_title(f"sync_every={k}" + (" (k=1 plain: synchronous)" if k == 1 else ""))
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("training loss (2 ranks, 10-step average)")
+    axes[0].legend()
+    fig.suptitle(f"Local SGD on examples/gpt.py (2 layers, d=64, 2 gloo ranks, AdamW, {steps} steps)")
+    fig.tight_layout()
+    fig.savefig(png)
+    print(f"wrote {png}")
 
 
 def main() -> None:
@@ -259,13 +290,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank (compute ~ latency)")
     parser.add_argument("--losses", action="store_true", help="final losses instead of times")
     parser.add_argument("--loss-steps", type=int, default=300)
+    parser.add_argument("--png", help="with --losses: draw the loss curves here (matplotlib)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         if args.losses:
-            mp.spawn(loss_worker, args=(2, port, args.loss_steps, tmp), nprocs=2)
+            png = str(Path(args.png).resolve()) if args.png else None
+            mp.spawn(loss_worker, args=(2, port, args.loss_steps, tmp, png), nprocs=2)
         else:
             mp.spawn(worker, args=(2, port, args, tmp), nprocs=2)
 
