@@ -40,7 +40,7 @@ The dense-file goal (0.25 s/kLOC where libcst's parse is 0.1, so about 2.5 x
 parse) is met as a ratio, with little room; this machine's libcst parse is
 0.11-0.12 s/kLOC, so in seconds 0.25 s/kLOC is not reached here.
 
-The fifth wave (template checks by shape, macrogen/shapes.py; the timed
+The fifth wave (template checks by shape, macrogen/expand/shapes.py; the timed
 expansions forget the shapes first, as a process's first file would), main and
 this code alternately, load average 0.2-1.0:
 
@@ -64,8 +64,8 @@ from pathlib import Path
 
 import libcst as cst
 
-from macrogen.codegen import clear_checked
 from macrogen.expand import expand_source
+from macrogen.expand.codegen import clear_checked
 
 HEADER = '''\
 """A model, its kernels and its training step: most statements are macro sites."""
@@ -202,7 +202,7 @@ def process(*args: str, cwd: str | None = None) -> Callable[[], object]:
 
 def expand_first(source: str) -> object:
     """``expand_source`` as a process's first file: the checked template shapes forgotten
-    (macrogen/shapes.py; the templates stay compiled, as after the warm-up)."""
+    (macrogen/expand/shapes.py; the templates stay compiled, as after the warm-up)."""
     clear_checked()
     return expand_source(source, path="dense.py")
 
@@ -228,7 +228,7 @@ def _phase_hooks() -> list[tuple[str, object, str]]:
     """(phase, owner, attribute): the functions timed by ``--phases``, replaced on their owner."""
     import libcst
 
-    import macrogen.codegen as codegen
+    import macrogen.expand.codegen as codegen
     import macrogen.expand.expansion as expansion
     import macrogen.expand.statements as statements
     import macrogen.expand.transform as transform

@@ -305,7 +305,7 @@ def test_a_failed_write_leaves_no_partial_file(project: Path, tmp_path: Path, mo
 
 
 def test_internal_error_exits_3(project: Path, monkeypatch):
-    from macrogen import codegen
+    from macrogen.expand import codegen
 
     def broken(template, **params):
         raise codegen.InternalError(f"template {template} rendered invalid Python (line 1): boom")

@@ -15,8 +15,7 @@ from __future__ import annotations
 import libcst as cst
 import pytest
 
-from macrogen import codegen
-from macrogen.expand import ExpansionError, expand_source, rendered
+from macrogen.expand import ExpansionError, codegen, expand_source, rendered
 from macrogen.expand.walk import find, leaf, nodes
 from macrogen.macros.tile.code import Parsed
 from tests.test_golden import CASES, GOLDEN, expand_case
@@ -394,7 +393,7 @@ def test_a_template_that_renders_invalid_python_is_named_with_its_line(tmp_path:
     saved = list(codegen._extra_dirs)
     codegen.add_templates(folder)
     try:
-        for render in (codegen.render, codegen.render_definitions):
+        for render in (codegen.render, codegen.render_statements):
             with pytest.raises(InternalError, match=r"template bad_check.py.j2 rendered invalid Python \(line 2\): "):
                 render("bad_check.py.j2", v=1)
         with pytest.raises(InternalError, match="duplicate argument 'a'"):  # as compile() says

@@ -8,10 +8,9 @@ import time
 
 import pytest
 
-from macrogen import codegen
 from macrogen.cli import main
 from macrogen.commands.expand import expand_files
-from macrogen.expand import ExpansionError, expand_source
+from macrogen.expand import ExpansionError, codegen, expand_source
 
 
 def run(*sources, **options) -> tuple[int, str, bytes]:

@@ -1,4 +1,4 @@
-"""Template checks remembered by shape (macrogen/shapes.py): a text that skips the check
+"""Template checks remembered by shape (macrogen/expand/shapes.py): a text that skips the check
 is one Python's parser and symbol table accept, and the output is the same without them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import symtable
 
 import pytest
 
-from macrogen import codegen, shapes
-from macrogen.shapes import Checked
+from macrogen.expand import codegen, shapes
+from macrogen.expand.shapes import Checked
 from tests.test_golden import CASES, GOLDEN, expand_case
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import libcst as cst
 
-from macrogen import codegen
+from macrogen.expand import codegen
 from macrogen.expand.args import Arg, Args
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Import

@@ -17,8 +17,8 @@ from typing import Any
 
 import libcst as cst
 
-from macrogen import __version__, codegen, macros
-from macrogen.expand import Expansion, drive
+from macrogen import __version__, macros
+from macrogen.expand import Expansion, codegen, drive, protocol
 from macrogen.expand.args import Evaluator, no_argument_macros
 from macrogen.expand.context import Context, Options, Position, SiteArguments
 from macrogen.expand.errors import Diagnostic, ExpansionError, MacroError
@@ -330,7 +330,7 @@ class _FileExpansion:
                 macro = macros.get(name) if name is not None else None
             except KeyError:
                 continue
-            hook = macros.constant_hook(macro) if macro is not None else None
+            hook = protocol.constant_hook(macro) if macro is not None else None
             if macro is None or hook is None or "assign" not in macro.FORMS:
                 continue
             self.current = i

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from macrogen import codegen
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Context, Expanded, Form, MacroError, Site, render
 
 NAME = "shard_optimizer"
 FORMS: frozenset[Form] = frozenset({"call"})  # ``opt = mg.shard_optimizer(...)`` is a call site
@@ -37,7 +34,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     call = site.node
     assert isinstance(call, cst.Call)
     shard = ctx.import_from("macrogen.runtime.zero", "shard_optimizer")
-    text = codegen.render(
+    text = render(
         "shard_optimizer.py.j2",
         shard=shard,
         placeholder=PLACEHOLDER,

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Context, Expanded, Form, MacroError, Site
 from macrogen.markers import TARGETS
 
 NAME = "target"
