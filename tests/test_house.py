@@ -311,3 +311,16 @@ def test_a_toy_macro_from_the_docs_alone_expands(tmp_path):
     assert "return _toy_scale_l5(a + 1)\n" in code
     assert load_module(code, "toy_scale_user", tmp_path).f(4) == 15
     sys.modules.pop("toy_scale_user", None)
+
+
+# -- dead code ----------------------------------------------------------------------------
+def test_no_dead_code():
+    """What CI's vulture check says (.ci/run), and that it would find a dead function."""
+    vulture = pytest.importorskip("vulture")
+    check = vulture.Vulture()
+    check.scavenge([str(PACKAGE), str(ROOT / ".ci" / "vulture_whitelist.py")])
+    assert [f"{item.filename}:{item.first_lineno} {item.name}" for item in check.get_unused_code(min_confidence=60)] == []
+
+    planted = vulture.Vulture()
+    planted.scan("def used():\n    pass\n\ndef dead():\n    pass\n\nused()\n")
+    assert [item.name for item in planted.get_unused_code(min_confidence=60)] == ["dead"]

@@ -411,7 +411,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 " optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ...)"
             )
         self.where = where
-        self.inner_class = kind
         self.group = group
         self.world_size = groups.world_size(group)
         self.rank = groups.rank(group)
