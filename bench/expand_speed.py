@@ -28,7 +28,7 @@ alike); wall-clock and CPU time both, since on a loaded machine only the CPU
 time is steady.
 
 Measured on the shared 2-core machine, before and after the fourth wave of
-issue 15's pass work (docs/expand.md, "Speed"), main's code and this one run
+issue 15's pass work (bench/README.md), main's code and this one run
 alternately, load average 0.8-1.0 (CPU figures):
 
     macro-dense file:           3.07-3.10 -> 2.30-2.49 x libcst's parse  (0.343-0.344 -> 0.274-0.275 s/kLOC)
