@@ -116,7 +116,6 @@ def expand(site: Site, ctx: Context) -> Expanded:
     return Expanded(
         [cst.SimpleStatementLine([cst.Expr(call)])],
         helpers=(helper,),
-        imports=(runtime,),
     )
 
 

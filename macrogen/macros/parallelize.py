@@ -289,4 +289,4 @@ def expand(site: Site, ctx: Context) -> Expanded:
     replacement = call.with_changes(
         func=cst.Name(fn), args=[model], whitespace_before_args=cst.SimpleWhitespace("")
     )
-    return Expanded(replacement, helpers=(helper,), imports=tuple(imports))
+    return Expanded(replacement, helpers=(helper,))

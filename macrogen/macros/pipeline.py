@@ -511,4 +511,4 @@ def expand(site: Site, ctx: Context) -> Expanded:
     )
     blank = [cst.EmptyLine()] * (1 if site.scope else 2)  # PEP 8: one blank line inside a class
     generated[0] = generated[0].with_changes(leading_lines=blank)
-    return Expanded([site.node.with_changes(name=cst.Name(serial)), *generated], imports=imports)
+    return Expanded([site.node.with_changes(name=cst.Name(serial)), *generated])

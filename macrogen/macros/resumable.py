@@ -100,7 +100,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         if name in code
     ]
     call = loop.iter.with_changes(func=cst.Name(runtime.local), args=_commas(args))
-    return Expanded([loop.with_changes(iter=call)], imports=(runtime,))
+    return Expanded([loop.with_changes(iter=call)])
 
 
 _EQUAL = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))

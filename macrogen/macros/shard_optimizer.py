@@ -57,7 +57,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         user = user.with_changes(comma=user.comma.with_changes(whitespace_after=indented))
         plain = after.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=())
         rest[-1] = rest[-1].with_changes(comma=cst.Comma(whitespace_after=plain))
-    return Expanded(call.with_changes(func=rendered.func, args=[user, *rest]), imports=(shard,))
+    return Expanded(call.with_changes(func=rendered.func, args=[user, *rest]))
 
 
 def _is_placeholder(node: cst.BaseExpression) -> bool:

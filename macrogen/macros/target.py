@@ -38,7 +38,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         torch = ctx.import_module("torch")
         check = cst.parse_expression(f"{torch}.cuda.is_available()")
         test = check if kind == "cuda" else cst.UnaryOperation(cst.Not(), check)
-        return Expanded([node.with_changes(test=test)], imports=(torch,))
+        return Expanded([node.with_changes(test=test)])
     if site.form == "elif":
         raise MacroError(
             "with --target, target() can't be an elif test; nest the if in the else branch",

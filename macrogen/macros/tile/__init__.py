@@ -193,7 +193,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     if out.kernel_wanted:
         helpers += [out.kernel(), out.launcher()]
     helpers.append(out.torch_path())
-    return Expanded([out.function()], helpers=tuple(helpers), imports=tuple(out.mods.values()))
+    return Expanded([out.function()], helpers=tuple(helpers))
 
 
 class _Output:
