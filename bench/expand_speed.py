@@ -40,7 +40,7 @@ The dense-file goal (0.25 s/kLOC where libcst's parse is 0.1, so about 2.5 x
 parse) is met as a ratio, with little room; this machine's libcst parse is
 0.11-0.12 s/kLOC, so in seconds 0.25 s/kLOC is not reached here.
 
-The fifth wave (template checks by shape, macrogen/expand/shapes.py; the timed
+The fifth wave (template checks by shape, macrogen/expand/fast/shapes.py; the timed
 expansions forget the shapes first, as a process's first file would), main and
 this code alternately, load average 0.2-1.0:
 
@@ -202,7 +202,7 @@ def process(*args: str, cwd: str | None = None) -> Callable[[], object]:
 
 def expand_first(source: str) -> object:
     """``expand_source`` as a process's first file: the checked template shapes forgotten
-    (macrogen/expand/shapes.py; the templates stay compiled, as after the warm-up)."""
+    (macrogen/expand/fast/shapes.py; the templates stay compiled, as after the warm-up)."""
     clear_checked()
     return expand_source(source, path="dense.py")
 
@@ -230,7 +230,7 @@ def _phase_hooks() -> list[tuple[str, object, str]]:
 
     import macrogen.expand.codegen as codegen
     import macrogen.expand.expansion as expansion
-    import macrogen.expand.statements as statements
+    import macrogen.expand.fast.statements as statements
     import macrogen.expand.transform as transform
     from macrogen.expand.args import Evaluator
     from macrogen.macros import (

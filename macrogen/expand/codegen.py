@@ -23,8 +23,8 @@ import jinja2
 import libcst as cst
 
 from macrogen.expand.errors import InternalError
-from macrogen.expand.rendered import Rendered, rendered
-from macrogen.expand.shapes import Checked
+from macrogen.expand.fast.rendered import Rendered, rendered
+from macrogen.expand.fast.shapes import Checked
 
 
 def templates_dir() -> Path:
@@ -138,10 +138,10 @@ def environment() -> jinja2.Environment:
 
 def render(template: str, **params: Any) -> str:
     """Render ``templates/<template>`` and check that the result is Python (or that it
-    has the shape of a text that passed, where that proves it: macrogen/expand/shapes.py)."""
+    has the shape of a text that passed, where that proves it: macrogen/expand/fast/shapes.py)."""
     text = _text(template, params)
     if CHECKED.find(text) is not None:
-        return text  # the shape of a checked text (macrogen/expand/shapes.py)
+        return text  # the shape of a checked text (macrogen/expand/fast/shapes.py)
     try:
         # The check: Python's parser and symbol table, as compile() runs them, without
         # building ast's objects (a third cheaper than ast.parse; stricter: it also
@@ -195,5 +195,5 @@ def _rendered(template: str, params: dict[str, Any]) -> Rendered:
 def render_statements(template: str, **params: Any) -> list[cst.BaseStatement]:
     """Render a template into statements to splice into the user's tree: one statement
     node that keeps the text and prints it as it is where it can (indented to where
-    it lands), else as libcst's parse of it (``expand/rendered.py``)."""
+    it lands), else as libcst's parse of it (``expand/fast/rendered.py``)."""
     return [_rendered(template, params)]

@@ -23,8 +23,8 @@ from macrogen.expand import protocol
 from macrogen.expand.args import ArgumentHook, Evaluator
 from macrogen.expand.context import Context, Position, SiteArguments
 from macrogen.expand.errors import InternalError, MacroError
+from macrogen.expand.fast.rendered import materialized
 from macrogen.expand.protocol import Expanded, Form, Macro, Site
-from macrogen.expand.rendered import materialized
 from macrogen.expand.sites import (
     Comprehension,
     Scope,
