@@ -240,6 +240,36 @@ def test_the_imports_a_macro_asked_for_are_written():
     assert "from os import sep\n" in code and "x = sep\n" in code
 
 
+def test_each_site_gets_its_own_view_of_the_context():
+    """The file's state is shared (fresh names, imports, tunables); what the pass told the
+    site (its shadowed names) and what it asked for (its imports) are its own."""
+    seen: list[macro.Context] = []
+
+    class Records:
+        NAME = "toy_records"
+        FORMS = frozenset({"call"})
+        USAGE = "toy_records()"
+
+        @staticmethod
+        def expand(site: macro.Site, ctx: macro.Context) -> macro.Expanded:
+            import libcst as cst
+
+            seen.append(ctx)
+            return macro.Expanded(cst.Name(ctx.import_module("os")))
+
+    source = "import macrogen as mg\n\ndef f(os):\n    return mg.toy_records()\n\nx = mg.toy_records()\n"
+    macros.register(Records)
+    try:
+        code = strip_header(expand_source(source).code)
+    finally:
+        macros.unregister(Records.NAME)
+    inner, outer = seen
+    assert inner is not outer and inner.names is outer.names and inner.tunables is outer.tunables
+    assert inner.shadowed == {"os"} and outer.shadowed == frozenset()
+    assert inner.requested is not outer.requested and len(inner.requested) == len(outer.requested) == 1
+    assert "return _mg_os\n" in code  # f's parameter named os hides the name os there
+
+
 # -- a macro from docs/macros.md alone ----------------------------------------------------
 TOY = '''\
 """``y = toy_scale(x, by=3)``: ``x`` times ``by``, through a generated helper."""

@@ -482,8 +482,7 @@ class Expander(cst.CSTTransformer):
                 raise MacroError(f"{name}() can't be used here: {macro.USAGE}", at)
             code = protocol.code_arguments(macro)
             args = self.evaluator.call_args(call, qualname, code)
-            self.ctx.shadowed = self.scopes.locally_bound()
-            self.ctx.requested = []
+            view = self.ctx.for_site(self.scopes.locally_bound())
             site = Site(
                 macro=name,
                 form=form,
@@ -497,12 +496,12 @@ class Expander(cst.CSTTransformer):
                 scope=self.scopes.qualname,
                 names=self.scopes.import_map(self.module_names),
             )
-            result = macro.expand(site, self.ctx)
+            result = macro.expand(site, view)
         except MacroError as e:
             self._error(e if e.node is not None else MacroError(e.message, at))
             return None
         _check_result(name, form, result)
-        self.ctx.add_imports(self.ctx.requested)
+        self.ctx.add_imports(view.requested)
         self.ctx.prelude.extend(result.helpers)
         self.expanded.append((name, pos.line))
         self.arguments.append(SiteArguments.of(name, qualname, args))
