@@ -28,7 +28,7 @@ alike); wall-clock and CPU time both, since on a loaded machine only the CPU
 time is steady.
 
 Measured on the shared 2-core machine, before and after the fourth wave of
-issue 15's pass work (docs/expand.md, "Speed"), main's code and this one run
+issue 15's pass work (bench/README.md), main's code and this one run
 alternately, load average 0.8-1.0 (CPU figures):
 
     macro-dense file:           3.07-3.10 -> 2.30-2.49 x libcst's parse  (0.343-0.344 -> 0.274-0.275 s/kLOC)
@@ -40,7 +40,7 @@ The dense-file goal (0.25 s/kLOC where libcst's parse is 0.1, so about 2.5 x
 parse) is met as a ratio, with little room; this machine's libcst parse is
 0.11-0.12 s/kLOC, so in seconds 0.25 s/kLOC is not reached here.
 
-The fifth wave (template checks by shape, macrogen/shapes.py; the timed
+The fifth wave (template checks by shape, macrogen/expand/fast/shapes.py; the timed
 expansions forget the shapes first, as a process's first file would), main and
 this code alternately, load average 0.2-1.0:
 
@@ -64,8 +64,8 @@ from pathlib import Path
 
 import libcst as cst
 
-from macrogen.codegen import clear_checked
 from macrogen.expand import expand_source
+from macrogen.expand.codegen import clear_checked
 
 HEADER = '''\
 """A model, its kernels and its training step: most statements are macro sites."""
@@ -202,7 +202,7 @@ def process(*args: str, cwd: str | None = None) -> Callable[[], object]:
 
 def expand_first(source: str) -> object:
     """``expand_source`` as a process's first file: the checked template shapes forgotten
-    (macrogen/shapes.py; the templates stay compiled, as after the warm-up)."""
+    (macrogen/expand/fast/shapes.py; the templates stay compiled, as after the warm-up)."""
     clear_checked()
     return expand_source(source, path="dense.py")
 
@@ -228,9 +228,9 @@ def _phase_hooks() -> list[tuple[str, object, str]]:
     """(phase, owner, attribute): the functions timed by ``--phases``, replaced on their owner."""
     import libcst
 
-    import macrogen.codegen as codegen
+    import macrogen.expand.codegen as codegen
     import macrogen.expand.expansion as expansion
-    import macrogen.expand.statements as statements
+    import macrogen.expand.fast.statements as statements
     import macrogen.expand.transform as transform
     from macrogen.expand.args import Evaluator
     from macrogen.macros import (

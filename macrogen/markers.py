@@ -13,6 +13,8 @@ import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from macrogen.macros import MODULES
+
 T = TypeVar("T")
 
 TARGETS = ("cpu", "cuda")
@@ -108,17 +110,5 @@ def outer_sgd(*, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) 
     return {"lr": lr, "momentum": momentum, "nesterov": nesterov}
 
 
-MACRO_NAMES = (
-    "data_parallel",
-    "define",
-    "fused_allreduce",
-    "outer_sgd",
-    "parallelize",
-    "pipeline",
-    "resumable",
-    "shard_optimizer",
-    "target",
-    "tensor_parallel",
-    "tile",
-    "tunable",
-)
+# The macros' names, from the registry the pass reads too (one list: macrogen.macros.MODULES)
+MACRO_NAMES = tuple(MODULES)

@@ -305,12 +305,13 @@ def test_a_failed_write_leaves_no_partial_file(project: Path, tmp_path: Path, mo
 
 
 def test_internal_error_exits_3(project: Path, monkeypatch):
-    from macrogen import codegen
+    from macrogen.macro import InternalError
+    from macrogen.macros import fused_allreduce
 
     def broken(template, **params):
-        raise codegen.InternalError(f"template {template} rendered invalid Python (line 1): boom")
+        raise InternalError(f"template {template} rendered invalid Python (line 1): boom")
 
-    monkeypatch.setattr(codegen, "render", broken)
+    monkeypatch.setattr(fused_allreduce, "render", broken)  # (what the macro imported: the SDK's)
     run = Run(project / "train.py")
     assert run.status == 3
     assert "internal error (a macrogen bug" in run.err and "fused_allreduce.py.j2" in run.err

@@ -153,11 +153,11 @@ def test_tp_size_set_on_one_rank_only_is_the_same_clear_error_on_every_rank():
 def _mesh_layout(rank: int, world: int):
     import torch.distributed as dist
 
-    from macrogen.runtime import groups, mesh
+    from macrogen.runtime import mesh
 
     os.environ["MACROGEN_TP_SIZE"] = "2"
     m = mesh.mesh()
-    assert groups.data_parallel_group() is m.data_group  # data-parallel modules read the mesh
+    assert mesh.data_parallel_group() is m.data_group  # data-parallel modules read the mesh
     assert mesh.mesh(2) is m and mesh.mesh() is m
     dm = m.device_mesh
     return (

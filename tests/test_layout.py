@@ -11,8 +11,8 @@ import torch
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from macrogen.expand import expand_source
-from macrogen.expand.layout import Layout, split_lines
-from macrogen.expand.statements import Disagree, Pieces, _OffsetExtents, code_and_positions
+from macrogen.expand.fast.layout import Layout, split_lines
+from macrogen.expand.fast.statements import Disagree, Pieces, _OffsetExtents, code_and_positions
 from tests.helpers import expansion_errors, strip_header
 
 TORCH_NN = Path(torch.__file__).resolve().parent / "nn"
@@ -163,7 +163,7 @@ def _piece_sources() -> list[str]:
 def test_statement_lines_from_ast_are_inside_the_codegens():
     """``extents.ast_extents`` pairs every statement the codegen sees, and gives it the lines
     of its code: within the codegen's extent, which adds the leading comment lines."""
-    from macrogen.expand.extents import ast_extents
+    from macrogen.expand.fast.extents import ast_extents
 
     compared = 0
     for source in _piece_sources():
@@ -184,7 +184,7 @@ def test_statement_lines_from_ast_are_inside_the_codegens():
 def test_lazy_positions_are_the_codegens():
     """``LazyPositions`` (a codegen stopping at the node asked for; a second miss runs it all)
     gives every node the codegen's position, whichever node is asked for first."""
-    from macrogen.expand.statements import LazyPositions
+    from macrogen.expand.fast.statements import LazyPositions
 
     compared = 0
     for source in _piece_sources()[::3]:

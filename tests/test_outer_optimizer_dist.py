@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from macrogen.expand import expand_source
 from macrogen.runtime import local_sgd
-from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync, gradient_sync
+from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync, flush, gradient_sync
 from tests.distributed import run_ranks
 from tests.helpers import load_module
 
@@ -253,7 +253,7 @@ def _cases(rank: int, world: int, out_dir: str) -> dict:
     torch.testing.assert_close(flat(delay0), flat(ref0), rtol=0, atol=1e-9)
     report["calls"] = (count0.calls, count0.async_calls, count1.calls, count1.async_calls)
     report["in flight after the run"] = gradient_sync(delay1).local_sgd.due
-    local_sgd.flush(delay1)  # the round sent after step 9 lands now
+    flush(delay1)  # the round sent after step 9 lands now
     report["flushed"] = gradient_sync(delay1).local_sgd.due
     moved = train(build(m.Nesterov), rank, steps=2).float()  # the outer state is float64
     try:
@@ -315,8 +315,8 @@ def _resume(rank: int, world: int, out_dir: str) -> dict:
     resumed, loaded = run(build(m.Delay1))
     local = gradient_sync(resumed).local_sgd
     report = {"due at the checkpoint": loaded, "steps": local.steps}
-    local_sgd.flush(straight)
-    local_sgd.flush(resumed)
+    flush(straight)
+    flush(resumed)
     report["equal"] = torch.equal(flat(resumed), flat(straight))
     return report
 

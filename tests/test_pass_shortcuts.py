@@ -1,6 +1,6 @@
 """The pass's shortcuts agree with the slow, obvious way (issue 15's speed work).
 
-- Generated classes kept as text (``expand/rendered.py``) print what libcst's parse of
+- Generated classes kept as text (``expand/fast/rendered.py``) print what libcst's parse of
   that text prints: the same output with the plain-text path on and off, on every
   golden case and on files where the text must go through libcst (tabs, CRLF, a
   nested class, stacked decorators, no final newline).
@@ -15,8 +15,7 @@ from __future__ import annotations
 import libcst as cst
 import pytest
 
-from macrogen import codegen
-from macrogen.expand import ExpansionError, expand_source, rendered
+from macrogen.expand import ExpansionError, codegen, expand_source, fast
 from macrogen.expand.walk import find, leaf, nodes
 from macrogen.macros.tile.code import Parsed
 from tests.test_golden import CASES, GOLDEN, expand_case
@@ -100,11 +99,11 @@ SOURCES = {
 def _both(expand: object) -> tuple[object, object]:
     outputs = []
     for plain in (True, False):
-        saved, rendered.PLAIN_TEXT = rendered.PLAIN_TEXT, plain
+        saved, fast.ENABLED = fast.ENABLED, plain
         try:
             outputs.append(expand())  # type: ignore[operator]
         finally:
-            rendered.PLAIN_TEXT = saved
+            fast.ENABLED = saved
     return outputs[0], outputs[1]
 
 
@@ -294,32 +293,7 @@ def test_tile_goldens_the_same_read_by_libcst(name: str, monkeypatch: pytest.Mon
     assert expand_case(GOLDEN / name) == by_ast
 
 
-# -- the pass's own walk of the transform (expand/drive.py) is libcst's visit ------------
-@pytest.mark.parametrize("name", CASES)
-def test_goldens_the_same_through_libcsts_visit(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from macrogen.expand import drive
-
-    own = expand_case(GOLDEN / name)
-    monkeypatch.setattr(drive, "OWN_WALK", False)
-    assert expand_case(GOLDEN / name) == own
-
-
-@pytest.mark.parametrize("name", sorted(SOURCES))
-def test_files_the_same_through_libcsts_visit(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from macrogen.expand import drive
-
-    def expand() -> str:
-        try:
-            return expand_source(SOURCES[name], path="model.py").code
-        except ExpansionError as e:
-            return e.report()
-
-    own = expand()
-    monkeypatch.setattr(drive, "OWN_WALK", False)
-    assert expand() == own
-
-
-# -- blocks kept as parsed print as their source lines (expand/printing.py) ---------------
+# -- blocks kept as parsed print as their source lines (expand/fast/printing.py) ---------------
 KEPT_BLOCKS = {
     "if else": "import macrogen as mg\nA = mg.define(1)\nif mg.target('cuda'):\n    y = 1\nelse:\n    y = 2\n",
     "if": "import macrogen as mg\n\nif mg.target('cuda'):  # why\n\n    # first\n    y = 1\n\n        # deeper\n# last\n",
@@ -339,28 +313,27 @@ KEPT_BLOCKS = {
 }
 
 
+# -- the oracle: the goldens and the odd files expand the same without the fast paths
+# (expand/fast/: libcst's parse validated, its visit, its printing of every statement,
+# every template checked)
 @pytest.mark.parametrize("name", CASES)
-def test_goldens_the_same_printing_every_block(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from macrogen.expand import printing
-
-    kept = expand_case(GOLDEN / name)
-    monkeypatch.setattr(printing, "VERBATIM", False)
-    assert expand_case(GOLDEN / name) == kept
+def test_goldens_the_same_without_the_fast_paths(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    fast_way = expand_case(GOLDEN / name)
+    monkeypatch.setattr(fast, "ENABLED", False)
+    assert expand_case(GOLDEN / name) == fast_way
 
 
 @pytest.mark.parametrize("name", sorted({**SOURCES, **KEPT_BLOCKS}))
-def test_files_the_same_printing_every_block(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from macrogen.expand import printing
-
+def test_files_the_same_without_the_fast_paths(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     def expand() -> str:
         try:
             return expand_source({**SOURCES, **KEPT_BLOCKS}[name], path="model.py").code
         except ExpansionError as e:
             return e.report()
 
-    kept = expand()
-    monkeypatch.setattr(printing, "VERBATIM", False)
-    assert expand() == kept
+    fast_way = expand()
+    monkeypatch.setattr(fast, "ENABLED", False)
+    assert expand() == fast_way
 
 
 # -- literal values without ast.literal_eval (expand/literals.py) --------------------------
@@ -394,7 +367,7 @@ def test_a_template_that_renders_invalid_python_is_named_with_its_line(tmp_path:
     saved = list(codegen._extra_dirs)
     codegen.add_templates(folder)
     try:
-        for render in (codegen.render, codegen.render_definitions):
+        for render in (codegen.render, codegen.render_statements):
             with pytest.raises(InternalError, match=r"template bad_check.py.j2 rendered invalid Python \(line 2\): "):
                 render("bad_check.py.j2", v=1)
         with pytest.raises(InternalError, match="duplicate argument 'a'"):  # as compile() says
@@ -404,10 +377,10 @@ def test_a_template_that_renders_invalid_python_is_named_with_its_line(tmp_path:
         codegen.environment.cache_clear()
 
 
-# -- pieces parsed without libcst re-validating its parser's nodes (expand/parsing.py) ------
+# -- pieces parsed without libcst re-validating its parser's nodes (expand/fast/parsing.py) ------
 @pytest.mark.parametrize("name", [c for c in CASES if "error" not in c][:40])
 def test_pieces_parse_to_libcsts_tree(name: str) -> None:
-    from macrogen.expand.parsing import parse_module
+    from macrogen.expand.fast.parsing import parse_module
 
     text = (GOLDEN / name / "input.py").read_text(encoding="utf-8", errors="replace")
     assert parse_module(text).deep_equals(cst.parse_module(text))
@@ -416,7 +389,7 @@ def test_pieces_parse_to_libcsts_tree(name: str) -> None:
 def test_nodes_are_validated_outside_the_parse() -> None:
     import threading
 
-    from macrogen.expand import parsing
+    from macrogen.expand.fast import parsing
 
     validate = cst.CSTNode.__post_init__
     parsing.parse_module("x = (1)\n")
@@ -478,7 +451,7 @@ def test_lines_with_is_the_word_boundary_search(names: set[str]) -> None:
 
     from macrogen.expand import Options
     from macrogen.expand.expansion import _NON_ASCII_WORD, _FileExpansion, nfkc
-    from macrogen.expand.statements import Pieces
+    from macrogen.expand.fast.statements import Pieces
 
     source = (
         "import macrogen as mg\nx = mg.define(1)  # mg\nomg = 1\nmg_x = 2\nmgx = 3\n"

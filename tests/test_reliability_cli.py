@@ -8,10 +8,9 @@ import time
 
 import pytest
 
-from macrogen import codegen
 from macrogen.cli import main
 from macrogen.commands.expand import expand_files
-from macrogen.expand import ExpansionError, expand_source
+from macrogen.expand import ExpansionError, codegen, expand_source
 
 
 def run(*sources, **options) -> tuple[int, str, bytes]:
@@ -148,7 +147,7 @@ def test_a_macro_argument_nested_150_deep_expands():
 
 
 def test_a_macro_argument_nested_150_deep_around_a_macro_name_is_a_clean_error():
-    # The pass's own walk (expand/drive.py) goes 150 brackets deep within Python's recursion
+    # The pass's own walk (expand/fast/drive.py) goes 150 brackets deep within Python's recursion
     # limit, so the error is the argument's own, at the name (Python allows 200 brackets).
     report = errors("import macrogen as mg\nA = mg.define(" + "[" * 150 + "mg" + "]" * 150 + ")\n")
     assert report.startswith("m.py:2:165: error: 'mg' is not known at expansion time")

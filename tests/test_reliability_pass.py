@@ -307,7 +307,7 @@ def test_a_form_feed_piece_reads_and_prints_as_libcst_is_given_it():
     (``Pieces.readable``); each is one statement, and ``source_text`` is what it prints."""
     import ast
 
-    from macrogen.expand.statements import Pieces, _OffsetExtents, code_and_positions
+    from macrogen.expand.fast.statements import Pieces, _OffsetExtents, code_and_positions
 
     source = "import macrogen as mg\n\x0c\n\ndef f(a, b):\n  if a:\n\x0c    x = 1\n\x0c  y = 2\n"
     pieces = Pieces(source, ast.parse(source))

@@ -1,4 +1,4 @@
-"""Template checks remembered by shape (macrogen/shapes.py): a text that skips the check
+"""Template checks remembered by shape (macrogen/expand/fast/shapes.py): a text that skips the check
 is one Python's parser and symbol table accept, and the output is the same without them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import symtable
 
 import pytest
 
-from macrogen import codegen, shapes
-from macrogen.shapes import Checked
+from macrogen.expand import codegen, fast
+from macrogen.expand.fast.shapes import Checked
 from tests.test_golden import CASES, GOLDEN, expand_case
 
 
@@ -103,5 +103,5 @@ def test_goldens_the_same_with_every_template_checked(
     codegen.clear_checked()
     expand_case(GOLDEN / name)
     remembered = expand_case(GOLDEN / name)  # each template's text found by its shape
-    monkeypatch.setattr(shapes, "ENABLED", False)
+    monkeypatch.setattr(fast, "ENABLED", False)
     assert expand_case(GOLDEN / name) == remembered

@@ -90,7 +90,7 @@ def test_installed_wheel_expands_from_outside_the_repository(wheel: Path, tmp_pa
     assert (work / "out" / "train.py").read_text() == want
 
     probe = (
-        "import macrogen, macrogen.kernels, macrogen.codegen as c, importlib.util as u\n"
+        "import macrogen, macrogen.kernels, macrogen.expand.codegen as c, importlib.util as u\n"
         "print(macrogen.__file__); print(c.templates_dir()); print(u.find_spec('kernels'))\n"
         "import sys; sys.path.insert(0, 'out'); import train\n"
         "import torch; t = torch.ones(3); train.sync_metrics(t, t * 2, t * 4); print(t.tolist())\n"

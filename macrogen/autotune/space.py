@@ -26,7 +26,7 @@ from typing import Any
 from macrogen import macros
 from macrogen.expand import Expansion
 from macrogen.expand.context import SiteArguments
-from macrogen.expand.protocol import Constraint, TuningEnv
+from macrogen.expand.protocol import Constraint, TuningEnv, tuning_constraint
 
 __all__ = ["Constraint", "Parameter", "Space", "TuningEnv", "build", "parameters", "violation"]
 
@@ -119,6 +119,6 @@ def violation(
 
 def constraint_for(macro: str) -> Constraint | None:
     try:
-        return macros.tuning_constraint(macros.get(macro))
+        return tuning_constraint(macros.get(macro))
     except KeyError:
         return None

@@ -154,29 +154,19 @@ def autotune(
     return outcome
 
 
-# A macro module may declare which of its arguments change nothing on a target
-# (measuring them would pick a "winner" from noise):
-# ``tuning_no_effect(argument, env) -> reason | None``.
-
-
 def no_effect(param: space.Parameter, env: space.TuningEnv) -> str | None:
-    """Why tuning ``param`` on ``env`` would measure nothing but noise; None if it matters."""
+    """Why tuning ``param`` on ``env`` would measure nothing but noise; None if it matters
+    (a macro's ``tuning_no_effect`` hook: measuring such an argument picks a "winner" from noise)."""
     if param.macro is None:
         return None  # a module constant: used by the user's own code
-    rule = getattr(_macro_module(param.macro), "tuning_no_effect", None)
-    if rule is not None:
-        reason: str | None = rule(param.argument, env)
-        return reason
-    return None
-
-
-def _macro_module(macro: str):
     from macrogen import macros
+    from macrogen.expand.protocol import tuning_no_effect
 
     try:
-        return macros.get(macro)
+        rule = tuning_no_effect(macros.get(param.macro))
     except (KeyError, ModuleNotFoundError):
         return None
+    return None if rule is None or param.argument is None else rule(param.argument, env)
 
 
 def _tuning_key(

@@ -6,6 +6,7 @@ autotune build ``Options`` and the pass stays a pure function of its inputs.
 
 from __future__ import annotations
 
+import copy
 import keyword
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -14,7 +15,7 @@ from typing import Any
 
 import libcst as cst
 
-from macrogen import codegen
+from macrogen.expand import codegen
 from macrogen.expand.args import Arg, Args
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Import
@@ -107,7 +108,7 @@ class Names:
 
 
 class Context:
-    """Shared by every macro site of one file."""
+    """What the macro sites of one file share; each site gets its own view (``for_site``)."""
 
     def __init__(self, source: str, options: Options, module_imports: Mapping[str, str]):
         self.options = options
@@ -119,15 +120,23 @@ class Context:
         self._module_imports = dict(module_imports)  # local name -> module it binds
         self._names: dict[str, str] = {}  # generated import statement -> the name it binds
         self._imports: set[str] = set()  # the statements of the imports the sites returned
-        self.requested: list[Import] = []  # imports asked for by the site being expanded
+        self.requested: list[Import] = []  # a site's view: the imports its macro asked for
         self._sites_per_scope: dict[str, int] = {}
-        # Names the site being expanded sees bound by its own function or class: a module
-        # import of the same name is hidden there, so generated code must not use it.
+        # A site's view: the names its own functions and classes bind. A module import
+        # of the same name is hidden there, so generated code must not use it.
         self.shadowed: frozenset[str] = frozenset()
         # The text of a statement of the user's file (a site's definition), as libcst
         # prints it but indented where it stands; None where the pass can't tell. A macro
         # that scans a definition's words reads this instead of printing the tree.
         self.source_text: Callable[[cst.CSTNode], str | None] = lambda node: None
+
+    def for_site(self, shadowed: frozenset[str]) -> Context:
+        """The view one site's macro gets: the file's state (names, imports, tunables,
+        constants) shared, its own ``shadowed`` names and ``requested`` imports."""
+        view = copy.copy(self)  # (shallow: the containers are the file's)
+        view.shadowed = shadowed
+        view.requested = []
+        return view
 
     # -- imports that generated code needs ---------------------------------
     # A macro asks for a name here, uses ``str(imp)`` (its local name) in the code it

@@ -17,14 +17,15 @@ from typing import Any
 
 import libcst as cst
 
-from macrogen import __version__, codegen, macros
-from macrogen.expand import Expansion, drive
+from macrogen import __version__, macros
+from macrogen.expand import Expansion, codegen, protocol
 from macrogen.expand.args import Evaluator, no_argument_macros
 from macrogen.expand.context import Context, Options, Position, SiteArguments
 from macrogen.expand.errors import Diagnostic, ExpansionError, MacroError
-from macrogen.expand.layout import split_lines, without_indent_form_feeds
+from macrogen.expand.fast import drive
+from macrogen.expand.fast.layout import split_lines, without_indent_form_feeds
+from macrogen.expand.fast.statements import MAX_NODES, Disagree, Pieces, TooLarge, WholeFile
 from macrogen.expand.sites import PACKAGE, Scope, ScopeStack, collect_scope, nfkc
-from macrogen.expand.statements import MAX_NODES, Disagree, Pieces, TooLarge, WholeFile
 from macrogen.expand.transform import Expander
 
 _NON_ASCII_WORD = re.compile(r"\w*[^\x00-\x7f]\w*")
@@ -330,7 +331,7 @@ class _FileExpansion:
                 macro = macros.get(name) if name is not None else None
             except KeyError:
                 continue
-            hook = macros.constant_hook(macro) if macro is not None else None
+            hook = protocol.constant_hook(macro) if macro is not None else None
             if macro is None or hook is None or "assign" not in macro.FORMS:
                 continue
             self.current = i

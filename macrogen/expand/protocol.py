@@ -8,29 +8,9 @@ a worked example of adding one.
     USAGE: str                   # one line showing the supported syntax, for error messages
     def expand(site: Site, ctx: Context) -> Expanded
 
-and optionally
-
-    CODE_ARGUMENTS: frozenset[str]   # arguments that are the program's own code, not
-                                     # expansion-time values: keyword names, or positions
-                                     # "0", "1"... (shard_optimizer's optimizer expression).
-                                     # ``site.args`` holds them as expressions (``Arg.code``);
-                                     # take the expanded expression from ``site.node``.
-    BUILT: str                       # a decorator macro: how to apply it to a built object
-                                     # ('parallelize(model, dp="replicate")'), shown when a
-                                     # user calls the decorator on one: m()(obj)
-
-and these hooks:
-
-    def constant(name: str, call: cst.Call, evaluator: Evaluator) -> object
-        # ``NAME = m(...)`` at module level gives NAME an expansion-time value (define,
-        # tunable): macro arguments naming it get that value. Runs before any expand,
-        # so a constant is known to every site of the file. A MacroError here is
-        # reported, and the site is then left alone.
-    def argument(call: cst.Call, key: str, evaluator: Evaluator) -> tuple[object, str | None]
-        # an "argument" site: the macro's call is a whole argument of another macro
-        # (tunable); returns the value and, for a tunable, its tuning key
-    def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None
-        # why this combination of the site's arguments can't run on env (autotune skips it)
+and optionally the members of ``Hooks`` (below: ``CODE_ARGUMENTS``, ``BUILT``,
+``constant``, ``argument``, ``tuning_constraint``, ``tuning_no_effect``), each
+typed there with the default a macro that lacks it has.
 
 The forms, with the node the macro gets as ``site.node`` and what it returns:
 
@@ -49,15 +29,16 @@ an error that shows ``USAGE``.
 Stacked macro decorators expand bottom-up, as Python applies decorators: each
 one above gets the definition carrying the user's name among the statements the
 one below returned (``expand/transform.py``). The same macro twice on one
-definition is an error at the second. The registry (``macrogen.macros``)
-finds every module of ``macrogen/macros/`` that assigns ``FORMS``.
+definition is an error at the second. The registry (``macrogen.macros.MODULES``)
+names every macro that ships with macrogen; a macro imports what it uses from
+the pass through ``macrogen.macro`` (the SDK) only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import libcst as cst
 
@@ -137,12 +118,15 @@ class Expanded:
     empty sequence leaves ``pass``), one ``cst.If`` for an "elif", an expression
     for "call". ``helpers`` are module-level code blocks (rendered templates) for
     the generated-helpers block after the file's imports, in the order given.
-    ``imports`` are every ``Import`` the replacement and the helpers use (from
-    ``ctx.import_from``/``ctx.import_module``): the pass writes their statements.
+    The imports they use are the ones the macro asked the context for
+    (``ctx.import_from``/``ctx.import_module``) while it expanded this site: the
+    pass writes those statements.
     """
 
     replacement: Replacement
     helpers: tuple[str, ...] = ()
+    # Ignored (the context's record is the one list): still accepted while macros on
+    # other branches pass it; drop it once none does.
     imports: tuple[Import, ...] = ()
 
 
@@ -156,10 +140,41 @@ class TuningEnv:
 
 
 Constraint = Callable[[Mapping[str, object], TuningEnv], "str | None"]
+ConstantHook = Callable[[str, cst.Call, Evaluator], object]
+NoEffect = Callable[[str, TuningEnv], "str | None"]
 
 
-class Macro(Protocol):
-    """The attributes every macro has (see the module docstring for the optional hooks)."""
+class Hooks(Protocol):
+    """The optional members of a macro, each with the default a macro without it has.
+
+    A macro module defines the ones it needs; the pass and autotune read them with the
+    functions below (``code_arguments(macro)``, ...), which fall back to the default here.
+    """
+
+    # Arguments that are the program's own code, not expansion-time values: keyword
+    # names, or positions "0", "1"... (shard_optimizer's optimizer expression).
+    # ``site.args`` holds them as expressions (``Arg.code``); take the expanded
+    # expression from ``site.node``.
+    CODE_ARGUMENTS: frozenset[str] = frozenset()
+    # A decorator macro: how to apply it to a built object ('parallelize(model,
+    # dp="replicate")'), shown when a user calls the decorator on one: m()(obj).
+    BUILT: str | None = None
+    # ``NAME = m(...)`` at module level gives NAME an expansion-time value (define,
+    # tunable): ``constant(name, call, evaluator) -> value``. Runs before any expand.
+    constant: ConstantHook | None = None
+    # An "argument" site, the macro's call a whole argument of another macro
+    # (tunable): ``argument(call, key, evaluator) -> (value, tuning key or None)``.
+    argument: ArgumentHook | None = None
+    # Why this combination of a site's arguments can't run on env (autotune skips
+    # the candidate): ``tuning_constraint(arguments, env) -> reason | None``.
+    tuning_constraint: Constraint | None = None
+    # Why tuning one argument on env would measure only noise (autotune leaves it
+    # at its default): ``tuning_no_effect(argument, env) -> reason | None``.
+    tuning_no_effect: NoEffect | None = None
+
+
+class Macro(Hooks, Protocol):
+    """Every macro: the four required members, and the optional ``Hooks``."""
 
     @property
     def NAME(self) -> str: ...
@@ -173,14 +188,58 @@ class Macro(Protocol):
     def expand(self, site: Site, ctx: Context, /) -> Expanded: ...
 
 
-ConstantHook = Callable[[str, cst.Call, Evaluator], object]
+# -- the optional members, read at each use (so a test may patch a module) ------------------
+def code_arguments(macro: object) -> frozenset[str]:
+    return frozenset(cast("frozenset[str]", _hook(macro, "CODE_ARGUMENTS")))
+
+
+def built(macro: object) -> str | None:
+    found = _hook(macro, "BUILT")
+    return found if isinstance(found, str) else None
+
+
+def constant_hook(macro: object) -> ConstantHook | None:
+    return cast("ConstantHook | None", _callable(macro, "constant"))
+
+
+def argument_hook(macro: object) -> ArgumentHook | None:
+    return cast("ArgumentHook | None", _callable(macro, "argument"))
+
+
+def tuning_constraint(macro: object) -> Constraint | None:
+    return cast("Constraint | None", _callable(macro, "tuning_constraint"))
+
+
+def tuning_no_effect(macro: object) -> NoEffect | None:
+    return cast("NoEffect | None", _callable(macro, "tuning_no_effect"))
+
+
+def _hook(macro: object, name: str) -> object:
+    """The macro's optional member ``name``, else its default in ``Hooks``."""
+    found = getattr(macro, name, None)
+    return getattr(Hooks, name) if found is None else found
+
+
+def _callable(macro: object, name: str) -> object:
+    found = _hook(macro, name)
+    return found if callable(found) else None
+
+
 __all__ = [
     "ArgumentHook",
     "ConstantHook",
     "Constraint",
     "Expanded",
     "Form",
+    "Hooks",
     "Import",
     "Macro",
+    "NoEffect",
     "Site",
+    "argument_hook",
+    "built",
+    "code_arguments",
+    "constant_hook",
+    "tuning_constraint",
+    "tuning_no_effect",
 ]

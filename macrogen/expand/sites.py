@@ -294,10 +294,6 @@ class ScopeStack:
     def qualname(self) -> str:
         return ".".join(s.name for s in self.stack[1:] if s.kind != "comprehension")
 
-    @property
-    def at_module_level(self) -> bool:
-        return len(self.stack) == 1
-
     def import_map(self, module_imports: Mapping[str, str]) -> dict[str, str]:
         """What names reach by import here: the module's imports, then each enclosing scope's."""
         names = dict(module_imports)

@@ -19,11 +19,12 @@ from typing import Any, Protocol
 import libcst as cst
 
 from macrogen import macros
+from macrogen.expand import protocol
 from macrogen.expand.args import ArgumentHook, Evaluator
 from macrogen.expand.context import Context, Position, SiteArguments
 from macrogen.expand.errors import InternalError, MacroError
+from macrogen.expand.fast.rendered import materialized
 from macrogen.expand.protocol import Expanded, Form, Macro, Site
-from macrogen.expand.rendered import materialized
 from macrogen.expand.sites import (
     Comprehension,
     Scope,
@@ -438,7 +439,7 @@ class Expander(cst.CSTTransformer):
         self.consumed.add(value)
         if value in self.constants:
             # The constant hook evaluated the arguments (and reported their errors).
-            self.consumed.update(c for c in self.refs if c is not value and _inside(c, value))
+            self.consumed.update(c for c in self.refs if c is not value and inside(c, value))
             if not self.constants[value]:
                 return updated
         return self._statement_site("assign", original, updated, value)
@@ -479,10 +480,9 @@ class Expander(cst.CSTTransformer):
             macro = _macro(name, at)
             if form not in macro.FORMS:
                 raise MacroError(f"{name}() can't be used here: {macro.USAGE}", at)
-            code = getattr(macro, "CODE_ARGUMENTS", ())
+            code = protocol.code_arguments(macro)
             args = self.evaluator.call_args(call, qualname, code)
-            self.ctx.shadowed = self.scopes.locally_bound()
-            self.ctx.requested = []
+            view = self.ctx.for_site(self.scopes.locally_bound())
             site = Site(
                 macro=name,
                 form=form,
@@ -496,12 +496,12 @@ class Expander(cst.CSTTransformer):
                 scope=self.scopes.qualname,
                 names=self.scopes.import_map(self.module_names),
             )
-            result = macro.expand(site, self.ctx)
+            result = macro.expand(site, view)
         except MacroError as e:
             self._error(e if e.node is not None else MacroError(e.message, at))
             return None
-        _check_result(name, form, result, self.ctx)
-        self.ctx.add_imports(result.imports)
+        _check_result(name, form, result)
+        self.ctx.add_imports(view.requested)
         self.ctx.prelude.extend(result.helpers)
         self.expanded.append((name, pos.line))
         self.arguments.append(SiteArguments.of(name, qualname, args))
@@ -561,8 +561,8 @@ class Expander(cst.CSTTransformer):
             return MacroError(f"{name}() can't be used here: {macro.USAGE}", node)
         outer = self.applied.get(node)
         decorator = "@" + _code(node if outer is not None else node.func)
-        built = getattr(macro, "BUILT", None)  # a model macro: how it applies to a built model
-        if not isinstance(built, str):
+        built = protocol.built(macro)  # a model macro: how it applies to a built model
+        if built is None:
             message = (
                 f"{name}() is a decorator; it is not called on an object: write `{decorator}`"
                 f" above the definition of {_code(obj)} ({macro.USAGE})"
@@ -588,7 +588,7 @@ class Expander(cst.CSTTransformer):
     def _argument_macro(self, call: cst.Call) -> tuple[str, str, ArgumentHook] | None:
         name = self.refs.get(call)
         macro = _lookup(name) if name is not None else None
-        hook = macros.argument_hook(macro) if macro is not None else None
+        hook = protocol.argument_hook(macro) if macro is not None else None
         if name is None or macro is None or hook is None or "argument" not in macro.FORMS:
             return None
         self.consumed.add(call)
@@ -704,17 +704,10 @@ def _macro(name: str, node: cst.CSTNode) -> Macro:
     return macro
 
 
-def _check_result(name: str, form: Form, result: object, ctx: Context) -> None:
+def _check_result(name: str, form: Form, result: object) -> None:
     """A macro that breaks the protocol is macrogen's bug: say which and how."""
     if not isinstance(result, Expanded):
         raise InternalError(f"macro {name}: expand returned {type(result).__name__}, not Expanded")
-    returned = {imp.local for imp in result.imports}
-    missing = sorted({imp.local for imp in ctx.requested} - returned)
-    if missing:
-        raise InternalError(
-            f"macro {name}: expand used the imports {missing} but did not return them in"
-            " Expanded.imports"
-        )
     if form == "call" and not isinstance(result.replacement, cst.BaseExpression):
         raise InternalError(f"macro {name}: a call site expands to an expression")
 
@@ -764,10 +757,6 @@ def _with_comments(result: Any, comments: list[str]) -> Any:
         if leading is not None:
             return result.with_changes(leading_lines=[*leading, *lines])
     return result
-
-
-def _inside(node: cst.CSTNode, root: cst.CSTNode) -> bool:
-    return inside(node, root)
 
 
 def inside(node: cst.CSTNode, root: cst.CSTNode) -> bool:

@@ -1,57 +1,38 @@
-"""The macros, one module per macro, and the registry that finds them.
+"""The macros, one module per macro, and the registry that names them.
 
-Every module (or package) of this package that assigns ``FORMS`` at top level
-is a macro, named by its ``NAME`` (else its module name), with ``USAGE`` and
-``expand``: adding a macro is adding a module here plus its templates
-(docs/macros.md). A module is imported when a file first uses its macro. The
-protocol a macro implements is ``macrogen.expand.protocol``. Tests register
-macros of their own with ``register``.
+``MODULES`` is the one list of the macros that ship with macrogen: name -> module.
+The markers (``macrogen.markers.MACRO_NAMES``) and the pass both read it; adding a
+macro is a module here, its templates, its marker and a line below (docs/macros.md).
+A module is imported when a file first uses its macro. What a macro implements is
+``macrogen.expand.protocol``; what it may import from the pass, ``macrogen.macro``.
+Tests register macros of their own with ``register``.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import pkgutil
-import re
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
-
-from macrogen.markers import MACRO_NAMES
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
-    from macrogen.expand.protocol import ArgumentHook, ConstantHook, Constraint, Macro
+    from macrogen.macro import Macro
+
+MODULES: dict[str, str] = {
+    "data_parallel": "macrogen.macros.data_parallel",
+    "define": "macrogen.macros.define",
+    "fused_allreduce": "macrogen.macros.fused_allreduce",
+    "outer_sgd": "macrogen.macros.outer_sgd",
+    "parallelize": "macrogen.macros.parallelize",
+    "pipeline": "macrogen.macros.pipeline",
+    "resumable": "macrogen.macros.resumable",
+    "shard_optimizer": "macrogen.macros.shard_optimizer",
+    "target": "macrogen.macros.target",
+    "tensor_parallel": "macrogen.macros.tensor_parallel",
+    "tile": "macrogen.macros.tile",
+    "tunable": "macrogen.macros.tunable",
+}
 
 _registered: dict[str, Macro] = {}
 _names: tuple[str, ...] | None = None  # cached: names() is asked for every macrogen attribute
-
-
-@functools.cache
-def _discovered() -> dict[str, str]:
-    """Macro name -> module, for the modules (or packages) here that assign ``FORMS``.
-
-    Found from the source text, without importing: a file that uses one macro
-    imports only that macro's module (some import heavy things, like libcst.matchers).
-    """
-    found: dict[str, str] = {}
-    for info in pkgutil.iter_modules(__path__):
-        folder = Path(__path__[0]) / info.name
-        path = folder / "__init__.py" if info.ispkg else folder.with_suffix(".py")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError:
-            continue
-        if not _FORMS.search(text):
-            continue
-        name = _NAME.search(text)
-        found[name.group(1) if name else info.name] = f"{__name__}.{info.name}"
-    return found
-
-
-# ``FORMS = ...`` at top level, or imported into the module (a package's __init__.py)
-_FORMS = re.compile(r"^FORMS\b|^from \S+ import [^\n]*\bFORMS\b|^\s+FORMS,?\s*$", re.M)
-_NAME = re.compile(r"^NAME\s*=\s*[\"']([A-Za-z_][A-Za-z0-9_]*)[\"']", re.M)
 
 
 def is_macro(obj: object) -> bool:
@@ -66,10 +47,10 @@ def _name(obj: object) -> str:
 
 
 def names() -> tuple[str, ...]:
-    """Every name a file may use as a macro (a marker without a module is reported at use)."""
+    """Every name a file may use as a macro."""
     global _names
     if _names is None:
-        _names = tuple(sorted({*_discovered(), *_registered, *MACRO_NAMES}))
+        _names = tuple(sorted({*MODULES, *_registered}))
     return _names
 
 
@@ -77,9 +58,9 @@ def get(name: str) -> Macro:
     """The macro called ``name``; KeyError when this installation has none."""
     if name in _registered:
         return _registered[name]
-    module = importlib.import_module(_discovered()[name])
+    module = importlib.import_module(MODULES[name])
     if not is_macro(module):
-        raise TypeError(f"{module.__name__} assigns FORMS but has no USAGE or expand")
+        raise TypeError(f"{module.__name__} is registered but has no FORMS, USAGE or expand")
     return cast("Macro", module)
 
 
@@ -96,21 +77,3 @@ def unregister(name: str) -> None:
     global _names
     _registered.pop(name, None)
     _names = None
-
-
-# -- the optional hooks, looked up at each use (so a test may patch a module) -------------
-def _hook(macro: Macro, hook: str) -> Callable[..., Any] | None:
-    found = getattr(macro, hook, None)
-    return found if callable(found) else None
-
-
-def constant_hook(macro: Macro) -> ConstantHook | None:
-    return cast("ConstantHook | None", _hook(macro, "constant"))
-
-
-def argument_hook(macro: Macro) -> ArgumentHook | None:
-    return cast("ArgumentHook | None", _hook(macro, "argument"))
-
-
-def tuning_constraint(macro: Macro) -> Constraint | None:
-    return cast("Constraint | None", _hook(macro, "tuning_constraint"))

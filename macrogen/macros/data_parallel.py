@@ -37,13 +37,18 @@ from typing import Any
 
 import libcst as cst
 
-from macrogen import codegen
-from macrogen.expand.args import Arg
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
-from macrogen.expand.sites import may_call_with_arguments
-from macrogen.expand.walk import find
+from macrogen.macro import (
+    Arg,
+    Context,
+    Expanded,
+    Form,
+    MacroError,
+    Site,
+    TuningEnv,
+    find,
+    may_call_with_arguments,
+    render_statements,
+)
 from macrogen.macros.outer_sgd import Outer
 
 NAME = "data_parallel"
@@ -207,7 +212,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     if spec.outer is not None:
         outer_sgd = ctx.import_from("macrogen.runtime.local_sgd", "OuterSGD")
         imports.append(outer_sgd)
-    generated = codegen.render_definitions(
+    generated = render_statements(
         "data_parallel.py.j2",
         name=spec.name,
         serial=serial,

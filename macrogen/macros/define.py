@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from macrogen.codegen import py
-from macrogen.expand.args import Evaluator
-from macrogen.expand.context import Context
-from macrogen.expand.errors import InternalError, MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Context, Evaluator, Expanded, Form, InternalError, MacroError, Site, py
 
 NAME = "define"
 FORMS: frozenset[Form] = frozenset({"assign"})

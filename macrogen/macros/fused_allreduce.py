@@ -28,10 +28,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from macrogen import codegen
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
+from macrogen.macro import Context, Expanded, Form, MacroError, Site, TuningEnv, render
 
 NAME = "fused_allreduce"
 FORMS: frozenset[Form] = frozenset({"with"})
@@ -103,7 +100,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     k = len(spec.tensors)
     fn = ctx.names.fresh(f"_fused_allreduce_l{site.line}")
     runtime = ctx.import_from("macrogen.runtime.fused", "FusedAllReduce")
-    helper = codegen.render(
+    helper = render(
         "fused_allreduce.py.j2",
         location=ctx.location(site.line),
         k=k,
@@ -119,7 +116,6 @@ def expand(site: Site, ctx: Context) -> Expanded:
     return Expanded(
         [cst.SimpleStatementLine([cst.Expr(call)])],
         helpers=(helper,),
-        imports=(runtime,),
     )
 
 

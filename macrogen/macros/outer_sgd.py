@@ -17,10 +17,7 @@ from typing import Any
 
 import libcst as cst
 
-from macrogen.expand.args import Arg, Evaluator
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Arg, Context, Evaluator, Expanded, Form, MacroError, Site
 
 NAME = "outer_sgd"
 FORMS: frozenset[Form] = frozenset({"argument"})

@@ -33,11 +33,7 @@ from typing import Any
 
 import libcst as cst
 
-from macrogen import codegen
-from macrogen.expand.args import Arg
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, render
 
 NAME = "parallelize"
 FORMS: frozenset[Form] = frozenset({"call"})
@@ -262,7 +258,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         imports.append(ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig"))
     names = {imp.name: imp for imp in imports}
     fn = ctx.names.fresh(f"_parallelize_l{site.line}")
-    helper = codegen.render(
+    helper = render(
         "parallelize.py.j2",
         fn=fn,
         location=ctx.location(site.line),
@@ -293,4 +289,4 @@ def expand(site: Site, ctx: Context) -> Expanded:
     replacement = call.with_changes(
         func=cst.Name(fn), args=[model], whitespace_before_args=cst.SimpleWhitespace("")
     )
-    return Expanded(replacement, helpers=(helper,), imports=tuple(imports))
+    return Expanded(replacement, helpers=(helper,))

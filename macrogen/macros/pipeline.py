@@ -42,11 +42,16 @@ from typing import Any
 import libcst as cst
 import libcst.matchers as m
 
-from macrogen import codegen
-from macrogen.expand.args import Arg
-from macrogen.expand.context import Context
-from macrogen.expand.errors import InternalError, MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import (
+    Arg,
+    Context,
+    Expanded,
+    Form,
+    InternalError,
+    MacroError,
+    Site,
+    render_statements,
+)
 from macrogen.runtime import pipeline_forward as pf
 
 NAME = "pipeline"
@@ -486,7 +491,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         ctx.import_from(runtime, "declare"),
     )
     attach, config, gather, scatter, declare = imports
-    generated = codegen.render_statements(
+    generated = render_statements(
         "pipeline_class.py.j2",
         name=spec.name,
         serial=serial,
@@ -506,4 +511,4 @@ def expand(site: Site, ctx: Context) -> Expanded:
     )
     blank = [cst.EmptyLine()] * (1 if site.scope else 2)  # PEP 8: one blank line inside a class
     generated[0] = generated[0].with_changes(leading_lines=blank)
-    return Expanded([site.node.with_changes(name=cst.Name(serial)), *generated], imports=imports)
+    return Expanded([site.node.with_changes(name=cst.Name(serial)), *generated])

@@ -24,11 +24,7 @@ from typing import Any
 
 import libcst as cst
 
-from macrogen.codegen import py
-from macrogen.expand.args import Arg
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, py
 
 NAME = "resumable"
 FORMS: frozenset[Form] = frozenset({"loop"})
@@ -104,7 +100,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         if name in code
     ]
     call = loop.iter.with_changes(func=cst.Name(runtime.local), args=_commas(args))
-    return Expanded([loop.with_changes(iter=call)], imports=(runtime,))
+    return Expanded([loop.with_changes(iter=call)])
 
 
 _EQUAL = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))

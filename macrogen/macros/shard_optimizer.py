@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from macrogen import codegen
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Context, Expanded, Form, MacroError, Site, render
 
 NAME = "shard_optimizer"
 FORMS: frozenset[Form] = frozenset({"call"})  # ``opt = mg.shard_optimizer(...)`` is a call site
@@ -37,7 +34,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     call = site.node
     assert isinstance(call, cst.Call)
     shard = ctx.import_from("macrogen.runtime.zero", "shard_optimizer")
-    text = codegen.render(
+    text = render(
         "shard_optimizer.py.j2",
         shard=shard,
         placeholder=PLACEHOLDER,
@@ -60,7 +57,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         user = user.with_changes(comma=user.comma.with_changes(whitespace_after=indented))
         plain = after.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=())
         rest[-1] = rest[-1].with_changes(comma=cst.Comma(whitespace_after=plain))
-    return Expanded(call.with_changes(func=rendered.func, args=[user, *rest]), imports=(shard,))
+    return Expanded(call.with_changes(func=rendered.func, args=[user, *rest]))
 
 
 def _is_placeholder(node: cst.BaseExpression) -> bool:

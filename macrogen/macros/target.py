@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Context, Expanded, Form, MacroError, Site
 from macrogen.markers import TARGETS
 
 NAME = "target"
@@ -40,7 +38,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         torch = ctx.import_module("torch")
         check = cst.parse_expression(f"{torch}.cuda.is_available()")
         test = check if kind == "cuda" else cst.UnaryOperation(cst.Not(), check)
-        return Expanded([node.with_changes(test=test)], imports=(torch,))
+        return Expanded([node.with_changes(test=test)])
     if site.form == "elif":
         raise MacroError(
             "with --target, target() can't be an elif test; nest the if in the else branch",

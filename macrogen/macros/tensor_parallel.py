@@ -45,13 +45,23 @@ from typing import ClassVar
 
 import libcst as cst
 
-from macrogen import codegen
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.literals import evaluated
-from macrogen.expand.protocol import Expanded, Form, Import, Site, TuningEnv
-from macrogen.expand.sites import did_you_mean, dotted, may_call_with_arguments
-from macrogen.expand.walk import Visitor, find, walk
+from macrogen.macro import (
+    Context,
+    Expanded,
+    Form,
+    Import,
+    MacroError,
+    Site,
+    TuningEnv,
+    Visitor,
+    did_you_mean,
+    dotted,
+    evaluated,
+    find,
+    may_call_with_arguments,
+    render_statements,
+    walk,
+)
 from macrogen.macros.tensor_parallel_width import feeding, rewrite_forward
 
 NAME = "tensor_parallel"
@@ -336,7 +346,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     group = ctx.import_from("macrogen.runtime.mesh", "tensor_parallel_group")
     gather = ctx.import_from(runtime, "serial_state_dict")
     scatter = ctx.import_from(runtime, "load_serial_state_dict")
-    generated = codegen.render_definitions(
+    generated = render_statements(
         "tensor_parallel_class.py.j2",
         name=spec.name,
         serial=serial,

@@ -37,9 +37,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from macrogen.expand.errors import MacroError
-from macrogen.expand.sites import dotted
-from macrogen.expand.walk import Visitor, find, walk
+from macrogen.macro import MacroError, Visitor, dotted, find, walk
 
 CROSS_ENTROPY = (
     "F.cross_entropy",

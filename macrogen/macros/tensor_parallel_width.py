@@ -31,9 +31,7 @@ from collections.abc import Callable
 
 import libcst as cst
 
-from macrogen.expand.errors import MacroError
-from macrogen.expand.sites import dotted
-from macrogen.expand.walk import Visitor, find, leaf, walk
+from macrogen.macro import MacroError, Visitor, dotted, find, leaf, walk
 from macrogen.macros.tensor_parallel_outputs import CROSS_ENTROPY, GATHER, colwise_outputs
 
 SHAPE_METHODS = ("view", "reshape", "split", "unflatten", "expand")

@@ -17,10 +17,7 @@ from typing import Any
 
 import libcst as cst
 
-from macrogen.expand.args import Evaluator
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Context, Evaluator, Expanded, Form, MacroError, Site
 from macrogen.macros.define import check_module_constant, literal_assignment
 
 NAME = "tunable"

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 
 from macrogen.runtime.collectives import group_size
-from macrogen.runtime.local_sgd import outer_states
+from macrogen.runtime.data_parallel import outer_states
 from macrogen.runtime.tensor_parallel import _gather, _sharded_keys, split
 from macrogen.runtime.zero import ShardedOptimizer
 

@@ -42,6 +42,7 @@ from macrogen.runtime import fused, groups, tensor_parallel_plan
 from macrogen.runtime.agreement import Fingerprint, check_agreement, fingerprint
 from macrogen.runtime.buckets import Bucket, local, plan_buckets
 from macrogen.runtime.local_sgd import LocalSGD, OuterSGD
+from macrogen.runtime.mesh import data_parallel_group
 
 MB = 2**20
 
@@ -96,7 +97,7 @@ class GradientSync:
         # is still running (it is ours), so cut them now, before the parameters are collected.
         tensor_parallel_plan.materialize(module)
         # Read now, after the user's __init__: a tensor-parallel mesh built there sets the group.
-        self.group = groups.data_parallel_group()
+        self.group = data_parallel_group()
         self.world_size = groups.world_size(self.group)
         self.scale = 1.0 / self.world_size  # gradients are averaged: scaled, then summed
         self.names: list[str] = []
@@ -381,3 +382,18 @@ def gradient_sync(model: nn.Module) -> GradientSync:
         if isinstance(value, GradientSync):
             return value
     raise ValueError(f"{type(model).__name__} is not a @data_parallel model")
+
+
+# -- local SGD's model-level calls (here: they find the model's GradientSync) ----------
+def outer_states(model: torch.nn.Module) -> list[LocalSGD]:
+    """The model's local SGD with an outer optimizer (whose state a checkpoint holds)."""
+    found = (s.local_sgd for s in syncs_of(list(model.parameters())))
+    return [local for local in found if local is not None and local.outer is not None]
+
+
+def flush(model: torch.nn.Module) -> None:
+    """Apply a ``@data_parallel(overlap=True)`` model's round in flight: call it after the last
+    step, so that the model holds every round (and every rank the same outer point)."""
+    local = gradient_sync(model).local_sgd
+    if local is not None:
+        local.flush()

@@ -378,15 +378,3 @@ def barrier(where: str, group: dist.ProcessGroup | None = None) -> None:
             f"{where}: not every rank arrived within {seconds}; a rank is stopped, hung or"
             f" slower than that (raised on rank {dist.get_rank()}). torch says: {e}"
         ) from e
-
-
-def data_parallel_group() -> dist.ProcessGroup | None:
-    """The group data-parallel modules reduce over: the mesh's data dimension.
-
-    None is the default group (no tensor parallelism, or serial). Read from the
-    program's one mesh (``runtime.mesh``), which is made here if no
-    tensor-parallel module made it first.
-    """
-    from macrogen.runtime import mesh  # mesh builds on this module
-
-    return mesh.mesh().data_group

@@ -308,21 +308,3 @@ def average(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None, w
             dist.all_reduce(buf, group=group)
             buf.div_(world)
             fused.unpack_torch(buf, members, flat)
-
-
-def outer_states(model: torch.nn.Module) -> list[LocalSGD]:
-    """The model's local SGD with an outer optimizer (whose state a checkpoint holds)."""
-    from macrogen.runtime.data_parallel import syncs_of
-
-    found = (s.local_sgd for s in syncs_of(list(model.parameters())))
-    return [local for local in found if local is not None and local.outer is not None]
-
-
-def flush(model: torch.nn.Module) -> None:
-    """Apply a ``@data_parallel(overlap=True)`` model's round in flight: call it after the last
-    step, so that the model holds every round (and every rank the same outer point)."""
-    from macrogen.runtime.data_parallel import gradient_sync
-
-    local = gradient_sync(model).local_sgd
-    if local is not None:
-        local.flush()

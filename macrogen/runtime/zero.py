@@ -79,6 +79,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from macrogen.runtime import groups, zero_runs
 from macrogen.runtime.buckets import plan_buckets
+from macrogen.runtime.mesh import data_parallel_group
 
 if TYPE_CHECKING:
     from macrogen.runtime.data_parallel import GradientSync
@@ -412,7 +413,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 " optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ...)"
             )
         self.where = where
-        self.inner_class = kind
         self.group = group
         self.world_size = groups.world_size(group)
         self.rank = groups.rank(group)
@@ -943,7 +943,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, *, where: str = "shard_opt
             " tp > 1): FSDP already shards the optimizer state, so shard_optimizer is redundant;"
             " use the optimizer as it is (with tp > 1, use dp='replicate')"
         )
-    group = groups.data_parallel_group()
+    group = data_parallel_group()
     if groups.world_size(group) == 1:
         return optimizer
     return ShardedOptimizer(optimizer, group=group, where=where)

@@ -11,7 +11,7 @@ import torch.nn as nn
 from macrogen.runtime.agreement import fingerprint, first_difference
 from macrogen.runtime.buckets import plan_buckets
 from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync, gradient_sync
-from tests.helpers import assert_expands, expand, expansion_errors, load_module
+from tests.helpers import expand, expansion_errors, load_module
 
 NET = """\
 import torch.nn as nn
@@ -28,59 +28,30 @@ class Net(nn.Module):
 """
 
 
-def test_the_class_keeps_its_body_and_a_subclass_takes_its_name():
-    assert_expands(
-        NET.format(args="compress='bf16', accumulate=2"),
-        '''\
-        import torch.nn as nn
-        import macrogen as mg
-
-        # ---- macrogen: generated from test.py; edit the source, not this block ----
-        from macrogen.runtime.data_parallel import DataParallelConfig
-        from macrogen.runtime.data_parallel import GradientSync
-
-        # macrogen: data_parallel at test.py:4
-        class _Net_serial(nn.Module):
-            def __init__(self, width):
-                super().__init__()
-                self.fc = nn.Linear(width, width)
-
-            def forward(self, x):
-                return self.fc(x).square().mean()
-
-
-        class Net(_Net_serial):
-            """Net, trained data-parallel: gradients averaged over the data-parallel group every 2 backwards.
-
-            Parameter names and state_dict keys are _Net_serial's: checkpoints
-            move freely between serial and parallel runs.
-            """
-
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
-                # After the original __init__: every parameter exists, and a tensor-parallel
-                # mesh built there has chosen the data-parallel group.
-                self._mg_data_parallel = GradientSync(
-                    self,
-                    DataParallelConfig(
-                        bucket_mb=25,
-                        first_bucket_mb=1,
-                        compress='bf16',
-                        accumulate=2,
-                        broadcast_buffers=True,
-                    ),
-                    where='test.py:4',
-                )
-
-            def _apply(self, *args, **kwargs):
-                # .to(), .cuda(), .half() move or convert the parameters: new buckets at the next forward
-                module = super()._apply(*args, **kwargs)
-                sync = self.__dict__.get('_mg_data_parallel')
-                if sync is not None:
-                    sync.restart()
-                return module
-        ''',
-    )
+def test_the_class_keeps_its_body_and_a_subclass_takes_its_name(tmp_path):
+    """``Net`` is the user's class (its __init__, forward, parameter names) with a gradient
+    sync built from the written arguments. What the expansion writes, byte for byte, is
+    the goldens' (tests/golden/data_parallel_*)."""
+    serial_ns: dict = {}
+    exec(compile(NET.format(args=""), "serial.py", "exec"), serial_ns)
+    code = expand(NET.format(args="compress='bf16', accumulate=2"))
+    expanded = load_module(code, "dp_subclass", tmp_path)
+    assert "@mg.data_parallel" not in code and "# macrogen: data_parallel at test.py:4" in code
+    torch.manual_seed(0)
+    net = expanded.Net(8)
+    torch.manual_seed(0)
+    reference = serial_ns["Net"](8)
+    assert isinstance(net, nn.Module) and type(net).__name__ == "Net"
+    assert "data-parallel" in (type(net).__doc__ or "")
+    assert list(net.state_dict()) == list(reference.state_dict()) == ["fc.weight", "fc.bias"]
+    x = torch.randn(4, 8)
+    assert torch.equal(net(x), reference(x))  # the user's forward, unchanged
+    sync = gradient_sync(net)
+    assert sync.module is net and sync.where == "test.py:4"
+    assert sync.config == DataParallelConfig(compress="bf16", accumulate=2)
+    net(x)  # the first forward plans the buckets
+    net.to(torch.float64)  # _apply: planned again at the next forward
+    assert not sync.started
 
 
 def test_bare_decorator_takes_the_defaults_and_names_stay_hygienic():

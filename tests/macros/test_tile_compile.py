@@ -4,82 +4,102 @@ The interpreter runs kernels as numpy, so it forgives what the compiler does
 not (types that change across a loop, tl.dot operand shapes and dtypes).
 ``triton.compile`` with an explicit target builds TTIR -> PTX -> cubin on this
 machine; here for each parity case in float32 and float16, and for the
-benchmark's CUDA configurations.
+benchmark's CUDA configurations. What a kernel is compiled with is what the
+generated module's launcher (``_<name>_triton``) passes it for the inputs: the
+launcher runs on CPU tensors with the kernel replaced by a recorder.
 """
 
 from __future__ import annotations
 
-import re
 import textwrap
 import warnings
 
 import pytest
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.tile import HEADER, MATMUL_CONFIGS, PATTERNS
+from bench.tile import HEADER, MATMUL_CONFIGS, PATTERNS, inputs
 from macrogen.expand import expand_source
 from tests.helpers import load_module
-from tests.macros.tile_cases import CASES, source
+from tests.macros.tile_cases import CASES, make_inputs, source
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100
 A100 = GPUTarget("cuda", 80, 32)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+POINTERS = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64", torch.int32: "*i32"}
+OPTIONS = ("num_warps", "num_stages")
 
 
-def compile_kernel(
-    code: str,
-    name: str,
-    scalars: dict,
-    dtype: str,
-    directory,
-    indices: frozenset = frozenset(),
-    wide: bool = False,
-    persistent: bool = False,
-    target: GPUTarget = TARGET,
-    overrides: dict | None = None,
-    num_warps: int | None = None,
+class Recorder:
+    """Stands in for a generated kernel: records what its launcher passes, launches nothing."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def launch(module, name: str, args: dict) -> tuple[tuple, dict]:
+    """The arguments ``_<name>_triton(**args)`` passes ``_<name>_kernel`` (CPU tensors: the
+    launcher is told it runs under the interpreter, so it takes them)."""
+    kernel, interpreting = getattr(module, f"_{name}_kernel"), module.interpreting
+    recorder = Recorder()
+    setattr(module, f"_{name}_kernel", recorder)
+    module.interpreting = lambda: True
+    try:
+        getattr(module, f"_{name}_triton")(**args)
+    finally:
+        setattr(module, f"_{name}_kernel", kernel)
+        module.interpreting = interpreting
+    (launched,) = recorder.launches
+    return launched
+
+
+def _type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return POINTERS[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    return "fp32" if isinstance(value, float) else "i32"
+
+
+def compile_launch(
+    module, name: str, launched: tuple[tuple, dict], target: GPUTarget = TARGET, **overrides
 ) -> None:
-    """Compile ``_<name>_kernel`` of the expanded ``code`` with the launcher's meta-parameters
-    (a kernel with a persistent variant: that one or the looped one, at the default tiles)."""
-    module = load_module(code, f"tile_compile_{name}_{dtype}", directory)
+    """Compile ``_<name>_kernel`` with what its launcher passed (``overrides``: meta-parameters
+    the launcher chooses from sizes these inputs do not have, as 64-bit offsets)."""
     kernel = getattr(module, f"_{name}_kernel")
-    launcher = code.split(f"def _{name}_triton(")[1].split("\ndef ")[0]
-    constexprs = {
-        key: int(value) if value.isdigit() else value.strip("'")
-        for key, value in re.findall(r"^\s+([A-Z_]+)=([0-9]+|'\w+'),$", launcher, re.M)
-    }
-    # a launcher that picks the variant names its defaults: block_i, block_j, warps = 4, 1024, 4
-    defaults = re.search(r"^\s+((?:block_\w+, )+)warps = ([0-9, ]+)$", launcher, re.M)
-    if defaults:
-        names = [n.strip() for n in defaults.group(1).split(",") if n.strip()]
-        values = [int(v) for v in defaults.group(2).split(",")]
-        for local, value in zip(names, values):
-            constexprs["BLOCK_" + local[len("block_") :].upper()] = value
-    if "PERSISTENT" in kernel.arg_names:
-        constexprs["PERSISTENT"] = persistent
-    if "DOT_PRECISION" in kernel.arg_names:  # chosen at run time from torch's allow_tf32
-        constexprs.setdefault("DOT_PRECISION", "ieee")
-    constexprs["INDEX_64"] = wide  # chosen at launch from the tensors' sizes
-    constexprs.update(overrides or {})
-    signature = {
-        arg: "*i64"
-        if arg.endswith("_ptr") and arg[: -len("_ptr")] in indices
-        else f"*{dtype}"
-        if arg.endswith("_ptr")
-        else "fp32"
-        if isinstance(scalars.get(arg), float)
-        else "i32"
-        for arg in kernel.arg_names
-        if arg not in constexprs
-    }
+    args, kwargs = launched
+    constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
+    constexprs.update(overrides)
+    runtime = [a for a in kernel.arg_names if a not in constexprs]
+    assert len(runtime) == len(args), (runtime, len(args))
+    signature = {arg: _type(value) for arg, value in zip(runtime, args)}
+    options = {k: kwargs[k] for k in OPTIONS if k in kwargs}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Triton's notice about its FP-fusion default
-        options = {"num_warps": num_warps} if num_warps else None
         compiled = triton.compile(
             ASTSource(kernel, signature, constexprs=constexprs), target=target, options=options
         )
     assert compiled.asm["cubin"]
+
+
+def compile_both_variants(module, name: str, launched, target: GPUTarget = TARGET, **overrides):
+    """The variant the launcher chose and, for a kernel with a persistent variant, the other."""
+    compile_launch(module, name, launched, target, **overrides)
+    if "PERSISTENT" in launched[1]:
+        flipped = {**overrides, "PERSISTENT": not launched[1]["PERSISTENT"]}
+        compile_launch(module, name, launched, target, **flipped)
+
+
+def _cast(args: dict, dtype: torch.dtype) -> dict:
+    return {
+        k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in args.items()
+    }
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16-int64"])
@@ -87,14 +107,15 @@ def compile_kernel(
 def test_case_kernels_compile_for_sm90(case, dtype: str, tmp_path) -> None:
     """float32 and float16 with 32-bit offsets; bfloat16 with the 64-bit ones."""
     code = expand_source(source(case), path=f"{case.name}.py").code
-    scalars = {name: spec for name, spec in case.inputs.items() if not isinstance(spec, tuple)}
-    indices = frozenset(
-        n for n, s in case.inputs.items() if isinstance(s, tuple) and s[0] == "randint"
-    )
-    wide = dtype.endswith("-int64")
-    compile_kernel(code, case.name, scalars, dtype.split("-")[0], tmp_path, indices, wide)
-    if dtype == "fp32" and "PERSISTENT:" in code:  # the persistent variant too
-        compile_kernel(code, case.name, scalars, "fp32", tmp_path, indices, persistent=True)
+    module = load_module(code, f"tile_compile_{case.name}_{dtype}", tmp_path)
+    args = _cast(make_inputs(case), DTYPES[dtype.split("-")[0]])
+    launched = launch(module, case.name, args)
+    wide = {"INDEX_64": True} if dtype.endswith("-int64") else {}
+    if dtype == "fp32":
+        compile_both_variants(module, case.name, launched, **wide)
+    else:  # the looped variant (a reduction's; the persistent one in float32 above)
+        looped = {"PERSISTENT": False} if "PERSISTENT" in launched[1] else {}
+        compile_launch(module, case.name, launched, **wide, **looped)
 
 
 @pytest.mark.parametrize("target", [TARGET, A100], ids=["sm90", "sm80"])
@@ -103,19 +124,28 @@ def test_benchmark_kernels_compile(tmp_path, target: GPUTarget) -> None:
     for p in PATTERNS:
         name = p.name.split()[0]
         code = expand_source(HEADER + textwrap.dedent(p.source), path=f"{name}.py").code
-        dtype = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}.get(str(p.gpu_dtype), "fp32")
-        for persistent in (False, True) if "PERSISTENT:" in code else (False,):
-            compile_kernel(code, name, {}, dtype, tmp_path, persistent=persistent, target=target)
+        module = load_module(code, f"tile_compile_bench_{name}_{target.arch}", tmp_path)
+        launched = launch(module, name, inputs(p.small, dtype=p.gpu_dtype))
+        compile_both_variants(module, name, launched, target)
 
 
 def test_matmul_configs_compile_for_sm90(tmp_path) -> None:
     """bench/gpu.py's matmul configurations (tunable values from a tuning database), in fp16."""
     (p,) = [p for p in PATTERNS if p.flops is not None]
-    for config in MATMUL_CONFIGS:
+    for i, config in enumerate(MATMUL_CONFIGS):
         tuning = {f"matmul.{k}": v for k, v in config.items()}
         code = expand_source(HEADER + textwrap.dedent(p.source), path="m.py", tuning=tuning).code
-        assert f"BLOCK_J={config['j']}," in code and f"num_warps={config['num_warps']}," in code
-        compile_kernel(code, "matmul", {}, "fp16", tmp_path)
+        module = load_module(code, f"tile_compile_matmul_{i}", tmp_path)
+        launched = launch(module, "matmul", inputs(p.small, dtype=torch.float16))
+        assert launched[1]["BLOCK_J"] == config["j"], (config, launched[1])
+        assert launched[1]["num_warps"] == config["num_warps"], (config, launched[1])
+        compile_launch(module, "matmul", launched)
+
+
+LONGEST_ROW = {
+    "softmax": {"out": (1, 16384), "x": (1, 16384)},
+    "rms": {"out": (1, 16384), "x": (1, 16384), "w": (16384,)},
+}
 
 
 @pytest.mark.parametrize("name", ["softmax", "rms"])
@@ -123,6 +153,10 @@ def test_persistent_variant_at_its_longest_row_compiles_for_sm90(name: str, tmp_
     """A 16K row: the launcher's choice for it (one row per program, 16 warps)."""
     (p,) = [p for p in PATTERNS if p.name == name]
     code = expand_source(HEADER + textwrap.dedent(p.source), path=f"{name}.py").code
-    assert f"_{name}_persistent_max = 16384" in code
-    rows = {"BLOCK_I": 1, "BLOCK_J": 16384}
-    compile_kernel(code, name, {}, "fp32", tmp_path, persistent=True, overrides=rows, num_warps=16)
+    module = load_module(code, f"tile_compile_longest_{name}", tmp_path)
+    assert getattr(module, f"_{name}_persistent_max") == 16384
+    launched = launch(module, name, inputs(LONGEST_ROW[name]))
+    kwargs = launched[1]
+    assert kwargs["PERSISTENT"] and kwargs["BLOCK_I"] == 1 and kwargs["BLOCK_J"] == 16384
+    assert kwargs["num_warps"] == 16
+    compile_launch(module, name, launched)

@@ -155,14 +155,18 @@ def test_the_golden_case_is_the_flash_kernel() -> None:
 def test_benchmark_attention_compiles_in_half_precision(dtype: str, tmp_path) -> None:
     """bench/gpu.py runs the attention kernel in fp16 too: 64-tiles, for an H100 and an A100."""
     from bench.tile import HEADER as BENCH_HEADER
-    from bench.tile import PATTERNS
-    from tests.macros.test_tile_compile import A100, TARGET, compile_kernel
+    from bench.tile import PATTERNS, inputs
+    from tests.helpers import load_module
+    from tests.macros.test_tile_compile import A100, DTYPES, TARGET, compile_launch, launch
 
     (p,) = [p for p in PATTERNS if p.name.startswith("attention")]
     code = expand_source(BENCH_HEADER + textwrap.dedent(p.source), path="attention.py").code
-    assert FLASH in code and "BLOCK_J=64," in code
+    assert FLASH in code
+    module = load_module(code, f"tile_flash_attention_{dtype}", tmp_path)
+    launched = launch(module, "attention", inputs(p.small, dtype=DTYPES[dtype]))
+    assert launched[1]["BLOCK_J"] == 64
     for target in (TARGET, A100):
-        compile_kernel(code, "attention", {}, dtype, tmp_path, target=target)
+        compile_launch(module, "attention", launched, target)
 
 
 def test_a_grid_with_the_columns_first_keeps_the_elementwise_kernel() -> None:

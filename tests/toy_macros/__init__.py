@@ -1,5 +1,5 @@
 """Toy macros that exist only for tests: each is one module plus its templates,
-written against ``macrogen.expand.protocol`` and registered by the test that uses
+written against ``macrogen.macro`` (the macro SDK) and registered by the test that uses
 it, to show that a new macro needs no change to ``macrogen/expand`` or
 ``macrogen/autotune``. They model the next macros' site forms:
 

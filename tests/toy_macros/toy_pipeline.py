@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from macrogen import codegen
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Context, Expanded, Form, MacroError, Site, render_statements
 
 NAME = "toy_pipeline"
 FORMS: frozenset[Form] = frozenset({"decorator"})
@@ -33,7 +30,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         raise MacroError(f"stages must be a positive int, not {stages!r}", args["stages"].node)
     name = site.node.name.value
     base = ctx.names.fresh(f"_{name}_stage")
-    generated = codegen.render_statements("toy_pipeline.py.j2", name=name, base=base, stages=stages)
+    generated = render_statements("toy_pipeline.py.j2", name=name, base=base, stages=stages)
     blank = [cst.EmptyLine(), cst.EmptyLine()]
     return Expanded(
         [

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from macrogen import codegen
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Context, Expanded, Form, MacroError, Site, render
 
 NAME = "toy_resumable"
 FORMS: frozenset[Form] = frozenset({"loop"})
@@ -31,9 +28,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     loop = site.node
     assert isinstance(loop, cst.For) and isinstance(loop.iter, cst.Call)
     fn = ctx.names.fresh(f"_toy_resumable_l{site.line}")
-    helper = codegen.render(
-        "toy_resumable.py.j2", fn=fn, every=every, location=ctx.location(site.line)
-    )
+    helper = render("toy_resumable.py.j2", fn=fn, every=every, location=ctx.location(site.line))
     steps = loop.iter.args[0].value
     return Expanded(
         [loop.with_changes(iter=cst.Call(cst.Name(fn), [cst.Arg(steps)]))], helpers=(helper,)

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from macrogen import codegen
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Context, Expanded, Form, MacroError, Site, render
 
 NAME = "toy_shard"
 FORMS: frozenset[Form] = frozenset({"assign", "call"})
@@ -31,7 +28,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         raise MacroError(f"tag must be a string, not {tag!r}", args["tag"].node)
     torch = ctx.import_module("torch")
     fn = ctx.names.fresh(f"_toy_shard_l{site.line}")
-    helper = codegen.render(
+    helper = render(
         "toy_shard.py.j2", fn=fn, torch=torch, tag=tag, location=ctx.location(site.line)
     )
     call = _call(site)

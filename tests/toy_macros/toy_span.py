@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from macrogen import codegen
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Context, Expanded, Form, MacroError, Site, render
 
 NAME = "toy_span"
 FORMS: frozenset[Form] = frozenset({"with"})
@@ -27,7 +24,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     assert isinstance(block, cst.With)
     contextmanager = ctx.import_from("contextlib", "contextmanager")
     fn = ctx.names.fresh(f"_toy_span_l{site.line}")
-    helper = codegen.render("toy_span.py.j2", fn=fn, contextmanager=contextmanager)
+    helper = render("toy_span.py.j2", fn=fn, contextmanager=contextmanager)
     item = block.items[0]
     call = cst.Call(cst.Name(fn), [cst.Arg(cst.SimpleString(repr(args["name"].value)))])
     return Expanded(

@@ -41,10 +41,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from macrogen import codegen
-from macrogen.expand.context import Context
-from macrogen.expand.errors import MacroError
-from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macro import Context, Expanded, Form, MacroError, Site, render, render_statements
 from macrogen.macros.tile import flash
 from macrogen.macros.tile.analysis import analyze, is_docstring, words
 from macrogen.macros.tile.checks import alias_checks, index_checks
@@ -196,7 +193,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     if out.kernel_wanted:
         helpers += [out.kernel(), out.launcher()]
     helpers.append(out.torch_path())
-    return Expanded([out.function()], helpers=tuple(helpers), imports=tuple(out.mods.values()))
+    return Expanded([out.function()], helpers=tuple(helpers))
 
 
 class _Output:
@@ -267,7 +264,7 @@ class _Output:
         }
 
     def shapes(self) -> str:
-        return codegen.render(
+        return render(
             "tile_shapes.py.j2",
             sizes=self.nest.sizes,
             bounds=self.bounds,
@@ -282,7 +279,7 @@ class _Output:
         emitter = KernelEmitter(grid_nest, names, self.mods["tl"], self.dot_precision)
         pid = names.namer("pid")
         grouped = self.kernel_nest.dot is not None and self.spec.group_size > 1
-        return codegen.render(
+        return render(
             "tile_kernel.py.j2",
             triton=self.mods["triton"],
             tl=self.mods["tl"],
@@ -333,7 +330,7 @@ class _Output:
             f"{local[g.var] if persistent else self.spec.tile[g.var]})"
             for g in self.nest.grid
         )
-        return codegen.render(
+        return render(
             "tile_launcher.py.j2",
             persistent=persistent,
             triton=triton,
@@ -421,7 +418,7 @@ class _Output:
             for t, _ in self.nest.tensors
             if t in read and t not in self.nest.outputs and t not in self.nest.index_tensors
         ]
-        return codegen.render(
+        return render(
             "tile_torch.py.j2",
             steps=steps,
             widen=widen,
@@ -436,7 +433,7 @@ class _Output:
         """The user's function, same signature, its body replaced by the dispatch."""
         fn = self.site.node
         assert isinstance(fn, cst.FunctionDef)
-        body = codegen.render_block(
+        body = render_statements(
             "tile_dispatch.py.j2",
             use_triton=self.mods.get("use_triton", ""),
             first=self.first,

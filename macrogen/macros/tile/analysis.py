@@ -30,8 +30,7 @@ from typing import Any, TypeGuard
 
 import libcst as cst
 
-from macrogen.expand.errors import MacroError
-from macrogen.expand.walk import find
+from macrogen.macro import MacroError, find
 from macrogen.macros.tile.expressions import ExpressionReader, Scope, code_of, contains, negate
 from macrogen.macros.tile.ir import (
     Accum,

@@ -18,7 +18,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from macrogen.codegen import Expression, ident
+from macrogen.macro import Expression, ident
 
 ATOM, POWER, UNARY, MUL, ADD, AND, OR, COMPARE, CONDITIONAL = 100, 14, 13, 12, 11, 8, 6, 5, 1
 _BINARY = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from macrogen.expand.protocol import TuningEnv
+from macrogen.macro import TuningEnv
 from macrogen.macros.tile.ir import InnerLoop, Nest
 
 MAX_TILE_ELEMENTS = 1 << 20  # Triton's limit on the elements of one block (TRITON_MAX_TENSOR_NUMEL)

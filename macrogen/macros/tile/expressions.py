@@ -14,9 +14,7 @@ from typing import Any
 
 import libcst as cst
 
-from macrogen.expand.errors import MacroError
-from macrogen.expand.literals import evaluated
-from macrogen.expand.walk import find
+from macrogen.macro import MacroError, evaluated, find
 from macrogen.macros.tile.ir import Binary, Call, Const, Expr, Index, Load, Name, Size, Unary, Var
 
 _UNARY_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs")

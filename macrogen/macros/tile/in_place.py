@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from macrogen.expand.walk import Visitor, walk
+from macrogen.macro import Visitor, walk
 from macrogen.macros.tile.code import parse
 from macrogen.macros.tile.steps import Assign, Step, _live
 

@@ -96,7 +96,7 @@ class Binary(Expr):
 
 @dataclass(frozen=True)
 class Call(Expr):
-    fn: str  # one of FUNCTIONS
+    fn: str  # exp, log, sqrt, tanh, sigmoid, abs (expressions.py), where, max, min
     args: tuple[Expr, ...]
 
 
@@ -199,9 +199,6 @@ class Nest:
     def rank(self) -> int:
         """Axes of a tile: one per grid loop, then one per level of inner loops."""
         return len(self.grid) + (self.depth if self.inner_axis else 0)
-
-
-FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs", "where", "max", "min")
 
 
 def _inner_loops(body: tuple[Statement, ...], out: list[InnerLoop]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from macrogen.codegen import ident
+from macrogen.macro import ident
 from macrogen.macros.tile.code import Code, Parsed, binary, call, name, number, parse, plus
 from macrogen.macros.tile.ir import Binary, Bound, Call, Expr, Load, Loop, Name, Nest, Unary, Var
 

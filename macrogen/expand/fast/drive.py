@@ -11,7 +11,7 @@ the other fields in libcst's visiting order (``walk._fields``), calls the
 attribute hooks the ``Expander`` has, and builds each visited node anew with
 ``with_changes``, as libcst does: the same calls, in the same order, on the
 same nodes, and the same tree (``tests/test_pass_shortcuts.py`` compares the
-two on the goldens; ``OWN_WALK = False`` uses libcst's).
+two on the goldens; with ``fast.ENABLED = False`` the pass uses libcst's).
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ from typing import Any, TypeVar
 
 import libcst as cst
 
+from macrogen.expand import fast
 from macrogen.expand.walk import _KIND, _NODE_FIELDS, _kind, _node_fields, leaf
-
-OWN_WALK = True  # False: libcst's visit (the tests compare the two)
 
 _BODIES = (cst.Module, cst.IndentedBlock)  # their ``body`` drops statements left empty
 
 
 def visit(node: cst.CSTNode, transformer: Any) -> Any:
     """What ``node.visit(transformer)`` returns, for a transformer that leaves leaves alone."""
-    if not OWN_WALK:
+    if not fast.ENABLED:
         return node.visit(transformer)
     return _visit(node, transformer, transformer.hooked_attributes())
 

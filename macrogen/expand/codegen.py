@@ -23,13 +23,12 @@ import jinja2
 import libcst as cst
 
 from macrogen.expand.errors import InternalError
-from macrogen.expand.parsing import parse_module
-from macrogen.expand.rendered import Rendered, rendered
-from macrogen.shapes import Checked
+from macrogen.expand.fast.rendered import Rendered, rendered
+from macrogen.expand.fast.shapes import Checked
 
 
 def templates_dir() -> Path:
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # macrogen/
     installed = package / "templates"  # inside a wheel
     return installed if installed.is_dir() else package.parent / "templates"  # in the repository
 
@@ -56,11 +55,11 @@ def text(value: Any) -> str:
     a comment can't end early and a docstring reads back the exact text (a
     newline in a path is written as backslash-n).
     """
-    value = str(value)
-    if value.isprintable() and "\\" not in value and '"' not in value:
-        return value  # (what the loop below gives: every character as it is)
+    line = str(value)
+    if line.isprintable() and "\\" not in line and '"' not in line:
+        return line  # (what the loop below gives: every character as it is)
     out = []
-    for ch in value:
+    for ch in line:
         if ch in '\\"':
             out.append("\\" + ch)
         elif ch.isprintable():
@@ -139,10 +138,10 @@ def environment() -> jinja2.Environment:
 
 def render(template: str, **params: Any) -> str:
     """Render ``templates/<template>`` and check that the result is Python (or that it
-    has the shape of a text that passed, where that proves it: macrogen/shapes.py)."""
+    has the shape of a text that passed, where that proves it: macrogen/expand/fast/shapes.py)."""
     text = _text(template, params)
     if CHECKED.find(text) is not None:
-        return text  # the shape of a checked text (macrogen/shapes.py)
+        return text  # the shape of a checked text (macrogen/expand/fast/shapes.py)
     try:
         # The check: Python's parser and symbol table, as compile() runs them, without
         # building ast's objects (a third cheaper than ast.parse; stricter: it also
@@ -193,26 +192,8 @@ def _rendered(template: str, params: dict[str, Any]) -> Rendered:
     return node
 
 
-def render_definitions(template: str, **params: Any) -> list[cst.BaseStatement]:
-    """``render_statements`` for module-level code a macro adds beside the user's (a
-    class): one statement node that keeps the text and prints it as it is where it
-    can, else as libcst's parse of it (``expand/rendered.py``)."""
-    return [_rendered(template, params)]
-
-
-def render_block(template: str, **params: Any) -> list[cst.BaseStatement]:
-    """``render_statements`` for the block of a definition a macro returns (a @tile
-    function's dispatch): its text as one statement node, printed as the text where it
-    can (``expand/rendered.py``), else as libcst's parse of it."""
-    return [_rendered(template, params)]
-
-
 def render_statements(template: str, **params: Any) -> list[cst.BaseStatement]:
-    """Render a template into statements to splice into the user's tree."""
-    text = render(template, **params)
-    try:
-        return list(parse_module(text).body)  # (libcst's tree, its parser's nodes not re-validated)
-    except cst.ParserSyntaxError as e:
-        raise InternalError(
-            f"template {template} rendered code libcst can't parse: {e.message}"
-        ) from e
+    """Render a template into statements to splice into the user's tree: one statement
+    node that keeps the text and prints it as it is where it can (indented to where
+    it lands), else as libcst's parse of it (``expand/fast/rendered.py``)."""
+    return [_rendered(template, params)]

@@ -23,11 +23,11 @@ import libcst as cst
 from libcst._nodes.internal import CodegenState
 from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionProvider
 
-from macrogen.expand.drive import rebuilt
-from macrogen.expand.extents import Paired, ast_extents
-from macrogen.expand.layout import Layout, split_lines, without_indent_form_feeds
-from macrogen.expand.parsing import parse_module
-from macrogen.expand.printing import Kept, print_module
+from macrogen.expand.fast.drive import rebuilt
+from macrogen.expand.fast.extents import Paired, ast_extents
+from macrogen.expand.fast.layout import Layout, split_lines, without_indent_form_feeds
+from macrogen.expand.fast.parsing import parse_module
+from macrogen.expand.fast.printing import Kept, print_module
 
 
 class Disagree(Exception):

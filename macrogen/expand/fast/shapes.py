@@ -30,7 +30,8 @@ from __future__ import annotations
 import re
 from typing import Generic, TypeVar
 
-ENABLED = True  # False: every text is checked (the tests compare the two)
+from macrogen.expand import fast
+
 LIMIT = 4096  # shapes remembered at most (a file's sites need a few per template)
 
 _WORD = re.compile(r"\w+", re.ASCII)
@@ -51,7 +52,7 @@ class Checked(Generic[T]):
     def find(self, text: str) -> tuple[T, dict[str, str]] | None:
         """The value of a checked text of this shape, and the names that differ mapped
         to this text's; None if there is none or the rules above don't hold."""
-        if not ENABLED or "\\" in text or not text.isascii():
+        if not fast.ENABLED or "\\" in text or not text.isascii():
             return None
         known = self._known.get(text.encode().translate(_ZEROS))
         if known is None:
@@ -83,7 +84,7 @@ class Checked(Generic[T]):
 
     def add(self, text: str, value: T) -> None:
         """Remember ``text``, which passed the check, and ``value``."""
-        if not ENABLED or "\\" in text or not text.isascii():
+        if not fast.ENABLED or "\\" in text or not text.isascii():
             return
         if any(w.startswith("__") and not w.endswith("__") for w in set(_WORD.findall(text))):
             return  # a private name: mangled

@@ -11,7 +11,7 @@ was parsed from: printed at the indentation it had, with the piece's
 indentation and ``\\n`` line endings, that is what libcst prints for it. Its
 lines come from ``ast``'s (``extents.py``): from its first line of code less
 its leading comment lines, to its last line of code plus the trailing lines
-its blocks own (their footers). ``VERBATIM = False`` prints every statement
+its blocks own (their footers). ``fast.ENABLED = False`` prints every statement
 through libcst (``tests/test_pass_shortcuts.py`` compares the two).
 """
 
@@ -24,9 +24,8 @@ from typing import Any
 import libcst as cst
 from libcst._nodes.internal import CodegenState
 
-from macrogen.expand.drive import rebuilt
-
-VERBATIM = True  # False: print every statement through libcst (the tests compare the two)
+from macrogen.expand import fast
+from macrogen.expand.fast.drive import rebuilt
 
 
 class _NoPosition:
@@ -95,7 +94,7 @@ class Kept:
 
     def statements(self, statements: Sequence[cst.BaseStatement]) -> list[cst.BaseStatement]:
         """``statements`` with each kept one (at any depth of a new one) as ``Verbatim``."""
-        if not VERBATIM:
+        if not fast.ENABLED:
             return list(statements)
         return [self._statement(s) for s in statements]
 

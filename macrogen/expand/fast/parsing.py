@@ -9,8 +9,8 @@ so for its nodes that check is repeated work: about a sixth of the parse
 thread builds; every other thread's nodes, and every node the pass builds
 itself, are validated as always. (In a process with one thread the hook is
 ``tuple``, which costs no Python frame per node; with several, a function
-that checks the thread.) ``VALIDATE = True`` validates every node (the tests
-compare the trees).
+that checks the thread.) With ``fast.ENABLED = False`` every node is validated
+(the tests compare the trees).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from _thread import get_ident
 
 import libcst as cst
 
-VALIDATE = False  # True: libcst's parse as it is (the tests compare the two)
+from macrogen.expand import fast
 
 _LOCK = threading.Lock()  # one parse at a time swaps the hook (and puts libcst's back)
 _NOTHING = staticmethod(tuple)
@@ -28,7 +28,7 @@ _NOTHING = staticmethod(tuple)
 
 def parse_module(text: str) -> cst.Module:
     """``cst.parse_module(text)``, the same tree."""
-    if VALIDATE:
+    if not fast.ENABLED:
         return cst.parse_module(text)
     with _LOCK:
         validate = cst.CSTNode.__post_init__

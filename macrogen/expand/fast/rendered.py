@@ -21,12 +21,11 @@ from typing import Any
 import libcst as cst
 from libcst._nodes.internal import CodegenState
 
+from macrogen.expand import fast
 from macrogen.expand.errors import InternalError
-from macrogen.expand.layout import split_lines
-from macrogen.expand.parsing import parse_module
-from macrogen.expand.statements import first_indent
-
-PLAIN_TEXT = True  # False: always print through libcst's parse (the tests compare the two)
+from macrogen.expand.fast.layout import split_lines
+from macrogen.expand.fast.parsing import parse_module
+from macrogen.expand.fast.statements import first_indent
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class Rendered(cst.BaseStatement):
 
     def _codegen_impl(self, state: CodegenState) -> None:
         if not (
-            PLAIN_TEXT
+            fast.ENABLED
             and self.plain
             and (self.indentable or not state.indent_tokens)
             and state.default_indent == self.indent
