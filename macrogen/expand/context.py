@@ -121,6 +121,10 @@ class Context:
         self._imports: set[str] = set()  # the statements of the imports the sites returned
         self.requested: list[Import] = []  # imports asked for by the site being expanded
         self._sites_per_scope: dict[str, int] = {}
+        # What a site leaves for the file's other sites to check against (two sites that
+        # contradict each other): a kind -> (the node an error is reported at, its line,
+        # what the site is, in words).
+        self.marks: dict[str, list[tuple[cst.CSTNode, int, str]]] = {}
         # Names the site being expanded sees bound by its own function or class: a module
         # import of the same name is hidden there, so generated code must not use it.
         self.shadowed: frozenset[str] = frozenset()

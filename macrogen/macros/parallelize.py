@@ -38,6 +38,7 @@ from macrogen.expand.args import Arg
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macros import redundant
 
 NAME = "parallelize"
 FORMS: frozenset[Form] = frozenset({"call"})
@@ -162,6 +163,8 @@ def validate(site: Site, ctx: Context) -> Spec:
             raise MacroError(
                 f"{name} applies with {wanted}, and dp is {values['dp']!r}", args[name].node
             )
+    if "dp" in args and redundant.may_be(ctx, args["dp"], "fsdp"):
+        redundant.fully_sharded(ctx, args["dp"], site.line, 'dp="fsdp"')
     plan, hf = _plan(args.get("tp_plan"))
     tp_arg = args.get("tp")
     if (plan is None and not hf) and tp_arg is not None and tp_arg.value != 1:

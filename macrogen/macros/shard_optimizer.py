@@ -22,6 +22,7 @@ from macrogen import codegen
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macros import redundant
 
 NAME = "shard_optimizer"
 FORMS: frozenset[Form] = frozenset({"call"})  # ``opt = mg.shard_optimizer(...)`` is a call site
@@ -36,6 +37,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         raise MacroError(f"shard_optimizer() takes the optimizer: {USAGE}", site.call)
     call = site.node
     assert isinstance(call, cst.Call)
+    redundant.sharded_optimizer(ctx, site.call or call, site.line)
     shard = ctx.import_from("macrogen.runtime.zero", "shard_optimizer")
     text = codegen.render(
         "shard_optimizer.py.j2",

@@ -1,5 +1,6 @@
-"""``mg.parallelize(model, dp="fsdp")``: parameters, gradients and optimizer state sharded over the
-data ranks, on torch's FSDP2 (``fully_shard``), as torchtitan shards every model.
+"""``mg.parallelize(model, dp="fsdp")`` and ``@mg.data_parallel(shard="full")``: parameters,
+gradients and optimizer state sharded over the data ranks, on torch's FSDP2 (``fully_shard``), as
+torchtitan shards every model.
 
     apply_fully_sharded(model, mesh, FullyShardedConfig(...), where="train.py:12")
 
@@ -63,6 +64,7 @@ def repeated_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _units(
     model: nn.Module, paths: Sequence[str] | None, where: str
 ) -> list[tuple[str, nn.Module]]:
+    """The modules to shard one by one (``where``: "mg.parallelize at train.py:12")."""
     if paths is None:
         return repeated_layers(model)
     named = dict(model.named_modules())
@@ -75,25 +77,25 @@ def _units(
             problems.append(f"shard_units: {path!r} matches no submodule of {type(model).__name__}")
         found += hits
     if problems:
-        raise ValueError(f"mg.parallelize at {where}: " + "; ".join(problems))
+        raise ValueError(f"{where}: " + "; ".join(problems))
     return found
 
 
 def _data_mesh(mesh: meshes.Mesh, replicate: int, where: str):
     """The DeviceMesh FSDP shards over: the data dim, or (replicate, shard) for HSDP."""
     if mesh.pipeline_size > 1:
-        raise ValueError(f"mg.parallelize at {where}: dp='fsdp' with pp > 1 is not supported yet")
+        raise ValueError(f"{where}: FSDP with pp > 1 is not supported yet")
     if mesh.tensor_size > 1:  # FSDP x TP: shard over the data dim of the one 2-D mesh
         if replicate != 1:
             raise ValueError(
-                f"mg.parallelize at {where}: dp_replicate with tp > 1 (HSDP x TP) is not"
+                f"{where}: dp_replicate with tp > 1 (HSDP x TP) is not"
                 " supported yet"
             )
         return mesh.device_mesh["data"]
     world = dist.get_world_size()
     if replicate < 1 or world % replicate:
         raise ValueError(
-            f"mg.parallelize at {where}: dp_replicate={replicate} does not divide the world size"
+            f"{where}: dp_replicate={replicate} does not divide the world size"
             f" {world}: launch a multiple of {replicate} processes"
         )
     if replicate == 1:
@@ -107,9 +109,19 @@ def _data_mesh(mesh: meshes.Mesh, replicate: int, where: str):
 
 
 def apply_fully_sharded(
-    model: nn.Module, mesh: meshes.Mesh, config: FullyShardedConfig, *, where: str
+    model: nn.Module,
+    mesh: meshes.Mesh,
+    config: FullyShardedConfig,
+    *,
+    where: str,
+    macro: str = "mg.parallelize",
 ) -> nn.Module:
-    """Shard ``model`` in place with FSDP2 (see the module docstring); returns ``model``."""
+    """Shard ``model`` in place with FSDP2 (see the module docstring); returns ``model``.
+
+    ``macro`` names the site in errors: ``mg.parallelize``, or ``@mg.data_parallel`` for a
+    class of the user's own (``shard="full"``, which calls this at the end of ``__init__``).
+    """
+    where = f"{macro} at {where}"
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
@@ -120,7 +132,7 @@ def apply_fully_sharded(
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta:
         raise ValueError(
-            f"mg.parallelize at {where}: {len(meta)} parameters are on the meta device ({meta[0]},"
+            f"{where}: {len(meta)} parameters are on the meta device ({meta[0]},"
             " ...): build the model on a device, or materialize it first (model.to_empty(device=...)"
             " and the model's own init, as torchtitan does), then parallelize it"
         )
@@ -133,7 +145,9 @@ def apply_fully_sharded(
         mp = MixedPrecisionPolicy(
             param_dtype=DTYPES[config.mixed_precision], reduce_dtype=torch.float32
         )
-    offload = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
+    offload = OffloadPolicy()
+    if config.cpu_offload:  # pinned host memory copies fast to an accelerator; without one, can't pin
+        offload = CPUOffloadPolicy(pin_memory=device_mesh.device_type != "cpu")
     options = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload)
     for _, unit in units:
         fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
