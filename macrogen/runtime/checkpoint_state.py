@@ -224,10 +224,10 @@ def _restride(whole: torch.Tensor, template: DTensor) -> DTensor:
 
     mesh = template.device_mesh
     if _fsdp_over_tp(template):  # the tensor dim as for TP alone, then FSDP's chunk of it
-        tensor_mesh = mesh[mesh.mesh_dim_names[1]]
+        tensor_mesh = _tensor_mesh(template)
         replicated = DTensor.from_local(whole, tensor_mesh, [Replicate()], run_check=False)
         tp_local = replicated.redistribute(tensor_mesh, [template.placements[1]]).to_local()
-        chunks = torch.chunk(tp_local, mesh.size(0), dim=_dim(template.placements[0]))
+        chunks = torch.chunk(tp_local, mesh.size(0), dim=_dim(template.placements[0]) or 0)
         rank = mesh.get_local_rank(0)
         mine = chunks[rank] if rank < len(chunks) else template.to_local().new_empty(0)
         return DTensor.from_local(
@@ -262,6 +262,13 @@ def _fsdp_over_tp(value: DTensor) -> bool:
     return mesh.ndim == 2 and mesh.mesh_dim_names is not None and _dim(value.placements[0]) is not None
 
 
+def _tensor_mesh(value: DTensor) -> Any:
+    mesh = value.device_mesh
+    names = mesh.mesh_dim_names
+    assert names is not None  # (_fsdp_over_tp)
+    return mesh[names[1]]
+
+
 def _full_tensor(value: DTensor) -> torch.Tensor:
     if not _fsdp_over_tp(value):
         return value.full_tensor()
@@ -271,7 +278,7 @@ def _full_tensor(value: DTensor) -> torch.Tensor:
     pieces = _all_gather_uneven(value.to_local().contiguous(), dim, mesh.get_group(0))
     tp = DTensor.from_local(
         torch.cat(pieces, dim),
-        mesh[mesh.mesh_dim_names[1]],
+        _tensor_mesh(value),
         [value.placements[1]],
         shape=value.shape,
         stride=value.stride(),
