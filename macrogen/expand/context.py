@@ -122,8 +122,12 @@ class Context:
         self._imports: set[str] = set()  # the statements of the imports the sites returned
         self.requested: list[Import] = []  # a site's view: the imports its macro asked for
         self._sites_per_scope: dict[str, int] = {}
-        # A site's view: the names its own functions and classes bind. A module import
-        # of the same name is hidden there, so generated code must not use it.
+        # What a site leaves for the file's other sites to check against (two sites that
+        # contradict each other): a kind -> (the node an error is reported at, its line,
+        # what the site is, in words).
+        self.marks: dict[str, list[tuple[cst.CSTNode, int, str]]] = {}
+        # Names the site being expanded sees bound by its own function or class: a module
+        # import of the same name is hidden there, so generated code must not use it.
         self.shadowed: frozenset[str] = frozenset()
         # The text of a statement of the user's file (a site's definition), as libcst
         # prints it but indented where it stands; None where the pass can't tell. A macro

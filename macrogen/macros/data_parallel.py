@@ -27,6 +27,15 @@ steps), ``sync_warmup`` (0: synchronous steps before local SGD starts), ``overla
 ``outer=outer_sgd(lr=0.7, momentum=0.9, nesterov=True)`` (None: average the
 parameters) is local SGD's outer optimizer (DiLoCo, docs/async.md), evaluated at
 expansion (macros/outer_sgd.py): its ``lr`` and ``momentum`` may be ``tunable`` too.
+
+``shard="full"`` (None: every rank holds every parameter) is FSDP on torch's FSDP2, as
+``mg.parallelize(model, dp="fsdp")`` applies it to a built model: the generated
+``__init__`` ends with ``macrogen.runtime.fully_sharded.apply_fully_sharded`` instead of a
+``GradientSync``. With it: ``accumulate``, and parallelize's FSDP arguments
+``reshard_after_forward`` (True), ``mixed_precision`` (None, "bf16", "fp16"),
+``cpu_offload`` (False), ``shard_units`` (None: the repeated layer list) and
+``dp_replicate`` (1; R > 1: HSDP); the bucket, compression, buffer and local SGD
+arguments are for replicated parameters only.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from macrogen.macro import (
     may_call_with_arguments,
     render_statements,
 )
+from macrogen.macros import parallelize, redundant
 from macrogen.macros.outer_sgd import Outer
 
 NAME = "data_parallel"
@@ -73,7 +83,26 @@ DEFAULTS: dict[str, Any] = {
     "outer": None,
     "overlap": False,
     "delay": 1,
+    "shard": None,
+    "reshard_after_forward": True,
+    "mixed_precision": None,
+    "cpu_offload": False,
+    "shard_units": None,
+    "dp_replicate": 1,
 }
+SHARD_MODES = (None, "full")
+FSDP_ONLY = parallelize.FSDP_ONLY  # reshard_after_forward, ..., dp_replicate
+REPLICATED_ONLY = (
+    "bucket_mb",
+    "first_bucket_mb",
+    "compress",
+    "broadcast_buffers",
+    "sync_every",
+    "sync_warmup",
+    "outer",
+    "overlap",
+    "delay",
+)
 
 
 @dataclass(frozen=True)
@@ -89,6 +118,12 @@ class Spec:
     outer: Outer | None  # local SGD's outer optimizer (DiLoCo); None: average the parameters
     overlap: bool  # the synchronization's all-reduce runs during the next `delay` steps
     delay: int  # with overlap: steps from the all-reduce's start to its use
+    shard: str | None  # "full": FSDP (parameters, gradients, optimizer state sharded)
+    reshard_after_forward: bool  # full: free each unit's gathered parameters after its forward
+    mixed_precision: str | None  # full: "bf16"/"fp16" compute, fp32 gradient reduction
+    cpu_offload: bool  # full: sharded parameters and gradients in CPU memory
+    shard_units: tuple[str, ...] | None  # full: the modules sharded one by one
+    dp_replicate: int  # full: > 1 is HSDP
 
 
 def _positive_number(v: Any) -> str | None:
@@ -126,7 +161,13 @@ def _outer(v: Any) -> str | None:
     return "None or outer_sgd(lr=0.7, momentum=0.9, nesterov=True)"
 
 
+def _shard(v: Any) -> str | None:
+    return None if v in SHARD_MODES else 'None or "full" (FSDP)'
+
+
 CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "shard": _shard,
+    **{name: parallelize.CHECKS[name] for name in FSDP_ONLY},
     "bucket_mb": _positive_number,
     "first_bucket_mb": _positive_number,
     "compress": _compress,
@@ -154,6 +195,17 @@ def validate(site: Site, ctx: Context) -> Spec:
     values = {name: args[name].value if name in args else d for name, d in DEFAULTS.items()}
     for name, arg in args.items():
         _check(name, arg, ctx)
+    full = values["shard"] == "full"
+    for name in REPLICATED_ONLY if full else FSDP_ONLY:
+        if name in args:
+            raise MacroError(
+                f"{name} applies with replicated parameters (no shard=), and shard is 'full'"
+                if full
+                else f'{name} applies with shard="full" (FSDP), and shard is None',
+                args[name].node,
+            )
+    if "shard" in args and redundant.may_be(ctx, args["shard"], "full"):
+        redundant.fully_sharded(ctx, args["shard"], site.line, 'shard="full"')
     if "delay" in args and not values["overlap"]:
         raise MacroError("delay= needs overlap=True: it is how late an overlapped round is applied", args["delay"].node)
     if values["overlap"] and values["delay"] > values["sync_every"]:
@@ -163,7 +215,10 @@ def validate(site: Site, ctx: Context) -> Spec:
             f" time, not {values['delay']}",
             at.node,
         )
-    return Spec(name=node.name.value, **values)
+    units = values.pop("shard_units")
+    return Spec(
+        name=node.name.value, shard_units=None if units is None else tuple(units), **values
+    )
 
 
 def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
@@ -205,6 +260,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
     serial = ctx.names.fresh(f"_{spec.name}_serial")
     assert isinstance(site.node, cst.ClassDef)
     user_class = site.node.with_changes(name=cst.Name(serial))
+    if spec.shard == "full":
+        return _fully_sharded(spec, site, ctx, serial, user_class)
     gradient_sync = ctx.import_from("macrogen.runtime.data_parallel", "GradientSync")
     config = ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig")
     imports = [gradient_sync, config]
@@ -231,9 +288,41 @@ def expand(site: Site, ctx: Context) -> Expanded:
         outer_sgd=outer_sgd,
         overlap=spec.overlap,
         delay=spec.delay,
+        shard=None,
     )
     blank = [cst.EmptyLine(), cst.EmptyLine()]
     return Expanded(
         [user_class, generated[0].with_changes(leading_lines=blank)],
         imports=tuple(imports),
+    )
+
+
+def _fully_sharded(
+    spec: Spec, site: Site, ctx: Context, serial: str, user_class: cst.ClassDef
+) -> Expanded:
+    """``shard="full"``: the subclass's ``__init__`` ends in FSDP2's apply, mg.parallelize's."""
+    runtime = "macrogen.runtime.fully_sharded"
+    apply = ctx.import_from(runtime, "apply_fully_sharded")
+    config = ctx.import_from(runtime, "FullyShardedConfig")
+    mesh = ctx.import_from("macrogen.runtime.mesh", "mesh")
+    generated = render_statements(
+        "data_parallel.py.j2",
+        name=spec.name,
+        serial=serial,
+        location=ctx.location(site.line),
+        shard=spec.shard,
+        apply_fully_sharded=apply,
+        fsdp_config=config,
+        mesh=mesh,
+        accumulate=spec.accumulate,
+        reshard_after_forward=spec.reshard_after_forward,
+        mixed_precision=spec.mixed_precision,
+        cpu_offload=spec.cpu_offload,
+        shard_units=spec.shard_units,
+        dp_replicate=spec.dp_replicate,
+    )
+    blank = [cst.EmptyLine(), cst.EmptyLine()]
+    return Expanded(
+        [user_class, generated[0].with_changes(leading_lines=blank)],
+        imports=(apply, config, mesh),
     )

@@ -34,6 +34,7 @@ from typing import Any
 import libcst as cst
 
 from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, render
+from macrogen.macros import redundant
 
 NAME = "parallelize"
 FORMS: frozenset[Form] = frozenset({"call"})
@@ -158,6 +159,8 @@ def validate(site: Site, ctx: Context) -> Spec:
             raise MacroError(
                 f"{name} applies with {wanted}, and dp is {values['dp']!r}", args[name].node
             )
+    if "dp" in args and redundant.may_be(ctx, args["dp"], "fsdp"):
+        redundant.fully_sharded(ctx, args["dp"], site.line, 'dp="fsdp"')
     plan, hf = _plan(args.get("tp_plan"))
     tp_arg = args.get("tp")
     if (plan is None and not hf) and tp_arg is not None and tp_arg.value != 1:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import libcst as cst
 
 from macrogen.macro import Context, Expanded, Form, MacroError, Site, render
+from macrogen.macros import redundant
 
 NAME = "shard_optimizer"
 FORMS: frozenset[Form] = frozenset({"call"})  # ``opt = mg.shard_optimizer(...)`` is a call site
@@ -33,6 +34,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         raise MacroError(f"shard_optimizer() takes the optimizer: {USAGE}", site.call)
     call = site.node
     assert isinstance(call, cst.Call)
+    redundant.sharded_optimizer(ctx, site.call or call, site.line)
     shard = ctx.import_from("macrogen.runtime.zero", "shard_optimizer")
     text = render(
         "shard_optimizer.py.j2",

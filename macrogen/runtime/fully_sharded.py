@@ -1,5 +1,6 @@
-"""``mg.parallelize(model, dp="fsdp")``: parameters, gradients and optimizer state sharded over the
-data ranks, on torch's FSDP2 (``fully_shard``), as torchtitan shards every model.
+"""``mg.parallelize(model, dp="fsdp")`` and ``@mg.data_parallel(shard="full")``: parameters,
+gradients and optimizer state sharded over the data ranks, on torch's FSDP2 (``fully_shard``), as
+torchtitan shards every model.
 
     apply_fully_sharded(model, mesh, FullyShardedConfig(...), where="train.py:12")
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +65,7 @@ def repeated_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _units(
     model: nn.Module, paths: Sequence[str] | None, where: str
 ) -> list[tuple[str, nn.Module]]:
+    """The modules to shard one by one (``where``: "mg.parallelize at train.py:12")."""
     if paths is None:
         return repeated_layers(model)
     named = dict(model.named_modules())
@@ -75,25 +78,32 @@ def _units(
             problems.append(f"shard_units: {path!r} matches no submodule of {type(model).__name__}")
         found += hits
     if problems:
-        raise ValueError(f"mg.parallelize at {where}: " + "; ".join(problems))
+        raise ValueError(f"{where}: " + "; ".join(problems))
     return found
 
 
-def _data_mesh(mesh: meshes.Mesh, replicate: int, where: str):
+def _data_mesh(mesh: meshes.Mesh, replicate: int, where: str, *, pipelined: bool = False):
     """The DeviceMesh FSDP shards over: the data dim, or (replicate, shard) for HSDP."""
     if mesh.pipeline_size > 1:
-        raise ValueError(f"mg.parallelize at {where}: dp='fsdp' with pp > 1 is not supported yet")
+        if not pipelined:
+            raise ValueError(f"{where}: FSDP with pp > 1 shards a @mg.pipeline model only")
+        if mesh.tensor_size > 1 or replicate != 1:
+            raise ValueError(
+                f"{where}: FSDP of a @mg.pipeline model with tp > 1 or dp_replicate > 1 is not"
+                " supported yet"
+            )
+        return mesh.device_mesh["data"]  # each stage's data group
     if mesh.tensor_size > 1:  # FSDP x TP: shard over the data dim of the one 2-D mesh
         if replicate != 1:
             raise ValueError(
-                f"mg.parallelize at {where}: dp_replicate with tp > 1 (HSDP x TP) is not"
+                f"{where}: dp_replicate with tp > 1 (HSDP x TP) is not"
                 " supported yet"
             )
         return mesh.device_mesh["data"]
     world = dist.get_world_size()
     if replicate < 1 or world % replicate:
         raise ValueError(
-            f"mg.parallelize at {where}: dp_replicate={replicate} does not divide the world size"
+            f"{where}: dp_replicate={replicate} does not divide the world size"
             f" {world}: launch a multiple of {replicate} processes"
         )
     if replicate == 1:
@@ -107,9 +117,19 @@ def _data_mesh(mesh: meshes.Mesh, replicate: int, where: str):
 
 
 def apply_fully_sharded(
-    model: nn.Module, mesh: meshes.Mesh, config: FullyShardedConfig, *, where: str
+    model: nn.Module,
+    mesh: meshes.Mesh,
+    config: FullyShardedConfig,
+    *,
+    where: str,
+    macro: str = "mg.parallelize",
 ) -> nn.Module:
-    """Shard ``model`` in place with FSDP2 (see the module docstring); returns ``model``."""
+    """Shard ``model`` in place with FSDP2 (see the module docstring); returns ``model``.
+
+    ``macro`` names the site in errors: ``mg.parallelize``, or ``@mg.data_parallel`` for a
+    class of the user's own (``shard="full"``, which calls this at the end of ``__init__``).
+    """
+    where = f"{macro} at {where}"
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
@@ -120,21 +140,31 @@ def apply_fully_sharded(
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta:
         raise ValueError(
-            f"mg.parallelize at {where}: {len(meta)} parameters are on the meta device ({meta[0]},"
+            f"{where}: {len(meta)} parameters are on the meta device ({meta[0]},"
             " ...): build the model on a device, or materialize it first (model.to_empty(device=...)"
             " and the model's own init, as torchtitan does), then parallelize it"
         )
-    units = _units(model, config.shard_units, where)
+    from macrogen.runtime.pipeline import pipeline_of
+
+    pipe = pipeline_of(model)
+    if pipe is not None and pipe.layout is not None:
+        units = []  # (each stage's, below)
+    else:
+        units = _units(model, config.shard_units, where)
     if mesh.device_mesh is None:  # serial: one rank holds everything, as the serial program
         return model
-    device_mesh = _data_mesh(mesh, config.dp_replicate, where)
+    device_mesh = _data_mesh(mesh, config.dp_replicate, where, pipelined=pipe is not None)
     mp = MixedPrecisionPolicy()
     if config.mixed_precision is not None:
         mp = MixedPrecisionPolicy(
             param_dtype=DTYPES[config.mixed_precision], reduce_dtype=torch.float32
         )
-    offload = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
+    offload = OffloadPolicy()
+    if config.cpu_offload:  # pinned host memory copies fast to an accelerator; without one, can't pin
+        offload = CPUOffloadPolicy(pin_memory=device_mesh.device_type != "cpu")
     options = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload)
+    if pipe is not None and pipe.layout is not None:
+        return _shard_stages(model, pipe, config, options, where)
     for _, unit in units:
         fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **options)
@@ -158,3 +188,43 @@ class _Accumulate:
             return
         module.set_requires_gradient_sync(self.seen % self.k == self.k - 1)  # type: ignore[operator]
         self.seen += 1
+
+
+def _shard_stages(
+    model: nn.Module, pipe: Any, config: FullyShardedConfig, options: dict, where: str
+) -> nn.Module:
+    """A ``@mg.pipeline`` model cut to this rank's stages: each stage's blocks (or its
+    ``shard_units``), then the stage's module (the schedule's root), sharded within the
+    stage's data group. torch's ``PipelineStage`` sees an FSDP module and reduces gradients
+    once per step, after the last micro-batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    from macrogen.runtime.pipeline import _get
+
+    if config.accumulate > 1:
+        raise ValueError(
+            f"{where}: accumulate with a @mg.pipeline model: the pipeline's micro-batches"
+            " accumulate already (pipeline(microbatches=...))"
+        )
+    named = _units(model, config.shard_units, where) if config.shard_units else None
+    for s in pipe.stages:
+        stage = pipe.stage_module(s)
+        if named is None:  # the blocks of forward's loop this stage runs
+            a, b = pipe.plan.bounds(s)
+            units = [_get(model, u.name) for u in pipe.plan.units[a:b] if u.block is not None]
+        else:
+            held = {id(m) for part in stage.parts for m in part.modules()}
+            units = [m for _, m in named if id(m) in held]
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
+        # a bare parameter part stays the model's own attribute: FSDP leaves it, and the
+        # pipeline averages its gradient over the data group as without FSDP
+        ignored = set(stage.params)
+        fully_shard(
+            stage,
+            reshard_after_forward=config.reshard_after_forward,
+            ignored_params=ignored or None,
+            **options,
+        )
+    pipe.fully_sharded = True
+    return model

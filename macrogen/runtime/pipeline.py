@@ -439,6 +439,10 @@ class Pipeline:
         self._schedule: Any = None
         self._shape: Any = None
         self._loss_fn: Callable[..., torch.Tensor] | None = None
+        # each stage's module, made once (FSDP shards it when the model is built, before
+        # the optimizer takes the parameters: @data_parallel(shard="full") on the class)
+        self.stage_modules: dict[int, StageModule] = {}
+        self.fully_sharded = False
         if self.layout is not None:
             self._cut(self.stages)
 
@@ -590,12 +594,7 @@ class Pipeline:
         assert lay is not None
         stages: list[Any] = [
             PipelineStage(
-                StageModule(
-                    self.model,
-                    self.code[s],
-                    self.parts[s],
-                    last if s == self.config.stages - 1 else None,
-                ),
+                self.stage_module(s, last),
                 s,
                 self.config.stages,
                 self._device(),
@@ -610,11 +609,24 @@ class Pipeline:
         kind = ScheduleGPipe if self.config.schedule == "gpipe" else Schedule1F1B
         return kind(stages[0], m, loss_fn=self._scaled_loss, scale_grads=False)
 
+    def stage_module(self, s: int, last: str | None = None) -> StageModule:
+        """Stage ``s``'s module, made on first use and kept (FSDP may have sharded it)."""
+        module = self.stage_modules.get(s)
+        if module is None:
+            module = self.stage_modules[s] = StageModule(self.model, self.code[s], self.parts[s])
+        module.last = last if s == self.config.stages - 1 else None
+        return module
+
     def _average_over_data(self) -> None:
-        """Average this stage's gradients over the ranks that hold the same stage."""
+        """Average this stage's gradients over the ranks that hold the same stage (FSDP's
+        sharded parameters, DTensors, were averaged by FSDP's reduce-scatter)."""
         lay = self.layout
         assert lay is not None
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [
+            p for p in self.model.parameters() if p.requires_grad and not _is_dtensor(p)
+        ]
+        if not params:
+            return
         for p in params:
             if p.grad is None:  # a flat buffer needs every gradient; unused ones add zeros
                 p.grad = torch.zeros_like(p)
@@ -652,8 +664,17 @@ class Pipeline:
                     f"{_at(self.where)}not a state dict of this model: missing {missing},"
                     f" unexpected {unexpected}"
                 )
-        local = self.model.state_dict().keys()
-        mine = {k: v for k, v in state_dict.items() if k in local}
+        current = self.model.state_dict()
+        mine = {k: v for k, v in state_dict.items() if k in current}
+        if self.fully_sharded:  # FSDP's parameters: this rank's shard of each
+            from torch.distributed.tensor import distribute_tensor
+
+            for k, v in mine.items():
+                now = current[k]
+                if _is_dtensor(now):
+                    mine[k] = distribute_tensor(
+                        v.to(now.device, now.dtype), now.device_mesh, now.placements
+                    )
         if self.layout is not None and self.layout.tensor_size > 1:  # each keeps its shard
             return tensor_parallel.load_full_state_dict(self.model, mine, strict=strict)
         return self.model.load_state_dict(mine, strict=strict)
@@ -662,7 +683,16 @@ class Pipeline:
         """This stage's entries at serial shapes (tensor-parallel shards gathered in the stage)."""
         if self.layout is not None and self.layout.tensor_size > 1:
             return tensor_parallel.full_state_dict(self.model)
-        return self.model.state_dict()
+        state = self.model.state_dict()
+        if self.fully_sharded:  # every rank of the stage gathers each, in the same order
+            return {k: v.full_tensor() if _is_dtensor(v) else v for k, v in state.items()}
+        return state
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _has_gradient_sync(model: nn.Module) -> bool:
