@@ -151,3 +151,80 @@ def test_the_fit_scales_compute_and_communication():
     assert f.compute == pytest.approx(3) and f.communication == pytest.approx(0.5)
     one = cost.fit([(steps[0], 4.0)])
     assert one(steps[0]) == pytest.approx(4.0)
+
+
+# -- mg.parallelize's degrees as tunables, and layout="auto" ------------------------------
+
+AUTO = """
+import macrogen as mg
+
+def build(model):
+    return mg.parallelize(model, layout="auto", tp_plan={"layers.*.fc": "colwise"})
+"""
+
+DEGREES = """
+import macrogen as mg
+
+def build(model):
+    return mg.parallelize(model, tp=mg.tunable(1, choices=[1, 2, 4]), pp=mg.tunable(1, choices=[1, 2]),
+                          dp=mg.tunable("replicate", choices=["replicate", "zero1", "fsdp"]),
+                          microbatches=mg.tunable(4, choices=[2, 4, 8]), tp_plan={"layers.*.fc": "colwise"})
+"""
+
+
+def _space(source, world):
+    from macrogen.autotune import space
+    from macrogen.expand import expand_source
+
+    params = space.parameters(expand_source(source, path="m.py"))
+    return params, space.build(params, space.TuningEnv("cpu", world, "cpu"))
+
+
+def test_layout_auto_is_one_tunable_over_layout_names():
+    from macrogen.expand import expand_source
+
+    (param,), built = _space(AUTO, 4)
+    assert param.key == "build.parallelize.layout" and param.macro == "parallelize"
+    names = [c[param.key] for c in built.candidates]
+    assert names == [
+        "tp1 pp1 replicate mb1",
+        "tp1 pp1 zero1 mb1",
+        "tp1 pp1 fsdp mb1",
+        "tp2 pp1 replicate mb1",
+        "tp2 pp1 fsdp mb1",
+        "tp4 pp1 replicate mb1",
+    ]
+    why = {c[param.key]: reason for c, reason in built.excluded}
+    assert "does not divide the world size 4" in why["tp8 pp1 replicate mb1"]
+    assert "does not cut a built model" in why["tp1 pp2 replicate mb4"]
+    assert "zero1" in why["tp2 pp1 zero1 mb1"]
+    code = expand_source(AUTO, path="m.py", tuning={param.key: "tp2 pp1 fsdp mb1"}).code
+    assert "device_mesh(tp=2," in code and "apply_fully_sharded(model" in code
+
+
+def test_degrees_as_tunables_are_pruned_with_reasons():
+    params, built = _space(DEGREES, 4)
+    assert sorted(p.key for p in params) == [
+        "build.parallelize.dp",
+        "build.parallelize.microbatches",
+        "build.parallelize.pp",
+        "build.parallelize.tp",
+    ]
+    assert all(c["build.parallelize.pp"] == 1 for c in built.candidates)
+    reasons = " | ".join(r for _, r in built.excluded)
+    assert "pp > 1: mg.parallelize does not cut a built model" in reasons
+
+
+def test_layout_auto_errors():
+    from tests.helpers import expansion_errors
+
+    (error,) = expansion_errors(
+        "import macrogen as mg\nm = mg.parallelize(m, layout='auto', tp=2, tp_plan='hf')\n"
+    )
+    assert 'layout="auto" chooses tp, pp, dp and microbatches; leave out tp' in error
+    (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, layout='best')\n")
+    assert 'layout must be "auto"' in error
+    (error,) = expansion_errors(
+        "import macrogen as mg\nm = mg.parallelize(m, microbatches=0)\n"
+    )
+    assert "microbatches must be an int >= 1" in error
