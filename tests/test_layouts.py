@@ -188,7 +188,6 @@ def test_layout_auto_is_one_tunable_over_layout_names():
     names = [c[param.key] for c in built.candidates]
     assert names == [
         "tp1 pp1 replicate mb1",
-        "tp1 pp1 zero1 mb1",
         "tp1 pp1 fsdp mb1",
         "tp2 pp1 replicate mb1",
         "tp2 pp1 fsdp mb1",
@@ -198,6 +197,7 @@ def test_layout_auto_is_one_tunable_over_layout_names():
     assert "does not divide the world size 4" in why["tp8 pp1 replicate mb1"]
     assert "does not cut a built model" in why["tp1 pp2 replicate mb4"]
     assert "zero1" in why["tp2 pp1 zero1 mb1"]
+    assert "mg.shard_optimizer" in why["tp1 pp1 zero1 mb1"]
     code = expand_source(AUTO, path="m.py", tuning={param.key: "tp2 pp1 fsdp mb1"}).code
     assert "device_mesh(tp=2," in code and "apply_fully_sharded(model" in code
 
@@ -224,7 +224,5 @@ def test_layout_auto_errors():
     assert 'layout="auto" chooses tp, pp, dp and microbatches; leave out tp' in error
     (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, layout='best')\n")
     assert 'layout must be "auto"' in error
-    (error,) = expansion_errors(
-        "import macrogen as mg\nm = mg.parallelize(m, microbatches=0)\n"
-    )
+    (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, microbatches=0)\n")
     assert "microbatches must be an int >= 1" in error

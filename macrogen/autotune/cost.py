@@ -9,7 +9,7 @@ Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
   parallel's reduce-scatter + all-gather moves the same bytes);
 - data parallel: replicate and zero1 all-reduce the rank's gradients once
   (a ring moves 2x the parameter bytes); fsdp all-gathers them twice and
-  reduce-scatters once (3x);
+  reduce-scatters once (3x), one collective per unit (each block, and the root);
 - pipeline: each micro-batch's activations forward and gradient back across a cut.
 
 A collective over n ranks costs ring steps x (alpha + bytes per step / beta)
@@ -45,7 +45,7 @@ class Machine:
 
 
 # gloo on one host (loopback TCP), from bench/collectives.py on the development machine
-GLOO_LOCAL = Link("gloo", bandwidth=1.0e9, latency=2e-4)
+GLOO_LOCAL = Link("gloo", bandwidth=0.7e9, latency=3.7e-4)
 
 
 _LINK = re.compile(r"\s*([A-Za-z][\w-]*)\s*:\s*([\d.eE+]+)\s*([KMGT]?)(B|b)/s\s*")
@@ -123,8 +123,9 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     blocks = profile.blocks / pp if profile.blocks else 0.0
     tensor = 4 * blocks * m * all_reduce_s(message, tp, tp_link)
     grads = profile.param_bytes * tp_share(profile, tp) * pp_share(profile, pp)
-    if layout.dp == "fsdp":
-        data = 3 * all_gather_s(grads, d, dp_link)
+    if layout.dp == "fsdp":  # per unit (each block, then the root): 2 all-gathers, 1 reduce-scatter
+        units = (profile.blocks / pp if profile.blocks else 0.0) + 1
+        data = 3 * (all_gather_s(grads, d, dp_link) + (units - 1) * (d - 1) * dp_link.latency)
     else:
         data = all_reduce_s(grads, d, dp_link)
     pipeline = 2 * m * send_s(message / tp, pp_link) if pp > 1 else 0.0

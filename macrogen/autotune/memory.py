@@ -11,9 +11,9 @@ model was built, the same quantity the autotune worker measures on each rank:
              activations A / D (the global batch is split over the data ranks)
                          x tp share x (1/pp) x in-flight micro-batches / micro-batches
 
-S is what the probe finds between steps above the parameters (optimizer state,
-and gradients a step keeps); A is the step's peak above that, less one copy of
-the gradients. The tensor-parallel share of anything is f/tp + (1 - f), f the
+S is the optimizer's state (the probe counts the tensors of the optimizer over
+the model); A is a step's peak above the memory between steps (which already
+holds one copy of the gradients). The tensor-parallel share of anything is f/tp + (1 - f), f the
 fraction of the parameters in planned (sharded) layers; a pipeline stage holds
 1/pp of the blocks and, conservatively, all the rest (embeddings, head). Under
 1F1B the first stage holds min(pp, microbatches) micro-batches' activations.
@@ -34,8 +34,8 @@ class Profile:
     sharded_bytes: int  # of those, in the tensor-parallel plan's sharded layers
     block_bytes: int  # of those, in the repeated blocks
     blocks: int  # the repeated blocks (0: none found)
-    state_bytes: int  # between steps, above the parameters: optimizer state, kept gradients
-    transient_bytes: int  # a step's peak above the between-steps memory
+    state_bytes: int  # the optimizer's state
+    transient_bytes: int  # gradients + activations: a step's peak above parameters + state
     step_s: float = 0.0  # one serial step
     block_s: float = 0.0  # of it, the blocks' forward + backward
     message_bytes: int = 0  # one block's output for the whole batch (what TP all-reduces)

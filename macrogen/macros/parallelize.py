@@ -231,6 +231,9 @@ def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | 
     if layout.pp == 1:  # micro-batches change nothing without a pipeline
         layout = replace(layout, microbatches=1)
     reason = layouts.infeasible(layout, env.world_size) or layouts.unsupported(layout)
+    if reason is None and layout.dp == "zero1" and "layout" in arguments:
+        # the program's optimizer is sharded by hand (mg.shard_optimizer), never for fsdp
+        reason = 'dp="zero1" under layout="auto": mg.shard_optimizer is not applied for it'
     if reason is None and layout.tp > 1 and arguments.get("tp_plan") is None:
         reason = f"tp={layout.tp} needs a tp_plan"
     return reason
