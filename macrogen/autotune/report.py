@@ -64,9 +64,12 @@ class Reporter:
     def summary(self, outcome: Outcome, elapsed: float) -> None:
         if outcome.predictions is not None:
             self.console.print(layout_table(outcome))
+            by_reason: dict[str, list[str]] = {}
             for candidate, why in outcome.space.excluded:
-                shown = ", ".join(f"{v}" for v in candidate.values())
-                self.console.print(escape(f"infeasible: {shown}: {why}"))
+                shown = "/".join(f"{v}" for v in candidate.values())
+                by_reason.setdefault(why, []).append(shown)
+            for why, names in by_reason.items():
+                self.console.print(escape(f"infeasible: {why}: {', '.join(names)}"))
             measured = sum(
                 1
                 for c in (outcome.record or {}).get("candidates", [])
