@@ -150,10 +150,7 @@ def validate(site: Site, ctx: Context) -> Spec:
     for name, arg in args.items():
         _check(name, arg, ctx)
     if "delay" in args and not values["overlap"]:
-        raise MacroError(
-            "delay= needs overlap=True: it is how late an overlapped round is applied",
-            args["delay"].node,
-        )
+        raise MacroError("delay= needs overlap=True: it is how late an overlapped round is applied", args["delay"].node)
     if values["overlap"] and values["delay"] > values["sync_every"]:
         at = args.get("delay") or args["overlap"]
         raise MacroError(
@@ -167,12 +164,7 @@ def validate(site: Site, ctx: Context) -> Spec:
 def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
     """An overlapped round must be applied before the next one starts."""
     every, delay = arguments.get("sync_every", 1), arguments.get("delay", 1)
-    if (
-        arguments.get("overlap")
-        and isinstance(every, int)
-        and isinstance(delay, int)
-        and delay > every
-    ):
+    if arguments.get("overlap") and isinstance(every, int) and isinstance(delay, int) and delay > every:
         return f"delay={delay} > sync_every={every}"
     return None
 

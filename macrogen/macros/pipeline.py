@@ -132,9 +132,7 @@ def validate(site: Site, ctx: Context) -> Spec:
     cut, placed = "", None
     plain = _plain(node)
     for split in splits:
-        cut, placed = _check_split(
-            split, stages, forward, forward_node, blocks, args, anchor, plain
-        )
+        cut, placed = _check_split(split, stages, forward, forward_node, blocks, args, anchor, plain)
     value = args["split"].value if "split" in args else None
     return Spec(
         node.name.value,

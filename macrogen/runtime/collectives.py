@@ -371,10 +371,8 @@ def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     blocks = x.new_empty((size * x.shape[0], *x.shape[1:]))  # rank r's slice is block r
     dist.all_gather_single(blocks, x, group=group)
     # (tp, B, T / tp, ...) -> (B, T, ...): one copy, to the layout the next layer reads
-    return (
-        blocks.view(size, *x.shape)
-        .movedim(0, SEQUENCE_DIM)
-        .reshape(x.shape[0], size * x.shape[1], *x.shape[2:])
+    return blocks.view(size, *x.shape).movedim(0, SEQUENCE_DIM).reshape(
+        x.shape[0], size * x.shape[1], *x.shape[2:]
     )
 
 
@@ -397,9 +395,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, what: st
         x = x.contiguous()
         dist.all_reduce(x, group=group)
         return _my_sequence_slice(x, group).contiguous()
-    blocks = (
-        x.reshape(B, size, T // size, *x.shape[2:]).movedim(1, 0).contiguous()
-    )  # (tp, B, T / tp, ...)
+    blocks = x.reshape(B, size, T // size, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T / tp, ...)
     out = x.new_empty(blocks.shape[1:])  # contiguous (B, T / tp, ...)
     dist.reduce_scatter_single(out, blocks.flatten(0, 1), group=group)
     return out
@@ -510,9 +506,7 @@ class _SumGradients(torch.autograd.Function):
         return (None, *(part.view_as(g) for part, g in zip(parts, grads)))
 
 
-def sum_gradients(
-    params: list[torch.Tensor], group: dist.ProcessGroup | None
-) -> list[torch.Tensor]:
+def sum_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """The parameters themselves (as views) whose gradients are summed over the group, all in
     one all-reduce: a replicated layer norm on a sequence slice sees only this rank's tokens."""
     if group_size(group) == 1 or not params:

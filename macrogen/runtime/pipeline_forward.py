@@ -350,9 +350,7 @@ def unknown_split_message(
         blocks = [u.name for u in units[1:] if u.statement.loop == name]
         text = runs(blocks)
         if name in open_ended and blocks:
-            text = open_end(
-                text, name, max(u.block or 0 for u in units if u.statement.loop == name)
-            )
+            text = open_end(text, name, max(u.block or 0 for u in units if u.statement.loop == name))
         return (
             f"split name {name!r} is the list forward loops over: name the block that starts"
             f" the stage ({text})"
@@ -535,7 +533,9 @@ def interleaving_problem(stages: int, m: int, schedule: str, spr: int) -> str | 
             )
         return None
     if spr < 2 or stages % spr:
-        return f"interleaved needs stages_per_rank >= 2 that divides stages ({stages}), not {spr}"
+        return (
+            f"interleaved needs stages_per_rank >= 2 that divides stages ({stages}), not {spr}"
+        )
     ranks = stages // spr
     if ranks < 2:
         return f"{stages} stages at {spr} per rank is one pipeline rank: nothing to interleave"
