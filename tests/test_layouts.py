@@ -226,3 +226,29 @@ def test_layout_auto_errors():
     assert 'layout must be "auto"' in error
     (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, microbatches=0)\n")
     assert "microbatches must be an int >= 1" in error
+
+
+def test_the_search_stops_when_nothing_left_is_predicted_faster():
+    from macrogen.autotune import database
+    from macrogen.autotune.layout_search import LayoutSearch, Prediction
+
+    order = [{"k": name} for name in ("a", "b", "c", "d")]
+    raw = {"a": 1.0, "b": 1.2, "c": 2.0, "d": 2.5}  # all communication-free: one scale fits
+    predictions = {
+        database.canonical(c): Prediction(
+            Layout(), cost.Step(raw[c["k"]], 0, 0, 0), memory.Breakdown(0, 0, 0, 0)
+        )
+        for c in order
+    }
+    search = LayoutSearch(order, predictions, noise=0.05)
+    search.observe(0.1)
+    assert not search.done  # one point: no fit to trust yet
+    search.observe(0.13)
+    # fitted: c would take ~0.2, d ~0.25; nothing beats 0.1 by 5%
+    assert search.done and search.stop_reason == "early stop"
+    exhaustive = LayoutSearch(order, predictions, noise=float("-inf"))
+    for t in (0.1, 0.13, 0.2):
+        exhaustive.observe(t)
+        assert not exhaustive.done
+    exhaustive.observe(0.3)
+    assert exhaustive.done and exhaustive.stop_reason == "complete"
