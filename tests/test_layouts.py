@@ -252,3 +252,11 @@ def test_the_search_stops_when_nothing_left_is_predicted_faster():
         assert not exhaustive.done
     exhaustive.observe(0.3)
     assert exhaustive.done and exhaustive.stop_reason == "complete"
+
+
+def test_sharded_layouts_peak_while_the_serial_model_is_cut():
+    small = memory.Profile(100, 80, 80, 8, 0, 100)  # no optimizer, no activations
+    fsdp = memory.predict(small, Layout(dp="fsdp"), 4)
+    assert fsdp.step < 100 and fsdp.build == pytest.approx(100 + fsdp.params)
+    assert fsdp.total == fsdp.build
+    assert memory.predict(small, Layout(), 4).build == 100  # replicate: the model as it is

@@ -11,6 +11,10 @@ model was built, the same quantity the autotune worker measures on each rank:
              activations A / D (the global batch is split over the data ranks)
                          x tp share x (1/pp) x in-flight micro-batches / micro-batches
 
+The peak is the larger of a step's and the build's: ``mg.parallelize`` takes a
+built model, so every rank holds the whole serial model while it cuts its
+shards (P, plus the shards made before the whole is freed).
+
 S is the optimizer's state (the probe counts the tensors of the optimizer over
 the model); A is a step's peak above the memory between steps (which already
 holds one copy of the gradients). The tensor-parallel share of anything is f/tp + (1 - f), f the
@@ -69,10 +73,15 @@ class Breakdown:
     state: float
     grads: float
     activations: float
+    build: float = 0.0  # while the serial model is cut into this rank's shards
+
+    @property
+    def step(self) -> float:
+        return self.params + self.state + self.grads + self.activations
 
     @property
     def total(self) -> float:
-        return self.params + self.state + self.grads + self.activations
+        return max(self.step, self.build)
 
 
 def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
@@ -96,7 +105,9 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
     activations = (
         profile.activation_bytes / d * tp_share(profile, layout.tp) / layout.pp * in_flight
     )
-    return Breakdown(params, state, grads, activations)
+    sharded = layout.tp > 1 or layout.pp > 1 or layout.dp == "fsdp"
+    build = profile.param_bytes + (params if sharded else 0.0)
+    return Breakdown(params, state, grads, activations, build)
 
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}

@@ -73,6 +73,7 @@ def warm_process(distributed: bool = False) -> None:
     # what mg.parallelize's layouts import on first use, so that no layout pays for it
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
+    import torch.utils.benchmark  # noqa: F401  (one process's timer)
 
     import macrogen.runtime.data_parallel  # noqa: F401
     import macrogen.runtime.fully_sharded  # noqa: F401
@@ -125,6 +126,9 @@ def main(job_path: str, out_path: str) -> int:
     from macrogen.autotune import worker
 
     job = json.loads(Path(job_path).read_text())
+    # one thread, as each rank under torchrun (OMP_NUM_THREADS=1) and torch.utils.benchmark's
+    # Timer on one process run: the serial step is then comparable to what autotune measures
+    torch.set_num_threads(1)
     for entry in reversed(job["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
