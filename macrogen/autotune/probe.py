@@ -194,6 +194,7 @@ def _probe(job: dict, torch: Any, worker: Any) -> dict:
         hooks.append(b.register_forward_hook(after))
     for _ in range(2):  # warm-up: optimizer state, allocator
         step()
+    trim()  # the last step's activations, freed, are no longer resident
     between = rss()
     state = _optimizer_bytes(model, torch)  # None: no optimizer found over the model
     reset_peak()
