@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from macrogen.autotune import cost, layouts, memory
+from macrogen.autotune import cost, database, layouts, memory
 from macrogen.autotune.layouts import Layout, ModelShape
 
 SHAPE = ModelShape(blocks=8, divisible={"layers.0.attn.n_head": 6, "layers.0.fc out features": 64})
@@ -260,3 +260,32 @@ def test_sharded_layouts_peak_while_the_serial_model_is_cut():
     assert fsdp.step < 100 and fsdp.build == pytest.approx(100 + fsdp.params)
     assert fsdp.total == fsdp.build
     assert memory.predict(small, Layout(), 4).build == 100  # replicate: the model as it is
+
+
+def test_prepare_dedupes_prunes_by_memory_and_orders_by_prediction():
+    from macrogen.autotune import layout_search
+
+    params, built = _space(DEGREES, 4)
+    site = layout_search.site_of(params)
+    assert site is not None
+    machine = cost.Machine(4, cost.Link("x", 1e9, 1e-4), cost.Link("x", 1e9, 1e-4))
+    limit = memory.predict(PROFILE, Layout(dp="fsdp"), 4).total + 1  # only fsdp layouts fit
+    kept, predictions = layout_search.prepare(
+        built, site, PROFILE, SHAPE, 4, machine, memory_limit=limit
+    )
+    chosen = [layout_search.layout_of(site, c) for c in kept.candidates]
+    assert chosen and all(x.dp == "fsdp" for x in chosen)
+    assert len(set(chosen)) == len(chosen)  # microbatches 2, 4, 8 with pp=1: one layout
+    reasons = [why for _, why in kept.excluded]
+    assert any(why.startswith("the same layout as") for why in reasons)
+    assert any("per rank, over" in why for why in reasons)
+    assert any("n_head = 6 is not divisible by tp=4" in why for why in reasons)
+    times = [predictions[database.canonical(c)].step.total for c in kept.candidates]
+    assert times == sorted(times)
+
+
+def test_autotune_rejects_a_bad_memory_limit(capsys):
+    from macrogen.cli import main
+
+    assert main(["autotune", "x.py", "--entry", ":b", "--memory-per-rank", "lots"]) == 2
+    assert "--memory-per-rank: not a size: 'lots'" in capsys.readouterr().err
