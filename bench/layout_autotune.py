@@ -10,7 +10,8 @@ measured step time and peak memory per rank beside the predictions:
 
 - raw: the cost model as the probe and bench/collectives.py's link make it;
 - fitted: the compute and communication scales fitted to every measured
-  layout of every world size at once (one pair for the whole table);
+  layout of every world size at once (one pair for the whole table); for
+  memory, one per-rank constant (the runtime's own buffers), the median gap;
 
 then the search's winner against the sweep's best, and how many layouts each
 measured. ``--plot`` draws measured and predicted step time per layout
@@ -85,12 +86,18 @@ def main() -> None:
             n_found = sum(1 for c in found.record["candidates"] if "time_s" in c)
             searches.append((world, found.winner, winner, best, n_found, len(measured)))
     fitted = cost.fit([(pred.step, c["time_s"]) for _, pred, c in rows])
+    offset = memory.fit_offset(
+        [(pred.memory.total, max(c["peak_bytes"])) for _, pred, c in rows if c.get("peak_bytes")]
+    )
+    print(
+        f"memory: the runtime's own per rank, fitted (median of measured - predicted): {memory.format_bytes(offset)}"
+    )
     print(
         f"fit over all {len(rows)} measured layouts: compute x{fitted.compute:.3f}, communication x{fitted.communication:.3f}"
     )
     print(
         f"{'ranks':>5}  {'layout':<24} {'measured':>10} {'raw':>10} {'fitted':>10} {'err':>7}"
-        f" {'peak (max rank)':>16} {'predicted':>10} {'err':>7}"
+        f" {'peak (max rank)':>16} {'predicted':>10} {'err':>7} {'+ fitted':>10} {'err':>7}"
     )
     plot_rows = []
     for world, pred, c in sorted(rows, key=lambda r: (r[0], r[2]["time_s"])):
@@ -101,6 +108,7 @@ def main() -> None:
             f"{world:>5}  {pred.layout.describe(world):<24} {t * 1e3:>8.1f}ms {pred.step.total * 1e3:>8.1f}ms"
             f" {f * 1e3:>8.1f}ms {f / t - 1:>+7.0%} {memory.format_bytes(peak):>16}"
             f" {memory.format_bytes(mem):>10} {mem / peak - 1 if peak else 0:>+7.0%}"
+            f" {memory.format_bytes(mem + offset):>10} {(mem + offset) / peak - 1 if peak else 0:>+7.0%}"
         )
         plot_rows.append((f"{world}: {pred.layout.describe(world)}", t, f))
     for world, choice, winner, best, n_found, n_all in searches:

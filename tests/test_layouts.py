@@ -289,3 +289,9 @@ def test_autotune_rejects_a_bad_memory_limit(capsys):
 
     assert main(["autotune", "x.py", "--entry", ":b", "--memory-per-rank", "lots"]) == 2
     assert "--memory-per-rank: not a size: 'lots'" in capsys.readouterr().err
+
+
+def test_the_memory_offset_is_the_median_gap():
+    assert memory.fit_offset([]) == 0.0
+    assert memory.fit_offset([(10, 20), (10, 12), (10, 40)]) == 10
+    assert memory.fit_offset([(10, 5)]) == 0.0  # over-predicted: no negative runtime

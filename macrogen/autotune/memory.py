@@ -110,6 +110,16 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
     return Breakdown(params, state, grads, activations, build)
 
 
+def fit_offset(points: list[tuple[float, float]]) -> float:
+    """Per-rank memory the model leaves out (runtime buffers, process groups), from measured
+    layouts: the median of measured - predicted, (predicted, measured) pairs; 0 without any."""
+    if not points:
+        return 0.0
+    gaps = sorted(m - p for p, m in points)
+    mid = len(gaps) // 2
+    return max(0.0, gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2)
+
+
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
