@@ -212,7 +212,7 @@ def loss_worker(
 ) -> None:
     setup(rank, world, port)
     from examples.gpt import GPTConfig
-    from macrogen.runtime.local_sgd import flush
+    from macrogen.runtime.data_parallel import flush
 
     classes = loss_classes()
     models = expanded(Path(out_dir), classes, "bench_local_sgd_loss_models")

@@ -19,6 +19,7 @@ commands:
   macrogen expand train.py -o train_dp.py     write the expanded program
   macrogen run train.py [ARGS...]             run it, expanding on import (also under torchrun)
   macrogen autotune train.py --entry :build   measure tunable(...) choices, record the winners
+  macrogen plan train.py --world-size 64      rank mg.parallelize layouts by predicted time, memory
   macrogen cache info|clear                   the import hook's cache
 
 exit status:

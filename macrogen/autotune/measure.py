@@ -58,6 +58,7 @@ class Measurement:
     samples: int = 0
     signature: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    peak_bytes: tuple[int, ...] = ()  # per rank, for layouts: memory above the pre-build baseline
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Program:
     world_size: int
     target: str  # "cpu" or "cuda"
     timing: Timing
+    layout: bool = False  # candidates are parallel layouts: a mesh each, peak memory measured
 
     def mode(self) -> str:
         if self.world_size > 1:
@@ -138,6 +140,7 @@ def _launch(
         ],
         "entry": program.entry,
         "entry_in_source": program.entry_in_source,
+        "layout": program.layout,
         "parent_pid": os.getpid(),
         # the worker's own deadline (wall clock, a second early): it stops between rounds
         "deadline": None if deadline is None else time.time() + deadline - time.monotonic() - 1.0,
@@ -226,6 +229,7 @@ def _measurement(values: Mapping[str, Any], result: Mapping[str, Any]) -> Measur
         time_s=float(result["time_s"]),
         samples=int(result["samples"]),
         signature=dict(result.get("signature") or {}),
+        peak_bytes=tuple(int(x) for x in result.get("peak_bytes", ())),
     )
 
 

@@ -62,7 +62,26 @@ class Reporter:
             yield _Bar(progress, progress.add_task("starting the workers", total=total))
 
     def summary(self, outcome: Outcome, elapsed: float) -> None:
-        self.console.print(table(outcome))
+        if outcome.predictions is not None:
+            self.console.print(layout_table(outcome))
+            by_reason: dict[str, list[str]] = {}
+            for candidate, why in outcome.space.excluded:
+                shown = "/".join(f"{v}" for v in candidate.values())
+                by_reason.setdefault(why, []).append(shown)
+            for why, names in by_reason.items():
+                self.console.print(escape(f"infeasible: {why}: {', '.join(names)}"))
+            measured = sum(
+                1
+                for c in (outcome.record or {}).get("candidates", [])
+                if database.canonical(database.decode_values(c["values"]))
+                in {database.canonical(x) for x in outcome.space.candidates}
+            )
+            self.console.print(
+                f"measured {measured} of {len(outcome.space.candidates)} feasible layouts"
+                f" (exhaustive: {len(outcome.space.candidates)})"
+            )
+        else:
+            self.console.print(table(outcome))
         winner = outcome.winner
         chosen = (
             ", ".join(f"{k}={v!r}" for k, v in winner.items())
@@ -113,4 +132,61 @@ def table(outcome: Outcome) -> Table:
             result = ""
         when = "now" if database.canonical(values) in outcome.measured_now else "before"
         t.add_row(*(repr(values.get(k)) for k in keys), format_time(time_s), ratio, when, result)
+    return t
+
+
+def layout_table(outcome: Outcome) -> Table:
+    """Layouts: predicted and measured step time and peak memory per rank, best measured first."""
+    from macrogen.autotune import cost
+    from macrogen.autotune.memory import format_bytes
+
+    assert outcome.predictions is not None
+    t = Table(title=f"macrogen autotune: layouts on {outcome.world_size} rank(s)")
+    for name in (
+        "layout",
+        "predicted / step (fitted)",
+        "measured / step",
+        "vs best",
+        "predicted peak",
+        "measured peak (max rank)",
+        "tokens/s",
+        "measured",
+        "result",
+    ):
+        t.add_column(name, justify="left" if name in ("layout", "measured", "result") else "right")
+    found = {
+        database.canonical(database.decode_values(c["values"])): c
+        for c in (outcome.record or {}).get("candidates", [])
+    }
+    rows = []
+    for candidate in outcome.space.candidates:
+        ident = database.canonical(candidate)
+        rows.append((outcome.predictions[ident], found.get(ident), ident))
+    best = min((c["time_s"] for _, c, _ in rows if c and "time_s" in c), default=None)
+    winner = None if outcome.winner is None else database.canonical(outcome.winner)
+    # the cost model scaled to what was measured (compute and communication terms)
+    fitted = cost.fit([(p.step, c["time_s"]) for p, c, _ in rows if c and "time_s" in c])
+    rows.sort(key=lambda r: (r[1] is None or "time_s" not in r[1], (r[1] or {}).get("time_s", 0)))
+    for pred, c, ident in rows:
+        time_s = c.get("time_s") if c else None
+        peaks = c.get("peak_bytes") if c else None
+        result = ""
+        if ident == winner:
+            result = "[bold green]winner[/]"
+        elif c and "error" in c:
+            result = f"[red]failed[/]: {escape(c['error'])}"
+        elif c is None:
+            result = "not measured (predicted slower)"
+        when = "-" if c is None else ("now" if ident in outcome.measured_now else "before")
+        t.add_row(
+            escape(pred.layout.describe(outcome.world_size)),
+            format_time(fitted(pred.step)),
+            format_time(time_s),
+            f"x{time_s / best:.3f}" if time_s and best else "-",
+            format_bytes(pred.memory.total),
+            format_bytes(max(peaks)) if peaks else "-",
+            f"{c['tokens_s']:.0f}" if c and "tokens_s" in c else "-",
+            when,
+            result,
+        )
     return t

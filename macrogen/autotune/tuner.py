@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from macrogen import __version__
-from macrogen.autotune import database, environment, search, space
+from macrogen.autotune import database, environment, layout_search, memory, search, space
+from macrogen.autotune.layouts import ModelShape
 from macrogen.autotune.measure import Measurement, Program, Timing, measure
 from macrogen.autotune.report import Reporter
 from macrogen.autotune.space import Parameter
@@ -42,6 +43,9 @@ class Outcome:
     space: space.Space
     measured_now: frozenset[str]  # database.canonical(values) of this run's measurements
     skipped: tuple[tuple[Parameter, str], ...] = ()  # not tuned here (no effect), and why
+    # layouts: canonical values -> the cost and memory models' prediction; None otherwise
+    predictions: dict[str, Any] | None = None
+    world_size: int = 1
 
 
 def autotune(
@@ -56,6 +60,8 @@ def autotune(
     timing: Timing | None = None,
     retry_failed: bool = False,
     reporter: Reporter | None = None,
+    memory_per_rank: float | None = None,
+    noise: float = 0.05,
 ) -> Outcome:
     """Tune every ``tunable`` of the file at ``path``; see docs/autotune.md."""
     started = time.monotonic()
@@ -87,7 +93,7 @@ def autotune(
         raise AutotuneError(
             f"{source_path}: every candidate is ruled out ({cspace.excluded[0][1]})"
         )
-    searcher = search.plan(cspace, max_trials=max_trials, seed=int(site_hash[:8], 16))
+    searcher: Any = search.plan(cspace, max_trials=max_trials, seed=int(site_hash[:8], 16))
 
     db_path = Path(tuning) if tuning is not None else database.default_path(source_path)
     db = database.Database(db_path)
@@ -96,7 +102,29 @@ def autotune(
     origin = environment.entry_origin(entry_module, search_path) if entry_module else None
     in_source = not entry_module or origin == source_path.resolve()
     timing = timing or Timing()
-    program = Program(source_path, source, entry, in_source, world_size, target, timing)
+    layout_site = layout_search.site_of(params)
+    predictions = None
+    probed: dict[str, Any] | None = None
+    if layout_site is not None:  # a layout: one candidate at a time, each its own mesh
+        timing = replace(timing, group=1)
+        plan = layout_site.values.get("tp_plan")
+        probed = _probe(
+            db, source, expansion.code, source_path, entry, in_source, search_path, plan
+        )
+        profile = memory.Profile(**probed["profile"])
+        shape = ModelShape(probed["shape"]["blocks"], probed["shape"]["divisible"])
+        machine = layout_search.machine_for(target, world_size)
+        cspace, predictions = layout_search.prepare(
+            cspace, layout_site, profile, shape, world_size, machine, memory_per_rank
+        )
+        if not cspace.candidates:
+            raise AutotuneError(
+                f"{source_path}: every layout is ruled out ({cspace.excluded[0][1]})"
+            )
+        searcher = layout_search.LayoutSearch(list(cspace.candidates), predictions, noise)
+    program = Program(
+        source_path, source, entry, in_source, world_size, target, timing, layout_site is not None
+    )
     key = _tuning_key(
         source_path,
         entry,
@@ -108,6 +136,7 @@ def autotune(
         world_size,
     )
     book = _Book(db, key, source, cspace, retry_failed)
+    book.probe = probed
     reporter = reporter or Reporter()
 
     with reporter.progress(len(searcher.order)) as progress:
@@ -149,9 +178,43 @@ def autotune(
         cspace,
         frozenset(book.measured_now),
         skipped,
+        predictions,
+        world_size,
     )
     reporter.summary(outcome, time.monotonic() - started)
     return outcome
+
+
+def _probe(
+    db: database.Database,
+    source: str,
+    code: str,
+    source_path: Path,
+    entry: str,
+    in_source: bool,
+    search_path: list[str],
+    plan: Any,
+) -> dict[str, Any]:
+    """The serial probe of the model: from the database when this source was probed, else run."""
+    from macrogen.autotune import probe
+
+    wanted = database.source_hash(source)
+    for record in db.records:
+        found = record.get("layout_probe")
+        if isinstance(found, dict) and found.get("source_hash") == wanted:
+            if record.get("key", {}).get("entry") == entry:
+                return found
+    try:
+        profile, shape = probe.run(code, source_path.name, entry, in_source, search_path, plan)
+    except probe.ProbeError as e:
+        raise AutotuneError(
+            f"{source_path}: probing the model for its layout failed: {e}"
+        ) from None
+    return {
+        "profile": profile.__dict__,
+        "shape": {"blocks": shape.blocks, "divisible": dict(shape.divisible)},
+        "source_hash": wanted,
+    }
 
 
 def no_effect(param: space.Parameter, env: space.TuningEnv) -> str | None:
@@ -238,6 +301,7 @@ class _Book:
         self.new = 0
         self.measured_now: set[str] = set()
         self.bumped = False  # the record's generation is raised once per run that changes it
+        self.probe: dict[str, Any] | None = None  # layouts: the serial probe, kept in the record
 
     def known(self, values: Mapping[str, Any]) -> dict[str, Any] | None:
         if self.record_ is None:
@@ -257,6 +321,11 @@ class _Book:
             entry.update(time_s=float(f"{m.time_s:.6g}"), samples=m.samples)
             if m.signature != record["key"]["signature"]:
                 entry["signature"] = m.signature
+            if m.peak_bytes:
+                entry["peak_bytes"] = list(m.peak_bytes)
+            tokens = m.signature.get("tokens")
+            if isinstance(tokens, (int, float)) and m.time_s:
+                entry["tokens_s"] = float(f"{tokens / m.time_s:.6g}")
         else:
             entry["error"] = m.error
         ident = database.canonical(m.values)
@@ -308,6 +377,9 @@ class _Book:
         changed = record.get("winner") != encoded or record.get("source_hash") != self.source_hash
         record["winner"] = encoded
         record["source_hash"] = self.source_hash
+        if self.probe is not None and record.get("layout_probe") != self.probe:
+            record["layout_probe"] = self.probe
+            changed = True
         if (changed or self.new) and not self.bumped:
             record["generation"] = self.db.next_generation()
             record["environment"] = environment.versions()

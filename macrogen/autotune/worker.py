@@ -120,6 +120,9 @@ def _measure_group(
 
     out: dict[str, dict] = {}
     steps: dict[str, Callable[[], Any]] = {}
+    # layouts (one candidate per group): each builds its own mesh; memory above the baseline
+    layout = bool(job.get("layout"))
+    baseline: dict[str, int] = {}
     signatures: dict[str, dict] = {}
     times: dict[str, list[float]] = {}
     ran_out = False
@@ -129,6 +132,15 @@ def _measure_group(
             break
         cid = candidate["id"]
         started(cid)
+        if layout:
+            from macrogen.autotune import process_memory
+            from macrogen.runtime import mesh
+
+            mesh.reset()
+            process_memory.warm_process(distributed)  # cheap; torch's one-time buffers come before
+            process_memory.trim()
+            baseline[cid] = process_memory.rss()
+            process_memory.reset_peak()
         try:
             step, signatures[cid] = _agree(
                 distributed, "setup", lambda c=candidate: _build(c, job, entry_factory)
@@ -162,8 +174,22 @@ def _measure_group(
             "samples": len(times[cid]),
             "signature": signatures[cid],
         }
+        if layout:
+            out[cid]["peak_bytes"] = _peaks(baseline[cid], distributed)
     steps.clear()
     return [out[c["id"]] for c in group if c["id"] in out], ran_out
+
+
+def _peaks(baseline: int, distributed: bool) -> list[int]:
+    """Each rank's peak memory since its candidate was built, above the memory before."""
+    from macrogen.autotune import process_memory
+
+    mine = max(0, process_memory.peak() - baseline)
+    if not distributed:
+        return [mine]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [int(x) for x in every]
 
 
 def _build(candidate: dict, job: dict, entry_factory: Any) -> tuple[Callable[[], Any], dict]:

@@ -78,13 +78,35 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--retry-failed", action="store_true", help="measure again candidates that failed before"
     )
+    layout = p.add_argument_group('layouts (mg.parallelize\'s degrees, layout="auto")')
+    layout.add_argument(
+        "--memory-per-rank",
+        metavar="SIZE",
+        help="prune layouts predicted over this memory per rank (80GB, 512MiB)",
+    )
+    layout.add_argument(
+        "--noise",
+        type=float,
+        default=0.05,
+        metavar="FRACTION",
+        help="stop when no layout left is predicted faster than the best by this much",
+    )
+    layout.add_argument(
+        "--exhaustive", action="store_true", help="measure every feasible layout (no early stop)"
+    )
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from macrogen.autotune.measure import Timing
+    from macrogen.autotune.memory import parse_bytes
     from macrogen.autotune.tuner import AutotuneError, autotune
 
+    try:
+        memory = None if args.memory_per_rank is None else parse_bytes(args.memory_per_rank)
+    except ValueError as e:
+        print(f"macrogen autotune: error: --memory-per-rank: {e}", file=sys.stderr)
+        return 2
     try:
         outcome = autotune(
             args.file,
@@ -103,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
                 timeout=args.timeout,
             ),
             retry_failed=args.retry_failed,
+            memory_per_rank=memory,
+            noise=float("-inf") if args.exhaustive else args.noise,
         )
     except ExpansionError as e:
         print(e.report(), file=sys.stderr)

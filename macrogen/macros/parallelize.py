@@ -21,19 +21,25 @@ Arguments (each may be ``define``d or a ``tunable``, but ``tp_plan``):
 replicate/zero1 ``bucket_mb`` (25) and ``compress`` (None, "bf16", "fp16"); for fsdp
 ``reshard_after_forward`` (True), ``mixed_precision`` (None, "bf16", "fp16"),
 ``cpu_offload`` (False), ``shard_units`` (None: the repeated layer list; or a list of
-paths) and ``dp_replicate`` (1; R > 1: HSDP over R replicas).
+paths) and ``dp_replicate`` (1; R > 1: HSDP over R replicas); ``microbatches`` (1: per
+step through a pipeline; nothing changes while pp is 1).
+
+``layout="auto"`` stands for every layout (tp, pp, dp mode, micro-batches) that
+``macrogen autotune`` finds feasible for its world size: one tunable, keyed
+``<site>.layout``, whose choices are layout names (``"tp2 pp1 fsdp mb1"``).
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import libcst as cst
 
-from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, render
+from macrogen.autotune import layouts
+from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, TuningEnv, render
 from macrogen.macros import redundant
 
 NAME = "parallelize"
@@ -62,7 +68,10 @@ DEFAULTS: dict[str, Any] = {
     "cpu_offload": False,
     "shard_units": None,
     "dp_replicate": 1,
+    "microbatches": 1,
+    "layout": None,
 }
+LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches")
 FSDP_ONLY = (
     "reshard_after_forward",
     "mixed_precision",
@@ -88,6 +97,7 @@ class Spec:
     cpu_offload: bool  # fsdp: sharded parameters and gradients in CPU memory
     shard_units: tuple[str, ...] | None  # fsdp: the modules sharded one by one
     dp_replicate: int  # fsdp: > 1 is HSDP
+    microbatches: int  # per step, through a pipeline (pp > 1)
 
 
 def _degree(v: Any) -> str | None:
@@ -134,6 +144,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "cpu_offload": _bool,
     "shard_units": _units,
     "dp_replicate": _degree,
+    "microbatches": _degree,
 }
 
 
@@ -144,6 +155,8 @@ def validate(site: Site, ctx: Context) -> Spec:
             f"parallelize() takes the model first: {USAGE}", site.call or site.original
         )
     values = {k: args[k].value if k in args else d for k, d in DEFAULTS.items() if k != "model"}
+    if "layout" in args:
+        values.update(_auto_layout(site, args, ctx))
     for name, arg in args.items():
         if name in CHECKS:
             _check(name, arg, ctx)
@@ -151,7 +164,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         raise MacroError(
             "pp > 1: cutting a built model into pipeline stages is not supported yet; use"
             " @mg.pipeline on the model's class (docs/pipeline.md)",
-            args["pp"].node,
+            (args.get("pp") or args["layout"]).node,
         )
     for name in FSDP_ONLY if values["dp"] != "fsdp" else NOT_FSDP:
         if name in args:
@@ -162,10 +175,10 @@ def validate(site: Site, ctx: Context) -> Spec:
     if "dp" in args and redundant.may_be(ctx, args["dp"], "fsdp"):
         redundant.fully_sharded(ctx, args["dp"], site.line, 'dp="fsdp"')
     plan, hf = _plan(args.get("tp_plan"))
-    tp_arg = args.get("tp")
-    if (plan is None and not hf) and tp_arg is not None and tp_arg.value != 1:
+    tp_arg = args.get("tp") or args.get("layout")
+    if (plan is None and not hf) and tp_arg is not None and values["tp"] != 1:
         raise MacroError(
-            f"tp={tp_arg.value} needs a plan: tp_plan={{'path.to.layer': 'colwise', ...}} or"
+            f"tp={values['tp']} needs a plan: tp_plan={{'path.to.layer': 'colwise', ...}} or"
             ' tp_plan="hf" (the plan a transformers model ships)',
             tp_arg.node,
         )
@@ -183,7 +196,46 @@ def validate(site: Site, ctx: Context) -> Spec:
         cpu_offload=values["cpu_offload"],
         shard_units=None if values["shard_units"] is None else tuple(values["shard_units"]),
         dp_replicate=values["dp_replicate"],
+        microbatches=values["microbatches"],
     )
+
+
+def _auto_layout(site: Site, args: dict[str, Arg], ctx: Context) -> dict[str, Any]:
+    """``layout="auto"``: one tunable over every layout's name; the degrees of the chosen one."""
+    arg = args["layout"]
+    if arg.value != "auto" or arg.tunable is not None:
+        raise MacroError(
+            'layout must be "auto" (every feasible layout, chosen by macrogen autotune)', arg.node
+        )
+    given = [name for name in LAYOUT_ARGUMENTS if name in args]
+    if given:
+        raise MacroError(
+            f'layout="auto" chooses tp, pp, dp and microbatches; leave out {", ".join(given)}',
+            args[given[0]].node,
+        )
+    key = f"{site.qualname}.layout"
+    choices = layouts.auto_choices()
+    name = ctx.tunable(key, choices[0], choices, arg.node, site.line)
+    # the site's arguments, as autotune's constraint sees them, hold the tunable's key
+    cast("dict[str, Arg]", site.args.keywords)["layout"] = replace(arg, value=name, tunable=key)
+    chosen = layouts.parse(name)
+    return {"tp": chosen.tp, "pp": chosen.pp, "dp": chosen.dp, "microbatches": chosen.microbatches}
+
+
+def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
+    """A layout that can't run on env's world size, or that mg.parallelize can't run yet."""
+    layout = layouts.from_arguments(arguments)
+    if layout is None:
+        return None
+    if layout.pp == 1:  # micro-batches change nothing without a pipeline
+        layout = replace(layout, microbatches=1)
+    reason = layouts.infeasible(layout, env.world_size) or layouts.unsupported(layout)
+    if reason is None and layout.dp == "zero1" and "layout" in arguments:
+        # the program's optimizer is sharded by hand (mg.shard_optimizer), never for fsdp
+        reason = 'dp="zero1" under layout="auto": mg.shard_optimizer is not applied for it'
+    if reason is None and layout.tp > 1 and arguments.get("tp_plan") is None:
+        reason = f"tp={layout.tp} needs a tp_plan"
+    return reason
 
 
 def _check(name: str, arg: Arg, ctx: Context) -> None:

@@ -1,0 +1,167 @@
+"""Layout autotuning against an exhaustive sweep, and the models' honesty, on 1, 2 and 4 ranks.
+
+    python bench/layout_autotune.py [--world-sizes 1,2,4] [--dim 128] [--plot docs/layout_autotune.png]
+
+For each world size, examples/layout_auto.py (8 blocks, ``layout="auto"``) is
+tuned twice on gloo ranks (CPU; NCCL when CUDA is present): once exhaustively
+(every feasible layout measured) and once as ``macrogen autotune`` searches
+(the cost model's best first, early stopping). It prints, per layout, the
+measured step time and peak memory per rank beside the predictions:
+
+- raw: the cost model as the probe and bench/collectives.py's link make it;
+- fitted: the compute and communication scales fitted to every measured
+  layout of every world size at once (one pair for the whole table); for
+  memory, one per-rank constant (the runtime's own buffers), the median gap;
+
+then the search's winner against the sweep's best, and how many layouts each
+measured. ``--plot`` draws measured and predicted step time per layout
+(matplotlib, if installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+
+from macrogen.autotune import cost, database, layout_search, memory
+from macrogen.autotune.measure import Timing
+from macrogen.autotune.report import Reporter
+from macrogen.autotune.tuner import autotune
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "layout_auto.py"
+KEY = "build.parallelize.layout"
+
+
+def tune(src: Path, world: int, db: Path, exhaustive: bool, timing: Timing):
+    reporter = Reporter(Console(file=io.StringIO(), width=200), Console(file=io.StringIO()))
+    return autotune(
+        src,
+        entry=":build",
+        world_size=world,
+        tuning=db,
+        timing=timing,
+        reporter=reporter,
+        noise=-math.inf if exhaustive else 0.05,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-sizes", default="1,2,4")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--plot")
+    p.add_argument("--json", help="write the measured and predicted rows here")
+    args = p.parse_args()
+    timing = Timing(warmup=2, steps=args.steps, rounds=args.rounds, timeout=120)
+    rows = []  # (world, layout name, prediction, measured candidate)
+    searches = []
+    with tempfile.TemporaryDirectory(prefix="layout-bench-") as tmp:
+        src = Path(tmp) / "layout_auto.py"
+        text = EXAMPLE.read_text().replace(
+            "DIM, HIDDEN, BLOCKS, BATCH, SEQ = 64, 256,",
+            f"DIM, HIDDEN, BLOCKS, BATCH, SEQ = {args.dim}, {4 * args.dim},",
+        )
+        src.write_text(text)
+        for world in [int(w) for w in args.world_sizes.split(",")]:
+            full = tune(src, world, Path(tmp) / f"x{world}.json", True, timing)
+            found = tune(src, world, Path(tmp) / f"s{world}.json", False, timing)
+            preds = full.predictions or {}
+            measured = {
+                database.canonical(database.decode_values(c["values"])): c
+                for c in full.record["candidates"]
+                if "time_s" in c
+            }
+            for ident, pred in preds.items():
+                if ident in measured:
+                    rows.append((world, pred, measured[ident]))
+            best = min(c["time_s"] for c in measured.values())
+            winner = measured.get(database.canonical(found.winner or {}))
+            n_found = sum(1 for c in found.record["candidates"] if "time_s" in c)
+            searches.append((world, found.winner, winner, best, n_found, len(measured)))
+    fitted = cost.fit([(pred.step, c["time_s"]) for _, pred, c in rows])
+    offset = memory.fit_offset(
+        [(pred.memory.total, max(c["peak_bytes"])) for _, pred, c in rows if c.get("peak_bytes")]
+    )
+    print(
+        f"memory: the runtime's own per rank, fitted (median of measured - predicted): {memory.format_bytes(offset)}"
+    )
+    print(
+        f"fit over all {len(rows)} measured layouts: compute x{fitted.compute:.3f}, communication x{fitted.communication:.3f}"
+    )
+    print(
+        f"{'ranks':>5}  {'layout':<24} {'measured':>10} {'raw':>10} {'fitted':>10} {'err':>7}"
+        f" {'peak (max rank)':>16} {'predicted':>10} {'err':>7} {'+ fitted':>10} {'err':>7}"
+    )
+    plot_rows = []
+    for world, pred, c in sorted(rows, key=lambda r: (r[0], r[2]["time_s"])):
+        t, f = c["time_s"], fitted(pred.step)
+        peak = max(c.get("peak_bytes") or [0])
+        mem = pred.memory.total
+        print(
+            f"{world:>5}  {pred.layout.describe(world):<24} {t * 1e3:>8.1f}ms {pred.step.total * 1e3:>8.1f}ms"
+            f" {f * 1e3:>8.1f}ms {f / t - 1:>+7.0%} {memory.format_bytes(peak):>16}"
+            f" {memory.format_bytes(mem):>10} {mem / peak - 1 if peak else 0:>+7.0%}"
+            f" {memory.format_bytes(mem + offset):>10} {(mem + offset) / peak - 1 if peak else 0:>+7.0%}"
+        )
+        plot_rows.append((f"{world}: {pred.layout.describe(world)}", t, f))
+    for world, choice, winner, best, n_found, n_all in searches:
+        ratio = winner["time_s"] / best if winner else float("nan")
+        shown = layout_search.layouts.parse(choice[KEY]).describe(world) if choice else "-"
+        print(
+            f"{world} rank(s): search measured {n_found} of {n_all}; winner {shown}:"
+            f" x{ratio:.3f} of the sweep's best (measured in the sweep)"
+        )
+    if args.json:
+        import json
+
+        Path(args.json).write_text(
+            json.dumps(
+                [
+                    {
+                        "world": w,
+                        "layout": pred.layout.name(),
+                        "time_s": c["time_s"],
+                        "peak_bytes": c.get("peak_bytes"),
+                        "step": pred.step.__dict__,
+                        "memory": {**pred.memory.__dict__, "total": pred.memory.total},
+                    }
+                    for w, pred, c in rows
+                ],
+                indent=1,
+            )
+        )
+    if args.plot:
+        plot(plot_rows, args.plot)
+
+
+def plot(rows: list, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r[1] * 1e3 for r in rows], 0.4, label="measured")
+    ax.bar([x + 0.2 for x in xs], [r[2] * 1e3 for r in rows], 0.4, label="predicted (fitted)")
+    ax.set_xticks(list(xs), [r[0] for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("step time (ms)")
+    ax.set_title("examples/layout_auto.py on gloo ranks: measured vs predicted")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

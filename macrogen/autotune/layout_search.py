@@ -1,0 +1,144 @@
+"""Autotuning an ``mg.parallelize`` layout: prune, predict, measure the best first, stop early.
+
+    candidates --same layout?--> one each --probe--> shape and memory rules --> feasible
+    feasible --cost model--> order (predicted best first) --measure--> fit --> stop when
+    no remaining layout's fitted prediction beats the measured best by more than the noise
+
+A candidate is a dict of tunable values; ``layout_of`` reads the site's
+arguments with them in place (``layout="auto"``'s name, or the degrees).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from macrogen.autotune import cost, database, layouts, memory
+from macrogen.autotune.layouts import Layout, ModelShape
+from macrogen.autotune.memory import Profile
+from macrogen.autotune.space import Parameter, Space
+from macrogen.expand.context import SiteArguments
+
+ARGUMENTS = ("tp", "pp", "dp", "microbatches", "layout")
+
+
+def site_of(params: tuple[Parameter, ...]) -> SiteArguments | None:
+    """The ``mg.parallelize`` site whose degrees are tuned, if any."""
+    for p in params:
+        if p.macro == "parallelize" and p.argument in ARGUMENTS and p.site is not None:
+            return p.site
+    return None
+
+
+def layout_of(site: SiteArguments, candidate: Mapping[str, Any]) -> Layout | None:
+    arguments = dict(site.values)
+    for argument, key in site.tunables.items():
+        if key in candidate:
+            arguments[argument] = candidate[key]
+    layout = layouts.from_arguments(arguments)
+    if layout is not None and layout.pp == 1:
+        layout = replace(layout, microbatches=1)  # micro-batches change nothing without stages
+    return layout
+
+
+def machine_for(target: str, world: int) -> cost.Machine:
+    """This machine: gloo over loopback on CPU (ranks share the cores), one node on CUDA."""
+    if target == "cpu":
+        slowdown = max(1.0, world / (os.cpu_count() or 1))
+        return cost.Machine(world, cost.GLOO_LOCAL, cost.GLOO_LOCAL, slowdown)
+    nvlink = cost.Link("nvlink", 300e9)
+    return cost.Machine(world, nvlink, nvlink)
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step: cost.Step
+    memory: memory.Breakdown
+
+
+def prepare(
+    cspace: Space,
+    site: SiteArguments,
+    profile: Profile,
+    shape: ModelShape,
+    world: int,
+    machine: cost.Machine,
+    memory_limit: float | None = None,
+) -> tuple[Space, dict[str, Prediction]]:
+    """The feasible candidates, one per layout, ordered by predicted step time; the rest with why."""
+    kept: list[tuple[float, dict[str, Any]]] = []
+    excluded = list(cspace.excluded)
+    seen: dict[Layout, str] = {}
+    predictions: dict[str, Prediction] = {}
+    for candidate in cspace.candidates:
+        layout = layout_of(site, candidate)
+        if layout is None:
+            excluded.append((candidate, "not a layout the models know (dp='none'?)"))
+            continue
+        if layout in seen:
+            excluded.append((candidate, f"the same layout as {seen[layout]}"))
+            continue
+        seen[layout] = layout.name()
+        reason = layouts.infeasible(layout, world, shape)
+        mem = memory.predict(profile, layout, world)
+        if reason is None and memory_limit is not None and mem.total > memory_limit:
+            reason = (
+                f"predicted {memory.format_bytes(mem.total)} per rank, over"
+                f" {memory.format_bytes(memory_limit)}"
+            )
+        if reason is not None:
+            excluded.append((candidate, reason))
+            continue
+        step = cost.predict(profile, layout, world, machine)
+        predictions[database.canonical(candidate)] = Prediction(layout, step, mem)
+        kept.append((step.total, candidate))
+    kept.sort(key=lambda item: item[0])
+    ordered = tuple(c for _, c in kept)
+    return Space(cspace.parameters, ordered, tuple(excluded), cspace.sampled), predictions
+
+
+@dataclass
+class LayoutSearch:
+    """``search.Search``'s interface: the predicted best first, early stopping on the fit."""
+
+    order: list[dict[str, Any]]
+    predictions: dict[str, Prediction]
+    noise: float = 0.05  # a layout must be predicted this much faster than the best to be measured
+    strategy: str = "cost model"
+    patience: int | None = None
+    best: float | None = None
+    seen: list[float | None] = field(default_factory=list)
+    fitted: cost.Fit = field(default_factory=cost.Fit)
+
+    def observe(self, time_s: float | None) -> None:
+        self.seen.append(time_s)
+        if time_s is not None and (self.best is None or time_s < self.best):
+            self.best = time_s
+        points = [
+            (self.predictions[database.canonical(c)].step, t)
+            for c, t in zip(self.order, self.seen)
+            if t is not None
+        ]
+        self.fitted = cost.fit(points)
+
+    def predicted(self, candidate: Mapping[str, Any]) -> float:
+        return self.fitted(self.predictions[database.canonical(candidate)].step)
+
+    @property
+    def done(self) -> bool:
+        if len(self.seen) >= len(self.order):
+            return True
+        measured = [t for t in self.seen if t is not None]
+        if len(measured) < 2 or self.best is None:
+            return False  # one point fits one scale: the ranking is still the raw model's
+        rest = min(self.predicted(c) for c in self.order[len(self.seen) :])
+        return rest >= self.best * (1 - self.noise)
+
+    @property
+    def stop_reason(self) -> str:
+        if len(self.seen) >= len(self.order):
+            return "complete"
+        return "early stop" if self.done else "incomplete"

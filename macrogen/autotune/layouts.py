@@ -1,0 +1,147 @@
+"""Parallel layouts: tensor x pipeline x data ways, the data-parallel mode, micro-batches.
+
+A layout is what ``mg.parallelize`` is asked for; the data-parallel degree is
+what the other degrees leave of the world size. This module is pure (no torch):
+the autotuner, ``macrogen plan`` and the macro's feasibility rule share it.
+
+    Layout(tp=2, pp=1, dp="fsdp").name()          -> "tp2 pp1 fsdp mb1"
+    infeasible(Layout(tp=4), world=4, shape)      -> "layers.0.attn.n_head = 6 is not divisible by tp=4"
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+DP_MODES = ("replicate", "zero1", "fsdp")
+# What layout="auto" offers at expansion time, before the world size is known (it prunes).
+AUTO_TP = (1, 2, 4, 8)
+AUTO_PP = (1, 2, 4)
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    tp: int = 1  # tensor-parallel ways
+    pp: int = 1  # pipeline stages
+    dp: str = "replicate"  # the data-parallel mode over the remaining ways
+    microbatches: int = 1  # per step, through the pipeline (1 without one)
+
+    def dp_size(self, world: int) -> int:
+        return world // (self.tp * self.pp)
+
+    def name(self) -> str:
+        return f"tp{self.tp} pp{self.pp} {self.dp} mb{self.microbatches}"
+
+    def describe(self, world: int) -> str:
+        """``tp2 x dp2 (fsdp)``: the degrees as they multiply to the world size."""
+        parts = [f"tp{self.tp}"] if self.tp > 1 else []
+        if self.pp > 1:
+            parts.append(f"pp{self.pp} (mb{self.microbatches})")
+        parts.append(f"dp{self.dp_size(world)} ({self.dp})")
+        return " x ".join(parts)
+
+
+_NAME = re.compile(r"tp(\d+) pp(\d+) (\w+) mb(\d+)")
+
+
+def parse(text: str) -> Layout:
+    """The layout a ``name()`` spells; ValueError for anything else."""
+    m = _NAME.fullmatch(text.strip())
+    if m is None or m.group(3) not in DP_MODES:
+        raise ValueError(f"not a layout: {text!r} (expected e.g. 'tp2 pp1 fsdp mb1')")
+    tp, pp, mb = int(m.group(1)), int(m.group(2)), int(m.group(4))
+    if min(tp, pp, mb) < 1:
+        raise ValueError(f"not a layout: {text!r} (degrees are >= 1)")
+    return Layout(tp, pp, m.group(3), mb)
+
+
+def microbatch_choices(pp: int) -> tuple[int, ...]:
+    """Micro-batches worth trying for ``pp`` stages: none without a pipeline, else 2x and 4x."""
+    return (1,) if pp == 1 else (2 * pp, 4 * pp)
+
+
+def auto_choices() -> tuple[str, ...]:
+    """Every layout ``layout="auto"`` stands for, by name; the default (all data parallel) first."""
+    out = []
+    for tp, pp, dp in itertools.product(AUTO_TP, AUTO_PP, DP_MODES):
+        for mb in microbatch_choices(pp):
+            out.append(Layout(tp, pp, dp, mb).name())
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What feasibility needs to know of the model (from a probe of the built model)."""
+
+    blocks: int | None = None  # the repeated layer list's length; None: unknown
+    # every size tp must divide: "layers.0.attn.n_head" -> 6, "layers.0.mlp.fc out features" -> 256
+    divisible: Mapping[str, int] = field(default_factory=dict)
+
+
+def infeasible(layout: Layout, world: int, shape: ModelShape | None = None) -> str | None:
+    """Why ``layout`` cannot run on ``world`` ranks, or None; the first reason found."""
+    ways = layout.tp * layout.pp
+    if world % ways:
+        return f"tp x pp = {ways} does not divide the world size {world}"
+    if layout.pp == 1 and layout.microbatches != 1:
+        return "micro-batches without a pipeline (pp=1) are the same layout as mb1"
+    if layout.dp != "replicate" and layout.dp_size(world) == 1:
+        return f"one data-parallel rank: {layout.dp} is the same layout as replicate"
+    shape = shape or ModelShape()
+    for what, size in shape.divisible.items():
+        if size % layout.tp:
+            return f"{what} = {size} is not divisible by tp={layout.tp}"
+    if shape.blocks is not None and shape.blocks < layout.pp:
+        return f"{shape.blocks} blocks cannot fill {layout.pp} pipeline stages"
+    return None
+
+
+def unsupported(layout: Layout) -> str | None:
+    """Why ``mg.parallelize`` cannot run a feasible layout yet (it is predicted, not measured)."""
+    if layout.pp > 1:
+        return "pp > 1: mg.parallelize does not cut a built model into stages yet"
+    if layout.dp == "zero1" and layout.tp > 1:
+        return 'dp="zero1" with tp > 1 is not supported by mg.parallelize yet'
+    return None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(
+    world: int, *, max_tp: int = 8, max_pp: int | None = None
+) -> Iterator[Layout]:
+    """Every layout whose degrees multiply to ``world`` (tp <= max_tp: one node's links)."""
+    for tp in divisors(world):
+        if tp > max_tp:
+            continue
+        for pp in divisors(world // tp):
+            if max_pp is not None and pp > max_pp:
+                continue
+            for dp in DP_MODES:
+                for mb in microbatch_choices(pp):
+                    yield Layout(tp, pp, dp, mb)
+
+
+def from_arguments(arguments: Mapping[str, object]) -> Layout | None:
+    """The layout an ``mg.parallelize`` site's arguments (a candidate's values in place) ask for.
+
+    ``layout="auto"``'s tunable holds a layout's name; else the degrees are the
+    arguments ``tp``, ``pp``, ``dp``, ``microbatches`` (their defaults when absent).
+    None when they are not a layout this module models (``dp="none"``, a bad value).
+    """
+    named = arguments.get("layout")
+    if isinstance(named, str) and named != "auto":
+        try:
+            return parse(named)
+        except ValueError:
+            return None
+    tp, pp = arguments.get("tp", 1), arguments.get("pp", 1)
+    dp, mb = arguments.get("dp", "replicate"), arguments.get("microbatches", 1)
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (tp, pp, mb))
+    if not ints or dp not in DP_MODES:
+        return None
+    return Layout(tp, pp, dp, mb)  # type: ignore[arg-type]

@@ -1,0 +1,149 @@
+"""Peak memory per rank of a layout, predicted from one serial probe of the model.
+
+Pure functions over a ``Profile`` (what ``probe.py`` measures on one process,
+or what a test writes down). Bytes are above the process's memory before the
+model was built, the same quantity the autotune worker measures on each rank:
+
+    params   P x tp share x pipeline share          (fsdp: / D, + one gathered block)
+    state    S x the same shares                    (zero1 and fsdp: / D)
+    grads and activations (the step's transient):
+             grads as the parameters (fsdp: / D + one block's)
+             activations A / D (the global batch is split over the data ranks)
+                         x tp share x (1/pp) x in-flight micro-batches / micro-batches
+
+The peak is the larger of a step's and the build's: ``mg.parallelize`` takes a
+built model, so every rank holds the whole serial model while it cuts its
+shards (P, plus the shards made before the whole is freed).
+
+S is the optimizer's state (the probe counts the tensors of the optimizer over
+the model); A is a step's peak above the memory between steps (which already
+holds one copy of the gradients). The tensor-parallel share of anything is f/tp + (1 - f), f the
+fraction of the parameters in planned (sharded) layers; a pipeline stage holds
+1/pp of the blocks and, conservatively, all the rest (embeddings, head). Under
+1F1B the first stage holds min(pp, microbatches) micro-batches' activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from macrogen.autotune.layouts import Layout
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The model, measured once on one process (serial, the whole global batch)."""
+
+    param_bytes: int  # every parameter
+    sharded_bytes: int  # of those, in the tensor-parallel plan's sharded layers
+    block_bytes: int  # of those, in the repeated blocks
+    blocks: int  # the repeated blocks (0: none found)
+    state_bytes: int  # the optimizer's state
+    transient_bytes: int  # gradients + activations: a step's peak above parameters + state
+    step_s: float = 0.0  # one serial step
+    block_s: float = 0.0  # of it, the blocks' forward + backward
+    message_bytes: int = 0  # one block's output for the whole batch (what TP all-reduces)
+
+    @property
+    def sharded_fraction(self) -> float:
+        return self.sharded_bytes / self.param_bytes if self.param_bytes else 0.0
+
+    @property
+    def block_fraction(self) -> float:
+        return self.block_bytes / self.param_bytes if self.param_bytes else 0.0
+
+    @property
+    def activation_bytes(self) -> int:
+        return max(0, self.transient_bytes - self.param_bytes)
+
+
+def tp_share(profile: Profile, tp: int) -> float:
+    f = profile.sharded_fraction
+    return f / tp + (1 - f)
+
+
+def pp_share(profile: Profile, pp: int) -> float:
+    f = profile.block_fraction
+    return f / pp + (1 - f)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    params: float
+    state: float
+    grads: float
+    activations: float
+    build: float = 0.0  # while the serial model is cut into this rank's shards
+
+    @property
+    def step(self) -> float:
+        return self.params + self.state + self.grads + self.activations
+
+    @property
+    def total(self) -> float:
+        return max(self.step, self.build)
+
+
+def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
+    """Predicted peak bytes on the busiest rank (the first pipeline stage)."""
+    d = layout.dp_size(world)
+    share = tp_share(profile, layout.tp) * pp_share(profile, layout.pp)
+    params = profile.param_bytes * share
+    state = profile.state_bytes * share
+    one_block = (
+        profile.block_bytes / profile.blocks * tp_share(profile, layout.tp)
+        if profile.blocks
+        else 0.0
+    )
+    grads = params
+    if layout.dp in ("zero1", "fsdp"):
+        state /= d
+    if layout.dp == "fsdp":
+        params = params / d + one_block  # one unit gathered while it runs
+        grads = grads / d + one_block  # one unit's full gradient before its reduce-scatter
+    in_flight = min(layout.pp, layout.microbatches) / layout.microbatches
+    activations = (
+        profile.activation_bytes / d * tp_share(profile, layout.tp) / layout.pp * in_flight
+    )
+    sharded = layout.tp > 1 or layout.pp > 1 or layout.dp == "fsdp"
+    build = profile.param_bytes + (params if sharded else 0.0)
+    return Breakdown(params, state, grads, activations, build)
+
+
+def fit_offset(points: list[tuple[float, float]]) -> float:
+    """Per-rank memory the model leaves out (runtime buffers, process groups), from measured
+    layouts: the median of measured - predicted, (predicted, measured) pairs; 0 without any."""
+    if not points:
+        return 0.0
+    gaps = sorted(m - p for p, m in points)
+    mid = len(gaps) // 2
+    return max(0.0, gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2)
+
+
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def parse_bytes(text: str) -> float:
+    """``80GB``, ``512MiB``, ``1e9`` -> bytes; ValueError naming the text otherwise."""
+    t = text.strip().upper()
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if t.endswith(unit):
+            number, scale = t[: -len(unit)], UNITS[unit]
+            break
+    else:
+        number, scale = t, 1
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (expected e.g. 80GB or 512MiB)") from None
+    if value <= 0:
+        raise ValueError(f"not a size: {text!r} (must be positive)")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"

@@ -1,0 +1,97 @@
+"""``macrogen plan``: every layout of a world size, ranked by the cost and memory models.
+
+The model is probed once on this machine (``probe.py``; or its probe is read
+from the tuning database, when ``autotune`` made one for this source), then
+every layout of ``world`` ranks is pruned (feasibility, memory per device) and
+ranked by predicted step time on the given links. Nothing runs on the
+machines planned for: compute is the probe's serial step divided by
+``speedup`` (how much faster the target device runs it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from macrogen.autotune import cost, database, layouts, memory
+from macrogen.autotune.layouts import Layout, ModelShape
+from macrogen.expand import expand_source
+from macrogen.files import read_source
+
+
+class PlanError(Exception):
+    """The request or the model cannot be planned (one line, for the user)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    layout: Layout
+    step: cost.Step | None
+    memory: memory.Breakdown
+    reason: str | None  # infeasible, or over the memory
+    note: str | None  # feasible, but mg.parallelize can't run it yet (predicted only)
+
+
+def plan(
+    path: str | os.PathLike[str],
+    *,
+    entry: str,
+    world_size: int,
+    machine: cost.Machine,
+    device_memory: float | None = None,
+    speedup: float = 1.0,
+    tuning: str | os.PathLike[str] | None = None,
+) -> tuple[list[Row], memory.Profile]:
+    """Every layout of ``world_size``: the feasible ones by predicted step time, then the rest."""
+    from macrogen.autotune.tuner import AutotuneError, _probe
+
+    source_path = Path(path)
+    source = read_source(source_path.read_bytes())[0]
+    expansion = expand_source(source, path=source_path.name)
+    sites = [s for s in expansion.arguments if s.macro == "parallelize"]
+    if not sites:
+        raise PlanError(f"{source_path}: no mg.parallelize(...) to plan")
+    module, _, _ = entry.partition(":")
+    search_path = [str(source_path.parent.resolve()), os.getcwd()]
+    db_path = Path(tuning) if tuning is not None else database.default_path(source_path)
+    db = database.Database(db_path)
+    try:
+        probed = _probe(
+            db,
+            source,
+            expansion.code,
+            source_path,
+            entry,
+            not module,
+            search_path,
+            sites[0].values.get("tp_plan"),
+        )
+    except AutotuneError as e:
+        raise PlanError(str(e)) from None
+    profile = memory.Profile(**probed["profile"])
+    profile = replace(profile, step_s=profile.step_s / speedup, block_s=profile.block_s / speedup)
+    shape = ModelShape(probed["shape"]["blocks"], probed["shape"]["divisible"])
+    return rank(profile, shape, world_size, machine, device_memory), profile
+
+
+def rank(
+    profile: memory.Profile,
+    shape: ModelShape,
+    world: int,
+    machine: cost.Machine,
+    device_memory: float | None = None,
+) -> list[Row]:
+    rows = []
+    for layout in layouts.enumerate_layouts(world, max_tp=machine.per_node):
+        mem = memory.predict(profile, layout, world)
+        reason = layouts.infeasible(layout, world, shape)
+        if reason is None and device_memory is not None and mem.total > device_memory:
+            reason = (
+                f"predicted {memory.format_bytes(mem.total)} per rank, over"
+                f" {memory.format_bytes(device_memory)}"
+            )
+        step = cost.predict(profile, layout, world, machine) if reason is None else None
+        rows.append(Row(layout, step, mem, reason, layouts.unsupported(layout)))
+    rows.sort(key=lambda r: (r.step is None, r.step.total if r.step else 0.0, r.layout))
+    return rows

@@ -1,0 +1,265 @@
+"""One serial run of the model that the layout models start from: ``python -m macrogen.autotune.probe JOB``.
+
+The autotuner (and ``macrogen plan``) expands the file with its default layout,
+builds the step through the entry on one process, and measures what
+``memory.Profile`` and ``layouts.ModelShape`` hold: parameter bytes (all, in
+the tensor-parallel plan's layers, in the repeated blocks), every size the plan
+asks ``tp`` to divide, one block's output, the step's and the blocks' time, and
+the process's memory between steps and at a step's peak.
+
+Memory is measured as ``macrogen.autotune.process_memory`` says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from macrogen.autotune.layouts import ModelShape
+from macrogen.autotune.memory import Profile
+from macrogen.autotune.process_memory import peak, reset_peak, rss, trim, warm_process
+
+
+class ProbeError(Exception):
+    """The serial run failed: the message says where."""
+
+
+# -- the probe itself ------------------------------------------------------------------------
+def main(job_path: str, out_path: str) -> int:
+    import torch
+
+    from macrogen.autotune import worker
+
+    job = json.loads(Path(job_path).read_text())
+    # one thread, as each rank under torchrun (OMP_NUM_THREADS=1) and torch.utils.benchmark's
+    # Timer on one process run: the serial step is then comparable to what autotune measures
+    torch.set_num_threads(1)
+    for entry in reversed(job["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    try:
+        result = _probe(job, torch, worker)
+    except ProbeError as e:
+        result = {"error": str(e)}
+    except BaseException as e:  # the user's code: report it, the parent decides
+        result = {"error": f"the serial run raised {worker._describe(e)}"}
+    Path(out_path).write_text(json.dumps(result))
+    return 0
+
+
+def _probe(job: dict, torch: Any, worker: Any) -> dict:
+    from macrogen.runtime.fully_sharded import repeated_layers
+
+    factory = worker._entry_factory(job)
+    if isinstance(factory, str):
+        raise ProbeError(factory)
+    module = worker._import_file(job["file"], job["module"])
+    if factory is None:
+        factory = getattr(module, job["entry"].split(":", 1)[1], None)
+        if not callable(factory):
+            raise ProbeError(f"the tuned file defines no callable {job['entry']!r} (--entry)")
+    warm_process()
+    trim()
+    torch.manual_seed(0)
+    base = rss()
+    made = factory(module) if worker._takes_an_argument(factory) else factory()
+    parts = made if isinstance(made, tuple) else (made,)
+    models = [p for p in parts if isinstance(p, torch.nn.Module)]
+    steps = [p for p in parts if callable(p) and not isinstance(p, torch.nn.Module)]
+    if len(models) != 1 or len(steps) != 1:
+        raise ProbeError(
+            "to tune a layout, the entry factory returns (model, step):"
+            " the models it predicts need the model"
+        )
+    model, step = models[0], steps[0]
+    params = {id(p): p for p in model.parameters()}
+    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    blocks = repeated_layers(model)
+    block_bytes = sum(
+        p.numel() * p.element_size()
+        for _, b in blocks
+        for p in {id(q): q for q in b.parameters()}.values()
+    )
+    sharded, divisible = _plan_sizes(model, job.get("plan"))
+    message: list[int] = []
+    block_time = [0.0]
+
+    def before(module: Any, args: Any) -> None:
+        block_time[0] -= time.perf_counter()
+
+    def after(module: Any, args: Any, output: Any) -> None:
+        block_time[0] += time.perf_counter()
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if not message and isinstance(out, torch.Tensor):
+            message.append(out.numel() * out.element_size())
+
+    hooks = []
+    for _, b in blocks:
+        hooks.append(b.register_forward_pre_hook(before))
+        hooks.append(b.register_forward_hook(after))
+    for _ in range(2):  # warm-up: optimizer state, allocator
+        step()
+    trim()  # the last step's activations, freed, are no longer resident
+    between = rss()
+    state = _optimizer_bytes(model, torch)  # None: no optimizer found over the model
+    reset_peak()
+    block_time[0] = 0.0
+    times = []
+    for _ in range(job.get("steps", 3)):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    top = peak()
+    for h in hooks:
+        h.remove()
+    step_s = statistics.median(times)
+    return {
+        "profile": {
+            "param_bytes": param_bytes,
+            "sharded_bytes": sharded,
+            "block_bytes": block_bytes,
+            "blocks": len(blocks),
+            # the optimizer's state: counted when the optimizer is found, else what the
+            # process holds between steps above the parameters and their gradients
+            "state_bytes": state if state is not None else max(0, between - base - 2 * param_bytes),
+            # gradients and activations: a step frees the gradients first (zero_grad) and
+            # makes them again in backward, so its peak above between-steps is the activations
+            "transient_bytes": max(0, top - between) + param_bytes,
+            "step_s": step_s,
+            # forward only was hooked: backward costs about twice the forward
+            "block_s": min(step_s, 3 * block_time[0] / len(times)),
+            "message_bytes": message[0] if message else 0,
+        },
+        "shape": {"blocks": len(blocks), "divisible": divisible},
+    }
+
+
+def _optimizer_bytes(model: Any, torch: Any) -> int | None:
+    """The state of the optimizers over ``model``'s parameters (found among live objects)."""
+    import gc
+
+    mine = {id(p) for p in model.parameters()}
+    total, found = 0, False
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        if not any(id(p) in mine for g in obj.param_groups for p in g["params"]):
+            continue
+        found = True
+        for state in obj.state.values():
+            for t in state.values():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    total += t.numel() * t.element_size()
+    return total if found else None
+
+
+def _plan_sizes(model: Any, plan: Any) -> tuple[int, dict[str, int]]:
+    """The bytes of the planned (sharded) layers, and each size tp must divide (first of each path)."""
+    from macrogen.runtime import parallelize as rt
+
+    if plan is None:
+        return 0, {}
+    if plan == "hf":
+        plan = rt.hf_plan(model)
+    plan = {k: tuple(v) if isinstance(v, list) else v for k, v in plan.items()}
+    sharded, divisible, seen = 0, {}, set()
+    for path, value in plan.items():
+        style = rt.Style.parse(value, path)
+        for name, owner, attr in rt._matches(model, path):
+            target = getattr(owner, attr)
+            what, size = _size(name, target, style)
+            if what is None:
+                continue
+            if isinstance(target, __import__("torch").nn.Module):
+                sharded += sum(p.numel() * p.element_size() for p in target.parameters())
+            if path not in seen:
+                seen.add(path)
+                divisible[what] = size
+    return sharded, divisible
+
+
+def _size(name: str, target: Any, style: Any) -> tuple[str | None, int]:
+    from macrogen.runtime import parallelize as rt
+
+    if style.kind == "replicate":
+        return None, 0
+    if style.kind == "divide":
+        return (name, target) if isinstance(target, int) else (None, 0)
+    if style.kind == "vocab":
+        return f"{name} rows", target.num_embeddings
+    kind = rt._kind(target)
+    if kind not in ("linear", "conv1d"):
+        return None, 0
+    out_features, in_features = (
+        target.weight.shape if kind == "linear" else target.weight.shape[::-1]
+    )
+    if style.kind == "rowwise":
+        return f"{name} in features", int(in_features)
+    return f"{name} out features", int(out_features) // style.blocks
+
+
+# -- the parent's side -----------------------------------------------------------------------
+def run(
+    code: str,
+    name: str,
+    entry: str,
+    entry_in_source: bool,
+    sys_path: list[str],
+    plan: Any,
+    *,
+    timeout: float = 300.0,
+) -> tuple[Profile, ModelShape]:
+    """Probe the expanded ``code`` (the file's default layout) in a process of its own."""
+    with tempfile.TemporaryDirectory(prefix="macrogen-probe-") as tmp:
+        work = Path(tmp)
+        file = work / name
+        file.write_text(code, encoding="utf-8")
+        job = {
+            "file": str(file),
+            "module": f"{file.stem}_mg_probe",
+            "entry": entry,
+            "entry_in_source": entry_in_source,
+            "sys_path": sys_path,
+            "plan": _jsonable(plan),
+        }
+        (work / "job.json").write_text(json.dumps(job))
+        env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "macrogen.autotune.probe", "job.json", "out.json"],
+                cwd=work,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired:
+            raise ProbeError(f"the serial run took over {timeout:g} s") from None
+        out = work / "out.json"
+        if not out.exists():
+            tail = " | ".join(proc.stderr.strip().splitlines()[-4:]) or "no output"
+            raise ProbeError(f"the serial run exited with status {proc.returncode}: {tail}")
+        result = json.loads(out.read_text())
+    if "error" in result:
+        raise ProbeError(result["error"])
+    shape = result["shape"]
+    return Profile(**result["profile"]), ModelShape(shape["blocks"], shape["divisible"])
+
+
+def _jsonable(plan: Any) -> Any:
+    if isinstance(plan, Mapping):
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in plan.items()}
+    return plan
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1], sys.argv[2]))

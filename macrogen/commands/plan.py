@@ -1,0 +1,127 @@
+"""Rank the parallel layouts of FILE's mg.parallelize for a machine this one is not.
+
+    macrogen plan train.py --entry :build --world-size 64 --gpu-memory 80GB \\
+        --link nvlink:900GB/s,ib:50GB/s
+
+The model is probed once here (a serial run through --entry, or the probe
+``macrogen autotune`` stored in the tuning database); each layout's step time
+and memory per rank are then predicted (docs/autotune.md, "Layouts"). Nothing
+is measured on the planned machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from macrogen.commands import HelpFormatter, describe
+from macrogen.expand import ExpansionError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan",
+        help="rank parallel layouts by predicted step time and memory",
+        description=describe(__doc__),
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("file", metavar="FILE", help="the source with mg.parallelize(...)")
+    p.add_argument(
+        "--entry",
+        default=":build",
+        metavar="MODULE:FACTORY",
+        help="factory returning (model, step), as for autotune",
+    )
+    p.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks planned for")
+    p.add_argument("--gpu-memory", metavar="SIZE", help="memory per device (80GB, 512MiB)")
+    p.add_argument(
+        "--link",
+        default="nvlink:900GB/s,ib:50GB/s",
+        metavar="LINKS",
+        help="within a node, across nodes: NAME:BANDWIDTH[,NAME:BANDWIDTH]",
+    )
+    p.add_argument(
+        "--gpus-per-node", type=int, default=8, metavar="N", help="ranks on the fast link"
+    )
+    p.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="how much faster a device runs the serial step than this machine's probe",
+    )
+    p.add_argument("--top", type=int, default=10, metavar="N", help="layouts to show")
+    p.add_argument("--tuning", metavar="DB", help="tuning database holding autotune's probe")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from macrogen.autotune import cost, memory
+
+    def usage(message: str) -> int:
+        print(f"macrogen plan: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.world_size < 1:
+        return usage(f"--world-size must be at least 1, not {args.world_size}")
+    if args.gpus_per_node < 1:
+        return usage(f"--gpus-per-node must be at least 1, not {args.gpus_per_node}")
+    if not args.speedup > 0:
+        return usage(f"--speedup must be positive, not {args.speedup}")
+    try:
+        intra, inter = cost.parse_links(args.link)
+        device_memory = None if args.gpu_memory is None else memory.parse_bytes(args.gpu_memory)
+    except ValueError as e:
+        return usage(str(e))
+    machine = cost.Machine(args.gpus_per_node, intra, inter)
+    from macrogen.autotune.planner import PlanError, plan
+
+    try:
+        rows, _ = plan(
+            args.file,
+            entry=args.entry,
+            world_size=args.world_size,
+            machine=machine,
+            device_memory=device_memory,
+            speedup=args.speedup,
+            tuning=args.tuning,
+        )
+    except ExpansionError as e:
+        print(e.report(), file=sys.stderr)
+        return 1
+    except (PlanError, OSError, SyntaxError) as e:
+        print(f"macrogen plan: error: {e}", file=sys.stderr)
+        return 1
+    _print(rows, args)
+    feasible = [r for r in rows if r.step is not None]
+    return 0 if feasible else 1
+
+
+def _print(rows: list, args: argparse.Namespace) -> None:
+    from macrogen.autotune.memory import format_bytes
+    from macrogen.autotune.report import format_time
+
+    feasible = [r for r in rows if r.step is not None]
+    print(
+        f"{len(feasible)} feasible layout(s) of {args.world_size} ranks"
+        f" ({args.gpus_per_node} per node, {args.link}), best first:"
+    )
+    header = f"{'#':>3}  {'layout':<28} {'step':>10} {'compute':>10} {'tp':>10} {'dp':>10} {'pp':>10} {'memory/rank':>12}"
+    print(header)
+    for i, r in enumerate(feasible[: args.top], 1):
+        s = r.step
+        note = f"  (predicted only: {r.note})" if r.note else ""
+        print(
+            f"{i:>3}  {r.layout.describe(args.world_size):<28} {format_time(s.total):>10}"
+            f" {format_time(s.compute):>10} {format_time(s.tensor):>10}"
+            f" {format_time(s.data):>10} {format_time(s.pipeline):>10}"
+            f" {format_bytes(r.memory.total):>12}{note}"
+        )
+    reasons: dict[str, int] = {}
+    for r in rows:
+        if r.reason is not None:
+            reasons[r.reason] = reasons.get(r.reason, 0) + 1
+    for reason, n in reasons.items():
+        print(f"infeasible ({n}): {reason}")
+    if not feasible:
+        print("no feasible layout", file=sys.stderr)

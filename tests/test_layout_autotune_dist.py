@@ -1,0 +1,85 @@
+"""``layout="auto"`` tuned on 4 gloo ranks: pruned with reasons, the predicted best first, early stop.
+
+A model of 8 blocks (examples/layout_auto.py, with ``n_head = 6``: tp=4 is
+infeasible). The run measures fewer layouts than there are feasible ones and
+prints the count; a rerun measures nothing; an edit makes the record stale.
+That the winner is within 5% of an exhaustive sweep's best, and the models'
+accuracy on 1, 2 and 4 ranks, are timing claims: ``bench/layout_autotune.py``.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from macrogen.autotune import database
+from macrogen.autotune.measure import Timing
+from macrogen.autotune.report import Reporter
+from macrogen.autotune.tuner import autotune
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "layout_auto.py"
+KEY = "build.parallelize.layout"
+
+
+def _run(src: Path) -> tuple[object, str]:
+    out = io.StringIO()
+    reporter = Reporter(Console(file=out, width=240), Console(file=io.StringIO()))
+    outcome = autotune(
+        src,
+        entry=":build",
+        world_size=4,
+        target="cpu",
+        timing=Timing(warmup=1, steps=2, rounds=1, timeout=60),
+        reporter=reporter,
+    )
+    return outcome, out.getvalue()
+
+
+def test_layout_auto_on_four_gloo_ranks(tmp_path: Path) -> None:
+    src = tmp_path / "layout_auto.py"
+    shutil.copy(EXAMPLE, src)
+    started = time.monotonic()
+    outcome, text = _run(src)
+    elapsed = time.monotonic() - started
+    feasible = [c[KEY] for c in outcome.space.candidates]
+    assert sorted(feasible) == [
+        "tp1 pp1 fsdp mb1",
+        "tp1 pp1 replicate mb1",
+        "tp2 pp1 fsdp mb1",
+        "tp2 pp1 replicate mb1",
+    ]
+    reasons = {c[KEY]: why for c, why in outcome.space.excluded}
+    assert reasons["tp4 pp1 replicate mb1"] == "layers.0.n_head = 6 is not divisible by tp=4"
+    assert "does not divide the world size 4" in reasons["tp8 pp1 replicate mb1"]
+    assert "does not cut a built model" in reasons["tp1 pp2 fsdp mb4"]
+    assert "infeasible: layers.0.n_head = 6 is not divisible by tp=4: tp4 pp1 replicate mb1" in text
+
+    record = outcome.record
+    measured = [c for c in record["candidates"] if "time_s" in c]
+    assert 2 <= len(measured) < len(feasible), record["candidates"]
+    assert f"measured {len(measured)} of 4 feasible layouts (exhaustive: 4)" in text
+    assert outcome.winner is not None and outcome.stopped == "early stop"
+    for c in measured:  # per rank: peak memory; and the throughput
+        assert len(c["peak_bytes"]) == 4 and all(b > 0 for b in c["peak_bytes"])
+        assert c["tokens_s"] > 0
+    assert record["layout_probe"]["shape"]["blocks"] == 8
+    print(f"\nlayouts: measured {len(measured)} of {len(feasible)} in {elapsed:.1f} s\n{text}")
+
+    # a rerun measures nothing (nor probes again): the database remembers
+    again, _ = _run(src)
+    assert again.new_measurements == 0 and again.winner == outcome.winner
+
+    # expand uses the winner; an edit makes it stale
+    values, stale = database.winners(
+        database.default_path(src), src.read_text(), file=src.name, target="cpu"
+    )
+    assert values == outcome.winner and stale == []
+    edited = src.read_text().replace("HIDDEN, BLOCKS", "HIDDEN, BLOCKS ")
+    values, stale = database.winners(
+        database.default_path(src), edited, file=src.name, target="cpu"
+    )
+    assert values == {} and stale == [KEY]

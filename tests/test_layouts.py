@@ -1,0 +1,297 @@
+"""Layouts, their feasibility, and the memory and cost models (pure: no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from macrogen.autotune import cost, database, layouts, memory
+from macrogen.autotune.layouts import Layout, ModelShape
+
+SHAPE = ModelShape(blocks=8, divisible={"layers.0.attn.n_head": 6, "layers.0.fc out features": 64})
+
+
+def test_a_layout_round_trips_through_its_name():
+    layout = Layout(tp=2, pp=4, dp="fsdp", microbatches=8)
+    assert layout.name() == "tp2 pp4 fsdp mb8"
+    assert layouts.parse(layout.name()) == layout
+    assert Layout(tp=2, dp="zero1").describe(8) == "tp2 x dp4 (zero1)"
+    with pytest.raises(ValueError, match="not a layout"):
+        layouts.parse("tp2 pp1 ddp mb1")
+
+
+@pytest.mark.parametrize(
+    "layout, reason",
+    [
+        (Layout(tp=3), "tp x pp = 3 does not divide the world size 4"),
+        (Layout(tp=2, pp=4, microbatches=8), "tp x pp = 8 does not divide the world size 4"),
+        (Layout(tp=4), "layers.0.attn.n_head = 6 is not divisible by tp=4"),
+        (Layout(tp=4, dp="fsdp"), "one data-parallel rank: fsdp is the same layout as replicate"),
+        (Layout(microbatches=4), "micro-batches without a pipeline (pp=1)"),
+    ],
+)
+def test_infeasible_layouts_carry_their_reason(layout, reason):
+    assert reason in (layouts.infeasible(layout, 4, SHAPE) or "")
+
+
+def test_fewer_blocks_than_stages_is_infeasible():
+    shape = ModelShape(blocks=2)
+    assert layouts.infeasible(Layout(pp=4, microbatches=8), 4, shape) == (
+        "2 blocks cannot fill 4 pipeline stages"
+    )
+    assert layouts.infeasible(Layout(pp=2, microbatches=4), 4, shape) is None
+
+
+def test_the_feasible_layouts_of_four_ranks():
+    feasible = [
+        x.name() for x in layouts.enumerate_layouts(4) if layouts.infeasible(x, 4, SHAPE) is None
+    ]
+    assert "tp1 pp1 replicate mb1" in feasible and "tp2 pp1 fsdp mb1" in feasible
+    assert "tp2 pp2 replicate mb4" in feasible  # dp 1: replicate only
+    assert not any(name.startswith("tp4") for name in feasible)  # 6 heads
+    assert layouts.unsupported(Layout(pp=2, microbatches=4)) is not None
+    assert layouts.unsupported(Layout(tp=2, dp="zero1")) is not None
+    assert layouts.unsupported(Layout(tp=2, dp="fsdp")) is None
+
+
+def test_auto_choices_are_layout_names_the_default_first():
+    choices = layouts.auto_choices()
+    assert choices[0] == "tp1 pp1 replicate mb1"
+    assert len(set(choices)) == len(choices)
+    assert all(layouts.parse(c).name() == c for c in choices)
+
+
+def test_a_candidates_arguments_give_its_layout():
+    assert layouts.from_arguments({"tp": 2, "dp": "fsdp"}) == Layout(tp=2, dp="fsdp")
+    assert layouts.from_arguments({"layout": "tp2 pp1 zero1 mb1"}) == Layout(2, 1, "zero1", 1)
+    assert layouts.from_arguments({"dp": "none"}) is None
+
+
+PROFILE = memory.Profile(
+    param_bytes=100,
+    sharded_bytes=80,
+    block_bytes=80,
+    blocks=8,
+    state_bytes=200,
+    transient_bytes=500,  # 100 of gradients, 400 of activations
+    step_s=1.0,
+    block_s=0.8,
+    message_bytes=1000,
+)
+
+
+def test_memory_per_data_parallel_mode():
+    replicate = memory.predict(PROFILE, Layout(), 4)
+    assert (replicate.params, replicate.state, replicate.grads) == (100, 200, 100)
+    assert replicate.activations == 100  # 400 over 4 data ranks
+    zero1 = memory.predict(PROFILE, Layout(dp="zero1"), 4)
+    assert zero1.state == 50 and zero1.params == 100
+    fsdp = memory.predict(PROFILE, Layout(dp="fsdp"), 4)
+    assert fsdp.params == pytest.approx(25 + 10)  # a quarter, plus one gathered block
+    assert fsdp.state == 50 and fsdp.grads == pytest.approx(35)
+
+
+def test_memory_under_tensor_and_pipeline_parallelism():
+    tp2 = memory.predict(PROFILE, Layout(tp=2), 4)
+    assert tp2.params == pytest.approx(60)  # 80 / 2 + 20
+    assert tp2.activations == pytest.approx(400 / 2 * 0.6)
+    pp2 = memory.predict(PROFILE, Layout(pp=2, microbatches=4), 4)
+    assert pp2.params == pytest.approx(60)  # half the blocks, all the rest
+    # 1F1B: the first stage holds 2 of 4 micro-batches of half the blocks, over 2 data ranks
+    assert pp2.activations == pytest.approx(400 / 2 / 2 * 2 / 4)
+
+
+def test_sizes_parse_with_units():
+    assert memory.parse_bytes("80GB") == 80e9
+    assert memory.parse_bytes("512MiB") == 512 * 2**20
+    with pytest.raises(ValueError, match="not a size: 'lots'"):
+        memory.parse_bytes("lots")
+
+
+MACHINE = cost.Machine(
+    per_node=8, intra=cost.Link("nvlink", 900e9, 0.0), inter=cost.Link("ib", 50e9, 0.0)
+)
+
+
+def test_links_parse():
+    intra, inter = cost.parse_links("nvlink:900GB/s,ib:400Gb/s")
+    assert (intra.name, intra.bandwidth) == ("nvlink", 900e9)
+    assert inter.bandwidth == 50e9
+    with pytest.raises(ValueError, match="NAME:BANDWIDTH"):
+        cost.parse_links("nvlink=fast")
+
+
+def test_collective_bytes_follow_the_plan():
+    link = cost.Link("x", 1.0, 0.0)  # 1 byte/s: times are bytes
+    assert cost.all_reduce_s(100, 4, link) == pytest.approx(2 * 3 / 4 * 100)  # ~2x the bytes
+    assert cost.all_gather_s(100, 4, link) == pytest.approx(75)
+    machine = cost.Machine(8, link, link)
+    replicate = cost.predict(PROFILE, Layout(), 4, machine)
+    assert replicate.data == pytest.approx(cost.all_reduce_s(100, 4, link))
+    fsdp = cost.predict(PROFILE, Layout(dp="fsdp"), 4, machine)
+    assert fsdp.data == pytest.approx(3 * cost.all_gather_s(100, 4, link))
+    tp = cost.predict(PROFILE, Layout(tp=2), 4, machine)
+    # 4 all-reduces per block, 8 blocks, of the block output for this rank's half of the batch
+    assert tp.tensor == pytest.approx(4 * 8 * cost.all_reduce_s(500, 2, link))
+    pp = cost.predict(PROFILE, Layout(pp=2, microbatches=4), 4, machine)
+    assert pp.pipeline == pytest.approx(2 * 4 * 1000 / 2 / 4)
+    assert pp.compute == pytest.approx(1.0 / 2 * (0.8 / 2 + 0.2) * (5 / 4))
+
+
+def test_slow_links_across_nodes_change_the_ranking():
+    big = memory.Profile(10**10, 9 * 10**9, 9 * 10**9, 32, 2 * 10**10, 10**10, 1.0, 0.9, 10**8)
+    fsdp = cost.predict(big, Layout(dp="fsdp"), 64, MACHINE)
+    tp8 = cost.predict(big, Layout(tp=8, dp="fsdp"), 64, MACHINE)
+    assert tp8.data < fsdp.data  # the gradient traffic across nodes shrinks by tp's share
+
+
+def test_the_fit_scales_compute_and_communication():
+    steps = [cost.Step(1.0, 0.0, 1.0, 0.0), cost.Step(2.0, 0.0, 0.5, 0.0), cost.Step(1, 0, 3, 0)]
+    measured = [3 * s.compute + 0.5 * s.communication for s in steps]
+    f = cost.fit(list(zip(steps, measured)))
+    assert f.compute == pytest.approx(3) and f.communication == pytest.approx(0.5)
+    one = cost.fit([(steps[0], 4.0)])
+    assert one(steps[0]) == pytest.approx(4.0)
+
+
+# -- mg.parallelize's degrees as tunables, and layout="auto" ------------------------------
+
+AUTO = """
+import macrogen as mg
+
+def build(model):
+    return mg.parallelize(model, layout="auto", tp_plan={"layers.*.fc": "colwise"})
+"""
+
+DEGREES = """
+import macrogen as mg
+
+def build(model):
+    return mg.parallelize(model, tp=mg.tunable(1, choices=[1, 2, 4]), pp=mg.tunable(1, choices=[1, 2]),
+                          dp=mg.tunable("replicate", choices=["replicate", "zero1", "fsdp"]),
+                          microbatches=mg.tunable(4, choices=[2, 4, 8]), tp_plan={"layers.*.fc": "colwise"})
+"""
+
+
+def _space(source, world):
+    from macrogen.autotune import space
+    from macrogen.expand import expand_source
+
+    params = space.parameters(expand_source(source, path="m.py"))
+    return params, space.build(params, space.TuningEnv("cpu", world, "cpu"))
+
+
+def test_layout_auto_is_one_tunable_over_layout_names():
+    from macrogen.expand import expand_source
+
+    (param,), built = _space(AUTO, 4)
+    assert param.key == "build.parallelize.layout" and param.macro == "parallelize"
+    names = [c[param.key] for c in built.candidates]
+    assert names == [
+        "tp1 pp1 replicate mb1",
+        "tp1 pp1 fsdp mb1",
+        "tp2 pp1 replicate mb1",
+        "tp2 pp1 fsdp mb1",
+        "tp4 pp1 replicate mb1",
+    ]
+    why = {c[param.key]: reason for c, reason in built.excluded}
+    assert "does not divide the world size 4" in why["tp8 pp1 replicate mb1"]
+    assert "does not cut a built model" in why["tp1 pp2 replicate mb4"]
+    assert "zero1" in why["tp2 pp1 zero1 mb1"]
+    assert "mg.shard_optimizer" in why["tp1 pp1 zero1 mb1"]
+    code = expand_source(AUTO, path="m.py", tuning={param.key: "tp2 pp1 fsdp mb1"}).code
+    assert "device_mesh(tp=2," in code and "apply_fully_sharded(model" in code
+
+
+def test_degrees_as_tunables_are_pruned_with_reasons():
+    params, built = _space(DEGREES, 4)
+    assert sorted(p.key for p in params) == [
+        "build.parallelize.dp",
+        "build.parallelize.microbatches",
+        "build.parallelize.pp",
+        "build.parallelize.tp",
+    ]
+    assert all(c["build.parallelize.pp"] == 1 for c in built.candidates)
+    reasons = " | ".join(r for _, r in built.excluded)
+    assert "pp > 1: mg.parallelize does not cut a built model" in reasons
+
+
+def test_layout_auto_errors():
+    from tests.helpers import expansion_errors
+
+    (error,) = expansion_errors(
+        "import macrogen as mg\nm = mg.parallelize(m, layout='auto', tp=2, tp_plan='hf')\n"
+    )
+    assert 'layout="auto" chooses tp, pp, dp and microbatches; leave out tp' in error
+    (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, layout='best')\n")
+    assert 'layout must be "auto"' in error
+    (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, microbatches=0)\n")
+    assert "microbatches must be an int >= 1" in error
+
+
+def test_the_search_stops_when_nothing_left_is_predicted_faster():
+    from macrogen.autotune import database
+    from macrogen.autotune.layout_search import LayoutSearch, Prediction
+
+    order = [{"k": name} for name in ("a", "b", "c", "d")]
+    raw = {"a": 1.0, "b": 1.2, "c": 2.0, "d": 2.5}  # all communication-free: one scale fits
+    predictions = {
+        database.canonical(c): Prediction(
+            Layout(), cost.Step(raw[c["k"]], 0, 0, 0), memory.Breakdown(0, 0, 0, 0)
+        )
+        for c in order
+    }
+    search = LayoutSearch(order, predictions, noise=0.05)
+    search.observe(0.1)
+    assert not search.done  # one point: no fit to trust yet
+    search.observe(0.13)
+    # fitted: c would take ~0.2, d ~0.25; nothing beats 0.1 by 5%
+    assert search.done and search.stop_reason == "early stop"
+    exhaustive = LayoutSearch(order, predictions, noise=float("-inf"))
+    for t in (0.1, 0.13, 0.2):
+        exhaustive.observe(t)
+        assert not exhaustive.done
+    exhaustive.observe(0.3)
+    assert exhaustive.done and exhaustive.stop_reason == "complete"
+
+
+def test_sharded_layouts_peak_while_the_serial_model_is_cut():
+    small = memory.Profile(100, 80, 80, 8, 0, 100)  # no optimizer, no activations
+    fsdp = memory.predict(small, Layout(dp="fsdp"), 4)
+    assert fsdp.step < 100 and fsdp.build == pytest.approx(100 + fsdp.params)
+    assert fsdp.total == fsdp.build
+    assert memory.predict(small, Layout(), 4).build == 100  # replicate: the model as it is
+
+
+def test_prepare_dedupes_prunes_by_memory_and_orders_by_prediction():
+    from macrogen.autotune import layout_search
+
+    params, built = _space(DEGREES, 4)
+    site = layout_search.site_of(params)
+    assert site is not None
+    machine = cost.Machine(4, cost.Link("x", 1e9, 1e-4), cost.Link("x", 1e9, 1e-4))
+    limit = memory.predict(PROFILE, Layout(dp="fsdp"), 4).total + 1  # only fsdp layouts fit
+    kept, predictions = layout_search.prepare(
+        built, site, PROFILE, SHAPE, 4, machine, memory_limit=limit
+    )
+    chosen = [layout_search.layout_of(site, c) for c in kept.candidates]
+    assert chosen and all(x.dp == "fsdp" for x in chosen)
+    assert len(set(chosen)) == len(chosen)  # microbatches 2, 4, 8 with pp=1: one layout
+    reasons = [why for _, why in kept.excluded]
+    assert any(why.startswith("the same layout as") for why in reasons)
+    assert any("per rank, over" in why for why in reasons)
+    assert any("n_head = 6 is not divisible by tp=4" in why for why in reasons)
+    times = [predictions[database.canonical(c)].step.total for c in kept.candidates]
+    assert times == sorted(times)
+
+
+def test_autotune_rejects_a_bad_memory_limit(capsys):
+    from macrogen.cli import main
+
+    assert main(["autotune", "x.py", "--entry", ":b", "--memory-per-rank", "lots"]) == 2
+    assert "--memory-per-rank: not a size: 'lots'" in capsys.readouterr().err
+
+
+def test_the_memory_offset_is_the_median_gap():
+    assert memory.fit_offset([]) == 0.0
+    assert memory.fit_offset([(10, 20), (10, 12), (10, 40)]) == 10
+    assert memory.fit_offset([(10, 5)]) == 0.0  # over-predicted: no negative runtime

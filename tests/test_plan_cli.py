@@ -1,0 +1,118 @@
+"""``macrogen plan``: layouts ranked for a machine this one is not; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from macrogen.autotune import cost, database, memory, planner
+from macrogen.autotune.layouts import Layout, ModelShape
+from macrogen.cli import main
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "layout_auto.py"
+
+# a 7B-ish model: 28 GB of fp32 parameters, Adam's state twice that
+BIG = memory.Profile(
+    param_bytes=28 * 10**9,
+    sharded_bytes=26 * 10**9,
+    block_bytes=27 * 10**9,
+    blocks=32,
+    state_bytes=56 * 10**9,
+    transient_bytes=28 * 10**9 + 64 * 10**9,
+    step_s=64.0,
+    block_s=60.0,
+    message_bytes=2 * 10**9,
+)
+NODES = cost.Machine(8, cost.Link("nvlink", 900e9), cost.Link("ib", 50e9))
+
+
+def test_memory_prunes_replication_of_a_big_model():
+    rows = planner.rank(BIG, ModelShape(32, {"heads": 32}), 64, NODES, 80e9)
+    feasible = [r for r in rows if r.step is not None]
+    assert feasible and all(r.memory.total <= 80e9 for r in feasible)
+    replicate = next(r for r in rows if r.layout == Layout(dp="replicate"))
+    assert replicate.reason is not None and "over 80.0 GB" in replicate.reason
+    assert feasible[0].layout.dp == "fsdp" or feasible[0].layout.tp > 1
+    assert [r.step.total for r in feasible] == sorted(r.step.total for r in feasible)
+
+
+def test_unsupported_layouts_are_predicted_and_marked():
+    rows = planner.rank(BIG, ModelShape(32, {}), 64, NODES, None)
+    piped = next(r for r in rows if r.layout.pp == 2 and r.step is not None)
+    assert piped.note is not None and "pp > 1" in piped.note
+
+
+def _with_probe(tmp_path: Path) -> tuple[Path, Path]:
+    """The example and a tuning database holding its probe (as autotune stores it)."""
+    src = tmp_path / "layout_auto.py"
+    shutil.copy(EXAMPLE, src)
+    db = tmp_path / "tuning.json"
+    probe = {
+        "profile": {**BIG.__dict__},
+        "shape": {"blocks": 8, "divisible": {"layers.0.n_head": 6}},
+        "source_hash": database.source_hash(src.read_text()),
+    }
+    record = {
+        "candidates": [],
+        "generation": 1,
+        "key": {"entry": ":build", "file": src.name, "signature": {}},
+        "layout_probe": probe,
+        "source_hash": probe["source_hash"],
+        "winner": None,
+    }
+    db.write_text(json.dumps({"format": "macrogen-tuning", "version": 2, "records": [record]}))
+    return src, db
+
+
+def test_plan_ranks_layouts_from_the_stored_probe(tmp_path, capsys):
+    src, db = _with_probe(tmp_path)
+    status = main(
+        [
+            "plan",
+            str(src),
+            "--world-size",
+            "64",
+            "--gpu-memory",
+            "80GB",
+            "--link",
+            "nvlink:900GB/s,ib:50GB/s",
+            "--tuning",
+            str(db),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "feasible layout(s) of 64 ranks" in out
+    assert "infeasible (" in out and "n_head = 6 is not divisible by tp=4" in out
+    assert "over 80.0 GB" in out  # replicating 28 GB of parameters + Adam does not fit
+    first = out.splitlines()[2]
+    assert first.lstrip().startswith("1 ")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--link", "nvlink=fast"], "expected NAME:BANDWIDTH"),
+        (["--gpu-memory", "lots"], "not a size: 'lots'"),
+        (["--world-size", "0"], "--world-size must be at least 1"),
+    ],
+)
+def test_bad_options_are_usage_errors_in_one_line(tmp_path, capsys, args, message):
+    src, db = _with_probe(tmp_path)
+    argv = ["plan", str(src), "--world-size", "8", "--tuning", str(db), *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_input_errors_exit_1_in_one_line(tmp_path, capsys):
+    assert main(["plan", str(tmp_path / "missing.py"), "--world-size", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "missing.py" in err and len(err.strip().splitlines()) == 1
+    plain = tmp_path / "plain.py"
+    plain.write_text("import macrogen as mg\nX = 1\n")
+    assert main(["plan", str(plain), "--world-size", "8"]) == 1
+    assert "no mg.parallelize(...) to plan" in capsys.readouterr().err
