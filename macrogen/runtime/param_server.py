@@ -88,6 +88,7 @@ class _Table:
         self.waiting: dict[int, dict[int, torch.Tensor]] = {}  # s=0: step -> worker -> grads
         self.fetched: dict[int, torch.Tensor] = {}  # worker -> ids of its last training fetch
         self.waiting_ids: dict[int, dict[int, torch.Tensor]] = {}
+        self.max_lag = 0  # the most steps a fetch's rows lacked of some worker's pushes
 
     def ready(self, step: int) -> bool:
         return min(self.applied) >= step - self.config.staleness
@@ -100,6 +101,7 @@ class _Table:
                     f" {self.config.timeout_s:g} s for the other workers' pushes"
                     f" (applied per worker: {self.applied})"
                 )
+            self.max_lag = max(self.max_lag, step - min(self.applied))
             if training:
                 self.fetched[worker] = ids
             return self.rows.index_select(0, ids)
@@ -177,6 +179,10 @@ def _fetch(key: str, worker: int, step: int, ids: torch.Tensor, training: bool) 
 
 def _push(key: str, worker: int, step: int, grads: torch.Tensor) -> None:
     _TABLES[key].push(worker, step, grads)
+
+
+def _lag(key: str) -> int:
+    return _TABLES[key].max_lag
 
 
 def _export(key: str, step: int) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
@@ -442,6 +448,17 @@ def traffic(model: nn.Module) -> dict[str, Traffic]:
     return {c.key: c.traffic for c in job(model).clients}
 
 
+def max_lag(model: nn.Module) -> dict[str, int]:
+    """Per server table, the most steps any fetch so far lacked of some worker's pushes
+    (never above ``staleness``; 0 when synchronous)."""
+    from torch.distributed import rpc
+
+    return {
+        c.key: max(rpc.rpc_sync(_SERVER.format(j), _lag, args=(c.key,)) for j in range(c.servers))
+        for c in job(model).clients
+    }
+
+
 def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The server tables, whole, and their optimizer state, after this worker's last step's
     pushes are applied everywhere: ``{path}.weight``, ``{path}.adagrad_sum``, ``{path}.step``.
@@ -475,6 +492,7 @@ def load_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
     j_ = job(model)
     for c in j_.clients:
+        c.settle()
         step = int(state[f"{c.key}.step"])
         if dist.get_rank(j_.workers) == 0:
             rows = state[f"{c.key}.weight"]
