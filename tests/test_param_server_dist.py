@@ -186,3 +186,50 @@ def test_staleness_two_trains_like_synchronous():
     assert abs(stale - synchronous) <= 0.05 * synchronous
     for r in results[:2]:
         assert 0 <= max(r["lag"].values()) <= 2
+
+
+PROGRAM = """
+import torch
+import macrogen as mg
+from macrogen.runtime import param_server
+from tests.test_param_server_dist import LR_DENSE, batch, build
+
+
+def train(rank, workers, steps):
+    model = build()
+    model = mg.parallelize(model, servers=1, tp_plan={"emb": "server", "bag": "server"},
+                           server_optimizer="adagrad", server_lr=0.5)
+    optim = torch.optim.SGD(model.parameters(), lr=LR_DENSE)
+    for t in range(steps):
+        ids, tags, y = batch(t, workers, rank)
+        loss = ((model(ids, tags) - y) ** 2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    state = param_server.state_dict(model)
+    state.update(model.state_dict())
+    param_server.shutdown()
+    return state
+"""
+
+
+def _expanded(rank: int, world: int, tmp: str, steps: int) -> dict | None:
+    from pathlib import Path
+
+    from tests.helpers import expand, load_module
+
+    module = load_module(expand(PROGRAM), f"expanded_ps_{rank}", Path(tmp))
+    try:
+        return module.train(rank, world - 1, steps)
+    except SystemExit:
+        return None  # the server rank
+
+
+def test_expanded_parallelize_with_a_server_equals_serial(tmp_path):
+    """The program as written, expanded: 2 workers + 1 server equal the serial program."""
+    results = run_ranks(_expanded, world_size=3, args=(str(tmp_path), 3), timeout=150)
+    assert results[2] is None
+    want, _ = serial(3, 2, "adagrad", 0.5)
+    for got in results[:2]:
+        for key, value in want.items():  # the dense model, the tables and their Adagrad sums
+            torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12, msg=key)

@@ -332,6 +332,35 @@ def check_layer(name: str, layer: Any) -> str | None:
     return None
 
 
+def apply_server_tables(
+    model: nn.Module,
+    paths: list[str],
+    config: ServerConfig,
+    *,
+    where: str,
+    data_parallel: Any = None,
+) -> nn.Module:
+    """``mg.parallelize``'s step for the plan's "server" entries: each path (``*`` is any
+    child) names an nn.Embedding or nn.EmbeddingBag; checked serially too."""
+    from macrogen.runtime.parallelize import _matches
+
+    layers: list[tuple[str, Any]] = []
+    problems = []
+    for path in paths:
+        hits = [(name, getattr(owner, attr)) for name, owner, attr in _matches(model, path)]
+        if not hits:
+            problems.append(f"{path}: matches nothing in {type(model).__name__}")
+        for name, layer in hits:
+            problem = check_layer(name, layer)
+            if problem:
+                problems.append(problem)
+            else:
+                layers.append((name, layer))
+    if problems:
+        raise ServerPlanError(f"mg.parallelize at {where}: " + "; ".join(problems))
+    return apply_param_server(model, layers, config, where=where, data_parallel=data_parallel)
+
+
 def apply_param_server(
     model: nn.Module,
     layers: list[tuple[str, Any]],  # (path, nn.Embedding or nn.EmbeddingBag)
