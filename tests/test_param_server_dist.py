@@ -158,9 +158,11 @@ def test_staleness_zero_equals_serial(servers, optimizer):
             torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-12, msg=key)
         assert (state["emb.weight"] != build().emb.weight).any(dim=1).sum() > 300  # it trained
         for key, t in got["traffic"].items():
-            # ids go out once (int64), touched rows come back, their gradients go out
+            # ids go out once (int32), touched rows come back, their gradients go out
             assert t.rows == t.touched and t.grads == t.touched, key
-            assert t.total <= 2 * t.touched + t.touched // DIM, key  # ids: 8 of a row's 64 bytes
+            assert t.ids == t.touched // (DIM * 8) * 4, key  # 4 bytes per touched row
+            assert t.total <= 2 * t.touched + t.touched // (2 * DIM), key
+            print(f"{key}: {t.total / t.touched:.4f} x the touched rows' bytes")
         if save_at is None:
             continue
         # the checkpoint holds the server's rows and Adagrad state after step 3

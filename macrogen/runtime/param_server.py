@@ -19,7 +19,7 @@ One step of a worker, for each planned table, over ``torch.distributed.rpc``
     backward: a hook on the U rows pushes their gradient rows to their servers
               (rows only: a server pairs them with the ids of this worker's fetch)
 
-So a step moves U x 8 bytes of ids plus 2 x U rows, whatever the table's size.
+So a step moves U x 4 bytes of ids (int32) plus 2 x U rows, whatever the table's size.
 
 Consistency (``staleness=s``). Each server counts, per table and per worker,
 the pushes it has applied. A worker's fetch for its step t (t pushes done)
@@ -94,6 +94,7 @@ class _Table:
         return min(self.applied) >= step - self.config.staleness
 
     def fetch(self, worker: int, step: int, ids: torch.Tensor, training: bool) -> torch.Tensor:
+        ids = ids.long()
         with self.cond:
             if not self.cond.wait_for(lambda: self.ready(step), self.config.timeout_s):
                 raise TimeoutError(
@@ -245,6 +246,8 @@ class _Client:
         futures = []
         for j, mask in enumerate(masks):
             local = unique[mask] // self.servers
+            if self.rows // self.servers < 2**31:  # int32 on the wire: half the ids' bytes
+                local = local.int()
             self.traffic.ids += local.numel() * local.element_size()
             futures.append(
                 rpc.rpc_async(
