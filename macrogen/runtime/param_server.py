@@ -219,7 +219,8 @@ class _Client:
     worker: int
     servers: int
     step: int = 0  # pushes done
-    pending: Any = None  # the rows tensor of the last training forward (its hook pushes)
+    fetches: int = 0  # training fetches so far
+    pending: int = 0  # the training fetch whose rows' gradient is pushed next (0: none)
     futures: list = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)
 
@@ -265,23 +266,24 @@ class _Client:
         if training:
             self.traffic.touched += rows.numel() * rows.element_size()
             rows.requires_grad_(True)
-            self.pending = rows
-            rows.register_hook(lambda g, rows=rows, masks=masks: self._send(rows, masks, g))
+            self.fetches += 1
+            self.pending = token = self.fetches  # (a token, not the rows: no reference cycle)
+            rows.register_hook(lambda g: self._send(token, masks, g))
         pad = None
         if padding_idx is not None:
             hit = (unique == padding_idx).nonzero()
             pad = int(hit[0, 0]) if hit.numel() else None
         return rows, inverse, pad
 
-    def _send(self, rows: torch.Tensor, masks: list[torch.Tensor], grad: torch.Tensor) -> None:
+    def _send(self, token: int, masks: list[torch.Tensor], grad: torch.Tensor) -> None:
         from torch.distributed import rpc
 
-        if rows is not self.pending:
+        if token != self.pending:
             raise RuntimeError(
                 f"{self.key}: two training forwards before one backward: a server table takes"
                 " one forward per step (no gradient accumulation)"
             )
-        self.pending = None
+        self.pending = 0
         for j, mask in enumerate(masks):
             g = grad[mask].detach().contiguous()
             self.traffic.grads += g.numel() * g.element_size()
