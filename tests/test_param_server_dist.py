@@ -87,7 +87,8 @@ def serial(
 
 
 def _train(rank: int, world: int, servers: int, staleness: int, optimizer: str, lr: float,
-           steps: int, rows: int = ROWS, save_at: int | None = None) -> dict | None:  # fmt: skip
+           steps: int, rows: int = ROWS, save_at: int | None = None, checkpoint: str = "",
+           resume: bool = False) -> dict | None:  # fmt: skip
     workers = world - servers
     model = build(rows)
     config = param_server.ServerConfig(servers, staleness, optimizer, lr, timeout_s=60)
@@ -116,19 +117,31 @@ def _train(rank: int, world: int, servers: int, staleness: int, optimizer: str, 
         state.update({k: v.detach().clone() for k, v in model.state_dict().items()})
         return state
 
+    def restore(saved: dict) -> None:
+        param_server.load_state_dict(model, saved["tables"])
+        model.load_state_dict(saved["model"])
+        dense.load_state_dict(saved["optim"])
+
+    if resume:  # a new job (maybe another number of servers) from the checkpoint file
+        assert save_at is not None
+        restore(torch.load(checkpoint, weights_only=True))
+        run(save_at, steps)
+        out = {"state": snapshot()}
+        param_server.shutdown()
+        return out
     out: dict = {"losses": run(0, save_at or steps)}
     if save_at is not None:  # a checkpoint (through bytes), more steps, then resume from it
         buffer = io.BytesIO()
         torch.save({"tables": param_server.state_dict(model), "model": model.state_dict(),
                     "optim": dense.state_dict()}, buffer)  # fmt: skip
         out["checkpoint"] = snapshot()
+        if checkpoint and rank == 0:
+            with open(checkpoint, "wb") as f:
+                f.write(buffer.getvalue())
         run(save_at, steps)
         out["uninterrupted"] = snapshot()
         buffer.seek(0)
-        saved = torch.load(buffer, weights_only=True)
-        param_server.load_state_dict(model, saved["tables"])
-        model.load_state_dict(saved["model"])
-        dense.load_state_dict(saved["optim"])
+        restore(torch.load(buffer, weights_only=True))
         run(save_at, steps)
     out["state"] = snapshot()
     out["traffic"] = param_server.traffic(model)
@@ -140,13 +153,14 @@ def _train(rank: int, world: int, servers: int, staleness: int, optimizer: str, 
 @pytest.mark.parametrize(
     "servers,optimizer", [(1, "sgd"), (2, "adagrad")], ids=["1server-sgd", "2servers-adagrad"]
 )
-def test_staleness_zero_equals_serial(servers, optimizer):
+def test_staleness_zero_equals_serial(servers, optimizer, tmp_path):
     steps, lr = 5, 0.5
     save_at = 3 if servers == 2 else None  # 2 + 2 also saves after step 3 and resumes from it
+    checkpoint = str(tmp_path / "checkpoint.pt")
     results = run_ranks(
         _train,
         world_size=2 + servers,
-        args=(servers, 0, optimizer, lr, steps, ROWS, save_at),
+        args=(servers, 0, optimizer, lr, steps, ROWS, save_at, checkpoint),
         timeout=150,
     )
     assert results[2:] == [None] * servers
@@ -173,6 +187,18 @@ def test_staleness_zero_equals_serial(servers, optimizer):
         # resumed from it, steps 4-5 again give the uninterrupted run's state bit for bit
         for key, value in got["uninterrupted"].items():
             assert torch.equal(state[key], value), key
+    if save_at is None:
+        return
+    # the job ends; a new one, on 1 server + 2 workers, resumes from the file: the same state
+    resumed = run_ranks(
+        _train,
+        world_size=3,
+        args=(1, 0, optimizer, lr, steps, ROWS, save_at, checkpoint, True),
+        timeout=150,
+    )
+    for got in resumed[:2]:
+        for key, value in want.items():
+            torch.testing.assert_close(got["state"][key], value, rtol=1e-12, atol=1e-12, msg=key)
 
 
 def test_staleness_two_trains_like_synchronous():
