@@ -62,3 +62,37 @@ def test_dp_none_leaves_the_dense_part_alone():
 def test_server_argument_errors(call, message):
     errors = expansion_errors(f"import macrogen as mg\nm = {call}\n")
     assert len(errors) == 1 and message in errors[0], errors
+
+
+SERIAL = """
+import torch.nn as nn
+import macrogen as mg
+
+
+def table():
+    model = nn.Sequential(nn.Embedding(50, 4), nn.Linear(4, 1))
+    return mg.parallelize(model, servers=1, tp_plan={"0": "server"}, server_lr=0.1)
+
+
+def linear():
+    model = nn.Sequential(nn.Embedding(50, 4), nn.Linear(4, 1))
+    return mg.parallelize(model, servers=1, tp_plan={"1": "server"})
+
+
+def missing():
+    model = nn.Sequential(nn.Embedding(50, 4), nn.Linear(4, 1))
+    return mg.parallelize(model, servers=1, tp_plan={"emb": "server"})
+"""
+
+
+def test_run_serially_the_table_stays_and_the_plan_is_checked(tmp_path):
+    from macrogen.runtime.param_server import ServerPlanError
+    from tests.helpers import load_module
+
+    module = load_module(expand(SERIAL), "param_server_serial", tmp_path)
+    model = module.table()  # world size 1: the serial model, the table in it
+    assert model[0].weight.shape == (50, 4) and "forward" not in vars(model[0])
+    with pytest.raises(ServerPlanError, match="1: server needs an nn.Embedding or nn.EmbeddingBag"):
+        module.linear()
+    with pytest.raises(ServerPlanError, match="emb: matches nothing"):
+        module.missing()

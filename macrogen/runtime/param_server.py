@@ -380,6 +380,11 @@ def apply_param_server(
     from torch.distributed import rpc
 
     S = config.servers
+    if config.optimizer not in OPTIMIZERS:
+        raise ValueError(f"mg.parallelize at {where}: server_optimizer={config.optimizer!r}")
+    if config.staleness < 0 or config.lr <= 0 or S < 1:
+        raise ValueError(f"mg.parallelize at {where}: {config}: needs servers >= 1, staleness >= 0,"
+                         " lr > 0")  # fmt: skip
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model  # serial: the table stays in the model
     world = dist.get_world_size()
@@ -388,8 +393,6 @@ def apply_param_server(
         raise ValueError(
             f"mg.parallelize at {where}: servers={S} leaves no worker in a job of {world} ranks"
         )
-    if config.optimizer not in OPTIMIZERS:
-        raise ValueError(f"mg.parallelize at {where}: server_optimizer={config.optimizer!r}")
     problems = [p for p in (check_layer(n, m) for n, m in layers) if p]
     shared = {id(p) for _, m in layers for p in [m.weight]}
     for name, p in model.named_parameters(remove_duplicate=False):
