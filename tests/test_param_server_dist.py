@@ -217,17 +217,7 @@ def test_staleness_two_trains_like_synchronous():
         assert 0 <= max(r["lag"].values()) <= 2
 
 
-PROGRAM = """
-import torch
-import macrogen as mg
-from macrogen.runtime import param_server
-from tests.test_param_server_dist import LR_DENSE, batch, build
-
-
-def train(rank, workers, steps):
-    model = build()
-    model = mg.parallelize(model, servers=1, tp_plan={"emb": "server", "bag": "server"},
-                           server_optimizer="adagrad", server_lr=0.5)
+LOOP = """
     optim = torch.optim.SGD(model.parameters(), lr=LR_DENSE)
     for t in range(steps):
         ids, tags, y = batch(t, workers, rank)
@@ -241,22 +231,62 @@ def train(rank, workers, steps):
     return state
 """
 
+PROGRAM = (
+    """
+import torch
+import macrogen as mg
+from macrogen.runtime import param_server
+from tests.test_param_server_dist import LR_DENSE, batch, build
 
-def _expanded(rank: int, world: int, tmp: str, steps: int) -> dict | None:
+
+def train(rank, workers, steps):
+    model = build()
+    model = mg.parallelize(model, servers=1, tp_plan={"emb": "server", "bag": "server"},
+                           server_optimizer="adagrad", server_lr=0.5)
+"""
+    + LOOP
+)
+
+DECORATED = (
+    """
+import torch
+import macrogen as mg
+from macrogen.runtime import param_server
+from tests.test_param_server_dist import LR_DENSE, Rec, batch
+
+
+@mg.data_parallel(servers=1, server_plan=["emb", "bag"], server_optimizer="adagrad", server_lr=0.5)
+class Model(Rec):
+    def __init__(self):
+        super().__init__()
+        self.double()
+
+
+def train(rank, workers, steps):
+    torch.manual_seed(0)
+    model = Model()
+"""
+    + LOOP
+)
+
+
+def _expanded(rank: int, world: int, tmp: str, steps: int, program: str = PROGRAM) -> dict | None:
     from pathlib import Path
 
     from tests.helpers import expand, load_module
 
-    module = load_module(expand(PROGRAM), f"expanded_ps_{rank}", Path(tmp))
+    module = load_module(expand(program), f"expanded_ps_{rank}", Path(tmp))
     try:
         return module.train(rank, world - 1, steps)
     except SystemExit:
         return None  # the server rank
 
 
-def test_expanded_parallelize_with_a_server_equals_serial(tmp_path):
-    """The program as written, expanded: 2 workers + 1 server equal the serial program."""
-    results = run_ranks(_expanded, world_size=3, args=(str(tmp_path), 3), timeout=150)
+@pytest.mark.parametrize("program", [PROGRAM, DECORATED], ids=["parallelize", "data_parallel"])
+def test_expanded_program_with_a_server_equals_serial(tmp_path, program):
+    """The program as written (mg.parallelize or @data_parallel), expanded: 2 workers + 1 server
+    equal the serial program."""
+    results = run_ranks(_expanded, world_size=3, args=(str(tmp_path), 3, program), timeout=150)
     assert results[2] is None
     want, _ = serial(3, 2, "adagrad", 0.5)
     for got in results[:2]:

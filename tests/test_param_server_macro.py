@@ -96,3 +96,35 @@ def test_run_serially_the_table_stays_and_the_plan_is_checked(tmp_path):
         module.linear()
     with pytest.raises(ServerPlanError, match="emb: matches nothing"):
         module.missing()
+
+
+def test_data_parallel_servers_expand_to_the_server_step():
+    code = expand(
+        """
+        import macrogen as mg
+
+        @mg.data_parallel(servers=2, server_plan=["emb"], staleness=1, server_optimizer="adagrad")
+        class Rec(nn.Module):
+            pass
+        """
+    )
+    assert "apply_server_tables(self, ['emb'], ServerConfig(" in code
+    assert "staleness=1," in code and "optimizer='adagrad'," in code
+    assert "GradientSync" not in code  # the workers' one is made by apply_server_tables
+    compile(code, "test.py", "exec")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ("servers=1", "servers=1 needs the tables to serve"),
+        ("server_plan=['emb']", "server_plan applies with servers=S > 0"),
+        ("servers=1, server_plan=['emb'], sync_every=4", "servers=S takes neither local SGD"),
+        ("servers=1, server_plan={'emb': 'colwise'}", "server_plan must be None or a list"),
+    ],
+)
+def test_data_parallel_server_errors(args, message):
+    errors = expansion_errors(
+        f"import macrogen as mg\n@mg.data_parallel({args})\nclass M(nn.Module):\n    pass\n"
+    )
+    assert len(errors) == 1 and message in errors[0], errors

@@ -27,6 +27,12 @@ steps), ``sync_warmup`` (0: synchronous steps before local SGD starts), ``overla
 ``outer=outer_sgd(lr=0.7, momentum=0.9, nesterov=True)`` (None: average the
 parameters) is local SGD's outer optimizer (DiLoCo, docs/async.md), evaluated at
 expansion (macros/outer_sgd.py): its ``lr`` and ``momentum`` may be ``tunable`` too.
+
+``servers=S`` with ``server_plan=["emb", ...]`` (paths of nn.Embedding / nn.EmbeddingBag
+layers; ``{"emb": "server"}`` is accepted too): those tables live on the last S ranks, a
+parameter server (``macrogen.runtime.param_server``, docs/async.md), with ``staleness`` (0),
+``server_optimizer`` ("sgd" or "adagrad") and ``server_lr`` (0.01); the rest is averaged
+over the workers. Not with local SGD or ``accumulate``.
 """
 
 from __future__ import annotations
@@ -68,7 +74,13 @@ DEFAULTS: dict[str, Any] = {
     "outer": None,
     "overlap": False,
     "delay": 1,
+    "servers": 0,
+    "server_plan": None,
+    "staleness": 0,
+    "server_optimizer": "sgd",
+    "server_lr": 0.01,
 }
+SERVER_ARGS = ("server_plan", "staleness", "server_optimizer", "server_lr")
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,11 @@ class Spec:
     outer: Outer | None  # local SGD's outer optimizer (DiLoCo); None: average the parameters
     overlap: bool  # the synchronization's all-reduce runs during the next `delay` steps
     delay: int  # with overlap: steps from the all-reduce's start to its use
+    servers: int = 0  # parameter-server ranks holding server_plan's tables (0: none)
+    server_plan: Any = None  # the tables' paths (a list, or a dict path -> "server")
+    staleness: int = 0
+    server_optimizer: str = "sgd"
+    server_lr: float = 0.01
 
 
 def _positive_number(v: Any) -> str | None:
@@ -121,6 +138,20 @@ def _outer(v: Any) -> str | None:
     return "None or outer_sgd(lr=0.7, momentum=0.9, nesterov=True)"
 
 
+def _server_plan(v: Any) -> str | None:
+    paths = list(v) if isinstance(v, (list, tuple, dict)) else None
+    ok = v is None or (
+        paths
+        and all(isinstance(p, str) and p for p in paths)
+        and (not isinstance(v, dict) or all(s == "server" for s in v.values()))
+    )
+    return None if ok else 'None or a list of table paths (["emb", "blocks.*.tags"])'
+
+
+def _server_optimizer(v: Any) -> str | None:
+    return None if v in ("sgd", "adagrad") else '"sgd" or "adagrad"'
+
+
 CHECKS: dict[str, Callable[[Any], str | None]] = {
     "bucket_mb": _positive_number,
     "first_bucket_mb": _positive_number,
@@ -132,6 +163,11 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "overlap": _bool,
     "delay": _steps(0),
     "outer": _outer,
+    "servers": _steps(0),
+    "server_plan": _server_plan,
+    "staleness": _steps(0),
+    "server_optimizer": _server_optimizer,
+    "server_lr": _positive_number,
 }
 
 
@@ -158,7 +194,31 @@ def validate(site: Site, ctx: Context) -> Spec:
             f" time, not {values['delay']}",
             at.node,
         )
+    _check_servers(args, values)
+    if values["server_plan"] is not None:
+        values["server_plan"] = tuple(values["server_plan"])
     return Spec(name=node.name.value, **values)
+
+
+def _check_servers(args: Mapping[str, Arg], values: dict[str, Any]) -> None:
+    if not values["servers"]:
+        for name in SERVER_ARGS:
+            if name in args:
+                raise MacroError(f"{name} applies with servers=S > 0", args[name].node)
+        return
+    at = args["servers"].node
+    if values["server_plan"] is None:
+        raise MacroError(
+            f'servers={values["servers"]} needs the tables to serve: server_plan=["emb", ...]',
+            at,
+        )
+    local = values["sync_every"] != 1 or values["outer"] is not None or values["overlap"]
+    if local or values["accumulate"] != 1:
+        raise MacroError(
+            "servers=S takes neither local SGD (sync_every, outer, overlap) nor accumulate:"
+            " a server table takes one forward per step",
+            at,
+        )
 
 
 def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
@@ -200,9 +260,18 @@ def expand(site: Site, ctx: Context) -> Expanded:
     serial = ctx.names.fresh(f"_{spec.name}_serial")
     assert isinstance(site.node, cst.ClassDef)
     user_class = site.node.with_changes(name=cst.Name(serial))
-    gradient_sync = ctx.import_from("macrogen.runtime.data_parallel", "GradientSync")
+    servers: dict[str, Any] = {}
+    if spec.servers:  # apply_server_tables makes the workers' GradientSync
+        runtime = "macrogen.runtime.param_server"
+        servers = {
+            "apply_server_tables": ctx.import_from(runtime, "apply_server_tables"),
+            "server_config": ctx.import_from(runtime, "ServerConfig"),
+        }
+        gradient_sync: Any = ""
+    else:
+        gradient_sync = ctx.import_from("macrogen.runtime.data_parallel", "GradientSync")
     config = ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig")
-    imports = [gradient_sync, config]
+    imports = [config, *servers.values()] if spec.servers else [gradient_sync, config]
     outer_sgd = None
     if spec.outer is not None:
         outer_sgd = ctx.import_from("macrogen.runtime.local_sgd", "OuterSGD")
@@ -226,6 +295,12 @@ def expand(site: Site, ctx: Context) -> Expanded:
         outer_sgd=outer_sgd,
         overlap=spec.overlap,
         delay=spec.delay,
+        servers=spec.servers,
+        server_plan=spec.server_plan,
+        staleness=spec.staleness,
+        server_optimizer=spec.server_optimizer,
+        server_lr=spec.server_lr,
+        **servers,
     )
     blank = [cst.EmptyLine(), cst.EmptyLine()]
     return Expanded(

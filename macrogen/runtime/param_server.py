@@ -170,6 +170,7 @@ class _Table:
             self.cond.notify_all()
 
 
+_started = False  # this process started its RPC agent
 _TABLES: dict[str, _Table] = {}  # on a server: the planned tables' rows it holds, by path
 
 
@@ -400,6 +401,13 @@ def apply_param_server(
             problems.append(f"{name} is tied to a server table: untie it")
     if problems:
         raise ServerPlanError(f"mg.parallelize at {where}: " + "; ".join(problems))
+    global _started
+    if _started:  # torch's RPC agent starts once per process
+        raise RuntimeError(
+            f"mg.parallelize at {where}: a second model with server tables in this process:"
+            " build one such model per job"
+        )
+    _started = True
     from macrogen.runtime import mesh as meshes
 
     meshes.mesh()  # made by every rank now: the workers' data parallelism reads it later
