@@ -36,6 +36,11 @@ expansion (macros/outer_sgd.py): its ``lr`` and ``momentum`` may be ``tunable`` 
 ``cpu_offload`` (False), ``shard_units`` (None: the repeated layer list) and
 ``dp_replicate`` (1; R > 1: HSDP); the bucket, compression, buffer and local SGD
 arguments are for replicated parameters only.
+``servers=S`` with ``server_plan=["emb", ...]`` (paths of nn.Embedding / nn.EmbeddingBag
+layers; ``{"emb": "server"}`` is accepted too): those tables live on the last S ranks, a
+parameter server (``macrogen.runtime.param_server``, docs/async.md), with ``staleness`` (0),
+``server_optimizer`` ("sgd" or "adagrad") and ``server_lr`` (0.01); the rest is averaged
+over the workers. Not with local SGD or ``accumulate``.
 """
 
 from __future__ import annotations
@@ -89,6 +94,11 @@ DEFAULTS: dict[str, Any] = {
     "cpu_offload": False,
     "shard_units": None,
     "dp_replicate": 1,
+    "servers": 0,
+    "server_plan": None,
+    "staleness": 0,
+    "server_optimizer": "sgd",
+    "server_lr": 0.01,
 }
 SHARD_MODES = (None, "full")
 FSDP_ONLY = parallelize.FSDP_ONLY  # reshard_after_forward, ..., dp_replicate
@@ -103,6 +113,7 @@ REPLICATED_ONLY = (
     "overlap",
     "delay",
 )
+SERVER_ARGS = ("server_plan", "staleness", "server_optimizer", "server_lr")
 
 
 @dataclass(frozen=True)
@@ -124,6 +135,11 @@ class Spec:
     cpu_offload: bool  # full: sharded parameters and gradients in CPU memory
     shard_units: tuple[str, ...] | None  # full: the modules sharded one by one
     dp_replicate: int  # full: > 1 is HSDP
+    servers: int = 0  # parameter-server ranks holding server_plan's tables (0: none)
+    server_plan: Any = None  # the tables' paths (a list, or a dict path -> "server")
+    staleness: int = 0
+    server_optimizer: str = "sgd"
+    server_lr: float = 0.01
 
 
 def _positive_number(v: Any) -> str | None:
@@ -165,6 +181,20 @@ def _shard(v: Any) -> str | None:
     return None if v in SHARD_MODES else 'None or "full" (FSDP)'
 
 
+def _server_plan(v: Any) -> str | None:
+    paths = list(v) if isinstance(v, (list, tuple, dict)) else None
+    ok = v is None or (
+        paths
+        and all(isinstance(p, str) and p for p in paths)
+        and (not isinstance(v, dict) or all(s == "server" for s in v.values()))
+    )
+    return None if ok else 'None or a list of table paths (["emb", "blocks.*.tags"])'
+
+
+def _server_optimizer(v: Any) -> str | None:
+    return None if v in ("sgd", "adagrad") else '"sgd" or "adagrad"'
+
+
 CHECKS: dict[str, Callable[[Any], str | None]] = {
     "shard": _shard,
     **{name: parallelize.CHECKS[name] for name in FSDP_ONLY},
@@ -178,6 +208,11 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "overlap": _bool,
     "delay": _steps(0),
     "outer": _outer,
+    "servers": _steps(0),
+    "server_plan": _server_plan,
+    "staleness": _steps(0),
+    "server_optimizer": _server_optimizer,
+    "server_lr": _positive_number,
 }
 
 
@@ -215,10 +250,38 @@ def validate(site: Site, ctx: Context) -> Spec:
             f" time, not {values['delay']}",
             at.node,
         )
+    _check_servers(args, values)
+    if values["server_plan"] is not None:
+        values["server_plan"] = tuple(values["server_plan"])
     units = values.pop("shard_units")
     return Spec(
         name=node.name.value, shard_units=None if units is None else tuple(units), **values
     )
+
+
+def _check_servers(args: Mapping[str, Arg], values: dict[str, Any]) -> None:
+    if not values["servers"]:
+        for name in SERVER_ARGS:
+            if name in args:
+                raise MacroError(f"{name} applies with servers=S > 0", args[name].node)
+        return
+    at = args["servers"].node
+    if values["server_plan"] is None:
+        raise MacroError(
+            f'servers={values["servers"]} needs the tables to serve: server_plan=["emb", ...]',
+            at,
+        )
+    if values["shard"] is not None:
+        raise MacroError(
+            'servers=S takes replicated dense parameters: leave out shard="full"', at
+        )
+    local = values["sync_every"] != 1 or values["outer"] is not None or values["overlap"]
+    if local or values["accumulate"] != 1:
+        raise MacroError(
+            "servers=S takes neither local SGD (sync_every, outer, overlap) nor accumulate:"
+            " a server table takes one forward per step",
+            at,
+        )
 
 
 def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
@@ -262,9 +325,18 @@ def expand(site: Site, ctx: Context) -> Expanded:
     user_class = site.node.with_changes(name=cst.Name(serial))
     if spec.shard == "full":
         return _fully_sharded(spec, site, ctx, serial, user_class)
-    gradient_sync = ctx.import_from("macrogen.runtime.data_parallel", "GradientSync")
+    servers: dict[str, Any] = {}
+    if spec.servers:  # apply_server_tables makes the workers' GradientSync
+        runtime = "macrogen.runtime.param_server"
+        servers = {
+            "apply_server_tables": ctx.import_from(runtime, "apply_server_tables"),
+            "server_config": ctx.import_from(runtime, "ServerConfig"),
+        }
+        gradient_sync: Any = ""
+    else:
+        gradient_sync = ctx.import_from("macrogen.runtime.data_parallel", "GradientSync")
     config = ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig")
-    imports = [gradient_sync, config]
+    imports = [config, *servers.values()] if spec.servers else [gradient_sync, config]
     outer_sgd = None
     if spec.outer is not None:
         outer_sgd = ctx.import_from("macrogen.runtime.local_sgd", "OuterSGD")
@@ -289,6 +361,12 @@ def expand(site: Site, ctx: Context) -> Expanded:
         overlap=spec.overlap,
         delay=spec.delay,
         shard=None,
+        servers=spec.servers,
+        server_plan=spec.server_plan,
+        staleness=spec.staleness,
+        server_optimizer=spec.server_optimizer,
+        server_lr=spec.server_lr,
+        **servers,
     )
     blank = [cst.EmptyLine(), cst.EmptyLine()]
     return Expanded(

@@ -22,7 +22,9 @@ replicate/zero1 ``bucket_mb`` (25) and ``compress`` (None, "bf16", "fp16"); for 
 ``reshard_after_forward`` (True), ``mixed_precision`` (None, "bf16", "fp16"),
 ``cpu_offload`` (False), ``shard_units`` (None: the repeated layer list; or a list of
 paths) and ``dp_replicate`` (1; R > 1: HSDP over R replicas); ``microbatches`` (1: per
-step through a pipeline; nothing changes while pp is 1).
+step through a pipeline; nothing changes while pp is 1); ``servers`` (0; S > 0: the
+plan's ``"server"`` tables live on the last S ranks, ``macrogen.runtime.param_server``) with
+``staleness`` (0), ``server_optimizer`` ("sgd" or "adagrad") and ``server_lr`` (0.01).
 
 ``layout="auto"`` stands for every layout (tp, pp, dp mode, micro-batches) that
 ``macrogen autotune`` finds feasible for its world size: one tunable, keyed
@@ -53,6 +55,8 @@ CODE_ARGUMENTS = frozenset({"0"})  # the model expression runs in the program
 # Mirrors macrogen.runtime.parallelize.STYLES (the runtime imports torch; the pass must not).
 STYLES = ("colwise", "colwise_gather_output", "rowwise", "vocab", "divide", "replicate")
 DP_MODES = ("replicate", "zero1", "fsdp", "none")
+SERVER = "server"  # a table held by parameter servers (not a tensor-parallel style)
+SERVER_ONLY = ("staleness", "server_optimizer", "server_lr")
 
 DEFAULTS: dict[str, Any] = {
     "model": None,
@@ -70,6 +74,10 @@ DEFAULTS: dict[str, Any] = {
     "dp_replicate": 1,
     "microbatches": 1,
     "layout": None,
+    "servers": 0,
+    "staleness": 0,
+    "server_optimizer": "sgd",
+    "server_lr": 0.01,
 }
 LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches")
 FSDP_ONLY = (
@@ -98,6 +106,11 @@ class Spec:
     shard_units: tuple[str, ...] | None  # fsdp: the modules sharded one by one
     dp_replicate: int  # fsdp: > 1 is HSDP
     microbatches: int  # per step, through a pipeline (pp > 1)
+    servers: int = 0  # parameter-server ranks for the plan's "server" tables (0: none)
+    server_plan: tuple[str, ...] = ()  # the paths planned "server"
+    staleness: int = 0
+    server_optimizer: str = "sgd"
+    server_lr: float = 0.01
 
 
 def _degree(v: Any) -> str | None:
@@ -132,6 +145,14 @@ def _compress(v: Any) -> str | None:
     return None if v in (None, "bf16", "fp16") else 'None, "bf16" or "fp16"'
 
 
+def _count(v: Any) -> str | None:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "an int >= 0"
+
+
+def _server_optimizer(v: Any) -> str | None:
+    return None if v in ("sgd", "adagrad") else '"sgd" or "adagrad"'
+
+
 CHECKS: dict[str, Callable[[Any], str | None]] = {
     "tp": _degree,
     "pp": _degree,
@@ -145,6 +166,10 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "shard_units": _units,
     "dp_replicate": _degree,
     "microbatches": _degree,
+    "servers": _count,
+    "staleness": _count,
+    "server_optimizer": _server_optimizer,
+    "server_lr": _mib,
 }
 
 
@@ -175,6 +200,9 @@ def validate(site: Site, ctx: Context) -> Spec:
     if "dp" in args and redundant.may_be(ctx, args["dp"], "fsdp"):
         redundant.fully_sharded(ctx, args["dp"], site.line, 'dp="fsdp"')
     plan, hf = _plan(args.get("tp_plan"))
+    served = tuple(path for path, style in plan or () if style == SERVER)
+    plan = tuple((p, s) for p, s in plan or () if s != SERVER) or None  # the tensor-parallel rest
+    _check_servers(args, values, served, plan)
     tp_arg = args.get("tp") or args.get("layout")
     if (plan is None and not hf) and tp_arg is not None and values["tp"] != 1:
         raise MacroError(
@@ -197,6 +225,11 @@ def validate(site: Site, ctx: Context) -> Spec:
         shard_units=None if values["shard_units"] is None else tuple(values["shard_units"]),
         dp_replicate=values["dp_replicate"],
         microbatches=values["microbatches"],
+        servers=values["servers"],
+        server_plan=served,
+        staleness=values["staleness"],
+        server_optimizer=values["server_optimizer"],
+        server_lr=values["server_lr"],
     )
 
 
@@ -238,6 +271,46 @@ def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | 
     return reason
 
 
+def _check_servers(
+    args: dict[str, Arg], values: dict[str, Any], served: tuple[str, ...], plan: Any
+) -> None:
+    """``servers=S`` goes with "server" plan entries, tp=1 and dp "replicate" or "none"."""
+    node = (args.get("servers") or args.get("tp_plan") or args["model"]).node
+    if values["servers"] == 0:
+        if served:
+            raise MacroError(
+                f'tp_plan plans {", ".join(served)} "server": pass servers=S (the ranks holding'
+                " the tables)",
+                node,
+            )
+        for name in SERVER_ONLY:
+            if name in args:
+                raise MacroError(f"{name} applies with servers=S > 0", args[name].node)
+        return
+    if not served:
+        raise MacroError(
+            f'servers={values["servers"]} needs tables to serve: tp_plan={{"path.to.embedding":'
+            ' "server"}',
+            node,
+        )
+    if values["tp"] != 1 or plan:
+        raise MacroError(
+            'servers=S with tensor parallelism is not supported yet: plan only "server"'
+            " entries, tp=1",
+            node,
+        )
+    if values["accumulate"] != 1:
+        raise MacroError(
+            "servers=S takes accumulate=1: a server table takes one forward per step", node
+        )
+    if values["dp"] not in ("replicate", "none"):
+        raise MacroError(
+            f'servers=S takes dp="replicate" or "none" (the dense rest of the model among the'
+            f" workers), not {values['dp']!r}",
+            node,
+        )
+
+
 def _check(name: str, arg: Arg, ctx: Context) -> None:
     ctx.check_each_choice(name, arg, CHECKS[name])
 
@@ -272,11 +345,14 @@ def _entry(path: Any, style: Any) -> str | None:
         if len(style) == 2 and style[0] == "colwise" and _degree(style[1]) is None:
             return None
         return f"{path}: a packed style is ('colwise', k) with k >= 1, not {style!r}"
-    if style in STYLES:
+    if style in STYLES or style == SERVER:
         return None
-    near = difflib.get_close_matches(str(style), STYLES, n=1)
+    near = difflib.get_close_matches(str(style), (*STYLES, SERVER), n=1)
     hint = f"; did you mean {near[0]!r}?" if near else ""
-    return f"{path}: unknown style {style!r}{hint} (styles: {', '.join(STYLES)}, ('colwise', k))"
+    return (
+        f"{path}: unknown style {style!r}{hint} (styles: {', '.join(STYLES)}, ('colwise', k),"
+        f" {SERVER})"
+    )
 
 
 def _summary(spec: Spec) -> str:
@@ -285,6 +361,9 @@ def _summary(spec: Spec) -> str:
         steps.append(f"tensor parallel {spec.tp} ways (the model's own plan)")
     elif spec.plan is not None:
         steps.append(f"tensor parallel {spec.tp} ways ({len(spec.plan)} plan entries)")
+    if spec.servers:
+        n = len(spec.server_plan)
+        steps.append(f"{n} table{'s' * (n > 1)} on {spec.servers} parameter servers")
     if spec.dp == "fsdp":
         steps.append(
             "fully sharded data parallel (FSDP2)"
@@ -305,11 +384,15 @@ def expand(site: Site, ctx: Context) -> Expanded:
         imports.append(ctx.import_from(runtime, "apply_tensor_parallel"))
         if spec.hf:
             imports.append(ctx.import_from(runtime, "hf_plan"))
+    if spec.servers:
+        imports.append(ctx.import_from("macrogen.runtime.param_server", "apply_server_tables"))
+        imports.append(ctx.import_from("macrogen.runtime.param_server", "ServerConfig"))
     if spec.dp == "fsdp":
         imports.append(ctx.import_from("macrogen.runtime.fully_sharded", "apply_fully_sharded"))
         imports.append(ctx.import_from("macrogen.runtime.fully_sharded", "FullyShardedConfig"))
     elif spec.dp != "none":
-        imports.append(ctx.import_from(runtime, "apply_data_parallel"))
+        if not spec.servers:  # with servers, apply_server_tables runs the workers' part
+            imports.append(ctx.import_from(runtime, "apply_data_parallel"))
         imports.append(ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig"))
     names = {imp.name: imp for imp in imports}
     fn = ctx.names.fresh(f"_parallelize_l{site.line}")
@@ -339,6 +422,13 @@ def expand(site: Site, ctx: Context) -> Expanded:
         hf_plan=names.get("hf_plan", ""),
         apply_data_parallel=names.get("apply_data_parallel", ""),
         config=names.get("DataParallelConfig", ""),
+        servers=spec.servers,
+        server_plan=spec.server_plan,
+        staleness=spec.staleness,
+        server_optimizer=spec.server_optimizer,
+        server_lr=spec.server_lr,
+        apply_server_tables=names.get("apply_server_tables", ""),
+        server_config=names.get("ServerConfig", ""),
     )
     model = cst.Arg(call.args[0].value)  # the rest were expansion-time values, now in the helper
     replacement = call.with_changes(
