@@ -123,3 +123,34 @@ def test_the_expanded_file_reads_like_forward():
         "    return h\n"
     ) in expanded
     assert "forward_of" not in Path(rp.__file__).read_text()
+
+
+def test_a_class_defined_in_a_function_keeps_its_free_names():
+    source = textwrap.dedent(
+        """
+        import torch.nn as nn
+        import macrogen as mg
+
+
+        def build(scale):
+            @mg.pipeline(stages=2, microbatches=2, split=["head"])
+            class Net(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.inp = nn.Linear(4, 4)
+                    self.head = nn.Linear(4, 2)
+
+                def forward(self, x):
+                    h = self.inp(x) * scale
+                    return self.head(h)
+
+            return Net()
+        """
+    )
+    module = types.ModuleType("cut_closure")
+    exec(mg.expand_source(source, path="closure.py").code, module.__dict__)
+    torch.manual_seed(0)
+    model = module.build(3.0)
+    first, last = _stages(model)
+    x = torch.randn(2, 4)
+    assert torch.equal(last(model, first(model, x)), model(x))
