@@ -8,7 +8,7 @@ d -> 4d -> d on ``--batch`` x 16 tokens) trains with SGD:
 
 - *serial*: one process, one thread, ``mg.pipeline_step`` on the whole model;
 - *@pipeline*: 2 gloo ranks of one thread each, the runtime the generated class
-  calls (``attach(model, PipelineConfig(...))``), cut in the middle of the blocks;
+  calls (``attach(model, PipelineConfig(...), forward)``), cut in the middle of the blocks;
 - *by hand*: the same 2 ranks, the same split, two stage modules written by hand
   and handed to torch's ``PipelineStage`` and schedule, as torch's docs do it.
 
@@ -68,6 +68,31 @@ class Deep(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h)
+
+
+# Deep.forward as the @pipeline expansion writes it: one function per statement
+def _deep_0(self, x):
+    h = self.inp(x)
+    return h
+
+
+def _deep_1(self, block, h):
+    h = block(h)
+    return h
+
+
+def _deep_2(self, h):
+    return self.head(h)
+
+
+DEEP_FORWARD = rp.Forward(
+    params=("x",),
+    statements=(
+        rp.Statement(_deep_0, 0, reads=("x",), writes=("h",), parts=("inp",), calls=("inp",)),
+        rp.Statement(_deep_1, 1, reads=("h",), writes=("h",), loop="blocks"),
+        rp.Statement(_deep_2, 2, reads=("h",), parts=("head",), calls=("head",)),
+    ),
+)
 
 
 class HandStage(nn.Module):
@@ -130,7 +155,7 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
         config = rp.PipelineConfig(
             stages=2, microbatches=args.microbatches, schedule=schedule, split=(f"blocks.{cut}",)
         )
-        rp.attach(m, config)
+        rp.attach(m, config, DEEP_FORWARD)
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
 
         def ours(m=m, opt=opt):
@@ -177,7 +202,7 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
         config = rp.PipelineConfig(
             stages=2, microbatches=4, schedule="gpipe", split=(f"blocks.{cut}",)
         )
-        pipe = rp.attach(m, config)
+        pipe = rp.attach(m, config, DEEP_FORWARD)
         rp.pipeline_step(m, x, y, F.mse_loss)  # builds the stage and the schedule
         stage = pipe._schedule._stage
         for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):

@@ -20,7 +20,8 @@ What the user wrote keeps the user's file name and line numbers; a line that a
 macro site became reports the site's line (the ``with``, decorator or ``if``
 line). What macrogen generated (helpers, kernels) keeps the expanded file's name
 and lines, so its frames show the generated code and ``inspect.getsource`` (which
-Triton's ``jit`` needs) reads it back correctly.
+Triton's ``jit`` needs) reads it back correctly; except a generated function made
+of the user's own lines (``@pipeline``'s statements of ``forward``), which shows them.
 """
 
 from __future__ import annotations

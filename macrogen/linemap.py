@@ -16,6 +16,11 @@ Then the two are spliced per code object: a function the user wrote (its first
 line is kept) takes the first, a function macrogen generated takes the second,
 so a traceback runs user frame -> site line -> generated helper line, and
 ``inspect.getsource`` of a generated Triton kernel reads the generated text.
+
+A generated function that copies the user's lines (``@pipeline``'s forward,
+one function per statement) follows a ``# macrogen: <what> from file:line``
+comment: its lines map to the user's lines from that one on, matched by text,
+and it is compiled as the user's, so a frame in it shows the user's line.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import re
 import types
 
 _SITE_COMMENT = re.compile(r"^[ \t]*# macrogen: [\w.]+ at .*:(\d+)[ \t]*$")
+_COPY_COMMENT = re.compile(r"^[ \t]*# macrogen: [\w.]+ from .*:(\d+)[ \t]*$")
 _NEWLINE = re.compile(r"\r\n|\r|\n")  # what the tokenizer counts as a line end
 
 
@@ -40,12 +46,51 @@ def source_lines(source: str, expanded: str) -> tuple[list[int], list[bool]]:
             continue
         # inserted lines belong to the line above; replaced ones to the first replaced
         line = i1 + 1 if tag == "replace" else max(i1, 1)
+        at, end = 0, -1  # a copied function: the user line it is at, its last line
         for j in range(j1, j2):
             site = _SITE_COMMENT.match(b[j])
             if site:
                 line = int(site.group(1))
-            origin[j] = line
+            copied = _COPY_COMMENT.match(b[j])
+            if copied:
+                at, end = int(copied.group(1)), _end(b, j + 1)
+                origin[j] = at
+            elif j <= end:
+                if 0 < at <= len(a) and a[at - 1].strip() == b[j].strip():
+                    origin[j], at = at, at + 1
+                else:  # its def line: the first user line; a generated return: the last
+                    origin[j] = at if b[j].lstrip().startswith("def ") else max(at - 1, 1)
+            else:
+                origin[j] = line
     return origin, kept
+
+
+def _end(lines: list[str], first: int) -> int:
+    """The index of the last line of the def at ``lines[first]`` (by indentation)."""
+    if first >= len(lines):
+        return first
+    indent = len(_indent(lines[first]))
+    last = first
+    for k in range(first + 1, len(lines)):
+        if lines[k].strip():
+            if len(_indent(lines[k])) <= indent:
+                break
+            last = k
+    return last
+
+
+def _indent(text: str) -> str:
+    return text[: len(text) - len(text.lstrip())]
+
+
+def copied_lines(expanded: str) -> set[int]:
+    """The lines (1-based) of the generated functions that copy the user's lines."""
+    lines = _NEWLINE.split(expanded)
+    out: set[int] = set()
+    for i, text in enumerate(lines):
+        if _COPY_COMMENT.match(text):
+            out.update(range(i + 2, _end(lines, i + 1) + 2))
+    return out
 
 
 def compile_expanded(source: str, expanded: str, path: str, expanded_path: str) -> types.CodeType:
@@ -57,9 +102,13 @@ def compile_expanded(source: str, expanded: str, path: str, expanded_path: str) 
         i + 1 for i, text in enumerate(_NEWLINE.split(expanded)) if _SITE_COMMENT.match(text)
     }
 
+    copies = copied_lines(expanded)
+
     def users(code: types.CodeType) -> bool:
         """Did the user write this function (lines in expanded coordinates)?"""
         first = code.co_firstlineno
+        if first in copies:
+            return True  # a generated function made of the user's lines
         if not _at(kept, first, False):
             return False
         last = spans.get(first)

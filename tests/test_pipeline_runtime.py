@@ -15,13 +15,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from macrogen import pipeline_units as pf
+from macrogen.macros.pipeline import analysis
 from macrogen.runtime import pipeline as rp
-from macrogen.runtime import pipeline_forward as pf
 from tests.distributed import run_ranks
+from tests.pipeline_units import forward_of
 
 STEPS = 5
 BATCH = 8
 RTOL, ATOL = 1e-5, 1e-6
+
+
+def _plan(model, stages, split):
+    return rp.plan(model, stages, split, forward_of(type(model)))
+
+
+def _parse(source):
+    return analysis.parse(source).forward
 
 
 # -- test models -----------------------------------------------------------------------------
@@ -143,20 +153,20 @@ def serial(kind: str):
 
 def test_plan_balances_the_uneven_blocks_by_parameter_count():
     model, *_ = make("uneven")
-    p = rp.plan(model, 2, None)
+    p = _plan(model, 2, None)
     # Wide(16, 16, 96) alone outweighs everything after it: stage 1 starts at the next block
     assert p.describe() == "stage 0: inp, blocks.0 | stage 1: blocks.1-4, scale, head"
     assert p.carried == ["h"]
-    assert rp.plan(model, 3, ("blocks.1", "blocks.3")).describe() == (
+    assert _plan(model, 3, ("blocks.1", "blocks.3")).describe() == (
         "stage 0: inp, blocks.0 | stage 1: blocks.1-2 | stage 2: blocks.3-4, scale, head"
     )
 
 
 def test_plan_names_the_gpt_cut():
     model, *_ = make("gpt")
-    p = rp.plan(model, 2, None)
+    p = _plan(model, 2, None)
     assert p.describe() == "stage 0: wte, wpe, blocks.0-1 | stage 1: blocks.2-3, lm_head, ln_f"
-    assert rp.plan(model, 2, ("lm_head",)).carried == ["x"]
+    assert _plan(model, 2, ("lm_head",)).carried == ["x"]
 
 
 @pytest.mark.parametrize(
@@ -172,7 +182,7 @@ def test_plan_names_the_gpt_cut():
 def test_bad_splits_say_why(split, message):
     model, *_ = make("gpt")
     with pytest.raises(ValueError, match=message):
-        rp.plan(model, 2, split)
+        _plan(model, 2, split)
 
 
 def test_more_stages_than_blocks():
@@ -180,7 +190,7 @@ def test_more_stages_than_blocks():
     with pytest.raises(
         ValueError, match="5 stages but forward's loop over self.blocks has 4 blocks"
     ):
-        rp.plan(model, 5, None)
+        _plan(model, 5, None)
 
 
 def test_a_cut_that_carries_two_values():
@@ -190,7 +200,7 @@ def test_a_cut_that_carries_two_values():
         h = self.b(h, mask)
         return self.c(h)
     """
-    forward = pf.parse(source)
+    forward = _parse(source)
     units = forward.units({})
     starts = pf.resolve_split(forward, units, ["b"])
     with pytest.raises(pf.SplitError, match="still needs h, mask"):
@@ -210,12 +220,12 @@ def test_a_cut_that_carries_two_values():
 )
 def test_forwards_that_cannot_be_split(body, message):
     with pytest.raises(pf.SplitError, match=message):
-        pf.parse(f"def forward(self, x):\n    {body}\n")
+        _parse(f"def forward(self, x):\n    {body}\n")
 
 
 def test_serial_step_without_a_process_group():
     model, x, y, loss_fn = make("uneven")
-    pipe = rp.attach(model, rp.PipelineConfig(stages=2, microbatches=4))
+    pipe = rp.attach(model, rp.PipelineConfig(stages=2, microbatches=4), forward_of(type(model)))
     assert pipe.layout is None  # not launched: the whole model, the serial step
     loss = rp.pipeline_step(model, x, y, loss_fn)
     assert math.isfinite(loss.item()) and model.head.weight.grad is not None
@@ -232,7 +242,7 @@ def _worker(rank, world, cases):
         config = rp.PipelineConfig(stages=2, microbatches=4, schedule=schedule)
         if schedule == "interleaved":  # 4 stages, 2 per rank: rank r holds stages r and r + 2
             config = rp.PipelineConfig(4, 4, schedule, stages_per_rank=2)
-        pipe = rp.attach(model, config)
+        pipe = rp.attach(model, config, forward_of(type(model)))
         if schedule == "interleaved":
             assert pipe.stages == [rank % 2, rank % 2 + 2]
         lay = pipe.layout
@@ -255,9 +265,9 @@ def _worker(rank, world, cases):
     if world == 4:  # 4 ranks don't divide into 3 stages
         rp.reset()
         try:
-            rp.attach(
-                make("uneven")[0], rp.PipelineConfig(stages=3, microbatches=4), where="m.py:3"
-            )
+            uneven = make("uneven")[0]
+            config = rp.PipelineConfig(stages=3, microbatches=4)
+            rp.attach(uneven, config, forward_of(type(uneven)), where="m.py:3")
         except ValueError as e:
             results["error"] = str(e)
     return results
@@ -295,7 +305,7 @@ def test_interleaving_needs_stages_per_rank_that_fit():
         (rp.PipelineConfig(4, 5, "interleaved", stages_per_rank=2), "5 is not a multiple of 2"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
-            rp.attach(model, config)
+            rp.attach(model, config, forward_of(type(model)))
 
 
 def test_two_stages_by_two_data_ranks_match_serial():

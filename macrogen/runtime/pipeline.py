@@ -4,9 +4,11 @@ A generated ``@pipeline`` class makes one ``Pipeline`` at the end of its
 ``__init__`` (the whole model is built first, initialized exactly as in the
 serial run). The ``Pipeline``:
 
-1. reads the model's ``forward`` (``pipeline_forward``) and cuts its units into
-   ``stages`` stages, at the ``split`` names or, without them, at block
-   boundaries of its ``nn.ModuleList`` loop, balanced by parameter count;
+1. takes the model's ``forward`` as the expansion wrote it, one function per
+   statement (``Forward``, ``macrogen/pipeline_units.py``), and cuts its units
+   into ``stages`` stages, at the ``split`` names or, without them, at block
+   boundaries of its ``nn.ModuleList`` loop, balanced by parameter count (no
+   source is read here: the macro analysed forward at expansion);
 2. lays the world out as the program's (pipeline x data x tensor) ``DeviceMesh``
    (``mesh.py``), pipeline outermost: rank r is stage ``r // (data_size *
    tensor_size)``; tensor-parallel layers inside the stages were built with
@@ -37,7 +39,6 @@ Run without a process group (or with world size 1) the model stays whole and
 
 from __future__ import annotations
 
-import ast
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,8 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from macrogen import pipeline_units as pf
+from macrogen.pipeline_units import Forward as Forward  # the generated code's
+from macrogen.pipeline_units import Statement as Statement
 from macrogen.runtime import groups, mesh, tensor_parallel, tensor_parallel_plan
-from macrogen.runtime import pipeline_forward as pf
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ATTR = "_macrogen_pipeline"  # where a pipelined model keeps its Pipeline (markers look for it)
@@ -158,25 +161,10 @@ class Plan:
         return " | ".join(stages)
 
 
-def forward_of(model: nn.Module) -> tuple[pf.Forward, Callable[..., Any]]:
-    fn = type(model).forward
-    try:
-        source = inspect.getsource(fn)
-    except (OSError, TypeError) as e:
-        raise ValueError(
-            f"can't read {type(model).__name__}.forward's source to cut it into stages: {e}"
-        ) from None
-    try:
-        return pf.parse(source), fn
-    except pf.SplitError as e:
-        first = inspect.getsourcelines(fn)[1]
-        line = f" (line {first + e.line - 1})" if e.line else ""
-        raise ValueError(f"{type(model).__name__}.forward{line}: {e.message}") from None
-
-
-def plan(model: nn.Module, stages: int, split: tuple[str, ...] | None) -> Plan:
+def plan(
+    model: nn.Module, stages: int, split: tuple[str, ...] | None, forward: pf.Forward
+) -> Plan:
     """Cut ``model``'s forward into ``stages`` stages (pure: the model is not changed)."""
-    forward, _ = forward_of(model)
     name = type(model).__name__
     blocks: dict[str, int] = {}
     for loop in forward.loops:
@@ -383,28 +371,50 @@ class StageModule(nn.Module):
 
 
 def stage_code(model: nn.Module, p: Plan, stage: int) -> Callable[..., Any]:
-    """Compile this stage's slice of forward, with the user's file and line numbers."""
-    forward, fn = forward_of(model)
+    """This stage's slice of forward: the generated functions of its units, in order.
+
+    Stage 0 takes forward's arguments; a later stage the value the cut before it
+    carries (the last one also forward's targets); each returns what the cut after it
+    carries, the last forward's output.
+    """
     a, b = p.bounds(stage)
-    inputs = [] if stage == 0 else [p.carried[stage - 1]]
+    units = p.units[a:b]
+    forward = p.forward
+    signature = inspect.signature(type(model).forward)  # the serial forward's
+    given = None if stage == 0 else p.carried[stage - 1]
     output = p.carried[stage] if stage < len(p.starts) else None
-    module = pf.stage_function(forward, p.units, a, b, inputs, output)
-    first = inspect.getsourcelines(fn)[1]
-    ast.increment_lineno(module, first - 1)
-    filename = inspect.getsourcefile(fn) or "<forward>"
-    namespace = fn.__globals__
-    if fn.__closure__:  # a class defined in a function: its free names join the globals
-        namespace = dict(namespace)
-        namespace.update(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
-    local: dict[str, Any] = {}
-    exec(compile(module, filename, "exec"), namespace, local)
-    return local["forward"]
+    targets = forward.targets if output is None else None
+    found = signature.parameters.get(targets) if targets else None
+    default = None if found is None else found.default
+
+    def run(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if given is None:
+            bound = signature.bind(model, *args, **kwargs)
+            bound.apply_defaults()
+            env = dict(list(bound.arguments.items())[1:])
+        else:
+            env = {given: args[0]}
+            if targets is not None:
+                env[targets] = kwargs.get(targets, default)
+        result = None
+        for u in units:
+            s = u.statement
+            assert s.fn is not None, "a Forward of the expansion's: its functions"
+            block = () if u.block is None else (_get(model, u.name),)
+            result = s.fn(model, *block, *(env[n] for n in s.reads))
+            if s.writes:
+                env.update(zip(s.writes, (result,) if len(s.writes) == 1 else result))
+        return result if output is None else env[output]
+
+    return run
 
 
 class Pipeline:
     """Cuts ``model`` to this rank's stage and runs the schedule; see the module docstring."""
 
-    def __init__(self, model: nn.Module, config: PipelineConfig, *, where: str = ""):
+    def __init__(
+        self, model: nn.Module, config: PipelineConfig, forward: pf.Forward, *, where: str = ""
+    ):
         if config.schedule not in SCHEDULES:
             raise ValueError(
                 f"{_at(where)}schedule must be one of {SCHEDULES}, not {config.schedule!r}"
@@ -426,7 +436,7 @@ class Pipeline:
         self.where = where
         self.layout = layout(config.ranks, where=where) if config.ranks > 1 else None
         try:  # on the serial layers: balanced by serial parameter counts, as the expansion says
-            self.plan = plan(model, config.stages, config.split)
+            self.plan = plan(model, config.stages, config.split, forward)
         except ValueError as e:
             raise ValueError(f"{_at(where)}{e}") from None
         self.keys = list(model.state_dict().keys())  # the serial model's, in its order
@@ -754,9 +764,15 @@ def pipeline_step(
     return serial_step(model, x, y, loss_fn) if pipe is None else pipe.step(x, y, loss_fn)
 
 
-def attach(model: nn.Module, config: PipelineConfig, *, where: str = "") -> Pipeline:
-    """Make ``model`` (fully built) pipelined: this rank keeps its stage."""
-    pipe = Pipeline(model, config, where=where)
+def attach(
+    model: nn.Module, config: PipelineConfig, forward: pf.Forward, *, where: str = ""
+) -> Pipeline:
+    """Make ``model`` (fully built) pipelined: this rank keeps its stage.
+
+    ``forward`` is the model's forward as the expansion generated it, one function per
+    statement: the stages run those.
+    """
+    pipe = Pipeline(model, config, forward, where=where)
     model.__dict__[ATTR] = pipe
     return pipe
 

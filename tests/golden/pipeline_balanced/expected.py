@@ -4,7 +4,9 @@ import torch.nn as nn
 from macrogen import pipeline, pipeline_step
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.pipeline import Forward
 from macrogen.runtime.pipeline import PipelineConfig
+from macrogen.runtime.pipeline import Statement
 from macrogen.runtime.pipeline import attach
 from macrogen.runtime.pipeline import declare
 from macrogen.runtime.pipeline import full_state_dict
@@ -22,6 +24,26 @@ class _Deep_serial(nn.Module):
         for layer in self.layers:
             x = layer(x).relu()
         return self.head(x)
+
+
+# macrogen: Deep.forward from input.py:14
+def _Deep_forward_0(self, layer, x):
+    x = layer(x).relu()
+    return x
+
+
+# macrogen: Deep.forward from input.py:15
+def _Deep_forward_1(self, x):
+    return self.head(x)
+
+
+_Deep_forward = Forward(
+    params=('x',),
+    statements=(
+        Statement(_Deep_forward_0, 0, reads=('x',), writes=('x',), loop='layers'),
+        Statement(_Deep_forward_1, 1, reads=('x',), parts=('head',), calls=('head',)),
+    ),
+)
 
 
 class Deep(_Deep_serial):
@@ -44,6 +66,7 @@ class Deep(_Deep_serial):
                 schedule='gpipe',
                 split=None,
             ),
+            _Deep_forward,
             where='input.py:5',
         )
 

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.pipeline import Forward
 from macrogen.runtime.pipeline import PipelineConfig
+from macrogen.runtime.pipeline import Statement
 from macrogen.runtime.pipeline import attach
 from macrogen.runtime.pipeline import declare
 from macrogen.runtime.pipeline import full_state_dict
@@ -35,6 +37,33 @@ class _Balanced_serial(nn.Module):
         return self.head(x)
 
 
+# macrogen: Balanced.forward from input.py:22
+def _Balanced_forward_0(self, x):
+    x = F.relu(self.body.inp(x))
+    return x
+
+
+# macrogen: Balanced.forward from input.py:24
+def _Balanced_forward_1(self, layer, x):
+    x = F.relu(layer(x))
+    return x
+
+
+# macrogen: Balanced.forward from input.py:25
+def _Balanced_forward_2(self, x):
+    return self.head(x)
+
+
+_Balanced_forward = Forward(
+    params=('x',),
+    statements=(
+        Statement(_Balanced_forward_0, 0, reads=('x',), writes=('x',), parts=('body.inp',), calls=('body.inp',)),
+        Statement(_Balanced_forward_1, 1, reads=('x',), writes=('x',), loop='body.layers'),
+        Statement(_Balanced_forward_2, 2, reads=('x',), parts=('head',), calls=('head',)),
+    ),
+)
+
+
 class Balanced(_Balanced_serial):
     """Balanced, pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step.
 
@@ -55,6 +84,7 @@ class Balanced(_Balanced_serial):
                 schedule='1f1b',
                 split=None,
             ),
+            _Balanced_forward,
             where='input.py:9',
         )
 
@@ -88,6 +118,40 @@ class _Split_serial(nn.Module):
         return self.head(x)
 
 
+# macrogen: Split.forward from input.py:42
+def _Split_forward_0(self, idx):
+    x = self.stack.emb(idx)
+    return x
+
+
+# macrogen: Split.forward from input.py:44
+def _Split_forward_1(self, block, x):
+    x = block(x)
+    return x
+
+
+# macrogen: Split.forward from input.py:45
+def _Split_forward_2(self, x):
+    x = self.stack.norm(x)
+    return x
+
+
+# macrogen: Split.forward from input.py:46
+def _Split_forward_3(self, x):
+    return self.head(x)
+
+
+_Split_forward = Forward(
+    params=('idx',),
+    statements=(
+        Statement(_Split_forward_0, 0, reads=('idx',), writes=('x',), parts=('stack.emb',), calls=('stack.emb',)),
+        Statement(_Split_forward_1, 1, reads=('x',), writes=('x',), loop='stack.blocks'),
+        Statement(_Split_forward_2, 2, reads=('x',), writes=('x',), parts=('stack.norm',), calls=('stack.norm',)),
+        Statement(_Split_forward_3, 3, reads=('x',), parts=('head',), calls=('head',)),
+    ),
+)
+
+
 class Split(_Split_serial):
     """Split, pipelined: 3 stages, gpipe schedule, 4 micro-batches per step.
 
@@ -108,6 +172,7 @@ class Split(_Split_serial):
                 schedule='gpipe',
                 split=('stack.blocks.2', 'stack.norm'),
             ),
+            _Split_forward,
             where='input.py:28',
         )
 

@@ -6,7 +6,9 @@ import macrogen as mg
 # ---- macrogen: generated from input.py; edit the source, not this block ----
 from macrogen.runtime.data_parallel import DataParallelConfig
 from macrogen.runtime.data_parallel import GradientSync
+from macrogen.runtime.pipeline import Forward
 from macrogen.runtime.pipeline import PipelineConfig
+from macrogen.runtime.pipeline import Statement
 from macrogen.runtime.pipeline import attach
 from macrogen.runtime.pipeline import declare
 from macrogen.runtime.pipeline import full_state_dict
@@ -26,6 +28,33 @@ class _Net_serial(nn.Module):
         for block in self.blocks:
             x = block(x).relu()
         return self.head(x)
+
+
+# macrogen: Net.forward from input.py:15
+def _Net_forward_0(self, x):
+    x = self.inp(x)
+    return x
+
+
+# macrogen: Net.forward from input.py:17
+def _Net_forward_1(self, block, x):
+    x = block(x).relu()
+    return x
+
+
+# macrogen: Net.forward from input.py:18
+def _Net_forward_2(self, x):
+    return self.head(x)
+
+
+_Net_forward = Forward(
+    params=('x',),
+    statements=(
+        Statement(_Net_forward_0, 0, reads=('x',), writes=('x',), parts=('inp',), calls=('inp',)),
+        Statement(_Net_forward_1, 1, reads=('x',), writes=('x',), loop='blocks'),
+        Statement(_Net_forward_2, 2, reads=('x',), parts=('head',), calls=('head',)),
+    ),
+)
 
 
 # macrogen: data_parallel at input.py:5
@@ -49,6 +78,7 @@ class _Net_serial_2(_Net_serial):
                 schedule='1f1b',
                 split=('blocks.2',),
             ),
+            _Net_forward,
             where='input.py:6',
         )
 

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.pipeline import Forward
 from macrogen.runtime.pipeline import PipelineConfig
+from macrogen.runtime.pipeline import Statement
 from macrogen.runtime.pipeline import attach
 from macrogen.runtime.pipeline import declare
 from macrogen.runtime.pipeline import full_state_dict
@@ -46,6 +48,40 @@ class _GPT_serial(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
 
+# macrogen: GPT.forward from input.py:36
+def _GPT_forward_0(self, idx):
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    return pos
+
+
+# macrogen: GPT.forward from input.py:37
+def _GPT_forward_1(self, idx, pos):
+    x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
+    return x
+
+
+# macrogen: GPT.forward from input.py:39
+def _GPT_forward_2(self, block, x):
+    x = block(x)
+    return x
+
+
+# macrogen: GPT.forward from input.py:40
+def _GPT_forward_3(self, x):
+    return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+
+
+_GPT_forward = Forward(
+    params=('idx',),
+    statements=(
+        Statement(_GPT_forward_0, 0, reads=('idx',), writes=('pos',)),
+        Statement(_GPT_forward_1, 1, reads=('idx', 'pos'), writes=('x',), parts=('wte', 'wpe'), calls=('wpe', 'wte')),
+        Statement(_GPT_forward_2, 2, reads=('x',), writes=('x',), loop='blocks'),
+        Statement(_GPT_forward_3, 3, reads=('x',), parts=('lm_head', 'ln_f'), calls=('lm_head', 'ln_f')),
+    ),
+)
+
+
 class GPT(_GPT_serial):
     """GPT, pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step.
 
@@ -66,6 +102,7 @@ class GPT(_GPT_serial):
                 schedule='1f1b',
                 split=('blocks.3',),
             ),
+            _GPT_forward,
             where='input.py:20',
         )
 

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.pipeline import Forward
 from macrogen.runtime.pipeline import PipelineConfig
+from macrogen.runtime.pipeline import Statement
 from macrogen.runtime.pipeline import attach
 from macrogen.runtime.pipeline import declare
 from macrogen.runtime.pipeline import full_state_dict
@@ -67,6 +69,73 @@ class _GPT_serial(nn.Module):
         return logits, loss
 
 
+# macrogen: GPT.forward from input.py:45
+def _GPT_forward_0(self, idx):
+    b, t = idx.size()
+    return t
+
+
+# macrogen: GPT.forward from input.py:46
+def _GPT_forward_1(self, t):
+    assert t <= self.config.block_size, f"sequence of length {t}, block size is only {self.config.block_size}"
+
+
+# macrogen: GPT.forward from input.py:47
+def _GPT_forward_2(self, t, idx):
+    pos = torch.arange(0, t, dtype=torch.long, device=idx.device)  # shape (t)
+    return pos
+
+
+# macrogen: GPT.forward from input.py:48
+def _GPT_forward_3(self, idx, pos):
+    x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+    return x
+
+
+# macrogen: GPT.forward from input.py:50
+def _GPT_forward_4(self, block, x):
+    x = block(x)
+    return x
+
+
+# macrogen: GPT.forward from input.py:51
+def _GPT_forward_5(self, x):
+    x = self.transformer.ln_f(x)
+    return x
+
+
+# macrogen: GPT.forward from input.py:52
+def _GPT_forward_6(self, targets, x):
+    if targets is not None:
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+    else:
+        logits = self.lm_head(x[:, [-1], :])  # inference: the last position only
+        loss = None
+    return logits, loss
+
+
+# macrogen: GPT.forward from input.py:58
+def _GPT_forward_7(self, logits, loss):
+    return logits, loss
+
+
+_GPT_forward = Forward(
+    params=('idx', 'targets'),
+    targets='targets',
+    statements=(
+        Statement(_GPT_forward_0, 0, reads=('idx',), writes=('t',)),
+        Statement(_GPT_forward_1, 1, reads=('t',), parts=('config.block_size',)),
+        Statement(_GPT_forward_2, 2, reads=('t', 'idx'), writes=('pos',)),
+        Statement(_GPT_forward_3, 3, reads=('idx', 'pos'), writes=('x',), parts=('transformer.wte', 'transformer.wpe'), calls=('transformer.wpe', 'transformer.wte')),
+        Statement(_GPT_forward_4, 4, reads=('x',), writes=('x',), loop='transformer.h'),
+        Statement(_GPT_forward_5, 5, reads=('x',), writes=('x',), parts=('transformer.ln_f',), calls=('transformer.ln_f',)),
+        Statement(_GPT_forward_6, 6, reads=('targets', 'x'), writes=('logits', 'loss'), parts=('lm_head',)),
+        Statement(_GPT_forward_7, 7, reads=('logits', 'loss')),
+    ),
+)
+
+
 class GPT(_GPT_serial):
     """GPT, pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step.
 
@@ -88,6 +157,7 @@ class GPT(_GPT_serial):
                 schedule='1f1b',
                 split=('transformer.h.2',),
             ),
+            _GPT_forward,
             where='input.py:30',
         )
 

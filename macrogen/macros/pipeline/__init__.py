@@ -10,14 +10,19 @@
             return self.head(x)                        def __init__(self, *args, **kwargs):
                                                            declare(2, where=...)  # the mesh's stages
                                                            super().__init__(*args, **kwargs)
-                                                           attach(self, PipelineConfig(...), where=...)
+                                                           attach(self, PipelineConfig(...),
+                                                                  _GPT_forward, where=...)
 
     for x, y in data:                              # the loop's one pipeline line (serially:
         loss = mg.pipeline_step(model, x, y, F.cross_entropy)   # forward, loss, backward)
         opt.step()
 
-The generated class builds the whole serial model (same initialization), then
-``macrogen.runtime.pipeline`` keeps this rank's stage and runs torch's
+Each statement of forward becomes a function (``_GPT_forward_0``, ...: the
+user's lines, copied; a ModuleList loop's body, run once per block), listed
+with the local names it reads and passes on in ``_GPT_forward``. The
+generated class builds the whole serial model (same initialization), then
+``macrogen.runtime.pipeline`` cuts those functions into stages (it reads no
+source), keeps this rank's stage and runs torch's
 ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` /
 ``ScheduleInterleaved1F1B``. Arguments (keyword only): ``stages`` (required,
 >= 2), ``microbatches`` (4), ``schedule`` ("1f1b", "gpipe" or "interleaved"),
@@ -30,6 +35,11 @@ Expansion checks what the file shows: a forward that can't be split (naming
 the statement), a split name forward doesn't call, more stages than a
 literal number of blocks. The rest (world size, parameter counts) is
 checked at run time.
+
+Where the rest lives (this package): analysis.py reads forward's ``ast``
+(its statements, what each reads and writes, what can't be cut); code.py
+writes each statement's function; ``macrogen/pipeline_units.py``, shared with
+the runtime, cuts the units (split names, the value each cut carries).
 """
 
 from __future__ import annotations
@@ -41,7 +51,9 @@ from typing import Any
 
 import libcst as cst
 import libcst.matchers as m
+from libcst.metadata import PositionProvider
 
+from macrogen import pipeline_units as pf
 from macrogen.macro import (
     Arg,
     Context,
@@ -52,7 +64,9 @@ from macrogen.macro import (
     Site,
     render_statements,
 )
-from macrogen.runtime import pipeline_forward as pf
+from macrogen.macros.pipeline import analysis
+from macrogen.macros.pipeline.analysis import Analysed
+from macrogen.macros.pipeline.code import unit_function
 
 NAME = "pipeline"
 FORMS: frozenset[Form] = frozenset({"decorator"})
@@ -80,6 +94,8 @@ class Spec:
     cut: str  # where it cuts, for the generated docstring
     stages_per_rank: int = 1  # > 1: interleaved, rank r holding stages r, r + P, ...
     tied: tuple[str, ...] = ()  # "transformer.wte.weight = lm_head.weight": shared tensors
+    analysed: Analysed | None = None  # forward's statements, each generated as a function
+    forward_line: int = 0  # forward's ``def`` line in the source
 
 
 def validate(site: Site, ctx: Context) -> Spec:
@@ -131,13 +147,16 @@ def validate(site: Site, ctx: Context) -> Spec:
         )
     _reject_named_super(node)
     forward_node = _forward(node)
-    forward = _analyse(forward_node)
+    analysed = _analyse(forward_node)
+    forward = analysed.forward
     blocks = _static_blocks(node, forward, ctx)
     splits = _choices(args, "split", ctx) if "split" in args else [None]
     cut, placed = "", None
     plain = _plain(node)
     for split in splits:
-        cut, placed = _check_split(split, stages, forward, forward_node, blocks, args, anchor, plain)
+        cut, placed = _check_split(
+            split, stages, analysed, forward_node, blocks, args, anchor, plain
+        )
     value = args["split"].value if "split" in args else None
     return Spec(
         node.name.value,
@@ -148,7 +167,17 @@ def validate(site: Site, ctx: Context) -> Spec:
         cut,
         _stages_per_rank(spr, args["schedule"].value if "schedule" in args else "1f1b"),
         _tied(node, placed),
+        analysed,
+        _line_of(node, forward_node.name, site),
     )
+
+
+def _line_of(cls: cst.ClassDef, node: cst.CSTNode, site: Site) -> int:
+    """``node``'s line in the source, counted from the macro call's (``site.line``)."""
+    wrapper = cst.MetadataWrapper(cst.Module([cls]), unsafe_skip_copy=True)
+    where = wrapper.resolve(PositionProvider)
+    call = site.call if site.call is not None and site.call in where else cls.name
+    return site.line + where[node].start.line - where[call].start.line
 
 
 def _stages_per_rank(given: int | None, schedule: str) -> int:
@@ -190,10 +219,10 @@ def _forward(cls: cst.ClassDef) -> cst.FunctionDef:
     )
 
 
-def _analyse(fn: cst.FunctionDef) -> pf.Forward:
+def _analyse(fn: cst.FunctionDef) -> Analysed:
     code = cst.Module([]).code_for_node(fn.with_changes(decorators=(), leading_lines=()))
     try:
-        return pf.parse(code)
+        return analysis.parse(code)
     except pf.SplitError as e:
         raise MacroError(
             f"forward can't be cut into pipeline stages: {e.message}", _statement(fn, e.path)
@@ -238,7 +267,7 @@ def _assigned(init: ast.FunctionDef) -> dict[str, ast.expr]:
     found: dict[str, ast.expr] = {}
     for node in ast.walk(init):
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            path = pf.self_path(node.targets[0], me)
+            path = analysis.self_path(node.targets[0], me)
             if path is not None:
                 found[path] = node.value
     return found
@@ -309,7 +338,7 @@ def _tied(cls: cst.ClassDef, placed: list[list[str]] | None) -> tuple[str, ...]:
     me = init.args.args[0].arg
     ties = []
     for path, value in _assigned(init).items():
-        source = pf.self_path(value, me)
+        source = analysis.self_path(value, me)
         if source is None or source.rpartition(".")[2] not in ("weight", "bias"):
             continue
         where = "each stage that uses it holds it, its gradients summed over them"
@@ -363,7 +392,7 @@ def _count(value: ast.expr, ctx: Context) -> int | None:
 def _check_split(
     split: Any,
     stages: int,
-    forward: pf.Forward,
+    analysed: Analysed,
     fn: cst.FunctionDef,
     blocks: dict[str, int | None],
     args: dict[str, Arg],
@@ -372,6 +401,7 @@ def _check_split(
 ) -> tuple[str, list[list[str]] | None]:
     """Check one split (or None) against forward; where it cuts, as the docstring says it,
     and each stage's parts (None: the run time cuts)."""
+    forward = analysed.forward
     loops = forward.loops
     if split is None:
         if not loops and not pf.split_names(forward.units({})[1:]):
@@ -419,7 +449,7 @@ def _check_split(
     for k, name in enumerate(split):
         el = _element(node, k)
         if not any(_names(u, name) for u in units):
-            raise MacroError(pf.unknown_split_message(forward, units, name, open_ended), el)
+            raise MacroError(_unknown(analysed, units, name, open_ended), el)
     try:
         starts = pf.resolve_split(forward, units, list(split))
     except pf.SplitError as e:
@@ -441,6 +471,24 @@ def _check_split(
             text = pf.open_end(text, lp, counts[lp] - 1)
         described.append(f"stage {s}: {text}")
     return " | ".join(described), placed
+
+
+def _unknown(
+    analysed: Analysed, units: list[pf.Unit], name: str, open_ended: frozenset[str]
+) -> str:
+    """Why ``name`` starts no stage: also when a statement calls it inside an ``if``."""
+    forward = analysed.forward
+    head, _, tail = name.rpartition(".")
+    loop_name = (head in forward.loops and tail.isdigit()) or name in forward.loops
+    for s, node, inner in zip(forward.statements, analysed.nodes, analysed.inner):
+        if not loop_name and name in inner and name not in s.calls:
+            text = ast.unparse(node).splitlines()[0]
+            return (
+                f"split name {name!r} is called inside `{text}`, which runs wholly in one"
+                f" stage: a stage starts at a top-level statement or a block"
+                f" ({pf.starts_text(units, open_ended)})"
+            )
+    return pf.unknown_split_message(forward, units, name, open_ended)
 
 
 def _block_of(name: str, loop: str) -> int | None:
@@ -491,6 +539,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         ctx.import_from(runtime, "declare"),
     )
     attach, config, gather, scatter, declare = imports
+    units, forward_var = _units(spec, site, ctx, runtime)
     generated = render_statements(
         "pipeline_class.py.j2",
         name=spec.name,
@@ -508,7 +557,48 @@ def expand(site: Site, ctx: Context) -> Expanded:
         config=config,
         gather=gather,
         scatter=scatter,
+        forward=forward_var,
     )
     blank = [cst.EmptyLine()] * (1 if site.scope else 2)  # PEP 8: one blank line inside a class
     generated[0] = generated[0].with_changes(leading_lines=blank)
-    return Expanded([site.node.with_changes(name=cst.Name(serial)), *generated])
+    return Expanded([site.node.with_changes(name=cst.Name(serial)), *units, *generated])
+
+
+def _units(
+    spec: Spec, site: Site, ctx: Context, runtime: str
+) -> tuple[list[cst.BaseStatement], str]:
+    """forward's statements as functions (the user's lines, each marked with where it came
+    from), and the ``Forward`` that lists them for the runtime."""
+    a = spec.analysed
+    assert a is not None
+    qualname = f"{site.qualname}.forward"
+    blank = [cst.EmptyLine()] * (1 if site.scope else 2)  # PEP 8
+    statements: list[cst.BaseStatement] = []
+    names = []
+    for k, stmt in enumerate(a.forward.statements):
+        name = ctx.names.fresh(f"_{spec.name}_forward_{k}")
+        names.append(name)
+        node = a.nodes[k]
+        first = node.body[0] if stmt.loop is not None else node  # type: ignore[attr-defined]
+        line = spec.forward_line + first.lineno - 1
+        # the line map gives the copied lines the user's: the comment says where they start
+        where = cst.Comment(f"# macrogen: {qualname} from {ctx.location(line)}")
+        fn = cst.parse_statement(unit_function(a, k, name))
+        statements.append(fn.with_changes(leading_lines=[*blank, cst.EmptyLine(comment=where)]))
+    var = ctx.names.fresh(f"_{spec.name}_forward")
+    described = render_statements(
+        "pipeline_forward.py.j2",
+        name=spec.name,
+        var=var,
+        forward=ctx.import_from(runtime, "Forward"),
+        statement=ctx.import_from(runtime, "Statement"),
+        params=a.forward.params,
+        targets=a.forward.targets,
+        statements=[
+            dict(fn=n, index=s.index, reads=s.reads, writes=s.writes, parts=s.parts,
+                 calls=s.calls, loop=s.loop)
+            for n, s in zip(names, a.forward.statements)
+        ],
+    )  # fmt: skip
+    described[0] = described[0].with_changes(leading_lines=blank)
+    return [*statements, *described], var

@@ -1,0 +1,28 @@
+"""What the ``@pipeline`` expansion hands the runtime, for a class the tests write plainly.
+
+The runtime never reads source: these tests build the ``Forward`` (one function per
+statement of ``forward``) from the class's source, as the macro does at expansion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import textwrap
+
+from macrogen.macros.pipeline import analysis
+from macrogen.macros.pipeline.code import unit_function
+from macrogen.pipeline_units import Forward
+
+
+def forward_of(cls: type) -> Forward:
+    source = textwrap.dedent(inspect.getsource(cls.forward))
+    a = analysis.parse(source)
+    namespace = cls.forward.__globals__
+    statements = []
+    for k, s in enumerate(a.forward.statements):
+        local: dict = {}
+        name = f"_{cls.__name__}_forward_{k}"
+        exec(compile(unit_function(a, k, name), "<forward>", "exec"), namespace, local)
+        statements.append(dataclasses.replace(s, fn=local[name]))
+    return dataclasses.replace(a.forward, statements=tuple(statements))
