@@ -202,7 +202,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
     user_class = site.node.with_changes(name=cst.Name(serial))
     gradient_sync = ctx.import_from("macrogen.runtime.data_parallel", "GradientSync")
     config = ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig")
-    imports = [gradient_sync, config]
+    construction = ctx.import_from("macrogen.runtime.parallelize", "construction")
+    imports = [gradient_sync, config, construction]
     outer_sgd = None
     if spec.outer is not None:
         outer_sgd = ctx.import_from("macrogen.runtime.local_sgd", "OuterSGD")
@@ -214,6 +215,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         location=ctx.location(site.line),
         sync=ctx.names.fresh("_mg_data_parallel"),
         gradient_sync=gradient_sync,
+        construction=construction,
         config=config,
         bucket_mb=spec.bucket_mb,
         first_bucket_mb=spec.first_bucket_mb,

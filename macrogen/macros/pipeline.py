@@ -484,8 +484,9 @@ def expand(site: Site, ctx: Context) -> Expanded:
         ctx.import_from(runtime, "full_state_dict"),
         ctx.import_from(runtime, "load_full_state_dict"),
         ctx.import_from(runtime, "declare"),
+        ctx.import_from("macrogen.runtime.parallelize", "construction"),
     )
-    attach, config, gather, scatter, declare = imports
+    attach, config, gather, scatter, declare, construction = imports
     generated = codegen.render_statements(
         "pipeline_class.py.j2",
         name=spec.name,
@@ -500,6 +501,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         tied=spec.tied,
         attach=attach,
         declare=declare,
+        construction=construction,
         config=config,
         gather=gather,
         scatter=scatter,

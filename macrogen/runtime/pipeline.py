@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from macrogen.runtime import groups, mesh, tensor_parallel, tensor_parallel_plan
+from macrogen.runtime import groups, mesh, tensor_parallel
+from macrogen.runtime import parallelize as apply_step
 from macrogen.runtime import pipeline_forward as pf
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -434,7 +435,7 @@ class Pipeline:
         # tensor group) now, not when the outermost __init__ returns: the stage cut below
         # must see the sharded layers, and every rank still holds every layer, so the
         # tensor-parallel rank-agreement check runs on the same modules everywhere.
-        tensor_parallel_plan.materialize(model)
+        apply_step.materialize(model)
         self.tied: list[tuple[nn.Parameter, Any]] = []  # shared parameters and their groups
         self._schedule: Any = None
         self._shape: Any = None

@@ -38,6 +38,7 @@ def test_the_class_keeps_its_body_and_a_subclass_takes_its_name():
         # ---- macrogen: generated from test.py; edit the source, not this block ----
         from macrogen.runtime.data_parallel import DataParallelConfig
         from macrogen.runtime.data_parallel import GradientSync
+        from macrogen.runtime.parallelize import construction
 
         # macrogen: data_parallel at test.py:4
         class _Net_serial(nn.Module):
@@ -57,7 +58,10 @@ def test_the_class_keeps_its_body_and_a_subclass_takes_its_name():
             """
 
             def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
+                # tensor-parallel layers built in it are cut when this (the outermost decorated
+                # model's) construction ends, after its re-initialization
+                with construction(self):
+                    super().__init__(*args, **kwargs)
                 # After the original __init__: every parameter exists, and a tensor-parallel
                 # mesh built there has chosen the data-parallel group.
                 self._mg_data_parallel = GradientSync(

@@ -12,6 +12,7 @@ import macrogen as mg
 # ---- macrogen: generated from input.py; edit the source, not this block ----
 from macrogen.runtime.data_parallel import DataParallelConfig
 from macrogen.runtime.data_parallel import GradientSync
+from macrogen.runtime.parallelize import construction
 
 # macrogen: define at input.py:9
 ACCUMULATE = 4
@@ -48,7 +49,10 @@ class Model(_Model_serial):
     """
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        # tensor-parallel layers built in it are cut when this (the outermost decorated
+        # model's) construction ends, after its re-initialization
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # After the original __init__: every parameter exists, and a tensor-parallel
         # mesh built there has chosen the data-parallel group.
         self._mg_data_parallel = GradientSync(

@@ -13,6 +13,7 @@ import macrogen as mg
 from macrogen.runtime.data_parallel import DataParallelConfig
 from macrogen.runtime.data_parallel import GradientSync
 from macrogen.runtime.local_sgd import OuterSGD
+from macrogen.runtime.parallelize import construction
 
 # macrogen: tunable at input.py:8
 # tunable SYNC_EVERY = 8 (the default); choices [8, 32]
@@ -37,7 +38,10 @@ class Model(_Model_serial):
     """
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        # tensor-parallel layers built in it are cut when this (the outermost decorated
+        # model's) construction ends, after its re-initialization
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # After the original __init__: every parameter exists, and a tensor-parallel
         # mesh built there has chosen the data-parallel group.
         self._mg_data_parallel = GradientSync(
@@ -83,7 +87,10 @@ class Averaged(_Averaged_serial):
     """
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        # tensor-parallel layers built in it are cut when this (the outermost decorated
+        # model's) construction ends, after its re-initialization
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # After the original __init__: every parameter exists, and a tensor-parallel
         # mesh built there has chosen the data-parallel group.
         self._mg_data_parallel_2 = GradientSync(

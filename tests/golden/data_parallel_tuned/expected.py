@@ -8,6 +8,7 @@ from macrogen import data_parallel as dp, tunable
 # ---- macrogen: generated from input.py; edit the source, not this block ----
 from macrogen.runtime.data_parallel import DataParallelConfig
 from macrogen.runtime.data_parallel import GradientSync
+from macrogen.runtime.parallelize import construction
 
 
 # macrogen: data_parallel at input.py:5
@@ -23,7 +24,10 @@ class Net(_Net_serial):
     """
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        # tensor-parallel layers built in it are cut when this (the outermost decorated
+        # model's) construction ends, after its re-initialization
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # After the original __init__: every parameter exists, and a tensor-parallel
         # mesh built there has chosen the data-parallel group.
         self._mg_data_parallel = GradientSync(
@@ -62,7 +66,10 @@ class Other(_Other_serial):
     """
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        # tensor-parallel layers built in it are cut when this (the outermost decorated
+        # model's) construction ends, after its re-initialization
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # After the original __init__: every parameter exists, and a tensor-parallel
         # mesh built there has chosen the data-parallel group.
         self._mg_data_parallel_2 = GradientSync(

@@ -4,6 +4,7 @@ import torch.nn as nn
 from macrogen import pipeline, pipeline_step
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.parallelize import construction
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import attach
 from macrogen.runtime.pipeline import declare
@@ -34,7 +35,10 @@ class Deep(_Deep_serial):
     def __init__(self, *args, **kwargs):
         # first: tensor-parallel layers built below take their tensor group within their stage
         declare(3, where='input.py:5')
-        super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
+        # the whole model, initialized exactly as in a serial run; tensor-parallel layers in it
+        # are cut when this (the outermost decorated model's) construction ends
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # cut: at run time, between blocks of self.layers, balancing parameter counts
         attach(
             self,

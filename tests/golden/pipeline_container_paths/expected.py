@@ -6,6 +6,7 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.parallelize import construction
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import attach
 from macrogen.runtime.pipeline import declare
@@ -45,7 +46,10 @@ class Balanced(_Balanced_serial):
     def __init__(self, *args, **kwargs):
         # first: tensor-parallel layers built below take their tensor group within their stage
         declare(2, where='input.py:9')
-        super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
+        # the whole model, initialized exactly as in a serial run; tensor-parallel layers in it
+        # are cut when this (the outermost decorated model's) construction ends
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # cut: at run time, between blocks of self.body.layers, balancing parameter counts
         attach(
             self,
@@ -98,7 +102,10 @@ class Split(_Split_serial):
     def __init__(self, *args, **kwargs):
         # first: tensor-parallel layers built below take their tensor group within their stage
         declare(3, where='input.py:28')
-        super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
+        # the whole model, initialized exactly as in a serial run; tensor-parallel layers in it
+        # are cut when this (the outermost decorated model's) construction ends
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # cut: stage 0: stack.emb, stack.blocks.0-1 | stage 1: stack.blocks.2-3 | stage 2: stack.norm, head
         attach(
             self,

@@ -6,6 +6,7 @@ import macrogen as mg
 # ---- macrogen: generated from input.py; edit the source, not this block ----
 from macrogen.runtime.data_parallel import DataParallelConfig
 from macrogen.runtime.data_parallel import GradientSync
+from macrogen.runtime.parallelize import construction
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import attach
 from macrogen.runtime.pipeline import declare
@@ -39,7 +40,10 @@ class _Net_serial_2(_Net_serial):
     def __init__(self, *args, **kwargs):
         # first: tensor-parallel layers built below take their tensor group within their stage
         declare(2, where='input.py:6')
-        super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
+        # the whole model, initialized exactly as in a serial run; tensor-parallel layers in it
+        # are cut when this (the outermost decorated model's) construction ends
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # cut: stage 0: inp, blocks.0-1 | stage 1: blocks.2-3, head
         attach(
             self,
@@ -69,7 +73,10 @@ class Net(_Net_serial_2):
     """
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        # tensor-parallel layers built in it are cut when this (the outermost decorated
+        # model's) construction ends, after its re-initialization
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # After the original __init__: every parameter exists, and a tensor-parallel
         # mesh built there has chosen the data-parallel group.
         self._mg_data_parallel = GradientSync(

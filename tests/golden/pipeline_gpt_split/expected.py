@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.parallelize import construction
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import attach
 from macrogen.runtime.pipeline import declare
@@ -56,7 +57,10 @@ class GPT(_GPT_serial):
     def __init__(self, *args, **kwargs):
         # first: tensor-parallel layers built below take their tensor group within their stage
         declare(2, where='input.py:20')
-        super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
+        # the whole model, initialized exactly as in a serial run; tensor-parallel layers in it
+        # are cut when this (the outermost decorated model's) construction ends
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # cut: stage 0: wte, wpe, blocks.0-2 | stage 1: blocks.3, lm_head, ln_f
         attach(
             self,

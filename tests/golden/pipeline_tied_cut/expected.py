@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.parallelize import construction
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import attach
 from macrogen.runtime.pipeline import declare
@@ -77,7 +78,10 @@ class GPT(_GPT_serial):
     def __init__(self, *args, **kwargs):
         # first: tensor-parallel layers built below take their tensor group within their stage
         declare(2, where='input.py:30')
-        super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
+        # the whole model, initialized exactly as in a serial run; tensor-parallel layers in it
+        # are cut when this (the outermost decorated model's) construction ends
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # cut: stage 0: transformer.wte, transformer.wpe, transformer.h.0-1 | stage 1: transformer.h.2.., transformer.ln_f, lm_head
         # tied: transformer.wte.weight = lm_head.weight: stages 0 and 1 hold it, its gradients summed over them
         attach(

@@ -10,6 +10,7 @@ import macrogen as mg
 # ---- macrogen: generated from input.py; edit the source, not this block ----
 from macrogen.runtime.data_parallel import DataParallelConfig
 from macrogen.runtime.data_parallel import GradientSync
+from macrogen.runtime.parallelize import construction
 from macrogen.runtime.zero import shard_optimizer as _mg_shard_optimizer
 
 
@@ -32,7 +33,10 @@ class Net(_Net_serial):
     """
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        # tensor-parallel layers built in it are cut when this (the outermost decorated
+        # model's) construction ends, after its re-initialization
+        with construction(self):
+            super().__init__(*args, **kwargs)
         # After the original __init__: every parameter exists, and a tensor-parallel
         # mesh built there has chosen the data-parallel group.
         self._mg_data_parallel = GradientSync(
