@@ -192,7 +192,7 @@ def test_pipeline_by_data_parallel_on_four_ranks_matches_the_unexpanded_file(tmp
     )
     serial = _train(load_module(_source(source), "serial_gpt_data", tmp_path))
     expanded = mg.expand_source(source, path=str(GOLDEN)).code
-    assert "GradientSync(" in expanded and "attach(" in expanded
+    assert "@data_parallel_class(" in expanded and "attach(" in expanded
     results = run_ranks(_worker, 4, args=(expanded, str(tmp_path)), timeout=300)
     ref_losses, ref_state = serial
     for losses, state in results:

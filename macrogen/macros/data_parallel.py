@@ -1,19 +1,18 @@
 """``@data_parallel(...)`` on an ``nn.Module`` class: gradients averaged over the data-parallel ranks.
 
     @mg.data_parallel(bucket_mb=25, compress="bf16")     # macrogen: data_parallel at train.py:12
-    class GPT(nn.Module):                           ->   class _GPT_serial(nn.Module):
-        def __init__(self, config): ...                  def __init__(self, config): ...
-        def forward(self, idx, targets): ...             def forward(self, idx, targets): ...
+    class GPT(nn.Module):                           ->   @data_parallel_class(DataParallelConfig(
+        def __init__(self, config): ...                      bucket_mb=25, compress='bf16', ...,
+        def forward(self, idx, targets): ...             ), where='train.py:12')
+                                                     class GPT(nn.Module):
+                                                         ... (the user's class, unchanged)
 
-                                                     class GPT(_GPT_serial):
-                                                         def __init__(self, *args, **kwargs):
-                                                             super().__init__(*args, **kwargs)
-                                                             self._mg_data_parallel = GradientSync(self, ...)
-
-The user's class keeps its body under a fresh name; the generated subclass
-takes the user's name, so every use of ``GPT`` in the program gets the
-data-parallel model, with the serial model's parameter names and state_dict
-keys. ``macrogen.runtime.data_parallel.GradientSync`` does the work (buckets,
+The class keeps its name and identity (registries and factories that captured
+it build the data-parallel model) and the serial model's parameter names and
+state_dict keys. ``macrogen.runtime.parallelize.data_parallel_class`` runs the
+class's ``__init__`` inside the construction record (tensor-parallel layers
+built in it are cut when it ends), then gives the model its
+``macrogen.runtime.data_parallel.GradientSync``, which does the work (buckets,
 overlap, accumulation, compression, start-up checks).
 
 Arguments (keyword only; each may be a ``tunable``):
@@ -42,8 +41,6 @@ from macrogen.expand.args import Arg
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
-from macrogen.expand.sites import may_call_with_arguments
-from macrogen.expand.walk import find
 from macrogen.macros.outer_sgd import Outer
 
 NAME = "data_parallel"
@@ -144,7 +141,6 @@ def validate(site: Site, ctx: Context) -> Spec:
             f"data_parallel() decorates an nn.Module subclass; {node.name.value} has no base class",
             node.name,
         )
-    _reject_named_super(node, ctx.source_text(node))
     args = site.args.bind(DEFAULTS)
     values = {name: args[name].value if name in args else d for name, d in DEFAULTS.items()}
     for name, arg in args.items():
@@ -173,49 +169,21 @@ def _check(name: str, arg: Arg, ctx: Context) -> None:
     ctx.check_each_choice(name, arg, CHECKS[name])
 
 
-def _reject_named_super(cls: cst.ClassDef, text: str | None) -> None:
-    """``super(GPT, self)`` would name the generated subclass and recurse forever.
-
-    ``text``: the class's source, to skip the walk when it can't hold such a call."""
-    if not may_call_with_arguments(text, "super"):
-        return
-    for call in find(cls.body, cst.Call):  # (a read-only walk: libcst's matchers rebuild the tree)
-        if not (
-            isinstance(call.func, cst.Name)
-            and call.func.value == "super"
-            and call.args
-            and isinstance(call.args[0].value, cst.Name)
-            and call.args[0].value.value == cls.name.value
-        ):
-            continue
-        raise MacroError(
-            f"write super() without arguments in a @data_parallel class: super({cls.name.value}, ...)"
-            " would name the generated data-parallel subclass",
-            call,
-        )
-
-
 def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
-    serial = ctx.names.fresh(f"_{spec.name}_serial")
     assert isinstance(site.node, cst.ClassDef)
-    user_class = site.node.with_changes(name=cst.Name(serial))
-    gradient_sync = ctx.import_from("macrogen.runtime.data_parallel", "GradientSync")
+    decorator = ctx.import_from("macrogen.runtime.parallelize", "data_parallel_class")
     config = ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig")
-    construction = ctx.import_from("macrogen.runtime.parallelize", "construction")
-    imports = [gradient_sync, config, construction]
+    imports = [decorator, config]
     outer_sgd = None
     if spec.outer is not None:
         outer_sgd = ctx.import_from("macrogen.runtime.local_sgd", "OuterSGD")
         imports.append(outer_sgd)
-    generated = codegen.render_definitions(
+    _, rendered = codegen.render_statements(
         "data_parallel.py.j2",
         name=spec.name,
-        serial=serial,
         location=ctx.location(site.line),
-        sync=ctx.names.fresh("_mg_data_parallel"),
-        gradient_sync=gradient_sync,
-        construction=construction,
+        decorator=decorator,
         config=config,
         bucket_mb=spec.bucket_mb,
         first_bucket_mb=spec.first_bucket_mb,
@@ -229,8 +197,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
         overlap=spec.overlap,
         delay=spec.delay,
     )
-    blank = [cst.EmptyLine(), cst.EmptyLine()]
-    return Expanded(
-        [user_class, generated[0].with_changes(leading_lines=blank)],
-        imports=tuple(imports),
-    )
+    assert isinstance(rendered, cst.ClassDef)
+    plan = rendered.decorators[0].with_changes(leading_lines=rendered.leading_lines)
+    # innermost, where the class is made: the class object itself keeps its name and identity
+    cls = site.node.with_changes(decorators=[*site.node.decorators, plan])
+    return Expanded([cls], imports=tuple(imports))

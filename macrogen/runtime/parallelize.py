@@ -727,6 +727,42 @@ def tensor_parallel_class(name: str, size: int | None, plan: dict[str, Any]) -> 
     return decorate
 
 
+def data_parallel_class(config: Any, *, where: str) -> Callable[[type], type]:
+    """What ``@data_parallel`` expands to: the class's ``__init__`` run inside ``construction``
+    (tensor-parallel layers built in it are cut when it ends), then the model's
+    ``GradientSync``; ``_apply`` (``.to()``, ``.half()``) plans new buckets at the next forward.
+    The class object itself is returned, under its name."""
+    from macrogen.runtime.data_parallel import GradientSync
+
+    def decorate(cls: type) -> type:
+        init, apply = cls.__init__, cls._apply  # type: ignore[misc, attr-defined]
+
+        @functools.wraps(init)
+        def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+            with construction(self):
+                init(self, *args, **kwargs)
+            # every parameter exists and tensor-parallel layers are cut: the mesh has chosen
+            # the data-parallel group
+            self.__dict__[_SYNC] = GradientSync(self, config, where=where)
+
+        @functools.wraps(apply)
+        def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            module = apply(self, *args, **kwargs)
+            sync = self.__dict__.get(_SYNC)
+            if sync is not None:
+                sync.restart()
+            return module
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        cls._apply = _apply  # type: ignore[attr-defined]
+        return cls
+
+    return decorate
+
+
+_SYNC = "_mg_data_parallel"  # a @data_parallel model's GradientSync
+
+
 def full_state_dict(self: nn.Module) -> dict[str, torch.Tensor]:
     """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
     return serial_state_dict(self)

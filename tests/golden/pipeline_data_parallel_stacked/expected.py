@@ -5,8 +5,8 @@ import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
 from macrogen.runtime.data_parallel import DataParallelConfig
-from macrogen.runtime.data_parallel import GradientSync
 from macrogen.runtime.parallelize import construction
+from macrogen.runtime.parallelize import data_parallel_class
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import attach
 from macrogen.runtime.pipeline import declare
@@ -30,7 +30,19 @@ class _Net_serial(nn.Module):
 
 
 # macrogen: data_parallel at input.py:5
-class _Net_serial_2(_Net_serial):
+# trained data-parallel: gradients averaged over the data-parallel group.
+# (GradientSync, made when the model is built; parameter names, state_dict keys: the serial ones)
+@data_parallel_class(
+    DataParallelConfig(
+        bucket_mb=1,
+        first_bucket_mb=1,
+        compress=None,
+        accumulate=1,
+        broadcast_buffers=True,
+    ),
+    where='input.py:5',
+)
+class Net(_Net_serial):
     """Net, pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step.
 
     Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
@@ -63,38 +75,3 @@ class _Net_serial_2(_Net_serial):
     def load_full_state_dict(self, state_dict, strict=True):
         """Load a serial module's state dict; each stage keeps its own entries."""
         return load_full_state_dict(self, state_dict, strict)
-
-
-class Net(_Net_serial_2):
-    """Net, trained data-parallel: gradients averaged over the data-parallel group.
-
-    Parameter names and state_dict keys are _Net_serial_2's: checkpoints
-    move freely between serial and parallel runs.
-    """
-
-    def __init__(self, *args, **kwargs):
-        # tensor-parallel layers built in it are cut when this (the outermost decorated
-        # model's) construction ends, after its re-initialization
-        with construction(self):
-            super().__init__(*args, **kwargs)
-        # After the original __init__: every parameter exists, and a tensor-parallel
-        # mesh built there has chosen the data-parallel group.
-        self._mg_data_parallel = GradientSync(
-            self,
-            DataParallelConfig(
-                bucket_mb=1,
-                first_bucket_mb=1,
-                compress=None,
-                accumulate=1,
-                broadcast_buffers=True,
-            ),
-            where='input.py:5',
-        )
-
-    def _apply(self, *args, **kwargs):
-        # .to(), .cuda(), .half() move or convert the parameters: new buckets at the next forward
-        module = super()._apply(*args, **kwargs)
-        sync = self.__dict__.get('_mg_data_parallel')
-        if sync is not None:
-            sync.restart()
-        return module
