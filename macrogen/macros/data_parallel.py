@@ -41,6 +41,7 @@ from macrogen.expand.args import Arg
 from macrogen.expand.context import Context
 from macrogen.expand.errors import MacroError
 from macrogen.expand.protocol import Expanded, Form, Site, TuningEnv
+from macrogen.macros.class_decorator import decorated
 from macrogen.macros.outer_sgd import Outer
 
 NAME = "data_parallel"
@@ -199,6 +200,5 @@ def expand(site: Site, ctx: Context) -> Expanded:
     )
     assert isinstance(rendered, cst.ClassDef)
     plan = rendered.decorators[0].with_changes(leading_lines=rendered.leading_lines)
-    # innermost, where the class is made: the class object itself keeps its name and identity
-    cls = site.node.with_changes(decorators=[*site.node.decorators, plan])
-    return Expanded([cls], imports=tuple(imports))
+    # the class object itself keeps its name and identity
+    return Expanded([decorated(ctx, site.node, plan)], imports=tuple(imports))

@@ -2,22 +2,21 @@
 
     @mg.pipeline(stages=2, microbatches=4, schedule="1f1b", split=["blocks.2"])
     class GPT(nn.Module):                          # macrogen: pipeline at train.py:12
-        def __init__(self, config): ...            class _GPT_serial(nn.Module):
-        def forward(self, idx):              ->        ... (the user's class, unchanged)
-            x = self.wte(idx)
-            for block in self.blocks:              class GPT(_GPT_serial):
-                x = block(x)                           # cut: stage 0: wte, blocks.0-1 | stage 1: ...
-            return self.head(x)                        def __init__(self, *args, **kwargs):
-                                                           declare(2, where=...)  # the mesh's stages
-                                                           super().__init__(*args, **kwargs)
-                                                           attach(self, PipelineConfig(...), where=...)
+        def __init__(self, config): ...            # cut: stage 0: wte, blocks.0-1 | stage 1: ...
+        def forward(self, idx):              ->    @pipeline_class(PipelineConfig(stages=2, ...),
+            x = self.wte(idx)                                      ranks=2, where='train.py:12')
+            for block in self.blocks:              class GPT(nn.Module):
+                x = block(x)                           ... (the user's class, unchanged)
+            return self.head(x)
 
     for x, y in data:                              # the loop's one pipeline line (serially:
         loss = mg.pipeline_step(model, x, y, F.cross_entropy)   # forward, loss, backward)
         opt.step()
 
-The generated class builds the whole serial model (same initialization), then
-``macrogen.runtime.pipeline`` keeps this rank's stage and runs torch's
+The class keeps its name and identity. ``pipeline_class``
+(``macrogen.runtime.parallelize``) tells the mesh its stages and builds the
+whole serial model (same initialization), then ``macrogen.runtime.pipeline``
+plans the cut, cuts tensor-parallel shards, keeps this rank's stage and runs torch's
 ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` /
 ``ScheduleInterleaved1F1B``. Arguments (keyword only): ``stages`` (required,
 >= 2), ``microbatches`` (4), ``schedule`` ("1f1b", "gpipe" or "interleaved"),
@@ -40,13 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import libcst as cst
-import libcst.matchers as m
 
 from macrogen import codegen
 from macrogen.expand.args import Arg
 from macrogen.expand.context import Context
 from macrogen.expand.errors import InternalError, MacroError
 from macrogen.expand.protocol import Expanded, Form, Site
+from macrogen.macros.class_decorator import decorated
 from macrogen.runtime import pipeline_forward as pf
 
 NAME = "pipeline"
@@ -67,7 +66,7 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 @dataclass(frozen=True)
 class Spec:
-    name: str  # the user's class: the generated subclass takes it
+    name: str  # the user's class
     stages: int  # pipeline stages; world size = stages x data ranks
     microbatches: int  # per step
     schedule: str  # "1f1b" or "gpipe"
@@ -124,7 +123,6 @@ def validate(site: Site, ctx: Context) -> Spec:
             f" microbatches={min(microbatches)}",
             at.node if at else anchor,
         )
-    _reject_named_super(node)
     forward_node = _forward(node)
     forward = _analyse(forward_node)
     blocks = _static_blocks(node, forward, ctx)
@@ -158,17 +156,6 @@ def _choices(args: dict[str, Arg], name: str, ctx: Context) -> list[Any]:
     if arg.tunable is not None and arg.tunable in ctx.tunables:
         return list(ctx.tunables[arg.tunable].choices)
     return [arg.value]
-
-
-def _reject_named_super(cls: cst.ClassDef) -> None:
-    """``super(GPT, self)`` would name the generated subclass and recurse forever."""
-    pattern = m.Call(func=m.Name("super"), args=[m.Arg(m.Name(cls.name.value)), m.AtLeastN(n=0)])
-    for call in m.findall(cls.body, pattern):
-        raise MacroError(
-            f"write super() without arguments in a @pipeline class: super({cls.name.value}, ...)"
-            " would name the generated pipelined subclass",
-            call,
-        )
 
 
 # -- forward ----------------------------------------------------------------------------
@@ -476,21 +463,14 @@ def expand(site: Site, ctx: Context) -> Expanded:
         if not re.fullmatch(r"[\w.,:|()=\- ]*", text):
             raise InternalError(f"pipeline: unexpected text in the cut description {text!r}")
     assert isinstance(site.node, cst.ClassDef)
-    serial = ctx.names.fresh(f"_{spec.name}_serial")
-    runtime = "macrogen.runtime.pipeline"
     imports = (
-        ctx.import_from(runtime, "attach"),
-        ctx.import_from(runtime, "PipelineConfig"),
-        ctx.import_from(runtime, "full_state_dict"),
-        ctx.import_from(runtime, "load_full_state_dict"),
-        ctx.import_from(runtime, "declare"),
-        ctx.import_from("macrogen.runtime.parallelize", "construction"),
+        ctx.import_from("macrogen.runtime.parallelize", "pipeline_class"),
+        ctx.import_from("macrogen.runtime.pipeline", "PipelineConfig"),
     )
-    attach, config, gather, scatter, declare, construction = imports
-    generated = codegen.render_statements(
+    decorator, config = imports
+    _, rendered = codegen.render_statements(
         "pipeline_class.py.j2",
         name=spec.name,
-        serial=serial,
         location=ctx.location(site.line),
         stages=spec.stages,
         microbatches=spec.microbatches,
@@ -499,13 +479,10 @@ def expand(site: Site, ctx: Context) -> Expanded:
         stages_per_rank=spec.stages_per_rank,
         cut=spec.cut,
         tied=spec.tied,
-        attach=attach,
-        declare=declare,
-        construction=construction,
+        decorator=decorator,
         config=config,
-        gather=gather,
-        scatter=scatter,
     )
-    blank = [cst.EmptyLine()] * (1 if site.scope else 2)  # PEP 8: one blank line inside a class
-    generated[0] = generated[0].with_changes(leading_lines=blank)
-    return Expanded([site.node.with_changes(name=cst.Name(serial)), *generated], imports=imports)
+    assert isinstance(rendered, cst.ClassDef)
+    plan = rendered.decorators[0].with_changes(leading_lines=rendered.leading_lines)
+    # the class object itself keeps its name and identity
+    return Expanded([decorated(ctx, site.node, plan)], imports=imports)

@@ -54,6 +54,7 @@ from macrogen.expand.literals import evaluated
 from macrogen.expand.protocol import Expanded, Form, Import, Site, TuningEnv
 from macrogen.expand.sites import did_you_mean, dotted
 from macrogen.expand.walk import Visitor, find, walk
+from macrogen.macros.class_decorator import decorated
 from macrogen.macros.tensor_parallel_width import feeding, rewrite_forward
 
 NAME = "tensor_parallel"
@@ -357,8 +358,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
     else:
         rewrite_widths(site.original, spec, lambda _: "_")  # errors at the user's positions
         cls = rewrite_widths(site.node, spec, collective)
-    # innermost, where the class is made: the class object itself keeps its name and identity
-    cls = cls.with_changes(decorators=[*cls.decorators, plan])
+    # the class object itself keeps its name and identity
+    cls = decorated(ctx, cls, plan)
     imports = (*styles.values(), decorator, *used.values())
     return Expanded([cls], imports=imports)
 

@@ -763,6 +763,44 @@ def data_parallel_class(config: Any, *, where: str) -> Callable[[type], type]:
 _SYNC = "_mg_data_parallel"  # a @data_parallel model's GradientSync
 
 
+def pipeline_class(config: Any, *, ranks: int, where: str) -> Callable[[type], type]:
+    """What ``@pipeline`` expands to: the mesh told of ``ranks`` pipeline ranks first (tensor-
+    parallel layers built in the model take their tensor group within their stage), the class's
+    ``__init__`` run inside ``construction`` (the whole model, initialized as in a serial run),
+    then, still inside it, this rank's stage kept (``attach``). The class object itself is returned, under its name."""
+    from macrogen.runtime import pipeline as pipelines
+
+    def decorate(cls: type) -> type:
+        init = cls.__init__  # type: ignore[misc]
+
+        @functools.wraps(init)
+        def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+            pipelines.declare(ranks, where=where)
+            with construction(self):
+                init(self, *args, **kwargs)
+                mesh_for(self)  # its tensor-parallel plans' size=, before attach reads the mesh
+                # the cut planned on the serial layers; attach then cuts the tensor-parallel
+                # shards under the model (materialize) before it keeps this rank's stage
+                pipelines.attach(self, config, where=where)
+
+        def full_state_dict(self: nn.Module) -> dict[str, torch.Tensor]:
+            """The serial module's state dict (same keys, same order), gathered from every stage."""
+            return pipelines.full_state_dict(self)
+
+        def load_full_state_dict(
+            self: nn.Module, state_dict: dict[str, Any], strict: bool = True
+        ) -> Any:
+            """Load a serial module's state dict; each stage keeps its own entries."""
+            return pipelines.load_full_state_dict(self, state_dict, strict)
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        cls.full_state_dict = full_state_dict  # type: ignore[attr-defined]
+        cls.load_full_state_dict = load_full_state_dict  # type: ignore[attr-defined]
+        return cls
+
+    return decorate
+
+
 def full_state_dict(self: nn.Module) -> dict[str, torch.Tensor]:
     """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
     return serial_state_dict(self)
@@ -822,6 +860,15 @@ def materialize(module: nn.Module) -> None:
     record = _building.get()
     if record is not None:
         apply_class_plans(module, record.under(module))
+
+
+def mesh_for(module: nn.Module) -> None:
+    """Make the program's mesh now with the size= of the plans waiting under ``module``."""
+    record = _building.get()
+    for waiting in record.under(module) if record is not None else ():
+        plan = class_plan(type(waiting))
+        assert plan is not None
+        meshes.tensor_parallel_group(plan.size)
 
 
 def _waiting(module: nn.Module) -> bool:

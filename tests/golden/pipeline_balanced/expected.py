@@ -4,16 +4,25 @@ import torch.nn as nn
 from macrogen import pipeline, pipeline_step
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.parallelize import construction
+from macrogen.runtime.parallelize import pipeline_class
 from macrogen.runtime.pipeline import PipelineConfig
-from macrogen.runtime.pipeline import attach
-from macrogen.runtime.pipeline import declare
-from macrogen.runtime.pipeline import full_state_dict
-from macrogen.runtime.pipeline import load_full_state_dict
 
 
 # macrogen: pipeline at input.py:5
-class _Deep_serial(nn.Module):
+# pipelined: 3 stages, gpipe schedule, 4 micro-batches per step. Train it with
+# mg.pipeline_step(model, x, y, loss_fn); each rank keeps its stage (the serial parameter names).
+# cut: at run time, between blocks of self.layers, balancing parameter counts
+@pipeline_class(
+    PipelineConfig(
+        stages=3,
+        microbatches=4,
+        schedule='gpipe',
+        split=None,
+    ),
+    ranks=3,
+    where='input.py:5',
+)
+class Deep(nn.Module):
     def __init__(self, width, depth):
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
@@ -23,41 +32,6 @@ class _Deep_serial(nn.Module):
         for layer in self.layers:
             x = layer(x).relu()
         return self.head(x)
-
-
-class Deep(_Deep_serial):
-    """Deep, pipelined: 3 stages, gpipe schedule, 4 micro-batches per step.
-
-    Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
-    stage; parameter names and state_dict keys are _Deep_serial's.
-    """
-
-    def __init__(self, *args, **kwargs):
-        # first: tensor-parallel layers built below take their tensor group within their stage
-        declare(3, where='input.py:5')
-        # the whole model, initialized exactly as in a serial run; tensor-parallel layers in it
-        # are cut when this (the outermost decorated model's) construction ends
-        with construction(self):
-            super().__init__(*args, **kwargs)
-        # cut: at run time, between blocks of self.layers, balancing parameter counts
-        attach(
-            self,
-            PipelineConfig(
-                stages=3,
-                microbatches=4,
-                schedule='gpipe',
-                split=None,
-            ),
-            where='input.py:5',
-        )
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys, same order), gathered from every stage."""
-        return full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each stage keeps its own entries."""
-        return load_full_state_dict(self, state_dict, strict)
 
 
 def step(model, x, y, loss_fn):

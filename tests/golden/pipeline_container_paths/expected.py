@@ -6,19 +6,28 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.parallelize import construction
+from macrogen.runtime.parallelize import pipeline_class
 from macrogen.runtime.pipeline import PipelineConfig
-from macrogen.runtime.pipeline import attach
-from macrogen.runtime.pipeline import declare
-from macrogen.runtime.pipeline import full_state_dict
-from macrogen.runtime.pipeline import load_full_state_dict
 
 # macrogen: define at input.py:6
 N_LAYER = 4
 
 
 # macrogen: pipeline at input.py:9
-class _Balanced_serial(nn.Module):
+# pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step. Train it with
+# mg.pipeline_step(model, x, y, loss_fn); each rank keeps its stage (the serial parameter names).
+# cut: at run time, between blocks of self.body.layers, balancing parameter counts
+@pipeline_class(
+    PipelineConfig(
+        stages=2,
+        microbatches=4,
+        schedule='1f1b',
+        split=None,
+    ),
+    ranks=2,
+    where='input.py:9',
+)
+class Balanced(nn.Module):
     """No split: the blocks of self.body.layers (a Sequential in a ModuleDict) are balanced."""
 
     def __init__(self, d=16):
@@ -36,43 +45,21 @@ class _Balanced_serial(nn.Module):
         return self.head(x)
 
 
-class Balanced(_Balanced_serial):
-    """Balanced, pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step.
-
-    Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
-    stage; parameter names and state_dict keys are _Balanced_serial's.
-    """
-
-    def __init__(self, *args, **kwargs):
-        # first: tensor-parallel layers built below take their tensor group within their stage
-        declare(2, where='input.py:9')
-        # the whole model, initialized exactly as in a serial run; tensor-parallel layers in it
-        # are cut when this (the outermost decorated model's) construction ends
-        with construction(self):
-            super().__init__(*args, **kwargs)
-        # cut: at run time, between blocks of self.body.layers, balancing parameter counts
-        attach(
-            self,
-            PipelineConfig(
-                stages=2,
-                microbatches=4,
-                schedule='1f1b',
-                split=None,
-            ),
-            where='input.py:9',
-        )
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys, same order), gathered from every stage."""
-        return full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each stage keeps its own entries."""
-        return load_full_state_dict(self, state_dict, strict)
-
-
 # macrogen: pipeline at input.py:28
-class _Split_serial(nn.Module):
+# pipelined: 3 stages, gpipe schedule, 4 micro-batches per step. Train it with
+# mg.pipeline_step(model, x, y, loss_fn); each rank keeps its stage (the serial parameter names).
+# cut: stage 0: stack.emb, stack.blocks.0-1 | stage 1: stack.blocks.2-3 | stage 2: stack.norm, head
+@pipeline_class(
+    PipelineConfig(
+        stages=3,
+        microbatches=4,
+        schedule='gpipe',
+        split=('stack.blocks.2', 'stack.norm'),
+    ),
+    ranks=3,
+    where='input.py:28',
+)
+class Split(nn.Module):
     """split names reach through the containers: a block of the inner list, an entry of the dict."""
 
     def __init__(self, d=16):
@@ -90,38 +77,3 @@ class _Split_serial(nn.Module):
             x = block(x)
         x = self.stack.norm(x)
         return self.head(x)
-
-
-class Split(_Split_serial):
-    """Split, pipelined: 3 stages, gpipe schedule, 4 micro-batches per step.
-
-    Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
-    stage; parameter names and state_dict keys are _Split_serial's.
-    """
-
-    def __init__(self, *args, **kwargs):
-        # first: tensor-parallel layers built below take their tensor group within their stage
-        declare(3, where='input.py:28')
-        # the whole model, initialized exactly as in a serial run; tensor-parallel layers in it
-        # are cut when this (the outermost decorated model's) construction ends
-        with construction(self):
-            super().__init__(*args, **kwargs)
-        # cut: stage 0: stack.emb, stack.blocks.0-1 | stage 1: stack.blocks.2-3 | stage 2: stack.norm, head
-        attach(
-            self,
-            PipelineConfig(
-                stages=3,
-                microbatches=4,
-                schedule='gpipe',
-                split=('stack.blocks.2', 'stack.norm'),
-            ),
-            where='input.py:28',
-        )
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys, same order), gathered from every stage."""
-        return full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each stage keeps its own entries."""
-        return load_full_state_dict(self, state_dict, strict)

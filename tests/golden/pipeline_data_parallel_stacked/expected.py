@@ -5,30 +5,12 @@ import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
 from macrogen.runtime.data_parallel import DataParallelConfig
-from macrogen.runtime.parallelize import construction
 from macrogen.runtime.parallelize import data_parallel_class
+from macrogen.runtime.parallelize import pipeline_class
 from macrogen.runtime.pipeline import PipelineConfig
-from macrogen.runtime.pipeline import attach
-from macrogen.runtime.pipeline import declare
-from macrogen.runtime.pipeline import full_state_dict
-from macrogen.runtime.pipeline import load_full_state_dict
 
 
 # macrogen: pipeline at input.py:6
-class _Net_serial(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x).relu()
-        return self.head(x)
-
-
 # macrogen: data_parallel at input.py:5
 # trained data-parallel: gradients averaged over the data-parallel group.
 # (GradientSync, made when the model is built; parameter names, state_dict keys: the serial ones)
@@ -42,36 +24,28 @@ class _Net_serial(nn.Module):
     ),
     where='input.py:5',
 )
-class Net(_Net_serial):
-    """Net, pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step.
+# pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step. Train it with
+# mg.pipeline_step(model, x, y, loss_fn); each rank keeps its stage (the serial parameter names).
+# cut: stage 0: inp, blocks.0-1 | stage 1: blocks.2-3, head
+@pipeline_class(
+    PipelineConfig(
+        stages=2,
+        microbatches=4,
+        schedule='1f1b',
+        split=('blocks.2',),
+    ),
+    ranks=2,
+    where='input.py:6',
+)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.head = nn.Linear(8, 2)
 
-    Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
-    stage; parameter names and state_dict keys are _Net_serial's.
-    """
-
-    def __init__(self, *args, **kwargs):
-        # first: tensor-parallel layers built below take their tensor group within their stage
-        declare(2, where='input.py:6')
-        # the whole model, initialized exactly as in a serial run; tensor-parallel layers in it
-        # are cut when this (the outermost decorated model's) construction ends
-        with construction(self):
-            super().__init__(*args, **kwargs)
-        # cut: stage 0: inp, blocks.0-1 | stage 1: blocks.2-3, head
-        attach(
-            self,
-            PipelineConfig(
-                stages=2,
-                microbatches=4,
-                schedule='1f1b',
-                split=('blocks.2',),
-            ),
-            where='input.py:6',
-        )
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys, same order), gathered from every stage."""
-        return full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each stage keeps its own entries."""
-        return load_full_state_dict(self, state_dict, strict)
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x).relu()
+        return self.head(x)

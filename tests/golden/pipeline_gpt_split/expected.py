@@ -8,12 +8,8 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.parallelize import construction
+from macrogen.runtime.parallelize import pipeline_class
 from macrogen.runtime.pipeline import PipelineConfig
-from macrogen.runtime.pipeline import attach
-from macrogen.runtime.pipeline import declare
-from macrogen.runtime.pipeline import full_state_dict
-from macrogen.runtime.pipeline import load_full_state_dict
 
 # macrogen: define at input.py:7
 N_LAYER = 4
@@ -30,7 +26,20 @@ class Block(nn.Module):
 
 
 # macrogen: pipeline at input.py:20
-class _GPT_serial(nn.Module):
+# pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step. Train it with
+# mg.pipeline_step(model, x, y, loss_fn); each rank keeps its stage (the serial parameter names).
+# cut: stage 0: wte, wpe, blocks.0-2 | stage 1: blocks.3, lm_head, ln_f
+@pipeline_class(
+    PipelineConfig(
+        stages=2,
+        microbatches=4,
+        schedule='1f1b',
+        split=('blocks.3',),
+    ),
+    ranks=2,
+    where='input.py:20',
+)
+class GPT(nn.Module):
     def __init__(self, vocab=64, d=32, block_size=16):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
@@ -45,41 +54,6 @@ class _GPT_serial(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
-
-
-class GPT(_GPT_serial):
-    """GPT, pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step.
-
-    Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
-    stage; parameter names and state_dict keys are _GPT_serial's.
-    """
-
-    def __init__(self, *args, **kwargs):
-        # first: tensor-parallel layers built below take their tensor group within their stage
-        declare(2, where='input.py:20')
-        # the whole model, initialized exactly as in a serial run; tensor-parallel layers in it
-        # are cut when this (the outermost decorated model's) construction ends
-        with construction(self):
-            super().__init__(*args, **kwargs)
-        # cut: stage 0: wte, wpe, blocks.0-2 | stage 1: blocks.3, lm_head, ln_f
-        attach(
-            self,
-            PipelineConfig(
-                stages=2,
-                microbatches=4,
-                schedule='1f1b',
-                split=('blocks.3',),
-            ),
-            where='input.py:20',
-        )
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys, same order), gathered from every stage."""
-        return full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each stage keeps its own entries."""
-        return load_full_state_dict(self, state_dict, strict)
 
 
 def train(model, batches, optimizer):

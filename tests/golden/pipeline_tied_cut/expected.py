@@ -11,12 +11,8 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.parallelize import construction
+from macrogen.runtime.parallelize import pipeline_class
 from macrogen.runtime.pipeline import PipelineConfig
-from macrogen.runtime.pipeline import attach
-from macrogen.runtime.pipeline import declare
-from macrogen.runtime.pipeline import full_state_dict
-from macrogen.runtime.pipeline import load_full_state_dict
 
 
 @dataclass
@@ -38,7 +34,21 @@ class Block(nn.Module):
 
 
 # macrogen: pipeline at input.py:30
-class _GPT_serial(nn.Module):
+# pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step. Train it with
+# mg.pipeline_step(model, x, y, loss_fn); each rank keeps its stage (the serial parameter names).
+# cut: stage 0: transformer.wte, transformer.wpe, transformer.h.0-1 | stage 1: transformer.h.2.., transformer.ln_f, lm_head
+# tied: transformer.wte.weight = lm_head.weight: stages 0 and 1 hold it, its gradients summed over them
+@pipeline_class(
+    PipelineConfig(
+        stages=2,
+        microbatches=4,
+        schedule='1f1b',
+        split=('transformer.h.2',),
+    ),
+    ranks=2,
+    where='input.py:30',
+)
+class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -66,42 +76,6 @@ class _GPT_serial(nn.Module):
             logits = self.lm_head(x[:, [-1], :])  # inference: the last position only
             loss = None
         return logits, loss
-
-
-class GPT(_GPT_serial):
-    """GPT, pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step.
-
-    Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
-    stage; parameter names and state_dict keys are _GPT_serial's.
-    """
-
-    def __init__(self, *args, **kwargs):
-        # first: tensor-parallel layers built below take their tensor group within their stage
-        declare(2, where='input.py:30')
-        # the whole model, initialized exactly as in a serial run; tensor-parallel layers in it
-        # are cut when this (the outermost decorated model's) construction ends
-        with construction(self):
-            super().__init__(*args, **kwargs)
-        # cut: stage 0: transformer.wte, transformer.wpe, transformer.h.0-1 | stage 1: transformer.h.2.., transformer.ln_f, lm_head
-        # tied: transformer.wte.weight = lm_head.weight: stages 0 and 1 hold it, its gradients summed over them
-        attach(
-            self,
-            PipelineConfig(
-                stages=2,
-                microbatches=4,
-                schedule='1f1b',
-                split=('transformer.h.2',),
-            ),
-            where='input.py:30',
-        )
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys, same order), gathered from every stage."""
-        return full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each stage keeps its own entries."""
-        return load_full_state_dict(self, state_dict, strict)
 
 
 def train(model, batches, optimizer):
