@@ -71,7 +71,7 @@ DEFAULTS: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Spec:
-    name: str  # the user's class name: the generated subclass takes it
+    name: str  # the user's class name
     bucket_mb: int | float  # MiB per bucket after the first
     first_bucket_mb: int | float  # MiB in the first bucket (starts communication early)
     compress: str | None  # None, "bf16" or "fp16"

@@ -89,7 +89,9 @@ class Style:
                     f" (supported: {SUPPORTED})",
                     key_node,
                 )
-        elif self.needs is not None and _callee_leaf(value) != self.needs:
+        elif self.needs is not None and _callee_leaf(value) not in ACCEPTS.get(
+            self.needs, (self.needs,)
+        ):
             raise MacroError(
                 f"{self.name} needs self.{attr} = nn.{self.needs}(...) in __init__, but it is"
                 f" {what} (supported: {SUPPORTED})",
@@ -229,6 +231,8 @@ SUPPORTED = (
     " replicate on anything"
 )
 CONTAINERS = ("ModuleDict", "ModuleList", "Sequential")  # plan paths go through them
+# what a layer kind's styles take: HF's Conv1D (GPT-2) is an nn.Linear stored (in, out)
+ACCEPTS = {"Linear": ("Linear", "Conv1D")}
 
 
 @dataclass(frozen=True)

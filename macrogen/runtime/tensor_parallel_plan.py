@@ -38,6 +38,7 @@ from macrogen.runtime.tensor_parallel import (
     ColwiseLinear,
     RowwiseLinear,
     VocabEmbedding,
+    is_conv1d,
     local_count,
     make_shard,
 )
@@ -84,10 +85,14 @@ class Style:
 
 def _layer(owner: nn.Module, attr: str, name: str, kind: type, style: str) -> nn.Module:
     layer = getattr(owner, attr, None)
+    if kind is nn.Linear and is_conv1d(layer):  # HF's Conv1D: an nn.Linear stored (in, out)
+        assert isinstance(layer, nn.Module)
+        return layer
     if not isinstance(layer, kind):  # subclasses too (torchtitan's Linear)
         raise TypeError(
             f"{name}: {style} needs an nn.{kind.__name__} (or a subclass), not {type(layer).__name__}"
-            " (colwise/rowwise: nn.Linear, vocab: nn.Embedding, divide: an int attribute)"
+            " (colwise/rowwise: nn.Linear or HF Conv1D, vocab: nn.Embedding, divide: an int"
+            " attribute)"
         )
     assert isinstance(layer, nn.Module)
     return layer
