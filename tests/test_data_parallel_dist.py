@@ -33,6 +33,13 @@ def expanded_models(out_dir: str, rank: int):
     return load_module(code, f"data_parallel_models_rank{rank}", Path(out_dir))
 
 
+def serial_class(models, name: str) -> type:
+    """The user's class, unexpanded (the expansion keeps the class itself: it has no serial base)."""
+    directory = Path(models.__file__).parent
+    serial = load_module(MODELS.read_text(), f"{models.__name__}_serial", directory)
+    return getattr(serial, name)
+
+
 def tiny_config(**changes):
     from examples.gpt import GPTConfig
 
@@ -167,7 +174,7 @@ def _branchy(rank: int, world: int, out_dir: str) -> dict:
     start = copy.deepcopy(ours.state_dict())
     if rank == 1:
         ours.seen.fill_(-5.0)  # buffers come from rank 0 before each forward
-    ref_model = models.Branchy.__mro__[1]()  # the user's class: a plain module for DDP
+    ref_model = serial_class(models, "Branchy")()  # the user's class: a plain module for DDP
     ref_model.load_state_dict(ours.state_dict())
     ref = DDP(ref_model, find_unused_parameters=True)
     with CountAllReduce() as count:

@@ -22,6 +22,7 @@ from tests.test_data_parallel_dist import (
     assert_params_close,
     expanded_models,
     micro_batches,
+    serial_class,
     tiny_config,
 )
 
@@ -57,7 +58,7 @@ def _replaced(models, rank, world) -> dict:
     out = {}
     for when in ("before first forward", "after 2 steps"):
         torch.manual_seed(0)
-        serial = models.Replaceable.__mro__[1]()  # the user's class, unexpanded
+        serial = serial_class(models, "Replaceable")()  # the user's class, unexpanded
         torch.manual_seed(0)
         ours = models.Replaceable()
         if when == "before first forward":
@@ -105,7 +106,7 @@ def _inference_on_rank0(models, rank, world) -> dict:
     x = torch.randn(GLOBAL_BATCH, 8, generator=g)
     (mine,) = micro_batches((x,), 1, rank, world)[0]
     torch.manual_seed(0)
-    ref_model = models.WithBatchNorm.__mro__[1]()
+    ref_model = serial_class(models, "WithBatchNorm")()
     ref = DDP(ref_model)  # BatchNorm on each rank's half batch: DDP is the reference here
     torch.manual_seed(0)
     ours = models.WithBatchNorm()

@@ -125,7 +125,7 @@ def test_files_print_the_same(name: str) -> None:
 
     plain, parsed = _both(expand)
     assert plain == parsed
-    assert "class MLP(_MLP_serial):" in str(plain) or "def scale(out, x):" in str(plain)
+    assert "@tensor_parallel_class('MLP', None, {" in str(plain) or "def scale(out, x):" in str(plain)
 
 
 def test_tile_expression_names_are_libcst_names(monkeypatch: pytest.MonkeyPatch) -> None:

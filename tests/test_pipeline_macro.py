@@ -86,7 +86,7 @@ def test_errors_at_the_users_line(args, message):
 def test_interleaved_expands_with_its_stages_per_rank():
     net = NET.replace("range(3)", "range(4)")
     code = expand(net.format(args="stages=4, schedule='interleaved'"))
-    assert "schedule='interleaved',\n                split=None,\n                stages_per_rank=2," in code
+    assert "schedule='interleaved',\n        split=None,\n        stages_per_rank=2," in code
     assert "stages_per_rank" not in expand(net.format(args="stages=2"))
 
 
@@ -176,7 +176,7 @@ def test_interleaved_expanded_gpt_on_two_ranks_matches_the_unexpanded_file(tmp_p
     assert 'schedule="interleaved"' in source
     serial = _train(load_module(_source(source), "serial_gpt_interleaved", tmp_path))
     expanded = mg.expand_source(source, path=str(GOLDEN)).code
-    assert "declare(2, where=" in expanded and "stages_per_rank=2," in expanded
+    assert "ranks=2," in expanded and "stages_per_rank=2," in expanded
     results = run_ranks(_worker, 2, args=(expanded, str(tmp_path)), timeout=300)
     ref_losses, ref_state = serial
     for losses, state in results:
@@ -192,7 +192,7 @@ def test_pipeline_by_data_parallel_on_four_ranks_matches_the_unexpanded_file(tmp
     )
     serial = _train(load_module(_source(source), "serial_gpt_data", tmp_path))
     expanded = mg.expand_source(source, path=str(GOLDEN)).code
-    assert "GradientSync(" in expanded and "attach(" in expanded
+    assert "@data_parallel_class(" in expanded and "@pipeline_class(" in expanded
     results = run_ranks(_worker, 4, args=(expanded, str(tmp_path)), timeout=300)
     ref_losses, ref_state = serial
     for losses, state in results:

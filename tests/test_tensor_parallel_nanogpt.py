@@ -164,6 +164,9 @@ SOURCE = textwrap.dedent(
                     module.bias.data.uniform_(-1, 1)
 
 
+    # decorated (nothing of its own to shard): its construction's end, after post_init(), is
+    # where the shards of the layers it builds are cut
+    @mg.tensor_parallel(plan={})
     class HFModel(PreTrained):
         def __init__(self, config):
             super().__init__()
@@ -352,8 +355,8 @@ def _torch_tp(P, serial, world):
 
     layer = copy.deepcopy(serial)
     attn, mlp = layer.attn, layer.mlp
-    attn.__class__ = P._SelfAttention_serial  # the expansion's forward: widths rewritten
-    mlp.__class__ = P._FeedForward_serial
+    attn.__class__ = P.SelfAttention  # the expansion's forward: widths rewritten
+    mlp.__class__ = P.FeedForward
     with torch.no_grad():  # rows [q0 q1 k0 k1 v0 v1] -> [q0 k0 v0 q1 k1 v1]
         for t in (attn.c_attn.weight, attn.c_attn.bias):
             blocks = [b.chunk(world) for b in t.chunk(3)]

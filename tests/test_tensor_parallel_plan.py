@@ -6,79 +6,117 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 import torch.nn as nn
 
+from macrogen.runtime import class_plans as apply_step
 from macrogen.runtime import tensor_parallel_plan as plan
-from macrogen.runtime.tensor_parallel_plan import Colwise, Divide, parallelize, pending, resolve
+from macrogen.runtime.class_plans import tensor_parallel_class
+from macrogen.runtime.tensor_parallel_plan import Colwise, Divide, Replicate, parallelize, resolve
 
 
+def cut(module: nn.Module) -> bool:
+    return "tp_size" in module.__dict__  # set on the instance when its plan is applied
+
+
+@tensor_parallel_class("Child", None, {"fc": Colwise()})
 class Child(nn.Module):
-    def __init__(self, style=None):
+    def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 8)
         self.ratio = 0.5
-        parallelize(self, "Child", None, {"fc": style or Colwise()})
+
+    def forward(self, x):
+        return self.fc(x)
 
 
+@tensor_parallel_class("Parent", None, {"head": Replicate()})
 class Parent(nn.Module):
-    def __init__(self, style=None):
+    def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList([Child(style) for _ in range(2)])
+        self.blocks = nn.ModuleList([Child() for _ in range(2)])
+        self.head = nn.Linear(8, 2)
         # still being built: a re-initialization here must see the full layers
-        self.waiting = pending() and all("tp_size" not in b.__dict__ for b in self.blocks)
+        self.waiting = not any(cut(b) for b in self.blocks) and sys.getprofile() is None
         self.apply(lambda m: None)
 
 
-def test_a_child_waits_for_the_outermost_module_then_the_profiler_is_gone():
-    assert sys.getprofile() is None
+def test_a_child_waits_for_the_outermost_decorated_module_without_a_profiler():
     parent = Parent()
     assert parent.waiting
-    assert not pending() and sys.getprofile() is None
-    assert all(b.__dict__["tp_size"] == 1 for b in parent.blocks)  # applied once built
+    assert all(cut(b) for b in parent.blocks) and cut(parent)  # applied once built
+    assert apply_step._building.get() is None and sys.getprofile() is None
+
+
+def test_the_class_keeps_its_name_identity_and_signature():
+    import inspect
+
+    assert Child.__name__ == "Child" and type(Child()) is Child
+    assert str(inspect.signature(Child)) == "()"
+    found = apply_step.class_plan(Child)
+    assert found is not None and found.name == "Child" and list(found.plan) == ["fc"]
 
 
 def test_a_module_built_alone_is_its_own_root():
     child = Child()
-    assert child.__dict__["tp_size"] == 1 and not pending()
+    assert child.__dict__["tp_size"] == 1 and apply_step._building.get() is None
+
+
+def test_an_undecorated_parent_gets_its_children_cut_as_each_is_built():
+    """The rule: shards are cut where the outermost *decorated* construction ends."""
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.child = Child()
+            self.seen = cut(self.child)
+
+    assert Plain().seen
 
 
 def test_an_error_in_the_plan_comes_out_of_the_outermost_constructor():
-    with pytest.raises(TypeError, match=r"divide needs an int attribute, but Child.ratio is float"):
+    @tensor_parallel_class("Bad", None, {"ratio": Divide()})
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.ratio = 0.5
 
-        class Bad(Child):
-            def __init__(self):
-                nn.Module.__init__(self)
-                self.fc = nn.Linear(2, 2)
-                self.ratio = 0.5
-                parallelize(self, "Child", None, {"ratio": Divide()})
+    @tensor_parallel_class("Outer", None, {"bad": Replicate()})
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bad = Bad()
 
-        class Outer(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.bad = Bad()
-
+    with pytest.raises(TypeError, match=r"divide needs an int attribute, but Bad.ratio is float"):
         Outer()
-    assert not pending() and sys.getprofile() is None
+    assert apply_step._building.get() is None
 
 
-def test_another_profiler_is_a_loud_error_not_a_silent_difference():
-    sys.setprofile(lambda *a: None)
-    try:
-        with pytest.raises(RuntimeError, match="another profiler is active"):
-            Parent()
-    finally:
-        sys.setprofile(None)
-        plan._roots.clear()
+def test_a_decorated_module_the_outermost_one_does_not_hold_is_an_error_at_its_forward():
+    """A factory building a planned module the plan never reaches: never a silent serial model."""
+    made = []
+
+    @tensor_parallel_class("Outer", None, {"fc": Replicate()})
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            made.append(Child())  # built here, kept outside the module tree
+
+    outer = Outer()
+    assert not cut(made[0])
+    with pytest.raises(RuntimeError, match=r"this Child was built while Outer was being built"):
+        made[0](torch.zeros(1, 4))
+    assert outer.fc(torch.zeros(1, 4)).shape == (1, 4)
 
 
 def test_a_plan_on_a_class_derived_from_another_planned_class_is_refused():
-    class Twice(Child):
-        def __init__(self):
-            super().__init__()
-            parallelize(self, "Twice", None, {"fc": Colwise()})
-
     with pytest.raises(TypeError, match=r"Twice is a tensor_parallel class derived from another"):
-        Twice()
+
+        @tensor_parallel_class("Twice", None, {"fc": Colwise()})
+        class Twice(Child):
+            pass
 
 
 def test_paths_go_through_containers_and_stars():
@@ -103,20 +141,17 @@ def test_subclasses_of_the_layers_are_planned():
             super().__init__()
             self.fc = Linear(4, 8)
             self.proj = Linear(8, 4)
-            parallelize(self, "Model", None, {"fc": Colwise(), "proj": plan.Rowwise()})
 
-    Model()
+    parallelize(Model(), "Model", None, {"fc": Colwise(), "proj": plan.Rowwise()})
 
 
 def test_every_problem_of_a_plan_is_reported_at_once():
+    @tensor_parallel_class("Model", None, {"conv": Colwise(), "emb": plan.Vocab(), "x": Colwise()})
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
             self.conv = nn.Conv1d(2, 2, 1)
             self.emb = nn.Linear(2, 2)
-            parallelize(
-                self, "Model", None, {"conv": Colwise(), "emb": plan.Vocab(), "x": Colwise()}
-            )
 
     with pytest.raises(TypeError) as e:
         Model()

@@ -229,7 +229,7 @@ def _torch_sequence_parallel(P, serial, world):
 
     block = copy.deepcopy(serial)
     attn = block.attn
-    attn.__class__ = P._CausalSelfAttention_serial  # the expansion's forward: widths rewritten
+    attn.__class__ = P.CausalSelfAttention  # the expansion's forward: widths rewritten
     with torch.no_grad():  # rows [q0 q1 k0 k1 v0 v1] -> [q0 k0 v0 q1 k1 v1]
         t = attn.c_attn.weight
         t.copy_(_to_torch_rows(t, world))

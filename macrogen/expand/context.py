@@ -181,6 +181,10 @@ class Context:
         self._names[stmt] = local
         return self._requested_now(Import(local, module, name, stmt))
 
+    def generated_import(self, local: str) -> str | None:
+        """The generated import statement that binds ``local`` (None: the file's own name)."""
+        return self._statement_of(local)
+
     def _statement_of(self, local: str) -> str | None:
         """The generated statement that binds ``local`` (None: the file's own import)."""
         return next((stmt for stmt, name in self._names.items() if name == local), None)

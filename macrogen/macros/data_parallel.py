@@ -1,19 +1,18 @@
 """``@data_parallel(...)`` on an ``nn.Module`` class: gradients averaged over the data-parallel ranks.
 
     @mg.data_parallel(bucket_mb=25, compress="bf16")     # macrogen: data_parallel at train.py:12
-    class GPT(nn.Module):                           ->   class _GPT_serial(nn.Module):
-        def __init__(self, config): ...                  def __init__(self, config): ...
-        def forward(self, idx, targets): ...             def forward(self, idx, targets): ...
+    class GPT(nn.Module):                           ->   @data_parallel_class(DataParallelConfig(
+        def __init__(self, config): ...                      bucket_mb=25, compress='bf16', ...,
+        def forward(self, idx, targets): ...             ), where='train.py:12')
+                                                     class GPT(nn.Module):
+                                                         ... (the user's class, unchanged)
 
-                                                     class GPT(_GPT_serial):
-                                                         def __init__(self, *args, **kwargs):
-                                                             super().__init__(*args, **kwargs)
-                                                             self._mg_data_parallel = GradientSync(self, ...)
-
-The user's class keeps its body under a fresh name; the generated subclass
-takes the user's name, so every use of ``GPT`` in the program gets the
-data-parallel model, with the serial model's parameter names and state_dict
-keys. ``macrogen.runtime.data_parallel.GradientSync`` does the work (buckets,
+The class keeps its name and identity (registries and factories that captured
+it build the data-parallel model) and the serial model's parameter names and
+state_dict keys. ``macrogen.runtime.parallelize.data_parallel_class`` runs the
+class's ``__init__`` inside the construction record (tensor-parallel layers
+built in it are cut when it ends), then gives the model its
+``macrogen.runtime.data_parallel.GradientSync``, which does the work (buckets,
 overlap, accumulation, compression, start-up checks).
 
 Arguments (keyword only; each may be a ``tunable``):
@@ -59,11 +58,9 @@ from macrogen.macro import (
     MacroError,
     Site,
     TuningEnv,
-    find,
-    may_call_with_arguments,
-    render_statements,
 )
 from macrogen.macros import parallelize, redundant
+from macrogen.macros.class_decorator import decorated, rendered_decorator
 from macrogen.macros.outer_sgd import Outer
 
 NAME = "data_parallel"
@@ -118,7 +115,7 @@ SERVER_ARGS = ("server_plan", "staleness", "server_optimizer", "server_lr")
 
 @dataclass(frozen=True)
 class Spec:
-    name: str  # the user's class name: the generated subclass takes it
+    name: str  # the user's class name
     bucket_mb: int | float  # MiB per bucket after the first
     first_bucket_mb: int | float  # MiB in the first bucket (starts communication early)
     compress: str | None  # None, "bf16" or "fp16"
@@ -225,7 +222,6 @@ def validate(site: Site, ctx: Context) -> Spec:
             f"data_parallel() decorates an nn.Module subclass; {node.name.value} has no base class",
             node.name,
         )
-    _reject_named_super(node, ctx.source_text(node))
     args = site.args.bind(DEFAULTS)
     values = {name: args[name].value if name in args else d for name, d in DEFAULTS.items()}
     for name, arg in args.items():
@@ -296,58 +292,27 @@ def _check(name: str, arg: Arg, ctx: Context) -> None:
     ctx.check_each_choice(name, arg, CHECKS[name])
 
 
-def _reject_named_super(cls: cst.ClassDef, text: str | None) -> None:
-    """``super(GPT, self)`` would name the generated subclass and recurse forever.
-
-    ``text``: the class's source, to skip the walk when it can't hold such a call."""
-    if not may_call_with_arguments(text, "super"):
-        return
-    for call in find(cls.body, cst.Call):  # (a read-only walk: libcst's matchers rebuild the tree)
-        if not (
-            isinstance(call.func, cst.Name)
-            and call.func.value == "super"
-            and call.args
-            and isinstance(call.args[0].value, cst.Name)
-            and call.args[0].value.value == cls.name.value
-        ):
-            continue
-        raise MacroError(
-            f"write super() without arguments in a @data_parallel class: super({cls.name.value}, ...)"
-            " would name the generated data-parallel subclass",
-            call,
-        )
-
-
 def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
-    serial = ctx.names.fresh(f"_{spec.name}_serial")
     assert isinstance(site.node, cst.ClassDef)
-    user_class = site.node.with_changes(name=cst.Name(serial))
+    decorator = ctx.import_from("macrogen.runtime.class_macros", "data_parallel_class")
     if spec.shard == "full":
-        return _fully_sharded(spec, site, ctx, serial, user_class)
+        return _fully_sharded(spec, site, ctx, decorator)
     servers: dict[str, Any] = {}
     if spec.servers:  # apply_server_tables makes the workers' GradientSync
         runtime = "macrogen.runtime.param_server"
-        servers = {
-            "apply_server_tables": ctx.import_from(runtime, "apply_server_tables"),
-            "server_config": ctx.import_from(runtime, "ServerConfig"),
-        }
-        gradient_sync: Any = ""
-    else:
-        gradient_sync = ctx.import_from("macrogen.runtime.data_parallel", "GradientSync")
+        servers = {"server_config": ctx.import_from(runtime, "ServerConfig")}
     config = ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig")
-    imports = [config, *servers.values()] if spec.servers else [gradient_sync, config]
+    imports = [decorator, config, *servers.values()]
     outer_sgd = None
     if spec.outer is not None:
         outer_sgd = ctx.import_from("macrogen.runtime.local_sgd", "OuterSGD")
         imports.append(outer_sgd)
-    generated = render_statements(
+    plan = rendered_decorator(
         "data_parallel.py.j2",
         name=spec.name,
-        serial=serial,
         location=ctx.location(site.line),
-        sync=ctx.names.fresh("_mg_data_parallel"),
-        gradient_sync=gradient_sync,
+        decorator=decorator,
         config=config,
         bucket_mb=spec.bucket_mb,
         first_bucket_mb=spec.first_bucket_mb,
@@ -368,30 +333,27 @@ def expand(site: Site, ctx: Context) -> Expanded:
         server_lr=spec.server_lr,
         **servers,
     )
-    blank = [cst.EmptyLine(), cst.EmptyLine()]
-    return Expanded(
-        [user_class, generated[0].with_changes(leading_lines=blank)],
-        imports=tuple(imports),
-    )
+    return _decorated(ctx, site, plan, tuple(imports))
 
 
-def _fully_sharded(
-    spec: Spec, site: Site, ctx: Context, serial: str, user_class: cst.ClassDef
+def _decorated(
+    ctx: Context, site: Site, plan: cst.Decorator, imports: tuple[Any, ...]
 ) -> Expanded:
-    """``shard="full"``: the subclass's ``__init__`` ends in FSDP2's apply, mg.parallelize's."""
-    runtime = "macrogen.runtime.fully_sharded"
-    apply = ctx.import_from(runtime, "apply_fully_sharded")
-    config = ctx.import_from(runtime, "FullyShardedConfig")
-    mesh = ctx.import_from("macrogen.runtime.mesh", "mesh")
-    generated = render_statements(
+    assert isinstance(site.node, cst.ClassDef)
+    # the class object itself keeps its name and identity
+    return Expanded([decorated(ctx, site.node, plan)], imports=imports)
+
+
+def _fully_sharded(spec: Spec, site: Site, ctx: Context, decorator: Any) -> Expanded:
+    """``shard="full"``: the class's construction ends in FSDP2's apply, mg.parallelize's."""
+    config = ctx.import_from("macrogen.runtime.fully_sharded", "FullyShardedConfig")
+    plan = rendered_decorator(
         "data_parallel.py.j2",
         name=spec.name,
-        serial=serial,
         location=ctx.location(site.line),
+        decorator=decorator,
         shard=spec.shard,
-        apply_fully_sharded=apply,
         fsdp_config=config,
-        mesh=mesh,
         accumulate=spec.accumulate,
         reshard_after_forward=spec.reshard_after_forward,
         mixed_precision=spec.mixed_precision,
@@ -399,8 +361,4 @@ def _fully_sharded(
         shard_units=spec.shard_units,
         dp_replicate=spec.dp_replicate,
     )
-    blank = [cst.EmptyLine(), cst.EmptyLine()]
-    return Expanded(
-        [user_class, generated[0].with_changes(leading_lines=blank)],
-        imports=(apply, config, mesh),
-    )
+    return _decorated(ctx, site, plan, (decorator, config))

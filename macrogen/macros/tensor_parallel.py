@@ -2,24 +2,26 @@
 
     @mg.tensor_parallel(plan={"fc": "colwise", "proj": "rowwise"})
     class MLP(nn.Module):                          # macrogen: tensor_parallel at model.py:7
-        def __init__(self, d):                     class _MLP_serial(nn.Module):
-            super().__init__()              ->         ... (the user's class, unchanged)
-            self.fc = nn.Linear(d, 4 * d)
-            self.proj = nn.Linear(4 * d, d)        class MLP(_MLP_serial):
-        ...                                            def __init__(self, *args, **kwargs):
-                                                           super().__init__(*args, **kwargs)
-                                                           tp = tensor_parallel_group(None)
-                                                           self.fc = ColwiseLinear(self.fc, tp)
-                                                           self.proj = RowwiseLinear(self.proj, tp)
+        def __init__(self, d):                     @tensor_parallel_class('MLP', None, {
+            super().__init__()              ->         'fc': Colwise(),  # output features split ...
+            self.fc = nn.Linear(d, 4 * d)              'proj': Rowwise(),  # input features split ...
+            self.proj = nn.Linear(4 * d, d)        })
+        ...                                        class MLP(nn.Module):
+                                                       ... (the user's class: forward's widths local)
 
-The generated class first builds the serial module (same layers, same random
-initialization), then replaces each planned layer by this rank's shard (a
-module from ``macrogen.runtime.tensor_parallel`` holding plain tensors under
-the serial parameter names, calling the autograd collectives of
-``macrogen.runtime.collectives``). ``forward`` is the user's, with its full
-widths made local where they meet a shard (``tensor_parallel_width``), the
-cross-entropy of a vocab-split head made vocab-parallel, and a colwise output it
-returns gathered (``tensor_parallel_outputs``).
+The class keeps its name and identity (registries, factories such as
+torchtitan's ``Config.build()`` and ``isinstance`` that captured it see the
+tensor-parallel class); the plan is data on it. ``macrogen.runtime.parallelize``
+applies it where the outermost decorated model's construction ends: the serial
+module is built first (same layers, same random initialization, a decorated
+parent's re-initialization included), then each planned layer is replaced by
+this rank's shard (a module from ``macrogen.runtime.tensor_parallel`` holding
+plain tensors under the serial parameter names, calling the autograd
+collectives of ``macrogen.runtime.collectives``). ``forward`` is the user's,
+with its full widths made local where they meet a shard
+(``tensor_parallel_width``), the cross-entropy of a vocab-split head made
+vocab-parallel, and a colwise output it returns gathered
+(``tensor_parallel_outputs``).
 
 Styles: ``colwise`` (or ``("colwise", 3)`` for a fused q, k, v output of 3
 packed blocks, each split on its own) and ``rowwise`` on ``nn.Linear``, ``vocab`` on
@@ -58,10 +60,9 @@ from macrogen.macro import (
     dotted,
     evaluated,
     find,
-    may_call_with_arguments,
-    render_statements,
     walk,
 )
+from macrogen.macros.class_decorator import decorated, rendered_decorator
 from macrogen.macros.tensor_parallel_width import feeding, rewrite_forward
 
 NAME = "tensor_parallel"
@@ -96,7 +97,9 @@ class Style:
                     f" (supported: {SUPPORTED})",
                     key_node,
                 )
-        elif self.needs is not None and _callee_leaf(value) != self.needs:
+        elif self.needs is not None and _callee_leaf(value) not in ACCEPTS.get(
+            self.needs, (self.needs,)
+        ):
             raise MacroError(
                 f"{self.name} needs self.{attr} = nn.{self.needs}(...) in __init__, but it is"
                 f" {what} (supported: {SUPPORTED})",
@@ -236,6 +239,8 @@ SUPPORTED = (
     " replicate on anything"
 )
 CONTAINERS = ("ModuleDict", "ModuleList", "Sequential")  # plan paths go through them
+# what a layer kind's styles take: HF's Conv1D (GPT-2) is an nn.Linear stored (in, out)
+ACCEPTS = {"Linear": ("Linear", "Conv1D")}
 
 
 @dataclass(frozen=True)
@@ -266,9 +271,9 @@ def validate(site: Site, ctx: Context) -> Spec:
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise MacroError(f"size must be a positive int, not {size!r}", args["size"].node)
     plan, node = args["plan"].value, args["plan"].node
-    if not isinstance(plan, dict) or not plan:
-        raise MacroError(
-            "plan must be a non-empty dict of attribute name -> style, e.g."
+    if not isinstance(plan, dict):  # {}: a model class whose decorated children it builds
+        raise MacroError(  # are cut when its construction ends (after its re-initialization)
+            "plan must be a dict of attribute name -> style, e.g."
             " {'fc': 'colwise', 'proj': 'rowwise'}",
             node,
         )
@@ -290,7 +295,6 @@ def validate(site: Site, ctx: Context) -> Spec:
             raise MacroError(f"{style.name} names an attribute, not {path[-1]!r}", key_node)
         _check_fits(site.original, path, style, classes, key_node)
         entries.append(Entry(key, style))
-    _check_super_calls(site.original, ctx.source_text(site.original))
     spec = Spec(site.original.name.value, tuple(entries), size)
     _check_sequence_sizes(site.original, spec)
     return spec
@@ -335,30 +339,19 @@ def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | 
 def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
     assert isinstance(site.node, cst.ClassDef) and isinstance(site.original, cst.ClassDef)
-    serial = ctx.names.fresh(f"_{spec.name}_serial")
     plan_module = "macrogen.runtime.tensor_parallel_plan"
-    runtime = "macrogen.runtime.tensor_parallel"
     styles = {s: ctx.import_from(plan_module, s) for s in _styles(spec)}
     entries = [
         (e.key, styles[e.style.runtime], e.style.arguments(), e.style.comment) for e in spec.entries
     ]
-    parallelize = ctx.import_from(plan_module, "parallelize")
-    group = ctx.import_from("macrogen.runtime.mesh", "tensor_parallel_group")
-    gather = ctx.import_from(runtime, "serial_state_dict")
-    scatter = ctx.import_from(runtime, "load_serial_state_dict")
-    generated = render_statements(
+    decorator = ctx.import_from("macrogen.runtime.class_plans", "tensor_parallel_class")
+    plan = rendered_decorator(
         "tensor_parallel_class.py.j2",
         name=spec.name,
-        serial=serial,
         size=spec.size,
         entries=entries,
-        parallelize=parallelize,
-        group=group,
-        gather=gather,
-        scatter=scatter,
+        decorator=decorator,
     )
-    blank = [cst.EmptyLine()] * (1 if "." in site.qualname else 2)
-    generated[0] = generated[0].with_changes(leading_lines=blank)
     used: dict[str, Import] = {}  # collectives forward calls (the vocab-parallel loss, gathers)
 
     def collective(function: str) -> str:
@@ -375,8 +368,10 @@ def expand(site: Site, ctx: Context) -> Expanded:
     else:
         rewrite_widths(site.original, spec, lambda _: "_")  # errors at the user's positions
         cls = rewrite_widths(site.node, spec, collective)
-    imports = (*styles.values(), parallelize, group, gather, scatter, *used.values())
-    return Expanded([cls.with_changes(name=cst.Name(serial)), *generated], imports=imports)
+    # the class object itself keeps its name and identity
+    cls = decorated(ctx, cls, plan)
+    imports = (*styles.values(), decorator, *used.values())
+    return Expanded([cls], imports=imports)
 
 
 def _styles(spec: Spec) -> list[str]:
@@ -604,32 +599,6 @@ def _literal(node: cst.BaseExpression) -> object:
     if isinstance(node, (cst.SimpleString, cst.ConcatenatedString)):
         return evaluated(node)
     return None
-
-
-def _check_super_calls(cls: cst.ClassDef, text: str | None) -> None:
-    """``super(Cls, self)`` would name the generated subclass once the serial class is renamed.
-
-    ``text``: the class's source (``Context.source_text``), to skip the walk when it can't
-    hold such a call."""
-    if not may_call_with_arguments(text, "super"):
-        return
-    name = cls.name.value
-
-    for node in find(cls, cst.Call):
-        if (
-            isinstance(node.func, cst.Name)
-            and node.func.value == "super"
-            and node.args
-            and isinstance(node.args[0].value, cst.Name)
-            and node.args[0].value.value == name
-        ):
-            raise MacroError(
-                f"write super() without arguments in a tensor_parallel class: {name} becomes"
-                " the generated subclass, so super("
-                + name
-                + ", self) would skip the serial class",
-                node,
-            )
 
 
 def _check_sequence_sizes(cls: cst.ClassDef, spec: Spec) -> None:

@@ -38,7 +38,8 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from macrogen.kernels.grad_compress import COMM_DTYPES
-from macrogen.runtime import fused, groups, tensor_parallel_plan
+from macrogen.runtime import class_plans as apply_step
+from macrogen.runtime import fused, groups
 from macrogen.runtime.agreement import Fingerprint, check_agreement, fingerprint
 from macrogen.runtime.buckets import Bucket, local, plan_buckets
 from macrogen.runtime.local_sgd import LocalSGD, OuterSGD
@@ -93,9 +94,9 @@ class GradientSync:
         self.module = module
         self.config = config
         self.where = where
-        # Tensor-parallel shards wait for the outermost module's __init__ to return; this one's
-        # is still running (it is ours), so cut them now, before the parameters are collected.
-        tensor_parallel_plan.materialize(module)
+        # Tensor-parallel shards wait for the outermost decorated model's construction to end;
+        # this one's may still be running, so cut them now, before the parameters are collected.
+        apply_step.materialize(module)
         # Read now, after the user's __init__: a tensor-parallel mesh built there sets the group.
         self.group = data_parallel_group()
         self.world_size = groups.world_size(self.group)

@@ -57,6 +57,7 @@ import torch.nn as nn
 from macrogen.runtime import groups
 from macrogen.runtime import mesh as meshes
 from macrogen.runtime.agreement import Fingerprint, check_agreement
+from macrogen.runtime.class_plans import APPLIED
 from macrogen.runtime.collectives import (
     colwise_linear,
     gather_last_dim,
@@ -65,7 +66,10 @@ from macrogen.runtime.collectives import (
     rowwise_linear,
     scatter_last_dim,
 )
-from macrogen.runtime.tensor_parallel import split, vocab_lookup
+from macrogen.runtime.tensor_parallel import (
+    split,
+    vocab_lookup,
+)
 
 # HF's tensor-parallel style names (``model._tp_plan``, ``config.base_model_tp_plan``) -> ours
 HF_STYLES = {
@@ -330,6 +334,14 @@ def apply_tensor_parallel(
         return model
     if getattr(model, _LOCAL_FORWARD, False):
         raise RuntimeError(f"mg.parallelize at {where}: this model is tensor-parallel already")
+    cut = next((n for n, m in model.named_modules() if APPLIED in m.__dict__
+                and "tp_size" in m.__dict__ and m.__dict__["tp_size"] > 1), None)  # fmt: skip
+    if cut is not None:  # its layers are @tensor_parallel shards already (plain tensors)
+        raise RuntimeError(
+            f"mg.parallelize at {where}: {cut or type(model).__name__} is a @tensor_parallel class"
+            " whose shards were cut when it was built: give the tensor-parallel plan in one place"
+            " (the decorators, or tp_plan= on a model of undecorated classes)"
+        )
     group, tensor_mesh = mesh.tensor_group, mesh.device_mesh["tensor"]
     assert group is not None  # tp > 1
     holders = _holders(model)

@@ -51,7 +51,8 @@ from torch import nn
 from macrogen import pipeline_units as pf
 from macrogen.pipeline_units import Forward as Forward  # the generated code's
 from macrogen.pipeline_units import Statement as Statement
-from macrogen.runtime import groups, mesh, tensor_parallel, tensor_parallel_plan
+from macrogen.runtime import class_plans as apply_step
+from macrogen.runtime import groups, mesh, tensor_parallel
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ATTR = "_macrogen_pipeline"  # where a pipelined model keeps its Pipeline (markers look for it)
@@ -444,7 +445,7 @@ class Pipeline:
         # tensor group) now, not when the outermost __init__ returns: the stage cut below
         # must see the sharded layers, and every rank still holds every layer, so the
         # tensor-parallel rank-agreement check runs on the same modules everywhere.
-        tensor_parallel_plan.materialize(model)
+        apply_step.materialize(model)
         self.tied: list[tuple[nn.Parameter, Any]] = []  # shared parameters and their groups
         self._schedule: Any = None
         self._shape: Any = None

@@ -40,6 +40,29 @@ from macrogen.runtime.collectives import (
 )
 
 
+def is_conv1d(layer: Any) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): an ``nn.Linear`` with its weight stored ``(in, out)``,
+    found by its ``nf`` (out features) attribute and its weight's shape."""
+    weight, nf = getattr(layer, "weight", None), getattr(layer, "nf", None)
+    return (
+        isinstance(layer, nn.Module)
+        and not isinstance(layer, nn.Linear)
+        and isinstance(nf, int)
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and weight.shape[1] == nf
+    )
+
+
+def _linear_sizes(full: nn.Module) -> tuple[int, int, bool]:
+    """(in features, out features, whether the weight is stored (in, out): an HF Conv1D)."""
+    if is_conv1d(full):
+        rows, cols = full.weight.shape
+        return rows, cols, True
+    assert isinstance(full, nn.Linear)
+    return full.in_features, full.out_features, False
+
+
 def _shard_size(full: int, group: dist.ProcessGroup | None, what: str) -> int:
     size = group_size(group)
     if full % size:
@@ -85,6 +108,8 @@ class _Sharded(nn.Module):
     """A sharded layer: it holds its process group, which copies share (a group can't be copied)."""
 
     group: dist.ProcessGroup | None
+    SHARD_DIMS: dict[str, int]
+    transposed = False  # an HF Conv1D's weight, stored (in, out): forward uses its transpose
 
     def __deepcopy__(self, memo: dict) -> _Sharded:
         if self.group is not None:
@@ -118,22 +143,24 @@ class ColwiseLinear(_Sharded):
         _expect(full, nn.Linear, "colwise", name)
         self.group, self.blocks = group, blocks
         self.sequence = sequence  # the input is this rank's slice of the sequence: all-gathered
-        self.in_features = full.in_features
-        if full.out_features % blocks:
-            raise ValueError(
-                f"{name}.out_features = {full.out_features} is not {blocks} equal blocks"
-            )
+        self.in_features, out_features, self.transposed = _linear_sizes(full)
+        if out_features % blocks:
+            raise ValueError(f"{name}.out_features = {out_features} is not {blocks} equal blocks")
         what = f"{name}.out_features / {blocks} blocks" if blocks > 1 else f"{name}.out_features"
-        self.out_features = blocks * _shard_size(full.out_features // blocks, group, what)
+        self.out_features = blocks * _shard_size(out_features // blocks, group, what)
+        out_dim = 1 if self.transposed else 0  # an HF Conv1D keeps its (in, out / T) layout
+        if self.transposed:
+            self.SHARD_DIMS = {"weight": 1, "bias": 0}
         self.weight = _shard(
-            full.weight, 0, group, blocks, f"{name}.weight", shard
+            full.weight, out_dim, group, blocks, f"{name}.weight", shard
         )  # (out / T, in)
         self.bias = _shard(full.bias, 0, group, blocks, f"{name}.bias", shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.t() if self.transposed else self.weight
         if self.sequence:
-            return colwise_from_sequence(x, self.weight, self.bias, self.group)
-        return colwise_linear(x, self.weight, self.bias, self.group)
+            return colwise_from_sequence(x, weight, self.bias, self.group)
+        return colwise_linear(x, weight, self.bias, self.group)
 
     def extra_repr(self) -> str:
         full = self.out_features * group_size(self.group)
@@ -164,9 +191,12 @@ class RowwiseLinear(_Sharded):
         self.sequence = (
             sequence  # the output is this rank's slice of the sequence: reduce-scattered
         )
-        self.in_features = _shard_size(full.in_features, group, f"{name}.in_features")
-        self.out_features = full.out_features
-        self.weight = _shard(full.weight, 1, group, 1, f"{name}.weight", shard)  # (out, in / T)
+        in_features, self.out_features, self.transposed = _linear_sizes(full)
+        self.in_features = _shard_size(in_features, group, f"{name}.in_features")
+        in_dim = 0 if self.transposed else 1  # an HF Conv1D keeps its (in / T, out) layout
+        if self.transposed:
+            self.SHARD_DIMS = {"weight": 0}
+        self.weight = _shard(full.weight, in_dim, group, 1, f"{name}.weight", shard)  # (out, in / T)
         self.bias = (
             None
             if full.bias is None
@@ -176,9 +206,10 @@ class RowwiseLinear(_Sharded):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:  # a full input: keep my slice
             x = scatter_last_dim(x, self.group)
+        weight = self.weight.t() if self.transposed else self.weight
         if not self.sequence:
-            return rowwise_linear(x, self.weight, self.group, bias=self.bias)
-        return rowwise_to_sequence(x, self.weight, self.bias, self.group, self.name)
+            return rowwise_linear(x, weight, self.group, bias=self.bias)
+        return rowwise_to_sequence(x, weight, self.bias, self.group, self.name)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (shard of {self.in_features * group_size(self.group)}), out_features={self.out_features}"
@@ -245,6 +276,8 @@ def local_count(value: Any, group: dist.ProcessGroup | None, what: str) -> int:
 
 
 def _expect(layer: nn.Module, kind: type, style: str, name: str) -> None:
+    if kind is nn.Linear and is_conv1d(layer):
+        return
     if not isinstance(layer, kind):  # subclasses too (torchtitan's Linear)
         raise TypeError(
             f"{name}: {style} needs an nn.{kind.__name__} (or a subclass), not {type(layer).__name__}"

@@ -1,23 +1,17 @@
-"""Applying a ``@tensor_parallel`` plan: one style class per parallel style, cut once the model is built.
+"""Applying a tensor-parallel plan: one style class per parallel style, cut on a built model.
 
-    parallelize(self, "MLP", tensor_parallel_group(None), {"fc": Colwise(), "proj": Rowwise()})
+    @tensor_parallel_class("MLP", None, {"fc": Colwise(), "proj": Rowwise()})
+    class MLP(nn.Module): ...
 
-is what a generated ``__init__`` calls after the user's. Like torch's
-``parallelize_module`` on a built model, the shards are cut only once the
-*outermost* module's construction is complete, so that initialization a
-parent applies after building its children (nanoGPT's ``self.apply(
-self._init_weights)`` and re-draw of ``c_proj.weight`` by name, Hugging Face's
-``post_init()``) runs on the full serial layers and draws the serial random
-numbers: a seeded parallel run starts from exactly the serial weights.
-
-How "construction is complete" is found: ``parallelize`` looks up the Python
-stack for ``__init__`` frames of other ``nn.Module`` objects (the parents being
-built). None: this module is the model, shard now. Otherwise the outermost one
-is the root; a profile function (``sys.setprofile``, only while a root is being
-built) sees that frame return and cuts every pending shard under it. A
-``@data_parallel`` root cuts them itself (``materialize``) before it collects
-its parameters. Where this cannot be done (another profiler is active), it is
-an error, never a silent difference.
+is what ``@tensor_parallel`` expands to: the plan is data on the class, and
+``macrogen.runtime.parallelize`` applies it (``apply``, here) once the
+outermost decorated model's construction is complete, as torch's
+``parallelize_module`` on a built model. So initialization a decorated parent
+applies after building its children (nanoGPT's ``self.apply(self._init_weights)``
+and re-draw of ``c_proj.weight`` by name) runs on the full serial layers and
+draws the serial random numbers: a seeded parallel run starts from exactly the
+serial weights. ``parallelize(module, name, group, plan)`` applies a plan to a
+built module at once.
 
 Each style (``Colwise``, ``Rowwise``, ``Vocab``, ``Divide``, ``Replicate``, ``Sequence``,
 ``FromSequence``)
@@ -29,11 +23,9 @@ shard, shared; a plan that cannot keep a tie is an error naming both names.
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from types import FrameType
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +38,7 @@ from macrogen.runtime.tensor_parallel import (
     ColwiseLinear,
     RowwiseLinear,
     VocabEmbedding,
+    is_conv1d,
     local_count,
     make_shard,
 )
@@ -92,10 +85,14 @@ class Style:
 
 def _layer(owner: nn.Module, attr: str, name: str, kind: type, style: str) -> nn.Module:
     layer = getattr(owner, attr, None)
+    if kind is nn.Linear and is_conv1d(layer):  # HF's Conv1D: an nn.Linear stored (in, out)
+        assert isinstance(layer, nn.Module)
+        return layer
     if not isinstance(layer, kind):  # subclasses too (torchtitan's Linear)
         raise TypeError(
             f"{name}: {style} needs an nn.{kind.__name__} (or a subclass), not {type(layer).__name__}"
-            " (colwise/rowwise: nn.Linear, vocab: nn.Embedding, divide: an int attribute)"
+            " (colwise/rowwise: nn.Linear or HF Conv1D, vocab: nn.Embedding, divide: an int"
+            " attribute)"
         )
     assert isinstance(layer, nn.Module)
     return layer
@@ -317,59 +314,31 @@ def resolve(module: nn.Module, path: str, name: str) -> Iterator[tuple[nn.Module
     yield from walk(module, 0, name)
 
 
-# -- deferred until the outermost module is built -----------------------------------------------
+# -- applying plans to built modules ----------------------------------------------------------
 
 
 @dataclass
-class _Planned:
+class Planned:
+    """One module's plan, with the tensor group its shards are cut in (None: kept whole)."""
+
     module: nn.Module
     name: str
     group: dist.ProcessGroup | None
     plan: dict[str, Style]
 
 
-@dataclass
-class _Root:
-    module: nn.Module  # the outermost module being built
-    frame: Any  # its __init__ frame
-    planned: list[_Planned] = field(default_factory=list)
-
-
-_roots: list[_Root] = []  # roots still being built (outermost first)
-
-
 def parallelize(
     module: nn.Module, name: str, group: dist.ProcessGroup | None, plan: dict[str, Style]
 ) -> None:
-    """Apply ``plan`` to ``module`` once the outermost module being built is complete."""
-    earlier = module.__dict__.get("_tensor_parallel_plan")
-    if earlier is not None:  # a tensor_parallel class subclassing another: whose plan is meant?
-        raise TypeError(
-            f"{name} is a tensor_parallel class derived from another ({earlier}): put the plan on"
-            " one of them, or derive both from an undecorated base class"
-        )
-    module.__dict__["_tensor_parallel_plan"] = name
+    """Apply ``plan`` to the built ``module`` now (the decorators' plans go through
+    ``macrogen.runtime.parallelize.apply_class_plans``, once the outermost model is built)."""
     if group is None and dist.is_initialized() and dist.get_world_size() > 1:
-        _warn_whole(name)
-    planned = _Planned(module, name, group, plan)
-    frame = _outermost_init(module)
-    if frame is None:  # this module is the model: cut its shards and those waiting for it
-        waiting = [root for root in _roots if root.module is module]
-        for root in waiting:
-            _forget(root)
-        _apply([*(p for root in waiting for p in root.planned), planned], module)
-        return
-    for root in _roots:
-        if root.frame is frame:
-            root.planned.append(planned)
-            return
-    if not _roots:
-        _install()
-    _roots.append(_Root(_self_of(frame), frame, [planned]))
+        warn_whole(name)
+    apply([Planned(module, name, group, plan)], module)
 
 
 @functools.cache
-def _warn_whole(name: str) -> None:
+def warn_whole(name: str) -> None:
     """Once per plan: a plan in a job of several ranks at tensor-parallel size 1 shards nothing."""
     warnings.warn(
         f"tensor_parallel plan {name}: the tensor-parallel size is 1 in a job of"
@@ -380,70 +349,8 @@ def _warn_whole(name: str) -> None:
     )
 
 
-def materialize(module: nn.Module) -> None:
-    """Cut now every pending shard under ``module`` (``@data_parallel`` calls it before it
-    collects the parameters, while its own ``__init__`` is still running)."""
-    inside = {id(m) for m in module.modules()}
-    for root in list(_roots):
-        if root.module is module or any(id(p.module) in inside for p in root.planned):
-            _finish(root)
-
-
-def pending() -> bool:
-    """Whether shards are waiting for a module's construction to complete."""
-    return bool(_roots)
-
-
-def _self_of(frame) -> Any:
-    code = frame.f_code
-    return frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-
-
-def _outermost_init(module: nn.Module):
-    """The outermost ``__init__`` frame of another nn.Module on the stack (a parent being built)."""
-    outer = None
-    frame: FrameType | None = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "__init__":
-            me = _self_of(frame)
-            if isinstance(me, nn.Module) and me is not module:
-                outer = frame
-        frame = frame.f_back
-    return outer
-
-
-def _install() -> None:
-    current = sys.getprofile()
-    if current is not None and current is not _on_event:
-        raise RuntimeError(
-            "tensor_parallel: shards are cut when the outermost module's __init__ returns, which"
-            " macrogen sees through sys.setprofile, but another profiler is active; build the"
-            " model outside the profiler"
-        )
-    sys.setprofile(_on_event)
-
-
-def _on_event(frame, event: str, arg: Any) -> None:
-    if event == "return":
-        for root in _roots:
-            if root.frame is frame:
-                _finish(root)
-                return
-
-
-def _finish(root: _Root) -> None:
-    _forget(root)
-    _apply(root.planned, root.module)
-
-
-def _forget(root: _Root) -> None:
-    _roots.remove(root)
-    if not _roots and sys.getprofile() is _on_event:
-        sys.setprofile(None)
-    root.frame = None
-
-
-def _apply(planned: list[_Planned], root: nn.Module) -> None:
+def apply(planned: list[Planned], root: nn.Module) -> None:
+    """Cut every planned layer of ``planned`` (under ``root``) into this rank's shard, all at once."""
     shards = Shards()
     problems: list[Exception] = []  # every entry's problem, reported at once
     # divided attributes' serial values, before dividing: what every rank must agree on
@@ -462,7 +369,7 @@ def _apply(planned: list[_Planned], root: nn.Module) -> None:
     _check_agreement(planned, serial)
 
 
-def _divided(p: _Planned) -> tuple[tuple[str, Any], ...]:
+def _divided(p: Planned) -> tuple[tuple[str, Any], ...]:
     found = []
     for path, style in p.plan.items():
         if isinstance(style, Divide):
@@ -473,7 +380,7 @@ def _divided(p: _Planned) -> tuple[tuple[str, Any], ...]:
     return tuple(found)
 
 
-def _check_ties(root: nn.Module, planned: list[_Planned], shards: Shards) -> None:
+def _check_ties(root: nn.Module, planned: list[Planned], shards: Shards) -> None:
     """A full parameter that was sharded must not remain anywhere: it was tied to an unplanned layer."""
     trees = [root, *(p.module for p in planned)]
     for tree in trees:
@@ -487,7 +394,7 @@ def _check_ties(root: nn.Module, planned: list[_Planned], shards: Shards) -> Non
                 )
 
 
-def _check_agreement(planned: list[_Planned], serial: dict[int, tuple]) -> None:
+def _check_agreement(planned: list[Planned], serial: dict[int, tuple]) -> None:
     """Every rank must have planned the same: plan, divided counts and shard shapes.
 
     Divided attributes matter most: ``n_head`` 8 on one rank and 4 on another

@@ -26,10 +26,11 @@ class Net(nn.Module):
 
 def test_shard_full_expands_to_parallelizes_fsdp_apply():
     code = expand(NET.format(args='shard="full", mixed_precision="bf16", shard_units=["fc"]'))
-    assert "from macrogen.runtime.fully_sharded import apply_fully_sharded" in code
+    # the class's decorator applies FSDP2 as mg.parallelize's dp="fsdp" does (class_macros)
+    assert "from macrogen.runtime.fully_sharded import FullyShardedConfig" in code
+    assert "fully_sharded=FullyShardedConfig(" in code
     assert "GradientSync" not in code and "def _apply" not in code
     assert "mixed_precision='bf16'," in code and "shard_units=('fc',)," in code
-    assert "macro='@mg.data_parallel'" in code
     compile(code, "test.py", "exec")
 
 

@@ -1,4 +1,4 @@
-"""@tensor_parallel(plan=...) -> the user's class renamed, plus a generated subclass that shards it."""
+"""@tensor_parallel(plan=...) -> the user's class, unrenamed, with its plan recorded on it."""
 
 import textwrap
 
@@ -34,7 +34,7 @@ def mlp(plan: str, extra: str = "") -> str:
     return MLP.replace("{PLAN}", plan).replace("{EXTRA}", extra)
 
 
-def test_class_becomes_serial_base_and_generated_subclass():
+def test_class_keeps_its_name_and_carries_its_plan_as_data():
     assert_expands(
         """\
         import torch.nn as nn
@@ -48,49 +48,28 @@ def test_class_becomes_serial_base_and_generated_subclass():
                 self.fc = nn.Linear(d, 4 * d)
                 self.proj = nn.Linear(4 * d, d)
         """,
-        '''\
+        """\
         import torch.nn as nn
         import macrogen as mg
 
         # ---- macrogen: generated from test.py; edit the source, not this block ----
-        from macrogen.runtime.mesh import tensor_parallel_group
-        from macrogen.runtime.tensor_parallel import load_serial_state_dict
-        from macrogen.runtime.tensor_parallel import serial_state_dict
+        from macrogen.runtime.class_plans import tensor_parallel_class
         from macrogen.runtime.tensor_parallel_plan import Colwise
         from macrogen.runtime.tensor_parallel_plan import Rowwise
-        from macrogen.runtime.tensor_parallel_plan import parallelize
 
 
         # macrogen: tensor_parallel at test.py:5
-        class _MLP_serial(nn.Module):
+        # the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
+        @tensor_parallel_class('MLP', 2, {
+            'fc': Colwise(),  # output features split; its output is sharded on the last dim
+            'proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+        })
+        class MLP(nn.Module):
             def __init__(self, d):
                 super().__init__()
                 self.fc = nn.Linear(d, 4 * d)
                 self.proj = nn.Linear(4 * d, d)
-
-
-        class MLP(_MLP_serial):
-            """MLP, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
-
-            tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
-
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-                # The shards are cut once the outermost module being built is complete (as torch's
-                # parallelize_module on a built model): a parent's re-initialization sees the full layers.
-                parallelize(self, 'MLP', tensor_parallel_group(2), {
-                    'fc': Colwise(),  # output features split; its output is sharded on the last dim
-                    'proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
-                })
-
-            def full_state_dict(self):
-                """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-                return serial_state_dict(self)
-
-            def load_full_state_dict(self, state_dict, strict=True):
-                """Load a serial module's state dict; each rank keeps its shards."""
-                return load_serial_state_dict(self, state_dict, strict)
-        ''',
+        """,
     )
 
 
@@ -105,7 +84,7 @@ def test_every_style_renders_one_line_and_divide_names_the_attribute():
     assert "'wte': Vocab(),  # vocabulary split" in code
     assert "'n_head': Divide(),  # divided by the tensor-parallel size" in code
     assert "'ln': Replicate(),  # replicated (every rank holds all of it)" in code
-    assert "parallelize(self, 'MLP', tensor_parallel_group(None), {" in code  # size from launch
+    assert "@tensor_parallel_class('MLP', None, {" in code  # size from the launch
 
 
 def test_packed_colwise_passes_its_block_count():
@@ -115,8 +94,8 @@ def test_packed_colwise_passes_its_block_count():
 
 def test_size_may_be_tunable_and_the_tuning_database_picks_it():
     source = mlp('{"fc": "colwise"}', ", size=mg.tunable(2, choices=[1, 2, 4])")
-    assert "tensor_parallel_group(2)" in expand(source)
-    assert "tensor_parallel_group(4)" in expand(source, tuning={"MLP.size": 4})
+    assert "@tensor_parallel_class('MLP', 2, {" in expand(source)
+    assert "@tensor_parallel_class('MLP', 4, {" in expand(source, tuning={"MLP.size": 4})
 
 
 def test_dotted_paths_into_a_submodule_of_this_file():
@@ -146,7 +125,7 @@ def test_generated_names_are_hygienic():
         import torch.nn as nn
         import macrogen as mg
 
-        Colwise = _MLP_serial = None
+        Colwise = tensor_parallel_class = None
 
         @mg.tensor_parallel(plan={"fc": "colwise"})
         class MLP(nn.Module):
@@ -155,8 +134,8 @@ def test_generated_names_are_hygienic():
                 self.fc = nn.Linear(4, 8)
         """
     )
-    assert "class _MLP_serial_2(nn.Module):" in code
-    assert "class MLP(_MLP_serial_2):" in code
+    assert "@_mg_tensor_parallel_class('MLP', None, {" in code
+    assert "class MLP(nn.Module):" in code
     assert "from macrogen.runtime.tensor_parallel_plan import Colwise as _mg_Colwise" in code
     assert "'fc': _mg_Colwise()," in code
 
@@ -172,7 +151,7 @@ def test_serial_run_of_the_expanded_class_is_the_serial_module(tmp_path):
     b = parallel.MLP(8)
     x = torch.randn(3, 8)
     torch.testing.assert_close(b(x), a(x))
-    assert isinstance(b, parallel._MLP_serial) and b.n_head == 4
+    assert type(b) is parallel.MLP and type(b).__name__ == "MLP" and b.n_head == 4
     assert list(b.full_state_dict()) == list(a.state_dict())
 
 
@@ -285,7 +264,7 @@ def test_serial_run_of_the_expanded_class_is_the_serial_module(tmp_path):
             "",
             "7:36: error: a packed style is ('colwise', blocks)",
         ),
-        ("{}", "", "7:26: error: plan must be a non-empty dict of attribute name -> style"),
+        ('["fc"]', "", "7:26: error: plan must be a dict of attribute name -> style"),
         ('{"fc": "colwise"}', ", size=0", "7:50: error: size must be a positive int, not 0"),
         (
             '{"fc": "colwise"}',
@@ -324,9 +303,7 @@ def test_error_cases_of_the_class_itself():
                 super(MLP, self).__init__()
                 self.fc = nn.Linear(2, 2)
         """
-    assert expansion_errors(old_super)[0].startswith(
-        "test.py:7:9: error: write super() without arguments in a tensor_parallel class"
-    )
+    assert "super(MLP, self).__init__()" in expand(old_super)  # the class keeps its name
     no_plan = """\
         import macrogen as mg
 

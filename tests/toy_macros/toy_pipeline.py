@@ -6,7 +6,7 @@
                                            class Net(_Net_stage):
                                                toy_stages = 2
 
-It keeps the user's name on the generated subclass, like ``data_parallel``, so
+It keeps the user's name on the generated subclass (as ``@pipeline`` once did), so
 the two stack: ``@data_parallel`` above it wraps the class it leaves.
 """
 

@@ -2,16 +2,14 @@
 
     @mg.pipeline(stages=2, microbatches=4, schedule="1f1b", split=["blocks.2"])
     class GPT(nn.Module):                          # macrogen: pipeline at train.py:12
-        def __init__(self, config): ...            class _GPT_serial(nn.Module):
-        def forward(self, idx):              ->        ... (the user's class, unchanged)
-            x = self.wte(idx)
-            for block in self.blocks:              class GPT(_GPT_serial):
-                x = block(x)                           # cut: stage 0: wte, blocks.0-1 | stage 1: ...
-            return self.head(x)                        def __init__(self, *args, **kwargs):
-                                                           declare(2, where=...)  # the mesh's stages
-                                                           super().__init__(*args, **kwargs)
-                                                           attach(self, PipelineConfig(...),
-                                                                  _GPT_forward, where=...)
+        def __init__(self, config): ...            def _GPT_forward_0(self, idx): ...  (forward's statements,
+        def forward(self, idx):              ->    def _GPT_forward_1(self, block, x): ...  the user's lines)
+            x = self.wte(idx)                      _GPT_forward = Forward(...)
+            for block in self.blocks:              # cut: stage 0: wte, blocks.0-1 | stage 1: ...
+                x = block(x)                       @pipeline_class(PipelineConfig(stages=2, ...), _GPT_forward,
+            return self.head(x)                                    ranks=2, where='train.py:12')
+                                                   class GPT(nn.Module):
+                                                       ... (the user's class, unchanged)
 
     for x, y in data:                              # the loop's one pipeline line (serially:
         loss = mg.pipeline_step(model, x, y, F.cross_entropy)   # forward, loss, backward)
@@ -19,10 +17,12 @@
 
 Each statement of forward becomes a function (``_GPT_forward_0``, ...: the
 user's lines, copied; a ModuleList loop's body, run once per block), listed
-with the local names it reads and passes on in ``_GPT_forward``. The
-generated class builds the whole serial model (same initialization), then
-``macrogen.runtime.pipeline`` cuts those functions into stages (it reads no
-source), keeps this rank's stage and runs torch's
+with the local names it reads and passes on in ``_GPT_forward``. The class
+keeps its name and identity: ``pipeline_class`` (``macrogen.runtime.parallelize``)
+tells the mesh its stages and builds the whole serial model (same
+initialization), then ``macrogen.runtime.pipeline`` cuts those functions into
+stages (it reads no source), cuts tensor-parallel shards, keeps this rank's
+stage and runs torch's
 ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` /
 ``ScheduleInterleaved1F1B``. Arguments (keyword only): ``stages`` (required,
 >= 2), ``microbatches`` (4), ``schedule`` ("1f1b", "gpipe" or "interleaved"),
@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import libcst as cst
-import libcst.matchers as m
 from libcst.metadata import PositionProvider
 
 from macrogen import pipeline_units as pf
@@ -64,6 +63,7 @@ from macrogen.macro import (
     Site,
     render_statements,
 )
+from macrogen.macros.class_decorator import decorated, rendered_decorator
 from macrogen.macros.pipeline import analysis
 from macrogen.macros.pipeline.analysis import Analysed
 from macrogen.macros.pipeline.code import unit_function
@@ -86,7 +86,7 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 @dataclass(frozen=True)
 class Spec:
-    name: str  # the user's class: the generated subclass takes it
+    name: str  # the user's class
     stages: int  # pipeline stages; world size = stages x data ranks
     microbatches: int  # per step
     schedule: str  # "1f1b" or "gpipe"
@@ -145,7 +145,6 @@ def validate(site: Site, ctx: Context) -> Spec:
             f" microbatches={min(microbatches)}",
             at.node if at else anchor,
         )
-    _reject_named_super(node)
     forward_node = _forward(node)
     analysed = _analyse(forward_node)
     forward = analysed.forward
@@ -192,17 +191,6 @@ def _choices(args: dict[str, Arg], name: str, ctx: Context) -> list[Any]:
     if arg.tunable is not None and arg.tunable in ctx.tunables:
         return list(ctx.tunables[arg.tunable].choices)
     return [arg.value]
-
-
-def _reject_named_super(cls: cst.ClassDef) -> None:
-    """``super(GPT, self)`` would name the generated subclass and recurse forever."""
-    pattern = m.Call(func=m.Name("super"), args=[m.Arg(m.Name(cls.name.value)), m.AtLeastN(n=0)])
-    for call in m.findall(cls.body, pattern):
-        raise MacroError(
-            f"write super() without arguments in a @pipeline class: super({cls.name.value}, ...)"
-            " would name the generated pipelined subclass",
-            call,
-        )
 
 
 # -- forward ----------------------------------------------------------------------------
@@ -529,21 +517,15 @@ def expand(site: Site, ctx: Context) -> Expanded:
         if not re.fullmatch(r"[\w.,:|()=\- ]*", text):
             raise InternalError(f"pipeline: unexpected text in the cut description {text!r}")
     assert isinstance(site.node, cst.ClassDef)
-    serial = ctx.names.fresh(f"_{spec.name}_serial")
-    runtime = "macrogen.runtime.pipeline"
     imports = (
-        ctx.import_from(runtime, "attach"),
-        ctx.import_from(runtime, "PipelineConfig"),
-        ctx.import_from(runtime, "full_state_dict"),
-        ctx.import_from(runtime, "load_full_state_dict"),
-        ctx.import_from(runtime, "declare"),
+        ctx.import_from("macrogen.runtime.class_macros", "pipeline_class"),
+        ctx.import_from("macrogen.runtime.pipeline", "PipelineConfig"),
     )
-    attach, config, gather, scatter, declare = imports
-    units, forward_var = _units(spec, site, ctx, runtime)
-    generated = render_statements(
+    decorator, config = imports
+    units, forward_var = _units(spec, site, ctx, "macrogen.runtime.pipeline")
+    plan = rendered_decorator(
         "pipeline_class.py.j2",
         name=spec.name,
-        serial=serial,
         location=ctx.location(site.line),
         stages=spec.stages,
         microbatches=spec.microbatches,
@@ -552,16 +534,19 @@ def expand(site: Site, ctx: Context) -> Expanded:
         stages_per_rank=spec.stages_per_rank,
         cut=spec.cut,
         tied=spec.tied,
-        attach=attach,
-        declare=declare,
+        decorator=decorator,
         config=config,
-        gather=gather,
-        scatter=scatter,
         forward=forward_var,
     )
+    # the class object itself keeps its name and identity; forward's units come first (the
+    # decorator names their Forward)
     blank = [cst.EmptyLine()] * (1 if site.scope else 2)  # PEP 8: one blank line inside a class
-    generated[0] = generated[0].with_changes(leading_lines=blank)
-    return Expanded([site.node.with_changes(name=cst.Name(serial)), *units, *generated])
+    cls = decorated(ctx, site.node, plan)
+    # the first unit stands where the class stood (its leading lines), then the class
+    unit = units[0]
+    assert isinstance(unit, cst.FunctionDef)
+    first = unit.with_changes(leading_lines=[*cls.leading_lines, *unit.leading_lines[len(blank) :]])
+    return Expanded([first, *units[1:], cls.with_changes(leading_lines=blank)], imports=imports)
 
 
 def _units(

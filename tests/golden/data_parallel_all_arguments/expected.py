@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.class_macros import data_parallel_class
 from macrogen.runtime.data_parallel import DataParallelConfig
-from macrogen.runtime.data_parallel import GradientSync
 
 # macrogen: define at input.py:9
 ACCUMULATE = 4
@@ -28,7 +28,19 @@ class Block(nn.Module):
 
 # the model users train; its gradients are averaged over the ranks
 # macrogen: data_parallel at input.py:22
-class _Model_serial(nn.Module):
+# trained data-parallel: gradients averaged over the data-parallel group every 4 backwards.
+# (GradientSync, made when the model is built; parameter names, state_dict keys: the serial ones)
+@data_parallel_class(
+    DataParallelConfig(
+        bucket_mb=25,
+        first_bucket_mb=0.5,
+        compress='bf16',
+        accumulate=4,
+        broadcast_buffers=False,
+    ),
+    where='input.py:22',
+)
+class Model(nn.Module):
     """Blocks and a head."""
 
     def __init__(self, width: int, depth: int):
@@ -38,38 +50,6 @@ class _Model_serial(nn.Module):
 
     def forward(self, x, y):
         return F.mse_loss(self.head(self.blocks(x)).squeeze(-1), y)
-
-
-class Model(_Model_serial):
-    """Model, trained data-parallel: gradients averaged over the data-parallel group every 4 backwards.
-
-    Parameter names and state_dict keys are _Model_serial's: checkpoints
-    move freely between serial and parallel runs.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # After the original __init__: every parameter exists, and a tensor-parallel
-        # mesh built there has chosen the data-parallel group.
-        self._mg_data_parallel = GradientSync(
-            self,
-            DataParallelConfig(
-                bucket_mb=25,
-                first_bucket_mb=0.5,
-                compress='bf16',
-                accumulate=4,
-                broadcast_buffers=False,
-            ),
-            where='input.py:22',
-        )
-
-    def _apply(self, *args, **kwargs):
-        # .to(), .cuda(), .half() move or convert the parameters: new buckets at the next forward
-        module = super()._apply(*args, **kwargs)
-        sync = self.__dict__.get('_mg_data_parallel')
-        if sync is not None:
-            sync.restart()
-        return module
 
 
 def train(model: Model, data, steps: int) -> None:

@@ -20,9 +20,3 @@ def not_a_class():
 @mg.data_parallel(broadcast_buffers="yes")
 class C:
     pass
-
-
-@mg.data_parallel(first_bucket_mb=1)
-class D(nn.Module):
-    def __init__(self):
-        super(D, self).__init__()

@@ -10,8 +10,8 @@ import torch.nn as nn
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.class_macros import data_parallel_class
 from macrogen.runtime.data_parallel import DataParallelConfig
-from macrogen.runtime.data_parallel import GradientSync
 from macrogen.runtime.local_sgd import OuterSGD
 
 # macrogen: tunable at input.py:8
@@ -20,7 +20,24 @@ SYNC_EVERY = 8
 
 
 # macrogen: data_parallel at input.py:11
-class _Model_serial(nn.Module):
+# trained data-parallel: gradients averaged over the data-parallel group; an outer SGD step on the averaged parameter delta every 8 optimizer steps instead, each all-reduce overlapping the next 1 step(s).
+# (GradientSync, made when the model is built; parameter names, state_dict keys: the serial ones)
+@data_parallel_class(
+    DataParallelConfig(
+        bucket_mb=25,
+        first_bucket_mb=1,
+        compress=None,
+        accumulate=1,
+        broadcast_buffers=True,
+        sync_every=8,
+        sync_warmup=0,
+        outer=OuterSGD(lr=0.7, momentum=0.9, nesterov=True),
+        overlap=True,
+        delay=1,
+    ),
+    where='input.py:11',
+)
+class Model(nn.Module):
     def __init__(self, width: int):
         super().__init__()
         self.fc = nn.Linear(width, 1)
@@ -29,82 +46,25 @@ class _Model_serial(nn.Module):
         return ((self.fc(x).squeeze(-1) - y) ** 2).mean()
 
 
-class Model(_Model_serial):
-    """Model, trained data-parallel: gradients averaged over the data-parallel group; an outer SGD step on the averaged parameter delta every 8 optimizer steps instead, each all-reduce overlapping the next 1 step(s).
-
-    Parameter names and state_dict keys are _Model_serial's: checkpoints
-    move freely between serial and parallel runs.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # After the original __init__: every parameter exists, and a tensor-parallel
-        # mesh built there has chosen the data-parallel group.
-        self._mg_data_parallel = GradientSync(
-            self,
-            DataParallelConfig(
-                bucket_mb=25,
-                first_bucket_mb=1,
-                compress=None,
-                accumulate=1,
-                broadcast_buffers=True,
-                sync_every=8,
-                sync_warmup=0,
-                outer=OuterSGD(lr=0.7, momentum=0.9, nesterov=True),
-                overlap=True,
-                delay=1,
-            ),
-            where='input.py:11',
-        )
-
-    def _apply(self, *args, **kwargs):
-        # .to(), .cuda(), .half() move or convert the parameters: new buckets at the next forward
-        module = super()._apply(*args, **kwargs)
-        sync = self.__dict__.get('_mg_data_parallel')
-        if sync is not None:
-            sync.restart()
-        return module
-
-
 # macrogen: data_parallel at input.py:26
-class _Averaged_serial(nn.Module):
+# trained data-parallel: gradients averaged over the data-parallel group; an outer SGD step on the averaged parameter delta every 4 optimizer steps instead.
+# (GradientSync, made when the model is built; parameter names, state_dict keys: the serial ones)
+@data_parallel_class(
+    DataParallelConfig(
+        bucket_mb=25,
+        first_bucket_mb=1,
+        compress=None,
+        accumulate=1,
+        broadcast_buffers=True,
+        sync_every=4,
+        sync_warmup=0,
+        outer=OuterSGD(lr=1.0, momentum=0.0, nesterov=False),
+    ),
+    where='input.py:26',
+)
+class Averaged(nn.Module):
     """lr 1 without momentum: the plain average, as outer=None (but through the delta)."""
 
     def __init__(self, width: int):
         super().__init__()
         self.fc = nn.Linear(width, 1)
-
-
-class Averaged(_Averaged_serial):
-    """Averaged, trained data-parallel: gradients averaged over the data-parallel group; an outer SGD step on the averaged parameter delta every 4 optimizer steps instead.
-
-    Parameter names and state_dict keys are _Averaged_serial's: checkpoints
-    move freely between serial and parallel runs.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # After the original __init__: every parameter exists, and a tensor-parallel
-        # mesh built there has chosen the data-parallel group.
-        self._mg_data_parallel_2 = GradientSync(
-            self,
-            DataParallelConfig(
-                bucket_mb=25,
-                first_bucket_mb=1,
-                compress=None,
-                accumulate=1,
-                broadcast_buffers=True,
-                sync_every=4,
-                sync_warmup=0,
-                outer=OuterSGD(lr=1.0, momentum=0.0, nesterov=False),
-            ),
-            where='input.py:26',
-        )
-
-    def _apply(self, *args, **kwargs):
-        # .to(), .cuda(), .half() move or convert the parameters: new buckets at the next forward
-        module = super()._apply(*args, **kwargs)
-        sync = self.__dict__.get('_mg_data_parallel_2')
-        if sync is not None:
-            sync.restart()
-        return module

@@ -10,9 +10,8 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.class_macros import data_parallel_class
 from macrogen.runtime.fully_sharded import FullyShardedConfig
-from macrogen.runtime.fully_sharded import apply_fully_sharded
-from macrogen.runtime.mesh import mesh
 
 
 class Block(nn.Module):
@@ -25,7 +24,22 @@ class Block(nn.Module):
 
 
 # macrogen: data_parallel at input.py:19
-class _Model_serial(nn.Module):
+# trained fully sharded (torch's FSDP2): parameters, gradients and optimizer state sharded over the
+# data-parallel group, each unit's parameters gathered while it runs; HSDP: 2 replicas of a sharded group; gradients reduced on one forward of every 2.
+# (fully_shard when the model is built, as mg.parallelize's dp="fsdp"; parameter names: the serial ones)
+@data_parallel_class(
+    None,
+    where='input.py:19',
+    fully_sharded=FullyShardedConfig(
+        reshard_after_forward=True,
+        mixed_precision='bf16',
+        cpu_offload=False,
+        shard_units=('blocks.*',),
+        dp_replicate=2,
+        accumulate=2,
+    ),
+)
+class Model(nn.Module):
     def __init__(self, width: int, depth: int):
         super().__init__()
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
@@ -37,71 +51,26 @@ class _Model_serial(nn.Module):
         return self.head(x).square().mean()
 
 
-class Model(_Model_serial):
-    """Model, trained fully sharded (torch's FSDP2): parameters, gradients and
-    optimizer state sharded over the data-parallel group, each unit's parameters
-    gathered while it runs.
-    HSDP: 2 replicas of a sharded group.
-    Gradients reduced on one forward of every 2.
-
-    Parameter names and state_dict keys are _Model_serial's: checkpoints
-    move freely between serial and parallel runs.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # After the original __init__: every parameter exists. fully_shard makes this
-        # object an FSDP module in place (mg.parallelize's dp="fsdp", the same apply).
-        apply_fully_sharded(
-            self,
-            mesh(),
-            FullyShardedConfig(
-                reshard_after_forward=True,
-                mixed_precision='bf16',
-                cpu_offload=False,
-                shard_units=('blocks.*',),
-                dp_replicate=2,
-                accumulate=2,
-            ),
-            where='input.py:19',
-            macro='@mg.data_parallel',
-        )
-
-
 # macrogen: data_parallel at input.py:40
-class _Small_serial(nn.Module):
+# trained fully sharded (torch's FSDP2): parameters, gradients and optimizer state sharded over the
+# data-parallel group, each unit's parameters gathered while it runs.
+# (fully_shard when the model is built, as mg.parallelize's dp="fsdp"; parameter names: the serial ones)
+@data_parallel_class(
+    None,
+    where='input.py:40',
+    fully_sharded=FullyShardedConfig(
+        reshard_after_forward=True,
+        mixed_precision=None,
+        cpu_offload=False,
+        shard_units=None,
+        dp_replicate=1,
+        accumulate=1,
+    ),
+)
+class Small(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 4)
-
-
-class Small(_Small_serial):
-    """Small, trained fully sharded (torch's FSDP2): parameters, gradients and
-    optimizer state sharded over the data-parallel group, each unit's parameters
-    gathered while it runs.
-
-    Parameter names and state_dict keys are _Small_serial's: checkpoints
-    move freely between serial and parallel runs.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # After the original __init__: every parameter exists. fully_shard makes this
-        # object an FSDP module in place (mg.parallelize's dp="fsdp", the same apply).
-        apply_fully_sharded(
-            self,
-            mesh(),
-            FullyShardedConfig(
-                reshard_after_forward=True,
-                mixed_precision=None,
-                cpu_offload=False,
-                shard_units=None,
-                dp_replicate=1,
-                accumulate=1,
-            ),
-            where='input.py:40',
-            macro='@mg.data_parallel',
-        )
 
 
 def train(model: Model, data) -> None:

@@ -4,28 +4,13 @@ import torch.nn as nn
 from macrogen import pipeline, pipeline_step
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.class_macros import pipeline_class
 from macrogen.runtime.pipeline import Forward
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import Statement
-from macrogen.runtime.pipeline import attach
-from macrogen.runtime.pipeline import declare
-from macrogen.runtime.pipeline import full_state_dict
-from macrogen.runtime.pipeline import load_full_state_dict
 
 
 # macrogen: pipeline at input.py:5
-class _Deep_serial(nn.Module):
-    def __init__(self, width, depth):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x).relu()
-        return self.head(x)
-
-
 # macrogen: Deep.forward from input.py:14
 def _Deep_forward_0(self, layer, x):
     x = layer(x).relu()
@@ -46,37 +31,30 @@ _Deep_forward = Forward(
 )
 
 
-class Deep(_Deep_serial):
-    """Deep, pipelined: 3 stages, gpipe schedule, 4 micro-batches per step.
+# pipelined: 3 stages, gpipe schedule, 4 micro-batches per step. Train it with
+# mg.pipeline_step(model, x, y, loss_fn); each rank keeps its stage (the serial parameter names).
+# cut: at run time, between blocks of self.layers, balancing parameter counts
+@pipeline_class(
+    PipelineConfig(
+        stages=3,
+        microbatches=4,
+        schedule='gpipe',
+        split=None,
+    ),
+    _Deep_forward,
+    ranks=3,
+    where='input.py:5',
+)
+class Deep(nn.Module):
+    def __init__(self, width, depth):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+        self.head = nn.Linear(width, 1)
 
-    Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
-    stage; parameter names and state_dict keys are _Deep_serial's.
-    """
-
-    def __init__(self, *args, **kwargs):
-        # first: tensor-parallel layers built below take their tensor group within their stage
-        declare(3, where='input.py:5')
-        super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
-        # cut: at run time, between blocks of self.layers, balancing parameter counts
-        attach(
-            self,
-            PipelineConfig(
-                stages=3,
-                microbatches=4,
-                schedule='gpipe',
-                split=None,
-            ),
-            _Deep_forward,
-            where='input.py:5',
-        )
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys, same order), gathered from every stage."""
-        return full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each stage keeps its own entries."""
-        return load_full_state_dict(self, state_dict, strict)
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).relu()
+        return self.head(x)
 
 
 def step(model, x, y, loss_fn):

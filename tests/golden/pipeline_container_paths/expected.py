@@ -6,37 +6,16 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.class_macros import pipeline_class
 from macrogen.runtime.pipeline import Forward
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import Statement
-from macrogen.runtime.pipeline import attach
-from macrogen.runtime.pipeline import declare
-from macrogen.runtime.pipeline import full_state_dict
-from macrogen.runtime.pipeline import load_full_state_dict
 
 # macrogen: define at input.py:6
 N_LAYER = 4
 
 
 # macrogen: pipeline at input.py:9
-class _Balanced_serial(nn.Module):
-    """No split: the blocks of self.body.layers (a Sequential in a ModuleDict) are balanced."""
-
-    def __init__(self, d=16):
-        super().__init__()
-        self.body = nn.ModuleDict({
-            "inp": nn.Linear(d, d),
-            "layers": nn.Sequential(*[nn.Linear(d, d) for _ in range(3)]),
-        })
-        self.head = nn.Linear(d, 2)
-
-    def forward(self, x):
-        x = F.relu(self.body.inp(x))
-        for layer in self.body.layers:
-            x = F.relu(layer(x))
-        return self.head(x)
-
-
 # macrogen: Balanced.forward from input.py:22
 def _Balanced_forward_0(self, x):
     x = F.relu(self.body.inp(x))
@@ -64,60 +43,39 @@ _Balanced_forward = Forward(
 )
 
 
-class Balanced(_Balanced_serial):
-    """Balanced, pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step.
-
-    Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
-    stage; parameter names and state_dict keys are _Balanced_serial's.
-    """
-
-    def __init__(self, *args, **kwargs):
-        # first: tensor-parallel layers built below take their tensor group within their stage
-        declare(2, where='input.py:9')
-        super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
-        # cut: at run time, between blocks of self.body.layers, balancing parameter counts
-        attach(
-            self,
-            PipelineConfig(
-                stages=2,
-                microbatches=4,
-                schedule='1f1b',
-                split=None,
-            ),
-            _Balanced_forward,
-            where='input.py:9',
-        )
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys, same order), gathered from every stage."""
-        return full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each stage keeps its own entries."""
-        return load_full_state_dict(self, state_dict, strict)
-
-
-# macrogen: pipeline at input.py:28
-class _Split_serial(nn.Module):
-    """split names reach through the containers: a block of the inner list, an entry of the dict."""
+# pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step. Train it with
+# mg.pipeline_step(model, x, y, loss_fn); each rank keeps its stage (the serial parameter names).
+# cut: at run time, between blocks of self.body.layers, balancing parameter counts
+@pipeline_class(
+    PipelineConfig(
+        stages=2,
+        microbatches=4,
+        schedule='1f1b',
+        split=None,
+    ),
+    _Balanced_forward,
+    ranks=2,
+    where='input.py:9',
+)
+class Balanced(nn.Module):
+    """No split: the blocks of self.body.layers (a Sequential in a ModuleDict) are balanced."""
 
     def __init__(self, d=16):
         super().__init__()
-        self.stack = nn.ModuleDict(dict(
-            emb=nn.Embedding(32, d),
-            blocks=nn.ModuleList(nn.Linear(d, d) for _ in range(N_LAYER)),
-            norm=nn.LayerNorm(d),
-        ))
-        self.head = nn.Linear(d, 32)
+        self.body = nn.ModuleDict({
+            "inp": nn.Linear(d, d),
+            "layers": nn.Sequential(*[nn.Linear(d, d) for _ in range(3)]),
+        })
+        self.head = nn.Linear(d, 2)
 
-    def forward(self, idx):
-        x = self.stack.emb(idx)
-        for block in self.stack.blocks:
-            x = block(x)
-        x = self.stack.norm(x)
+    def forward(self, x):
+        x = F.relu(self.body.inp(x))
+        for layer in self.body.layers:
+            x = F.relu(layer(x))
         return self.head(x)
 
 
+# macrogen: pipeline at input.py:28
 # macrogen: Split.forward from input.py:42
 def _Split_forward_0(self, idx):
     x = self.stack.emb(idx)
@@ -152,34 +110,35 @@ _Split_forward = Forward(
 )
 
 
-class Split(_Split_serial):
-    """Split, pipelined: 3 stages, gpipe schedule, 4 micro-batches per step.
+# pipelined: 3 stages, gpipe schedule, 4 micro-batches per step. Train it with
+# mg.pipeline_step(model, x, y, loss_fn); each rank keeps its stage (the serial parameter names).
+# cut: stage 0: stack.emb, stack.blocks.0-1 | stage 1: stack.blocks.2-3 | stage 2: stack.norm, head
+@pipeline_class(
+    PipelineConfig(
+        stages=3,
+        microbatches=4,
+        schedule='gpipe',
+        split=('stack.blocks.2', 'stack.norm'),
+    ),
+    _Split_forward,
+    ranks=3,
+    where='input.py:28',
+)
+class Split(nn.Module):
+    """split names reach through the containers: a block of the inner list, an entry of the dict."""
 
-    Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
-    stage; parameter names and state_dict keys are _Split_serial's.
-    """
+    def __init__(self, d=16):
+        super().__init__()
+        self.stack = nn.ModuleDict(dict(
+            emb=nn.Embedding(32, d),
+            blocks=nn.ModuleList(nn.Linear(d, d) for _ in range(N_LAYER)),
+            norm=nn.LayerNorm(d),
+        ))
+        self.head = nn.Linear(d, 32)
 
-    def __init__(self, *args, **kwargs):
-        # first: tensor-parallel layers built below take their tensor group within their stage
-        declare(3, where='input.py:28')
-        super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
-        # cut: stage 0: stack.emb, stack.blocks.0-1 | stage 1: stack.blocks.2-3 | stage 2: stack.norm, head
-        attach(
-            self,
-            PipelineConfig(
-                stages=3,
-                microbatches=4,
-                schedule='gpipe',
-                split=('stack.blocks.2', 'stack.norm'),
-            ),
-            _Split_forward,
-            where='input.py:28',
-        )
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys, same order), gathered from every stage."""
-        return full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each stage keeps its own entries."""
-        return load_full_state_dict(self, state_dict, strict)
+    def forward(self, idx):
+        x = self.stack.emb(idx)
+        for block in self.stack.blocks:
+            x = block(x)
+        x = self.stack.norm(x)
+        return self.head(x)

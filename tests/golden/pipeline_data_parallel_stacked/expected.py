@@ -4,32 +4,15 @@ import torch.nn as nn
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.class_macros import data_parallel_class
+from macrogen.runtime.class_macros import pipeline_class
 from macrogen.runtime.data_parallel import DataParallelConfig
-from macrogen.runtime.data_parallel import GradientSync
 from macrogen.runtime.pipeline import Forward
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import Statement
-from macrogen.runtime.pipeline import attach
-from macrogen.runtime.pipeline import declare
-from macrogen.runtime.pipeline import full_state_dict
-from macrogen.runtime.pipeline import load_full_state_dict
 
 
 # macrogen: pipeline at input.py:6
-class _Net_serial(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x).relu()
-        return self.head(x)
-
-
 # macrogen: Net.forward from input.py:15
 def _Net_forward_0(self, x):
     x = self.inp(x)
@@ -58,66 +41,41 @@ _Net_forward = Forward(
 
 
 # macrogen: data_parallel at input.py:5
-class _Net_serial_2(_Net_serial):
-    """Net, pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step.
+# trained data-parallel: gradients averaged over the data-parallel group.
+# (GradientSync, made when the model is built; parameter names, state_dict keys: the serial ones)
+@data_parallel_class(
+    DataParallelConfig(
+        bucket_mb=1,
+        first_bucket_mb=1,
+        compress=None,
+        accumulate=1,
+        broadcast_buffers=True,
+    ),
+    where='input.py:5',
+)
+# pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step. Train it with
+# mg.pipeline_step(model, x, y, loss_fn); each rank keeps its stage (the serial parameter names).
+# cut: stage 0: inp, blocks.0-1 | stage 1: blocks.2-3, head
+@pipeline_class(
+    PipelineConfig(
+        stages=2,
+        microbatches=4,
+        schedule='1f1b',
+        split=('blocks.2',),
+    ),
+    _Net_forward,
+    ranks=2,
+    where='input.py:6',
+)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.head = nn.Linear(8, 2)
 
-    Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
-    stage; parameter names and state_dict keys are _Net_serial's.
-    """
-
-    def __init__(self, *args, **kwargs):
-        # first: tensor-parallel layers built below take their tensor group within their stage
-        declare(2, where='input.py:6')
-        super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
-        # cut: stage 0: inp, blocks.0-1 | stage 1: blocks.2-3, head
-        attach(
-            self,
-            PipelineConfig(
-                stages=2,
-                microbatches=4,
-                schedule='1f1b',
-                split=('blocks.2',),
-            ),
-            _Net_forward,
-            where='input.py:6',
-        )
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys, same order), gathered from every stage."""
-        return full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each stage keeps its own entries."""
-        return load_full_state_dict(self, state_dict, strict)
-
-
-class Net(_Net_serial_2):
-    """Net, trained data-parallel: gradients averaged over the data-parallel group.
-
-    Parameter names and state_dict keys are _Net_serial_2's: checkpoints
-    move freely between serial and parallel runs.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # After the original __init__: every parameter exists, and a tensor-parallel
-        # mesh built there has chosen the data-parallel group.
-        self._mg_data_parallel = GradientSync(
-            self,
-            DataParallelConfig(
-                bucket_mb=1,
-                first_bucket_mb=1,
-                compress=None,
-                accumulate=1,
-                broadcast_buffers=True,
-            ),
-            where='input.py:5',
-        )
-
-    def _apply(self, *args, **kwargs):
-        # .to(), .cuda(), .half() move or convert the parameters: new buckets at the next forward
-        module = super()._apply(*args, **kwargs)
-        sync = self.__dict__.get('_mg_data_parallel')
-        if sync is not None:
-            sync.restart()
-        return module
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x).relu()
+        return self.head(x)

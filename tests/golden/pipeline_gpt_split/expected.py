@@ -8,13 +8,10 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.class_macros import pipeline_class
 from macrogen.runtime.pipeline import Forward
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import Statement
-from macrogen.runtime.pipeline import attach
-from macrogen.runtime.pipeline import declare
-from macrogen.runtime.pipeline import full_state_dict
-from macrogen.runtime.pipeline import load_full_state_dict
 
 # macrogen: define at input.py:7
 N_LAYER = 4
@@ -31,23 +28,6 @@ class Block(nn.Module):
 
 
 # macrogen: pipeline at input.py:20
-class _GPT_serial(nn.Module):
-    def __init__(self, vocab=64, d=32, block_size=16):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(block_size, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(N_LAYER))
-        self.ln_f = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
-
-
 # macrogen: GPT.forward from input.py:36
 def _GPT_forward_0(self, idx):
     pos = torch.arange(idx.shape[1], device=idx.device)
@@ -82,37 +62,35 @@ _GPT_forward = Forward(
 )
 
 
-class GPT(_GPT_serial):
-    """GPT, pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step.
+# pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step. Train it with
+# mg.pipeline_step(model, x, y, loss_fn); each rank keeps its stage (the serial parameter names).
+# cut: stage 0: wte, wpe, blocks.0-2 | stage 1: blocks.3, lm_head, ln_f
+@pipeline_class(
+    PipelineConfig(
+        stages=2,
+        microbatches=4,
+        schedule='1f1b',
+        split=('blocks.3',),
+    ),
+    _GPT_forward,
+    ranks=2,
+    where='input.py:20',
+)
+class GPT(nn.Module):
+    def __init__(self, vocab=64, d=32, block_size=16):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(block_size, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(N_LAYER))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
 
-    Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
-    stage; parameter names and state_dict keys are _GPT_serial's.
-    """
-
-    def __init__(self, *args, **kwargs):
-        # first: tensor-parallel layers built below take their tensor group within their stage
-        declare(2, where='input.py:20')
-        super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
-        # cut: stage 0: wte, wpe, blocks.0-2 | stage 1: blocks.3, lm_head, ln_f
-        attach(
-            self,
-            PipelineConfig(
-                stages=2,
-                microbatches=4,
-                schedule='1f1b',
-                split=('blocks.3',),
-            ),
-            _GPT_forward,
-            where='input.py:20',
-        )
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys, same order), gathered from every stage."""
-        return full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each stage keeps its own entries."""
-        return load_full_state_dict(self, state_dict, strict)
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
 
 def train(model, batches, optimizer):

@@ -11,13 +11,10 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.class_macros import pipeline_class
 from macrogen.runtime.pipeline import Forward
 from macrogen.runtime.pipeline import PipelineConfig
 from macrogen.runtime.pipeline import Statement
-from macrogen.runtime.pipeline import attach
-from macrogen.runtime.pipeline import declare
-from macrogen.runtime.pipeline import full_state_dict
-from macrogen.runtime.pipeline import load_full_state_dict
 
 
 @dataclass
@@ -39,36 +36,6 @@ class Block(nn.Module):
 
 
 # macrogen: pipeline at input.py:30
-class _GPT_serial(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying
-
-    def forward(self, idx, targets=None):
-        b, t = idx.size()
-        assert t <= self.config.block_size, f"sequence of length {t}, block size is only {self.config.block_size}"
-        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)  # shape (t)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
-        x = self.transformer.ln_f(x)
-        if targets is not None:
-            logits = self.lm_head(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        else:
-            logits = self.lm_head(x[:, [-1], :])  # inference: the last position only
-            loss = None
-        return logits, loss
-
-
 # macrogen: GPT.forward from input.py:45
 def _GPT_forward_0(self, idx):
     b, t = idx.size()
@@ -136,38 +103,49 @@ _GPT_forward = Forward(
 )
 
 
-class GPT(_GPT_serial):
-    """GPT, pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step.
+# pipelined: 2 stages, 1f1b schedule, 4 micro-batches per step. Train it with
+# mg.pipeline_step(model, x, y, loss_fn); each rank keeps its stage (the serial parameter names).
+# cut: stage 0: transformer.wte, transformer.wpe, transformer.h.0-1 | stage 1: transformer.h.2.., transformer.ln_f, lm_head
+# tied: transformer.wte.weight = lm_head.weight: stages 0 and 1 hold it, its gradients summed over them
+@pipeline_class(
+    PipelineConfig(
+        stages=2,
+        microbatches=4,
+        schedule='1f1b',
+        split=('transformer.h.2',),
+    ),
+    _GPT_forward,
+    ranks=2,
+    where='input.py:30',
+)
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
 
-    Train it with mg.pipeline_step(model, x, y, loss_fn). Each rank keeps its
-    stage; parameter names and state_dict keys are _GPT_serial's.
-    """
-
-    def __init__(self, *args, **kwargs):
-        # first: tensor-parallel layers built below take their tensor group within their stage
-        declare(2, where='input.py:30')
-        super().__init__(*args, **kwargs)  # the whole model, initialized exactly as in a serial run
-        # cut: stage 0: transformer.wte, transformer.wpe, transformer.h.0-1 | stage 1: transformer.h.2.., transformer.ln_f, lm_head
-        # tied: transformer.wte.weight = lm_head.weight: stages 0 and 1 hold it, its gradients summed over them
-        attach(
-            self,
-            PipelineConfig(
-                stages=2,
-                microbatches=4,
-                schedule='1f1b',
-                split=('transformer.h.2',),
-            ),
-            _GPT_forward,
-            where='input.py:30',
-        )
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys, same order), gathered from every stage."""
-        return full_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each stage keeps its own entries."""
-        return load_full_state_dict(self, state_dict, strict)
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        assert t <= self.config.block_size, f"sequence of length {t}, block size is only {self.config.block_size}"
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)  # shape (t)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits = self.lm_head(x[:, [-1], :])  # inference: the last position only
+            loss = None
+        return logits, loss
 
 
 def train(model, batches, optimizer):

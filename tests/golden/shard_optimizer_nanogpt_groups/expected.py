@@ -8,13 +8,25 @@ import torch.nn as nn
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.class_macros import data_parallel_class
 from macrogen.runtime.data_parallel import DataParallelConfig
-from macrogen.runtime.data_parallel import GradientSync
 from macrogen.runtime.zero import shard_optimizer as _mg_shard_optimizer
 
 
 # macrogen: data_parallel at input.py:9
-class _Net_serial(nn.Module):
+# trained data-parallel: gradients averaged over the data-parallel group.
+# (GradientSync, made when the model is built; parameter names, state_dict keys: the serial ones)
+@data_parallel_class(
+    DataParallelConfig(
+        bucket_mb=25,
+        first_bucket_mb=1,
+        compress=None,
+        accumulate=1,
+        broadcast_buffers=True,
+    ),
+    where='input.py:9',
+)
+class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 8)
@@ -22,38 +34,6 @@ class _Net_serial(nn.Module):
 
     def forward(self, x):
         return self.ln(self.fc(x)).square().mean()
-
-
-class Net(_Net_serial):
-    """Net, trained data-parallel: gradients averaged over the data-parallel group.
-
-    Parameter names and state_dict keys are _Net_serial's: checkpoints
-    move freely between serial and parallel runs.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # After the original __init__: every parameter exists, and a tensor-parallel
-        # mesh built there has chosen the data-parallel group.
-        self._mg_data_parallel = GradientSync(
-            self,
-            DataParallelConfig(
-                bucket_mb=25,
-                first_bucket_mb=1,
-                compress=None,
-                accumulate=1,
-                broadcast_buffers=True,
-            ),
-            where='input.py:9',
-        )
-
-    def _apply(self, *args, **kwargs):
-        # .to(), .cuda(), .half() move or convert the parameters: new buckets at the next forward
-        module = super()._apply(*args, **kwargs)
-        sync = self.__dict__.get('_mg_data_parallel')
-        if sync is not None:
-            sync.restart()
-        return module
 
 
 def configure_optimizers(model, weight_decay, learning_rate, betas):

@@ -10,18 +10,21 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.mesh import tensor_parallel_group
-from macrogen.runtime.tensor_parallel import load_serial_state_dict
-from macrogen.runtime.tensor_parallel import serial_state_dict
+from macrogen.runtime.class_plans import tensor_parallel_class
 from macrogen.runtime.tensor_parallel_plan import Colwise
 from macrogen.runtime.tensor_parallel_plan import Divide
 from macrogen.runtime.tensor_parallel_plan import Replicate
 from macrogen.runtime.tensor_parallel_plan import Rowwise
-from macrogen.runtime.tensor_parallel_plan import parallelize
 
 
 # macrogen: tensor_parallel at input.py:10
-class _Attention_serial(nn.Module):
+# the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
+@tensor_parallel_class('Attention', None, {
+    'qkv': Colwise(),  # output features split; its output is sharded on the last dim
+    'proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+    'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
+})
+class Attention(nn.Module):
     def __init__(self, d_model: int, n_head: int):
         super().__init__()
         self.n_head = n_head
@@ -37,33 +40,15 @@ class _Attention_serial(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
-class Attention(_Attention_serial):
-    """Attention, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
-
-    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        # The shards are cut once the outermost module being built is complete (as torch's
-        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
-        parallelize(self, 'Attention', tensor_parallel_group(None), {
-            'qkv': Colwise(),  # output features split; its output is sharded on the last dim
-            'proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
-            'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
-        })
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return serial_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each rank keeps its shards."""
-        return load_serial_state_dict(self, state_dict, strict)
-
-
 # A tunable degree: `macrogen autotune` may pick it.
 # macrogen: tensor_parallel at input.py:28
-class _MLP_serial(nn.Module):
+# the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
+@tensor_parallel_class('MLP', 2, {
+    'fc': Colwise(),  # output features split; its output is sharded on the last dim
+    'proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+    'ln': Replicate(),  # replicated (every rank holds all of it)
+})
+class MLP(nn.Module):
     def __init__(self, d_model: int):
         super().__init__()
         self.ln = nn.LayerNorm(d_model)
@@ -72,27 +57,3 @@ class _MLP_serial(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.proj(F.gelu(self.fc(self.ln(x))))
-
-
-class MLP(_MLP_serial):
-    """MLP, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
-
-    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        # The shards are cut once the outermost module being built is complete (as torch's
-        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
-        parallelize(self, 'MLP', tensor_parallel_group(2), {
-            'fc': Colwise(),  # output features split; its output is sharded on the last dim
-            'proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
-            'ln': Replicate(),  # replicated (every rank holds all of it)
-        })
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return serial_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each rank keeps its shards."""
-        return load_serial_state_dict(self, state_dict, strict)

@@ -5,12 +5,9 @@ import torch.nn as nn
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.mesh import tensor_parallel_group
-from macrogen.runtime.tensor_parallel import load_serial_state_dict
-from macrogen.runtime.tensor_parallel import serial_state_dict
+from macrogen.runtime.class_plans import tensor_parallel_class
 from macrogen.runtime.tensor_parallel_plan import Rowwise
 from macrogen.runtime.tensor_parallel_plan import Vocab
-from macrogen.runtime.tensor_parallel_plan import parallelize
 
 
 class Head(nn.Module):
@@ -21,7 +18,12 @@ class Head(nn.Module):
 
 # The embedding split over the vocabulary; the head (a submodule) split over its inputs.
 # macrogen: tensor_parallel at input.py:13
-class _TinyLM_serial(nn.Module):
+# the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
+@tensor_parallel_class('TinyLM', None, {
+    'wte': Vocab(),  # vocabulary split; other ranks' tokens masked, output all-reduced
+    'head.out': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+})
+class TinyLM(nn.Module):
     def __init__(self, vocab: int = 50304, d_model: int = 768):
         super().__init__()
         self.wte = nn.Embedding(vocab, d_model)
@@ -29,26 +31,3 @@ class _TinyLM_serial(nn.Module):
 
     def forward(self, idx):
         return self.head.out(self.wte(idx))
-
-
-class TinyLM(_TinyLM_serial):
-    """TinyLM, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
-
-    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        # The shards are cut once the outermost module being built is complete (as torch's
-        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
-        parallelize(self, 'TinyLM', tensor_parallel_group(None), {
-            'wte': Vocab(),  # vocabulary split; other ranks' tokens masked, output all-reduced
-            'head.out': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
-        })
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return serial_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each rank keeps its shards."""
-        return load_serial_state_dict(self, state_dict, strict)

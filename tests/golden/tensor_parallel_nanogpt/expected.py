@@ -6,21 +6,25 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.class_plans import tensor_parallel_class
 from macrogen.runtime.collectives import vocab_parallel_cross_entropy
-from macrogen.runtime.mesh import tensor_parallel_group
-from macrogen.runtime.tensor_parallel import load_serial_state_dict
-from macrogen.runtime.tensor_parallel import serial_state_dict
 from macrogen.runtime.tensor_parallel_plan import Colwise
 from macrogen.runtime.tensor_parallel_plan import Divide
 from macrogen.runtime.tensor_parallel_plan import Rowwise
 from macrogen.runtime.tensor_parallel_plan import Vocab
-from macrogen.runtime.tensor_parallel_plan import parallelize
 
 
 # nanoGPT's attention, unedited: forward's full-width C becomes this rank's width where it
 # meets a shard (view of a sharded tensor, arithmetic with a divided attribute).
 # macrogen: tensor_parallel at input.py:9
-class _CausalSelfAttention_serial(nn.Module):
+# the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
+@tensor_parallel_class('CausalSelfAttention', None, {
+    'c_attn': Colwise(blocks=3),  # output features split in each of 3 packed blocks; output sharded
+    'c_proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+    'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
+    'n_embd': Divide(),  # divided by the tensor-parallel size: forward sees the local count
+})
+class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head):
         super().__init__()
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
@@ -39,35 +43,15 @@ class _CausalSelfAttention_serial(nn.Module):
         return self.c_proj(y)
 
 
-class CausalSelfAttention(_CausalSelfAttention_serial):
-    """CausalSelfAttention, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
-
-    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        # The shards are cut once the outermost module being built is complete (as torch's
-        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
-        parallelize(self, 'CausalSelfAttention', tensor_parallel_group(None), {
-            'c_attn': Colwise(blocks=3),  # output features split in each of 3 packed blocks; output sharded
-            'c_proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
-            'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
-            'n_embd': Divide(),  # divided by the tensor-parallel size: forward sees the local count
-        })
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return serial_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each rank keeps its shards."""
-        return load_serial_state_dict(self, state_dict, strict)
-
-
 # Plan paths through ModuleDict and ModuleList; a tied vocab embedding and colwise head share
 # one shard, and the loss of the sharded logits is vocab-parallel.
 # macrogen: tensor_parallel at input.py:33
-class _GPT_serial(nn.Module):
+# the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
+@tensor_parallel_class('GPT', None, {
+    'transformer.wte': Vocab(),  # vocabulary split; other ranks' tokens masked, output all-reduced
+    'lm_head': Colwise(),  # output features split; its output is sharded on the last dim
+})
+class GPT(nn.Module):
     def __init__(self, vocab_size, n_embd, n_head, n_layer):
         super().__init__()
         self.transformer = nn.ModuleDict(
@@ -85,26 +69,3 @@ class _GPT_serial(nn.Module):
             x = x + block(x)
         logits = self.lm_head(x)
         return vocab_parallel_cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), getattr(self.lm_head, 'group', None), ignore_index=-1)
-
-
-class GPT(_GPT_serial):
-    """GPT, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
-
-    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        # The shards are cut once the outermost module being built is complete (as torch's
-        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
-        parallelize(self, 'GPT', tensor_parallel_group(None), {
-            'transformer.wte': Vocab(),  # vocabulary split; other ranks' tokens masked, output all-reduced
-            'lm_head': Colwise(),  # output features split; its output is sharded on the last dim
-        })
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return serial_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each rank keeps its shards."""
-        return load_serial_state_dict(self, state_dict, strict)

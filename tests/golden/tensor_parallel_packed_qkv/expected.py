@@ -6,18 +6,21 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.mesh import tensor_parallel_group
-from macrogen.runtime.tensor_parallel import load_serial_state_dict
-from macrogen.runtime.tensor_parallel import serial_state_dict
+from macrogen.runtime.class_plans import tensor_parallel_class
 from macrogen.runtime.tensor_parallel_plan import Colwise
 from macrogen.runtime.tensor_parallel_plan import Divide
 from macrogen.runtime.tensor_parallel_plan import Rowwise
-from macrogen.runtime.tensor_parallel_plan import parallelize
 
 
 # nanoGPT's fused q, k, v: forward chunks the output in 3, so each block is split on its own.
 # macrogen: tensor_parallel at input.py:8
-class _CausalSelfAttention_serial(nn.Module):
+# the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
+@tensor_parallel_class('CausalSelfAttention', None, {
+    'c_attn': Colwise(blocks=3),  # output features split in each of 3 packed blocks; output sharded
+    'c_proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+    'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
+})
+class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head):
         super().__init__()
         self.n_head = n_head
@@ -31,27 +34,3 @@ class _CausalSelfAttention_serial(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class CausalSelfAttention(_CausalSelfAttention_serial):
-    """CausalSelfAttention, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
-
-    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        # The shards are cut once the outermost module being built is complete (as torch's
-        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
-        parallelize(self, 'CausalSelfAttention', tensor_parallel_group(None), {
-            'c_attn': Colwise(blocks=3),  # output features split in each of 3 packed blocks; output sharded
-            'c_proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
-            'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
-        })
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return serial_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each rank keeps its shards."""
-        return load_serial_state_dict(self, state_dict, strict)

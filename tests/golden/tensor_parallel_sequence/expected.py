@@ -9,15 +9,12 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.mesh import tensor_parallel_group
-from macrogen.runtime.tensor_parallel import load_serial_state_dict
-from macrogen.runtime.tensor_parallel import serial_state_dict
+from macrogen.runtime.class_plans import tensor_parallel_class
 from macrogen.runtime.tensor_parallel_plan import Colwise
 from macrogen.runtime.tensor_parallel_plan import Divide
 from macrogen.runtime.tensor_parallel_plan import FromSequence
 from macrogen.runtime.tensor_parallel_plan import Rowwise
 from macrogen.runtime.tensor_parallel_plan import Sequence
-from macrogen.runtime.tensor_parallel_plan import parallelize
 
 
 @dataclass
@@ -41,7 +38,14 @@ class LayerNorm(nn.Module):
 
 
 # macrogen: tensor_parallel at input.py:30
-class _CausalSelfAttention_serial(nn.Module):
+# the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
+@tensor_parallel_class('CausalSelfAttention', None, {
+    'c_attn': Colwise(blocks=3),  # output features split in each of 3 packed blocks; output sharded
+    'c_proj': Rowwise(sequence=True),  # input features split; partial outputs reduce-scattered along the sequence
+    'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
+    'n_embd': Divide(),  # divided by the tensor-parallel size: forward sees the local count
+})
+class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
@@ -60,33 +64,14 @@ class _CausalSelfAttention_serial(nn.Module):
         return self.c_proj(y)
 
 
-class CausalSelfAttention(_CausalSelfAttention_serial):
-    """CausalSelfAttention, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
-
-    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        # The shards are cut once the outermost module being built is complete (as torch's
-        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
-        parallelize(self, 'CausalSelfAttention', tensor_parallel_group(None), {
-            'c_attn': Colwise(blocks=3),  # output features split in each of 3 packed blocks; output sharded
-            'c_proj': Rowwise(sequence=True),  # input features split; partial outputs reduce-scattered along the sequence
-            'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
-            'n_embd': Divide(),  # divided by the tensor-parallel size: forward sees the local count
-        })
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return serial_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each rank keeps its shards."""
-        return load_serial_state_dict(self, state_dict, strict)
-
-
 # macrogen: tensor_parallel at input.py:57
-class _MLP_serial(nn.Module):
+# the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
+@tensor_parallel_class('MLP', None, {
+    'c_fc': Colwise(sequence=True),  # input gathered along the sequence; output features split; its output is sharded on the last dim
+    'c_proj': Rowwise(sequence=True),  # input features split; partial outputs reduce-scattered along the sequence
+    'dropout': Sequence(),  # runs on this rank's slice of the sequence; parameter gradients summed over ranks
+})
+class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
@@ -98,32 +83,14 @@ class _MLP_serial(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class MLP(_MLP_serial):
-    """MLP, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
-
-    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        # The shards are cut once the outermost module being built is complete (as torch's
-        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
-        parallelize(self, 'MLP', tensor_parallel_group(None), {
-            'c_fc': Colwise(sequence=True),  # input gathered along the sequence; output features split; its output is sharded on the last dim
-            'c_proj': Rowwise(sequence=True),  # input features split; partial outputs reduce-scattered along the sequence
-            'dropout': Sequence(),  # runs on this rank's slice of the sequence; parameter gradients summed over ranks
-        })
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return serial_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each rank keeps its shards."""
-        return load_serial_state_dict(self, state_dict, strict)
-
-
 # macrogen: tensor_parallel at input.py:72
-class _Block_serial(nn.Module):
+# the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
+@tensor_parallel_class('Block', None, {
+    'ln_1': Sequence(),  # runs on this rank's slice of the sequence; parameter gradients summed over ranks
+    'attn': FromSequence(),  # its input arrives as a sequence slice: gathered whole on entry
+    'ln_2': Sequence(),  # runs on this rank's slice of the sequence; parameter gradients summed over ranks
+})
+class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, bias=True)
@@ -135,27 +102,3 @@ class _Block_serial(nn.Module):
         x = x + self.attn(self.ln_1(x))
         x = x + self.mlp(self.ln_2(x))
         return x
-
-
-class Block(_Block_serial):
-    """Block, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
-
-    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        # The shards are cut once the outermost module being built is complete (as torch's
-        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
-        parallelize(self, 'Block', tensor_parallel_group(None), {
-            'ln_1': Sequence(),  # runs on this rank's slice of the sequence; parameter gradients summed over ranks
-            'attn': FromSequence(),  # its input arrives as a sequence slice: gathered whole on entry
-            'ln_2': Sequence(),  # runs on this rank's slice of the sequence; parameter gradients summed over ranks
-        })
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return serial_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each rank keeps its shards."""
-        return load_serial_state_dict(self, state_dict, strict)

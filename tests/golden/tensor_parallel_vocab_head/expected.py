@@ -7,21 +7,23 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
+from macrogen.runtime.class_plans import tensor_parallel_class
 from macrogen.runtime.collectives import as_sharded_dtensor
 from macrogen.runtime.collectives import gather_last_dim
 from macrogen.runtime.collectives import vocab_parallel_cross_entropy
-from macrogen.runtime.mesh import tensor_parallel_group
-from macrogen.runtime.tensor_parallel import load_serial_state_dict
-from macrogen.runtime.tensor_parallel import serial_state_dict
 from macrogen.runtime.tensor_parallel_plan import Colwise
 from macrogen.runtime.tensor_parallel_plan import Vocab
-from macrogen.runtime.tensor_parallel_plan import parallelize
 
 
 # nanoGPT's head: the logits that go into the loss stay split over the vocabulary
 # (returned as a DTensor), those returned for generate() are gathered.
 # macrogen: tensor_parallel at input.py:10
-class _GPT_serial(nn.Module):
+# the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
+@tensor_parallel_class('GPT', None, {
+    'transformer.wte': Vocab(),  # vocabulary split; other ranks' tokens masked, output all-reduced
+    'lm_head': Colwise(),  # output features split; its output is sharded on the last dim
+})
+class GPT(nn.Module):
     def __init__(self, vocab_size: int = 50304, n_embd: int = 768):
         super().__init__()
         self.transformer = nn.ModuleDict(
@@ -49,26 +51,3 @@ class _GPT_serial(nn.Module):
             probs = F.softmax(logits[:, -1, :] / temperature, dim=-1)
             idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
         return idx
-
-
-class GPT(_GPT_serial):
-    """GPT, tensor-parallel: built as the serial module, then each planned layer keeps this rank's shard."""
-
-    tp_size = 1  # the tensor-parallel degree once the shards are cut (forward's local widths)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # full layers, initialized exactly as in a serial run
-        # The shards are cut once the outermost module being built is complete (as torch's
-        # parallelize_module on a built model): a parent's re-initialization sees the full layers.
-        parallelize(self, 'GPT', tensor_parallel_group(None), {
-            'transformer.wte': Vocab(),  # vocabulary split; other ranks' tokens masked, output all-reduced
-            'lm_head': Colwise(),  # output features split; its output is sharded on the last dim
-        })
-
-    def full_state_dict(self):
-        """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
-        return serial_state_dict(self)
-
-    def load_full_state_dict(self, state_dict, strict=True):
-        """Load a serial module's state dict; each rank keeps its shards."""
-        return load_serial_state_dict(self, state_dict, strict)

@@ -1,0 +1,268 @@
+"""The class decorators' plans: ``@tensor_parallel``'s plan as data on the user's class, applied
+where the outermost decorated model's construction ends (a construction record in a context
+variable: no profiler hook, no frame walking). ``@data_parallel`` and ``@pipeline`` classes
+(``macrogen.runtime.class_macros``) enter the same record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from macrogen.runtime import mesh as meshes
+from macrogen.runtime import tensor_parallel_plan as class_styles
+from macrogen.runtime.tensor_parallel import (
+    load_serial_state_dict,
+    serial_state_dict,
+)
+
+# HF's tensor-parallel style names (``model._tp_plan``, ``config.base_model_tp_plan``) -> ours
+HF_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_rep": "colwise_gather_output",
+    "colwise_gather_output": "colwise_gather_output",
+    "rowwise_rep": "rowwise",
+    "embedding_rowwise": "vocab",
+    "packed_colwise": ("colwise", 2),
+    "replicate": "replicate",
+}
+STYLES = ("colwise", "colwise_gather_output", "rowwise", "vocab", "divide", "replicate")
+DP_MODES = ("replicate", "zero1", "none")  # "fsdp": macrogen.runtime.fully_sharded
+
+
+# -- the class decorators' plans -----------------------------------------------------------------
+#
+# ``@tensor_parallel`` records its plan on the user's class (``ClassPlan``, the class keeps its
+# name and identity) and wraps its ``__init__`` in ``construction``. The plans are applied by
+# ``apply_class_plans`` where the outermost decorated model's construction ends: how deep we
+# are is the construction record in a context variable (no profiler hook, no frame walking).
+# ``@data_parallel`` and ``@pipeline`` classes enter the same record, so tensor-parallel layers
+# built inside them are cut only once their own ``__init__`` (and its re-initialization) is done.
+
+PLAN = "_mg_tensor_parallel"  # a @tensor_parallel class's ClassPlan, in its own __dict__
+APPLIED = "_mg_plan_applied"  # an instance whose class plan has been applied
+_GUARD = "_mg_plan_guard"  # the forward pre-hook of an instance whose plan is not applied yet
+
+
+@dataclass(frozen=True, eq=False)
+class ClassPlan:
+    """A ``@tensor_parallel`` class's plan, as data: its name, size= and path -> style."""
+
+    name: str
+    size: int | None  # the tensor-parallel degree; None: the program's mesh, or $MACROGEN_TP_SIZE
+    plan: dict[str, Any]  # path -> a macrogen.runtime.tensor_parallel_plan style
+
+
+def class_plan(cls: type) -> ClassPlan | None:
+    for klass in cls.__mro__:
+        plan = vars(klass).get(PLAN)
+        if plan is not None:
+            return plan
+    return None
+
+
+def tensor_parallel_class(name: str, size: int | None, plan: dict[str, Any]) -> Callable[[type], type]:
+    """What ``@tensor_parallel`` expands to: the plan recorded on the class, its ``__init__``
+    run inside ``construction`` (the class object itself is returned: registries, factories
+    and ``isinstance`` that captured it see the tensor-parallel class)."""
+
+    def decorate(cls: type) -> type:
+        earlier = class_plan(cls)
+        if earlier is not None:  # whose plan is meant?
+            raise TypeError(
+                f"{name} is a tensor_parallel class derived from another ({earlier.name}): put the"
+                " plan on one of them, or derive both from an undecorated base class"
+            )
+        setattr(cls, PLAN, ClassPlan(name, size, dict(plan)))
+        cls.tp_size = 1  # type: ignore[attr-defined]  # forward's local widths: set when cut
+        init = cls.__init__  # type: ignore[misc]  # its own or inherited: the one it runs
+
+        @functools.wraps(init)
+        def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+            with construction(self):
+                init(self, *args, **kwargs)
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        for method in (full_state_dict, load_full_state_dict):
+            if method.__name__ not in vars(cls):
+                setattr(cls, method.__name__, method)
+        return cls
+
+    return decorate
+
+
+def full_state_dict(self: nn.Module) -> dict[str, torch.Tensor]:
+    """The serial module's state dict (same keys and shapes), gathered from every rank's shards."""
+    return serial_state_dict(self)
+
+
+def load_full_state_dict(self: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> Any:
+    """Load a serial module's state dict; each rank keeps its shards."""
+    return load_serial_state_dict(self, state_dict, strict)
+
+
+class _Record:
+    """The decorated modules whose construction started under the outermost one's."""
+
+    def __init__(self, root: nn.Module):
+        self.root = root
+        self.started: list[nn.Module] = []
+        self.finished: list[nn.Module] = []  # children before their parents
+
+    def under(self, module: nn.Module) -> list[nn.Module]:
+        """Those in ``module``'s tree whose plan is still to apply, finished ones first."""
+        inside = {id(m) for m in module.modules()}
+        done = {id(m) for m in self.finished}
+        order = [*self.finished, *(m for m in self.started if id(m) not in done)]
+        return [m for m in order if id(m) in inside and _waiting(m)]
+
+
+_building: ContextVar[_Record | None] = ContextVar("macrogen_construction", default=None)
+
+
+@contextlib.contextmanager
+def construction(module: nn.Module) -> Iterator[None]:
+    """The construction of a decorated ``module``; the outermost one applies the plans at its end."""
+    record = _building.get()
+    token = None
+    if record is None:
+        record = _Record(module)
+        token = _building.set(record)
+    if all(m is not module for m in record.started):
+        record.started.append(module)
+    try:
+        yield
+    finally:
+        if token is not None:
+            _building.reset(token)
+    if all(m is not module for m in record.finished):
+        record.finished.append(module)
+        if _waiting(module):  # until its plan is applied, a forward is an error
+            guard = functools.partial(_never_applied, type(record.root).__name__)
+            module.__dict__[_GUARD] = module.register_forward_pre_hook(guard)
+    if token is not None:
+        apply_class_plans(module, record.under(module))
+
+
+def materialize(module: nn.Module) -> None:
+    """Apply now the plans waiting under ``module`` (``@data_parallel`` and ``@pipeline`` call
+    it before they collect or cut the parameters, inside an outer decorated construction)."""
+    record = _building.get()
+    if record is not None:
+        apply_class_plans(module, record.under(module))
+
+
+def mesh_for(module: nn.Module) -> None:
+    """Make the program's mesh now with the size= of the plans waiting under ``module``."""
+    record = _building.get()
+    for waiting in record.under(module) if record is not None else ():
+        plan = class_plan(type(waiting))
+        assert plan is not None
+        meshes.tensor_parallel_group(plan.size)
+
+
+def _waiting(module: nn.Module) -> bool:
+    return class_plan(type(module)) is not None and APPLIED not in module.__dict__
+
+
+def _never_applied(root: str, module: nn.Module, args: Any) -> None:
+    name = type(module).__name__
+    raise RuntimeError(
+        f"tensor_parallel: this {name} was built while {root} was being built, but was not one of"
+        f" its submodules when {root}'s construction ended, so {name}'s plan never applied (its"
+        f" layers would be whole on every rank): assign it in {root}.__init__ (self.x = ...), or"
+        f" build it outside {root}'s construction"
+    )
+
+
+def apply_class_plans(root: nn.Module, modules: list[nn.Module]) -> None:
+    """Tensor parallel for the decorated ``modules`` under ``root`` (children first), on the
+    program's mesh: every shard cut at once, every problem of the plans reported together."""
+    planned = []
+    for module in modules:
+        plan = class_plan(type(module))
+        assert plan is not None
+        group = meshes.tensor_parallel_group(plan.size)
+        if group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            class_styles.warn_whole(plan.name)
+        planned.append(class_styles.Planned(module, plan.name, group, plan.plan))
+    for module in modules:  # applied or failed: never again (a failure raises out of __init__)
+        module.__dict__[APPLIED] = True
+        guard = module.__dict__.pop(_GUARD, None)
+        if guard is not None:
+            guard.remove()
+    if planned:
+        class_styles.apply(planned, root)
+        _watch(root)
+
+
+# A parent that is not decorated and re-initializes its children after building them (HF's
+# post_init, nanoGPT's self.apply(_init_weights)) runs after their shards were cut: it would
+# draw other random numbers than the serial model. Nothing tells when an undecorated
+# constructor ends, so that is found after the fact: the shards' values at the cut are
+# compared at the model's first forward (one sum each), unless a state dict was loaded.
+_WATCH = "_mg_shards_at_cut"
+
+
+def _watch(root: nn.Module) -> None:
+    from macrogen.runtime.tensor_parallel import SHARDED
+
+    shards = [
+        (f"{name}.{key}" if name else key, p)
+        for name, sub in root.named_modules()
+        if isinstance(sub, SHARDED)
+        for key, p in sub.named_parameters(recurse=False)
+    ]
+    if not shards:
+        return
+    with torch.no_grad():
+        sums = [p.detach().sum() for _, p in shards]
+    root.__dict__[_WATCH] = [
+        (name, p, p.data_ptr(), total) for (name, p), total in zip(shards, sums)
+    ]
+    hooks: list[Any] = []
+
+    def done() -> None:
+        root.__dict__.pop(_WATCH, None)
+        for hook in hooks:
+            hook.remove()
+
+    def loaded(module: nn.Module, _incompatible: Any) -> None:
+        done()  # a checkpoint's values replace the initialization: nothing to compare
+
+    @torch.compiler.disable
+    def check(module: nn.Module, args: Any) -> None:
+        marks = module.__dict__.pop(_WATCH, ())
+        done()
+        same_storage = [(n, p, t) for n, p, ptr, t in marks if p.data_ptr() == ptr]
+        if not same_storage:  # moved or converted (.to(), .half()): values can't be compared
+            return
+        with torch.no_grad():
+            now = torch.stack([p.detach().sum() for _, p, _ in same_storage])
+            then = torch.stack([t for _, _, t in same_storage])
+        if torch.equal(now, then):
+            return
+        changed = [n for (n, _, _), a, b in zip(same_storage, now.tolist(), then.tolist()) if a != b]
+        name = type(module).__name__
+        raise RuntimeError(
+            f"tensor_parallel: {name}'s shards ({', '.join(changed[:4])}"
+            f"{', ...' if len(changed) > 4 else ''}) changed between their cut, where {name}'s"
+            f" construction ended, and its first forward: a parent that is not decorated"
+            " re-initialized them (HF's post_init, self.apply(_init_weights)), drawing other"
+            " random numbers than the serial model. Decorate that parent too (@mg.tensor_parallel("
+            "plan={}) if it has nothing to shard itself): shards are cut where the outermost"
+            " decorated model's construction ends; or build the model serially and call"
+            " mg.parallelize(model, ...)"
+        )
+
+    hooks.append(root.register_forward_pre_hook(check))
+    hooks.append(root.register_load_state_dict_post_hook(loaded))
