@@ -8,7 +8,8 @@ the server, a dense head data-parallel between the workers (SGD), float64. Batch
 are drawn per step from a seeded generator (the same on every attempt).
 ``--kill RANK:STEP`` SIGKILLs that rank at the start of that step, on the first
 attempt only; torchrun then restarts every rank, the server included. Worker 0
-writes the final dense parameters, tables and Adagrad sums to ``--out``.
+writes the final dense parameters, tables and Adagrad sums to ``--out``, with the
+restart count and the step the last attempt started at.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def main() -> None:
     )  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loop = resumable(range(args.steps), model=model, optimizer=opt, dir=args.dir, every=args.every)
+    first = None  # the step this attempt started at (4 after a resume from step 4's checkpoint)
     for step in loop:
+        first = step if first is None else first
         if restarts == 0 and rank == kill_rank and step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         g = torch.Generator().manual_seed(1000 + step)
@@ -78,7 +81,8 @@ def main() -> None:
     state = param_server.state_dict(model)
     state.update({k: v.detach().clone() for k, v in model.state_dict().items()})
     if rank == 0:  # (with how often torchrun restarted the job: the test checks it did)
-        torch.save({**state, "_restarts": torch.tensor(restarts)}, args.out)
+        marks = {"_restarts": torch.tensor(restarts), "_first": torch.tensor(first)}
+        torch.save({**state, **marks}, args.out)
     param_server.shutdown()
 
 
