@@ -28,6 +28,12 @@ Serially (no process group, no torchrun) the same DCP format is written by the o
 process, so checkpoints move between 1, 2 and 4 ranks in both directions (DCP
 reshards on load). Checkpoint traffic runs on a process group of its own (gloo), so
 the background save thread never interleaves collectives with the training loop's.
+
+A model with parameter-server tables (``param_server``) is checkpointed by its
+workers alone, on the workers' gloo group the job made at start-up (the server
+ranks have left the default group's collectives): worker 0 pulls the tables and
+their optimizer state over RPC into the checkpoint (``servers.*``), and a load
+sends them back to the servers before the first step.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from macrogen import files
-from macrogen.runtime import checkpoint_state, groups
+from macrogen.runtime import checkpoint_state, groups, param_server
 from macrogen.runtime.checkpoint_files import (
     MAX_MARKER_BYTES,
     SafeEmptyLoadPlanner,
@@ -228,11 +234,17 @@ class _Checkpointer:
         self.optimizers = optimizers
         checkpoint_state.check_supported(model)
         distributed = groups.ensure_initialized()
-        # A group of its own: DCP's background thread runs collectives while the
-        # training loop runs its own on the default group.
-        self.group = dist.new_group(backend="gloo") if distributed else None
-        self.rank = dist.get_rank() if distributed else 0
-        self.world_size = dist.get_world_size() if distributed else 1
+        self.servers = param_server.job_of(model)
+        if self.servers is not None:
+            # Server tables: the server ranks have left the default group's collectives, so
+            # the workers checkpoint among themselves and pull the tables over RPC.
+            self.group = self.servers.checkpoints
+        else:
+            # A group of its own: DCP's background thread runs collectives while the
+            # training loop runs its own on the default group.
+            self.group = dist.new_group(backend="gloo") if distributed else None
+        self.rank = dist.get_rank(self.group) if distributed else 0
+        self.world_size = dist.get_world_size(self.group) if distributed else 1
         self.pending: tuple[int, Future[Any]] | None = None  # (step, future) of the save in flight
         self.rng: dict[str, torch.Tensor] = {}  # this rank's RNG states from the loaded checkpoint
 
@@ -317,6 +329,8 @@ class _Checkpointer:
         checkpoint_state.set_state(
             self.model, self.optimizers, state["model"], state.get("optim", {}), globalized
         )
+        if self.servers is not None:  # before the first fetch: the servers resume too
+            param_server.load_state_dict(self.model, state["servers"])
         self.rng = state["rng"].get(f"rank{self.rank}", {})
         return step
 
@@ -429,6 +443,8 @@ class _Checkpointer:
         }
         if self.optimizers:
             state["optim"] = optim
+        if self.servers is not None:
+            state["servers"] = param_server.checkpoint_state(self.model, load=load)
         if load:
             state["globalized"] = globalized
         return state
@@ -689,7 +705,8 @@ def _set_aside(path: Path) -> None:
 
 def _check_same_model(path: Path, state: dict[str, Any], metadata: Metadata) -> None:
     """A clear error naming the first key where this model and the checkpoint differ."""
-    flat, _ = flatten_state_dict({k: state[k] for k in ("model", "optim") if k in state})
+    # (server tables: worker 0 alone loads the rows, so only what this rank asks for is checked)
+    flat, _ = flatten_state_dict({k: state[k] for k in ("model", "optim", "servers") if k in state})
     saved = metadata.state_dict_metadata
     for key, value in flat.items():
         if key not in saved:

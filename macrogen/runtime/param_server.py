@@ -413,6 +413,9 @@ def apply_param_server(
     meshes.mesh()  # made by every rank now: the workers' data parallelism reads it later
     rank = dist.get_rank()
     workers = dist.new_group(list(range(W)))  # every rank takes part in making a group
+    # resumable's checkpoints run on a worker group of their own (its save thread's collectives
+    # must not interleave with the training loop's), made now: the servers leave below
+    checkpoints = dist.new_group(list(range(W)), backend="gloo")
     for _, layer in layers:  # rank 0's initial table, as data parallelism starts from rank 0's
         dist.broadcast(layer.weight.data, src=0)
     port = [_free_port() if rank == 0 else 0]
@@ -428,7 +431,8 @@ def apply_param_server(
         num_worker_threads=max(16, 4 * W * len(layers)),
     )
     name = _SERVER.format(rank - W) if serving else _WORKER.format(rank)
-    rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
+    with _own_store():
+        rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
     if serving:
         rpc.shutdown()  # serves every request until all workers have shut down
         _TABLES.clear()
@@ -442,7 +446,7 @@ def apply_param_server(
         forward = _bag_forward if isinstance(layer, nn.EmbeddingBag) else _embedding_forward
         layer.__dict__["forward"] = _bound(forward, client, layer)
         clients.append(client)
-    model.__dict__["_mg_param_server"] = _Job(clients, workers, W, S, config)
+    model.__dict__["_mg_param_server"] = _Job(clients, workers, W, S, config, checkpoints)
     atexit.register(shutdown)
     if data_parallel is not None and W > 1:
         _worker_data_parallel(model, data_parallel, workers, W, where)
@@ -463,6 +467,7 @@ class _Job:
     W: int
     S: int
     config: ServerConfig
+    checkpoints: Any = None  # the workers' group for resumable's DCP saves and loads
 
 
 def _worker_data_parallel(model: nn.Module, config: Any, group: Any, W: int, where: str) -> None:
@@ -475,10 +480,30 @@ def _worker_data_parallel(model: nn.Module, config: Any, group: Any, W: int, whe
     model.__dict__["_mg_gradient_sync"] = sync
 
 
+@contextlib.contextmanager
+def _own_store() -> Any:
+    """RPC's rendezvous on a store of its own, hosted by rank 0 on the port it chose. Under
+    torchrun (TORCHELASTIC_USE_AGENT_STORE=True) every rank would be a client of a store
+    nobody hosts on that port (a hang), and torchrun's own store outlives a restart, where
+    a new attempt's RPC keys would meet the killed attempt's."""
+    key = "TORCHELASTIC_USE_AGENT_STORE"
+    saved = os.environ.pop(key, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[key] = saved
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def job_of(model: nn.Module) -> _Job | None:
+    """The model's server job (None: no server tables, or a serial run)."""
+    return model.__dict__.get("_mg_param_server")
 
 
 def job(model: nn.Module) -> _Job:
@@ -551,6 +576,26 @@ def load_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
                 )
         c.step = step
     dist.barrier(group=j_.workers)
+
+
+def checkpoint_state(model: nn.Module, *, load: bool) -> dict[str, torch.Tensor]:
+    """The server tables' part of a ``resumable`` checkpoint (DCP, over the workers' group; the
+    servers take no part in it): worker 0 pulls the tables whole with their optimizer state over
+    RPC (``state_dict``), every worker adds its step counts (DCP stores one copy of a key). For a
+    load (``load``): tensors of those shapes to read into, then ``load_state_dict``."""
+    j_ = job(model)
+    first = dist.get_rank(j_.workers) == 0
+    if first and not load:
+        return state_dict(model)
+    out: dict[str, torch.Tensor] = {}
+    for c in j_.clients:
+        if first:
+            dtype, dim = c.module.__dict__["_mg_server_meta"]
+            out[f"{c.key}.weight"] = torch.empty(c.rows, dim, dtype=dtype)
+            if j_.config.optimizer == "adagrad":
+                out[f"{c.key}.adagrad_sum"] = torch.empty(c.rows, dim, dtype=dtype)
+        out[f"{c.key}.step"] = torch.tensor(c.step)
+    return out
 
 
 _shut = False
