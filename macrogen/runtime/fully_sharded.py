@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from macrogen.runtime import groups
 from macrogen.runtime import mesh as meshes
+from macrogen.runtime.eager import eager
 from macrogen.runtime.parallelize import local_forward_per_unit, path_pattern
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -182,7 +183,7 @@ class _Accumulate:
     def __init__(self, k: int):
         self.k, self.seen = k, 0
 
-    @torch.compiler.disable
+    @eager
     def __call__(self, module: nn.Module, args: object) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return

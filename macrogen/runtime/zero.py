@@ -79,6 +79,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from macrogen.runtime import groups, zero_runs
 from macrogen.runtime.buckets import plan_buckets
+from macrogen.runtime.eager import eager
 from macrogen.runtime.mesh import data_parallel_group
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ def _grad_ready(ref: weakref.ref, i: int, param: torch.Tensor) -> None:
 
 
 # it finishes gathers and (un)installs the guard: Python state that dynamo runs eagerly
-@torch.compiler.disable
+@eager
 def _after_forward(ref: weakref.ref, *args: Any) -> None:
     opt = ref()
     if opt is not None:
