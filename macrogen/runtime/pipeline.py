@@ -398,7 +398,8 @@ def stage_code(model: nn.Module, p: Plan, stage: int) -> Callable[..., Any]:
         namespace.update(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
     local: dict[str, Any] = {}
     exec(compile(module, filename, "exec"), namespace, local)
-    return local["forward"]
+    forward_of_stage: Callable[..., Any] = local["forward"]
+    return forward_of_stage
 
 
 class Pipeline:
