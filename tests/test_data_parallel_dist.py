@@ -89,6 +89,15 @@ class CountAllReduce:
         dist.all_reduce = self._orig
 
 
+def assert_params_close(got, want, what: str, skip=(), **tol) -> None:
+    """(For the other data-parallel tests, which import it.)"""
+    for (name, a), (name_b, b) in zip(got.named_parameters(), want.named_parameters()):
+        assert name == name_b, (what, name, name_b)
+        if name in skip:
+            continue
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{what}: {name}: {m}", **tol)
+
+
 # Each GPT run: (class in data_parallel_models.py, micro-batches per step, tolerance,
 # zero_grad's set_to_none); one test each, named as run_name names it.
 GPT_RUNS = [
