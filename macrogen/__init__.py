@@ -4,6 +4,8 @@ Import the markers from here (``import macrogen as mg``); they are no-ops at run
 time. ``expand_source`` is the pass the CLI, the import hook and autotune share.
 """
 
+from typing import Any
+
 from macrogen.markers import (
     data_parallel,
     define,
@@ -42,7 +44,7 @@ NON_MACRO_NAMES = frozenset(
 )
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # Lazy so that importing the markers does not import libcst and jinja2.
     if name in ("expand_source", "ExpansionError"):
         from macrogen import expand

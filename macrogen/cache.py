@@ -35,7 +35,7 @@ import stat
 import struct
 import sys
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -190,7 +190,7 @@ def _parse(path: Path) -> tuple[bytes, memoryview] | str:
     return entry_key, payload
 
 
-def _unmarshal(payload: memoryview) -> tuple | None:
+def _unmarshal(payload: memoryview) -> tuple[Any, ...] | None:
     """The entry's fields: (code, expanded, sites, warnings) now, the first three before."""
     try:
         fields = marshal.loads(payload)
@@ -246,7 +246,7 @@ def _make_private(folder: Path) -> None:
 _TEMP = re.compile(r"^\.(.+\.macrogen-[^.]+\.(?:[^.]+\.mgc|py))\.macrogen-(\d+)-[^.]+\.tmp$")
 
 
-def cache_files(trees: list[Path], cache_dirs: list[Path] = ()) -> Iterator[Path]:
+def cache_files(trees: list[Path], cache_dirs: Sequence[Path] = ()) -> Iterator[Path]:
     """The files the cache wrote: entries, their expanded code and temp files of killed writes.
 
     In a source tree only ``__pycache__`` folders are searched (the interpreter's own
@@ -316,7 +316,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def clear(trees: list[Path], cache_dirs: list[Path] = ()) -> tuple[int, int]:
+def clear(trees: list[Path], cache_dirs: Sequence[Path] = ()) -> tuple[int, int]:
     """Remove the files the cache wrote (see ``cache_files``); returns (files, bytes) removed."""
     count = size = 0
     for path in list(cache_files(trees, cache_dirs)):

@@ -34,8 +34,9 @@ import re
 import stat
 import sys
 import types
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from macrogen import cache
 
@@ -115,8 +116,8 @@ def records() -> list[Record]:
 def install(
     *,
     target: str | None = None,
-    tuning: str | os.PathLike | None = None,
-    cache_dir: str | os.PathLike | None = None,
+    tuning: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
     show: bool | None = None,
 ) -> MacroFinder | None:
     """Expand modules that import macrogen from now on; None when ``MACROGEN_DISABLE=1``.
@@ -156,8 +157,8 @@ def disabled() -> bool:
 def options(
     *,
     target: str | None = None,
-    tuning: str | os.PathLike | None = None,
-    cache_dir: str | os.PathLike | None = None,
+    tuning: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
     show: bool | None = None,
 ) -> Options:
     """Options from arguments, else the environment; paths made absolute now."""
@@ -181,12 +182,18 @@ class MacroFinder:
     def __init__(self, options: Options):
         self.options = options
 
-    def find_spec(self, fullname: str, path=None, target=None):
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: types.ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
         spec = _PathFinder.find_spec(fullname, path, target)
         if spec is None:
             return None
         if (
             type(spec.loader) is not importlib.machinery.SourceFileLoader
+            or spec.origin is None  # (a SourceFileLoader's spec has one)
             or fullname.partition(".")[0] in _NEVER_MACROS
             or _in_stdlib(spec.origin)
             or not _imports_macrogen_file(spec.origin)
@@ -306,7 +313,9 @@ def _describe(record: Record) -> str:
     return f"macrogen: {record.name} ({record.path}): {sites} -> {record.expanded} [{how}]"
 
 
-def _tuning(path: Path, source: bytes, options: Options):
+def _tuning(
+    path: Path, source: bytes, options: Options
+) -> tuple[dict[str, Any], list[str], Path | None]:
     """The tuning database's winners for this file, its stale keys and the database's path.
 
     ({}, [], None) without a database. A bad database must not break every import
@@ -349,7 +358,15 @@ def _warn_once(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _expand(path, name, source, options, values, where, db) -> cache.Entry:
+def _expand(
+    path: Path,
+    name: str,
+    source: bytes,
+    options: Options,
+    values: dict[str, Any],
+    where: cache.Location,
+    db: Path | None,
+) -> cache.Entry:
     from macrogen.expand import ExpansionError, expand_source
     from macrogen.files import read_source
 
@@ -391,8 +408,8 @@ def run_script(
     argv: list[str],
     *,
     target: str | None = None,
-    tuning: str | os.PathLike | None = None,
-    cache_dir: str | os.PathLike | None = None,
+    tuning: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
     show: bool | None = None,
 ) -> None:
     """Run ``script`` as ``__main__`` the way ``python script args...`` would, with the hook.
@@ -410,8 +427,8 @@ def run_script(
         code = compile(source, str(path), "exec", dont_inherit=True)
     module = types.ModuleType("__main__")
     module.__file__ = str(path)
-    module.__cached__ = None
-    module.__builtins__ = builtins
+    module.__cached__ = None  # type: ignore[attr-defined]
+    module.__builtins__ = builtins  # type: ignore[attr-defined]
     module.__spec__ = None  # as for `python script.py`
     if finder is not None:
         module.__loader__ = MacroLoader("__main__", str(path), finder.options)

@@ -29,7 +29,10 @@ import ast
 import difflib
 import re
 import types
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+_T = TypeVar("_T")
 _SITE_COMMENT = re.compile(r"^[ \t]*# macrogen: [\w.]+ at .*:(\d+)[ \t]*$")
 _COPY_COMMENT = re.compile(r"^[ \t]*# macrogen: [\w.]+ from .*:(\d+)[ \t]*$")
 _NEWLINE = re.compile(r"\r\n|\r|\n")  # what the tokenizer counts as a line end
@@ -133,7 +136,7 @@ class _Mismatch(Exception):
     pass
 
 
-def _at(values: list, line: int, default):
+def _at(values: Sequence[_T], line: int, default: _T) -> _T:
     return values[line - 1] if 0 < line <= len(values) else default
 
 
@@ -153,15 +156,22 @@ def _to_source_lines(tree: ast.AST, origin: list[int], kept: list[bool]) -> None
         if start is None or isinstance(node, ast.TypeIgnore):
             continue
         end = getattr(node, "end_lineno", None) or start
-        node.lineno = _at(origin, start, 1)
+        located: Any = node  # a node with a position: a statement, expression, argument, ...
+        located.lineno = _at(origin, start, 1)
         if _at(kept, start, False) and _at(kept, end, False):
-            node.end_lineno = _at(origin, end, 1)  # columns are the user's: keep them
+            located.end_lineno = _at(origin, end, 1)  # columns are the user's: keep them
         else:
-            node.end_lineno = max(_at(origin, end, 1), node.lineno)
-            node.col_offset = node.end_col_offset = -1  # no carets under a generated line
+            located.end_lineno = max(_at(origin, end, 1), located.lineno)
+            located.col_offset = located.end_col_offset = -1  # no carets under a generated line
 
 
-def _splice(user, generated, users, *, top: bool = False) -> types.CodeType:
+def _splice(
+    user: types.CodeType,
+    generated: types.CodeType,
+    users: Callable[[types.CodeType], bool],
+    *,
+    top: bool = False,
+) -> types.CodeType:
     """``user`` and ``generated`` are one module compiled twice; pick per code object."""
     own = user if top or users(generated) else generated
     if len(user.co_consts) != len(generated.co_consts):

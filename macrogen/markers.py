@@ -10,7 +10,7 @@ and ``target(kind)`` tells whether this process would take that branch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from macrogen.macros import MODULES
@@ -78,7 +78,7 @@ def pipeline_step(model: Any, x: Any, y: Any, loss_fn: Callable[..., Any] | None
 
 
 @contextlib.contextmanager
-def fused_allreduce(**options: Any):
+def fused_allreduce(**options: Any) -> Iterator[None]:
     """``with fused_allreduce(): dist.all_reduce(a); dist.all_reduce(b)`` -- one collective once expanded."""
     yield
 

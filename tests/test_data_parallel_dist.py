@@ -2,9 +2,9 @@
 
 One spawned run trains every model of ``tests/data_parallel_models.py`` (expanded)
 three ways from the same start: serially on the whole batch, with torch DDP, and
-data-parallel, and compares the parameters (fp32: rtol 1e-5; bf16/fp16
-compression: within half-precision tolerance). It also counts the all-reduce
-calls (one per bucket per optimizer step) and checks the start-up broadcast.
+data-parallel, and returns how far the parameters are apart (fp32: rtol 1e-5; bf16/fp16
+compression: within half-precision tolerance), the all-reduce calls (one per bucket per
+optimizer step) and the start-up broadcast's effect; a test per model asserts them.
 A second run builds different models on the two ranks and expects the
 rank-agreement error on both, within a bounded time.
 """
@@ -14,12 +14,14 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from macrogen.expand import expand_source
 from macrogen.runtime.data_parallel import gradient_sync
+from tests.dist_checks import closeness, each_rank, run_check
 from tests.distributed import run_ranks
 from tests.helpers import load_module
 
@@ -95,6 +97,7 @@ class CountAllReduce:
 
 
 def assert_params_close(got, want, what: str, skip=(), **tol) -> None:
+    """(For the other data-parallel tests, which import it.)"""
     for (name, a), (name_b, b) in zip(got.named_parameters(), want.named_parameters()):
         assert name == name_b, (what, name, name_b)
         if name in skip:
@@ -102,63 +105,71 @@ def assert_params_close(got, want, what: str, skip=(), **tol) -> None:
         torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{what}: {name}: {m}", **tol)
 
 
-def _gpt_cases(rank: int, world: int, out_dir: str) -> dict:
-    from examples.gpt import GPT, batch
+# Each GPT run: (class in data_parallel_models.py, micro-batches per step, tolerance,
+# zero_grad's set_to_none); one test each, named as run_name names it.
+GPT_RUNS = [
+    ("Plain", 1, "fp32", True),
+    ("Accumulating", 4, "fp32", True),
+    ("ManyBuckets", 1, "fp32", True),
+    # gradients stay the bucket views between steps: accumulated and scaled in place
+    ("ManyBuckets", 2, "fp32", False),
+    ("CompressedBF16", 1, "half", True),
+    ("CompressedBF16", 2, "half", False),
+    ("CompressedFP16", 1, "half", True),
+]
+TOLERANCES = {"fp32": dict(rtol=1e-5, atol=1e-6), "half": dict(rtol=2e-2, atol=2e-3)}
 
-    models = expanded_models(out_dir, rank)
-    config = tiny_config()
-    inputs = batch(config, GLOBAL_BATCH, seed=7)
-    fp32 = dict(rtol=1e-5, atol=1e-6)
-    half = dict(rtol=2e-2, atol=2e-3)
-    report = {}
-    for cls, k, tol, set_to_none in (
-        (models.Plain, 1, fp32, True),
-        (models.Accumulating, 4, fp32, True),
-        (models.ManyBuckets, 1, fp32, True),
-        # gradients stay the bucket views between steps: accumulated and scaled in place
-        (models.ManyBuckets, 2, fp32, False),
-        (models.CompressedBF16, 1, half, True),
-        (models.CompressedBF16, 2, half, False),
-        (models.CompressedFP16, 1, half, True),
-    ):
+
+def run_name(cls: str, k: int, tol: str, set_to_none: bool) -> str:
+    return f"{cls}(k={k}, set_to_none={set_to_none})"
+
+
+def _gpt_run(models, config, inputs, rank: int, world: int, run: tuple) -> dict:
+    """One GPT run three ways: serial, DDP and ours; the figures the parent asserts."""
+    from examples.gpt import GPT
+
+    cls_name, k, tol_name, set_to_none = run
+    cls, tol = getattr(models, cls_name), TOLERANCES[tol_name]
+    torch.manual_seed(0)
+    serial = GPT(config)
+    train(serial, micro_batches(inputs, k, 0, 1))
+
+    torch.manual_seed(0)
+    ddp_model = GPT(config)
+    ddp = DDP(ddp_model)
+    train(ddp, micro_batches(inputs, k, rank, world), ddp=ddp)
+
+    torch.manual_seed(100 + rank)  # a different start on each rank: start-up broadcasts rank 0's
+    if rank == 0:
         torch.manual_seed(0)
-        serial = GPT(config)
-        train(serial, micro_batches(inputs, k, 0, 1))
-
-        torch.manual_seed(0)
-        ddp_model = GPT(config)
-        ddp = DDP(ddp_model)
-        train(ddp, micro_batches(inputs, k, rank, world), ddp=ddp)
-
-        torch.manual_seed(
-            100 + rank
-        )  # a different start on each rank: start-up broadcasts rank 0's
-        if rank == 0:
-            torch.manual_seed(0)
-        ours = cls(config)
-        with CountAllReduce() as count:
-            train(ours, micro_batches(inputs, k, rank, world), set_to_none=set_to_none)
-        sync = gradient_sync(ours)
-        name = f"{cls.__name__}(k={k}, set_to_none={set_to_none})"
-        calls = STEPS * len(sync.buckets) * (1 if cls is models.Accumulating else k)
-        assert count.calls == calls, (name, count.calls, len(sync.buckets))
-        assert list(ours.state_dict()) == list(serial.state_dict()), name
-        assert all(
+    ours = cls(config)
+    with CountAllReduce() as count:
+        train(ours, micro_batches(inputs, k, rank, world), set_to_none=set_to_none)
+    sync = gradient_sync(ours)
+    report = {
+        "buckets": len(sync.buckets),
+        "calls": count.calls,
+        # one per bucket per optimizer step (Accumulating: per step; the others: per micro-batch)
+        "expected calls": STEPS * len(sync.buckets) * (1 if cls_name == "Accumulating" else k),
+        "same state_dict keys": list(ours.state_dict()) == list(serial.state_dict()),
+        "gradients are bucket views": all(
             p.grad.data_ptr() == v.data_ptr()
             for b in sync.buckets
             for p, v in zip(b.params, b.views)
-        )
-        assert_params_close(ours, serial, f"{name} vs serial", **tol)
-        assert_params_close(ours, ddp_model, f"{name} vs DDP", **tol)
-        report[cls.__name__] = len(sync.buckets)
-        if cls is models.Plain and set_to_none:
-            # .double() moves the parameters: buckets are planned again, in float64
-            serial.double()
-            ours.double()
-            train(serial, micro_batches(inputs, k, 0, 1))
-            train(ours, micro_batches(inputs, k, rank, world))
-            assert sync.buckets[0].buffer.dtype == torch.float64
-            assert_params_close(ours, serial, "Plain after .double()", **fp32)
+        ),
+        "vs serial": closeness(ours, serial, **tol),
+        "vs DDP": closeness(ours, ddp_model, **tol),
+    }
+    if cls_name == "Plain" and set_to_none:
+        # .double() moves the parameters: buckets are planned again, in float64
+        serial.double()
+        ours.double()
+        train(serial, micro_batches(inputs, k, 0, 1))
+        train(ours, micro_batches(inputs, k, rank, world))
+        report["after .double()"] = {
+            "buffer dtype": str(sync.buckets[0].buffer.dtype),
+            "vs serial": closeness(ours, serial, **TOLERANCES["fp32"]),
+        }
     return report
 
 
@@ -184,28 +195,94 @@ def _branchy(rank: int, world: int, out_dir: str) -> dict:
     # DDP hands a parameter no rank used a zero gradient, so weight decay moves it;
     # the serial program leaves its gradient None and the parameter untouched, as do we.
     never = ("never.weight", "never.bias")
-    what = "Branchy vs DDP(find_unused_parameters=True)"
-    assert_params_close(ours, ref_model, what, skip=never, rtol=1e-5, atol=1e-6)
-    for name in never:
-        assert torch.equal(ours.get_parameter(name), start[name]), name
-        assert ours.get_parameter(name).grad is None, name
-    assert ours.b.weight.grad is not None  # used on rank 0 only: averaged on both
-    assert float(ours.seen) == STEPS
-    return {"buckets": len(gradient_sync(ours).buckets), "calls": count.calls}
+    return {
+        "vs DDP(find_unused_parameters=True)": closeness(
+            ours, ref_model, skip=never, rtol=1e-5, atol=1e-6
+        ),
+        "unused parameters untouched": {
+            name: torch.equal(ours.get_parameter(name), start[name]) for name in never
+        },
+        "unused parameters' gradients": {
+            name: repr(ours.get_parameter(name).grad) for name in never
+        },
+        "b has a gradient": ours.b.weight.grad is not None,  # used on rank 0 only: averaged on both
+        "seen": float(ours.seen),
+        "buckets": len(gradient_sync(ours).buckets),
+        "calls": count.calls,
+    }
 
 
 def _all_cases(rank: int, world: int, out_dir: str) -> dict:
-    return {"gpt": _gpt_cases(rank, world, out_dir), "branchy": _branchy(rank, world, out_dir)}
+    """Every check's figures (or its error), by name: one spawn for them all."""
+    from examples.gpt import batch
+
+    models = expanded_models(out_dir, rank)
+    config = tiny_config()
+    inputs = batch(config, GLOBAL_BATCH, seed=7)
+    report: dict = {}
+    for run in GPT_RUNS:
+        run_check(
+            report,
+            run_name(*run),
+            lambda run=run: _gpt_run(models, config, inputs, rank, world, run),
+        )
+    run_check(report, "branchy", lambda: _branchy(rank, world, out_dir))
+    return report
 
 
-def test_parity_with_serial_and_ddp(tmp_path):
-    results = run_ranks(_all_cases, 2, args=(str(tmp_path),), timeout=150)
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data_parallel")
+    return run_ranks(_all_cases, 2, args=(str(out),), timeout=150)
+
+
+@pytest.mark.parametrize("run", GPT_RUNS, ids=[run_name(*r) for r in GPT_RUNS])
+def test_gpt_matches_serial_and_ddp(parity, run):
+    name = run_name(*run)
+    for rank, r in enumerate(each_rank(parity, name)):
+        at = f"{name}, rank {rank}"
+        assert r["calls"] == r["expected calls"], f"{at}: all-reduce calls ({r['buckets']} buckets)"
+        assert r["same state_dict keys"], f"{at}: state_dict keys differ from the serial model's"
+        assert r["gradients are bucket views"], f"{at}: a .grad is not its bucket's view"
+        for ref in ("vs serial", "vs DDP"):
+            worst, where = r[ref]
+            assert worst <= 1, f"{at} {ref}: {where} off by {worst:.3g} x the tolerance"
+
+
+def test_plain_after_double_plans_float64_buckets(parity):
+    """.double() moves the parameters: buckets are planned again, in float64."""
+    for rank, r in enumerate(each_rank(parity, run_name("Plain", 1, "fp32", True))):
+        double = r["after .double()"]
+        assert double["buffer dtype"] == "torch.float64", rank
+        worst, where = double["vs serial"]
+        assert worst <= 1, f"rank {rank}: {where} off by {worst:.3g} x the tolerance"
+
+
+def test_bucket_counts_agree_across_ranks(parity):
+    for run in GPT_RUNS:
+        buckets = [r["buckets"] for r in each_rank(parity, run_name(*run))]
+        assert buckets[0] == buckets[1], run_name(*run)
+    plain, many = (
+        each_rank(parity, run_name(c, 1, "fp32", True))[0] for c in ("Plain", "ManyBuckets")
+    )
+    assert plain["buckets"] == 1  # a tiny model fits in the first bucket (1 MiB)
+    assert many["buckets"] >= 5
+
+
+def test_branch_unused_on_one_rank_matches_ddp_find_unused(parity):
+    results = each_rank(parity, "branchy")
+    for rank, r in enumerate(results):
+        worst, where = r["vs DDP(find_unused_parameters=True)"]
+        assert worst <= 1, f"rank {rank}: {where} off by {worst:.3g} x the tolerance"
+        assert all(r["unused parameters untouched"].values()), (
+            rank,
+            r["unused parameters untouched"],
+        )
+        assert set(r["unused parameters' gradients"].values()) == {"None"}, rank
+        assert r["b has a gradient"], rank
+        assert r["seen"] == STEPS, rank  # buffers broadcast from rank 0 before each forward
+        assert r["buckets"] > 1 and r["calls"] == STEPS * r["buckets"], rank
     assert results[0] == results[1]
-    buckets = results[0]["gpt"]
-    assert buckets["Plain"] == 1  # a tiny model fits in the first bucket (1 MiB)
-    assert buckets["ManyBuckets"] >= 5
-    branchy = results[0]["branchy"]
-    assert branchy["buckets"] > 1 and branchy["calls"] == STEPS * branchy["buckets"]
 
 
 def _mismatch(rank: int, world: int, out_dir: str) -> str:

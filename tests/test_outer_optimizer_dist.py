@@ -1,7 +1,8 @@
 """@data_parallel(outer=outer_sgd(...), overlap=True): local SGD's outer optimizer on 2 gloo ranks.
 
 One spawned run (fp64, a two-layer net, 10 optimizer steps, sync_every=3: the
-ranks synchronize after steps 0, 3, 6 and 9) checks that
+ranks synchronize after steps 0, 3, 6 and 9) returns each check's figures, and a
+test per check asserts them in the parent:
 
 - ``outer=None`` is bit-identical to plain ``sync_every`` (today's averaging);
 - outer SGD with lr 1 and no momentum equals plain averaging (also after a
@@ -18,6 +19,7 @@ ranks synchronize after steps 0, 3, 6 and 9) checks that
 
 from __future__ import annotations
 
+import functools
 import textwrap
 
 import pytest
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from macrogen.expand import expand_source
 from macrogen.runtime import local_sgd
 from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync, flush, gradient_sync
+from tests.dist_checks import each_rank, run_check
 from tests.distributed import run_ranks
 from tests.helpers import load_module
 
@@ -149,7 +152,9 @@ def diloco(net_cls, world: int, rounds: list[int], lr=0.7, momentum=0.9, nestero
                 opt.zero_grad()
                 w(*data(i, step + h)).backward()
                 opt.step()
-            deltas.append([p.detach() - pw.detach() for p, pw in zip(theta.parameters(), w.parameters())])
+            deltas.append(
+                [p.detach() - pw.detach() for p, pw in zip(theta.parameters(), w.parameters())]
+            )
         step += h_t
         outer.zero_grad()
         for j, p in enumerate(theta.parameters()):
@@ -216,70 +221,135 @@ class CountAllReduce:
         dist.all_reduce = self._orig
 
 
-def _cases(rank: int, world: int, out_dir: str) -> dict:
-    from pathlib import Path
+def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return (flat(a) - flat(b)).abs().max().item()
 
-    code = expand_source(MODELS, path="outer_models.py").code
-    m = load_module(code, f"outer_models_rank{rank}", Path(out_dir))
-    report = {}
 
-    plain = train(build(m.Plain), rank)
-    none = train(build(m.OuterNone), rank)
-    report["outer=None bit-identical"] = torch.equal(flat(none), flat(plain))
-
-    one = train(build(m.OuterOne), rank)
-    torch.testing.assert_close(flat(one), flat(plain), rtol=0, atol=1e-12)
-    # after 2 synchronous steps: the outer optimizer starts from the warmed-up parameters
-    one_warm = train(build(m.OuterOneWarm), rank)
-    torch.testing.assert_close(flat(one_warm), flat(train(build(m.PlainWarm), rank)), rtol=0, atol=1e-12)
-
-    # 3 rounds: after steps 0, 3 and 6, i.e. 1, 3 and 3 inner steps
-    nesterov = train(build(m.Nesterov), rank, steps=7)
-    ref = diloco(m.Net, world, rounds=[1, 3, 3])
-    report["nesterov vs DiLoCo"] = (flat(nesterov) - flat(ref)).abs().max().item()
-    torch.testing.assert_close(flat(nesterov), flat(ref), rtol=0, atol=1e-6)
-
+def _overlap_delay0(m, rank: int, world: int) -> dict:
     sync_run = train(build(m.Nesterov), rank)
-    with CountAllReduce() as count0:
+    with CountAllReduce() as count:
         delay0 = train(build(m.Delay0), rank)
-    report["delay=0 bit-identical"] = torch.equal(flat(delay0), flat(sync_run))
+    return {
+        "bit-identical to overlap=False": torch.equal(flat(delay0), flat(sync_run)),
+        "vs simulation": _max_diff(delay0, delayed(m.Net, world, STEPS, EVERY, 0)[rank]),
+        "calls": (count.calls, count.async_calls),
+    }
 
-    with CountAllReduce() as count1:
+
+def _overlap_delay1(m, rank: int, world: int) -> dict:
+    with CountAllReduce() as count:
         delay1 = train(build(m.Delay1), rank)
-    ref1 = delayed(m.Net, world, STEPS, EVERY, 1)[rank]
-    report["delay=1 vs simulation"] = (flat(delay1) - flat(ref1)).abs().max().item()
-    torch.testing.assert_close(flat(delay1), flat(ref1), rtol=0, atol=1e-9)
-    ref0 = delayed(m.Net, world, STEPS, EVERY, 0)[rank]
-    torch.testing.assert_close(flat(delay0), flat(ref0), rtol=0, atol=1e-9)
-    report["calls"] = (count0.calls, count0.async_calls, count1.calls, count1.async_calls)
-    report["in flight after the run"] = gradient_sync(delay1).local_sgd.due
+    report = {
+        "vs simulation": _max_diff(delay1, delayed(m.Net, world, STEPS, EVERY, 1)[rank]),
+        "calls": (count.calls, count.async_calls),
+        "in flight after the run": gradient_sync(delay1).local_sgd.due,
+    }
     flush(delay1)  # the round sent after step 9 lands now
     report["flushed"] = gradient_sync(delay1).local_sgd.due
+    return report
+
+
+def _converted(m, rank: int) -> str:
     moved = train(build(m.Nesterov), rank, steps=2).float()  # the outer state is float64
     try:
         x, y = data(rank, 2)
         moved(x.float(), y.float()).backward()
         inner(moved.parameters()).step()
-        report["converted"] = "no error"
+        return "no error"
     except RuntimeError as e:
-        report["converted"] = str(e)
-    report["resume"] = _resume(rank, world, out_dir)  # (in the same processes: one spawn)
+        return str(e)
+
+
+def _cases(rank: int, world: int, out_dir: str) -> dict:
+    """Every check's figures (or its error), by name: one spawn for them all."""
+    from pathlib import Path
+
+    code = expand_source(MODELS, path="outer_models.py").code
+    m = load_module(code, f"outer_models_rank{rank}", Path(out_dir))
+    report: dict = {}
+    check = functools.partial(run_check, report)
+    check(
+        "outer=None",
+        lambda: torch.equal(
+            flat(train(build(m.OuterNone), rank)), flat(train(build(m.Plain), rank))
+        ),
+    )
+    check(
+        "outer lr 1", lambda: _max_diff(train(build(m.OuterOne), rank), train(build(m.Plain), rank))
+    )
+    # after 2 synchronous steps: the outer optimizer starts from the warmed-up parameters
+    check(
+        "outer lr 1 after a warm-up",
+        lambda: _max_diff(train(build(m.OuterOneWarm), rank), train(build(m.PlainWarm), rank)),
+    )
+    # 3 rounds: after steps 0, 3 and 6, i.e. 1, 3 and 3 inner steps
+    check(
+        "nesterov",
+        lambda: _max_diff(
+            train(build(m.Nesterov), rank, steps=7), diloco(m.Net, world, rounds=[1, 3, 3])
+        ),
+    )
+    check("delay=0", lambda: _overlap_delay0(m, rank, world))
+    check("delay=1", lambda: _overlap_delay1(m, rank, world))
+    check("converted", lambda: _converted(m, rank))
+    check("resume", lambda: _resume(rank, world, out_dir))  # (in the same processes: one spawn)
     return report
 
 
-def test_outer_optimizer_overlap_and_checkpoint_on_two_ranks(tmp_path):
-    results = run_ranks(_cases, 2, args=(str(tmp_path),), timeout=120)
-    for r in results:
-        assert r["outer=None bit-identical"]
-        assert r["delay=0 bit-identical"]
-        assert r["nesterov vs DiLoCo"] < 1e-6
-        # 4 rounds; the overlapped ones asynchronous, no gradient all-reduce in between
-        assert r["calls"] == (4, 4, 4, 4)
-        assert r["in flight after the run"] == 10  # sent after step 9, due after step 10
-        assert r["flushed"] == -1
-        assert "replaced, moved or converted after local SGD's outer steps began" in r["converted"]
-        # a checkpoint taken after step 3 with that round in flight (due after step 4)
-        assert r["resume"] == {"due at the checkpoint": 4, "steps": 8, "equal": True}
+@pytest.fixture(scope="module")
+def outer(tmp_path_factory):
+    out = tmp_path_factory.mktemp("outer_optimizer")
+    return run_ranks(_cases, 2, args=(str(out),), timeout=120)
+
+
+def test_outer_none_is_bit_identical_to_plain_averaging(outer):
+    assert each_rank(outer, "outer=None") == [True, True]
+
+
+def test_outer_sgd_lr_1_without_momentum_is_plain_averaging(outer):
+    for rank, diff in enumerate(each_rank(outer, "outer lr 1")):
+        assert diff <= 1e-12, f"rank {rank}: {diff:.3g} from plain averaging"
+
+
+def test_outer_sgd_lr_1_after_a_synchronous_warm_up_is_plain_averaging(outer):
+    for rank, diff in enumerate(each_rank(outer, "outer lr 1 after a warm-up")):
+        assert diff <= 1e-12, f"rank {rank}: {diff:.3g} from plain averaging"
+
+
+def test_nesterov_outer_sgd_matches_diloco(outer):
+    for rank, diff in enumerate(each_rank(outer, "nesterov")):
+        assert diff <= 1e-6, f"rank {rank}: {diff:.3g} from DiLoCo's pseudo-code"
+
+
+def test_overlap_with_delay_0_is_bit_identical_to_no_overlap(outer):
+    for rank, r in enumerate(each_rank(outer, "delay=0")):
+        assert r["bit-identical to overlap=False"], rank
+        assert r["vs simulation"] <= 1e-9, f"rank {rank}: {r['vs simulation']:.3g}"
+
+
+def test_delay_1_applies_each_outer_step_one_inner_step_late(outer):
+    for rank, r in enumerate(each_rank(outer, "delay=1")):
+        assert r["vs simulation"] <= 1e-9, f"rank {rank}: {r['vs simulation']:.3g}"
+        assert r["in flight after the run"] == 10, rank  # sent after step 9, due after step 10
+        assert r["flushed"] == -1, rank
+
+
+def test_an_overlapped_run_issues_one_asynchronous_all_reduce_per_round(outer):
+    # 4 rounds; the overlapped ones asynchronous, no gradient all-reduce in between
+    for delay in ("delay=0", "delay=1"):
+        for rank, r in enumerate(each_rank(outer, delay)):
+            assert r["calls"] == (4, 4), f"{delay}, rank {rank}: (calls, asynchronous calls)"
+
+
+def test_parameters_converted_after_outer_steps_began_are_refused(outer):
+    for message in each_rank(outer, "converted"):
+        assert "replaced, moved or converted after local SGD's outer steps began" in message
+
+
+def test_a_checkpoint_with_a_round_in_flight_resumes_exactly(outer):
+    # a checkpoint taken after step 3 with that round in flight (due after step 4)
+    for r in each_rank(outer, "resume"):
+        assert r == {"due at the checkpoint": 4, "steps": 8, "equal": True}
 
 
 def _resume(rank: int, world: int, out_dir: str) -> dict:

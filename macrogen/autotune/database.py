@@ -99,8 +99,11 @@ def _tunable_names(module: cst.Module) -> set[str]:
         for small in stmt.body:
             if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
                 for alias in small.names:
-                    if alias.asname is not None and getattr(alias.name, "value", "") == "tunable":
-                        names.add(alias.asname.name.value)
+                    if alias.asname is None or getattr(alias.name, "value", "") != "tunable":
+                        continue
+                    asname = alias.asname.name  # a Name: `import ... as (a, b)` is no syntax
+                    if isinstance(asname, cst.Name):
+                        names.add(asname.value)
     return names
 
 
@@ -320,16 +323,17 @@ class Database:
 
     @property
     def records(self) -> list[dict[str, Any]]:
-        return self.data["records"]
+        records: list[dict[str, Any]] = self.data["records"]
+        return records
 
-    def find(self, key: Mapping[str, Any], *, ignore: tuple[str, ...] = ()) -> list[dict]:
+    def find(self, key: Mapping[str, Any], *, ignore: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """Records whose key equals ``key`` on every field but ``ignore``; newest first."""
         fields = [f for f in KEY_FIELDS if f not in ignore]
         found = [r for r in self.records if all(r["key"].get(f) == key.get(f) for f in fields)]
         return sorted(found, key=lambda r: -r.get("generation", 0))
 
-    def new_record(self, key: Mapping[str, Any], environment: Mapping[str, Any]) -> dict:
-        record = {
+    def new_record(self, key: Mapping[str, Any], environment: Mapping[str, Any]) -> dict[str, Any]:
+        record: dict[str, Any] = {
             "key": dict(key),
             "source_hash": None,
             "generation": self.next_generation(),

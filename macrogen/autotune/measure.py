@@ -174,7 +174,15 @@ def _launch(
         _end(proc)
 
 
-def _follow(proc, program, pending, on_result, deadline, results, log) -> str:
+def _follow(
+    proc: subprocess.Popen[bytes],
+    program: Program,
+    pending: list[tuple[str, dict[str, Any], Path]],
+    on_result: OnResult,
+    deadline: float | None,
+    results: Path,
+    log: Path,
+) -> str:
     by_id = {cid: values for cid, values, _ in pending}
     offset, last_progress, current = 0, time.monotonic(), None
     stopping = out_of_budget = False
@@ -247,7 +255,7 @@ def _command(program: Program, job: Path) -> list[str]:
     ]
 
 
-def _end(proc: subprocess.Popen) -> None:
+def _end(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -55,7 +55,7 @@ def main(job_path: str, out_path: str) -> int:
     return 0
 
 
-def _probe(job: dict, torch: Any, worker: Any) -> dict:
+def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     from macrogen.runtime.fully_sharded import repeated_layers
 
     factory = worker._entry_factory(job)

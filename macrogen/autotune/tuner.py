@@ -311,7 +311,8 @@ class _Book:
             return None
         for c in self.record_["candidates"]:
             if database.canonical(database.decode_values(c["values"])) == ident:
-                return c
+                candidate: dict[str, Any] = c
+                return candidate
         return None
 
     def record(self, m: Measurement) -> None:

@@ -17,6 +17,7 @@ the tuned file itself may take no argument.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import importlib.util
@@ -84,13 +85,13 @@ def main(job_path: str) -> int:
     return 0
 
 
-def _append(results: Path, line: dict) -> None:
+def _append(results: Path, line: dict[str, Any]) -> None:
     with results.open("a", encoding="utf-8") as f:
         f.write(json.dumps(line, sort_keys=True, default=str) + "\n")
         f.flush()
 
 
-def _out_of_time(job: dict, distributed: bool, need: float = 0.0) -> bool:
+def _out_of_time(job: dict[str, Any], distributed: bool, need: float = 0.0) -> bool:
     """Whether ``need`` more seconds would pass the budget's deadline; rank 0's clock decides."""
     if job["deadline"] is None:
         return False
@@ -101,8 +102,8 @@ def _out_of_time(job: dict, distributed: bool, need: float = 0.0) -> bool:
 
 
 def _measure_group(
-    group: list[dict], job: dict, entry_factory: Any, distributed: bool, rank: int, results: Path
-) -> tuple[list[dict], bool]:
+    group: list[dict[str, Any]], job: dict[str, Any], entry_factory: Any, distributed: bool, rank: int, results: Path
+) -> tuple[list[dict[str, Any]], bool]:
     """Time a group of candidates interleaved: round r times each candidate's steps in turn.
 
     Load from other processes comes and goes; interleaving exposes every
@@ -118,12 +119,12 @@ def _measure_group(
         if rank == 0:
             _append(results, {"start": cid})
 
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, Any]] = {}
     steps: dict[str, Callable[[], Any]] = {}
     # layouts (one candidate per group): each builds its own mesh; memory above the baseline
     layout = bool(job.get("layout"))
     baseline: dict[str, int] = {}
-    signatures: dict[str, dict] = {}
+    signatures: dict[str, dict[str, Any]] = {}
     times: dict[str, list[float]] = {}
     ran_out = False
     for candidate in group:
@@ -143,9 +144,9 @@ def _measure_group(
             process_memory.reset_peak()
         try:
             step, signatures[cid] = _agree(
-                distributed, "setup", lambda c=candidate: _build(c, job, entry_factory)
+                distributed, "setup", functools.partial(_build, candidate, job, entry_factory)
             )
-            _agree(distributed, "warm-up", lambda s=step: _repeat(s, timing["warmup"], distributed))
+            _agree(distributed, "warm-up", functools.partial(_repeat, step, timing["warmup"], distributed))
             steps[cid], times[cid] = step, []
         except CandidateError as e:
             out[cid] = {"id": cid, "error": str(e)}
@@ -159,7 +160,7 @@ def _measure_group(
         for cid in live[r % len(live) :] + live[: r % len(live)] if live else []:
             started(cid)
             try:
-                chunk = _agree(distributed, "timing", lambda s=steps[cid]: TIMERS[mode](s, timing))
+                chunk = _agree(distributed, "timing", functools.partial(TIMERS[mode], steps[cid], timing))
                 times[cid].extend(chunk)
             except CandidateError as e:
                 out[cid] = {"id": cid, "error": str(e)}
@@ -192,7 +193,7 @@ def _peaks(baseline: int, distributed: bool) -> list[int]:
     return [int(x) for x in every]
 
 
-def _build(candidate: dict, job: dict, entry_factory: Any) -> tuple[Callable[[], Any], dict]:
+def _build(candidate: dict[str, Any], job: dict[str, Any], entry_factory: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
     try:
         module = _import_file(candidate["file"], candidate["module"])
     except BaseException as e:
@@ -214,7 +215,7 @@ def _build(candidate: dict, job: dict, entry_factory: Any) -> tuple[Callable[[],
     return step, json.loads(json.dumps(signature, sort_keys=True, default=str))
 
 
-def _step_and_signature(made: Any) -> tuple[Callable[[], Any], dict]:
+def _step_and_signature(made: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
     """``step``, or a tuple holding it: its callable that is no nn.Module, and a dict signature."""
     parts = made if isinstance(made, tuple) else (made,)
     steps = [p for p in parts if callable(p) and not isinstance(p, torch.nn.Module)]
@@ -227,7 +228,7 @@ def _step_and_signature(made: Any) -> tuple[Callable[[], Any], dict]:
     return steps[0], signatures[0] if signatures else {}
 
 
-def _entry_factory(job: dict) -> Any:
+def _entry_factory(job: dict[str, Any]) -> Any:
     """The factory from the entry module; None when it lives in the tuned file."""
     module_name, name = job["entry"].split(":", 1)
     if job["entry_in_source"]:
@@ -331,7 +332,7 @@ def _repeat(step: Callable[[], Any], n: int, distributed: bool) -> None:
     _sync()
 
 
-def time_benchmark(step: Callable[[], Any], timing: dict) -> list[float]:
+def time_benchmark(step: Callable[[], Any], timing: dict[str, Any]) -> list[float]:
     """One process on CPU: torch.utils.benchmark picks the repetitions for this round's share."""
     from torch.utils import benchmark
 
@@ -340,7 +341,7 @@ def time_benchmark(step: Callable[[], Any], timing: dict) -> list[float]:
     return list(timer.blocked_autorange(min_run_time=per_round).times)
 
 
-def time_do_bench(step: Callable[[], Any], timing: dict) -> list[float]:
+def time_do_bench(step: Callable[[], Any], timing: dict[str, Any]) -> list[float]:
     """One process on CUDA: Triton's do_bench (flushes L2, times with CUDA events); this round's share."""
     from triton.testing import do_bench
 
@@ -349,7 +350,7 @@ def time_do_bench(step: Callable[[], Any], timing: dict) -> list[float]:
     return [q / 1000 for q in quantiles]  # the median stays the median
 
 
-def time_ranks(step: Callable[[], Any], timing: dict) -> list[float]:
+def time_ranks(step: Callable[[], Any], timing: dict[str, Any]) -> list[float]:
     """Several ranks: this round's steps in lock step; a step lasts until the slowest rank ends it."""
     times = []
     for _ in range(timing["steps"]):

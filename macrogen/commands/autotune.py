@@ -13,7 +13,9 @@ from macrogen.commands import HelpFormatter, describe
 from macrogen.expand import ExpansionError, InternalError
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "autotune",
         help="measure the candidates of every tunable(...) and record the winners",

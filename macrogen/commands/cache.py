@@ -16,7 +16,9 @@ from macrogen import cache, hook
 from macrogen.commands import HelpFormatter, describe
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "cache",
         help="clear or list the import hook's cache",

@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "checkpoint",
         help="list or convert the checkpoints of a resumable loop",

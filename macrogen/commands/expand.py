@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from macrogen import files
 from macrogen.commands import HelpFormatter, describe
@@ -42,7 +42,9 @@ class Job:
     dst: str | None  # a path, or None for stdout
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "expand",
         help="expand the macros of Python files",
@@ -201,11 +203,11 @@ def plan_jobs(
             if out_dir is None and not in_place:
                 raise UsageError(f"{src} is a directory: give --out-dir DIR or --in-place")
             for file, rel in _python_files(path, skip=out_dir):
-                dst = file if in_place else str(Path(out_dir or "") / rel)
+                dst: str | None = file if in_place else str(Path(out_dir or "") / rel)
                 jobs.append(Job(file, dst))
         elif path.is_file():
             if in_place:
-                dst: str | None = src
+                dst = src
             elif out_dir is not None:
                 dst = str(Path(out_dir) / path.name)
             else:
@@ -293,7 +295,14 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _expand_one(
-    job: Job, check: bool, diff: bool, target: str | None, tuning: str | None, stdin, stdout, stderr
+    job: Job,
+    check: bool,
+    diff: bool,
+    target: str | None,
+    tuning: str | None,
+    stdin: IO[bytes],
+    stdout: IO[bytes],
+    stderr: IO[str],
 ) -> tuple[int, bytes | None]:
     """(exit status, the bytes to write to ``job.dst``; None when there is nothing to write)."""
     try:
@@ -307,7 +316,7 @@ def _expand_one(
     except (SyntaxError, UnicodeDecodeError) as e:
         print(f"{display}:1:1: error: can't decode the file: {e}", file=stderr)
         return 1, None
-    values: dict = {}
+    values: dict[str, Any] = {}
     if tuning is None and job.src != STDIO:
         default = Path(job.src).parent / TUNING_FILE  # the file autotune writes by default
         tuning = str(default) if default.is_file() else None

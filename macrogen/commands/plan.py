@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from macrogen.commands import HelpFormatter, describe
 from macrogen.expand import ExpansionError
 
+if TYPE_CHECKING:
+    from macrogen.autotune.planner import Row
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+
+def add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plan",
         help="rank parallel layouts by predicted step time and memory",
@@ -97,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if feasible else 1
 
 
-def _print(rows: list, args: argparse.Namespace) -> None:
+def _print(rows: list[Row], args: argparse.Namespace) -> None:
     from macrogen.autotune.memory import format_bytes
     from macrogen.autotune.report import format_time
 
@@ -110,6 +116,7 @@ def _print(rows: list, args: argparse.Namespace) -> None:
     print(header)
     for i, r in enumerate(feasible[: args.top], 1):
         s = r.step
+        assert s is not None  # feasible
         note = f"  (predicted only: {r.note})" if r.note else ""
         print(
             f"{i:>3}  {r.layout.describe(args.world_size):<28} {format_time(s.total):>10}"

@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import types
 
 from macrogen import hook
 from macrogen.commands import HelpFormatter, describe
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "run",
         help="run a script, expanding macros as modules are imported",
@@ -70,5 +73,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ours(frame) -> bool:
+def _ours(frame: types.FrameType) -> bool:
     return frame.f_code.co_filename in (__file__, hook.__file__)

@@ -777,7 +777,7 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, model_o
         _load_state_dict(
             whole,
             storage_reader=SafeReader(path, metadata),
-            planner=SafeEmptyLoadPlanner(),
+            planner=SafeEmptyLoadPlanner(),  # type: ignore[no-untyped-call]
             no_dist=True,
         )
     except (Exception, CheckpointException) as e:  # the files are data from disk: any failure

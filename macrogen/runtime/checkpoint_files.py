@@ -171,7 +171,7 @@ def read_metadata(folder: Path) -> dcp_md.Metadata:
     if not data:
         raise Unusable(f"{METADATA} is empty")
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        metadata: dcp_md.Metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # garbage, a torch.save file, a refused class: all one answer
         raise Unusable(f"{METADATA} is not DCP metadata ({one_line(e)})") from None
     why = _check_metadata(metadata)

@@ -164,7 +164,7 @@ def _globalize(
 
 
 def _serial_form(
-    t: torch.Tensor, dim: int, blocks: int, group: dist.ProcessGroup, load: bool, meshes: dict
+    t: torch.Tensor, dim: int, blocks: int, group: dist.ProcessGroup, load: bool, meshes: dict[Any, Any]
 ) -> torch.Tensor:
     """This rank's shard as part of the serial tensor: a DTensor, or the gathered tensor."""
     if blocks > 1:  # k interleaved pieces: no DTensor placement; the whole serial tensor
@@ -352,7 +352,7 @@ def _zero_lr_step(opt: torch.optim.Optimizer) -> None:
             p.grad = grad
 
 
-def _zero_from(model: nn.Module, opt: ShardedOptimizer, optim_sd: dict[str, Any]) -> dict:
+def _zero_from(model: nn.Module, opt: ShardedOptimizer, optim_sd: dict[str, Any]) -> dict[str, Any]:
     """The serial optimizer's state_dict for ``opt``, out of the loaded one keyed by name."""
     names = _names(model, opt)
     index = {n: i for i, n in enumerate(names)}

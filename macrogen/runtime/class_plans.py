@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from macrogen.runtime import mesh as meshes
 from macrogen.runtime import tensor_parallel_plan as class_styles
+from macrogen.runtime.eager import eager
 from macrogen.runtime.tensor_parallel import (
     load_serial_state_dict,
     serial_state_dict,
@@ -65,7 +66,7 @@ class ClassPlan:
 def class_plan(cls: type) -> ClassPlan | None:
     for klass in cls.__mro__:
         plan = vars(klass).get(PLAN)
-        if plan is not None:
+        if isinstance(plan, ClassPlan):
             return plan
     return None
 
@@ -239,7 +240,7 @@ def _watch(root: nn.Module) -> None:
     def loaded(module: nn.Module, _incompatible: Any) -> None:
         done()  # a checkpoint's values replace the initialization: nothing to compare
 
-    @torch.compiler.disable
+    @eager
     def check(module: nn.Module, args: Any) -> None:
         marks = module.__dict__.pop(_WATCH, ())
         done()

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+from macrogen.runtime.eager import eager
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -60,65 +64,65 @@ def _my_slice_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
 
 class _CopyToTensorParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         return _all_reduce(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
 class _ScatterLastDim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return _my_slice_last_dim(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _all_gather_last_dim(grad, ctx.group), None
 
 
 class _GatherLastDim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return _all_gather_last_dim(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _my_slice_last_dim(grad, ctx.group), None
 
 
 def copy_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """f: identity forward; backward sums the input gradient over the group."""
-    return x if group_size(group) == 1 else _CopyToTensorParallel.apply(x, group)
+    return x if group_size(group) == 1 else _CopyToTensorParallel.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 def reduce_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """g: forward sums the partial results over the group; identity backward."""
-    return x if group_size(group) == 1 else _ReduceFromTensorParallel.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceFromTensorParallel.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 def scatter_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """This rank's contiguous slice of the last dimension; backward all-gathers."""
-    return x if group_size(group) == 1 else _ScatterLastDim.apply(x, group)
+    return x if group_size(group) == 1 else _ScatterLastDim.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Every rank's slice, concatenated along the last dimension; backward keeps my slice."""
-    return x if group_size(group) == 1 else _GatherLastDim.apply(x, group)
+    return x if group_size(group) == 1 else _GatherLastDim.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 # -- linear layers with their collective fused in -----------------------------------------
@@ -134,21 +138,25 @@ OVERLAP = True
 
 
 # Under torch.autocast the backward runs with the forward's autocast state, as F.linear's does.
-_autocast_forward = torch.amp.custom_fwd(device_type="cuda")
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
-def _autocast_backward(backward):
+def _autocast_forward(forward: _Fn) -> _Fn:
+    return cast(_Fn, torch.amp.custom_fwd(forward, device_type="cuda"))
+
+
+def _autocast_backward(backward: _Fn) -> _Fn:
     """``torch.amp.custom_bwd(device_type="cuda")``, entering no autocast context where neither
     the forward nor the caller had autocast on (the usual case; the context costs ~20 us a call)."""
     with_autocast = torch.amp.custom_bwd(backward, device_type="cuda")
 
     @functools.wraps(backward)
-    def run(ctx, *grads):
+    def run(ctx: Any, *grads: torch.Tensor) -> Any:
         if ctx._fwd_used_autocast or torch.is_autocast_enabled("cuda"):
             return with_autocast(ctx, *grads)
         return backward(ctx, *grads)
 
-    return run
+    return cast(_Fn, run)
 
 
 class _ColwiseLinear(torch.autograd.Function):
@@ -156,14 +164,14 @@ class _ColwiseLinear(torch.autograd.Function):
 
     @staticmethod
     @_autocast_forward
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     @_autocast_backward
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
         grad_x = work = None
         if ctx.needs_input_grad[0]:
@@ -185,7 +193,9 @@ class _RowwiseLinear(torch.autograd.Function):
 
     @staticmethod
     @_autocast_forward
-    def forward(ctx, x, weight, bias, group, chunks):
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup, chunks: int
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         x2d = x.reshape(-1, x.shape[-1])  # (N, in / T)
@@ -210,7 +220,9 @@ class _RowwiseLinear(torch.autograd.Function):
 
     @staticmethod
     @_autocast_backward
-    def backward(ctx, grad):  # g's backward is the identity: only the linear's remains
+    def backward(  # g's backward is the identity: only the linear's remains
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
         grad2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
@@ -223,18 +235,22 @@ def _rows(n: int, chunks: int) -> int:
     return max(1, -(-n // max(1, chunks)))
 
 
-def colwise_linear(x, weight, bias, group: dist.ProcessGroup | None) -> torch.Tensor:
+def colwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None) -> torch.Tensor:
     """F.linear(f(x), weight, bias); with overlap, f's backward all-reduce runs beside the weight gradient."""
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
-    return _ColwiseLinear.apply(x, weight, bias, group)
+    return cast(torch.Tensor, _ColwiseLinear.apply(x, weight, bias, group))  # type: ignore[no-untyped-call]
 
 
 CHUNK_ELEMENTS = 1 << 20  # rowwise outputs at least this big are reduced in chunks (4 at most)
 
 
 def rowwise_linear(
-    x, weight, group: dist.ProcessGroup | None, chunks: int | None = None, bias=None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    chunks: int | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """g(F.linear(x, weight)) + bias (added once, after the reduction); with overlap, row
     blocks are reduced as they are computed.
@@ -248,7 +264,8 @@ def rowwise_linear(
         big = math.prod(x.shape[:-1]) * weight.shape[0] // CHUNK_ELEMENTS
         chunks = max(1, min(4, big)) if OVERLAP else 1
     if chunks > 1:
-        return _RowwiseLinear.apply(x, weight, bias, group, chunks)
+        out: torch.Tensor = _RowwiseLinear.apply(x, weight, bias, group, chunks)  # type: ignore[no-untyped-call]
+        return out
     # One reduction: no autograd Function. g's backward is the identity, so autograd's own
     # backward of the local linear (and of the bias add) is already the right one; the partial
     # output is summed in place outside autograd (nothing saved it). Same products as the
@@ -268,7 +285,9 @@ def rowwise_linear(
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, ignore_index):
+    def forward(
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup, ignore_index: int
+    ) -> torch.Tensor:
         n_local = logits.shape[-1]
         start = dist.get_rank(group) * n_local  # first vocabulary id of my columns
         z = logits.to(_loss_dtype(logits.dtype))  # fp16/bf16 in fp32; fp32, fp64 as they are
@@ -288,7 +307,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (loss * valid).to(logits.dtype)  # F.cross_entropy's loss has the logits' dtype
 
     @staticmethod
-    def backward(ctx, grad):  # d loss_i / d z_iv = softmax_iv - [v == target_i]
+    def backward(  # d loss_i / d z_iv = softmax_iv - [v == target_i]
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None]:
         softmax, local, hit, valid = ctx.saved_tensors
         grad = grad.to(softmax.dtype)
         g = softmax * (grad * valid).unsqueeze(-1)
@@ -322,7 +343,7 @@ def vocab_parallel_cross_entropy(
             "vocab-parallel cross-entropy takes (N, V) logits and (N,) targets with reduction"
             f" 'mean', 'sum' or 'none'; got logits of shape {tuple(logits.shape)}, {reduction!r}"
         )
-    loss = _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)
+    loss: torch.Tensor = _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)  # type: ignore[no-untyped-call]
     if reduction == "none":
         return loss
     if reduction == "sum":
@@ -346,7 +367,7 @@ def as_sharded_dtensor(x: torch.Tensor, group: dist.ProcessGroup | None) -> torc
     return DTensor.from_local(x, _mesh(group, x.device.type), [Shard(x.dim() - 1)], run_check=False)
 
 
-@torch.compiler.disable  # built once, outside any traced region (dynamo can't build one)
+@eager  # built once, outside any traced region (dynamo can't build one)
 @functools.lru_cache(maxsize=8)
 def _mesh(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type)
@@ -417,18 +438,20 @@ def _my_sequence_slice(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return _all_gather_sequence(x, group)
 
     @staticmethod
-    def backward(ctx, grad):  # every consumer's gradient is whole (a colwise's f summed it)
+    def backward(  # every consumer's gradient is whole (a colwise's f summed it)
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
         return _my_sequence_slice(grad, ctx.group), None
 
 
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The whole sequence from every rank's slice (dim 1); backward keeps my slice."""
-    return x if group_size(group) == 1 else _GatherSequence.apply(x, group)
+    return x if group_size(group) == 1 else _GatherSequence.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 class _ColwiseFromSequence(torch.autograd.Function):
@@ -436,7 +459,7 @@ class _ColwiseFromSequence(torch.autograd.Function):
 
     @staticmethod
     @_autocast_forward
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup) -> torch.Tensor:
         full = _all_gather_sequence(x, group)  # (B, T, in)
         ctx.save_for_backward(full, weight)
         ctx.group, ctx.has_bias = group, bias is not None
@@ -444,7 +467,7 @@ class _ColwiseFromSequence(torch.autograd.Function):
 
     @staticmethod
     @_autocast_backward
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
         full, weight = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:  # partial sums over my output features, for every token
@@ -463,7 +486,9 @@ class _RowwiseToSequence(torch.autograd.Function):
 
     @staticmethod
     @_autocast_forward
-    def forward(ctx, x, weight, bias, group, what):
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup, what: str
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         out = _reduce_scatter_sequence(F.linear(x, weight), group, what)
@@ -471,7 +496,7 @@ class _RowwiseToSequence(torch.autograd.Function):
 
     @staticmethod
     @_autocast_backward
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
         grad = _all_gather_sequence(grad, ctx.group)  # (B, T, out)
         grad2d = grad.reshape(-1, grad.shape[-1])
@@ -481,20 +506,20 @@ class _RowwiseToSequence(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def colwise_from_sequence(x, weight, bias, group: dist.ProcessGroup | None) -> torch.Tensor:
+def colwise_from_sequence(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None) -> torch.Tensor:
     """F.linear(gather_sequence(x), weight, bias), the gradient of x reduce-scattered along T."""
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
-    return _ColwiseFromSequence.apply(x, weight, bias, group)
+    return cast(torch.Tensor, _ColwiseFromSequence.apply(x, weight, bias, group))  # type: ignore[no-untyped-call]
 
 
 def rowwise_to_sequence(
-    x, weight, bias, group: dist.ProcessGroup | None, what: str = "rowwise"
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None, what: str = "rowwise"
 ) -> torch.Tensor:
     """This rank's sequence slice of the sum over ranks of F.linear(x, weight), plus bias."""
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
-    return _RowwiseToSequence.apply(x, weight, bias, group, what)
+    return cast(torch.Tensor, _RowwiseToSequence.apply(x, weight, bias, group, what))  # type: ignore[no-untyped-call]
 
 
 class _SumGradients(torch.autograd.Function):
@@ -502,12 +527,12 @@ class _SumGradients(torch.autograd.Function):
     all-reduce (a layer norm's weight and bias: one collective, not one each)."""
 
     @staticmethod
-    def forward(ctx, group, *params):
+    def forward(ctx: Any, group: dist.ProcessGroup, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=ctx.group)
         parts = flat.split([g.numel() for g in grads])
@@ -519,4 +544,4 @@ def sum_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | None) -
     one all-reduce: a replicated layer norm on a sequence slice sees only this rank's tokens."""
     if group_size(group) == 1 or not params:
         return list(params)
-    return list(_SumGradients.apply(group, *params))
+    return list(_SumGradients.apply(group, *params))  # type: ignore[no-untyped-call]

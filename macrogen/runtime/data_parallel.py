@@ -42,6 +42,7 @@ from macrogen.runtime import class_plans as apply_step
 from macrogen.runtime import fused, groups
 from macrogen.runtime.agreement import Fingerprint, check_agreement, fingerprint
 from macrogen.runtime.buckets import Bucket, local, plan_buckets
+from macrogen.runtime.eager import eager
 from macrogen.runtime.local_sgd import LocalSGD, OuterSGD
 from macrogen.runtime.mesh import data_parallel_group
 
@@ -205,7 +206,7 @@ class GradientSync:
     # -- forward ---------------------------------------------------------------
     # Start-up (agreement check, broadcasts) and the identity checks talk to process groups
     # and mutate Python state: under torch.compile they run eagerly, outside the graph.
-    @torch.compiler.disable
+    @eager
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         # Inference (torch.no_grad(), often on rank 0 only) takes part in no collective:
         # it neither starts up nor re-plans nor broadcasts buffers, as DDP under no_grad.

@@ -27,9 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from macrogen.runtime import groups
 from macrogen.runtime import mesh as meshes
+from macrogen.runtime.eager import eager
 from macrogen.runtime.parallelize import local_forward_per_unit, path_pattern
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -82,8 +84,11 @@ def _units(
     return found
 
 
-def _data_mesh(mesh: meshes.Mesh, replicate: int, where: str, *, pipelined: bool = False):
+def _data_mesh(
+    mesh: meshes.Mesh, replicate: int, where: str, *, pipelined: bool = False
+) -> DeviceMesh:
     """The DeviceMesh FSDP shards over: the data dim, or (replicate, shard) for HSDP."""
+    whole: DeviceMesh = mesh.device_mesh
     if mesh.pipeline_size > 1:
         if not pipelined:
             raise ValueError(f"{where}: FSDP with pp > 1 shards a @mg.pipeline model only")
@@ -92,14 +97,14 @@ def _data_mesh(mesh: meshes.Mesh, replicate: int, where: str, *, pipelined: bool
                 f"{where}: FSDP of a @mg.pipeline model with tp > 1 or dp_replicate > 1 is not"
                 " supported yet"
             )
-        return mesh.device_mesh["data"]  # each stage's data group
+        return whole["data"]  # each stage's data group
     if mesh.tensor_size > 1:  # FSDP x TP: shard over the data dim of the one 2-D mesh
         if replicate != 1:
             raise ValueError(
                 f"{where}: dp_replicate with tp > 1 (HSDP x TP) is not"
                 " supported yet"
             )
-        return mesh.device_mesh["data"]
+        return whole["data"]
     world = dist.get_world_size()
     if replicate < 1 or world % replicate:
         raise ValueError(
@@ -107,7 +112,7 @@ def _data_mesh(mesh: meshes.Mesh, replicate: int, where: str, *, pipelined: bool
             f" {world}: launch a multiple of {replicate} processes"
         )
     if replicate == 1:
-        return mesh.device_mesh
+        return whole
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = torch.device(groups.placement().device).type
@@ -162,7 +167,7 @@ def apply_fully_sharded(
     offload = OffloadPolicy()
     if config.cpu_offload:  # pinned host memory copies fast to an accelerator; without one, can't pin
         offload = CPUOffloadPolicy(pin_memory=device_mesh.device_type != "cpu")
-    options = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload)
+    options: dict[str, Any] = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload)
     if pipe is not None and pipe.layout is not None:
         return _shard_stages(model, pipe, config, options, where)
     for _, unit in units:
@@ -182,7 +187,7 @@ class _Accumulate:
     def __init__(self, k: int):
         self.k, self.seen = k, 0
 
-    @torch.compiler.disable
+    @eager
     def __call__(self, module: nn.Module, args: object) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
@@ -191,7 +196,7 @@ class _Accumulate:
 
 
 def _shard_stages(
-    model: nn.Module, pipe: Any, config: FullyShardedConfig, options: dict, where: str
+    model: nn.Module, pipe: Any, config: FullyShardedConfig, options: dict[str, Any], where: str
 ) -> nn.Module:
     """A ``@mg.pipeline`` model cut to this rank's stages: each stage's blocks (or its
     ``shard_units``), then the stage's module (the schedule's root), sharded within the

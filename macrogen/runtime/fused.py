@@ -29,11 +29,15 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
 
 from macrogen.runtime.groups import ensure_initialized
+
+# what dist.all_reduce takes as op: dist.ReduceOp.SUM is a RedOpType
+ReduceOp: TypeAlias = "dist.ReduceOp | dist.ReduceOp.RedOpType"
 
 # A member this large is reduced on its own: packing it would copy more than one collective's
 # latency saves (16 MiB is ~10 us of copies at 3 TB/s; DDP's buckets are 25 MiB).
@@ -100,9 +104,14 @@ class FusedAllReduce:
     def __init__(self, k: int, *, where: str):
         self.k = k
         self.where = where
-        self._plans: dict[tuple, list[Step]] = {}  # (dtype, shape, device) per tensor -> steps
+        self._plans: dict[tuple[object, ...], list[Step]] = {}  # (dtype, shape, device) per tensor -> steps
 
-    def __call__(self, *tensors: torch.Tensor, op=None, group=None) -> None:
+    def __call__(
+        self,
+        *tensors: torch.Tensor,
+        op: ReduceOp | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         if len(tensors) != self.k:
             raise TypeError(
                 f"fused_allreduce at {self.where}: {self.k} tensors, not {len(tensors)}"
@@ -139,7 +148,12 @@ class FusedAllReduce:
 class Step:
     members: tuple[int, ...]  # indices into the K tensors, reduced by one collective
 
-    def run(self, tensors: Sequence[torch.Tensor], op, group) -> None:
+    def run(
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        op: ReduceOp,
+        group: dist.ProcessGroup | None,
+    ) -> None:
         raise NotImplementedError
 
 
@@ -155,7 +169,12 @@ class Packed(Step):
         self.views = [v.view(tensors[i].shape) for i, v in zip(members, self.buffer.split(sizes))]
         self.every = self.members == tuple(range(len(tensors)))  # then no list to build per call
 
-    def run(self, tensors: Sequence[torch.Tensor], op, group) -> None:
+    def run(
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        op: ReduceOp,
+        group: dist.ProcessGroup | None,
+    ) -> None:
         members = tensors if self.every else [tensors[i] for i in self.members]
         torch._foreach_copy_(self.views, members)
         dist.all_reduce(self.buffer, op=op, group=group)
@@ -169,7 +188,12 @@ class Direct(Step):
         self.members = (index,)
         self.strided: Packed | None = None  # made the first time the member is a strided view
 
-    def run(self, tensors: Sequence[torch.Tensor], op, group) -> None:
+    def run(
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        op: ReduceOp,
+        group: dist.ProcessGroup | None,
+    ) -> None:
         t = tensors[self.members[0]]
         if t.is_contiguous():
             dist.all_reduce(t, op=op, group=group)

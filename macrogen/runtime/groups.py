@@ -34,6 +34,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -177,7 +178,7 @@ def ensure_initialized() -> bool:
     return True
 
 
-def init(where: Placement, **kwargs) -> None:
+def init(where: Placement, **kwargs: Any) -> None:
     """Make ``where``'s GPU current (so NCCL and DeviceMesh find it), then the default group."""
     if where.cuda_ordinal is not None:
         torch.cuda.set_device(where.cuda_ordinal)
@@ -196,7 +197,7 @@ def _destroy_at_exit() -> None:
             dist.destroy_process_group()
 
 
-def _attempt_store(where: Placement) -> dict:
+def _attempt_store(where: Placement) -> dict[str, Any]:
     """torchrun's store, with this attempt's keys under a prefix of their own; ranks checked.
 
     torchrun keeps one store for the whole job, and a worker group it restarted
@@ -271,7 +272,7 @@ def _within(limit: datetime.timedelta | None) -> str:
     return f"{limit.total_seconds():g} s ({TIMEOUT_ENV})" if limit else "torch's default timeout"
 
 
-def _agree(store, rank: int, mine: dict[str, str], deadline: float, within: str) -> None:
+def _agree(store: dist.Store, rank: int, mine: dict[str, str], deadline: float, within: str) -> None:
     """Every rank posts its settings; rank 0 compares them all and posts the verdict.
 
     A rank that differs from rank 0 says so itself; the others learn it from the

@@ -34,6 +34,7 @@ so the training loop does not change.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -281,7 +282,7 @@ def _packed(members: list[torch.Tensor], flat: fused.FlatBuffer) -> torch.Tensor
     return buf.clone() if len(flat.members) == 1 else buf
 
 
-def _after_step(ref: weakref.ref[LocalSGD]):
+def _after_step(ref: weakref.ref[LocalSGD]) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
     def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         local = ref()
         if local is not None:
@@ -290,7 +291,7 @@ def _after_step(ref: weakref.ref[LocalSGD]):
     return hook
 
 
-def _before_step(ref: weakref.ref[LocalSGD]):
+def _before_step(ref: weakref.ref[LocalSGD]) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
     def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         local = ref()
         if local is not None:

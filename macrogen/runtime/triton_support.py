@@ -7,6 +7,7 @@ without Triton (macOS, Windows) they must still import and take the torch path.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -20,15 +21,15 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 
     class _NoTriton:
         @staticmethod
-        def jit(fn=None, **kwargs):
+        def jit(fn: Any = None, **kwargs: Any) -> Any:
             return fn if fn is not None else (lambda f: f)
 
         @staticmethod
         def cdiv(a: int, b: int) -> int:
             return -(-a // b)
 
-    triton = _NoTriton()  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+    triton = _NoTriton()  # type: ignore[assignment,unused-ignore]
+    tl = None  # type: ignore[assignment,unused-ignore]
 
 
 def interpreting() -> bool:
@@ -54,7 +55,7 @@ def _patch_interpreter_index() -> None:
     if patch is None or getattr(patch, "_macrogen_squeezes", False):
         return
 
-    def patched(tensor, scope):
+    def patched(tensor: Any, scope: Any) -> None:
         patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 

@@ -69,6 +69,7 @@ import math
 import threading
 import weakref
 from collections import defaultdict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from macrogen.runtime import groups, zero_runs
 from macrogen.runtime.buckets import plan_buckets
+from macrogen.runtime.eager import eager
 from macrogen.runtime.mesh import data_parallel_group
 
 if TYPE_CHECKING:
@@ -94,15 +96,15 @@ NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
 _HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _grad_ready(ref: weakref.ref, i: int, param: torch.Tensor) -> None:
+def _grad_ready(ref: weakref.ref[ShardedOptimizer], i: int, param: torch.Tensor) -> None:
     opt = ref()
     if opt is not None:
         opt._grad_ready(i)
 
 
 # it finishes gathers and (un)installs the guard: Python state that dynamo runs eagerly
-@torch.compiler.disable
-def _after_forward(ref: weakref.ref, *args: Any) -> None:
+@eager
+def _after_forward(ref: weakref.ref[ShardedOptimizer], *args: Any) -> None:
     opt = ref()
     if opt is not None:
         opt._after_forward()
@@ -380,7 +382,13 @@ class _Guard(TorchFunctionMode):
         self.owner = weakref.ref(owner)
         self.thread = threading.get_ident()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         owner = self.owner()
         if owner is not None:
@@ -593,7 +601,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._gathers.append(bucket)
         if self._guard is None:  # (one left on the stack under a user's mode serves again)
             self._guard = _Guard(self)
-            self._guard.__enter__()
+            self._guard.__enter__()  # type: ignore[no-untyped-call]
         return loss
 
     def _reduce(self) -> None:
@@ -703,7 +711,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if torch._C._len_torch_function_stack():
                 return  # under a user's mode, which would pop ours on its exit: not detected
             self._guard = _Guard(self)
-            self._guard.__enter__()
+            self._guard.__enter__()  # type: ignore[no-untyped-call]
         self._guard_grads = True
 
     def _unguard_grads(self) -> None:
@@ -932,7 +940,9 @@ def clip_grad_norm_(
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, *, where: str = "shard_optimizer"):
+def shard_optimizer(
+    optimizer: torch.optim.Optimizer, *, where: str = "shard_optimizer"
+) -> torch.optim.Optimizer:
     """``optimizer`` sharded over the data-parallel group; itself when the world size is 1."""
     from torch.distributed.tensor import DTensor
 
