@@ -127,7 +127,14 @@ def expanded_module(out_dir: Path):
 
 
 # (a point-to-point isend or irecv counts as one call: ZeRO-1 on gloo sends its buckets so)
-COLLECTIVES = ("all_reduce", "broadcast", "reduce_scatter_single", "all_gather_single", "isend", "irecv")
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "reduce_scatter_single",
+    "all_gather_single",
+    "isend",
+    "irecv",
+)
 
 
 class CountCollectives:
@@ -178,7 +185,10 @@ def variants(models, rank: int) -> dict[str, Variant]:
     config = GPTConfig(**MODEL)
     tokens = batch(config, BATCH, seed=1 + rank)
     g = torch.Generator().manual_seed(rank)
-    images = (torch.randn(IMAGES, 3, 32, 32, generator=g), torch.randint(0, 10, (IMAGES,), generator=g))
+    images = (
+        torch.randn(IMAGES, 3, 32, 32, generator=g),
+        torch.randint(0, 10, (IMAGES,), generator=g),
+    )
 
     def fresh(cls):
         torch.manual_seed(0)
@@ -375,6 +385,7 @@ def profile_worker(rank: int, world: int, port: int, steps: int, out_dir: str) -
     setup(rank, world, port)
     models = expanded_module(Path(out_dir))
     runs = variants(models, rank)
+
     def step(model, opt, batch) -> None:
         opt.zero_grad()
         model(*batch).backward()
@@ -403,7 +414,9 @@ def profile_worker(rank: int, world: int, port: int, steps: int, out_dir: str) -
             cum = sum(v[3] for (f, _, n), v in stats.items() if n == fn and f.endswith(suffix))
             calls = sum(v[1] for (f, _, n), v in stats.items() if n == fn and f.endswith(suffix))
             if calls:
-                print(f"    {what:<55} {cum / steps * 1e3:7.2f} ms/step  ({calls / steps:.0f} calls)")
+                print(
+                    f"    {what:<55} {cum / steps * 1e3:7.2f} ms/step  ({calls / steps:.0f} calls)"
+                )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -539,7 +552,9 @@ def main() -> None:
     parser.add_argument("--curve-steps", type=int, default=300)
     parser.add_argument("--profile", action="store_true", help="cProfile each variant instead")
     parser.add_argument(
-        "--compile", action="store_true", help="@data_parallel + torch.compile vs DDP + torch.compile"
+        "--compile",
+        action="store_true",
+        help="@data_parallel + torch.compile vs DDP + torch.compile",
     )
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (--compile)")
     args = parser.parse_args()

@@ -84,7 +84,7 @@ HEAD_DIM = mg.define(D_MODEL // N_HEAD)
 
 # One chunk: 50 lines, 11 top-level statements of which 10 are macro sites (and
 # every function body is one), with 14 sites in all.
-CHUNK = '''
+CHUNK = """
 WIDTH_{i} = mg.define(64 + {i})
 BLOCK_{i} = mg.tunable(64, choices=[32, 64, 128])
 BUCKET_{i} = mg.tunable(25, choices=[1, 4, 25])
@@ -133,7 +133,7 @@ class Net{i}(nn.Module):
 
     def forward(self, x):
         return self.mlp(x).sum()
-'''
+"""
 
 
 def dense_source(min_lines: int = 2000, *, core_only: bool = False) -> str:
@@ -141,9 +141,11 @@ def dense_source(min_lines: int = 2000, *, core_only: bool = False) -> str:
     data_parallel), whose own code generation is most of their cost."""
     chunk = CHUNK.replace("{{", "{").replace("}}", "}")
     if core_only:
-        chunk = "\n\n\n" + "\n\n\n".join(
-            b for b in chunk.strip("\n").split("\n\n\n") if not b.startswith("@")
-        ) + "\n"
+        chunk = (
+            "\n\n\n"
+            + "\n\n\n".join(b for b in chunk.strip("\n").split("\n\n\n") if not b.startswith("@"))
+            + "\n"
+        )
     parts, i = [HEADER], 0
     while sum(p.count("\n") for p in parts) < min_lines:
         parts.append(chunk.replace("{i}", str(i)))
@@ -171,8 +173,9 @@ class Time:
 
 
 def _cpu() -> float:
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
-        resource.RUSAGE_CHILDREN
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
     )
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
@@ -214,7 +217,9 @@ def dense_figures(title: str, source: str, repeat: int) -> None:
     expand_t, parse_t = medians(
         [lambda: expand_first(source), lambda: cst.parse_module(source)], repeat
     )
-    print(f"{title}: {source.count(chr(10))} lines, {statements} top-level statements, {len(result.sites)} macro sites")
+    print(
+        f"{title}: {source.count(chr(10))} lines, {statements} top-level statements, {len(result.sites)} macro sites"
+    )
     print(
         f"  expand:            {expand_t.w / kloc:.3f} s/kLOC wall, {expand_t.c / kloc:.3f} CPU (goal <= 0.25)"
     )
@@ -253,7 +258,11 @@ def _phase_hooks() -> list[tuple[str, object, str]]:
         ("statement lines from ast", statements, "ast_extents"),
         ("render templates: Jinja2", codegen, "_text"),
         ("render templates: the check (symtable; ast where the tree is used)", codegen, "render"),
-        ("render templates: the check (symtable; ast where the tree is used)", codegen, "_rendered"),
+        (
+            "render templates: the check (symtable; ast where the tree is used)",
+            codegen,
+            "_rendered",
+        ),
         ("print expanded statements", statements.Pieces, "code"),
         ("scope collection", expansion, "collect_scope"),
         ("scope collection", transform, "collect_scope"),
@@ -344,7 +353,9 @@ def main() -> None:
     # 1. the macro-dense file
     dense_figures("macro-dense file", dense_source(), args.repeat)
     dense_figures(
-        "the same without tile/tensor_parallel/data_parallel", dense_source(core_only=True), args.repeat
+        "the same without tile/tensor_parallel/data_parallel",
+        dense_source(core_only=True),
+        args.repeat,
     )
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -393,8 +404,12 @@ def main() -> None:
     print("start-up (a fresh process; wall, and CPU):")
     print(f"  python -c pass:          {bare_t.w:.3f} s ({bare_t.c:.3f} CPU)")
     print(f"  macrogen expand --help:  {help_t.w:.3f} s ({help_t.c:.3f} CPU) (goal <= 0.15)")
-    print(f"  macrogen expand FILE:    {small_t.w:.3f} s ({small_t.c:.3f} CPU) (a small file without macros)")
-    print(f"  (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; median of {args.repeat} runs)")
+    print(
+        f"  macrogen expand FILE:    {small_t.w:.3f} s ({small_t.c:.3f} CPU) (a small file without macros)"
+    )
+    print(
+        f"  (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; median of {args.repeat} runs)"
+    )
 
 
 if __name__ == "__main__":

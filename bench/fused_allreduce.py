@@ -123,7 +123,11 @@ def cpu_section(args, directory: str) -> None:
     results = queue.get(timeout=900)
     for p in procs:
         p.join(timeout=60)
-    report(f"K={args.k}, 2 gloo ranks (CPU), median of {args.rounds} rounds x {args.iters}", results, args.k)
+    report(
+        f"K={args.k}, 2 gloo ranks (CPU), median of {args.rounds} rounds x {args.iters}",
+        results,
+        args.k,
+    )
 
 
 def cuda_section(args, directory: str) -> None:
@@ -142,9 +146,7 @@ def cuda_section(args, directory: str) -> None:
             fused(*ts)
         host[case] = (time.perf_counter() - start) / args.iters  # issued, not waited for
         torch.cuda.synchronize()
-    report(
-        f"K={args.k}, NCCL world size 1 on {torch.cuda.get_device_name()}", results, args.k
-    )
+    report(f"K={args.k}, NCCL world size 1 on {torch.cuda.get_device_name()}", results, args.k)
     print("  host time of one fused block: "
           + ", ".join(f"{c} {t * 1e6:.1f} us" for c, t in host.items()))  # fmt: skip
     dist.destroy_process_group()

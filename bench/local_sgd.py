@@ -179,7 +179,9 @@ def report(
     print(f"compute only (no synchronization): {c:7.1f} ms/step")
     print("ms per step (of which waiting for the network); ratio: overlap d=1 / outer; ideal:")
     print("(C + max(0, L - C)/k) / (C + L/k) for compute C and latency L")
-    print(f"{'sync_every':>10}  {'outer':>14}  {'overlap d=1':>14}  {'ratio':>5}  {'d=0':>14}  {'ideal':>5}")
+    print(
+        f"{'sync_every':>10}  {'outer':>14}  {'overlap d=1':>14}  {'ratio':>5}  {'d=0':>14}  {'ideal':>5}"
+    )
     for k in args.sync_every:
         names = (f"outer_k{k}", f"overlap_k{k}", f"overlap_d0_k{k}")
         outer, over, d0 = (f"{ms[n]:6.1f} ({wait[n]:5.1f})" for n in names)
@@ -273,7 +275,9 @@ def plot(curves: dict[str, list[float]], png: str, steps: int) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("training loss (2 ranks, 10-step average)")
     axes[0].legend()
-    fig.suptitle(f"Local SGD on examples/gpt.py (2 layers, d=64, 2 gloo ranks, AdamW, {steps} steps)")
+    fig.suptitle(
+        f"Local SGD on examples/gpt.py (2 layers, d=64, 2 gloo ranks, AdamW, {steps} steps)"
+    )
     fig.tight_layout()
     fig.savefig(png)
     print(f"wrote {png}")
@@ -287,7 +291,9 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"])
     parser.add_argument("--n-layer", type=int, default=MODEL["n_layer"])
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank (compute ~ latency)")
+    parser.add_argument(
+        "--batch", type=int, default=4, help="sequences per rank (compute ~ latency)"
+    )
     parser.add_argument("--losses", action="store_true", help="final losses instead of times")
     parser.add_argument("--loss-steps", type=int, default=300)
     parser.add_argument("--png", help="with --losses: draw the loss curves here (matplotlib)")

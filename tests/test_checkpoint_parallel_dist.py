@@ -52,7 +52,13 @@ def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         from macrogen.runtime.mesh import tensor_parallel_group
         from macrogen.runtime.tensor_parallel_plan import Colwise, Rowwise, Vocab, parallelize
 
-        plan = {"emb": Vocab(), "qkv": Colwise(3), "proj": Rowwise(), "fc": Colwise(), "out": Rowwise()}
+        plan = {
+            "emb": Vocab(),
+            "qkv": Colwise(3),
+            "proj": Rowwise(),
+            "fc": Colwise(),
+            "out": Rowwise(),
+        }
         parallelize(model, "Net", tensor_parallel_group(2), plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if kind in ("zero", "dptp"):

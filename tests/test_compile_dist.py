@@ -26,7 +26,7 @@ from tests.distributed import run_ranks
 from tests.helpers import expand, load_module
 
 SOURCE = textwrap.dedent(
-    '''
+    """
     import math
 
     import torch
@@ -132,7 +132,7 @@ SOURCE = textwrap.dedent(
             "transformer.h.*.mlp.c_fc": "colwise",
             "transformer.h.*.mlp.c_proj": "rowwise",
         })
-    '''
+    """
 )
 
 STEPS = 5

@@ -251,7 +251,10 @@ def test_fsdp_of_a_pipeline_model_matches_serial(tmp_path):
     import macrogen as mg
 
     serial_module = load_module(PIPELINED, "fsdp_pipe_serial", tmp_path)
-    ref = {k: v.detach().clone() for k, v in _train_pipelined(serial_module, slice(None)).state_dict().items()}
+    ref = {
+        k: v.detach().clone()
+        for k, v in _train_pipelined(serial_module, slice(None)).state_dict().items()
+    }
     expanded = mg.expand_source(PIPELINED, path="pipelined.py").code
     results = run_ranks(_pipelined, 4, args=(str(tmp_path), expanded), timeout=400)
     for full, kinds, sharded in results:

@@ -65,7 +65,9 @@ def imports_of(name: str) -> set[str]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            submodules = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in MODULES]
+            submodules = [
+                f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in MODULES
+            ]
             found.update(submodules)
             if len(submodules) < len(node.names):
                 found.add(module)
@@ -257,7 +259,9 @@ def test_each_site_gets_its_own_view_of_the_context():
             seen.append(ctx)
             return macro.Expanded(cst.Name(ctx.import_module("os")))
 
-    source = "import macrogen as mg\n\ndef f(os):\n    return mg.toy_records()\n\nx = mg.toy_records()\n"
+    source = (
+        "import macrogen as mg\n\ndef f(os):\n    return mg.toy_records()\n\nx = mg.toy_records()\n"
+    )
     macros.register(Records)
     try:
         code = strip_header(expand_source(source).code)
@@ -266,7 +270,9 @@ def test_each_site_gets_its_own_view_of_the_context():
     inner, outer = seen
     assert inner is not outer and inner.names is outer.names and inner.tunables is outer.tunables
     assert inner.shadowed == {"os"} and outer.shadowed == frozenset()
-    assert inner.requested is not outer.requested and len(inner.requested) == len(outer.requested) == 1
+    assert (
+        inner.requested is not outer.requested and len(inner.requested) == len(outer.requested) == 1
+    )
     assert "return _mg_os\n" in code  # f's parameter named os hides the name os there
 
 
@@ -349,7 +355,10 @@ def test_no_dead_code():
     vulture = pytest.importorskip("vulture")
     check = vulture.Vulture()
     check.scavenge([str(PACKAGE), str(ROOT / ".ci" / "vulture_whitelist.py")])
-    assert [f"{item.filename}:{item.first_lineno} {item.name}" for item in check.get_unused_code(min_confidence=60)] == []
+    assert [
+        f"{item.filename}:{item.first_lineno} {item.name}"
+        for item in check.get_unused_code(min_confidence=60)
+    ] == []
 
     planted = vulture.Vulture()
     planted.scan("def used():\n    pass\n\ndef dead():\n    pass\n\nused()\n")

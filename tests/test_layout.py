@@ -103,7 +103,12 @@ def test_positions_from_the_pass_codegen_are_libcsts():
     compared = 0
     for name in sorted((Path(__file__).parent / "golden").glob("*/input.py")):
         source = name.read_text(encoding="latin-1")
-        for text in (source, source.replace("\n", "\r\n"), source.replace("\n", "\r"), source.rstrip("\n")):
+        for text in (
+            source,
+            source.replace("\n", "\r\n"),
+            source.replace("\n", "\r"),
+            source.rstrip("\n"),
+        ):
             try:
                 module = cst.parse_module(text)
             except cst.ParserSyntaxError:

@@ -47,11 +47,18 @@ class Net(nn.Module):
         return self.mlp(x).sum()
 """
 
-STACKED = MODEL.replace("class Net(nn.Module):", "@mg.tensor_parallel(plan={'fc': 'rowwise'})\nclass Net(nn.Module):").replace(
-    "        self.mlp = MLP()", "        self.fc = nn.Linear(8, 8)"
-).replace("self.mlp(x)", "self.fc(x)")
+STACKED = (
+    MODEL.replace(
+        "class Net(nn.Module):",
+        "@mg.tensor_parallel(plan={'fc': 'rowwise'})\nclass Net(nn.Module):",
+    )
+    .replace("        self.mlp = MLP()", "        self.fc = nn.Linear(8, 8)")
+    .replace("self.mlp(x)", "self.fc(x)")
+)
 
-NESTED = MODEL + """
+NESTED = (
+    MODEL
+    + """
 
 def build():
     @mg.data_parallel(bucket_mb=4)
@@ -61,6 +68,7 @@ def build():
 
     return Inner()
 """
+)
 
 TILED = """\
 import macrogen as mg
@@ -125,7 +133,9 @@ def test_files_print_the_same(name: str) -> None:
 
     plain, parsed = _both(expand)
     assert plain == parsed
-    assert "@tensor_parallel_class('MLP', None, {" in str(plain) or "def scale(out, x):" in str(plain)
+    assert "@tensor_parallel_class('MLP', None, {" in str(plain) or "def scale(out, x):" in str(
+        plain
+    )
 
 
 def test_tile_expression_names_are_libcst_names(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,7 +168,9 @@ class _Order(cst.CSTVisitor):
         return True
 
 
-@pytest.mark.parametrize("name", [c for c in CASES if c.startswith(("tile", "tensor_parallel"))][:12])
+@pytest.mark.parametrize(
+    "name", [c for c in CASES if c.startswith(("tile", "tensor_parallel"))][:12]
+)
 def test_walk_meets_nodes_in_libcst_order(name: str) -> None:
     module = cst.parse_module((GOLDEN / name / "input.py").read_text(encoding="utf-8"))
     order = _Order()
@@ -305,10 +317,13 @@ KEPT_BLOCKS = {
         "        return self.proj(self.fc(x))\n        # inside forward\n    # inside the class\n# after it\n",
     ),
     "last, no final newline": MODEL + "\n    # the class's\n  # odd\n# the module's",
-    "header comment": MODEL.replace("class Net(nn.Module):", "class Net(nn.Module):  # the net:\n    # first line"),
+    "header comment": MODEL.replace(
+        "class Net(nn.Module):", "class Net(nn.Module):  # the net:\n    # first line"
+    ),
     "one-line class": MODEL + "\n\n@mg.data_parallel(bucket_mb=2)\nclass One(nn.Module): pass\n",
     "decorated method first": MODEL.replace(
-        "    def __init__(self, d: int = 8):", "    # c\n\n    @staticmethod\n    # d\n    def g():\n        pass\n\n    def __init__(self, d: int = 8):"
+        "    def __init__(self, d: int = 8):",
+        "    # c\n\n    @staticmethod\n    # d\n    def g():\n        pass\n\n    def __init__(self, d: int = 8):",
     ),
 }
 
@@ -317,7 +332,9 @@ KEPT_BLOCKS = {
 # (expand/fast/: libcst's parse validated, its visit, its printing of every statement,
 # every template checked)
 @pytest.mark.parametrize("name", CASES)
-def test_goldens_the_same_without_the_fast_paths(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_goldens_the_same_without_the_fast_paths(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fast_way = expand_case(GOLDEN / name)
     monkeypatch.setattr(fast, "ENABLED", False)
     assert expand_case(GOLDEN / name) == fast_way
@@ -339,9 +356,35 @@ def test_files_the_same_without_the_fast_paths(name: str, monkeypatch: pytest.Mo
 # -- literal values without ast.literal_eval (expand/literals.py) --------------------------
 @pytest.mark.parametrize(
     "text",
-    ["1", "0x1F", "0o17", "0b101", "1_000", "00", "1e5", "1.", ".5", "1_0.5e-3", "3j", "'abc'",
-     '"a b"', "'''x\ny'''", 'r"raw"', 'u"u"', "b'x'", "rb'x'", "BR'x'", "'a\\nb'", '""', "''''''",
-     "'é'", '"""a"b"""', "'\"'", "'a' 'b'", "9" * 5000],
+    [
+        "1",
+        "0x1F",
+        "0o17",
+        "0b101",
+        "1_000",
+        "00",
+        "1e5",
+        "1.",
+        ".5",
+        "1_0.5e-3",
+        "3j",
+        "'abc'",
+        '"a b"',
+        "'''x\ny'''",
+        'r"raw"',
+        'u"u"',
+        "b'x'",
+        "rb'x'",
+        "BR'x'",
+        "'a\\nb'",
+        '""',
+        "''''''",
+        "'é'",
+        '"""a"b"""',
+        "'\"'",
+        "'a' 'b'",
+        "9" * 5000,
+    ],
 )
 def test_literal_values_are_libcsts(text: str) -> None:
     from macrogen.expand.literals import evaluated
@@ -368,7 +411,10 @@ def test_a_template_that_renders_invalid_python_is_named_with_its_line(tmp_path:
     codegen.add_templates(folder)
     try:
         for render in (codegen.render, codegen.render_statements):
-            with pytest.raises(InternalError, match=r"template bad_check.py.j2 rendered invalid Python \(line 2\): "):
+            with pytest.raises(
+                InternalError,
+                match=r"template bad_check.py.j2 rendered invalid Python \(line 2\): ",
+            ):
                 render("bad_check.py.j2", v=1)
         with pytest.raises(InternalError, match="duplicate argument 'a'"):  # as compile() says
             codegen.render("twice_check.py.j2")
@@ -429,7 +475,21 @@ def test_nodes_are_validated_outside_the_parse() -> None:
 
 # -- codegen.text: the fast path for text with nothing to escape ---------------------------
 @pytest.mark.parametrize(
-    "value", ["", "dense.py:20", "a b/c.py", "é ü", 'q"', "back\\slash", "new\nline", "\r", "\x00", "\u2028", "\udcff", 3]
+    "value",
+    [
+        "",
+        "dense.py:20",
+        "a b/c.py",
+        "é ü",
+        'q"',
+        "back\\slash",
+        "new\nline",
+        "\r",
+        "\x00",
+        "\u2028",
+        "\udcff",
+        3,
+    ],
 )
 def test_text_is_the_character_loop(value: object) -> None:
     def escaped(ch: str) -> str:
@@ -443,7 +503,13 @@ def test_text_is_the_character_loop(value: object) -> None:
 # -- _lines_with: the names' literals searched, their start checked as \b checks it --------
 @pytest.mark.parametrize(
     "names",
-    [{"mg"}, {"mg", "tile", "define"}, {"a", "ba"}, {"é"}, {"x\u0301"}],  # (the last ends in a mark)
+    [
+        {"mg"},
+        {"mg", "tile", "define"},
+        {"a", "ba"},
+        {"é"},
+        {"x\u0301"},
+    ],  # (the last ends in a mark)
 )
 def test_lines_with_is_the_word_boundary_search(names: set[str]) -> None:
     import ast

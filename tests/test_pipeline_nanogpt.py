@@ -112,9 +112,7 @@ def test_the_tie_across_the_cut_is_kept_not_refused():
     model = GPT()
     assert _plan(model, 2, None).tied == [("lm_head.weight", frozenset({0, 1}))]
     # on one side of the cut there is nothing to share
-    assert _plan(model, 2, ("transformer.ln_f",)).tied == [
-        ("lm_head.weight", frozenset({0, 1}))
-    ]
+    assert _plan(model, 2, ("transformer.ln_f",)).tied == [("lm_head.weight", frozenset({0, 1}))]
 
 
 def test_a_parameter_used_on_one_stage_only_is_not_tied():
@@ -129,9 +127,14 @@ def test_a_parameter_used_on_one_stage_only_is_not_tied():
         # (the expansion says it is "called inside `if targets is not None:`": the
         # pipeline_container_errors golden; the runtime reads no source)
         (("lm_head",), "'lm_head' is no submodule forward calls at top level"),
-        (("transformer.h",), "the list forward loops over: name the block that starts the stage"
-         " (transformer.h.0-3)"),
-        (("transformer.h.7",), "self.transformer.h has 4 blocks (transformer.h.0 to transformer.h.3)"),
+        (
+            ("transformer.h",),
+            "the list forward loops over: name the block that starts the stage (transformer.h.0-3)",
+        ),
+        (
+            ("transformer.h.7",),
+            "self.transformer.h has 4 blocks (transformer.h.0 to transformer.h.3)",
+        ),
         (("transformer.ln_g",), "did you mean 'transformer.ln_f'?"),
     ],
 )
@@ -229,7 +232,7 @@ def test_a_forward_returning_no_loss_says_so():
 
 # -- expansion ----------------------------------------------------------------------------
 
-NANO = '''
+NANO = """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -260,7 +263,7 @@ class GPT(nn.Module):
         else:
             logits, loss = self.lm_head(x[:, [-1], :]), None
         return logits, loss
-'''
+"""
 
 
 def test_nanogpt_as_written_expands_without_split():
@@ -268,8 +271,7 @@ def test_nanogpt_as_written_expands_without_split():
     code = expand(NANO.format(args="stages=2"))
     assert "# cut: at run time, between blocks of self.transformer.h" in code
     assert (
-        "# tied: transformer.wte.weight = lm_head.weight: each stage that uses it holds it"
-        in code
+        "# tied: transformer.wte.weight = lm_head.weight: each stage that uses it holds it" in code
     )
 
 
@@ -303,7 +305,9 @@ def test_the_container_golden_plans_at_run_time_as_its_expansion_says(tmp_path):
     assert f"# cut: {split.describe()}\n" in expected
     balanced = _plan(module.Balanced(), 2, None)  # a Sequential inside a ModuleDict
     assert balanced.forward.loops == ("body.layers",)
-    assert balanced.describe() == "stage 0: body.inp, body.layers.0 | stage 1: body.layers.1-2, head"
+    assert (
+        balanced.describe() == "stage 0: body.inp, body.layers.0 | stage 1: body.layers.1-2, head"
+    )
 
 
 class NoLoop(nn.Module):

@@ -111,9 +111,7 @@ def _run(tmp_path, world, cases):
     for variant, dtype in cases:
         module = load_module(_source(variant), f"serial_nanogpt_{variant}_{dtype}", tmp_path)
         serial[variant, dtype] = _train(module, dtype, variant == "gpipe")[:2]
-    expanded = [
-        (v, d, mg.expand_source(_source(v), path=str(GOLDEN)).code) for v, d in cases
-    ]
+    expanded = [(v, d, mg.expand_source(_source(v), path=str(GOLDEN)).code) for v, d in cases]
     results = run_ranks(_worker, world, args=(expanded, str(tmp_path)), timeout=600)
     for rank_result in results:
         for (variant, dtype), (losses, full, tied, _, _) in rank_result.items():

@@ -133,7 +133,11 @@ def _worker(rank, world, expanded, directory):
     model = module.GPT()
     stage = rp.pipeline_of(model).stage
     block = model.blocks[0 if stage == 0 else 3]
-    shapes = (type(block).__name__, tuple(block.attn.qkv.weight.shape), type(model.blocks[3 - 3 * stage]).__name__)
+    shapes = (
+        type(block).__name__,
+        tuple(block.attn.qkv.weight.shape),
+        type(model.blocks[3 - 3 * stage]).__name__,
+    )
     # a serial checkpoint loads back into the sharded stages
     full = model.full_state_dict()
     with torch.no_grad():

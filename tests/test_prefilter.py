@@ -92,7 +92,24 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 FILLER = st.sampled_from(
-    ["", " ", "x", "_", "é", "\u0301", "\u00b7", "ｍ", "ａ", "\uff10", ".", "(", "#", "'", "\n", "1"]
+    [
+        "",
+        " ",
+        "x",
+        "_",
+        "é",
+        "\u0301",
+        "\u00b7",
+        "ｍ",
+        "ａ",
+        "\uff10",
+        ".",
+        "(",
+        "#",
+        "'",
+        "\n",
+        "1",
+    ]
 )
 
 

@@ -142,7 +142,9 @@ def test_a_fused_block_inside_90_nested_defs_expands():
 def test_a_macro_argument_nested_150_deep_expands():
     # The transform does not walk into syntax that holds no macrogen name, so a deep literal
     # no longer reaches the recursion limit (issue 15's pass work).
-    result = expand_source("import macrogen as mg\nA = mg.define(" + "[" * 150 + "]" * 150 + ")\n", path="m.py")
+    result = expand_source(
+        "import macrogen as mg\nA = mg.define(" + "[" * 150 + "]" * 150 + ")\n", path="m.py"
+    )
     assert "A = " + "[" * 150 + "]" * 150 + "\n" in result.code
 
 

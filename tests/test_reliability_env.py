@@ -321,6 +321,7 @@ COMMANDS = {
     "cache": ["cache", "info"],
     "autotune": ["autotune", "x.py", "--entry", ":f"],
     "checkpoint": ["checkpoint", "list", "x"],
+    "plan": ["plan", "x.py", "--world-size", "2"],
 }
 
 

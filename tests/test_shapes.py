@@ -31,7 +31,10 @@ def _hit(checked: str, text: str) -> bool:
 @pytest.mark.parametrize(
     "checked, text",
     [
-        ("def f_1(x):\n    return x + 12  # at a.py:3\n", "def f_7(x):\n    return x + 57  # at a.py:9\n"),
+        (
+            "def f_1(x):\n    return x + 12  # at a.py:3\n",
+            "def f_7(x):\n    return x + 57  # at a.py:9\n",
+        ),
         ("class Net0(_Net0_serial):\n    pass\n", "class Net4(_Net4_serial):\n    pass\n"),
         ("x = 1.e5 + 0.25 + 10\n", "x = 1.e9 + 0.75 + 90\n"),
         ("x = 100_000\n", "x = 900_001\n"),

@@ -221,7 +221,9 @@ def _parity(rank, world, tmp):
     # an undecorated parent re-initializing cut shards: an error at the first forward, never a
     # silently different start; a checkpoint loaded after it replaces the values: no error
     x = torch.randn(2, 8)
-    with pytest.raises(RuntimeError, match=r"FeedForward's shards \(w1.weight, w2.weight\) changed"):
+    with pytest.raises(
+        RuntimeError, match=r"FeedForward's shards \(w1.weight, w2.weight\) changed"
+    ):
         P.PreTrained()(x)
     reloaded = P.PreTrained()
     reloaded.ffn.load_full_state_dict(S.FeedForward(8, 16).state_dict())
@@ -243,5 +245,7 @@ def test_classes_captured_at_definition_build_the_parallel_model_on_two_ranks(tm
 def test_a_planned_module_the_plan_never_reached_is_an_error_at_its_forward(tmp_path):
     P = load_module(expand(SOURCE), "registry_stray", tmp_path)
     holder = P.Holder()
-    with pytest.raises(RuntimeError, match=r"this FeedForward was built while Holder was being built"):
+    with pytest.raises(
+        RuntimeError, match=r"this FeedForward was built while Holder was being built"
+    ):
         holder.stray.made[0](torch.zeros(1, 8))

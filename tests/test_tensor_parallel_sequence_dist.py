@@ -182,7 +182,10 @@ def _collectives_of_a_pass(ours, x, w, grads):
         collectives.REDUCE_SCATTER_BY_ALL_REDUCE = {"gloo"}
         for name, call in originals.items():
             setattr(dist, name, call)
-    (out, grad_x, grads_ar, by_ar), (out_rs, grad_x_rs, grads_rs, by_rs) = results[True], results[False]
+    (out, grad_x, grads_ar, by_ar), (out_rs, grad_x_rs, grads_rs, by_rs) = (
+        results[True],
+        results[False],
+    )
     # all-reduces: 2 rowwise-to-sequence outputs and 1 colwise-from-sequence input gradient
     # (as reduce-scatters, or not), the attention's colwise input gradient, 1 per layer norm
     assert by_ar == {"all_reduce": 3 + 1 + 2, "reduce_scatter_single": 0}, by_ar

@@ -32,7 +32,7 @@ from tests.distributed import run_ranks
 from tests.helpers import expand, expansion_errors, load_module
 
 SOURCE = textwrap.dedent(
-    '''
+    """
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -99,7 +99,7 @@ SOURCE = textwrap.dedent(
                 idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
                 idx = torch.cat((idx, idx_next), dim=1)
             return idx
-    '''
+    """
 )
 FP64 = dict(rtol=0, atol=1e-12)
 
@@ -221,7 +221,9 @@ def test_returned_logits_are_gathered_and_the_loss_logits_stay_sharded():
     assert (
         "logits = gather_last_dim(self.lm_head(x[:, [-1], :]), getattr(self.lm_head, 'group', None))"
     ) in code
-    assert "logits = as_sharded_dtensor(self.lm_head(x), getattr(self.lm_head, 'group', None))" in code
+    assert (
+        "logits = as_sharded_dtensor(self.lm_head(x), getattr(self.lm_head, 'group', None))" in code
+    )
     assert "loss = vocab_parallel_cross_entropy(" in code
     assert "return self.c_proj(F.gelu(self.c_fc(x)))" in code  # into a rowwise layer: as it was
 
@@ -249,7 +251,10 @@ def _head(body: str, style: str = '"colwise"') -> str:
 @pytest.mark.parametrize(
     "body, wrapped",
     [
-        ("return self.head(x)", "return gather_last_dim(self.head(x), getattr(self.head, 'group', None))"),
+        (
+            "return self.head(x)",
+            "return gather_last_dim(self.head(x), getattr(self.head, 'group', None))",
+        ),
         (
             """\
             logits = self.head(x)

@@ -185,7 +185,9 @@ def test_sharded_adamw_equals_torch_zero_redundancy_optimizer(tmp_path, world):
         assert r["pieces"] > 0, (rank, r)
         for rival in ("vs torch ZeRO", "vs serial"):
             error, name = r[rival]
-            assert error <= 1, f"rank {rank}: ZeRO on {world} ranks {rival}: {name} is {error:.3g} x FP32's tolerance off"
+            assert error <= 1, (
+                f"rank {rank}: ZeRO on {world} ranks {rival}: {name} is {error:.3g} x FP32's tolerance off"
+            )
     # every rank ends with the same parameters (each stepped its shard, then gathered)
     assert len({r["checksum"] for r in results}) == 1, [r["checksum"] for r in results]
 

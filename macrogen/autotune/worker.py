@@ -102,7 +102,12 @@ def _out_of_time(job: dict[str, Any], distributed: bool, need: float = 0.0) -> b
 
 
 def _measure_group(
-    group: list[dict[str, Any]], job: dict[str, Any], entry_factory: Any, distributed: bool, rank: int, results: Path
+    group: list[dict[str, Any]],
+    job: dict[str, Any],
+    entry_factory: Any,
+    distributed: bool,
+    rank: int,
+    results: Path,
 ) -> tuple[list[dict[str, Any]], bool]:
     """Time a group of candidates interleaved: round r times each candidate's steps in turn.
 
@@ -146,7 +151,11 @@ def _measure_group(
             step, signatures[cid] = _agree(
                 distributed, "setup", functools.partial(_build, candidate, job, entry_factory)
             )
-            _agree(distributed, "warm-up", functools.partial(_repeat, step, timing["warmup"], distributed))
+            _agree(
+                distributed,
+                "warm-up",
+                functools.partial(_repeat, step, timing["warmup"], distributed),
+            )
             steps[cid], times[cid] = step, []
         except CandidateError as e:
             out[cid] = {"id": cid, "error": str(e)}
@@ -160,7 +169,9 @@ def _measure_group(
         for cid in live[r % len(live) :] + live[: r % len(live)] if live else []:
             started(cid)
             try:
-                chunk = _agree(distributed, "timing", functools.partial(TIMERS[mode], steps[cid], timing))
+                chunk = _agree(
+                    distributed, "timing", functools.partial(TIMERS[mode], steps[cid], timing)
+                )
                 times[cid].extend(chunk)
             except CandidateError as e:
                 out[cid] = {"id": cid, "error": str(e)}
@@ -193,7 +204,9 @@ def _peaks(baseline: int, distributed: bool) -> list[int]:
     return [int(x) for x in every]
 
 
-def _build(candidate: dict[str, Any], job: dict[str, Any], entry_factory: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
+def _build(
+    candidate: dict[str, Any], job: dict[str, Any], entry_factory: Any
+) -> tuple[Callable[[], Any], dict[str, Any]]:
     try:
         module = _import_file(candidate["file"], candidate["module"])
     except BaseException as e:

@@ -279,7 +279,9 @@ class _FileExpansion:
         i = self.current if i is None else i
         code_range = None
         if i >= 0:
-            code_range = self.statements.site_range(i, node) or self.statements.positions(i).get(node)
+            code_range = self.statements.site_range(i, node) or self.statements.positions(i).get(
+                node
+            )
         if code_range is None:
             return Position(self.statements.first_lines[i] if i >= 0 else 1, 1)
         first_line = self.statements.first_lines[i]

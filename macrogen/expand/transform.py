@@ -604,6 +604,8 @@ class Expander(cst.CSTTransformer):
 
 
 _METHODS: dict[tuple[type, str, type, str], Callable[..., Any] | None] = {}
+
+
 def _live_nodes(root: cst.CSTNode, hot: HotLines) -> set[int]:
     """The ids of the nodes at or below ``root`` that hold a ``Name`` in ``hot.names``,
     not looking into the statements ``hot`` rules out (they are not visited)."""

@@ -162,7 +162,9 @@ def nodes(root: cst.CSTNode) -> Iterator[cst.CSTNode]:
         stack.extend(reversed(children(node)))
 
 
-def find(root: cst.CSTNode, kind: type[cst.CSTNode] | tuple[type[cst.CSTNode], ...]) -> Iterator[Any]:
+def find(
+    root: cst.CSTNode, kind: type[cst.CSTNode] | tuple[type[cst.CSTNode], ...]
+) -> Iterator[Any]:
     """The nodes of ``kind`` at or below ``root``, in visiting order."""
     return (n for n in nodes(root) if _is(type(n), kind))
 

@@ -238,7 +238,10 @@ def validate(site: Site, ctx: Context) -> Spec:
     if "shard" in args and redundant.may_be(ctx, args["shard"], "full"):
         redundant.fully_sharded(ctx, args["shard"], site.line, 'shard="full"')
     if "delay" in args and not values["overlap"]:
-        raise MacroError("delay= needs overlap=True: it is how late an overlapped round is applied", args["delay"].node)
+        raise MacroError(
+            "delay= needs overlap=True: it is how late an overlapped round is applied",
+            args["delay"].node,
+        )
     if values["overlap"] and values["delay"] > values["sync_every"]:
         at = args.get("delay") or args["overlap"]
         raise MacroError(
@@ -250,9 +253,7 @@ def validate(site: Site, ctx: Context) -> Spec:
     if values["server_plan"] is not None:
         values["server_plan"] = tuple(values["server_plan"])
     units = values.pop("shard_units")
-    return Spec(
-        name=node.name.value, shard_units=None if units is None else tuple(units), **values
-    )
+    return Spec(name=node.name.value, shard_units=None if units is None else tuple(units), **values)
 
 
 def _check_servers(args: Mapping[str, Arg], values: dict[str, Any]) -> None:
@@ -268,9 +269,7 @@ def _check_servers(args: Mapping[str, Arg], values: dict[str, Any]) -> None:
             at,
         )
     if values["shard"] is not None:
-        raise MacroError(
-            'servers=S takes replicated dense parameters: leave out shard="full"', at
-        )
+        raise MacroError('servers=S takes replicated dense parameters: leave out shard="full"', at)
     local = values["sync_every"] != 1 or values["outer"] is not None or values["overlap"]
     if local or values["accumulate"] != 1:
         raise MacroError(
@@ -283,7 +282,12 @@ def _check_servers(args: Mapping[str, Arg], values: dict[str, Any]) -> None:
 def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
     """An overlapped round must be applied before the next one starts."""
     every, delay = arguments.get("sync_every", 1), arguments.get("delay", 1)
-    if arguments.get("overlap") and isinstance(every, int) and isinstance(delay, int) and delay > every:
+    if (
+        arguments.get("overlap")
+        and isinstance(every, int)
+        and isinstance(delay, int)
+        and delay > every
+    ):
         return f"delay={delay} > sync_every={every}"
     return None
 
@@ -336,9 +340,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     return _decorated(ctx, site, plan, tuple(imports))
 
 
-def _decorated(
-    ctx: Context, site: Site, plan: cst.Decorator, imports: tuple[Any, ...]
-) -> Expanded:
+def _decorated(ctx: Context, site: Site, plan: cst.Decorator, imports: tuple[Any, ...]) -> Expanded:
     assert isinstance(site.node, cst.ClassDef)
     # the class object itself keeps its name and identity
     return Expanded([decorated(ctx, site.node, plan)], imports=imports)

@@ -53,7 +53,11 @@ def _bool(v: Any) -> str | None:
     return None if isinstance(v, bool) else "True or False"
 
 
-CHECKS: dict[str, Callable[[Any], str | None]] = {"lr": _lr, "momentum": _momentum, "nesterov": _bool}
+CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "lr": _lr,
+    "momentum": _momentum,
+    "nesterov": _bool,
+}
 
 
 def argument(call: cst.Call, key: str, evaluator: Evaluator) -> tuple[object, str | None]:

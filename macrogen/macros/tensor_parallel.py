@@ -635,9 +635,7 @@ def _check_sequence_sizes(cls: cst.ClassDef, spec: Spec) -> None:
             )
 
 
-def rewrite_widths(
-    cls: cst.ClassDef, spec: Spec, collective: Callable[[str], str]
-) -> cst.ClassDef:
+def rewrite_widths(cls: cst.ClassDef, spec: Spec, collective: Callable[[str], str]) -> cst.ClassDef:
     """The class with its ``forward``'s full-width arithmetic made local, its vocab-sharded
     loss vocab-parallel and its returned colwise outputs gathered (tensor_parallel_width)."""
     mine = {e.key for e in spec.entries if len(e.path) == 1}  # forward sees its own layers

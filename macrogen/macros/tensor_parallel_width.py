@@ -192,9 +192,17 @@ class _Widths(cst.CSTTransformer):
                 self.sharded.pop(name, None)
                 if layer is not None and not self._calls(original.value, self.rowwise):
                     self.sharded[name] = layer
-        if isinstance(original, cst.Name) and isinstance(updated, cst.Name) and original.value in self.full:
+        if (
+            isinstance(original, cst.Name)
+            and isinstance(updated, cst.Name)
+            and original.value in self.full
+        ):
             return self._use(original, updated)
-        if isinstance(original, cst.Call) and isinstance(updated, cst.Call) and dotted(original.func) in CROSS_ENTROPY:
+        if (
+            isinstance(original, cst.Call)
+            and isinstance(updated, cst.Call)
+            and dotted(original.func) in CROSS_ENTROPY
+        ):
             return self._cross_entropy(original, updated)
         if id(original) in self.wrap and isinstance(updated, cst.Call):
             function, layer = self.wrap[id(original)]
@@ -220,7 +228,11 @@ class _Widths(cst.CSTTransformer):
             return updated
         positional = [a for a in original.args if a.keyword is None]
         options = [a for a in original.args if a.keyword is not None]
-        bad = [a for a in options if a.keyword is not None and a.keyword.value not in CROSS_ENTROPY_OPTIONS]
+        bad = [
+            a
+            for a in options
+            if a.keyword is not None and a.keyword.value not in CROSS_ENTROPY_OPTIONS
+        ]
         if len(positional) != 2 or bad or any(a.star for a in original.args):
             raise MacroError(
                 f"cross_entropy of self.{layer}'s output, whose vocabulary is split over the"

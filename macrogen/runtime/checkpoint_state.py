@@ -164,7 +164,12 @@ def _globalize(
 
 
 def _serial_form(
-    t: torch.Tensor, dim: int, blocks: int, group: dist.ProcessGroup, load: bool, meshes: dict[Any, Any]
+    t: torch.Tensor,
+    dim: int,
+    blocks: int,
+    group: dist.ProcessGroup,
+    load: bool,
+    meshes: dict[Any, Any],
 ) -> torch.Tensor:
     """This rank's shard as part of the serial tensor: a DTensor, or the gathered tensor."""
     if blocks > 1:  # k interleaved pieces: no DTensor placement; the whole serial tensor
@@ -259,7 +264,9 @@ def _fsdp_over_tp(value: DTensor) -> bool:
     mesh dim at a time, FSDP's dim by hand (``torch.chunk``, as FSDP2 cuts it), the tensor dim
     as for TP alone."""
     mesh = value.device_mesh
-    return mesh.ndim == 2 and mesh.mesh_dim_names is not None and _dim(value.placements[0]) is not None
+    return (
+        mesh.ndim == 2 and mesh.mesh_dim_names is not None and _dim(value.placements[0]) is not None
+    )
 
 
 def _tensor_mesh(value: DTensor) -> Any:

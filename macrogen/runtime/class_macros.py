@@ -73,9 +73,7 @@ def data_parallel_class(
 _SYNC = "_mg_data_parallel"  # a @data_parallel model's GradientSync
 
 
-def pipeline_class(
-    config: Any, forward: Any, *, ranks: int, where: str
-) -> Callable[[type], type]:
+def pipeline_class(config: Any, forward: Any, *, ranks: int, where: str) -> Callable[[type], type]:
     """What ``@pipeline`` expands to: the mesh told of ``ranks`` pipeline ranks first (tensor-
     parallel layers built in the model take their tensor group within their stage), the class's
     ``__init__`` run inside ``construction`` (the whole model, initialized as in a serial run),

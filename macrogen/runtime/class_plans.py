@@ -71,7 +71,9 @@ def class_plan(cls: type) -> ClassPlan | None:
     return None
 
 
-def tensor_parallel_class(name: str, size: int | None, plan: dict[str, Any]) -> Callable[[type], type]:
+def tensor_parallel_class(
+    name: str, size: int | None, plan: dict[str, Any]
+) -> Callable[[type], type]:
     """What ``@tensor_parallel`` expands to: the plan recorded on the class, its ``__init__``
     run inside ``construction`` (the class object itself is returned: registries, factories
     and ``isinstance`` that captured it see the tensor-parallel class)."""
@@ -106,7 +108,9 @@ def full_state_dict(self: nn.Module) -> dict[str, torch.Tensor]:
     return serial_state_dict(self)
 
 
-def load_full_state_dict(self: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> Any:
+def load_full_state_dict(
+    self: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+) -> Any:
     """Load a serial module's state dict; each rank keeps its shards."""
     return load_serial_state_dict(self, state_dict, strict)
 
@@ -252,7 +256,9 @@ def _watch(root: nn.Module) -> None:
             then = torch.stack([t for _, _, t in same_storage])
         if torch.equal(now, then):
             return
-        changed = [n for (n, _, _), a, b in zip(same_storage, now.tolist(), then.tolist()) if a != b]
+        changed = [
+            n for (n, _, _), a, b in zip(same_storage, now.tolist(), then.tolist()) if a != b
+        ]
         name = type(module).__name__
         raise RuntimeError(
             f"tensor_parallel: {name}'s shards ({', '.join(changed[:4])}"

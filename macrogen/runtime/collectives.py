@@ -164,14 +164,22 @@ class _ColwiseLinear(torch.autograd.Function):
 
     @staticmethod
     @_autocast_forward
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     @_autocast_backward
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
         grad_x = work = None
         if ctx.needs_input_grad[0]:
@@ -194,7 +202,12 @@ class _RowwiseLinear(torch.autograd.Function):
     @staticmethod
     @_autocast_forward
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup, chunks: int
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+        chunks: int,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
@@ -235,7 +248,12 @@ def _rows(n: int, chunks: int) -> int:
     return max(1, -(-n // max(1, chunks)))
 
 
-def colwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None) -> torch.Tensor:
+def colwise_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
     """F.linear(f(x), weight, bias); with overlap, f's backward all-reduce runs beside the weight gradient."""
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
@@ -286,7 +304,11 @@ def rowwise_linear(
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup, ignore_index: int
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        group: dist.ProcessGroup,
+        ignore_index: int,
     ) -> torch.Tensor:
         n_local = logits.shape[-1]
         start = dist.get_rank(group) * n_local  # first vocabulary id of my columns
@@ -400,8 +422,10 @@ def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     blocks = x.new_empty((size * x.shape[0], *x.shape[1:]))  # rank r's slice is block r
     dist.all_gather_single(blocks, x, group=group)
     # (tp, B, T / tp, ...) -> (B, T, ...): one copy, to the layout the next layer reads
-    return blocks.view(size, *x.shape).movedim(0, SEQUENCE_DIM).reshape(
-        x.shape[0], size * x.shape[1], *x.shape[2:]
+    return (
+        blocks.view(size, *x.shape)
+        .movedim(0, SEQUENCE_DIM)
+        .reshape(x.shape[0], size * x.shape[1], *x.shape[2:])
     )
 
 
@@ -424,7 +448,9 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, what: st
         x = x.contiguous()
         dist.all_reduce(x, group=group)
         return _my_sequence_slice(x, group).contiguous()
-    blocks = x.reshape(B, size, T // size, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T / tp, ...)
+    blocks = (
+        x.reshape(B, size, T // size, *x.shape[2:]).movedim(1, 0).contiguous()
+    )  # (tp, B, T / tp, ...)
     out = x.new_empty(blocks.shape[1:])  # contiguous (B, T / tp, ...)
     dist.reduce_scatter_single(out, blocks.flatten(0, 1), group=group)
     return out
@@ -459,7 +485,13 @@ class _ColwiseFromSequence(torch.autograd.Function):
 
     @staticmethod
     @_autocast_forward
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
         full = _all_gather_sequence(x, group)  # (B, T, in)
         ctx.save_for_backward(full, weight)
         ctx.group, ctx.has_bias = group, bias is not None
@@ -467,7 +499,9 @@ class _ColwiseFromSequence(torch.autograd.Function):
 
     @staticmethod
     @_autocast_backward
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
         full, weight = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:  # partial sums over my output features, for every token
@@ -487,7 +521,12 @@ class _RowwiseToSequence(torch.autograd.Function):
     @staticmethod
     @_autocast_forward
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup, what: str
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+        what: str,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
@@ -496,7 +535,9 @@ class _RowwiseToSequence(torch.autograd.Function):
 
     @staticmethod
     @_autocast_backward
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
         grad = _all_gather_sequence(grad, ctx.group)  # (B, T, out)
         grad2d = grad.reshape(-1, grad.shape[-1])
@@ -506,7 +547,12 @@ class _RowwiseToSequence(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def colwise_from_sequence(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None) -> torch.Tensor:
+def colwise_from_sequence(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
     """F.linear(gather_sequence(x), weight, bias), the gradient of x reduce-scattered along T."""
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
@@ -514,7 +560,11 @@ def colwise_from_sequence(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def rowwise_to_sequence(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None, what: str = "rowwise"
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    what: str = "rowwise",
 ) -> torch.Tensor:
     """This rank's sequence slice of the sum over ranks of F.linear(x, weight), plus bias."""
     if group_size(group) == 1:
@@ -527,7 +577,9 @@ class _SumGradients(torch.autograd.Function):
     all-reduce (a layer norm's weight and bias: one collective, not one each)."""
 
     @staticmethod
-    def forward(ctx: Any, group: dist.ProcessGroup, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, group: dist.ProcessGroup, *params: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.group = group
         return tuple(p.view_as(p) for p in params)
 
@@ -539,7 +591,9 @@ class _SumGradients(torch.autograd.Function):
         return (None, *(part.view_as(g) for part, g in zip(parts, grads)))
 
 
-def sum_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+def sum_gradients(
+    params: list[torch.Tensor], group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
     """The parameters themselves (as views) whose gradients are summed over the group, all in
     one all-reduce: a replicated layer norm on a sequence slice sees only this rank's tokens."""
     if group_size(group) == 1 or not params:

@@ -146,9 +146,7 @@ class GradientSync:
         copy. Checked on every training forward: one pass of identity tests.
         """
         current = [p for p in self.module.parameters() if p.requires_grad]
-        if len(current) == len(self.params) and all(
-            a is b for a, b in zip(current, self.params)
-        ):
+        if len(current) == len(self.params) and all(a is b for a, b in zip(current, self.params)):
             return None
         named = {id(p): n for n, p in self.module.named_parameters() if p.requires_grad}
         for p, name in zip(self.params, self.names):

@@ -100,10 +100,7 @@ def _data_mesh(
         return whole["data"]  # each stage's data group
     if mesh.tensor_size > 1:  # FSDP x TP: shard over the data dim of the one 2-D mesh
         if replicate != 1:
-            raise ValueError(
-                f"{where}: dp_replicate with tp > 1 (HSDP x TP) is not"
-                " supported yet"
-            )
+            raise ValueError(f"{where}: dp_replicate with tp > 1 (HSDP x TP) is not supported yet")
         return whole["data"]
     world = dist.get_world_size()
     if replicate < 1 or world % replicate:
@@ -165,7 +162,9 @@ def apply_fully_sharded(
             param_dtype=DTYPES[config.mixed_precision], reduce_dtype=torch.float32
         )
     offload = OffloadPolicy()
-    if config.cpu_offload:  # pinned host memory copies fast to an accelerator; without one, can't pin
+    if (
+        config.cpu_offload
+    ):  # pinned host memory copies fast to an accelerator; without one, can't pin
         offload = CPUOffloadPolicy(pin_memory=device_mesh.device_type != "cpu")
     options: dict[str, Any] = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload)
     if pipe is not None and pipe.layout is not None:

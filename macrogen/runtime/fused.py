@@ -104,7 +104,9 @@ class FusedAllReduce:
     def __init__(self, k: int, *, where: str):
         self.k = k
         self.where = where
-        self._plans: dict[tuple[object, ...], list[Step]] = {}  # (dtype, shape, device) per tensor -> steps
+        self._plans: dict[
+            tuple[object, ...], list[Step]
+        ] = {}  # (dtype, shape, device) per tensor -> steps
 
     def __call__(
         self,

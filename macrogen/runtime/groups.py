@@ -82,7 +82,9 @@ def choose_placement(
     if requested is not None:
         check_backend(requested)
     if not 0 <= local_rank < max(local_world_size, 1):
-        raise ValueError(f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}")
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}"
+        )
     if not cuda_available or device_count < 1:
         if requested is not None and "nccl" in requested:
             raise ValueError(
@@ -272,7 +274,9 @@ def _within(limit: datetime.timedelta | None) -> str:
     return f"{limit.total_seconds():g} s ({TIMEOUT_ENV})" if limit else "torch's default timeout"
 
 
-def _agree(store: dist.Store, rank: int, mine: dict[str, str], deadline: float, within: str) -> None:
+def _agree(
+    store: dist.Store, rank: int, mine: dict[str, str], deadline: float, within: str
+) -> None:
     """Every rank posts its settings; rank 0 compares them all and posts the verdict.
 
     A rank that differs from rank 0 says so itself; the others learn it from the
@@ -374,7 +378,9 @@ def barrier(where: str, group: dist.ProcessGroup | None = None) -> None:
     try:
         dist.monitored_barrier(group=group, timeout=limit, wait_all_ranks=True)
     except RuntimeError as e:
-        seconds = f"{limit.total_seconds():g} s ({TIMEOUT_ENV})" if limit else "torch's default timeout"
+        seconds = (
+            f"{limit.total_seconds():g} s ({TIMEOUT_ENV})" if limit else "torch's default timeout"
+        )
         raise RankTimeoutError(
             f"{where}: not every rank arrived within {seconds}; a rank is stopped, hung or"
             f" slower than that (raised on rank {dist.get_rank()}). torch says: {e}"

@@ -61,7 +61,9 @@ class OuterSGD:
 
     def __post_init__(self) -> None:
         if not self.lr > 0 or not 0 <= self.momentum < 1 or (self.nesterov and not self.momentum):
-            raise ValueError(f"outer_sgd needs lr > 0, 0 <= momentum < 1 (> 0 with nesterov): {self}")
+            raise ValueError(
+                f"outer_sgd needs lr > 0, 0 <= momentum < 1 (> 0 with nesterov): {self}"
+            )
 
 
 PLAIN = OuterSGD(lr=1.0, momentum=0.0, nesterov=False)  # the outer step that averages
@@ -154,7 +156,9 @@ class LocalSGD:
         first = self.parts[0] if self.parts else None
         p = sync.params[first.flat.members[0]] if first is not None else None
         if sync.plan_id != self._plan or (
-            p is not None and first is not None and (p.device, p.dtype) != (first.synced.device, first.synced.dtype)
+            p is not None
+            and first is not None
+            and (p.device, p.dtype) != (first.synced.device, first.synced.dtype)
         ):
             raise RuntimeError(
                 f"data_parallel at {sync.where}: the model's parameters were replaced, moved or"
@@ -208,7 +212,11 @@ class LocalSGD:
                 grad = part.delta
                 if part.momentum is not None:  # torch.optim.SGD's rule, dampening 0
                     part.momentum.mul_(outer.momentum).add_(grad)
-                    grad = grad.add(part.momentum, alpha=outer.momentum) if outer.nesterov else part.momentum
+                    grad = (
+                        grad.add(part.momentum, alpha=outer.momentum)
+                        if outer.nesterov
+                        else part.momentum
+                    )
                 part.synced.add_(grad, alpha=-outer.lr)
                 if lagged:
                     now = _packed(members, part.flat)

@@ -162,9 +162,7 @@ class Plan:
         return " | ".join(stages)
 
 
-def plan(
-    model: nn.Module, stages: int, split: tuple[str, ...] | None, forward: pf.Forward
-) -> Plan:
+def plan(model: nn.Module, stages: int, split: tuple[str, ...] | None, forward: pf.Forward) -> Plan:
     """Cut ``model``'s forward into ``stages`` stages (pure: the model is not changed)."""
     name = type(model).__name__
     blocks: dict[str, int] = {}
@@ -633,9 +631,7 @@ class Pipeline:
         sharded parameters, DTensors, were averaged by FSDP's reduce-scatter)."""
         lay = self.layout
         assert lay is not None
-        params = [
-            p for p in self.model.parameters() if p.requires_grad and not _is_dtensor(p)
-        ]
+        params = [p for p in self.model.parameters() if p.requires_grad and not _is_dtensor(p)]
         if not params:
             return
         for p in params:

@@ -196,7 +196,9 @@ class RowwiseLinear(_Sharded):
         in_dim = 0 if self.transposed else 1  # an HF Conv1D keeps its (in / T, out) layout
         if self.transposed:
             self.SHARD_DIMS = {"weight": 0}
-        self.weight = _shard(full.weight, in_dim, group, 1, f"{name}.weight", shard)  # (out, in / T)
+        self.weight = _shard(
+            full.weight, in_dim, group, 1, f"{name}.weight", shard
+        )  # (out, in / T)
         self.bias = (
             None
             if full.bias is None

@@ -254,7 +254,9 @@ def _sum_parameter_gradients(group):
         if not params:
             return
         views = sum_gradients(params, group)
-        module.__dict__[_SWAPPED] = [(owner, name, owner._parameters[name]) for owner, name in slots]
+        module.__dict__[_SWAPPED] = [
+            (owner, name, owner._parameters[name]) for owner, name in slots
+        ]
         for owner, name in slots:  # a plain tensor where a parameter was: what forward reads
             table: dict[str, Any] = owner._parameters
             table[name] = views[index[id(table[name])]]

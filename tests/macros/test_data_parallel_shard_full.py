@@ -42,11 +42,14 @@ def test_without_shard_it_is_replicated_as_before():
 @pytest.mark.parametrize(
     "args, message",
     [
-        ('shard="zero3"', 'test.py:5:25: error: shard must be None or "full" (FSDP), not \'zero3\''),
+        (
+            'shard="zero3"',
+            "test.py:5:25: error: shard must be None or \"full\" (FSDP), not 'zero3'",
+        ),
         ("shard=True", 'test.py:5:25: error: shard must be None or "full" (FSDP), not True'),
         (
             'shard=mg.tunable(None, choices=[None, "half"])',
-            'test.py:5:25: error: shard must be None or "full" (FSDP), not a choice of \'half\'',
+            "test.py:5:25: error: shard must be None or \"full\" (FSDP), not a choice of 'half'",
         ),
         (
             'shard="full", compress="bf16"',
@@ -81,19 +84,19 @@ SHARDED_OPTIMIZER = "mg.shard_optimizer(torch.optim.AdamW(model.parameters()))"
     [
         (  # the optimizer after the model, as programs are written
             f'model = mg.parallelize(build(), dp="fsdp")\nopt = {SHARDED_OPTIMIZER}\n',
-            "test.py:3:36: error: dp=\"fsdp\" (FSDP) already shards the optimizer state with the"
+            'test.py:3:36: error: dp="fsdp" (FSDP) already shards the optimizer state with the'
             " parameters: mg.shard_optimizer at test.py:4 is redundant",
         ),
         (  # a function that builds the optimizer, defined before the model
             f"def make(model):\n    return {SHARDED_OPTIMIZER}\n"
             'model = mg.parallelize(build(), dp=mg.tunable("replicate", choices=["replicate", "fsdp"]))\n',
-            "test.py:5:36: error: dp=\"fsdp\" (FSDP) already shards the optimizer state with the"
+            'test.py:5:36: error: dp="fsdp" (FSDP) already shards the optimizer state with the'
             " parameters: mg.shard_optimizer at test.py:4 is redundant",
         ),
         (
             '@mg.data_parallel(shard="full")\nclass Net(nn.Module):\n    pass\n'
             f"opt = {SHARDED_OPTIMIZER}\n",
-            "test.py:3:25: error: shard=\"full\" (FSDP) already shards the optimizer state with the"
+            'test.py:3:25: error: shard="full" (FSDP) already shards the optimizer state with the'
             " parameters: mg.shard_optimizer at test.py:6 is redundant",
         ),
     ],

@@ -332,7 +332,9 @@ def test_run_time_errors_name_the_layer_and_what_is_supported(monkeypatch):
     from macrogen.runtime.mesh import SIZE_ENV, tensor_parallel_size
     from macrogen.runtime.tensor_parallel import ColwiseLinear, VocabEmbedding, local_count
 
-    with pytest.raises(TypeError, match=r"Block.mlp.fc: colwise needs an nn.Linear \(or a subclass\), not Conv1d"):
+    with pytest.raises(
+        TypeError, match=r"Block.mlp.fc: colwise needs an nn.Linear \(or a subclass\), not Conv1d"
+    ):
         ColwiseLinear(nn.Conv1d(2, 2, 1), None, "Block.mlp.fc")
     with pytest.raises(ValueError, match=r"LM.wte: vocab supports nn.Embedding\(num_embeddings"):
         VocabEmbedding(nn.Embedding(8, 4, max_norm=1.0), None, "LM.wte")

@@ -28,7 +28,13 @@ from tests.macros.tile_cases import CASES, make_inputs, source
 TARGET = GPUTarget("cuda", 90, 32)  # H100
 A100 = GPUTarget("cuda", 80, 32)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-POINTERS = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64", torch.int32: "*i32"}
+POINTERS = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+}
 OPTIONS = ("num_warps", "num_stages")
 
 

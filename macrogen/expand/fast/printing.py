@@ -49,7 +49,9 @@ class _PrintState(CodegenState):
 def print_module(module: cst.Module) -> str:
     """``module.code``."""
     try:
-        state = _PrintState(default_indent=module.default_indent, default_newline=module.default_newline)
+        state = _PrintState(
+            default_indent=module.default_indent, default_newline=module.default_newline
+        )
         module._codegen(state)
     except (AttributeError, TypeError):  # pragma: no cover - a libcst with another protocol
         return module.code

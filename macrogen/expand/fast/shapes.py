@@ -97,6 +97,4 @@ def _same_number(old: str, new: str) -> bool:
     """Two runs of digits (and ``_``) that are valid, or invalid, in the same places."""
     if not (old.replace("_", "").isdigit() and new.replace("_", "").isdigit()):
         return False  # 0x1f, 1e5, 1j: equal or checked
-    return (old[0] == "0") == (new[0] == "0") and (old.strip("0_") == "") == (
-        new.strip("0_") == ""
-    )
+    return (old[0] == "0") == (new[0] == "0") and (old.strip("0_") == "") == (new.strip("0_") == "")

@@ -66,7 +66,9 @@ def code_and_positions(module: cst.Module) -> tuple[str, Positions, Extents]:
     ``record_syntactic_position``), hence the fallback to the public API.
     """
     try:
-        state = _OffsetState(default_indent=module.default_indent, default_newline=module.default_newline)
+        state = _OffsetState(
+            default_indent=module.default_indent, default_newline=module.default_newline
+        )
         module._codegen(state)
     except (AttributeError, TypeError):  # pragma: no cover - a libcst with another protocol
         wrapper = MetadataWrapper(module, unsafe_skip_copy=True)

@@ -47,7 +47,12 @@ class Read:
 
 
 _IN_PLACE = {cst.Add: "add_", cst.Subtract: "sub_", cst.Multiply: "mul_", cst.Divide: "div_"}
-_AST_IN_PLACE = {ast.Add: ("+", "add_"), ast.Sub: ("-", "sub_"), ast.Mult: ("*", "mul_"), ast.Div: ("/", "div_")}
+_AST_IN_PLACE = {
+    ast.Add: ("+", "add_"),
+    ast.Sub: ("-", "sub_"),
+    ast.Mult: ("*", "mul_"),
+    ast.Div: ("/", "div_"),
+}
 _IN_PLACE_CALLS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs")
 
 
@@ -153,14 +158,27 @@ def read_ast(text: str, torch: str) -> Read | None:
     except SyntaxError:
         return None
     names = _ast_names(value)
-    if isinstance(value, ast.BinOp) and type(value.op) in _AST_IN_PLACE and isinstance(value.left, ast.Name):
+    if (
+        isinstance(value, ast.BinOp)
+        and type(value.op) in _AST_IN_PLACE
+        and isinstance(value.left, ast.Name)
+    ):
         op, fn = _AST_IN_PLACE[type(value.op)]
         prefix = f"{value.left.id} {op} "
         other = text[len(prefix) :]
         whole = value.col_offset == 0 and value.end_col_offset == len(text)
         if not (whole and text.startswith(prefix) and other[:1].strip()):
             return None
-        return Read("in place", names, value.left.id, value.left.id, fn, other, _ast_names(value.right), text)
+        return Read(
+            "in place",
+            names,
+            value.left.id,
+            value.left.id,
+            fn,
+            other,
+            _ast_names(value.right),
+            text,
+        )
     if (
         isinstance(value, ast.Call)
         and isinstance(value.func, ast.Attribute)
@@ -175,7 +193,9 @@ def read_ast(text: str, torch: str) -> Read | None:
         if isinstance(arg, ast.Name):
             if text != f"{torch}.{value.func.attr}({arg.id})":
                 return None
-            return Read("in place", names, arg.id, arg.id, f"{value.func.attr}_", None, frozenset(), text)
+            return Read(
+                "in place", names, arg.id, arg.id, f"{value.func.attr}_", None, frozenset(), text
+            )
     if isinstance(value, ast.Name):
         return Read("name", names, value.id, code=text)
     return Read("conditional" if isinstance(value, ast.IfExp) else "other", names, code=text)

@@ -557,6 +557,8 @@ class _NotingPrinter(TorchPrinter):
 
 
 _ARITHMETIC = ("+", "-", "*", "/", "**")
+
+
 def _statements(body: tuple[Statement, ...]) -> list[Let | Accum | Store]:
     """Every statement of ``body``, those of its inner loops too."""
     out: list[Let | Accum | Store] = []
