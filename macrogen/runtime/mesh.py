@@ -225,7 +225,9 @@ def _build_3d(world: int, tensor_size: int, stages: int) -> Mesh:
                 rank // (data_size * tensor_size))  # fmt: skip
 
 
-def _device_mesh(device_type: str, dim_groups: Any, grid: torch.Tensor, names: tuple[str, ...]):
+def _device_mesh(
+    device_type: str, dim_groups: Any, grid: torch.Tensor, names: tuple[str, ...]
+) -> Any:
     """torch's DeviceMesh over groups already made (for DTensor users); None when serial."""
     if grid.numel() == 1:
         return None

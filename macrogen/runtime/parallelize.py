@@ -66,6 +66,7 @@ from macrogen.runtime.collectives import (
     rowwise_linear,
     scatter_last_dim,
 )
+from macrogen.runtime.eager import eager
 from macrogen.runtime.tensor_parallel import (
     split,
     vocab_lookup,
@@ -449,7 +450,9 @@ def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return found
 
 
-def _shard(layer: _Layer, group: dist.ProcessGroup, tensor_mesh: Any, holders: dict) -> None:
+def _shard(
+    layer: _Layer, group: dist.ProcessGroup, tensor_mesh: Any, holders: dict[int, Any]
+) -> None:
     owner, attr, style = layer.owner, layer.attr, layer.style
     if style.kind == "divide":
         object.__setattr__(owner, attr, getattr(owner, attr) // group_size(group))
@@ -477,7 +480,14 @@ def _shard(layer: _Layer, group: dist.ProcessGroup, tensor_mesh: Any, holders: d
 
 
 def _cut(
-    name: str, group, tensor_mesh, holders: dict, module: nn.Module, key: str, dim: int, blocks: int
+    name: str,
+    group: dist.ProcessGroup,
+    tensor_mesh: Any,
+    holders: dict[int, Any],
+    module: nn.Module,
+    key: str,
+    dim: int,
+    blocks: int,
 ) -> None:
     """``module.key`` becomes this rank's shard, as a DTensor parameter, in every module holding it."""
     from torch.distributed.tensor import DTensor
@@ -549,12 +559,12 @@ class _ToLocal(torch.autograd.Function):
     parameter's placements, which is what ``to_local()``'s backward gives."""
 
     @staticmethod
-    def forward(ctx, *params):
+    def forward(ctx: Any, *params: Any) -> tuple[torch.Tensor, ...]:
         ctx.specs = [p._spec for p in params]
         return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         from torch.distributed.tensor import DTensor
 
         return tuple(
@@ -563,7 +573,7 @@ class _ToLocal(torch.autograd.Function):
         )
 
 
-@torch.compiler.disable  # swaps entries of the modules' parameter tables: eager, outside a graph
+@eager  # swaps entries of the modules' parameter tables: eager, outside a graph
 def _to_local(model: nn.Module, args: Any) -> None:
     from torch.distributed.tensor import DTensor
 
@@ -582,7 +592,7 @@ def _to_local(model: nn.Module, args: Any) -> None:
         return
     grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
     if grad:
-        local = _ToLocal.apply(*params)
+        local = _ToLocal.apply(*params)  # type: ignore[no-untyped-call]
     else:
         local = [p._local_tensor for p in params]
     for owner, key, p in slots:
@@ -590,7 +600,7 @@ def _to_local(model: nn.Module, args: Any) -> None:
     model.__dict__[_SWAPPED] = slots
 
 
-@torch.compiler.disable
+@eager
 def _restore(model: nn.Module, *_: Any) -> None:
     for owner, key, p in model.__dict__.pop(_SWAPPED, ()):
         owner._parameters[key] = p
@@ -612,26 +622,34 @@ def _weight(module: nn.Module, kind: str | None) -> torch.Tensor:
 _LAST_OUTPUT = "_mg_last_output"  # a colwise layer's last output (weakly): may the model return it?
 
 
-def _colwise_forward(module: nn.Module, group, kind, x: torch.Tensor) -> torch.Tensor:
+def _colwise_forward(
+    module: nn.Module, group: dist.ProcessGroup, kind: str | None, x: torch.Tensor
+) -> torch.Tensor:
     out = colwise_linear(x, _weight(module, kind), _local(module.bias), group)
     if not torch.compiler.is_compiling():  # (an eager run checks it: no weakref of a traced value)
         module.__dict__[_LAST_OUTPUT] = weakref.ref(out)
     return out
 
 
-def _colwise_gather_forward(module: nn.Module, group, kind, x: torch.Tensor) -> torch.Tensor:
+def _colwise_gather_forward(
+    module: nn.Module, group: dist.ProcessGroup, kind: str | None, x: torch.Tensor
+) -> torch.Tensor:
     local = colwise_linear(x, _weight(module, kind), _local(module.bias), group)
     return gather_last_dim(local, group)
 
 
-def _rowwise_forward(module: nn.Module, group, kind, x: torch.Tensor) -> torch.Tensor:
+def _rowwise_forward(
+    module: nn.Module, group: dist.ProcessGroup, kind: str | None, x: torch.Tensor
+) -> torch.Tensor:
     w = _weight(module, kind)
     if x.shape[-1] != w.shape[1]:  # a full input: keep my slice
         x = scatter_last_dim(x, group)
     return rowwise_linear(x, w, group, bias=_local(module.bias))
 
 
-def _vocab_forward(module: nn.Module, group, kind, ids: torch.Tensor) -> torch.Tensor:
+def _vocab_forward(
+    module: nn.Module, group: dist.ProcessGroup, kind: str | None, ids: torch.Tensor
+) -> torch.Tensor:
     weight = _local(module.weight)
     assert weight is not None and isinstance(module, nn.Embedding)
     start = group_rank(group) * weight.shape[0]

@@ -222,7 +222,7 @@ class _Client:
     step: int = 0  # pushes done
     fetches: int = 0  # training fetches so far
     pending: int = 0  # the training fetch whose rows' gradient is pushed next (0: none)
-    futures: list = field(default_factory=list)
+    futures: list[Any] = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)
 
     def settle(self) -> None:
@@ -455,7 +455,8 @@ def apply_param_server(
 
 def _bound(fn: Any, client: _Client, layer: nn.Module) -> Any:
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return fn(client, layer, *args, **kwargs)
+        out: torch.Tensor = fn(client, layer, *args, **kwargs)
+        return out
 
     return forward
 
@@ -498,16 +499,17 @@ def _own_store() -> Any:
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def job_of(model: nn.Module) -> _Job | None:
     """The model's server job (None: no server tables, or a serial run)."""
-    return model.__dict__.get("_mg_param_server")
+    found: _Job | None = model.__dict__.get("_mg_param_server")
+    return found
 
 
 def job(model: nn.Module) -> _Job:
-    found = model.__dict__.get("_mg_param_server")
+    found = job_of(model)
     if found is None:
         raise ValueError("this model has no server tables (mg.parallelize(..., servers=S))")
     return found

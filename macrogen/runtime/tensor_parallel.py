@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,8 +57,8 @@ def is_conv1d(layer: Any) -> bool:
 def _linear_sizes(full: nn.Module) -> tuple[int, int, bool]:
     """(in features, out features, whether the weight is stored (in, out): an HF Conv1D)."""
     if is_conv1d(full):
-        rows, cols = full.weight.shape
-        return rows, cols, True
+        rows, cols = cast(torch.Tensor, full.weight).shape  # (in, out)
+        return int(rows), int(cols), True
     assert isinstance(full, nn.Linear)
     return full.in_features, full.out_features, False
 
@@ -97,7 +97,14 @@ def make_shard(
     return nn.Parameter(part.clone(), requires_grad=t.requires_grad)
 
 
-def _shard(t, dim, group, blocks, name, shard) -> Any:
+def _shard(
+    t: torch.Tensor | None,
+    dim: int,
+    group: dist.ProcessGroup | None,
+    blocks: int,
+    name: str,
+    shard: Any,
+) -> Any:
     # ``shard``: the planner's cache, so that a parameter tied between layers gets one shard
     return (
         make_shard(t, dim, group, blocks) if shard is None else shard(t, dim, blocks, group, name)
@@ -111,7 +118,7 @@ class _Sharded(nn.Module):
     SHARD_DIMS: dict[str, int]
     transposed = False  # an HF Conv1D's weight, stored (in, out): forward uses its transpose
 
-    def __deepcopy__(self, memo: dict) -> _Sharded:
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Sharded:
         if self.group is not None:
             memo[id(self.group)] = self.group
         new = type(self).__new__(type(self))
@@ -327,8 +334,9 @@ def full_gradients(module: nn.Module) -> dict[str, torch.Tensor | None]:
     """Each parameter's gradient at full (serial) shape, by parameter name, gathered on every rank."""
     grads = {k: p.grad for k, p in module.named_parameters()}
     for key, dim, blocks, group in _sharded_keys(module):
-        if grads.get(key) is not None:
-            grads[key] = _gather(grads[key], dim, blocks, group)
+        grad = grads.get(key)
+        if grad is not None:
+            grads[key] = _gather(grad, dim, blocks, group)
     return {k: (None if g is None else g.detach().clone()) for k, g in grads.items()}
 
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,14 @@ class Shards:
         # id(full) -> (full, dim, blocks, shard, name of the first holder)
         self.cut: dict[int, tuple[nn.Parameter, int, int, nn.Parameter, str]] = {}
 
-    def __call__(self, full, dim: int, blocks: int, group, name: str):
+    def __call__(
+        self,
+        full: nn.Parameter | None,
+        dim: int,
+        blocks: int,
+        group: dist.ProcessGroup | None,
+        name: str,
+    ) -> nn.Parameter | None:
         if full is None:
             return None
         hit = self.cut.get(id(full))
@@ -65,7 +72,7 @@ class Shards:
                     " (a vocab embedding and a colwise head share rows) or untie them"
                 )
             return hit[3]
-        shard = make_shard(full, dim, group, blocks)
+        shard: nn.Parameter = make_shard(full, dim, group, blocks)
         self.cut[id(full)] = (full, dim, blocks, shard, name)
         return shard
 
@@ -76,7 +83,14 @@ class Style:
     input_layout = "any"  # what the layer's forward accepts on its last dim
     output_layout = "same"  # what it returns on its last dim
 
-    def apply(self, owner: nn.Module, attr: str, name: str, group, shards: Shards) -> None:
+    def apply(
+        self,
+        owner: nn.Module,
+        attr: str,
+        name: str,
+        group: dist.ProcessGroup | None,
+        shards: Shards,
+    ) -> None:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -114,8 +128,15 @@ class Colwise(Style):
     def input_layout(self) -> str:  # type: ignore[override]
         return "shard(1)" if self.sequence else "replicate"
 
-    def apply(self, owner, attr, name, group, shards):
-        full = _layer(owner, attr, name, nn.Linear, "colwise")
+    def apply(
+        self,
+        owner: nn.Module,
+        attr: str,
+        name: str,
+        group: dist.ProcessGroup | None,
+        shards: Shards,
+    ) -> None:
+        full = cast(nn.Linear, _layer(owner, attr, name, nn.Linear, "colwise"))
         if group is not None:
             layer = ColwiseLinear(
                 full, group, name, self.blocks, shard=shards, sequence=self.sequence
@@ -142,8 +163,15 @@ class Rowwise(Style):
     def output_layout(self) -> str:  # type: ignore[override]
         return "shard(1)" if self.sequence else "replicate"
 
-    def apply(self, owner, attr, name, group, shards):
-        full = _layer(owner, attr, name, nn.Linear, "rowwise")
+    def apply(
+        self,
+        owner: nn.Module,
+        attr: str,
+        name: str,
+        group: dist.ProcessGroup | None,
+        shards: Shards,
+    ) -> None:
+        full = cast(nn.Linear, _layer(owner, attr, name, nn.Linear, "rowwise"))
         if group is not None:
             setattr(
                 owner, attr, RowwiseLinear(full, group, name, shard=shards, sequence=self.sequence)
@@ -159,8 +187,15 @@ class Vocab(Style):
     input_layout = "replicate (token ids)"
     output_layout = "replicate"
 
-    def apply(self, owner, attr, name, group, shards):
-        full = _layer(owner, attr, name, nn.Embedding, "vocab")
+    def apply(
+        self,
+        owner: nn.Module,
+        attr: str,
+        name: str,
+        group: dist.ProcessGroup | None,
+        shards: Shards,
+    ) -> None:
+        full = cast(nn.Embedding, _layer(owner, attr, name, nn.Embedding, "vocab"))
         if group is not None:
             setattr(owner, attr, VocabEmbedding(full, group, name, shard=shards))
 
@@ -168,7 +203,14 @@ class Vocab(Style):
 class Divide(Style):
     """An int attribute (heads, widths) divided by the tensor-parallel size."""
 
-    def apply(self, owner, attr, name, group, shards):
+    def apply(
+        self,
+        owner: nn.Module,
+        attr: str,
+        name: str,
+        group: dist.ProcessGroup | None,
+        shards: Shards,
+    ) -> None:
         value = getattr(owner, attr)
         local = local_count(value, group, name)
         if group is not None:
@@ -178,7 +220,14 @@ class Divide(Style):
 class Replicate(Style):
     """Every rank holds all of it (the default; planned to document it)."""
 
-    def apply(self, owner, attr, name, group, shards):
+    def apply(
+        self,
+        owner: nn.Module,
+        attr: str,
+        name: str,
+        group: dist.ProcessGroup | None,
+        shards: Shards,
+    ) -> None:
         getattr(owner, attr)  # it must exist
 
 
@@ -198,7 +247,14 @@ class Sequence(Style):
     input_layout = "shard(1)"
     output_layout = "shard(1)"
 
-    def apply(self, owner, attr, name, group, shards):
+    def apply(
+        self,
+        owner: nn.Module,
+        attr: str,
+        name: str,
+        group: dist.ProcessGroup | None,
+        shards: Shards,
+    ) -> None:
         module = getattr(owner, attr, None)
         if not isinstance(module, nn.Module) or isinstance(module, _NOT_PER_TOKEN):
             raise TypeError(
@@ -218,7 +274,14 @@ class FromSequence(Style):
 
     input_layout = "shard(1)"
 
-    def apply(self, owner, attr, name, group, shards):
+    def apply(
+        self,
+        owner: nn.Module,
+        attr: str,
+        name: str,
+        group: dist.ProcessGroup | None,
+        shards: Shards,
+    ) -> None:
         module = getattr(owner, attr, None)
         if not isinstance(module, nn.Module) or type(module) is nn.Linear:
             raise TypeError(
@@ -229,14 +292,14 @@ class FromSequence(Style):
             module.register_forward_pre_hook(_gather_first_input(group, name))
 
 
-def _sum_parameter_gradients(group):
+def _sum_parameter_gradients(group: dist.ProcessGroup) -> Callable[[nn.Module, Any], None]:
     """A forward pre-hook running the module on views of its parameters whose gradients are
     summed over the group, all of them in one all-reduce (``sum_gradients``), rather than
     one gradient hook and one collective per parameter. ``_restore_parameters`` puts the
     parameters back after the forward. Set up at every forward, not at planning, so a
     ``copy.deepcopy`` of the model (its hooks are kept) sums its own parameters' gradients."""
 
-    def hook(module: nn.Module, args: tuple) -> None:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
         _restore_parameters(module)  # a forward that raised may have left views in place
         if not torch.is_grad_enabled():
             return
@@ -272,8 +335,10 @@ def _restore_parameters(module: nn.Module, *_: Any) -> None:
         owner._parameters[name] = param
 
 
-def _gather_first_input(group, name: str):
-    def hook(module: nn.Module, args: tuple) -> tuple:
+def _gather_first_input(
+    group: dist.ProcessGroup, name: str
+) -> Callable[[nn.Module, tuple[Any, ...]], tuple[Any, ...]]:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         if not args or not hasattr(args[0], "shape"):
             raise TypeError(f"{name}: 'from sequence' gathers the first positional input tensor")
         return (gather_sequence(args[0], group), *args[1:])
@@ -396,7 +461,7 @@ def _check_ties(root: nn.Module, planned: list[Planned], shards: Shards) -> None
                 )
 
 
-def _check_agreement(planned: list[Planned], serial: dict[int, tuple]) -> None:
+def _check_agreement(planned: list[Planned], serial: dict[int, tuple[Any, ...]]) -> None:
     """Every rank must have planned the same: plan, divided counts and shard shapes.
 
     Divided attributes matter most: ``n_head`` 8 on one rank and 4 on another
@@ -426,7 +491,7 @@ def _check_agreement(planned: list[Planned], serial: dict[int, tuple]) -> None:
             )
 
 
-def _difference(a: tuple, b: tuple) -> str:
+def _difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
     labels = ("module", "plan", "parameter shapes", "divided attributes (serial values)")
     for one, two in zip(a, b):
         for label, x, y in zip(labels, one, two):
