@@ -237,6 +237,8 @@ def validate(site: Site, ctx: Context) -> Spec:
             )
     if "shard" in args and redundant.may_be(ctx, args["shard"], "full"):
         redundant.fully_sharded(ctx, args["shard"], site.line, 'shard="full"')
+    else:
+        redundant.replicated(ctx, site.node, site.line)
     if "delay" in args and not values["overlap"]:
         raise MacroError(
             "delay= needs overlap=True: it is how late an overlapped round is applied",

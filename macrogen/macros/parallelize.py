@@ -199,6 +199,8 @@ def validate(site: Site, ctx: Context) -> Spec:
             )
     if "dp" in args and redundant.may_be(ctx, args["dp"], "fsdp"):
         redundant.fully_sharded(ctx, args["dp"], site.line, 'dp="fsdp"')
+    elif values["dp"] in ("replicate", "zero1"):
+        redundant.replicated(ctx, site.node, site.line)
     plan, hf = _plan(args.get("tp_plan"))
     served = tuple(path for path, style in plan or () if style == SERVER)
     plan = tuple((p, s) for p, s in plan or () if s != SERVER) or None  # the tensor-parallel rest

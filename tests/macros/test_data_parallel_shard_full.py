@@ -106,6 +106,17 @@ def test_fsdp_with_shard_optimizer_is_an_error_at_the_fsdp_argument(source, at):
     assert len(errors) == 1 and errors[0].startswith(at), errors
 
 
+def test_a_file_with_a_replicated_model_too_may_shard_its_optimizer():
+    """A benchmark beside FSDP: mg.shard_optimizer may be for the replicated model."""
+    code = expand(
+        "import torch\nimport torch.nn as nn\nimport macrogen as mg\n"
+        "@mg.data_parallel()\nclass Net(nn.Module):\n    pass\n"
+        f"def zero(model):\n    return {SHARDED_OPTIMIZER}\n"
+        'def fsdp(model):\n    return mg.parallelize(model, dp="fsdp")\n'
+    )
+    assert "shard_optimizer(" in code and "apply_fully_sharded" in code
+
+
 def test_zero1_and_replicate_go_with_shard_optimizer():
     for dp in ("zero1", "replicate"):
         code = expand(
