@@ -144,8 +144,7 @@ class Context:
 
     # -- imports that generated code needs ---------------------------------
     # A macro asks for a name here, uses ``str(imp)`` (its local name) in the code it
-    # renders, and returns every Import in ``Expanded.imports``; the pass then writes
-    # the statements of the imports returned by the sites that expanded.
+    # renders; the pass writes the statements of the imports each expanded site asked for.
     def import_module(self, module: str) -> Import:
         """The name under which generated code reaches ``module`` (``import x as y``)."""
         for local, bound in self._module_imports.items():

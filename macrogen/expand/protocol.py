@@ -125,9 +125,6 @@ class Expanded:
 
     replacement: Replacement
     helpers: tuple[str, ...] = ()
-    # Ignored (the context's record is the one list): still accepted while macros on
-    # other branches pass it; drop it once none does.
-    imports: tuple[Import, ...] = ()
 
 
 @dataclass(frozen=True)

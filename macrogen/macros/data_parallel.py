@@ -309,11 +309,9 @@ def expand(site: Site, ctx: Context) -> Expanded:
         runtime = "macrogen.runtime.param_server"
         servers = {"server_config": ctx.import_from(runtime, "ServerConfig")}
     config = ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig")
-    imports = [decorator, config, *servers.values()]
     outer_sgd = None
     if spec.outer is not None:
         outer_sgd = ctx.import_from("macrogen.runtime.local_sgd", "OuterSGD")
-        imports.append(outer_sgd)
     plan = rendered_decorator(
         "data_parallel.py.j2",
         name=spec.name,
@@ -339,13 +337,13 @@ def expand(site: Site, ctx: Context) -> Expanded:
         server_lr=spec.server_lr,
         **servers,
     )
-    return _decorated(ctx, site, plan, tuple(imports))
+    return _decorated(ctx, site, plan)
 
 
-def _decorated(ctx: Context, site: Site, plan: cst.Decorator, imports: tuple[Any, ...]) -> Expanded:
+def _decorated(ctx: Context, site: Site, plan: cst.Decorator) -> Expanded:
     assert isinstance(site.node, cst.ClassDef)
     # the class object itself keeps its name and identity
-    return Expanded([decorated(ctx, site.node, plan)], imports=imports)
+    return Expanded([decorated(ctx, site.node, plan)])
 
 
 def _fully_sharded(spec: Spec, site: Site, ctx: Context, decorator: Any) -> Expanded:
@@ -365,4 +363,4 @@ def _fully_sharded(spec: Spec, site: Site, ctx: Context, decorator: Any) -> Expa
         shard_units=spec.shard_units,
         dp_replicate=spec.dp_replicate,
     )
-    return _decorated(ctx, site, plan, (decorator, config))
+    return _decorated(ctx, site, plan)

@@ -370,8 +370,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         cls = rewrite_widths(site.node, spec, collective)
     # the class object itself keeps its name and identity
     cls = decorated(ctx, cls, plan)
-    imports = (*styles.values(), decorator, *used.values())
-    return Expanded([cls], imports=imports)
+    return Expanded([cls])
 
 
 def _styles(spec: Spec) -> list[str]:

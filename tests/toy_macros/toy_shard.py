@@ -34,7 +34,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     call = _call(site)
     wrapped = cst.Call(cst.Name(fn), [cst.Arg(call.args[0].value)])
     if site.form == "call":
-        return Expanded(wrapped, helpers=(helper,), imports=(torch,))
+        return Expanded(wrapped, helpers=(helper,))
     stmt = site.node
     assert isinstance(stmt, cst.SimpleStatementLine)
     assign = stmt.body[0]
@@ -45,7 +45,6 @@ def expand(site: Site, ctx: Context) -> Expanded:
     return Expanded(
         [stmt.with_changes(body=[assign.with_changes(value=wrapped)]), note],
         helpers=(helper,),
-        imports=(torch,),
     )
 
 

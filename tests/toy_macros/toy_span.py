@@ -30,5 +30,4 @@ def expand(site: Site, ctx: Context) -> Expanded:
     return Expanded(
         [block.with_changes(items=[item.with_changes(item=call)])],
         helpers=(helper,),
-        imports=(contextmanager,),
     )

@@ -546,7 +546,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     unit = units[0]
     assert isinstance(unit, cst.FunctionDef)
     first = unit.with_changes(leading_lines=[*cls.leading_lines, *unit.leading_lines[len(blank) :]])
-    return Expanded([first, *units[1:], cls.with_changes(leading_lines=blank)], imports=imports)
+    return Expanded([first, *units[1:], cls.with_changes(leading_lines=blank)])
 
 
 def _units(
