@@ -60,3 +60,42 @@ def each_rank(results: list[dict[str, Any]], name: str) -> list[Any]:
             raise AssertionError(f"{name}: rank {rank} raised {value['error']}")
         out.append(value)
     return out
+
+
+def tensor_closeness(got: torch.Tensor, want: torch.Tensor, *, rtol: float, atol: float) -> float:
+    """The worst |got - want| / (atol + rtol |want|) of two tensors: at most 1 where
+    ``torch.testing.assert_close`` passes; inf where shapes or dtypes differ (which it refuses);
+    with rtol = atol = 0, 0 where equal and inf where not; NaN stays NaN."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return float("inf")
+    with torch.no_grad():
+        if rtol == 0 and atol == 0:
+            return 0.0 if torch.equal(got, want) else float("inf")
+        if got.numel() == 0:
+            return 0.0
+        diff = (got - want).abs()
+        ratio = torch.where(diff == 0, 0.0, diff / (atol + rtol * want.abs())).max().item()
+    return float(ratio)
+
+
+def dict_closeness(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, rtol: float, atol: float
+) -> tuple[float, str | None]:
+    """``tensor_closeness`` over ``want``'s keys: the worst, and its key (inf where one is missing)."""
+    worst, where = 0.0, None
+    for key, value in want.items():
+        if key not in got:
+            return float("inf"), f"{key} missing"
+        ratio = tensor_closeness(got[key], value, rtol=rtol, atol=atol)
+        if ratio != ratio:
+            return ratio, key
+        if ratio > worst:
+            worst, where = ratio, key
+    return worst, where
+
+
+def assert_within(figure: tuple[float, str | None] | float, what: str) -> None:
+    """Fails, naming ``what`` (and the worst key), where a closeness figure is over 1 or NaN."""
+    worst, where = figure if isinstance(figure, tuple) else (figure, None)
+    at = f" at {where}" if where is not None else ""
+    assert worst <= 1, f"{what}: off by {worst:.3g} x the tolerance{at}"

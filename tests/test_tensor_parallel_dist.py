@@ -4,6 +4,9 @@ One spawned run checks every block (spawning costs more than the checks):
 forward output, input gradient and gathered parameter gradients against the
 unexpanded module (fp32, rtol 1e-5), collectives per pass, checkpoints both
 ways, and the outputs of torch's own ``parallelize_module`` on the same weights.
+The ranks return each check's figures (worst errors as multiples of the tolerance,
+counts, shapes, messages); a test per block and aspect asserts them. One 4-rank
+run trains the GPT example data x tensor parallel, with a test per figure.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import os
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
+from tests.dist_checks import assert_within, dict_closeness, each_rank, run_check, tensor_closeness
 from tests.distributed import run_ranks
 from tests.helpers import expand, load_module
 
@@ -175,6 +180,7 @@ MODELS = textwrap.dedent(
 
 D_MODEL, N_HEAD, VOCAB = 16, 4, 24
 TOL = dict(rtol=1e-5, atol=1e-6)
+DEFAULT_TOL = dict(rtol=1.3e-6, atol=1e-5)  # torch.testing.assert_close's own, for float32
 
 
 def _modules(tmp: str):
@@ -220,7 +226,10 @@ class _CountCollectives:
         return out
 
 
-def _check_block(name, make_serial, make_parallel, inputs, rank, world, gather_output=False):
+def _check_block(make_serial, make_parallel, inputs, rank, world, gather_output=False):
+    """The block's figures against the unexpanded module, and (serial, its output) for more."""
+    from macrogen.runtime.tensor_parallel import full_gradients
+
     torch.manual_seed(0)
     serial = make_serial()
     torch.manual_seed(0)
@@ -243,28 +252,28 @@ def _check_block(name, make_serial, make_parallel, inputs, rank, world, gather_o
             (out_p * weight).sum().backward()
         backward = comm.take()
 
-    torch.testing.assert_close(out_p, out_s, **TOL, msg=f"{name}: forward output")
-    if x_s.requires_grad:
-        torch.testing.assert_close(x_p.grad, x_s.grad, **TOL, msg=f"{name}: input gradient")
-    from macrogen.runtime.tensor_parallel import full_gradients
-
-    grads = full_gradients(parallel)
-    for key, p in serial.named_parameters():
-        torch.testing.assert_close(grads[key], p.grad, **TOL, msg=f"{name}: gradient of {key}")
-
+    report = {
+        "forward output": tensor_closeness(out_p, out_s, **TOL),
+        "input gradient": (
+            tensor_closeness(x_p.grad, x_s.grad, **TOL) if x_s.requires_grad else None
+        ),
+        "gradients": dict_closeness(
+            full_gradients(parallel), {k: p.grad for k, p in serial.named_parameters()}, **TOL
+        ),
+        "collectives": (forward, backward),
+    }
     # checkpoints: gathered = serial (keys, order, shapes, values); loading one shards it
     full = parallel.full_state_dict()
-    assert list(full) == list(serial.state_dict()), f"{name}: state dict keys"
-    for key, value in serial.state_dict().items():
-        torch.testing.assert_close(full[key], value, msg=f"{name}: full_state_dict[{key}]")
+    report["state dict keys"] = (list(full), list(serial.state_dict()))
+    report["full_state_dict"] = dict_closeness(full, serial.state_dict(), **DEFAULT_TOL)
     torch.manual_seed(123)  # a different initialization, overwritten by the checkpoint
     fresh = make_parallel()
     fresh.load_full_state_dict(serial.state_dict())
     again = fresh(inputs)
     if gather_output:
         again = torch.cat(_all_gather(again.detach(), world), dim=-1)
-    torch.testing.assert_close(again, out_s.detach(), **TOL, msg=f"{name}: loaded checkpoint")
-    return serial, out_s.detach(), forward, backward
+    report["loaded checkpoint"] = tensor_closeness(again, out_s.detach(), **TOL)
+    return report, serial, out_s.detach()
 
 
 def _all_gather(t, world):
@@ -290,84 +299,64 @@ def _torch_tp(serial, plan, world):
     return parallelize_module(module, mesh, {k: styles[v]() for k, v in plan.items()})
 
 
-def _two_rank_checks(rank, world, tmp):
-    os.environ["MACROGEN_TP_SIZE"] = str(world)  # the launch asks for 2-way tensor parallelism
-    S, P = _modules(tmp)
-    torch.manual_seed(42)
-    x = torch.randn(2, 6, D_MODEL)
-    ids = torch.randint(0, VOCAB, (2, 6))
-    counts = {}
+# Each block checked: (its name in MODELS, constructor arguments, input: "x" or "ids", whether
+# the output is gathered for the comparison); one test per block and aspect.
+BLOCKS = {
+    "MLP": ("MLP", ("d",), "x", False),
+    "Attention": ("Attention", ("d", "heads"), "x", False),
+    "PackedAttention": ("PackedAttention", ("d", "heads"), "x", False),
+    "LMRowwiseHead": ("LMRowwiseHead", ("vocab", "d"), "ids", False),
+    "LMColwiseHead": ("LMColwiseHead", ("vocab", "d"), "ids", False),
+    "Dotted": ("Dotted", ("d",), "x", False),
+    "Containers": ("Containers", ("d",), "x", False),
+    "TiedLM": ("TiedLM", ("vocab", "d"), "ids", True),
+    # big rowwise outputs are reduced in row chunks, each while the next is computed;
+    # without overlap, every collective runs alone
+    "MLP chunked": ("MLP", ("d",), "x", False),
+    "MLP without overlap": ("MLP", ("d",), "x", False),
+    "PackedAttention without overlap": ("PackedAttention", ("d", "heads"), "x", False),
+}
+# collectives.CHUNK_ELEMENTS / OVERLAP while the block runs
+SETTINGS = {
+    "MLP chunked": (1, True),
+    "MLP without overlap": (1, False),
+    "PackedAttention without overlap": (1, False),
+}
+# torch's parallelize_module on the same weights: its plan
+TORCH_PLANS = {
+    "MLP": {"fc": "colwise", "proj": "rowwise"},
+    "Attention": {"qkv": "colwise", "proj": "rowwise"},
+}
 
-    serial, out, fwd, bwd = _check_block(
-        "MLP", lambda: S.MLP(D_MODEL), lambda: P.MLP(D_MODEL), x, rank, world
-    )
-    counts["MLP"] = (fwd, bwd)
-    ref = _torch_tp(serial, {"fc": "colwise", "proj": "rowwise"}, world)
-    torch.testing.assert_close(ref(x), out, **TOL, msg="MLP: torch parallelize_module")
 
-    serial, out, fwd, bwd = _check_block(
-        "Attention",
-        lambda: S.Attention(D_MODEL, N_HEAD),
-        lambda: P.Attention(D_MODEL, N_HEAD),
-        x,
-        rank,
-        world,
-    )
-    counts["Attention"] = (fwd, bwd)
-    ref = _torch_tp(serial, {"qkv": "colwise", "proj": "rowwise"}, world)
-    ref.n_head = N_HEAD // world  # torch leaves the head count to the user
-    torch.testing.assert_close(ref(x), out, **TOL, msg="Attention: torch parallelize_module")
+def _block(S, P, name, x, ids, rank, world):
+    import macrogen.runtime.collectives as collectives
 
-    _, _, fwd, bwd = _check_block(
-        "PackedAttention",
-        lambda: S.PackedAttention(D_MODEL, N_HEAD),
-        lambda: P.PackedAttention(D_MODEL, N_HEAD),
-        x,
-        rank,
-        world,
-    )
-    counts["PackedAttention"] = (fwd, bwd)
-    _, _, fwd, bwd = _check_block(
-        "LMRowwiseHead",
-        lambda: S.LMRowwiseHead(VOCAB, D_MODEL),
-        lambda: P.LMRowwiseHead(VOCAB, D_MODEL),
-        ids,
-        rank,
-        world,
-    )
-    counts["LMRowwiseHead"] = (fwd, bwd)
-    _, _, fwd, bwd = _check_block(
-        "LMColwiseHead",
-        lambda: S.LMColwiseHead(VOCAB, D_MODEL),
-        lambda: P.LMColwiseHead(VOCAB, D_MODEL),
-        ids,
-        rank,
-        world,
-    )
-    counts["LMColwiseHead"] = (fwd, bwd)
-    _, _, fwd, bwd = _check_block(
-        "Dotted", lambda: S.Dotted(D_MODEL), lambda: P.Dotted(D_MODEL), x, rank, world
-    )
-    counts["Dotted"] = (fwd, bwd)
+    cls, arg_names, input_name, gather_output = BLOCKS[name]
+    args = tuple({"d": D_MODEL, "heads": N_HEAD, "vocab": VOCAB}[a] for a in arg_names)
+    saved = collectives.CHUNK_ELEMENTS, collectives.OVERLAP
+    collectives.CHUNK_ELEMENTS, collectives.OVERLAP = SETTINGS.get(name, saved)
+    try:
+        report, serial, out = _check_block(
+            lambda: getattr(S, cls)(*args),
+            lambda: getattr(P, cls)(*args),
+            {"x": x, "ids": ids}[input_name],
+            rank,
+            world,
+            gather_output=gather_output,
+        )
+    finally:
+        collectives.CHUNK_ELEMENTS, collectives.OVERLAP = saved
+    if name in TORCH_PLANS:
+        ref = _torch_tp(serial, TORCH_PLANS[name], world)
+        if name == "Attention":
+            ref.n_head = N_HEAD // world  # torch leaves the head count to the user
+        report["torch parallelize_module"] = tensor_closeness(ref(x), out, **TOL)
+    return report
 
-    _, _, fwd, bwd = _check_block(
-        "Containers", lambda: S.Containers(D_MODEL), lambda: P.Containers(D_MODEL), x, rank, world
-    )
-    counts["Containers"] = (fwd, bwd)
-    _, _, fwd, bwd = _check_block(
-        "TiedLM",
-        lambda: S.TiedLM(VOCAB, D_MODEL),
-        lambda: P.TiedLM(VOCAB, D_MODEL),
-        ids,
-        rank,
-        world,
-        gather_output=True,
-    )
-    counts["TiedLM"] = (fwd, bwd)
-    tied = P.TiedLM(VOCAB, D_MODEL)
-    assert tied.head.weight is tied.wte.weight and len(list(tied.parameters())) == 1
 
-    # vocab-parallel cross-entropy from this rank's logit columns equals the serial loss
+def _cross_entropy(rank, world, reduction):
+    """vocab-parallel cross-entropy from this rank's logit columns against the serial loss."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -376,123 +365,220 @@ def _two_rank_checks(rank, world, tmp):
     logits = torch.randn(12, VOCAB, generator=torch.Generator().manual_seed(7)) * 3
     target = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(8))
     target[::5] = -1
-    for reduction in ("mean", "sum", "none"):
-        full = logits.clone().requires_grad_()
-        want = F.cross_entropy(full, target, ignore_index=-1, reduction=reduction)
-        want.sum().backward()
-        mine = logits.chunk(world, dim=-1)[rank].clone().requires_grad_()
-        with _CountCollectives() as comm:
-            got = vocab_parallel_cross_entropy(mine, target, dist.group.WORLD, -1, reduction)
-            got.sum().backward()
-            counts[f"cross_entropy {reduction}"] = comm.take()
-        torch.testing.assert_close(got, want, **TOL, msg=f"cross_entropy {reduction}")
-        torch.testing.assert_close(mine.grad, full.grad.chunk(world, dim=-1)[rank], **TOL)
+    full = logits.clone().requires_grad_()
+    want = F.cross_entropy(full, target, ignore_index=-1, reduction=reduction)
+    want.sum().backward()
+    mine = logits.chunk(world, dim=-1)[rank].clone().requires_grad_()
+    with _CountCollectives() as comm:
+        got = vocab_parallel_cross_entropy(mine, target, dist.group.WORLD, -1, reduction)
+        got.sum().backward()
+        counts = comm.take()
+    return {
+        "loss": tensor_closeness(got, want, **TOL),
+        "gradient": tensor_closeness(mine.grad, full.grad.chunk(world, dim=-1)[rank], **TOL),
+        "collectives": counts,
+    }
 
-    # big rowwise outputs are reduced in row chunks, each while the next is computed;
-    # without overlap, every collective runs alone
-    import macrogen.runtime.collectives as collectives
 
-    collectives.CHUNK_ELEMENTS = 1
-    _, _, fwd, bwd = _check_block(
-        "MLP chunked", lambda: S.MLP(D_MODEL), lambda: P.MLP(D_MODEL), x, rank, world
-    )
-    counts["MLP chunked"] = (fwd, bwd)
-    collectives.OVERLAP = False
-    _, _, fwd, bwd = _check_block(
-        "MLP without overlap", lambda: S.MLP(D_MODEL), lambda: P.MLP(D_MODEL), x, rank, world
-    )
-    counts["MLP without overlap"] = (fwd, bwd)
-    _check_block(
-        "PackedAttention without overlap",
-        lambda: S.PackedAttention(D_MODEL, N_HEAD),
-        lambda: P.PackedAttention(D_MODEL, N_HEAD),
-        x,
-        rank,
-        world,
-    )
-    collectives.OVERLAP, collectives.CHUNK_ELEMENTS = True, 1 << 20
-
-    # shards are plain tensors of the local shape, under the serial names
+def _mlp_shards(P, x, world):
+    """Shards are plain tensors of the local shape, under the serial names."""
     mlp = P.MLP(D_MODEL)
-    shapes = {k: tuple(v.shape) for k, v in mlp.state_dict().items()}
-    assert shapes == {
-        "fc.weight": (4 * D_MODEL // world, D_MODEL),
-        "fc.bias": (4 * D_MODEL // world,),
-        "proj.weight": (D_MODEL, 4 * D_MODEL // world),
-        "proj.bias": (D_MODEL,),
-    }, shapes
-    assert type(mlp.fc.weight) is torch.nn.Parameter
-    # a rowwise layer with one reduction is torch's linear + bias add: no Python autograd node
-    assert type(mlp(x).grad_fn).__name__ == "AddBackward0", mlp(x).grad_fn
     twin = copy.deepcopy(mlp)  # an EMA copy: same group, own tensors
-    assert twin.fc.group is mlp.fc.group and twin.fc.weight is not mlp.fc.weight
-    torch.testing.assert_close(twin(x), mlp(x))
-    assert P.Attention(D_MODEL, N_HEAD).n_head == N_HEAD // world
+    return {
+        "shapes": {k: tuple(v.shape) for k, v in mlp.state_dict().items()},
+        "fc.weight type": type(mlp.fc.weight).__name__,
+        "exactly Parameter": type(mlp.fc.weight) is torch.nn.Parameter,
+        # a rowwise layer with one reduction is torch's linear + bias add: no Python autograd node
+        "output grad_fn": type(mlp(x).grad_fn).__name__,
+        "copy shares the group": twin.fc.group is mlp.fc.group,
+        "copy has its own tensors": twin.fc.weight is not mlp.fc.weight,
+        "copy's output": tensor_closeness(twin(x), mlp(x), **DEFAULT_TOL),
+        "Attention.n_head": P.Attention(D_MODEL, N_HEAD).n_head,
+    }
 
-    # dimensions the degree does not divide, ties a plan can't keep: a clear error at construction
-    errors = []
-    for build in (
-        lambda: P.LMRowwiseHead(25, D_MODEL),
-        lambda: P.Attention(D_MODEL, 3),
-        lambda: P.TiedRowwise(VOCAB, D_MODEL),
-        lambda: P.TiedHalfPlanned(VOCAB, D_MODEL),
-    ):
-        try:
-            build()
-        except ValueError as e:
-            errors.append(str(e))
-    # a divided attribute that differs between ranks (same parameter shapes): refused on all ranks
+
+def _construction_error(build, exception=ValueError) -> str:
     try:
-        P.Attention(D_MODEL, N_HEAD * (1 + rank))
-    except RuntimeError as e:
-        errors.append(str(e).split(" (raised on rank")[0])
-    return counts, errors
+        build()
+    except exception as e:
+        return str(e).split(" (raised on rank")[0]
+    return "no error"
 
 
-def test_tensor_parallel_blocks_match_serial_on_two_ranks(tmp_path):
-    results = run_ranks(_two_rank_checks, 2, args=(str(tmp_path),), timeout=150)
-    counts, errors = results[0]
-    # colwise feeding rowwise: nothing in between; one all-reduce forward (g, after the
-    # rowwise matmul) and one backward (f: the colwise input gradient, beside the weight
-    # gradient)
-    block = ({"all_reduce": 1, "all_gather": 0}, {"all_reduce": 1, "all_gather": 0})
-    assert counts["MLP"] == block
-    assert counts["Attention"] == block
-    assert counts["PackedAttention"] == block
-    assert counts["Dotted"] == block
+def _two_rank_checks(rank, world, tmp):
+    """Every check's figures (or its error), by name: one spawn for them all."""
+    os.environ["MACROGEN_TP_SIZE"] = str(world)  # the launch asks for 2-way tensor parallelism
+    S, P = _modules(tmp)
+    torch.manual_seed(42)
+    x = torch.randn(2, 6, D_MODEL)
+    ids = torch.randint(0, VOCAB, (2, 6))
+    report: dict = {}
+    for name in BLOCKS:
+        run_check(report, name, lambda name=name: _block(S, P, name, x, ids, rank, world))
+
+    def tied():
+        model = P.TiedLM(VOCAB, D_MODEL)
+        return model.head.weight is model.wte.weight, len(list(model.parameters()))
+
+    run_check(report, "TiedLM parameters", tied)
+    for reduction in REDUCTIONS:
+        run_check(
+            report,
+            f"cross_entropy {reduction}",
+            lambda reduction=reduction: _cross_entropy(rank, world, reduction),
+        )
+    run_check(report, "MLP shards", lambda: _mlp_shards(P, x, world))
+    # dimensions the degree does not divide, ties a plan can't keep: a clear error at construction
+    builds = {
+        "indivisible vocab": lambda: P.LMRowwiseHead(25, D_MODEL),
+        "indivisible heads": lambda: P.Attention(D_MODEL, 3),
+        "tie split differently": lambda: P.TiedRowwise(VOCAB, D_MODEL),
+        "tie half planned": lambda: P.TiedHalfPlanned(VOCAB, D_MODEL),
+    }
+    for name, build in builds.items():
+        run_check(report, name, lambda build=build: _construction_error(build))
+    # a divided attribute that differs between ranks (same parameter shapes): refused on all ranks
+    run_check(
+        report,
+        "divided attribute differs between ranks",
+        lambda: _construction_error(
+            lambda: P.Attention(D_MODEL, N_HEAD * (1 + rank)), RuntimeError
+        ),
+    )
+    return report
+
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tensor_parallel")
+    return run_ranks(_two_rank_checks, 2, args=(str(out),), timeout=150)
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_block_forward_and_input_gradient_match_serial(two_ranks, name):
+    for rank, r in enumerate(each_rank(two_ranks, name)):
+        assert_within(r["forward output"], f"{name}, rank {rank}: forward output")
+        if r["input gradient"] is not None:
+            assert_within(r["input gradient"], f"{name}, rank {rank}: input gradient")
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_block_parameter_gradients_match_serial(two_ranks, name):
+    for rank, r in enumerate(each_rank(two_ranks, name)):
+        assert_within(r["gradients"], f"{name}, rank {rank}: gathered parameter gradient")
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_block_checkpoint_gathers_and_loads(two_ranks, name):
+    for rank, r in enumerate(each_rank(two_ranks, name)):
+        keys, serial_keys = r["state dict keys"]
+        assert keys == serial_keys, f"{name}, rank {rank}: state dict keys"
+        assert_within(r["full_state_dict"], f"{name}, rank {rank}: full_state_dict")
+        assert_within(r["loaded checkpoint"], f"{name}, rank {rank}: loaded checkpoint's output")
+
+
+# colwise feeding rowwise: nothing in between; one all-reduce forward (g, after the
+# rowwise matmul) and one backward (f: the colwise input gradient, beside the weight gradient)
+_PAIR = ({"all_reduce": 1, "all_gather": 0}, {"all_reduce": 1, "all_gather": 0})
+_ONE_EACH = {"all_reduce": 1, "all_gather": 0}
+COLLECTIVES = {
+    "MLP": _PAIR,
+    "Attention": _PAIR,
+    "PackedAttention": _PAIR,
+    "Dotted": _PAIR,
     # big outputs: 4 row chunks, each reduced while the next is computed
-    assert counts["MLP chunked"] == ({"all_reduce": 4, "all_gather": 0}, block[1])
-    assert counts["MLP without overlap"] == block
+    "MLP chunked": ({"all_reduce": 4, "all_gather": 0}, _PAIR[1]),
+    "MLP without overlap": _PAIR,
     # vocab (one all-reduce) then a rowwise head on a full input (its slice forward; backward
     # all-gathers the input gradient)
-    assert counts["LMRowwiseHead"] == (
-        {"all_reduce": 2, "all_gather": 0},
-        {"all_reduce": 0, "all_gather": 1},
-    )
+    "LMRowwiseHead": ({"all_reduce": 2, "all_gather": 0}, {"all_reduce": 0, "all_gather": 1}),
     # vocab (one all-reduce forward), colwise head (one all-reduce backward); forward returns
     # the head's output, so it is gathered (one all-gather forward, none backward)
-    one_each = {"all_reduce": 1, "all_gather": 0}
-    assert counts["LMColwiseHead"] == ({"all_reduce": 1, "all_gather": 1}, one_each)
-    assert counts["Containers"] == (
-        {"all_reduce": 4, "all_gather": 0},
-        {"all_reduce": 4, "all_gather": 0},
-    )
-    assert counts["TiedLM"] == (one_each, one_each)
+    "LMColwiseHead": ({"all_reduce": 1, "all_gather": 1}, _ONE_EACH),
+    "Containers": ({"all_reduce": 4, "all_gather": 0}, {"all_reduce": 4, "all_gather": 0}),
+    "TiedLM": (_ONE_EACH, _ONE_EACH),
+}
+
+
+@pytest.mark.parametrize("name", COLLECTIVES)
+def test_block_collectives_per_pass(two_ranks, name):
+    """(forward, backward) collective calls, as counted on rank 0."""
+    assert each_rank(two_ranks, name)[0]["collectives"] == COLLECTIVES[name]
+
+
+@pytest.mark.parametrize("name", TORCH_PLANS)
+def test_block_matches_torch_parallelize_module(two_ranks, name):
+    for rank, r in enumerate(each_rank(two_ranks, name)):
+        assert_within(r["torch parallelize_module"], f"{name}, rank {rank}: torch's output")
+
+
+def test_tied_lm_keeps_one_shared_parameter(two_ranks):
+    for rank, (shared, count) in enumerate(each_rank(two_ranks, "TiedLM parameters")):
+        assert shared and count == 1, f"rank {rank}: head.weight is wte.weight {shared}, {count}"
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_vocab_parallel_cross_entropy_matches_serial(two_ranks, reduction):
+    name = f"cross_entropy {reduction}"
+    for rank, r in enumerate(each_rank(two_ranks, name)):
+        assert_within(r["loss"], f"{name}, rank {rank}: loss")
+        assert_within(r["gradient"], f"{name}, rank {rank}: logits' gradient")
+
+
+def test_vocab_parallel_cross_entropy_collectives(two_ranks):
     # the row maxima, then the sums of exp and of the target logits together; nothing backward
-    assert counts["cross_entropy mean"] == {"all_reduce": 2, "all_gather": 0}
-    assert errors == [
-        "LMRowwiseHead.wte.num_embeddings = 25 is not divisible by the tensor-parallel size 2; choose a size that divides it",
-        "Attention.n_head = 3 is not divisible by the tensor-parallel size 2; choose a size that divides it",
-        "TiedRowwise.head.weight is tied to TiedRowwise.wte.weight, but the plan splits them"
-        " differently (dim 1 vs 0): a tie keeps one shard, so plan both with the same split (a"
-        " vocab embedding and a colwise head share rows) or untie them",
-        "TiedHalfPlanned.wte.weight is tied to TiedHalfPlanned.head.weight, which the plan shards;"
-        " plan both with the same split (a vocab embedding and a colwise head share rows) or"
-        " untie them",
-        "tensor_parallel: rank 1 built a different model than rank 0: Attention's divided"
-        " attributes (serial values): (('Attention.n_head', 4),) on rank 0 but"
-        " (('Attention.n_head', 8),)",
-    ]
+    counts = each_rank(two_ranks, "cross_entropy mean")[0]["collectives"]
+    assert counts == {"all_reduce": 2, "all_gather": 0}
+
+
+def test_shards_are_plain_parameters_of_the_local_shape(two_ranks):
+    world = len(two_ranks)
+    for rank, r in enumerate(each_rank(two_ranks, "MLP shards")):
+        assert r["shapes"] == {
+            "fc.weight": (4 * D_MODEL // world, D_MODEL),
+            "fc.bias": (4 * D_MODEL // world,),
+            "proj.weight": (D_MODEL, 4 * D_MODEL // world),
+            "proj.bias": (D_MODEL,),
+        }, (rank, r["shapes"])
+        assert r["exactly Parameter"], (rank, r["fc.weight type"])
+        assert r["Attention.n_head"] == N_HEAD // world, rank
+
+
+def test_rowwise_with_one_reduction_has_no_python_autograd_node(two_ranks):
+    for rank, r in enumerate(each_rank(two_ranks, "MLP shards")):
+        assert r["output grad_fn"] == "AddBackward0", (rank, r["output grad_fn"])
+
+
+def test_deepcopy_shares_the_group_with_its_own_tensors(two_ranks):
+    for rank, r in enumerate(each_rank(two_ranks, "MLP shards")):
+        assert r["copy shares the group"] and r["copy has its own tensors"], rank
+        assert_within(r["copy's output"], f"rank {rank}: the copy's output")
+
+
+CONSTRUCTION_ERRORS = {
+    "indivisible vocab": "LMRowwiseHead.wte.num_embeddings = 25 is not divisible by the"
+    " tensor-parallel size 2; choose a size that divides it",
+    "indivisible heads": "Attention.n_head = 3 is not divisible by the tensor-parallel size 2;"
+    " choose a size that divides it",
+    "tie split differently": "TiedRowwise.head.weight is tied to TiedRowwise.wte.weight, but"
+    " the plan splits them differently (dim 1 vs 0): a tie keeps one shard, so plan both with"
+    " the same split (a vocab embedding and a colwise head share rows) or untie them",
+    "tie half planned": "TiedHalfPlanned.wte.weight is tied to TiedHalfPlanned.head.weight,"
+    " which the plan shards; plan both with the same split (a vocab embedding and a colwise"
+    " head share rows) or untie them",
+    "divided attribute differs between ranks": "tensor_parallel: rank 1 built a different"
+    " model than rank 0: Attention's divided attributes (serial values):"
+    " (('Attention.n_head', 4),) on rank 0 but (('Attention.n_head', 8),)",
+}
+
+
+@pytest.mark.parametrize("name", CONSTRUCTION_ERRORS)
+def test_construction_error_is_clear(two_ranks, name):
+    """Checked on rank 0, as before."""
+    assert each_rank(two_ranks, name)[0] == CONSTRUCTION_ERRORS[name]
 
 
 # -- DP x TP: the GPT example on 4 ranks (2 data x 2 tensor) ----------------------------
@@ -539,11 +625,12 @@ def _dp_tp_training(rank, world, source, tmp):
     torch.manual_seed(0)
     model = P.GPT(P.GPTConfig(**GPT_CONFIG))
     m = mesh()
-    assert (m.data_size, m.tensor_size, m.data_rank) == (2, 2, rank // 2)
-    assert model.blocks[0].attn.qkv.weight.shape == (3 * 32 // 2, 32)
-    seeded = full_state_dict(model)  # shards cut from the serial initialization
-    for key, value in initial.items():
-        torch.testing.assert_close(seeded[key], value, rtol=0, atol=0, msg=f"initial {key}")
+    report = {
+        "mesh": (m.data_size, m.tensor_size, m.data_rank),
+        "qkv shard shape": tuple(model.blocks[0].attn.qkv.weight.shape),
+        # shards cut from the serial initialization
+        "initial": dict_closeness(full_state_dict(model), initial, rtol=0, atol=0),
+    }
     share = GLOBAL_BATCH // m.data_size
     rows = slice(m.data_rank * share, (m.data_rank + 1) * share)
     optimizer = _optimizer(model)
@@ -558,17 +645,62 @@ def _dp_tp_training(rank, world, source, tmp):
         torch.distributed.all_reduce(total)  # tensor ranks agree; the mean over data ranks
         losses.append(total.item() / world)
 
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(serial_losses), rtol=1e-5, atol=0)
-    for key, g in serial_grads.items():
-        torch.testing.assert_close(grads[key], g, **TOL, msg=f"first-step gradient of {key}")
     full = full_state_dict(model)
-    assert list(full) == list(serial.state_dict())
-    for key, value in serial.state_dict().items():
-        torch.testing.assert_close(full[key], value, **TOL, msg=f"{key} after {STEPS} steps")
-    return losses
+    report.update(
+        {
+            "losses": losses,
+            "losses vs serial": tensor_closeness(
+                torch.tensor(losses), torch.tensor(serial_losses), rtol=1e-5, atol=0
+            ),
+            "first-step gradients": dict_closeness(grads, serial_grads, **TOL),
+            "state dict keys": (list(full), list(serial.state_dict())),
+            "after steps": dict_closeness(full, serial.state_dict(), **TOL),
+        }
+    )
+    return report
 
 
-def test_gpt_example_data_x_tensor_parallel_on_four_ranks(tmp_path):
+def _dp_tp_report(rank, world, source, tmp):
+    report: dict = {}
+    run_check(report, "gpt", lambda: _dp_tp_training(rank, world, source, tmp))
+    return report
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp_tp")
     source = GPT_EXAMPLE.read_text()
-    losses = run_ranks(_dp_tp_training, 4, args=(source, str(tmp_path)), timeout=240)
+    return each_rank(run_ranks(_dp_tp_report, 4, args=(source, str(out)), timeout=240), "gpt")
+
+
+def test_gpt_data_x_tensor_mesh_and_shard_shapes(four_ranks):
+    for rank, r in enumerate(four_ranks):
+        assert r["mesh"] == (2, 2, rank // 2), (rank, r["mesh"])
+        assert r["qkv shard shape"] == (3 * 32 // 2, 32), (rank, r["qkv shard shape"])
+
+
+def test_gpt_data_x_tensor_initial_shards_are_the_serial_initialization(four_ranks):
+    for rank, r in enumerate(four_ranks):
+        assert_within(r["initial"], f"rank {rank}: initial (exactly)")
+
+
+def test_gpt_data_x_tensor_losses_match_serial(four_ranks):
+    for rank, r in enumerate(four_ranks):
+        assert_within(r["losses vs serial"], f"rank {rank}: losses {r['losses']}")
+
+
+def test_gpt_data_x_tensor_first_step_gradients_match_serial(four_ranks):
+    for rank, r in enumerate(four_ranks):
+        assert_within(r["first-step gradients"], f"rank {rank}: first-step gradient")
+
+
+def test_gpt_data_x_tensor_parameters_after_steps_match_serial(four_ranks):
+    for rank, r in enumerate(four_ranks):
+        keys, serial_keys = r["state dict keys"]
+        assert keys == serial_keys, f"rank {rank}: state dict keys"
+        assert_within(r["after steps"], f"rank {rank}: after {STEPS} steps")
+
+
+def test_gpt_data_x_tensor_losses_agree_across_ranks(four_ranks):
+    losses = [r["losses"] for r in four_ranks]
     assert losses[0] == losses[1] == losses[2] == losses[3]
