@@ -12,7 +12,9 @@ serial (unexpanded) block (1e-3) and torch's ``SequenceParallel`` +
 ``ColwiseParallel``/``RowwiseParallel`` on the same weights (tightly); the
 activations the layer norms save (their input, the residual stream, and its
 statistics) are 1 / 2 of serial per rank; a sequence length the size doesn't
-divide is a clear error.
+divide is a clear error. One spawn per world size (2, and 4 for DP x TP): the ranks
+return each check's figures (worst errors as multiples of the tolerance, counts, shapes),
+and a test per figure asserts them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.dist_checks import assert_within, dict_closeness, each_rank, run_check, tensor_closeness
 from tests.distributed import run_ranks
 from tests.helpers import expand, load_module
 
@@ -83,9 +86,11 @@ def _train(model, x, w):
 
 
 def _sequence_parity(rank, world, tmp):
+    """Every check's figures (or its error), by name: one spawn for them all."""
     from macrogen.runtime.tensor_parallel import full_gradients, full_state_dict
 
     os.environ["MACROGEN_TP_SIZE"] = str(world)
+    report: dict = {}
     S, P = _load(Path(tmp), rank)
     torch.manual_seed(0)
     serial = S.Block(S.Config())
@@ -105,31 +110,35 @@ def _sequence_parity(rank, world, tmp):
     out_s = serial(x_s)
     (out_s * w).sum().backward()
     out_p = ours(x_p)
-    assert out_p.shape == (SHAPE[0], SHAPE[1] // world, SHAPE[2])
+    report["output shape"] = tuple(out_p.shape)
     (out_p * w[:, mine]).sum().backward()  # the ranks' losses add up to the serial one
-    torch.testing.assert_close(out_p, out_s[:, mine], **TIGHT)
-    torch.testing.assert_close(x_p.grad, x_s.grad[:, mine], **TIGHT)
+    report["forward vs serial"] = tensor_closeness(out_p, out_s[:, mine], **TIGHT)
+    report["input gradient vs serial"] = tensor_closeness(x_p.grad, x_s.grad[:, mine], **TIGHT)
 
     # activation memory of the sequence-parallel regions: 1 / tp of serial on each rank
-    memory = (layer_norm_saved_bytes(initial(x)), layer_norm_saved_bytes(ours(x[:, mine])))
-    assert memory[0] == world * memory[1], memory
+    report["memory"] = (
+        layer_norm_saved_bytes(initial(x)),
+        layer_norm_saved_bytes(ours(x[:, mine])),
+    )
 
     theirs = _torch_sequence_parallel(P, initial, world)
     out_t = theirs(x_t)
     (out_t * w[:, mine]).sum().backward()
-    torch.testing.assert_close(out_p, out_t, **TIGHT)
-    torch.testing.assert_close(x_p.grad, x_t.grad, **TIGHT)
+    report["forward vs torch"] = tensor_closeness(out_p, out_t, **TIGHT)
+    report["input gradient vs torch"] = tensor_closeness(x_p.grad, x_t.grad, **TIGHT)
     # parameter gradients (the layer norms' summed over the ranks' tokens)
     grads = full_gradients(ours)
+    serial_grads = {k: p.grad for k, p in serial.named_parameters()}
     torch_grads = _full(theirs, world, grad=True)
-    for key, p in serial.named_parameters():
-        torch.testing.assert_close(grads[key], p.grad, **TIGHT, msg=lambda m, k=key: f"{k}: {m}")
-        torch.testing.assert_close(
-            grads[key], torch_grads[key], **TIGHT, msg=lambda m, k=key: f"{k}: {m}"
-        )
+    report["gradients vs serial"] = dict_closeness(grads, serial_grads, **TIGHT)
+    report["gradients vs torch"] = dict_closeness(
+        grads, {k: torch_grads[k] for k in serial_grads}, **TIGHT
+    )
 
-    _collectives_of_a_pass(ours, x[:, mine], w[:, mine], grads)
-    _nested_sequence_modules(x, w, mine)
+    run_check(
+        report, "collectives", lambda: _collectives_of_a_pass(ours, x[:, mine], w[:, mine], grads)
+    )
+    run_check(report, "nested", lambda: _nested_sequence_modules(x, w, mine))
 
     # 3 AdamW steps from the same weights
     reference = copy.deepcopy(initial)
@@ -139,12 +148,12 @@ def _sequence_parity(rank, world, tmp):
     _train(ours, x[:, mine], w[:, mine])
     _train(theirs, x[:, mine], w[:, mine])
     got, want, torch_state = full_state_dict(ours), reference.state_dict(), _full(theirs, world)
-    for key, value in want.items():
-        torch.testing.assert_close(got[key], value, **SERIAL_TOL, msg=lambda m, k=key: f"{k}: {m}")
-        torch.testing.assert_close(
-            got[key], torch_state[key], **AFTER_ADAM, msg=lambda m, k=key: f"{k}: {m}"
-        )
-    return memory, _indivisible(world)
+    report["after AdamW vs serial"] = dict_closeness(got, want, **SERIAL_TOL)
+    report["after AdamW vs torch"] = dict_closeness(
+        got, {k: torch_state[k] for k in want}, **AFTER_ADAM
+    )
+    run_check(report, "indivisible", lambda: _indivisible(world))
+    return report
 
 
 def _collectives_of_a_pass(ours, x, w, grads):
@@ -186,15 +195,16 @@ def _collectives_of_a_pass(ours, x, w, grads):
         results[True],
         results[False],
     )
-    # all-reduces: 2 rowwise-to-sequence outputs and 1 colwise-from-sequence input gradient
-    # (as reduce-scatters, or not), the attention's colwise input gradient, 1 per layer norm
-    assert by_ar == {"all_reduce": 3 + 1 + 2, "reduce_scatter_single": 0}, by_ar
-    assert by_rs == {"all_reduce": 1 + 2, "reduce_scatter_single": 3}, by_rs
-    torch.testing.assert_close(out_rs, out, rtol=0, atol=0)
-    torch.testing.assert_close(grad_x_rs, grad_x, rtol=0, atol=0)
-    for key, value in grads.items():  # and the same gradients as the first pass
-        torch.testing.assert_close(grads_ar[key], value, rtol=0, atol=0, msg=key)
-        torch.testing.assert_close(grads_rs[key], value, rtol=0, atol=0, msg=key)
+    exact = dict(rtol=0, atol=0)
+    return {
+        "by all-reduce": by_ar,
+        "by reduce-scatter": by_rs,
+        "output": tensor_closeness(out_rs, out, **exact),
+        "input gradient": tensor_closeness(grad_x_rs, grad_x, **exact),
+        # and the same gradients as the first pass
+        "gradients by all-reduce": dict_closeness(grads_ar, grads, **exact),
+        "gradients by reduce-scatter": dict_closeness(grads_rs, grads, **exact),
+    }
 
 
 def _nested_sequence_modules(x, w, mine):
@@ -211,9 +221,16 @@ def _nested_sequence_modules(x, w, mine):
     Sequence().apply(holder.outer, "1", "outer.1", group, None)
     (serial(x) * w).sum().backward()
     (holder.outer(x[:, mine]) * w[:, mine]).sum().backward()
-    for (key, p), q in zip(serial.named_parameters(), holder.outer.parameters()):
-        assert type(q) is torch.nn.Parameter  # put back after the forward
-        torch.testing.assert_close(q.grad, p.grad, **TIGHT, msg=lambda m, k=key: f"{k}: {m}")
+    keys = [key for key, _ in serial.named_parameters()]
+    return {
+        # put back after the forward
+        "plain Parameters": all(type(q) is torch.nn.Parameter for q in holder.outer.parameters()),
+        "gradients": dict_closeness(
+            {k: q.grad for k, q in zip(keys, holder.outer.parameters())},
+            {k: p.grad for k, p in serial.named_parameters()},
+            **TIGHT,
+        ),
+    }
 
 
 def _torch_sequence_parallel(P, serial, world):
@@ -283,9 +300,11 @@ def _indivisible(world):
     layer = RowwiseLinear(
         torch.nn.Linear(8, 4), tensor_parallel_group(None), "MLP.c_proj", sequence=True
     )
-    with pytest.raises(ValueError) as e:
+    try:
         layer(torch.randn(2, 7, 8))
-    return str(e.value)
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def _data_x_sequence_parity(rank, world, tmp):
@@ -303,7 +322,7 @@ def _data_x_sequence_parity(rank, world, tmp):
     torch.manual_seed(0)
     ours = P.DataParallelBlock(P.Config())
     m = mesh()
-    assert (m.data_size, m.tensor_size) == (world // tensor, tensor)
+    report: dict = {"mesh": (m.data_size, m.tensor_size)}
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(2))
     w = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
     share = SHAPE[0] // m.data_size
@@ -322,8 +341,10 @@ def _data_x_sequence_parity(rank, world, tmp):
     serial_loss(copy.deepcopy(serial), x_s).backward()
     out_p = ours(x_p)
     (out_p * w[rows, mine]).sum().backward()
-    torch.testing.assert_close(out_p, serial(x)[rows, mine], **TIGHT)
-    torch.testing.assert_close(x_p.grad, m.data_size * x_s.grad[rows, mine], **TIGHT)
+    report["forward"] = tensor_closeness(out_p, serial(x)[rows, mine], **TIGHT)
+    report["input gradient"] = tensor_closeness(
+        x_p.grad, m.data_size * x_s.grad[rows, mine], **TIGHT
+    )
 
     for model, loss, data in ((serial, serial_loss, x), (ours, our_loss, x[rows, mine])):
         model.zero_grad()
@@ -333,23 +354,105 @@ def _data_x_sequence_parity(rank, world, tmp):
             loss(model, data).backward()
             optimizer.step()
     got = full_state_dict(ours)
-    for key, value in serial.state_dict().items():
-        torch.testing.assert_close(got[key], value, **SERIAL_TOL, msg=lambda m, k=key: f"{k}: {m}")
-    return got
+    report["after AdamW"] = dict_closeness(got, serial.state_dict(), **SERIAL_TOL)
+    report["final"] = got
+    return report
 
 
-def test_sequence_parallel_block_equals_serial_and_torch(tmp_path):
-    results = run_ranks(_sequence_parity, 2, args=(str(tmp_path),), timeout=240)
-    (serial, mine), error = results[0]
-    assert serial == 2 * mine  # the layer norms' saved activations, per rank
-    assert error == (
+def _report(rank, world, check, tmp):
+    report: dict = {}
+    run_check(report, "parity", lambda: check(rank, world, tmp))
+    return report
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sequence")
+    results = run_ranks(_report, 2, args=(_sequence_parity, str(out)), timeout=240)
+    return each_rank(results, "parity")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sequence_dp")
+    results = run_ranks(_report, 4, args=(_data_x_sequence_parity, str(out)), timeout=240)
+    return each_rank(results, "parity")
+
+
+# (figure, what it compares); one test each
+CLOSENESS = {
+    "forward vs serial": "the block's output slice against serial's",
+    "input gradient vs serial": "the input gradient slice against serial's",
+    "forward vs torch": "the output against torch's SequenceParallel",
+    "input gradient vs torch": "the input gradient against torch's",
+    "gradients vs serial": "gathered parameter gradients against serial's",
+    "gradients vs torch": "gathered parameter gradients against torch's",
+    "after AdamW vs serial": f"parameters after {STEPS} AdamW steps against serial's",
+    "after AdamW vs torch": f"parameters after {STEPS} AdamW steps against torch's",
+}
+
+
+def test_sequence_parallel_output_is_this_ranks_slice(two_ranks):
+    world = len(two_ranks)
+    for rank, r in enumerate(two_ranks):
+        assert r["output shape"] == (SHAPE[0], SHAPE[1] // world, SHAPE[2]), rank
+
+
+@pytest.mark.parametrize("figure", CLOSENESS)
+def test_sequence_parallel_block_matches(two_ranks, figure):
+    for rank, r in enumerate(two_ranks):
+        assert_within(r[figure], f"rank {rank}: {CLOSENESS[figure]}")
+
+
+def test_sequence_parallel_layer_norm_activations_halved(two_ranks):
+    world = len(two_ranks)
+    for rank, r in enumerate(two_ranks):
+        serial, mine = r["memory"]
+        assert serial == world * mine, (rank, r["memory"])  # the layer norms' saved activations
+
+
+def test_sequence_parallel_collectives_per_pass(two_ranks):
+    for rank, r in enumerate(each_rank(two_ranks, "collectives")):
+        # all-reduces: 2 rowwise-to-sequence outputs and 1 colwise-from-sequence input gradient
+        # (as reduce-scatters, or not), the attention's colwise input gradient, 1 per layer norm
+        assert r["by all-reduce"] == {"all_reduce": 3 + 1 + 2, "reduce_scatter_single": 0}, rank
+        assert r["by reduce-scatter"] == {"all_reduce": 1 + 2, "reduce_scatter_single": 3}, rank
+
+
+def test_reduce_scatter_by_all_reduce_is_bit_identical(two_ranks):
+    for rank, r in enumerate(each_rank(two_ranks, "collectives")):
+        for figure in ("output", "input gradient"):
+            assert_within(r[figure], f"rank {rank}: {figure}, exactly")
+        for figure in ("gradients by all-reduce", "gradients by reduce-scatter"):
+            assert_within(r[figure], f"rank {rank}: {figure} against the first pass, exactly")
+
+
+def test_nested_sequence_modules_sum_gradients_once(two_ranks):
+    for rank, r in enumerate(each_rank(two_ranks, "nested")):
+        assert r["plain Parameters"], rank
+        assert_within(r["gradients"], f"rank {rank}: nested gradients")
+
+
+def test_indivisible_sequence_is_a_clear_error(two_ranks):
+    assert each_rank(two_ranks, "indivisible")[0] == (
         "MLP.c_proj: the sequence length (dim 1) 7 is not divisible by the tensor-parallel size 2;"
         " pad the sequence or choose a size that divides it"
     )
 
 
-def test_sequence_parallel_under_data_x_tensor_parallel(tmp_path):
-    finals = run_ranks(_data_x_sequence_parity, 4, args=(str(tmp_path),), timeout=240)
+def test_sequence_parallel_under_data_x_tensor_mesh(four_ranks):
+    for rank, r in enumerate(four_ranks):
+        assert r["mesh"] == (2, 2), (rank, r["mesh"])
+
+
+@pytest.mark.parametrize("figure", ["forward", "input gradient", "after AdamW"])
+def test_sequence_parallel_under_data_x_tensor_matches_serial(four_ranks, figure):
+    for rank, r in enumerate(four_ranks):
+        assert_within(r[figure], f"rank {rank}: {figure}")
+
+
+def test_sequence_parallel_under_data_x_tensor_ranks_hold_one_model(four_ranks):
+    finals = [r["final"] for r in four_ranks]
     for final in finals[1:]:  # every rank holds the same model
         for key, value in finals[0].items():
             torch.testing.assert_close(final[key], value, rtol=0, atol=0, msg=key)
