@@ -357,7 +357,7 @@ def main() -> int:
             ("tile", lambda: tile_rows(directory, device)),
             ("kernels", lambda: kernel_rows(device)),
             ("fused_allreduce", lambda: allreduce_rows(directory, device)),
-            ("training", lambda: training_rows(directory, device, DRY, bench, Row)),
+            ("training", lambda: training_rows(directory, device, DRY, bench, Row, _module)),
         ):
             if section not in sections:
                 continue

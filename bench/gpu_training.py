@@ -200,23 +200,13 @@ def _cases(module: Any) -> list[_Case]:
     ]
 
 
-def _module(code: str, path: Path, name: str):
-    import importlib.util
-    import sys
-
-    path.write_text(code)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def training_rows(directory: Path, device: str, dry: bool, bench: Callable, row: Callable) -> list:
-    """One row per case (``row`` makes bench/gpu.py's Row; ``bench`` times a call)."""
+def training_rows(
+    directory: Path, device: str, dry: bool, bench: Callable, row: Callable, load: Callable
+) -> list:
+    """One row per case (``row`` makes bench/gpu.py's Row; ``bench`` times a call; ``load``
+    imports generated code from a file, bench/gpu.py's ``_module``)."""
     size = _size(dry)
-    module = _module(
+    module = load(
         expand_source(SOURCE, path="gpu_training.py").code,
         directory / "gpu_training_model.py",
         "gpu_training_model",
