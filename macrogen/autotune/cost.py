@@ -16,13 +16,17 @@ A collective over n ranks costs ring steps x (alpha + bytes per step / beta)
 on the slowest link its group crosses: tensor groups are contiguous ranks
 (one node while tp <= ranks per node), data and pipeline groups are strided.
 Nothing overlaps (gloo on CPU blocks the computing thread); ``fit`` scales the
-compute and the communication terms to measured step times.
+compute and the communication terms to measured step times, and fits each
+collective's fixed cost (``Step.calls``: per step 4 per block and micro-batch
+under tp, 3 per FSDP unit, 1 all-reduce for replicate, 2 sends per micro-batch
+under pp) once four layouts are measured.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from macrogen.autotune.layouts import Layout
@@ -93,6 +97,7 @@ class Step:
     tensor: float
     data: float
     pipeline: float
+    calls: float = 0.0  # collectives and sends per step (their fixed cost is fitted: ``Fit``)
 
     @property
     def communication(self) -> float:
@@ -123,47 +128,92 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     blocks = profile.blocks / pp if profile.blocks else 0.0
     tensor = 4 * blocks * m * all_reduce_s(message, tp, tp_link)
     grads = profile.param_bytes * tp_share(profile, tp) * pp_share(profile, pp)
+    calls = 4 * blocks * m if tp > 1 else 0.0
     if layout.dp == "fsdp":  # per unit (each block, then the root): 2 all-gathers, 1 reduce-scatter
         units = (profile.blocks / pp if profile.blocks else 0.0) + 1
         data = 3 * (all_gather_s(grads, d, dp_link) + (units - 1) * (d - 1) * dp_link.latency)
+        calls += 3 * units if d > 1 else 0.0
     else:
         data = all_reduce_s(grads, d, dp_link)
+        calls += 1 if d > 1 else 0.0
     pipeline = 2 * m * send_s(message / tp, pp_link) if pp > 1 else 0.0
-    return Step(compute, tensor, data, pipeline)
+    calls += 2 * m if pp > 1 else 0.0
+    return Step(compute, tensor, data, pipeline, calls)
 
 
 @dataclass(frozen=True)
 class Fit:
-    """Scales of the compute and communication terms, fitted to measured step times."""
+    """Scales of the compute and communication terms, and each call's fixed cost, fitted to
+    measured step times."""
 
     compute: float = 1.0
     communication: float = 1.0
+    per_call: float = 0.0  # seconds per collective or send beyond the alpha-beta model
 
     def __call__(self, step: Step) -> float:
-        return self.compute * step.compute + self.communication * step.communication
+        return (
+            self.compute * step.compute
+            + self.communication * step.communication
+            + self.per_call * step.calls
+        )
 
 
 def fit(points: Sequence[tuple[Step, float]]) -> Fit:
-    """Least squares of measured = a x compute + b x communication (a, b >= 0).
+    """Least squares of measured = a x compute + b x communication (+ c x calls), all >= 0.
 
-    One point (or terms that do not separate) fits one common scale.
+    Each call's fixed cost (Python hooks, a thread's wake-up: on a shared CPU it
+    outweighs the bytes) is fitted from four points on; one point fits one
+    common scale of compute and communication.
     """
     if not points:
         return Fit()
     common = sum(t for _, t in points) / max(sum(s.total for s, _ in points), 1e-12)
     if len(points) < 2:
         return Fit(common, common)
-    cc = sum(s.compute**2 for s, _ in points)
-    nn = sum(s.communication**2 for s, _ in points)
-    cn = sum(s.compute * s.communication for s, _ in points)
-    ct = sum(s.compute * t for s, t in points)
-    nt = sum(s.communication * t for s, t in points)
-    det = cc * nn - cn * cn
-    if det <= 1e-12 * max(cc * nn, 1e-30):
+    columns: list[Callable[[Step], float]] = [lambda s: s.compute, lambda s: s.communication]
+    if len(points) >= 4:
+        columns.append(lambda s: s.calls)
+    rows = [[c(s) for c in columns] for s, _ in points]
+    found = nonnegative_least_squares(rows, [t for _, t in points])
+    if found is None or found[0] <= 0:  # no compute: the points explain noise, not the machine
         return Fit(common, common)
-    a = (ct * nn - nt * cn) / det
-    b = (cc * nt - cn * ct) / det
-    if a <= 0 or b < 0:  # a negative scale explains noise, not the machine
-        a = ct / cc if cc else common
-        return Fit(a, 0.0) if b < 0 else Fit(common, common)
-    return Fit(a, b)
+    return Fit(*found)
+
+
+def nonnegative_least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """min |A x - y| over x >= 0 for a few columns: the best of every subset's free fit."""
+    k = len(rows[0])
+    best: tuple[float, list[float]] | None = None
+    for active in itertools.product((False, True), repeat=k):
+        chosen = [j for j in range(k) if active[j]]
+        if not chosen:
+            continue
+        solved = _least_squares([[r[j] for j in chosen] for r in rows], ys)
+        if solved is None or min(solved) < 0:
+            continue
+        x = [0.0] * k
+        for j, v in zip(chosen, solved):
+            x[j] = v
+        residual = sum((sum(a * b for a, b in zip(r, x)) - y) ** 2 for r, y in zip(rows, ys))
+        if best is None or residual < best[0] - 1e-18:
+            best = (residual, x)
+    return None if best is None else best[1]
+
+
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """The normal equations, by Gaussian elimination; None when they are singular."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    b = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(k)]
+    scale = max((abs(v) for row in a for v in row), default=0.0)
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda i: abs(a[i][col]))
+        if abs(a[pivot][col]) <= 1e-12 * max(scale, 1e-300):
+            return None
+        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
+        for i in range(k):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [x - f * y for x, y in zip(a[i], a[col])]
+                b[i] -= f * b[col]
+    return [b[i] / a[i][i] for i in range(k)]

@@ -159,6 +159,7 @@ def _launch(
     (work / "job.json").write_text(json.dumps(job, indent=2))
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # time the real paths: CUDA kernels or the torch CPU path
+    env.setdefault("KINETO_LOG_LEVEL", "5")  # the memory window's profiler: no start/stop lines
     with log.open("wb") as out:
         proc = subprocess.Popen(
             _command(program, work / "job.json"),

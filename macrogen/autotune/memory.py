@@ -1,24 +1,30 @@
 """Peak memory per rank of a layout, predicted from one serial probe of the model.
 
 Pure functions over a ``Profile`` (what ``probe.py`` measures on one process,
-or what a test writes down). Bytes are above the process's memory before the
-model was built, the same quantity the autotune worker measures on each rank:
+or what a test writes down). Bytes are tensor bytes above those live before the
+model was built (``process_memory.TensorPeak``), what the autotune worker
+measures on each rank:
 
-    params   P x tp share x pipeline share          (fsdp: / D, + one gathered block)
+    params   P x tp share x pipeline share          (fsdp: / D, + two gathered blocks)
     state    S x the same shares                    (zero1 and fsdp: / D)
-    grads and activations (the step's transient):
-             grads as the parameters (fsdp: / D + one block's)
-             activations A / D (the global batch is split over the data ranks)
-                         x tp share x (1/pp) x in-flight micro-batches / micro-batches
+    grads    as the parameters                      (fsdp: / D + three blocks' buffers)
+    and the larger of the step's two transients:
+    activations  A / D (the global batch is split over the data ranks)
+                 x activations' tp share x (1/pp) x in-flight micro-batches / micro-batches
+                 (replicate, zero1 with D > 1: + a copy of the gradients while buckets reduce)
+    optimizer    T, the optimizer step's temporaries, x the parameters' shares (zero1, fsdp: / D)
 
 The peak is the larger of a step's and the build's: ``mg.parallelize`` takes a
 built model, so every rank holds the whole serial model while it cuts its
 shards (P, plus the shards made before the whole is freed).
 
 S is the optimizer's state (the probe counts the tensors of the optimizer over
-the model); A is a step's peak above the memory between steps (which already
-holds one copy of the gradients). The tensor-parallel share of anything is f/tp + (1 - f), f the
-fraction of the parameters in planned (sharded) layers; a pipeline stage holds
+the model); A is a step's peak outside the optimizer step, above the parameters
+and the state; T the optimizer step's own peak above its start. The
+tensor-parallel share of the parameters is f/tp + (1 - f), f the fraction of
+them in planned (sharded) layers; of the activations the same with f the share
+of the bytes autograd saves that the plan cuts (the MLP's hidden side, the
+attention heads: the residual stream stays whole); a pipeline stage holds
 1/pp of the blocks and, conservatively, all the rest (embeddings, head). Under
 1F1B the first stage holds min(pp, microbatches) micro-batches' activations.
 """
@@ -43,6 +49,8 @@ class Profile:
     step_s: float = 0.0  # one serial step
     block_s: float = 0.0  # of it, the blocks' forward + backward
     message_bytes: int = 0  # one block's output for the whole batch (what TP all-reduces)
+    optimizer_bytes: int = 0  # the optimizer step's temporaries, above the gradients
+    activation_sharded: float | None = None  # activations' share tp shards (None: as parameters)
 
     @property
     def sharded_fraction(self) -> float:
@@ -62,6 +70,13 @@ def tp_share(profile: Profile, tp: int) -> float:
     return f / tp + (1 - f)
 
 
+def activation_tp_share(profile: Profile, tp: int) -> float:
+    f = profile.activation_sharded
+    if f is None:
+        return tp_share(profile, tp)
+    return f / tp + (1 - f)
+
+
 def pp_share(profile: Profile, pp: int) -> float:
     f = profile.block_fraction
     return f / pp + (1 - f)
@@ -72,7 +87,7 @@ class Breakdown:
     params: float
     state: float
     grads: float
-    activations: float
+    activations: float  # forward and backward's own tensors, or the optimizer step's
     build: float = 0.0  # while the serial model is cut into this rank's shards
 
     @property
@@ -90,6 +105,7 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
     share = tp_share(profile, layout.tp) * pp_share(profile, layout.pp)
     params = profile.param_bytes * share
     state = profile.state_bytes * share
+    temporaries = profile.optimizer_bytes * share  # the optimizer step's foreach buffers
     one_block = (
         profile.block_bytes / profile.blocks * tp_share(profile, layout.tp)
         if profile.blocks
@@ -98,16 +114,25 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
     grads = params
     if layout.dp in ("zero1", "fsdp"):
         state /= d
+        temporaries /= d
     if layout.dp == "fsdp":
-        params = params / d + one_block  # one unit gathered while it runs
-        grads = grads / d + one_block  # one unit's full gradient before its reduce-scatter
+        # FSDP2 per unit: the gathered unit and the next one, prefetched; in backward the
+        # unit's full gradients, their reduce-scatter input and its output in flight
+        params = params / d + 2 * one_block
+        grads = grads / d + 3 * one_block
     in_flight = min(layout.pp, layout.microbatches) / layout.microbatches
     activations = (
-        profile.activation_bytes / d * tp_share(profile, layout.tp) / layout.pp * in_flight
+        profile.activation_bytes
+        / d
+        * activation_tp_share(profile, layout.tp)
+        / layout.pp
+        * in_flight
     )
+    if layout.dp in ("replicate", "zero1") and d > 1:
+        activations += grads  # a bucket's gradients, scaled into a fresh buffer as it is reduced
     sharded = layout.tp > 1 or layout.pp > 1 or layout.dp == "fsdp"
     build = profile.param_bytes + (params if sharded else 0.0)
-    return Breakdown(params, state, grads, activations, build)
+    return Breakdown(params, state, grads, max(activations, temporaries), build)
 
 
 def fit_offset(points: list[tuple[float, float]]) -> float:

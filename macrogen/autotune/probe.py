@@ -25,7 +25,7 @@ from typing import Any
 
 from macrogen.autotune.layouts import ModelShape
 from macrogen.autotune.memory import Profile
-from macrogen.autotune.process_memory import peak, reset_peak, rss, trim, warm_process
+from macrogen.autotune.process_memory import TensorPeak, warm_process
 
 
 class ProbeError(Exception):
@@ -67,9 +67,9 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
         if not callable(factory):
             raise ProbeError(f"the tuned file defines no callable {job['entry']!r} (--entry)")
     warm_process()
-    trim()
     torch.manual_seed(0)
-    base = rss()
+    built = TensorPeak()
+    built.__enter__()  # closed after the warm-up steps: its end is the memory between steps
     made = factory(module) if worker._takes_an_argument(factory) else factory()
     parts = made if isinstance(made, tuple) else (made,)
     models = [p for p in parts if isinstance(p, torch.nn.Module)]
@@ -107,17 +107,19 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
         hooks.append(b.register_forward_hook(after))
     for _ in range(2):  # warm-up: optimizer state, allocator
         step()
-    trim()  # the last step's activations, freed, are no longer resident
-    between = rss()
-    state = _optimizer_bytes(model, torch)  # None: no optimizer found over the model
-    reset_peak()
+    built.__exit__()
+    optimizers = _optimizers(model, torch)
+    state = _optimizer_bytes(optimizers, torch)  # None: no optimizer found over the model
+    hooks += _mark_steps(optimizers, torch)
+    saved = _SavedActivations(model, divisible)
+    with TensorPeak() as one_step, saved.hooks():  # the gradients it frees were made before
+        step()
     block_time[0] = 0.0
     times = []
     for _ in range(job.get("steps", 3)):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    top = peak()
     for h in hooks:
         h.remove()
     step_s = statistics.median(times)
@@ -129,10 +131,14 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             "blocks": len(blocks),
             # the optimizer's state: counted when the optimizer is found, else what the
             # process holds between steps above the parameters and their gradients
-            "state_bytes": state if state is not None else max(0, between - base - 2 * param_bytes),
-            # gradients and activations: a step frees the gradients first (zero_grad) and
-            # makes them again in backward, so its peak above between-steps is the activations
-            "transient_bytes": max(0, top - between) + param_bytes,
+            "state_bytes": state if state is not None else max(0, built.end - 2 * param_bytes),
+            # gradients and activations: a step's tensors at its peak outside the optimizer
+            # above the parameters and the state (the gradients it frees first were made
+            # before the window), plus the gradients, which the model counts on their own
+            "transient_bytes": one_step.unmarked + param_bytes,
+            # the optimizer step's own temporaries (foreach buffers), above the gradients
+            "optimizer_bytes": one_step.marked,
+            "activation_sharded": saved.sharded_fraction(),
             "step_s": step_s,
             # forward only was hooked: backward costs about twice the forward
             "block_s": min(step_s, 3 * block_time[0] / len(times)),
@@ -142,23 +148,91 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     }
 
 
-def _optimizer_bytes(model: Any, torch: Any) -> int | None:
-    """The state of the optimizers over ``model``'s parameters (found among live objects)."""
+class _SavedActivations:
+    """The bytes autograd saves for backward, and the share a tensor-parallel plan shards.
+
+    A saved tensor is sharded when its last dim is a width the plan cuts (a
+    colwise layer's out features, a rowwise one's in features: the MLP's hidden
+    side) or, 4-d, its dim 1 is a head count the plan divides ((B, heads, T, .):
+    attention). The residual stream, norms and the model's own width are whole
+    on every tensor rank: Megatron's activations are only partly sharded.
+    """
+
+    def __init__(self, model: Any, divisible: Mapping[str, int]):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.widths = {v for k, v in divisible.items() if k.endswith(" features")}
+        self.heads = {v for k, v in divisible.items() if not k.endswith((" features", " rows"))}
+        self.total = 0
+        self.sharded = 0
+        self.seen: set[tuple[int, tuple[int, ...]]] = set()  # saved twice counts once
+
+    def hooks(self) -> Any:
+        import torch
+
+        def pack(t: Any) -> Any:
+            key = (t.data_ptr(), tuple(t.shape)) if isinstance(t, torch.Tensor) else None
+            if key and key not in self.seen and t.untyped_storage().data_ptr() not in self.params:
+                self.seen.add(key)
+                n = t.numel() * t.element_size()
+                self.total += n
+                if t.dim() and (
+                    t.shape[-1] in self.widths or (t.dim() == 4 and t.shape[1] in self.heads)
+                ):
+                    self.sharded += n
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def sharded_fraction(self) -> float | None:
+        """None: nothing saved, or no plan (the parameters' fraction stands in)."""
+        if not self.total or not (self.widths or self.heads):
+            return None
+        return self.sharded / self.total
+
+
+def _optimizers(model: Any, torch: Any) -> list[Any]:
+    """The optimizers over ``model``'s parameters (found among live objects)."""
     import gc
 
     mine = {id(p) for p in model.parameters()}
-    total, found = 0, False
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.optim.Optimizer):
-            continue
-        if not any(id(p) in mine for g in obj.param_groups for p in g["params"]):
-            continue
-        found = True
-        for state in obj.state.values():
+    return [
+        obj
+        for obj in gc.get_objects()
+        if isinstance(obj, torch.optim.Optimizer)
+        and any(id(p) in mine for g in obj.param_groups for p in g["params"])
+    ]
+
+
+def _optimizer_bytes(optimizers: list[Any], torch: Any) -> int | None:
+    """The optimizers' state; None without an optimizer."""
+    total = 0
+    for opt in optimizers:
+        for state in opt.state.values():
             for t in state.values():
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
                     total += t.numel() * t.element_size()
-    return total if found else None
+    return total if optimizers else None
+
+
+def _mark_steps(optimizers: list[Any], torch: Any) -> list[Any]:
+    """Each optimizer step as a profiler range (its temporaries are measured on their own)."""
+    from macrogen.autotune.process_memory import MARK
+
+    ranges: list[Any] = []
+
+    def pre(*_: Any) -> None:
+        ranges.append(torch.autograd.profiler.record_function(MARK))
+        ranges[-1].__enter__()
+
+    def post(*_: Any) -> None:
+        if ranges:
+            ranges.pop().__exit__(None, None, None)
+
+    hooks = []
+    for opt in optimizers:
+        hooks.append(opt.register_step_pre_hook(pre))
+        hooks.append(opt.register_step_post_hook(post))
+    return hooks
 
 
 def _plan_sizes(model: Any, plan: Any) -> tuple[int, dict[str, int]]:
@@ -232,6 +306,7 @@ def run(
         }
         (work / "job.json").write_text(json.dumps(job))
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+        env.setdefault("KINETO_LOG_LEVEL", "5")  # the memory window's profiler: no start/stop lines
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", "macrogen.autotune.probe", "job.json", "out.json"],

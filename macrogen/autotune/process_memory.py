@@ -1,41 +1,27 @@
-"""A process's memory, measured the same way by the probe and by each measured layout.
+"""Peak memory of a process's tensors, measured the same way by the probe and by each layout.
 
-Memory on CPU is the process's resident set (``/proc/self/status``): torch has
-no CPU allocator statistics. ``VmHWM``, the peak, is reset through
-``/proc/self/clear_refs`` before what is measured; before that, a small model
-runs a few steps (``warm_process``: the one-time buffers of torch's first
-backward and optimizer step are not the model's), and ``malloc_trim`` hands
-the memory freed by an earlier candidate back to the system (glibc keeps it
-otherwise, and the next candidate's peak would hide in it). Fixing
-``MALLOC_MMAP_THRESHOLD_`` instead made every step 7x slower. On CUDA it is
-``torch.cuda.max_memory_allocated``.
+On CUDA it is ``torch.cuda.max_memory_allocated`` above the bytes allocated at
+the start. On CPU torch keeps no allocator statistics, and the resident set
+is not what the models predict: glibc keeps freed blocks (FSDP's gathered
+units, fragmented, grew a 2-rank process from 36 to 50 MB over 12 steps of the
+same live tensors), and gloo's own buffers are not tensors. So ``TensorPeak``
+records torch's CPU allocator through the profiler (``profile_memory``: every
+allocation and free, with its size) and sums them in time order: the peak of
+that sum is the most tensor bytes live at once, above those live at the start
+(a tensor made before the window and freed in it does not count down).
+
+``warm_process`` runs a small model first, so that torch's one-time buffers
+(first backward, first optimizer step, the imports a layout needs) come
+before any window.
 """
 
 from __future__ import annotations
 
-
-def _status(field: str) -> int:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def rss() -> int:
-    """Resident bytes now (0 where /proc is missing)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return int(torch.cuda.memory_allocated())
-    return _status("VmRSS")
+from typing import Any
 
 
 def warm_process(distributed: bool = False) -> None:
-    """A few steps of a small model: torch's one-time buffers are made before any baseline."""
+    """A few steps of a small model: torch's one-time buffers are made before any window."""
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
@@ -60,34 +46,92 @@ def warm_process(distributed: bool = False) -> None:
         dist.barrier()
 
 
-def trim() -> None:
-    """Give freed memory back to the system (glibc), so that RSS falls to what is live."""
-    import ctypes
-    import gc
+class TensorPeak:
+    """The most tensor bytes live at once while the window is open, above those at its start.
 
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    with TensorPeak() as window:
+        build(); step(); step()
+    window.peak
+    """
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.end = 0  # tensor bytes live at the end, above the start
+        self.marked = 0  # on CPU: the most bytes above a marked range's start, within it
+        self.unmarked = 0  # on CPU: the peak outside the marked ranges
+        self._profiler: Any = None
+        self._start = 0
+
+    def __enter__(self) -> TensorPeak:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._start = int(torch.cuda.memory_allocated())
+            return self
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        if self._profiler is None:
+            torch.cuda.synchronize()
+            self.peak = max(0, int(torch.cuda.max_memory_allocated()) - self._start)
+            self.end = int(torch.cuda.memory_allocated()) - self._start
+            return
+        self._profiler.__exit__(None, None, None)
+        events = _memory_events(self._profiler)
+        self.peak = running_peak(events)
+        self.end = sum(nbytes for _, nbytes in events)
+        self.unmarked, self.marked = _phase_peaks(self._profiler, events)
+        self._profiler = None
 
 
-def reset_peak() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-        return
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")  # resets VmHWM to the current resident set
-    except OSError:
-        pass
+def _memory_events(profiler: Any) -> list[tuple[int, int]]:
+    """(time, signed bytes) of each CPU allocation and free the profiler saw."""
+    events = profiler.profiler.kineto_results.events()
+    return [
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+    ]
 
 
-def peak() -> int:
-    import torch
+MARK = "macrogen.memory_mark"  # a record_function range whose own peak TensorPeak reports
 
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    return _status("VmHWM")
+
+def _phase_peaks(profiler: Any, events: list[tuple[int, int]]) -> tuple[int, int]:
+    """The peak outside the marked ranges, and the most any range adds above its start."""
+    ranges = [
+        (e.start_ns(), e.end_ns())
+        for e in profiler.profiler.kineto_results.events()
+        if e.name() == MARK
+    ]
+
+    def inside(t: int) -> bool:
+        return any(start <= t <= end for start, end in ranges)
+
+    live = outside = 0
+    for t, nbytes in sorted(events, key=lambda e: e[0]):
+        live += nbytes
+        if not inside(t):
+            outside = max(outside, live)
+    marked = max(
+        (running_peak([(t, n) for t, n in events if start <= t <= end]) for start, end in ranges),
+        default=0,
+    )
+    return outside, marked
+
+
+def running_peak(events: list[tuple[int, int]]) -> int:
+    """The highest running sum of (time, signed bytes) events in time order (0 at the start)."""
+    live = top = 0
+    for _, nbytes in sorted(events, key=lambda e: e[0]):
+        live += nbytes
+        top = max(top, live)
+    return top

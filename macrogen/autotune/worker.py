@@ -17,6 +17,7 @@ the tuned file itself may take no argument.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import importlib
@@ -126,9 +127,10 @@ def _measure_group(
 
     out: dict[str, dict[str, Any]] = {}
     steps: dict[str, Callable[[], Any]] = {}
-    # layouts (one candidate per group): each builds its own mesh; memory above the baseline
+    # layouts (one candidate per group): each builds its own mesh; its tensors' peak from the
+    # build through the warm-up steps (at least two: the optimizer's state, then a steady step)
     layout = bool(job.get("layout"))
-    baseline: dict[str, int] = {}
+    peaks: dict[str, int] = {}
     signatures: dict[str, dict[str, Any]] = {}
     times: dict[str, list[float]] = {}
     ran_out = False
@@ -138,25 +140,27 @@ def _measure_group(
             break
         cid = candidate["id"]
         started(cid)
+        window: Any = contextlib.nullcontext()
+        warmup = timing["warmup"]
         if layout:
             from macrogen.autotune import process_memory
             from macrogen.runtime import mesh
 
             mesh.reset()
-            process_memory.warm_process(distributed)  # cheap; torch's one-time buffers come before
-            process_memory.trim()
-            baseline[cid] = process_memory.rss()
-            process_memory.reset_peak()
+            process_memory.warm_process(distributed)  # torch's one-time buffers come before
+            window = process_memory.TensorPeak()
+            warmup = max(2, warmup)
         try:
-            step, signatures[cid] = _agree(
-                distributed, "setup", functools.partial(_build, candidate, job, entry_factory)
-            )
-            _agree(
-                distributed,
-                "warm-up",
-                functools.partial(_repeat, step, timing["warmup"], distributed),
-            )
+            with window:
+                step, signatures[cid] = _agree(
+                    distributed, "setup", functools.partial(_build, candidate, job, entry_factory)
+                )
+                _agree(
+                    distributed, "warm-up", functools.partial(_repeat, step, warmup, distributed)
+                )
             steps[cid], times[cid] = step, []
+            if layout:
+                peaks[cid] = window.peak
         except CandidateError as e:
             out[cid] = {"id": cid, "error": str(e)}
     last_round = 0.0
@@ -187,16 +191,13 @@ def _measure_group(
             "signature": signatures[cid],
         }
         if layout:
-            out[cid]["peak_bytes"] = _peaks(baseline[cid], distributed)
+            out[cid]["peak_bytes"] = _peaks(peaks[cid], distributed)
     steps.clear()
     return [out[c["id"]] for c in group if c["id"] in out], ran_out
 
 
-def _peaks(baseline: int, distributed: bool) -> list[int]:
-    """Each rank's peak memory since its candidate was built, above the memory before."""
-    from macrogen.autotune import process_memory
-
-    mine = max(0, process_memory.peak() - baseline)
+def _peaks(mine: int, distributed: bool) -> list[int]:
+    """Each rank's tensor peak, from its candidate's build through its warm-up."""
     if not distributed:
         return [mine]
     every: list[Any] = [None] * dist.get_world_size()

@@ -1,0 +1,54 @@
+"""The tensor-bytes peak the layout autotuner measures on CPU (torch's allocator, through the profiler)."""
+
+from __future__ import annotations
+
+import torch
+
+from macrogen.autotune import process_memory
+from macrogen.autotune.process_memory import MARK, TensorPeak, running_peak
+
+MB = 1 << 20
+
+
+def test_the_peak_is_the_most_tensor_bytes_live_at_once():
+    with TensorPeak() as window:
+        a = torch.empty(4 * MB, dtype=torch.uint8)
+        b = torch.empty(2 * MB, dtype=torch.uint8)
+        del a  # 6 MiB at once, then 2 left
+        c = torch.empty(MB, dtype=torch.uint8)
+    assert window.peak == 6 * MB
+    assert window.end == 3 * MB
+    del b, c
+
+
+def test_tensors_made_before_the_window_do_not_count_down_when_freed():
+    old = torch.empty(8 * MB, dtype=torch.uint8)
+    with TensorPeak() as window:
+        del old
+        new = torch.empty(MB, dtype=torch.uint8)
+    assert window.peak == MB and window.end == MB
+    del new
+
+
+def test_a_marked_range_reports_its_own_peak_apart():
+    with TensorPeak() as window:
+        grads = torch.empty(2 * MB, dtype=torch.uint8)
+        with torch.autograd.profiler.record_function(MARK):
+            temporary = torch.empty(MB, dtype=torch.uint8)
+            del temporary
+    assert window.unmarked == 2 * MB  # outside the mark
+    assert window.marked == MB  # above the mark's start
+    assert window.peak == 3 * MB
+    del grads
+
+
+def test_running_peak_sorts_by_time():
+    assert running_peak([(3, -5), (1, 5), (2, 4)]) == 9
+    assert running_peak([]) == 0
+
+
+def test_the_process_is_warmed_before_a_window():
+    process_memory.warm_process()  # one small model's steps, and the imports a layout needs
+    import sys
+
+    assert "macrogen.runtime.fully_sharded" in sys.modules
