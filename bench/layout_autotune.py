@@ -9,9 +9,10 @@ tuned twice on gloo ranks (CPU; NCCL when CUDA is present): once exhaustively
 measured step time and peak memory per rank beside the predictions:
 
 - raw: the cost model as the probe and bench/collectives.py's link make it;
-- fitted: the compute and communication scales fitted to every measured
-  layout of every world size at once (one pair for the whole table); for
-  memory, one per-rank constant (the runtime's own buffers), the median gap;
+- fitted: the compute and communication scales and each collective call's
+  fixed cost, fitted to every measured layout of every world size at once (one
+  set for the whole table); for memory, one per-rank constant (the runtime's
+  own buffers), the median gap;
 
 then the search's winner against the sweep's best, and how many layouts each
 measured. ``--plot`` draws measured and predicted step time per layout
@@ -93,7 +94,8 @@ def main() -> None:
         f"memory: the runtime's own per rank, fitted (median of measured - predicted): {memory.format_bytes(offset)}"
     )
     print(
-        f"fit over all {len(rows)} measured layouts: compute x{fitted.compute:.3f}, communication x{fitted.communication:.3f}"
+        f"fit over all {len(rows)} measured layouts: compute x{fitted.compute:.3f},"
+        f" communication x{fitted.communication:.3f}, {fitted.per_call * 1e3:.2f} ms per collective call"
     )
     print(
         f"{'ranks':>5}  {'layout':<24} {'measured':>10} {'raw':>10} {'fitted':>10} {'err':>7}"
