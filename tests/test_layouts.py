@@ -229,13 +229,14 @@ def test_layout_auto_is_one_tunable_over_layout_names():
     (param,), built = _space(AUTO, 4)
     assert param.key == "build.parallelize.layout" and param.macro == "parallelize"
     names = [c[param.key] for c in built.candidates]
-    assert names == [
+    plain = [
         "tp1 pp1 replicate mb1",
         "tp1 pp1 fsdp mb1",
         "tp2 pp1 replicate mb1",
         "tp2 pp1 fsdp mb1",
         "tp4 pp1 replicate mb1",
     ]
+    assert names == plain + [f"{name} recompute" for name in plain]
     why = {c[param.key]: reason for c, reason in built.excluded}
     assert "does not divide the world size 4" in why["tp8 pp1 replicate mb1"]
     assert "does not cut a built model" in why["tp1 pp2 replicate mb4"]
@@ -264,7 +265,7 @@ def test_layout_auto_errors():
     (error,) = expansion_errors(
         "import macrogen as mg\nm = mg.parallelize(m, layout='auto', tp=2, tp_plan='hf')\n"
     )
-    assert 'layout="auto" chooses tp, pp, dp and microbatches; leave out tp' in error
+    assert 'layout="auto" chooses tp, pp, dp, microbatches and recompute; leave out tp' in error
     (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, layout='best')\n")
     assert 'layout must be "auto"' in error
     (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, microbatches=0)\n")
@@ -338,3 +339,24 @@ def test_the_memory_offset_is_the_median_gap():
     assert memory.fit_offset([]) == 0.0
     assert memory.fit_offset([(10, 20), (10, 12), (10, 40)]) == 10
     assert memory.fit_offset([(10, 5)]) == 0.0  # over-predicted: no negative runtime
+
+
+def test_recompute_is_part_of_a_layout_and_trades_memory_for_a_forward():
+    rc = Layout(tp=2, dp="fsdp", recompute=True)
+    assert rc.name() == "tp2 pp1 fsdp mb1 recompute" and layouts.parse(rc.name()) == rc
+    assert rc.describe(4) == "tp2 x dp2 (fsdp) + recompute"
+    assert layouts.from_arguments({"recompute": "blocks"}) == Layout(recompute=True)
+    assert layouts.from_arguments({"recompute": "some"}) is None
+    assert layouts.infeasible(Layout(recompute=True), 1, ModelShape(blocks=0)) == (
+        "no repeated blocks to recompute"
+    )
+    # all 400 activation bytes are the 8 blocks': one block's (50) stays, plus 8 inputs of 10
+    measured = dataclasses.replace(PROFILE, block_activations=1.0, message_bytes=10)
+    kept = memory.predict(measured, Layout(recompute=True), 1)
+    assert kept.activations == pytest.approx(400 / 8 + 8 * 10)
+    machine = cost.Machine(1, cost.GLOO_LOCAL, cost.GLOO_LOCAL)
+    plain = cost.predict(PROFILE, Layout(), 1, machine).compute
+    # the blocks' 0.8 s of forward and backward gain one forward (a third)
+    assert cost.predict(PROFILE, Layout(recompute=True), 1, machine).compute == pytest.approx(
+        plain + 0.8 / 3
+    )

@@ -3,8 +3,10 @@
 Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
 
 - compute: the serial step / D, the planned layers' share / tp, the blocks'
-  share / pp, times the pipeline's bubble (m + pp - 1) / m (1F1B);
-- tensor parallel: Megatron's 4 all-reduces per block (2 forward, 2 backward)
+  share / pp (x 4/3 when they are recomputed: one more forward), times the
+  pipeline's bubble (m + pp - 1) / m (1F1B);
+- tensor parallel: Megatron's 4 all-reduces per block (2 forward, 2 backward;
+  6 when the forward is recomputed)
   of one block's output for the rank's micro-batch, over tp ranks (sequence
   parallel's reduce-scatter + all-gather moves the same bytes);
 - data parallel: replicate and zero1 all-reduce the rank's gradients once
@@ -112,11 +114,12 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     d, tp, pp, m = layout.dp_size(world), layout.tp, layout.pp, layout.microbatches
     bubble = (m + pp - 1) / m
     block = profile.block_s / profile.step_s if profile.step_s else 0.0
+    again = 1.0 + (1 / 3 if layout.recompute else 0.0)  # block_s is forward + backward (3 fwd)
     compute = (
         profile.step_s
         / d
         * tp_share(profile, tp)
-        * (block / pp + (1 - block))
+        * (block * again / pp + (1 - block))
         * bubble
         * machine.slowdown
     )
@@ -126,9 +129,10 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     pp_link = machine.intra if world <= machine.per_node else machine.inter
     message = profile.message_bytes / d / m  # one block's output, one micro-batch of this rank
     blocks = profile.blocks / pp if profile.blocks else 0.0
-    tensor = 4 * blocks * m * all_reduce_s(message, tp, tp_link)
+    per_block = 6 if layout.recompute else 4  # a recomputed forward all-reduces twice again
+    tensor = per_block * blocks * m * all_reduce_s(message, tp, tp_link)
     grads = profile.param_bytes * tp_share(profile, tp) * pp_share(profile, pp)
-    calls = 4 * blocks * m if tp > 1 else 0.0
+    calls = per_block * blocks * m if tp > 1 else 0.0
     if layout.dp == "fsdp":  # per unit (each block, then the root): 2 all-gathers, 1 reduce-scatter
         units = (profile.blocks / pp if profile.blocks else 0.0) + 1
         data = 3 * (all_gather_s(grads, d, dp_link) + (units - 1) * (d - 1) * dp_link.latency)

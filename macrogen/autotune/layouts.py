@@ -1,10 +1,12 @@
-"""Parallel layouts: tensor x pipeline x data ways, the data-parallel mode, micro-batches.
+"""Parallel layouts: tensor x pipeline x data ways, the data-parallel mode, micro-batches,
+and whether the repeated blocks are recomputed in backward.
 
 A layout is what ``mg.parallelize`` is asked for; the data-parallel degree is
 what the other degrees leave of the world size. This module is pure (no torch):
 the autotuner, ``macrogen plan`` and the macro's feasibility rule share it.
 
     Layout(tp=2, pp=1, dp="fsdp").name()          -> "tp2 pp1 fsdp mb1"
+    Layout(dp="fsdp", recompute=True).name()      -> "tp1 pp1 fsdp mb1 recompute"
     infeasible(Layout(tp=4), world=4, shape)      -> "layers.0.attn.n_head = 6 is not divisible by tp=4"
 """
 
@@ -19,6 +21,7 @@ DP_MODES = ("replicate", "zero1", "fsdp")
 # What layout="auto" offers at expansion time, before the world size is known (it prunes).
 AUTO_TP = (1, 2, 4, 8)
 AUTO_PP = (1, 2, 4)
+RECOMPUTE = (None, "none", "blocks")  # mg.parallelize's recompute= (runtime/recompute.py)
 
 
 @dataclass(frozen=True, order=True)
@@ -27,12 +30,14 @@ class Layout:
     pp: int = 1  # pipeline stages
     dp: str = "replicate"  # the data-parallel mode over the remaining ways
     microbatches: int = 1  # per step, through the pipeline (1 without one)
+    recompute: bool = False  # the repeated blocks run their forward again in backward
 
     def dp_size(self, world: int) -> int:
         return world // (self.tp * self.pp)
 
     def name(self) -> str:
-        return f"tp{self.tp} pp{self.pp} {self.dp} mb{self.microbatches}"
+        name = f"tp{self.tp} pp{self.pp} {self.dp} mb{self.microbatches}"
+        return f"{name} recompute" if self.recompute else name
 
     def describe(self, world: int) -> str:
         """``tp2 x dp2 (fsdp)``: the degrees as they multiply to the world size."""
@@ -40,10 +45,10 @@ class Layout:
         if self.pp > 1:
             parts.append(f"pp{self.pp} (mb{self.microbatches})")
         parts.append(f"dp{self.dp_size(world)} ({self.dp})")
-        return " x ".join(parts)
+        return " x ".join(parts) + (" + recompute" if self.recompute else "")
 
 
-_NAME = re.compile(r"tp(\d+) pp(\d+) (\w+) mb(\d+)")
+_NAME = re.compile(r"tp(\d+) pp(\d+) (\w+) mb(\d+)( recompute)?")
 
 
 def parse(text: str) -> Layout:
@@ -54,7 +59,7 @@ def parse(text: str) -> Layout:
     tp, pp, mb = int(m.group(1)), int(m.group(2)), int(m.group(4))
     if min(tp, pp, mb) < 1:
         raise ValueError(f"not a layout: {text!r} (degrees are >= 1)")
-    return Layout(tp, pp, m.group(3), mb)
+    return Layout(tp, pp, m.group(3), mb, recompute=m.group(5) is not None)
 
 
 def microbatch_choices(pp: int) -> tuple[int, ...]:
@@ -63,11 +68,13 @@ def microbatch_choices(pp: int) -> tuple[int, ...]:
 
 
 def auto_choices() -> tuple[str, ...]:
-    """Every layout ``layout="auto"`` stands for, by name; the default (all data parallel) first."""
+    """Every layout ``layout="auto"`` stands for, by name; the default (all data parallel) first,
+    each without recomputation, then each with it."""
     out = []
-    for tp, pp, dp in itertools.product(AUTO_TP, AUTO_PP, DP_MODES):
-        for mb in microbatch_choices(pp):
-            out.append(Layout(tp, pp, dp, mb).name())
+    for recompute in (False, True):
+        for tp, pp, dp in itertools.product(AUTO_TP, AUTO_PP, DP_MODES):
+            for mb in microbatch_choices(pp):
+                out.append(Layout(tp, pp, dp, mb, recompute).name())
     return tuple(out)
 
 
@@ -93,6 +100,8 @@ def infeasible(layout: Layout, world: int, shape: ModelShape | None = None) -> s
     for what, size in shape.divisible.items():
         if size % layout.tp:
             return f"{what} = {size} is not divisible by tp={layout.tp}"
+    if layout.recompute and shape.blocks == 0:
+        return "no repeated blocks to recompute"
     if shape.blocks is not None and shape.blocks < layout.pp:
         return f"{shape.blocks} blocks cannot fill {layout.pp} pipeline stages"
     return None
@@ -124,13 +133,15 @@ def enumerate_layouts(
             for dp in DP_MODES:
                 for mb in microbatch_choices(pp):
                     yield Layout(tp, pp, dp, mb)
+                    yield Layout(tp, pp, dp, mb, recompute=True)
 
 
 def from_arguments(arguments: Mapping[str, object]) -> Layout | None:
     """The layout an ``mg.parallelize`` site's arguments (a candidate's values in place) ask for.
 
     ``layout="auto"``'s tunable holds a layout's name; else the degrees are the
-    arguments ``tp``, ``pp``, ``dp``, ``microbatches`` (their defaults when absent).
+    arguments ``tp``, ``pp``, ``dp``, ``microbatches``, ``recompute`` (their defaults
+    when absent).
     None when they are not a layout this module models (``dp="none"``, a bad value).
     """
     named = arguments.get("layout")
@@ -141,7 +152,8 @@ def from_arguments(arguments: Mapping[str, object]) -> Layout | None:
             return None
     tp, pp = arguments.get("tp", 1), arguments.get("pp", 1)
     dp, mb = arguments.get("dp", "replicate"), arguments.get("microbatches", 1)
+    recompute = arguments.get("recompute")
     ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (tp, pp, mb))
-    if not ints or dp not in DP_MODES:
+    if not ints or dp not in DP_MODES or recompute not in RECOMPUTE:
         return None
-    return Layout(tp, pp, dp, mb)  # type: ignore[arg-type]
+    return Layout(tp, pp, dp, mb, recompute == "blocks")  # type: ignore[arg-type]

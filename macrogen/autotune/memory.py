@@ -11,6 +11,8 @@ measures on each rank:
     and the larger of the step's two transients:
     activations  A / D (the global batch is split over the data ranks)
                  x activations' tp share x (1/pp) x in-flight micro-batches / micro-batches
+                 (recompute: the blocks' share of A falls to one block's, plus each block's
+                 input, the residual stream, whole under tp)
                  (replicate, zero1 with D > 1: + a copy of the gradients while buckets reduce)
     optimizer    T, the optimizer step's temporaries, x the parameters' shares (zero1, fsdp: / D)
 
@@ -51,6 +53,9 @@ class Profile:
     message_bytes: int = 0  # one block's output for the whole batch (what TP all-reduces)
     optimizer_bytes: int = 0  # the optimizer step's temporaries, above the gradients
     activation_sharded: float | None = None  # activations' share tp shards (None: as parameters)
+    block_activations: float | None = (
+        None  # activations' share made in the blocks (None: as params)
+    )
 
     @property
     def sharded_fraction(self) -> float:
@@ -121,13 +126,16 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
         params = params / d + 2 * one_block
         grads = grads / d + 3 * one_block
     in_flight = min(layout.pp, layout.microbatches) / layout.microbatches
-    activations = (
-        profile.activation_bytes
-        / d
-        * activation_tp_share(profile, layout.tp)
-        / layout.pp
-        * in_flight
-    )
+    kept, inputs = float(profile.activation_bytes), 0.0
+    if layout.recompute and profile.blocks:
+        # each block keeps its input (the residual stream: whole under tp); one block's own
+        # activations live again while it is recomputed
+        f = profile.block_activations
+        in_blocks = kept * (profile.block_fraction if f is None else f)
+        kept += in_blocks / profile.blocks - in_blocks
+        inputs = float(profile.message_bytes * profile.blocks)
+    share = activation_tp_share(profile, layout.tp)
+    activations = (kept * share + inputs) / d / layout.pp * in_flight
     if layout.dp in ("replicate", "zero1") and d > 1:
         activations += grads  # a bucket's gradients, scaled into a fresh buffer as it is reduced
     sharded = layout.tp > 1 or layout.pp > 1 or layout.dp == "fsdp"

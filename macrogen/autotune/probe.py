@@ -12,6 +12,7 @@ Memory is measured as ``macrogen.autotune.process_memory`` says.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     optimizers = _optimizers(model, torch)
     state = _optimizer_bytes(optimizers, torch)  # None: no optimizer found over the model
     hooks += _mark_steps(optimizers, torch)
-    saved = _SavedActivations(model, divisible)
+    saved = _SavedActivations(model, divisible, [b for _, b in blocks])
     with TensorPeak() as one_step, saved.hooks():  # the gradients it frees were made before
         step()
     block_time[0] = 0.0
@@ -139,6 +140,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             # the optimizer step's own temporaries (foreach buffers), above the gradients
             "optimizer_bytes": one_step.marked,
             "activation_sharded": saved.sharded_fraction(),
+            "block_activations": saved.block_fraction(),
             "step_s": step_s,
             # forward only was hooked: backward costs about twice the forward
             "block_s": min(step_s, 3 * block_time[0] / len(times)),
@@ -158,16 +160,29 @@ class _SavedActivations:
     on every tensor rank: Megatron's activations are only partly sharded.
     """
 
-    def __init__(self, model: Any, divisible: Mapping[str, int]):
+    def __init__(self, model: Any, divisible: Mapping[str, int], blocks: list[Any]):
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.blocks = blocks
+        self.depth = 0  # > 0 while a block's forward runs
+        self.in_blocks = 0  # the saved bytes made inside the blocks
         self.widths = {v for k, v in divisible.items() if k.endswith(" features")}
         self.heads = {v for k, v in divisible.items() if not k.endswith((" features", " rows"))}
         self.total = 0
         self.sharded = 0
         self.seen: set[tuple[int, tuple[int, ...]]] = set()  # saved twice counts once
 
-    def hooks(self) -> Any:
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
         import torch
+
+        def enter(*_: Any) -> None:
+            self.depth += 1
+
+        def leave(*_: Any) -> None:
+            self.depth -= 1
+
+        handles = [b.register_forward_pre_hook(enter) for b in self.blocks]
+        handles += [b.register_forward_hook(leave) for b in self.blocks]
 
         def pack(t: Any) -> Any:
             key = (t.data_ptr(), tuple(t.shape)) if isinstance(t, torch.Tensor) else None
@@ -175,13 +190,23 @@ class _SavedActivations:
                 self.seen.add(key)
                 n = t.numel() * t.element_size()
                 self.total += n
+                self.in_blocks += n if self.depth else 0
                 if t.dim() and (
                     t.shape[-1] in self.widths or (t.dim() == 4 and t.shape[1] in self.heads)
                 ):
                     self.sharded += n
             return t
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def block_fraction(self) -> float | None:
+        """The share of the saved bytes the blocks make (what recomputing them frees)."""
+        return self.in_blocks / self.total if self.total and self.blocks else None
 
     def sharded_fraction(self) -> float | None:
         """None: nothing saved, or no plan (the parameters' fraction stands in)."""

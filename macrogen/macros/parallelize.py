@@ -24,9 +24,11 @@ replicate/zero1 ``bucket_mb`` (25) and ``compress`` (None, "bf16", "fp16"); for 
 paths) and ``dp_replicate`` (1; R > 1: HSDP over R replicas); ``microbatches`` (1: per
 step through a pipeline; nothing changes while pp is 1); ``servers`` (0; S > 0: the
 plan's ``"server"`` tables live on the last S ranks, ``macrogen.runtime.param_server``) with
-``staleness`` (0), ``server_optimizer`` ("sgd" or "adagrad") and ``server_lr`` (0.01).
+``staleness`` (0), ``server_optimizer`` ("sgd" or "adagrad") and ``server_lr`` (0.01);
+``recompute`` (None; "blocks": the repeated blocks keep only their inputs and run their
+forward again in backward, ``macrogen.runtime.recompute``).
 
-``layout="auto"`` stands for every layout (tp, pp, dp mode, micro-batches) that
+``layout="auto"`` stands for every layout (tp, pp, dp mode, micro-batches, recompute) that
 ``macrogen autotune`` finds feasible for its world size: one tunable, keyed
 ``<site>.layout``, whose choices are layout names (``"tp2 pp1 fsdp mb1"``).
 """
@@ -78,8 +80,9 @@ DEFAULTS: dict[str, Any] = {
     "staleness": 0,
     "server_optimizer": "sgd",
     "server_lr": 0.01,
+    "recompute": None,
 }
-LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches")
+LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches", "recompute")
 FSDP_ONLY = (
     "reshard_after_forward",
     "mixed_precision",
@@ -111,6 +114,7 @@ class Spec:
     staleness: int = 0
     server_optimizer: str = "sgd"
     server_lr: float = 0.01
+    recompute: str | None = None  # "blocks": the repeated blocks are recomputed in backward
 
 
 def _degree(v: Any) -> str | None:
@@ -149,6 +153,10 @@ def _count(v: Any) -> str | None:
     return None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "an int >= 0"
 
 
+def _recompute(v: Any) -> str | None:
+    return None if v in layouts.RECOMPUTE else 'None, "none" or "blocks"'
+
+
 def _server_optimizer(v: Any) -> str | None:
     return None if v in ("sgd", "adagrad") else '"sgd" or "adagrad"'
 
@@ -170,6 +178,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "staleness": _count,
     "server_optimizer": _server_optimizer,
     "server_lr": _mib,
+    "recompute": _recompute,
 }
 
 
@@ -232,6 +241,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         staleness=values["staleness"],
         server_optimizer=values["server_optimizer"],
         server_lr=values["server_lr"],
+        recompute=None if values["recompute"] in (None, "none") else values["recompute"],
     )
 
 
@@ -245,7 +255,8 @@ def _auto_layout(site: Site, args: dict[str, Arg], ctx: Context) -> dict[str, An
     given = [name for name in LAYOUT_ARGUMENTS if name in args]
     if given:
         raise MacroError(
-            f'layout="auto" chooses tp, pp, dp and microbatches; leave out {", ".join(given)}',
+            f'layout="auto" chooses tp, pp, dp, microbatches and recompute; leave out'
+            f" {', '.join(given)}",
             args[given[0]].node,
         )
     key = f"{site.qualname}.layout"
@@ -254,7 +265,13 @@ def _auto_layout(site: Site, args: dict[str, Arg], ctx: Context) -> dict[str, An
     # the site's arguments, as autotune's constraint sees them, hold the tunable's key
     cast("dict[str, Arg]", site.args.keywords)["layout"] = replace(arg, value=name, tunable=key)
     chosen = layouts.parse(name)
-    return {"tp": chosen.tp, "pp": chosen.pp, "dp": chosen.dp, "microbatches": chosen.microbatches}
+    return {
+        "tp": chosen.tp,
+        "pp": chosen.pp,
+        "dp": chosen.dp,
+        "microbatches": chosen.microbatches,
+        "recompute": "blocks" if chosen.recompute else None,
+    }
 
 
 def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
@@ -363,6 +380,8 @@ def _summary(spec: Spec) -> str:
         steps.append(f"tensor parallel {spec.tp} ways (the model's own plan)")
     elif spec.plan is not None:
         steps.append(f"tensor parallel {spec.tp} ways ({len(spec.plan)} plan entries)")
+    if spec.recompute:
+        steps.append("the repeated blocks recomputed in backward")
     if spec.servers:
         n = len(spec.server_plan)
         steps.append(f"{n} table{'s' * (n > 1)} on {spec.servers} parameter servers")
@@ -386,6 +405,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
         imports.append(ctx.import_from(runtime, "apply_tensor_parallel"))
         if spec.hf:
             imports.append(ctx.import_from(runtime, "hf_plan"))
+    if spec.recompute:
+        imports.append(ctx.import_from("macrogen.runtime.recompute", "apply_recompute"))
     if spec.servers:
         imports.append(ctx.import_from("macrogen.runtime.param_server", "apply_server_tables"))
         imports.append(ctx.import_from("macrogen.runtime.param_server", "ServerConfig"))
@@ -431,6 +452,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
         server_lr=spec.server_lr,
         apply_server_tables=names.get("apply_server_tables", ""),
         server_config=names.get("ServerConfig", ""),
+        recompute=spec.recompute,
+        apply_recompute=names.get("apply_recompute", ""),
     )
     model = cst.Arg(call.args[0].value)  # the rest were expansion-time values, now in the helper
     replacement = call.with_changes(

@@ -172,11 +172,39 @@ def apply_fully_sharded(
     for _, unit in units:
         fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **options)
+    model.register_forward_hook(_VisibleOutputs(where))
     if getattr(model, "_mg_local_forward", False):  # tensor parallel first (torchtitan's order)
         local_forward_per_unit(model, [unit for _, unit in units] + [model])
     if config.accumulate > 1:
         model.register_forward_pre_hook(_Accumulate(config.accumulate), prepend=True)
     return model
+
+
+class _VisibleOutputs:
+    """FSDP2 finds the tensors of the root's output by pytree (tensors, tuples, lists, dicts,
+    dataclasses, HF's ModelOutput) to gather its parameters again for backward. An object
+    that keeps its tensors as plain attributes hides them, and backward would fail later
+    inside FSDP ("storage of size 0"): say so at the forward, naming the attributes."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    @eager
+    def __call__(self, module: nn.Module, args: object, output: Any) -> None:
+        from torch.utils._pytree import tree_leaves
+
+        if not torch.is_grad_enabled() or any(
+            isinstance(x, torch.Tensor) for x in tree_leaves(output)
+        ):
+            return
+        found = {**vars(type(output)), **getattr(output, "__dict__", {})}
+        hidden = [k for k, v in found.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        if hidden:
+            raise ValueError(
+                f"{self.where}: {type(module).__name__}.forward returned a"
+                f" {type(output).__name__} whose tensors ({', '.join(hidden)}) FSDP cannot see:"
+                " return a tensor, tuple, dict or dataclass (as HF's ModelOutput is)"
+            )
 
 
 class _Accumulate:

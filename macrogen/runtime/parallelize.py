@@ -42,6 +42,7 @@ each naming its path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import warnings
@@ -604,6 +605,20 @@ def _to_local(model: nn.Module, args: Any) -> None:
 def _restore(model: nn.Module, *_: Any) -> None:
     for owner, key, p in model.__dict__.pop(_SWAPPED, ()):
         owner._parameters[key] = p
+
+
+@contextlib.contextmanager
+def local_parameters(module: nn.Module) -> Iterator[None]:
+    """``module``'s tensor-parallel parameters as local tensors while it runs on its own,
+    outside its model's forward: a block's forward recomputed in backward. Inside the
+    model's forward they are local already, and nothing changes."""
+    if _SCOPE not in module.__dict__:
+        module.__dict__[_SCOPE] = list(module.modules())
+    _to_local(module, ())
+    try:
+        yield
+    finally:
+        _restore(module)
 
 
 def _local(t: Any) -> torch.Tensor | None:
