@@ -10,6 +10,7 @@ import pytest
 
 from macrogen.autotune import cost, database, memory, planner
 from macrogen.autotune.layouts import Layout, ModelShape
+from macrogen.autotune.probe import MEASURES
 from macrogen.cli import main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "layout_auto.py"
@@ -54,11 +55,12 @@ def _with_probe(tmp_path: Path) -> tuple[Path, Path]:
         "profile": {**BIG.__dict__},
         "shape": {"blocks": 8, "divisible": {"layers.0.n_head": 6}},
         "source_hash": database.source_hash(src.read_text()),
+        "measures": MEASURES,
     }
     record = {
         "candidates": [],
         "generation": 1,
-        "key": {"entry": ":build", "file": src.name, "signature": {}},
+        "key": {"entry": ":build", "file": src.name, "signature": {}, "target": "cpu"},
         "layout_probe": probe,
         "source_hash": probe["source_hash"],
         "winner": None,
@@ -116,3 +118,16 @@ def test_input_errors_exit_1_in_one_line(tmp_path, capsys):
     plain.write_text("import macrogen as mg\nX = 1\n")
     assert main(["plan", str(plain), "--world-size", "8"]) == 1
     assert "no mg.parallelize(...) to plan" in capsys.readouterr().err
+
+
+def test_a_stored_probe_is_reused_only_for_its_target_and_measures():
+    from macrogen.autotune.tuner import stored_probe
+
+    probe = {"source_hash": "h", "measures": MEASURES}
+    record = {"key": {"entry": ":build", "target": "cpu"}, "layout_probe": probe}
+    assert stored_probe([record], "h", ":build", "cpu") is probe
+    assert stored_probe([record], "h", ":build", None) is probe  # macrogen plan: any target
+    assert stored_probe([record], "h", ":build", "cuda") is None
+    assert stored_probe([record], "other", ":build", "cpu") is None
+    old = {**record, "layout_probe": {"source_hash": "h"}}  # the resident-set probe of before
+    assert stored_probe([old], "h", ":build", "cpu") is None

@@ -141,6 +141,7 @@ def _launch(
         "entry": program.entry,
         "entry_in_source": program.entry_in_source,
         "layout": program.layout,
+        "target": program.target,  # the memory window: CUDA's allocator, or torch's CPU one
         "parent_pid": os.getpid(),
         # the worker's own deadline (wall clock, a second early): it stops between rounds
         "deadline": None if deadline is None else time.time() + deadline - time.monotonic() - 1.0,

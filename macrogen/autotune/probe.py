@@ -28,6 +28,10 @@ from macrogen.autotune.layouts import ModelShape
 from macrogen.autotune.memory import Profile
 from macrogen.autotune.process_memory import TensorPeak, warm_process
 
+# what a stored probe measured: a probe of other measures is not reused (memory was the
+# resident set before, and carried no optimizer or activation shares)
+MEASURES = "tensor-bytes-2"
+
 
 class ProbeError(Exception):
     """The serial run failed: the message says where."""
@@ -69,7 +73,8 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             raise ProbeError(f"the tuned file defines no callable {job['entry']!r} (--entry)")
     warm_process()
     torch.manual_seed(0)
-    built = TensorPeak()
+    cuda = job.get("target") == "cuda"
+    built = TensorPeak(cuda=cuda)
     built.__enter__()  # closed after the warm-up steps: its end is the memory between steps
     made = factory(module) if worker._takes_an_argument(factory) else factory()
     parts = made if isinstance(made, tuple) else (made,)
@@ -113,7 +118,10 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     state = _optimizer_bytes(optimizers, torch)  # None: no optimizer found over the model
     hooks += _mark_steps(optimizers, torch)
     saved = _SavedActivations(model, divisible, [b for _, b in blocks])
-    with TensorPeak() as one_step, saved.hooks():  # the gradients it frees were made before
+    with (
+        TensorPeak(cuda=cuda) as one_step,
+        saved.hooks(),
+    ):  # the gradients it frees were made before
         step()
     block_time[0] = 0.0
     times = []
@@ -314,6 +322,7 @@ def run(
     sys_path: list[str],
     plan: Any,
     *,
+    target: str = "cpu",
     timeout: float = 300.0,
 ) -> tuple[Profile, ModelShape]:
     """Probe the expanded ``code`` (the file's default layout) in a process of its own."""
@@ -328,6 +337,7 @@ def run(
             "entry_in_source": entry_in_source,
             "sys_path": sys_path,
             "plan": _jsonable(plan),
+            "target": target,
         }
         (work / "job.json").write_text(json.dumps(job))
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}

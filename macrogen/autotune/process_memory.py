@@ -54,7 +54,9 @@ class TensorPeak:
     window.peak
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool | None = None) -> None:
+        self.cuda = cuda  # None: CUDA's allocator when CUDA is present (a CPU run on a GPU host
+        # passes False: its tensors are torch's CPU allocator's)
         self.peak = 0
         self.end = 0  # tensor bytes live at the end, above the start
         self.marked = 0  # on CPU: the most bytes above a marked range's start, within it
@@ -65,7 +67,9 @@ class TensorPeak:
     def __enter__(self) -> TensorPeak:
         import torch
 
-        if torch.cuda.is_available():
+        if self.cuda is None:
+            self.cuda = torch.cuda.is_available()
+        if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self._start = int(torch.cuda.memory_allocated())
@@ -79,7 +83,7 @@ class TensorPeak:
     def __exit__(self, *exc: object) -> None:
         import torch
 
-        if self._profiler is None:
+        if self.cuda:
             torch.cuda.synchronize()
             self.peak = max(0, int(torch.cuda.max_memory_allocated()) - self._start)
             self.end = int(torch.cuda.memory_allocated()) - self._start

@@ -109,7 +109,7 @@ def autotune(
         timing = replace(timing, group=1)
         plan = layout_site.values.get("tp_plan")
         probed = _probe(
-            db, source, expansion.code, source_path, entry, in_source, search_path, plan
+            db, source, expansion.code, source_path, entry, in_source, search_path, plan, target
         )
         profile = memory.Profile(**probed["profile"])
         shape = ModelShape(probed["shape"]["blocks"], probed["shape"]["divisible"])
@@ -194,18 +194,25 @@ def _probe(
     in_source: bool,
     search_path: list[str],
     plan: Any,
+    target: str | None = None,
 ) -> dict[str, Any]:
-    """The serial probe of the model: from the database when this source was probed, else run."""
+    """The serial probe of the model: from the database when this source was probed on this
+    target (None: any, ``macrogen plan``) by this probe's measures (``probe.MEASURES``), else
+    run (on ``target``, else on CUDA when it is present)."""
     from macrogen.autotune import probe
 
     wanted = database.source_hash(source)
-    for record in db.records:
-        found = record.get("layout_probe")
-        if isinstance(found, dict) and found.get("source_hash") == wanted:
-            if record.get("key", {}).get("entry") == entry:
-                return found
+    found = stored_probe(db.records, wanted, entry, target)
+    if found is not None:
+        return found
+    if target is None:
+        import torch
+
+        target = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        profile, shape = probe.run(code, source_path.name, entry, in_source, search_path, plan)
+        profile, shape = probe.run(
+            code, source_path.name, entry, in_source, search_path, plan, target=target
+        )
     except probe.ProbeError as e:
         raise AutotuneError(
             f"{source_path}: probing the model for its layout failed: {e}"
@@ -214,7 +221,24 @@ def _probe(
         "profile": profile.__dict__,
         "shape": {"blocks": shape.blocks, "divisible": dict(shape.divisible)},
         "source_hash": wanted,
+        "measures": probe.MEASURES,
     }
+
+
+def stored_probe(
+    records: list[dict[str, Any]], source_hash: str, entry: str, target: str | None
+) -> dict[str, Any] | None:
+    """A probe stored for this source and entry, on ``target`` (None: any), of today's measures."""
+    from macrogen.autotune.probe import MEASURES
+
+    for record in records:
+        found = record.get("layout_probe")
+        key = record.get("key", {})
+        if isinstance(found, dict) and found.get("source_hash") == source_hash:
+            same = (key.get("entry"), target or key.get("target"), found.get("measures"))
+            if same == (entry, key.get("target"), MEASURES):
+                return found
+    return None
 
 
 def no_effect(param: space.Parameter, env: space.TuningEnv) -> str | None:

@@ -148,7 +148,7 @@ def _measure_group(
 
             mesh.reset()
             process_memory.warm_process(distributed)  # torch's one-time buffers come before
-            window = process_memory.TensorPeak()
+            window = process_memory.TensorPeak(cuda=job.get("target") == "cuda")
             warmup = max(2, warmup)
         try:
             with window:
