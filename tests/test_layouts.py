@@ -360,3 +360,19 @@ def test_recompute_is_part_of_a_layout_and_trades_memory_for_a_forward():
     assert cost.predict(PROFILE, Layout(recompute=True), 1, machine).compute == pytest.approx(
         plain + 0.8 / 3
     )
+
+
+def test_cpu_ranks_compute_at_one_thread_and_share_the_cores(monkeypatch):
+    from macrogen.autotune import layout_search
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(layout_search.os, "cpu_count", lambda: 2)
+    one, four = layout_search.machine_for("cpu", 1), layout_search.machine_for("cpu", 4)
+    assert (one.one_thread, one.slowdown) == (False, 1.0)
+    assert (four.one_thread, four.slowdown) == (True, 2.0)
+    # a rank's share of the batch is scaled from the serial step at one thread
+    timed = dataclasses.replace(PROFILE, step_one_thread_s=1.5)
+    assert cost.predict(timed, Layout(), 4, four).compute == pytest.approx(1.5 / 4 * 2)
+    assert cost.predict(timed, Layout(), 1, one).compute == pytest.approx(1.0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert layout_search.machine_for("cpu", 4).slowdown == 4.0

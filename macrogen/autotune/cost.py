@@ -2,8 +2,9 @@
 
 Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
 
-- compute: the serial step / D, the planned layers' share / tp, the blocks'
-  share / pp (x 4/3 when they are recomputed: one more forward), times the
+- compute: the serial step / D (on CPU ranks, the step at one intra-op
+  thread: torchrun's default for several ranks), the planned layers' share / tp,
+  the blocks' share / pp (x 4/3 when they are recomputed: one more forward), times the
   pipeline's bubble (m + pp - 1) / m (1F1B);
 - tensor parallel: Megatron's 4 all-reduces per block (2 forward, 2 backward;
   6 when the forward is recomputed)
@@ -48,6 +49,7 @@ class Machine:
     intra: Link
     inter: Link
     slowdown: float = 1.0  # compute: ranks over cores on a shared CPU
+    one_thread: bool = False  # several ranks run one intra-op thread each (torchrun on CPU)
 
 
 # gloo on one host (loopback TCP), from bench/collectives.py on the development machine
@@ -115,8 +117,11 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     bubble = (m + pp - 1) / m
     block = profile.block_s / profile.step_s if profile.step_s else 0.0
     again = 1.0 + (1 / 3 if layout.recompute else 0.0)  # block_s is forward + backward (3 fwd)
+    serial = profile.step_s
+    if machine.one_thread and world > 1 and profile.step_one_thread_s:
+        serial = profile.step_one_thread_s
     compute = (
-        profile.step_s
+        serial
         / d
         * tp_share(profile, tp)
         * (block * again / pp + (1 - block))

@@ -46,8 +46,14 @@ def layout_of(site: SiteArguments, candidate: Mapping[str, Any]) -> Layout | Non
 def machine_for(target: str, world: int) -> cost.Machine:
     """This machine: gloo over loopback on CPU (ranks share the cores), one node on CUDA."""
     if target == "cpu":
-        slowdown = max(1.0, world / (os.cpu_count() or 1))
-        return cost.Machine(world, cost.GLOO_LOCAL, cost.GLOO_LOCAL, slowdown)
+        # torchrun gives each of several ranks OMP_NUM_THREADS=1 unless it is set
+        try:
+            threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))) if world > 1 else 1
+        except ValueError:
+            threads = 1
+        slowdown = max(1.0, world * threads / (os.cpu_count() or 1))
+        one = world > 1 and threads == 1
+        return cost.Machine(world, cost.GLOO_LOCAL, cost.GLOO_LOCAL, slowdown, one_thread=one)
     nvlink = cost.Link("nvlink", 300e9)
     return cost.Machine(world, nvlink, nvlink)
 

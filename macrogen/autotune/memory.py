@@ -49,6 +49,7 @@ class Profile:
     state_bytes: int  # the optimizer's state
     transient_bytes: int  # gradients + activations: a step's peak above parameters + state
     step_s: float = 0.0  # one serial step
+    step_one_thread_s: float = 0.0  # the same at one intra-op thread (0: not measured)
     block_s: float = 0.0  # of it, the blocks' forward + backward
     message_bytes: int = 0  # one block's output for the whole batch (what TP all-reduces)
     optimizer_bytes: int = 0  # the optimizer step's temporaries, above the gradients

@@ -30,7 +30,7 @@ from macrogen.autotune.process_memory import TensorPeak, warm_process
 
 # what a stored probe measured: a probe of other measures is not reused (memory was the
 # resident set before, and carried no optimizer or activation shares)
-MEASURES = "tensor-bytes-2"
+MEASURES = "tensor-bytes-3"
 
 
 class ProbeError(Exception):
@@ -132,6 +132,21 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     for h in hooks:
         h.remove()
     step_s = statistics.median(times)
+    # torchrun gives each of several ranks one intra-op thread: the step at one thread is
+    # what a rank's share of the batch is scaled from
+    threads = torch.get_num_threads()
+    one_thread = step_s
+    if threads > 1 and not cuda:
+        torch.set_num_threads(1)
+        try:
+            single = []
+            for _ in range(job.get("steps", 3)):
+                start = time.perf_counter()
+                step()
+                single.append(time.perf_counter() - start)
+            one_thread = statistics.median(single)
+        finally:
+            torch.set_num_threads(threads)
     return {
         "profile": {
             "param_bytes": param_bytes,
@@ -150,6 +165,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             "activation_sharded": saved.sharded_fraction(),
             "block_activations": saved.block_fraction(),
             "step_s": step_s,
+            "step_one_thread_s": one_thread,
             # forward only was hooked: backward costs about twice the forward
             "block_s": min(step_s, 3 * block_time[0] / len(times)),
             "message_bytes": message[0] if message else 0,
