@@ -91,8 +91,8 @@ def test_memory_per_data_parallel_mode():
     zero1 = memory.predict(PROFILE, Layout(dp="zero1"), 4)
     assert zero1.state == 50 and zero1.params == 100
     fsdp = memory.predict(PROFILE, Layout(dp="fsdp"), 4)
-    assert fsdp.params == pytest.approx(25 + 2 * 10)  # a quarter, plus two gathered blocks
-    assert fsdp.state == 50 and fsdp.grads == pytest.approx(25 + 3 * 10)
+    assert fsdp.params == pytest.approx(25 + 3 * 10)  # a quarter, plus three blocks' buffers
+    assert fsdp.state == 50 and fsdp.grads == pytest.approx(25 + 4 * 10)
     assert fsdp.activations == pytest.approx(100)  # no buckets: reduce-scattered per unit
 
 
@@ -301,7 +301,7 @@ def test_the_search_stops_when_nothing_left_is_predicted_faster():
 def test_sharded_layouts_peak_while_the_serial_model_is_cut():
     small = memory.Profile(100, 80, 80, 8, 0, 100)  # no optimizer, no activations
     fsdp = memory.predict(small, Layout(dp="fsdp"), 4)
-    assert fsdp.step <= 100 and fsdp.build == pytest.approx(100 + fsdp.params)
+    assert fsdp.step < fsdp.build == pytest.approx(100 + fsdp.params)
     assert fsdp.total == fsdp.build
     assert memory.predict(small, Layout(), 4).build == 100  # replicate: the model as it is
 

@@ -5,9 +5,9 @@ or what a test writes down). Bytes are tensor bytes above those live before the
 model was built (``process_memory.TensorPeak``), what the autotune worker
 measures on each rank:
 
-    params   P x tp share x pipeline share          (fsdp: / D, + two gathered blocks)
+    params   P x tp share x pipeline share          (fsdp: / D, + three blocks' buffers)
     state    S x the same shares                    (zero1 and fsdp: / D)
-    grads    as the parameters                      (fsdp: / D + three blocks' buffers)
+    grads    as the parameters                      (fsdp: / D + four blocks' buffers)
     and the larger of the step's two transients:
     activations  A / D (the global batch is split over the data ranks)
                  x activations' tp share x (1/pp) x in-flight micro-batches / micro-batches
@@ -122,10 +122,12 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
         state /= d
         temporaries /= d
     if layout.dp == "fsdp":
-        # FSDP2 per unit: the gathered unit and the next one, prefetched; in backward the
-        # unit's full gradients, their reduce-scatter input and its output in flight
-        params = params / d + 2 * one_block
-        grads = grads / d + 3 * one_block
+        # FSDP2 per unit: the gathered unit, the next one prefetched, and the all-gather's
+        # buffer; in backward the unit's full gradients and the reduce-scatter's input and
+        # output, for this unit and the one before, still in flight (7 units: the buffers
+        # of 2 to 6.7 units that the measured layouts held above the rest, docs/autotune.md)
+        params = params / d + 3 * one_block
+        grads = grads / d + 4 * one_block
     in_flight = min(layout.pp, layout.microbatches) / layout.microbatches
     kept, inputs = float(profile.activation_bytes), 0.0
     if layout.recompute and profile.blocks:
