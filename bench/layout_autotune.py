@@ -9,8 +9,8 @@ tuned twice on gloo ranks (CPU; NCCL when CUDA is present): once exhaustively
 measured step time and peak memory per rank beside the predictions:
 
 - raw: the cost model as the probe and bench/collectives.py's link make it;
-- fitted: the compute and communication scales and each collective call's
-  fixed cost, fitted to every measured layout of every world size at once (one
+- fitted: the compute and communication scales and the fixed costs of an FSDP
+  unit and of a collective call, fitted to every measured layout of every world size at once (one
   set for the whole table); for memory, one per-rank constant (the runtime's
   own buffers), the median gap;
 
@@ -95,7 +95,8 @@ def main() -> None:
     )
     print(
         f"fit over all {len(rows)} measured layouts: compute x{fitted.compute:.3f},"
-        f" communication x{fitted.communication:.3f}, {fitted.per_call * 1e3:.2f} ms per collective call"
+        f" communication x{fitted.communication:.3f}, {fitted.per_unit * 1e3:.2f} ms per FSDP unit,"
+        f" {fitted.per_call * 1e3:.2f} ms per other collective call"
     )
     print(
         f"{'ranks':>5}  {'layout':<24} {'measured':>10} {'raw':>10} {'fitted':>10} {'err':>7}"

@@ -171,16 +171,24 @@ def test_the_fit_scales_compute_and_communication():
     assert one(steps[0]) == pytest.approx(4.0)
 
 
-def test_the_fit_finds_each_calls_fixed_cost_from_four_layouts():
+def test_the_fit_finds_the_fixed_costs_of_fsdp_units_and_calls():
     steps = [
-        cost.Step(1.0, 0.0, 1.0, 0.0, calls=0),
-        cost.Step(2.0, 0.0, 0.5, 0.0, calls=30),
-        cost.Step(1.0, 0.5, 0.0, 0.0, calls=10),
-        cost.Step(0.5, 0.0, 3.0, 0.0, calls=2),
+        cost.Step(1.0, 0.0, 1.0, 0.0, calls=0, units=0),
+        cost.Step(2.0, 0.0, 0.5, 0.0, calls=30, units=0),
+        cost.Step(1.0, 0.5, 0.0, 0.0, calls=10, units=9),
+        cost.Step(0.5, 0.0, 3.0, 0.0, calls=2, units=0),
+        cost.Step(0.7, 0.1, 0.2, 0.0, calls=0, units=27),
+        cost.Step(0.3, 0.0, 0.1, 0.0, calls=1, units=3),
     ]
-    measured = [2 * s.compute + 0.5 * s.communication + 0.01 * s.calls for s in steps]
+    measured = [
+        2 * s.compute + 0.5 * s.communication + 0.004 * s.units + 0.01 * s.calls for s in steps
+    ]
     f = cost.fit(list(zip(steps, measured)))
-    assert (f.compute, f.communication, f.per_call) == pytest.approx((2, 0.5, 0.01))
+    assert (f.compute, f.communication, f.per_unit, f.per_call) == pytest.approx(
+        (2, 0.5, 0.004, 0.01)
+    )
+    four = cost.fit(list(zip(steps[:4], measured[:4])))  # units from four points, calls from six
+    assert four.per_call == 0
     # a negative term would explain noise: it is held at zero and the rest refitted
     assert cost.nonnegative_least_squares([[1, 1], [1, 2], [1, 3]], [3, 2, 1]) == pytest.approx(
         [2, 0]
@@ -191,7 +199,8 @@ def test_collective_calls_are_counted_per_layout():
     four = cost.Machine(4, cost.GLOO_LOCAL, cost.GLOO_LOCAL)
     assert cost.predict(PROFILE, Layout(), 1, four).calls == 0
     assert cost.predict(PROFILE, Layout(), 4, four).calls == 1  # one all-reduce (buckets)
-    assert cost.predict(PROFILE, Layout(dp="fsdp"), 4, four).calls == 3 * 9  # 8 blocks + root
+    fsdp = cost.predict(PROFILE, Layout(dp="fsdp"), 4, four)
+    assert (fsdp.units, fsdp.calls) == (9, 0)  # 8 blocks + the root
     assert cost.predict(PROFILE, Layout(tp=2), 2, four).calls == 4 * 8
     assert cost.predict(PROFILE, Layout(pp=2, microbatches=4), 2, four).calls == 2 * 4
 

@@ -19,10 +19,12 @@ A collective over n ranks costs ring steps x (alpha + bytes per step / beta)
 on the slowest link its group crosses: tensor groups are contiguous ranks
 (one node while tp <= ranks per node), data and pipeline groups are strided.
 Nothing overlaps (gloo on CPU blocks the computing thread); ``fit`` scales the
-compute and the communication terms to measured step times, and fits each
-collective's fixed cost (``Step.calls``: per step 4 per block and micro-batch
-under tp, 3 per FSDP unit, 1 all-reduce for replicate, 2 sends per micro-batch
-under pp) once four layouts are measured.
+compute and the communication terms to measured step times, then fits two fixed
+costs the bytes do not explain: each FSDP unit's per step (``Step.units``:
+FSDP2's hooks, copies in and out of its flat buffers, three collectives; on a
+CPU they cost milliseconds) from four measured layouts, and each other
+collective call's (``Step.calls``: 4 per block and micro-batch under tp, 1
+all-reduce for replicate, 2 sends per micro-batch under pp) from six.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ class Step:
     tensor: float
     data: float
     pipeline: float
-    calls: float = 0.0  # collectives and sends per step (their fixed cost is fitted: ``Fit``)
+    calls: float = 0.0  # collectives and sends per step but FSDP's (their cost is fitted: ``Fit``)
+    units: float = 0.0  # FSDP units gathered and reduced per step (their cost is fitted too)
 
     @property
     def communication(self) -> float:
@@ -137,42 +140,47 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     per_block = 6 if layout.recompute else 4  # a recomputed forward all-reduces twice again
     tensor = per_block * blocks * m * all_reduce_s(message, tp, tp_link)
     grads = profile.param_bytes * tp_share(profile, tp) * pp_share(profile, pp)
+    fsdp_units = 0.0
     calls = per_block * blocks * m if tp > 1 else 0.0
     if layout.dp == "fsdp":  # per unit (each block, then the root): 2 all-gathers, 1 reduce-scatter
         units = (profile.blocks / pp if profile.blocks else 0.0) + 1
         data = 3 * (all_gather_s(grads, d, dp_link) + (units - 1) * (d - 1) * dp_link.latency)
-        calls += 3 * units if d > 1 else 0.0
+        fsdp_units = units if d > 1 else 0.0
     else:
         data = all_reduce_s(grads, d, dp_link)
         calls += 1 if d > 1 else 0.0
     pipeline = 2 * m * send_s(message / tp, pp_link) if pp > 1 else 0.0
     calls += 2 * m if pp > 1 else 0.0
-    return Step(compute, tensor, data, pipeline, calls)
+    return Step(compute, tensor, data, pipeline, calls, fsdp_units)
 
 
 @dataclass(frozen=True)
 class Fit:
-    """Scales of the compute and communication terms, and each call's fixed cost, fitted to
-    measured step times."""
+    """Scales of the compute and communication terms, and the fixed costs of an FSDP unit and
+    of a collective call, fitted to measured step times."""
 
     compute: float = 1.0
     communication: float = 1.0
-    per_call: float = 0.0  # seconds per collective or send beyond the alpha-beta model
+    per_unit: float = 0.0  # seconds per FSDP unit and step beyond its collectives' bytes
+    per_call: float = 0.0  # seconds per other collective or send beyond the alpha-beta model
 
     def __call__(self, step: Step) -> float:
         return (
             self.compute * step.compute
             + self.communication * step.communication
+            + self.per_unit * step.units
             + self.per_call * step.calls
         )
 
 
 def fit(points: Sequence[tuple[Step, float]]) -> Fit:
-    """Least squares of measured = a x compute + b x communication (+ c x calls), all >= 0.
+    """Least squares of measured = a x compute + b x communication (+ c x FSDP units
+    + e x calls), all >= 0.
 
-    Each call's fixed cost (Python hooks, a thread's wake-up: on a shared CPU it
-    outweighs the bytes) is fitted from four points on; one point fits one
-    common scale of compute and communication.
+    The fixed costs (Python hooks, copies, a thread's wake-up: on a shared CPU they
+    outweigh the bytes) join from four points (units) and six (calls) on, so that
+    there are more points than terms; one point fits one common scale of compute
+    and communication.
     """
     if not points:
         return Fit()
@@ -181,6 +189,8 @@ def fit(points: Sequence[tuple[Step, float]]) -> Fit:
         return Fit(common, common)
     columns: list[Callable[[Step], float]] = [lambda s: s.compute, lambda s: s.communication]
     if len(points) >= 4:
+        columns.append(lambda s: s.units)
+    if len(points) >= 6:
         columns.append(lambda s: s.calls)
     rows = [[c(s) for c in columns] for s, _ in points]
     found = nonnegative_least_squares(rows, [t for _, t in points])
