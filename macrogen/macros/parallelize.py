@@ -29,8 +29,7 @@ plan's ``"server"`` tables live on the last S ranks, ``macrogen.runtime.param_se
 
 ``pp=N`` cuts the built model into N pipeline stages at run time, as ``@mg.pipeline``
 would cut its class (``macrogen.runtime.parallelize_pipeline``): the training step is
-``mg.pipeline_step(model, x, y, loss_fn)``. It goes with dp "replicate", "fsdp" or
-"none" and tp=1.
+``mg.pipeline_step(model, x, y, loss_fn)``. It goes with every dp mode and tp=1.
 
 ``layout="auto"`` stands for every layout (tp, pp, dp mode, micro-batches) that
 ``macrogen autotune`` finds feasible for its world size: one tunable, keyed
@@ -295,11 +294,6 @@ def _check_pipeline(args: dict[str, Arg], values: dict[str, Any]) -> None:
             " built model is not supported yet; use @mg.pipeline with @mg.tensor_parallel"
             " layers in the model's class (docs/pipeline.md)",
             node,
-        )
-    if values["dp"] == "zero1":
-        raise MacroError(
-            f'pp={pp} with dp="zero1" is not supported yet: use dp="replicate" or "fsdp"',
-            (args.get("dp") or args.get("layout") or args["pp"]).node,
         )
     if values["servers"]:
         raise MacroError(f"pp={pp} with servers=S is not supported", args["servers"].node)
