@@ -195,3 +195,16 @@ def test_without_ranks_the_expanded_program_is_the_serial_one(tmp_path, dp):
     for k, v in serial[0].state_dict().items():
         assert torch.equal(state[k], v), k
     model.load_full_state_dict(state)
+
+
+def test_the_tuner_prunes_what_the_expansion_refuses():
+    from macrogen.macros.parallelize import DEFAULTS, pipeline_problem
+
+    def problem(**values):
+        return pipeline_problem({**DEFAULTS, **values})
+
+    assert problem(pp=2, microbatches=4) == (None, ("microbatches", "schedule"))
+    assert "with tp=2" in problem(pp=2, tp=2, microbatches=4)[0]
+    assert "needs at least as many micro-batches" in problem(pp=4, microbatches=2)[0]
+    assert problem(pp=4, microbatches=2, schedule="gpipe")[0] is None
+    assert "accumulate=1" in problem(pp=2, microbatches=4, accumulate=2)[0]

@@ -281,29 +281,36 @@ def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | 
         reason = 'dp="zero1" under layout="auto": mg.shard_optimizer is not applied for it'
     if reason is None and layout.tp > 1 and arguments.get("tp_plan") is None:
         reason = f"tp={layout.tp} needs a tp_plan"
+    if reason is None and layout.pp > 1:  # what the expansion would refuse, pruned with it
+        values = {**DEFAULTS, **arguments, "tp": layout.tp, "pp": layout.pp}
+        reason = pipeline_problem({**values, "microbatches": layout.microbatches})[0]
     return reason
 
 
 def _check_pipeline(args: dict[str, Arg], values: dict[str, Any]) -> None:
     """``pp > 1``: what a run-time cut of the built model goes with, checked at expansion."""
-    pp, m, schedule = values["pp"], values["microbatches"], values["schedule"]
-    node = (args.get("pp") or args["layout"]).node
-    if values["tp"] != 1:
-        raise MacroError(
+    problem, blame = pipeline_problem(values)
+    if problem is not None:
+        at = next((args[n] for n in (*blame, "layout", "pp") if n in args), args["model"])
+        raise MacroError(problem, at.node)
+
+
+def pipeline_problem(values: Mapping[str, Any]) -> tuple[str | None, tuple[str, ...]]:
+    """Why ``pp > 1`` can't go with these arguments (and the arguments to blame), or None."""
+    pp, m, schedule = values["pp"], values["microbatches"], values.get("schedule", "1f1b")
+    if values.get("tp", 1) != 1:
+        return (
             f"pp={pp} with tp={values['tp']}: tensor parallelism inside pipeline stages of a"
             " built model is not supported yet; use @mg.pipeline with @mg.tensor_parallel"
-            " layers in the model's class (docs/pipeline.md)",
-            node,
-        )
-    if values["servers"]:
-        raise MacroError(f"pp={pp} with servers=S is not supported", args["servers"].node)
-    if values["accumulate"] != 1:
-        raise MacroError(
+            " layers in the model's class (docs/pipeline.md)"
+        ), ("pp",)
+    if values.get("servers", 0):
+        return f"pp={pp} with servers=S is not supported", ("servers",)
+    if values.get("accumulate", 1) != 1:
+        return (
             f"pp={pp} takes accumulate=1: the pipeline's micro-batches accumulate already"
-            " (microbatches=M)",
-            args["accumulate"].node,
-        )
-    at = (args.get("microbatches") or args.get("schedule") or args.get("layout") or args["pp"]).node
+            " (microbatches=M)"
+        ), ("accumulate",)
     per_rank = 2 if schedule == "interleaved" else 1
     problem = pf.interleaving_problem(pp * per_rank, m, schedule, per_rank)
     if problem is None and schedule == "1f1b" and m < pp:
@@ -311,8 +318,7 @@ def _check_pipeline(args: dict[str, Arg], values: dict[str, Any]) -> None:
             f"pp={pp} with schedule 1f1b needs at least as many micro-batches as stages:"
             f" microbatches={m} (pass microbatches={pp} or more)"
         )
-    if problem is not None:
-        raise MacroError(problem, at)
+    return problem, ("microbatches", "schedule")
 
 
 def _check_servers(
