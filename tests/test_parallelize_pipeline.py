@@ -208,3 +208,11 @@ def test_the_tuner_prunes_what_the_expansion_refuses():
     assert "needs at least as many micro-batches" in problem(pp=4, microbatches=2)[0]
     assert problem(pp=4, microbatches=2, schedule="gpipe")[0] is None
     assert "accumulate=1" in problem(pp=2, microbatches=4, accumulate=2)[0]
+
+
+def test_a_transformers_model_is_refused_naming_why():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.forward .* submodule's forward"):
+        apply_pipeline(model, meshes.SERIAL, pp=2, microbatches=4, schedule="1f1b", where="t:1")

@@ -69,9 +69,9 @@ def forward_of(cls: type, *, where: str) -> pf.Forward:
         raise ValueError(f"{at}, and its source does not parse alone ({e.msg})") from None
     if not a.forward.loops:
         raise ValueError(
-            f"{at}, and it has no `for block in self.<ModuleList>:` loop, whose blocks"
-            " mg.parallelize balances over the stages; name the cuts with"
-            f" @mg.pipeline(split=[...]) on the class. See {DOCS}"
+            f"{at}, and it has no `for block in self.<ModuleList>:` loop whose blocks the"
+            " stages could share (a model that loops over its blocks in a submodule's forward,"
+            f" as transformers' models do, can't be cut yet). See {DOCS}"
         )
     namespace = fn.__globals__
     if fn.__code__.co_freevars:  # a class defined in a function: forward's closure, by value
