@@ -10,8 +10,8 @@ import dataclasses
 import inspect
 import textwrap
 
-from macrogen.macros.pipeline import analysis
-from macrogen.macros.pipeline.code import unit_function
+from macrogen import pipeline_analysis as analysis
+from macrogen.pipeline_code import unit_function
 from macrogen.pipeline_units import Forward
 
 

@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import macrogen as mg
+from macrogen import pipeline_analysis as analysis
 from macrogen import pipeline_units as pf
-from macrogen.macros.pipeline import analysis
 from macrogen.runtime import pipeline as rp
 from tests.helpers import expand, expansion_errors
 from tests.pipeline_units import forward_of

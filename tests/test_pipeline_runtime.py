@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from macrogen import pipeline_analysis as analysis
 from macrogen import pipeline_units as pf
-from macrogen.macros.pipeline import analysis
 from macrogen.runtime import pipeline as rp
 from tests.distributed import run_ranks
 from tests.pipeline_units import forward_of

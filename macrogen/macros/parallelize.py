@@ -22,11 +22,16 @@ replicate/zero1 ``bucket_mb`` (25) and ``compress`` (None, "bf16", "fp16"); for 
 ``reshard_after_forward`` (True), ``mixed_precision`` (None, "bf16", "fp16"),
 ``cpu_offload`` (False), ``shard_units`` (None: the repeated layer list; or a list of
 paths) and ``dp_replicate`` (1; R > 1: HSDP over R replicas); ``microbatches`` (1: per
-step through a pipeline; nothing changes while pp is 1); ``servers`` (0; S > 0: the
+step through a pipeline; nothing changes while pp is 1) and ``schedule`` ("1f1b",
+"gpipe" or "interleaved": two stages per pipeline rank); ``servers`` (0; S > 0: the
 plan's ``"server"`` tables live on the last S ranks, ``macrogen.runtime.param_server``) with
 ``staleness`` (0), ``server_optimizer`` ("sgd" or "adagrad") and ``server_lr`` (0.01);
 ``recompute`` (None; "blocks": the repeated blocks keep only their inputs and run their
 forward again in backward, ``macrogen.runtime.recompute``).
+
+``pp=N`` cuts the built model into N pipeline stages at run time, as ``@mg.pipeline``
+would cut its class (``macrogen.runtime.parallelize_pipeline``): the training step is
+``mg.pipeline_step(model, x, y, loss_fn)``. It goes with every dp mode and tp=1.
 
 ``layout="auto"`` stands for every layout (tp, pp, dp mode, micro-batches, recompute) that
 ``macrogen autotune`` finds feasible for its world size: one tunable, keyed
@@ -42,6 +47,7 @@ from typing import Any, cast
 
 import libcst as cst
 
+from macrogen import pipeline_units as pf
 from macrogen.autotune import layouts
 from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, TuningEnv, render
 from macrogen.macros import redundant
@@ -75,6 +81,7 @@ DEFAULTS: dict[str, Any] = {
     "shard_units": None,
     "dp_replicate": 1,
     "microbatches": 1,
+    "schedule": "1f1b",
     "layout": None,
     "servers": 0,
     "staleness": 0,
@@ -91,12 +98,13 @@ FSDP_ONLY = (
     "dp_replicate",
 )
 NOT_FSDP = ("bucket_mb", "compress")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")  # macrogen.runtime.parallelize_pipeline.SCHEDULES
 
 
 @dataclass(frozen=True)
 class Spec:
     tp: int  # tensor-parallel ways
-    pp: int  # pipeline stages (1: a built model is not cut yet)
+    pp: int  # pipeline ranks (1: the model is not cut)
     dp: str  # "replicate", "zero1", "fsdp" or "none"
     plan: tuple[tuple[str, str | tuple[str, int]], ...] | None  # path -> style, in order
     hf: bool  # tp_plan="hf": the plan the model ships
@@ -109,6 +117,7 @@ class Spec:
     shard_units: tuple[str, ...] | None  # fsdp: the modules sharded one by one
     dp_replicate: int  # fsdp: > 1 is HSDP
     microbatches: int  # per step, through a pipeline (pp > 1)
+    schedule: str = "1f1b"  # the pipeline's schedule (pp > 1)
     servers: int = 0  # parameter-server ranks for the plan's "server" tables (0: none)
     server_plan: tuple[str, ...] = ()  # the paths planned "server"
     staleness: int = 0
@@ -157,6 +166,10 @@ def _recompute(v: Any) -> str | None:
     return None if v in layouts.RECOMPUTE else 'None, "none" or "blocks"'
 
 
+def _schedule(v: Any) -> str | None:
+    return None if v in SCHEDULES else '"1f1b", "gpipe" or "interleaved"'
+
+
 def _server_optimizer(v: Any) -> str | None:
     return None if v in ("sgd", "adagrad") else '"sgd" or "adagrad"'
 
@@ -174,6 +187,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "shard_units": _units,
     "dp_replicate": _degree,
     "microbatches": _degree,
+    "schedule": _schedule,
     "servers": _count,
     "staleness": _count,
     "server_optimizer": _server_optimizer,
@@ -195,11 +209,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         if name in CHECKS:
             _check(name, arg, ctx)
     if values["pp"] != 1:
-        raise MacroError(
-            "pp > 1: cutting a built model into pipeline stages is not supported yet; use"
-            " @mg.pipeline on the model's class (docs/pipeline.md)",
-            (args.get("pp") or args["layout"]).node,
-        )
+        _check_pipeline(args, values)
     for name in FSDP_ONLY if values["dp"] != "fsdp" else NOT_FSDP:
         if name in args:
             wanted = 'dp="fsdp"' if name in FSDP_ONLY else 'dp="replicate" or "zero1"'
@@ -236,6 +246,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         shard_units=None if values["shard_units"] is None else tuple(values["shard_units"]),
         dp_replicate=values["dp_replicate"],
         microbatches=values["microbatches"],
+        schedule=values["schedule"],
         servers=values["servers"],
         server_plan=served,
         staleness=values["staleness"],
@@ -287,7 +298,44 @@ def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | 
         reason = 'dp="zero1" under layout="auto": mg.shard_optimizer is not applied for it'
     if reason is None and layout.tp > 1 and arguments.get("tp_plan") is None:
         reason = f"tp={layout.tp} needs a tp_plan"
+    if reason is None and layout.pp > 1:  # what the expansion would refuse, pruned with it
+        values = {**DEFAULTS, **arguments, "tp": layout.tp, "pp": layout.pp}
+        reason = pipeline_problem({**values, "microbatches": layout.microbatches})[0]
     return reason
+
+
+def _check_pipeline(args: dict[str, Arg], values: dict[str, Any]) -> None:
+    """``pp > 1``: what a run-time cut of the built model goes with, checked at expansion."""
+    problem, blame = pipeline_problem(values)
+    if problem is not None:
+        at = next((args[n] for n in (*blame, "layout", "pp") if n in args), args["model"])
+        raise MacroError(problem, at.node)
+
+
+def pipeline_problem(values: Mapping[str, Any]) -> tuple[str | None, tuple[str, ...]]:
+    """Why ``pp > 1`` can't go with these arguments (and the arguments to blame), or None."""
+    pp, m, schedule = values["pp"], values["microbatches"], values.get("schedule", "1f1b")
+    if values.get("tp", 1) != 1:
+        return (
+            f"pp={pp} with tp={values['tp']}: tensor parallelism inside pipeline stages of a"
+            " built model is not supported yet; use @mg.pipeline with @mg.tensor_parallel"
+            " layers in the model's class (docs/pipeline.md)"
+        ), ("pp",)
+    if values.get("servers", 0):
+        return f"pp={pp} with servers=S is not supported", ("servers",)
+    if values.get("accumulate", 1) != 1:
+        return (
+            f"pp={pp} takes accumulate=1: the pipeline's micro-batches accumulate already"
+            " (microbatches=M)"
+        ), ("accumulate",)
+    per_rank = 2 if schedule == "interleaved" else 1
+    problem = pf.interleaving_problem(pp * per_rank, m, schedule, per_rank)
+    if problem is None and schedule == "1f1b" and m < pp:
+        problem = (
+            f"pp={pp} with schedule 1f1b needs at least as many micro-batches as stages:"
+            f" microbatches={m} (pass microbatches={pp} or more)"
+        )
+    return problem, ("microbatches", "schedule")
 
 
 def _check_servers(
@@ -385,6 +433,10 @@ def _summary(spec: Spec) -> str:
     if spec.servers:
         n = len(spec.server_plan)
         steps.append(f"{n} table{'s' * (n > 1)} on {spec.servers} parameter servers")
+    if spec.pp > 1:
+        steps.append(
+            f"{spec.pp} pipeline stages ({spec.schedule}, {spec.microbatches} micro-batches)"
+        )
     if spec.dp == "fsdp":
         steps.append(
             "fully sharded data parallel (FSDP2)"
@@ -410,6 +462,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
     if spec.servers:
         imports.append(ctx.import_from("macrogen.runtime.param_server", "apply_server_tables"))
         imports.append(ctx.import_from("macrogen.runtime.param_server", "ServerConfig"))
+    if spec.pp > 1:
+        imports.append(ctx.import_from("macrogen.runtime.parallelize_pipeline", "apply_pipeline"))
     if spec.dp == "fsdp":
         imports.append(ctx.import_from("macrogen.runtime.fully_sharded", "apply_fully_sharded"))
         imports.append(ctx.import_from("macrogen.runtime.fully_sharded", "FullyShardedConfig"))
@@ -438,6 +492,9 @@ def expand(site: Site, ctx: Context) -> Expanded:
         cpu_offload=spec.cpu_offload,
         shard_units=spec.shard_units,
         dp_replicate=spec.dp_replicate,
+        microbatches=spec.microbatches,
+        schedule=spec.schedule,
+        apply_pipeline=names.get("apply_pipeline", ""),
         apply_fully_sharded=names.get("apply_fully_sharded", ""),
         fsdp_config=names.get("FullyShardedConfig", ""),
         device_mesh=names["device_mesh"],

@@ -239,6 +239,9 @@ def _shard_stages(
             " accumulate already (pipeline(microbatches=...))"
         )
     named = _units(model, config.shard_units, where) if config.shard_units else None
+    # FSDP puts new (sharded) parameters in the modules: the pipeline's tied parameters (a
+    # weight stages share, its gradients summed over them) are found again after
+    tied = [(_holder(model, param), group) for param, group in pipe.tied]
     for s in pipe.stages:
         stage = pipe.stage_module(s)
         if named is None:  # the blocks of forward's loop this stage runs
@@ -258,5 +261,15 @@ def _shard_stages(
             ignored_params=ignored or None,
             **options,
         )
+    pipe.tied = [(owner._parameters[key], group) for (owner, key), group in tied]
     pipe.fully_sharded = True
     return model
+
+
+def _holder(model: nn.Module, param: nn.Parameter) -> tuple[nn.Module, str]:
+    """A module of ``model`` holding ``param``, and its name there."""
+    for owner in model.modules():
+        for key, held in owner._parameters.items():
+            if held is param:
+                return owner, key
+    raise AssertionError("a tied parameter of the pipeline is in no module of this stage")

@@ -153,27 +153,25 @@ def hf_plan(model: nn.Module) -> dict[str, Any]:
 
 
 def device_mesh(*, tp: int = 1, pp: int = 1, planned: bool = False, where: str) -> meshes.Mesh:
-    """The program's mesh for ``tp`` tensor-parallel ways, agreed by every rank before any group.
+    """The program's (pipeline x) data x tensor mesh, agreed by every rank before any group.
 
-    A degree that does not divide the world size is an error on every rank before any
-    group is made; ``tp=1`` with a plan in a job of several ranks is a warning (the
-    plan would leave every layer whole).
+    A product of degrees that does not divide the world size is an error on every rank
+    before any group is made; ``tp=1`` with a plan in a job of several ranks is a warning
+    (the plan would leave every layer whole). ``pp > 1`` tells the mesh its pipeline dim
+    first (``@mg.pipeline``'s order: pipeline outermost, tensor innermost).
     """
     for name, value in (("tp", tp), ("pp", pp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"mg.parallelize at {where}: {name}={value!r}: expected an int >= 1")
-    if pp != 1:
-        raise ValueError(
-            f"mg.parallelize at {where}: pp={pp}: a pipeline cut of a built model is not supported"
-            " yet; use @mg.pipeline on the model's class (docs/pipeline.md)"
-        )
     if not groups.ensure_initialized():
         return meshes.SERIAL
     world = dist.get_world_size()
-    if world % tp:  # the same inputs on every rank: the same error, before any group
+    if world % (tp * pp):  # the same inputs on every rank: the same error, before any group
+        what = f"tp={tp}" if pp == 1 else f"pp x tp = {pp} x {tp}"
+        launch = "(data x tensor)" if pp == 1 else "(pipeline x data x tensor)"
         raise ValueError(
-            f"mg.parallelize at {where}: tp={tp} does not divide the world size {world}:"
-            f" launch a multiple of {tp} processes (data x tensor)"
+            f"mg.parallelize at {where}: {what} does not divide the world size {world}:"
+            f" launch a multiple of {tp * pp} processes {launch}"
         )
     if planned and tp == 1 and world > 1:
         warnings.warn(
@@ -181,6 +179,11 @@ def device_mesh(*, tp: int = 1, pp: int = 1, planned: bool = False, where: str) 
             " ranks leaves every layer whole; pass tp=N to shard it",
             stacklevel=3,
         )
+    if pp > 1:
+        try:
+            meshes.expect_pipeline(pp)
+        except ValueError as e:
+            raise ValueError(f"mg.parallelize at {where}: {e}") from None
     return meshes.mesh(tp)
 
 

@@ -36,9 +36,10 @@ the statement), a split name forward doesn't call, more stages than a
 literal number of blocks. The rest (world size, parameter counts) is
 checked at run time.
 
-Where the rest lives (this package): analysis.py reads forward's ``ast``
-(its statements, what each reads and writes, what can't be cut); code.py
-writes each statement's function; ``macrogen/pipeline_units.py``, shared with
+Where the rest lives: ``macrogen/pipeline_analysis.py`` reads forward's ``ast``
+(its statements, what each reads and writes, what can't be cut);
+``macrogen/pipeline_code.py`` writes each statement's function (both shared with
+``mg.parallelize(pp=N)``, which cuts a built model's forward at run time); ``macrogen/pipeline_units.py``, shared with
 the runtime, cuts the units (split names, the value each cut carries).
 """
 
@@ -52,6 +53,7 @@ from typing import Any
 import libcst as cst
 from libcst.metadata import PositionProvider
 
+from macrogen import pipeline_analysis as analysis
 from macrogen import pipeline_units as pf
 from macrogen.macro import (
     Arg,
@@ -64,9 +66,8 @@ from macrogen.macro import (
     render_statements,
 )
 from macrogen.macros.class_decorator import decorated, rendered_decorator
-from macrogen.macros.pipeline import analysis
-from macrogen.macros.pipeline.analysis import Analysed
-from macrogen.macros.pipeline.code import unit_function
+from macrogen.pipeline_analysis import Analysed
+from macrogen.pipeline_code import unit_function
 
 NAME = "pipeline"
 FORMS: frozenset[Form] = frozenset({"decorator"})

@@ -1,8 +1,10 @@
 """forward's source as units: which statements, what each reads and writes, where it can't be cut.
 
-Pure ``ast``, at expansion only: the result is ``macrogen.pipeline_units.Forward``
-(the data the generated code hands the runtime), plus what the macro's errors
-and code generation need (each statement's node).
+Pure ``ast``: the result is ``macrogen.pipeline_units.Forward`` (the data the
+generated code hands the runtime), plus what the macro's errors and code
+generation need (each statement's node). The ``@pipeline`` macro runs it at
+expansion; ``mg.parallelize(pp=N)`` at run time, on a built model's forward
+(``macrogen/runtime/parallelize_pipeline.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""forward's statements as functions: the code a pipeline stage runs, written at expansion.
+"""forward's statements as functions: the code a pipeline stage runs (written at expansion,
+or at run time for ``mg.parallelize(pp=N)``).
 
 Each top-level statement becomes ``def <name>(self, <reads>): <statement>; return
 <writes>``; a loop over a ModuleList becomes its body, ``def <name>(self, block,
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import ast
 
-from macrogen.macros.pipeline.analysis import Analysed
+from macrogen.pipeline_analysis import Analysed
 
 INDENT = "    "
 

@@ -1,0 +1,124 @@
+"""``mg.parallelize(model, pp=N, microbatches=M)``: a built model cut into pipeline stages.
+
+    model = GPT(config)                                     # any class; its forward as @pipeline needs
+    model = mg.parallelize(model, pp=2, microbatches=4)     # this rank keeps its stage
+    loss = mg.pipeline_step(model, x, y, loss_fn)           # the schedule: forward, loss, backward
+
+What ``@mg.pipeline`` does at expansion, done at run time on the model's class:
+forward's source (``inspect.getsource``) is analysed by the macro's own analysis
+(``macrogen/pipeline_analysis.py``), each statement becomes a function
+(``macrogen/pipeline_code.py``), compiled in forward's module (its globals, and
+the values of its closure), and the model is ``attach``-ed to a ``Pipeline``
+exactly as a ``@pipeline`` class's ``__init__`` does: stage balance, tied weights,
+schedules, FSDP per stage and full state dicts are the decorator's. The copied
+lines keep their line numbers in the user's file, so a traceback in a stage shows
+the user's line.
+
+This is the one runtime module that reads source: ``@pipeline``'s runtime
+(``pipeline.py``) takes the units the expansion wrote, while a built model's class
+was never expanded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import textwrap
+import types
+from typing import Any
+
+from torch import nn
+
+from macrogen import pipeline_analysis as analysis
+from macrogen import pipeline_units as pf
+from macrogen.pipeline_code import unit_function
+from macrogen.runtime import mesh as meshes
+from macrogen.runtime import pipeline as pipelines
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+DOCS = "docs/pipeline.md (what @mg.pipeline can cut)"
+
+
+def forward_of(cls: type, *, where: str) -> pf.Forward:
+    """``cls.forward`` as units, each statement a function: the ``Forward`` that
+    ``@pipeline``'s expansion would write for ``cls``. A forward that can't be cut is a
+    one-line ``ValueError`` naming the class and why."""
+    forward = getattr(cls, "forward", None)
+    fn = inspect.unwrap(forward) if callable(forward) else None
+    at = f"mg.parallelize at {where}: pp > 1 cuts {cls.__name__}.forward into pipeline stages"
+    if not isinstance(fn, types.FunctionType):
+        raise ValueError(f"{at}, and it is no Python function ({type(forward).__name__})")
+    try:
+        lines, first = inspect.getsourcelines(fn)
+        filename = inspect.getsourcefile(fn) or f"<{cls.__name__}.forward>"
+    except (OSError, TypeError):
+        raise ValueError(
+            f"{at}, and its source can't be read (defined in exec or a REPL?)"
+        ) from None
+    if "__class__" in fn.__code__.co_freevars:
+        raise ValueError(
+            f"{at}, and it calls super() (or names __class__): a stage runs forward's statements"
+            f" as functions outside the class; call the parent's layers directly. See {DOCS}"
+        )
+    try:
+        a = analysis.parse(textwrap.dedent("".join(lines)))
+    except pf.SplitError as e:
+        raise ValueError(f"{at}, and it can't be: {e.message}. See {DOCS}") from None
+    except SyntaxError as e:  # a lambda's or a one-line method's source: not a whole def
+        raise ValueError(f"{at}, and its source does not parse alone ({e.msg})") from None
+    if not a.forward.loops:
+        raise ValueError(
+            f"{at}, and it has no `for block in self.<ModuleList>:` loop whose blocks the"
+            " stages could share (a model that loops over its blocks in a submodule's forward,"
+            f" as transformers' models do, can't be cut yet). See {DOCS}"
+        )
+    namespace = fn.__globals__
+    if fn.__code__.co_freevars:  # a class defined in a function: forward's closure, by value
+        cells = zip(fn.__code__.co_freevars, fn.__closure__ or ())
+        namespace = {**namespace, **{name: cell.cell_contents for name, cell in cells}}
+    statements = []
+    for k, s in enumerate(a.forward.statements):
+        name = f"_{cls.__name__}_forward_{k}"
+        node = a.nodes[k]
+        body = node.body[0] if s.loop is not None else node  # type: ignore[attr-defined]
+        # blank lines first: the copied lines keep their line numbers in the user's file
+        code = "\n" * max(0, first + body.lineno - 3) + unit_function(a, k, name)
+        local: dict[str, Any] = {}
+        exec(compile(code, filename, "exec"), namespace, local)
+        statements.append(dataclasses.replace(s, fn=local[name]))
+    return dataclasses.replace(a.forward, statements=tuple(statements))
+
+
+def apply_pipeline(
+    model: nn.Module, mesh: meshes.Mesh, *, pp: int, microbatches: int, schedule: str, where: str
+) -> nn.Module:
+    """Cut ``model`` into the mesh's pipeline stages (in place; returns ``model``): this rank
+    keeps its stage, and ``mg.pipeline_step`` runs the schedule. Serially (no process
+    group) the model stays whole and ``pipeline_step`` is the serial step."""
+    at = f"mg.parallelize at {where}"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{at}: schedule={schedule!r}: expected one of {SCHEDULES}")
+    if pipelines.pipeline_of(model) is not None:
+        raise ValueError(f"{at}: this model is pipelined already (@mg.pipeline or mg.parallelize)")
+    if mesh.tensor_size > 1:
+        raise ValueError(
+            f"{at}: pp > 1 with tp > 1 is not supported yet on a built model; use @mg.pipeline"
+            " with @mg.tensor_parallel layers in its class (docs/pipeline.md)"
+        )
+    assert mesh.device_mesh is None or mesh.pipeline_size == pp  # (device_mesh made it so)
+    per_rank = 2 if schedule == "interleaved" else 1
+    config = pipelines.PipelineConfig(
+        stages=pp * per_rank,
+        microbatches=microbatches,
+        schedule=schedule,
+        stages_per_rank=per_rank,
+    )
+    forward = forward_of(type(model), where=where)
+    pipelines.attach(model, config, forward, where=where)
+    # the serial model's state dict, as a @pipeline class's methods give it
+    model.__dict__["full_state_dict"] = functools.partial(pipelines.full_state_dict, model)
+    model.__dict__["load_full_state_dict"] = functools.partial(
+        pipelines.load_full_state_dict, model
+    )
+    return model
