@@ -39,15 +39,20 @@ def build():
         layout="auto",
         tp_plan={"layers.*.fc": "colwise", "layers.*.proj": "rowwise", "layers.*.n_head": "divide"},
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after the cut: this stage's
     mesh = mg.mesh()
     share = BATCH // mesh.data_size  # the global batch is fixed: each data rank trains its share
-    x = torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(0))
-    x = x[mesh.data_rank * share : (mesh.data_rank + 1) * share]
+    data = torch.Generator().manual_seed(0)
+    x, y = (
+        torch.randn(BATCH, SEQ, DIM, generator=data),
+        torch.randn(BATCH, SEQ, DIM, generator=data),
+    )
+    rows = slice(mesh.data_rank * share, (mesh.data_rank + 1) * share)
 
     def step():
         opt.zero_grad()
-        model(x).square().mean().backward()
+        # forward, loss and backward; through the micro-batches' schedule when pp > 1
+        mg.pipeline_step(model, x[rows], y[rows], F.mse_loss)
         opt.step()
 
     return model, step, {"tokens": BATCH * SEQ}

@@ -50,7 +50,8 @@ def test_the_feasible_layouts_of_four_ranks():
     assert "tp1 pp1 replicate mb1" in feasible and "tp2 pp1 fsdp mb1" in feasible
     assert "tp2 pp2 replicate mb4" in feasible  # dp 1: replicate only
     assert not any(name.startswith("tp4") for name in feasible)  # 6 heads
-    assert layouts.unsupported(Layout(pp=2, microbatches=4)) is not None
+    assert layouts.unsupported(Layout(pp=2, microbatches=4)) is None  # a run-time cut
+    assert layouts.unsupported(Layout(tp=2, pp=2, microbatches=4)) is not None
     assert layouts.unsupported(Layout(tp=2, dp="zero1")) is not None
     assert layouts.unsupported(Layout(tp=2, dp="fsdp")) is None
 
@@ -241,6 +242,12 @@ def test_layout_auto_is_one_tunable_over_layout_names():
     plain = [
         "tp1 pp1 replicate mb1",
         "tp1 pp1 fsdp mb1",
+        "tp1 pp2 replicate mb4",
+        "tp1 pp2 replicate mb8",
+        "tp1 pp2 fsdp mb4",
+        "tp1 pp2 fsdp mb8",
+        "tp1 pp4 replicate mb8",
+        "tp1 pp4 replicate mb16",
         "tp2 pp1 replicate mb1",
         "tp2 pp1 fsdp mb1",
         "tp4 pp1 replicate mb1",
@@ -248,7 +255,7 @@ def test_layout_auto_is_one_tunable_over_layout_names():
     assert names == plain + [f"{name} recompute" for name in plain]
     why = {c[param.key]: reason for c, reason in built.excluded}
     assert "does not divide the world size 4" in why["tp8 pp1 replicate mb1"]
-    assert "does not cut a built model" in why["tp1 pp2 replicate mb4"]
+    assert "pp > 1 with tp > 1" in why["tp2 pp2 replicate mb4"]
     assert "zero1" in why["tp2 pp1 zero1 mb1"]
     assert "mg.shard_optimizer" in why["tp1 pp1 zero1 mb1"]
     code = expand_source(AUTO, path="m.py", tuning={param.key: "tp2 pp1 fsdp mb1"}).code
@@ -263,9 +270,11 @@ def test_degrees_as_tunables_are_pruned_with_reasons():
         "build.parallelize.pp",
         "build.parallelize.tp",
     ]
-    assert all(c["build.parallelize.pp"] == 1 for c in built.candidates)
+    assert all(
+        c["build.parallelize.tp"] == 1 for c in built.candidates if c["build.parallelize.pp"] > 1
+    )
     reasons = " | ".join(r for _, r in built.excluded)
-    assert "pp > 1: mg.parallelize does not cut a built model" in reasons
+    assert "pp > 1 with tp > 1: mg.parallelize does not shard a built model's stages" in reasons
 
 
 def test_layout_auto_errors():
@@ -322,12 +331,14 @@ def test_prepare_dedupes_prunes_by_memory_and_orders_by_prediction():
     site = layout_search.site_of(params)
     assert site is not None
     machine = cost.Machine(4, cost.Link("x", 1e9, 1e-4), cost.Link("x", 1e9, 1e-4))
-    limit = memory.predict(PROFILE, Layout(dp="fsdp"), 4).total + 1  # only fsdp layouts fit
+    # only fsdp layouts fit, and pipelines whose stages hold half the blocks each
+    limit = memory.predict(PROFILE, Layout(dp="fsdp"), 4).total + 1
     kept, predictions = layout_search.prepare(
         built, site, PROFILE, SHAPE, 4, machine, memory_limit=limit
     )
     chosen = [layout_search.layout_of(site, c) for c in kept.candidates]
-    assert chosen and all(x.dp == "fsdp" for x in chosen)
+    assert chosen and all(x.dp == "fsdp" or x.pp == 2 for x in chosen)
+    assert Layout(dp="fsdp") in chosen and Layout(dp="replicate") not in chosen
     assert len(set(chosen)) == len(chosen)  # microbatches 2, 4, 8 with pp=1: one layout
     reasons = [why for _, why in kept.excluded]
     assert any(why.startswith("the same layout as") for why in reasons)

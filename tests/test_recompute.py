@@ -105,3 +105,17 @@ def test_the_expansion_recomputes_between_tensor_and_data_parallel():
     assert "apply_recompute" not in plain
     (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, recompute='all')\n")
     assert "recompute" in error and '"blocks"' in error
+
+
+def test_a_dropped_block_is_freed_at_once():
+    import gc
+    import weakref
+
+    model = apply_recompute(Net(), "blocks", where="t.py:1")
+    gone = weakref.ref(model.layers[3])
+    gc.disable()  # no cycle collection: reference counts alone must free it
+    try:
+        model.layers[3] = nn.Identity()  # what a pipeline cut does to another stage's block
+        assert gone() is None
+    finally:
+        gc.enable()

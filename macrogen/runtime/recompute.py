@@ -19,6 +19,7 @@ step costs one more forward of the blocks.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,18 +50,30 @@ def apply_recompute(model: nn.Module, which: str | None, *, where: str) -> nn.Mo
     for _, block in blocks:
         if getattr(block.forward, "_mg_recomputed", False):
             continue  # applied once: a second mg.parallelize keeps one checkpoint
-        block.forward = _recomputed(block, block.forward)
+        block.forward = _recomputed(block)
     return model
 
 
-def _recomputed(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+def _recomputed(block: nn.Module) -> Callable[..., Any]:
+    # The block holds this function: it reaches the block weakly, or a block that a pipeline
+    # cut drops (another stage's) would live on in a reference cycle until a gc pass.
+    ref = weakref.ref(block)
+    own = block.__dict__.get("forward")  # an instance forward already there, else the class's
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        me = ref()
+        assert me is not None, "a block's forward outlived its block"
+        return own(*args, **kwargs) if own is not None else type(me).forward(me, *args, **kwargs)
+
     def again(*args: Any, **kwargs: Any) -> Any:
         # the recompute runs in backward, after mg.parallelize's forward hook has put the
         # tensor-parallel DTensor parameters back: the block takes its local shards again
-        with local_parameters(block):
+        me = ref()
+        assert me is not None, "a block's forward outlived its block"
+        with local_parameters(me):
             return forward(*args, **kwargs)
 
-    @functools.wraps(forward)
+    @functools.wraps(type(block).forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is kept for a backward
             return forward(*args, **kwargs)
