@@ -114,6 +114,7 @@ def main() -> None:
             f" {memory.format_bytes(mem + offset):>10} {(mem + offset) / peak - 1 if peak else 0:>+7.0%}"
         )
         plot_rows.append((f"{world}: {pred.layout.describe(world)}", t, f))
+    summarize(rows, fitted)
     for world, choice, winner, best, n_found, n_all in searches:
         ratio = winner["time_s"] / best if winner else float("nan")
         shown = layout_search.layouts.parse(choice[KEY]).describe(world) if choice else "-"
@@ -144,6 +145,27 @@ def main() -> None:
         plot(plot_rows, args.plot)
 
 
+def summarize(rows: list, fitted: cost.Fit) -> None:
+    """How many predictions land within 25% (time) and 20% (memory), and whether each world
+    size's three fastest layouts come in the measured order."""
+    times = [(fitted(p.step), c["time_s"]) for _, p, c in rows]
+    peaks = [(p.memory.total, max(c["peak_bytes"])) for _, p, c in rows if c.get("peak_bytes")]
+    near = sum(abs(f / t - 1) <= 0.25 for f, t in times)
+    close = sum(abs(m / k - 1) <= 0.20 for m, k in peaks)
+    print(
+        f"step time within 25%: {near} of {len(times)}; peak memory within 20%: {close} of {len(peaks)}"
+    )
+    for world in sorted({w for w, _, _ in rows}):
+        mine = [(p, c) for w, p, c in rows if w == world]
+        by_time = sorted(mine, key=lambda r: r[1]["time_s"])[:3]
+        by_model = sorted(mine, key=lambda r: fitted(r[0].step))[:3]
+        names = [p.layout.describe(world) for p, _ in by_time]
+        kept = names == [p.layout.describe(world) for p, _ in by_model]
+        print(
+            f"{world} rank(s): measured top three {names}; the model's order {'kept' if kept else 'differs'}"
+        )
+
+
 def plot(rows: list, path: str) -> None:
     try:
         import matplotlib
@@ -153,7 +175,7 @@ def plot(rows: list, path: str) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(max(9, 0.45 * len(rows)), 4.5))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r[1] * 1e3 for r in rows], 0.4, label="measured")
     ax.bar([x + 0.2 for x in xs], [r[2] * 1e3 for r in rows], 0.4, label="predicted (fitted)")
