@@ -23,6 +23,7 @@ import pickle
 import socket
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -39,6 +40,19 @@ def free_port() -> int:
 _PRELOAD = ["torch", "torch.distributed"]
 
 
+class _Stdio:
+    """This process's stdout and stderr as they are at the call (pytest's capture of the test
+    that runs it), for a rank: forked from the server, it would write to the server's."""
+
+    def __reduce__(self):  # pickled as the rank starts: the fds travel to the forkserver
+        return _redirect, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _redirect(out, err) -> None:
+    os.dup2(out.detach(), 1)
+    os.dup2(err.detach(), 2)
+
+
 def _entry(
     rank: int,
     world_size: int,
@@ -48,6 +62,7 @@ def _entry(
     queue,
     init: bool,
     environ: dict[str, str],
+    stdio: None,  # (_Stdio: redirected as it was unpickled)
 ) -> None:
     os.environ.clear()
     os.environ.update(environ)
@@ -95,7 +110,9 @@ def run_ranks(
     environ = dict(os.environ)
     procs = [
         ctx.Process(
-            target=_entry, args=(r, world_size, port, fn, args, queue, init, environ), daemon=True
+            target=_entry,
+            args=(r, world_size, port, fn, args, queue, init, environ, _Stdio()),
+            daemon=True,
         )
         for r in range(world_size)
     ]
