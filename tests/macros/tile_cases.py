@@ -419,11 +419,11 @@ CASES = [
                         acc += torch.exp(s * scale - m) * v[j, e]
                     out[i, e] = acc / l
         """,
-        {
-            "out": ("nan", (37, 19)),
-            "q": ("randn", (37, 23)),
-            "kk": ("randn_t", (45, 23)),
-            "v": ("randn", (45, 19)),
+        {  # 2 x 2 programs, 3 tiles of keys, 2 of k: the loop's cost is M * E * N * D
+            "out": ("nan", (19, 19)),
+            "q": ("randn", (19, 20)),
+            "kk": ("randn_t", (35, 20)),
+            "v": ("randn", (35, 19)),
             "scale": 0.3,
         },
         rtol=1e-4,
@@ -460,12 +460,12 @@ CASES = [
                         acc += torch.exp(s * scale - m) * v[j, e]
                     out[i, e] = acc / l
         """,
-        {
-            "out": ("nan", (21, 35)),
-            "q": ("randn", (21, 40)),
-            "kk": ("randn", (50, 40)),
-            "v": ("randn", (50, 35)),
-            "scale": 0.15,
+        {  # 2 x 2 programs, 3 tiles of keys, 2 of k (scale: scores spread as with D = 40)
+            "out": ("nan", (18, 35)),
+            "q": ("randn", (18, 20)),
+            "kk": ("randn", (35, 20)),
+            "v": ("randn", (35, 35)),
+            "scale": 0.21,
         },
         rtol=1e-2,
         atol=2e-3,
@@ -796,9 +796,9 @@ def compare(case: Case, reference, run) -> str | None:
     The loop runs in float32; a half-precision case gives ``run`` the inputs
     rounded to its dtype and compares with the loop's outputs rounded alike.
     """
-    want, got = make_inputs(case), make_inputs(case)
+    want = _loop_outputs(case, reference)
+    got = make_inputs(case)
     got = {k: v.to(case.dtype_of(k)) if _floating(v) else v for k, v in got.items()}
-    getattr(reference, case.name)(**{k: _rounded(v, case.dtype_of(k)) for k, v in want.items()})
     run(**got)
     for name, value in want.items():
         if not _floating(value):
@@ -810,6 +810,24 @@ def compare(case: Case, reference, run) -> str | None:
             diff = (got[name].float() - value).abs().nan_to_num(float("inf")).max().item()
             return f"{case.name}: {name} differs from the loop (max abs diff {diff})"
     return None
+
+
+# What the loop left in each argument, per case: a test compares several variants (the
+# dispatcher, row blocks, looped, 64-bit offsets) with one loop, and the attention loops take
+# seconds. Keyed by what the loop's results depend on: its source, inputs and roundings.
+_LOOP_OUTPUTS: dict[tuple, dict] = {}
+
+
+def _loop_outputs(case: Case, reference) -> dict:
+    key = (source(case), repr(case.inputs), case.dtype, case.dtypes)
+    if key not in _LOOP_OUTPUTS:
+        want = make_inputs(case)
+        with torch.inference_mode():  # the same values, less overhead per scalar operation
+            getattr(reference, case.name)(
+                **{k: _rounded(v, case.dtype_of(k)) for k, v in want.items()}
+            )
+        _LOOP_OUTPUTS[key] = want
+    return _LOOP_OUTPUTS[key]
 
 
 def _floating(value) -> bool:
