@@ -10,9 +10,11 @@ measured step time and peak memory per rank beside the predictions:
 
 - raw: the cost model as the probe and bench/collectives.py's link make it;
 - fitted: the compute and communication scales and the fixed costs of an FSDP
-  unit and of a collective call, fitted to every measured layout of every world size at once (one
-  set for the whole table); for memory, one per-rank constant (the runtime's
-  own buffers), the median gap;
+  unit and of a collective call, fitted to every measured layout of the world
+  size, as the search fits its own runs;
+- held out: the same fit without the layout itself (what the model predicts of
+  a layout it has not measured);
+- memory: the model alone (no fitted constant);
 
 then the search's winner against the sweep's best, and how many layouts each
 measured. ``--plot`` draws measured and predicted step time per layout
@@ -86,35 +88,31 @@ def main() -> None:
             winner = measured.get(database.canonical(found.winner or {}))
             n_found = sum(1 for c in found.record["candidates"] if "time_s" in c)
             searches.append((world, found.winner, winner, best, n_found, len(measured)))
-    fitted = cost.fit([(pred.step, c["time_s"]) for _, pred, c in rows])
-    offset = memory.fit_offset(
-        [(pred.memory.total, max(c["peak_bytes"])) for _, pred, c in rows if c.get("peak_bytes")]
-    )
+    worlds = sorted({w for w, _, _ in rows})
+    fits = {w: cost.fit([(p.step, c["time_s"]) for x, p, c in rows if x == w]) for w in worlds}
+    for w, f in fits.items():
+        print(
+            f"fit on {w} rank(s) (as the search fits its own runs): compute x{f.compute:.3f},"
+            f" communication x{f.communication:.3f}, {f.per_unit * 1e3:.2f} ms per FSDP unit,"
+            f" {f.per_call * 1e3:.2f} ms per other collective call"
+        )
     print(
-        f"memory: the runtime's own per rank, fitted (median of measured - predicted): {memory.format_bytes(offset)}"
-    )
-    print(
-        f"fit over all {len(rows)} measured layouts: compute x{fitted.compute:.3f},"
-        f" communication x{fitted.communication:.3f}, {fitted.per_unit * 1e3:.2f} ms per FSDP unit,"
-        f" {fitted.per_call * 1e3:.2f} ms per other collective call"
-    )
-    print(
-        f"{'ranks':>5}  {'layout':<24} {'measured':>10} {'raw':>10} {'fitted':>10} {'err':>7}"
-        f" {'peak (max rank)':>16} {'predicted':>10} {'err':>7} {'+ fitted':>10} {'err':>7}"
+        f"{'ranks':>5}  {'layout':<40} {'measured':>10} {'raw':>10} {'fitted':>10} {'err':>6}"
+        f" {'held out':>10} {'err':>6} {'peak (max rank)':>16} {'predicted':>10} {'err':>6}"
     )
     plot_rows = []
     for world, pred, c in sorted(rows, key=lambda r: (r[0], r[2]["time_s"])):
-        t, f = c["time_s"], fitted(pred.step)
+        t, f, h = c["time_s"], fits[world](pred.step), held_out(rows, world, pred)(pred.step)
         peak = max(c.get("peak_bytes") or [0])
         mem = pred.memory.total
         print(
-            f"{world:>5}  {pred.layout.describe(world):<24} {t * 1e3:>8.1f}ms {pred.step.total * 1e3:>8.1f}ms"
-            f" {f * 1e3:>8.1f}ms {f / t - 1:>+7.0%} {memory.format_bytes(peak):>16}"
-            f" {memory.format_bytes(mem):>10} {mem / peak - 1 if peak else 0:>+7.0%}"
-            f" {memory.format_bytes(mem + offset):>10} {(mem + offset) / peak - 1 if peak else 0:>+7.0%}"
+            f"{world:>5}  {pred.layout.describe(world):<40} {t * 1e3:>8.1f}ms"
+            f" {pred.step.total * 1e3:>8.1f}ms {f * 1e3:>8.1f}ms {f / t - 1:>+6.0%}"
+            f" {h * 1e3:>8.1f}ms {h / t - 1:>+6.0%} {memory.format_bytes(peak):>16}"
+            f" {memory.format_bytes(mem):>10} {mem / peak - 1 if peak else 0:>+6.0%}"
         )
         plot_rows.append((f"{world}: {pred.layout.describe(world)}", t, f))
-    summarize(rows, fitted)
+    summarize(rows, fits)
     for world, choice, winner, best, n_found, n_all in searches:
         ratio = winner["time_s"] / best if winner else float("nan")
         shown = layout_search.layouts.parse(choice[KEY]).describe(world) if choice else "-"
@@ -145,20 +143,26 @@ def main() -> None:
         plot(plot_rows, args.plot)
 
 
-def summarize(rows: list, fitted: cost.Fit) -> None:
-    """How many predictions land within 25% (time) and 20% (memory), and whether each world
-    size's three fastest layouts come in the measured order."""
-    times = [(fitted(p.step), c["time_s"]) for _, p, c in rows]
+def held_out(rows: list, world: int, pred) -> cost.Fit:
+    """The fit of the world size's other layouts: what the model predicts of one it has not seen."""
+    return cost.fit([(p.step, c["time_s"]) for w, p, c in rows if w == world and p is not pred])
+
+
+def summarize(rows: list, fits: dict) -> None:
+    """How many predictions land within 25% (time: fitted per world size, and held out) and 20%
+    (memory), and whether each world size's three fastest layouts come in the measured order."""
+    fitted = [fits[w](p.step) / c["time_s"] - 1 for w, p, c in rows]
+    held = [held_out(rows, w, p)(p.step) / c["time_s"] - 1 for w, p, c in rows]
     peaks = [(p.memory.total, max(c["peak_bytes"])) for _, p, c in rows if c.get("peak_bytes")]
-    near = sum(abs(f / t - 1) <= 0.25 for f, t in times)
-    close = sum(abs(m / k - 1) <= 0.20 for m, k in peaks)
     print(
-        f"step time within 25%: {near} of {len(times)}; peak memory within 20%: {close} of {len(peaks)}"
+        f"step time within 25%: {sum(abs(e) <= 0.25 for e in fitted)} of {len(fitted)} fitted,"
+        f" {sum(abs(e) <= 0.25 for e in held)} of {len(held)} held out;"
+        f" peak memory within 20%: {sum(abs(m / k - 1) <= 0.20 for m, k in peaks)} of {len(peaks)}"
     )
-    for world in sorted({w for w, _, _ in rows}):
+    for world in sorted(fits):
         mine = [(p, c) for w, p, c in rows if w == world]
         by_time = sorted(mine, key=lambda r: r[1]["time_s"])[:3]
-        by_model = sorted(mine, key=lambda r: fitted(r[0].step))[:3]
+        by_model = sorted(mine, key=lambda r: fits[world](r[0].step))[:3]
         names = [p.layout.describe(world) for p, _ in by_time]
         kept = names == [p.layout.describe(world) for p, _ in by_model]
         print(

@@ -103,8 +103,10 @@ class Step:
     tensor: float
     data: float
     pipeline: float
-    calls: float = 0.0  # collectives and sends per step but FSDP's (their cost is fitted: ``Fit``)
-    units: float = 0.0  # FSDP units gathered and reduced per step (their cost is fitted too)
+    # collectives and sends per step but FSDP's, and FSDP units gathered and reduced per step,
+    # each x the machine's slowdown (their fixed costs are fitted: ``Fit``)
+    calls: float = 0.0
+    units: float = 0.0
 
     @property
     def communication(self) -> float:
@@ -151,7 +153,9 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
         calls += 1 if d > 1 else 0.0
     pipeline = 2 * m * send_s(message / tp, pp_link) if pp > 1 else 0.0
     calls += 2 * m if pp > 1 else 0.0
-    return Step(compute, tensor, data, pipeline, calls, fsdp_units)
+    # fixed costs are CPU work and waits on descheduled ranks: ranks sharing cores pay more
+    s = machine.slowdown
+    return Step(compute, tensor, data, pipeline, calls * s, fsdp_units * s)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ or what a test writes down). Bytes are tensor bytes above those live before the
 model was built (``process_memory.TensorPeak``), what the autotune worker
 measures on each rank:
 
-    params   P x tp share x pipeline share          (fsdp: / D, + three blocks' buffers)
+    params   P x tp share x pipeline share          (fsdp: / D, + three blocks' buffers;
+                                                     under pp: whole through the step, + / D)
     state    S x the same shares                    (zero1 and fsdp: / D)
     grads    as the parameters                      (fsdp: / D + four blocks' buffers)
     and the larger of the step's two transients:
@@ -121,7 +122,12 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
     if layout.dp in ("zero1", "fsdp"):
         state /= d
         temporaries /= d
-    if layout.dp == "fsdp":
+    if layout.dp == "fsdp" and layout.pp > 1:
+        # torch's pipeline schedule gathers an FSDP stage once for all its micro-batches and
+        # reduces its gradients once at the end: the stage holds both whole, beside the shards
+        params += params / d
+        grads += grads / d
+    elif layout.dp == "fsdp":
         # FSDP2 per unit: the gathered unit, the next one prefetched, and the all-gather's
         # buffer; in backward the unit's full gradients and the reduce-scatter's input and
         # output, for this unit and the one before, still in flight (7 units: the buffers
@@ -144,16 +150,6 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
     sharded = layout.tp > 1 or layout.pp > 1 or layout.dp == "fsdp"
     build = profile.param_bytes + (params if sharded else 0.0)
     return Breakdown(params, state, grads, max(activations, temporaries), build)
-
-
-def fit_offset(points: list[tuple[float, float]]) -> float:
-    """Per-rank memory the model leaves out (runtime buffers, process groups), from measured
-    layouts: the median of measured - predicted, (predicted, measured) pairs; 0 without any."""
-    if not points:
-        return 0.0
-    gaps = sorted(m - p for p, m in points)
-    mid = len(gaps) // 2
-    return max(0.0, gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2)
 
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
