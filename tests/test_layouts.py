@@ -97,7 +97,7 @@ def test_memory_per_data_parallel_mode():
     assert fsdp.activations == pytest.approx(100)  # no buckets: reduce-scattered per unit
     # a pipeline stage under FSDP stays gathered through its micro-batches
     staged = memory.predict(PROFILE, Layout(pp=2, dp="fsdp", microbatches=4), 4)
-    assert staged.params == pytest.approx(60 + 30) and staged.grads == pytest.approx(60 + 30)
+    assert staged.params == pytest.approx(60 + 30) and staged.grads == pytest.approx(2 * 60 + 30)
 
 
 def test_memory_under_tensor_and_pipeline_parallelism():

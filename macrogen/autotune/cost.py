@@ -5,7 +5,9 @@ Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
 - compute: the serial step / D (on CPU ranks, the step at one intra-op
   thread: torchrun's default for several ranks), the planned layers' share / tp,
   the blocks' share / pp (x 4/3 when they are recomputed: one more forward), times the
-  pipeline's bubble (m + pp - 1) / m (1F1B);
+  pipeline's bubble (m + pp - 1) / m (1F1B), or, where ranks share cores
+  (ranks over cores = the slowdown s), times max(bubble, s): a rank waiting in
+  the bubble leaves its core to another's work;
 - tensor parallel: Megatron's 4 all-reduces per block (2 forward, 2 backward;
   6 when the forward is recomputed)
   of one block's output for the rank's micro-batch, over tp ranks (sequence
@@ -130,8 +132,9 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
         / d
         * tp_share(profile, tp)
         * (block * again / pp + (1 - block))
-        * bubble
-        * machine.slowdown
+        # ranks that share cores run the pipeline's idle slots with another rank's work: a
+        # step takes the longer of the bubble's critical path and all ranks' work over the cores
+        * max(bubble, machine.slowdown)
     )
     tp_link = machine.intra if tp <= machine.per_node else machine.inter
     # a stage's d x tp ranks are consecutive: its data groups stay in a node when they fit

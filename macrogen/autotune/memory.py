@@ -6,7 +6,8 @@ model was built (``process_memory.TensorPeak``), what the autotune worker
 measures on each rank:
 
     params   P x tp share x pipeline share          (fsdp: / D, + three blocks' buffers;
-                                                     under pp: whole through the step, + / D)
+                                                     under pp: whole through the step, + / D;
+                                                     its gradients twice, + / D)
     state    S x the same shares                    (zero1 and fsdp: / D)
     grads    as the parameters                      (fsdp: / D + four blocks' buffers)
     and the larger of the step's two transients:
@@ -124,9 +125,10 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
         temporaries /= d
     if layout.dp == "fsdp" and layout.pp > 1:
         # torch's pipeline schedule gathers an FSDP stage once for all its micro-batches and
-        # reduces its gradients once at the end: the stage holds both whole, beside the shards
+        # reduces its gradients once at the end: the stage holds both whole beside the shards,
+        # and the whole gradients once more as the reduce-scatter's input
         params += params / d
-        grads += grads / d
+        grads += grads + grads / d
     elif layout.dp == "fsdp":
         # FSDP2 per unit: the gathered unit, the next one prefetched, and the all-gather's
         # buffer; in backward the unit's full gradients and the reduce-scatter's input and
