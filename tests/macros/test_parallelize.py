@@ -71,7 +71,7 @@ def test_degrees_may_be_defined_or_tunable():
         ("mg.parallelize(m, tp=2, tp_plan={'a..b': 'colwise'})", "is not a dotted path"),
         ("mg.parallelize(m, tp=2, tp_plan='auto')", 'tp_plan must be "hf" or a non-empty dict'),
         ("mg.parallelize(m, tp=n, tp_plan='hf')", "'n' is not known at expansion time"),
-        ("mg.parallelize(m, pp=2)", "pipeline stages is not supported yet"),
+        ("mg.parallelize(m, pp=2)", "pp=2 with schedule 1f1b needs at least as many micro-batches"),
         ("mg.parallelize(m, compress='int8')", 'compress must be None, "bf16" or "fp16"'),
         ("mg.parallelize(m, tp=mg.tunable(2, choices=[0, 2]), tp_plan='hf')", "a choice of 0"),
     ],
