@@ -52,3 +52,21 @@ def test_the_process_is_warmed_before_a_window():
     import sys
 
     assert "macrogen.runtime.fully_sharded" in sys.modules
+
+
+def test_phase_peaks_split_at_the_marked_ranges():
+    events = [(1, 4), (2, 2), (3, -2), (5, 3), (6, -3), (7, -4)]  # a range marks 4..6
+    assert process_memory.phase_peaks(events, [(4, 6)]) == (6, 3)
+    assert process_memory.phase_peaks(events, []) == (7, 0)  # nothing marked: the whole peak
+
+
+def test_on_cuda_the_whole_peak_stands_for_forward_and_backward(monkeypatch):
+    # a CUDA host's decision, without a GPU: the allocator's counters, read through torch.cuda
+    allocated = iter([100, 150])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: next(allocated))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 400)
+    with TensorPeak(cuda=True) as window:
+        pass
+    assert (window.peak, window.end, window.unmarked, window.marked) == (300, 50, 300, 0)

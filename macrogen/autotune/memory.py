@@ -56,9 +56,8 @@ class Profile:
     message_bytes: int = 0  # one block's output for the whole batch (what TP all-reduces)
     optimizer_bytes: int = 0  # the optimizer step's temporaries, above the gradients
     activation_sharded: float | None = None  # activations' share tp shards (None: as parameters)
-    block_activations: float | None = (
-        None  # activations' share made in the blocks (None: as params)
-    )
+    # activations' share made in the blocks (None: as parameters)
+    block_activations: float | None = None
 
     @property
     def sharded_fraction(self) -> float:

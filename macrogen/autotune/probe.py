@@ -118,10 +118,8 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     state = _optimizer_bytes(optimizers, torch)  # None: no optimizer found over the model
     hooks += _mark_steps(optimizers, torch)
     saved = _SavedActivations(model, divisible, [b for _, b in blocks])
-    with (
-        TensorPeak(cuda=cuda) as one_step,
-        saved.hooks(),
-    ):  # the gradients it frees were made before
+    # one step: the gradients it frees first were made before the window (they don't count)
+    with TensorPeak(cuda=cuda) as one_step, saved.hooks():
         step()
     block_time[0] = 0.0
     times = []

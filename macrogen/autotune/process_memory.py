@@ -60,7 +60,7 @@ class TensorPeak:
         self.peak = 0
         self.end = 0  # tensor bytes live at the end, above the start
         self.marked = 0  # on CPU: the most bytes above a marked range's start, within it
-        self.unmarked = 0  # on CPU: the peak outside the marked ranges
+        self.unmarked = 0  # the peak outside the marked ranges (CUDA: the whole peak)
         self._profiler: Any = None
         self._start = 0
 
@@ -87,35 +87,29 @@ class TensorPeak:
             torch.cuda.synchronize()
             self.peak = max(0, int(torch.cuda.max_memory_allocated()) - self._start)
             self.end = int(torch.cuda.memory_allocated()) - self._start
+            # CUDA's counters have no time line: the phases are not told apart, and the whole
+            # peak stands for forward and backward's (the optimizer's is inside it)
+            self.unmarked = self.peak
             return
         self._profiler.__exit__(None, None, None)
-        events = _memory_events(self._profiler)
+        recorded = self._profiler.profiler.kineto_results.events()
+        self._profiler = None
+        events = [  # (time, signed bytes) of each CPU allocation and free
+            (e.start_ns(), e.nbytes())
+            for e in recorded
+            if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+        ]
+        ranges = [(e.start_ns(), e.end_ns()) for e in recorded if e.name() == MARK]
         self.peak = running_peak(events)
         self.end = sum(nbytes for _, nbytes in events)
-        self.unmarked, self.marked = _phase_peaks(self._profiler, events)
-        self._profiler = None
-
-
-def _memory_events(profiler: Any) -> list[tuple[int, int]]:
-    """(time, signed bytes) of each CPU allocation and free the profiler saw."""
-    events = profiler.profiler.kineto_results.events()
-    return [
-        (e.start_ns(), e.nbytes())
-        for e in events
-        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
-    ]
+        self.unmarked, self.marked = phase_peaks(events, ranges)
 
 
 MARK = "macrogen.memory_mark"  # a record_function range whose own peak TensorPeak reports
 
 
-def _phase_peaks(profiler: Any, events: list[tuple[int, int]]) -> tuple[int, int]:
+def phase_peaks(events: list[tuple[int, int]], ranges: list[tuple[int, int]]) -> tuple[int, int]:
     """The peak outside the marked ranges, and the most any range adds above its start."""
-    ranges = [
-        (e.start_ns(), e.end_ns())
-        for e in profiler.profiler.kineto_results.events()
-        if e.name() == MARK
-    ]
 
     def inside(t: int) -> bool:
         return any(start <= t <= end for start, end in ranges)

@@ -234,10 +234,14 @@ def stored_probe(
     for record in records:
         found = record.get("layout_probe")
         key = record.get("key", {})
-        if isinstance(found, dict) and found.get("source_hash") == source_hash:
-            same = (key.get("entry"), target or key.get("target"), found.get("measures"))
-            if same == (entry, key.get("target"), MEASURES):
-                return found
+        if (
+            isinstance(found, dict)
+            and found.get("source_hash") == source_hash
+            and found.get("measures") == MEASURES
+            and key.get("entry") == entry
+            and target in (None, key.get("target"))
+        ):
+            return found
     return None
 
 
