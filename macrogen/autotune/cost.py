@@ -4,7 +4,9 @@ Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
 
 - compute: the serial step / D (on CPU ranks, the step at one intra-op
   thread: torchrun's default for several ranks), the planned layers' share / tp,
-  the blocks' share / pp (x 4/3 when they are recomputed: one more forward), times the
+  the blocks' share / pp (x 4/3 when they are recomputed: one more forward); the
+  blocks' fixed cost per call (``Profile.block_call_s``: Python, dispatch, kernel
+  launches) is paid whole by every micro-batch, whatever its rows; all times the
   pipeline's bubble (m + pp - 1) / m (1F1B), or, where ranks share cores
   (ranks over cores = the slowdown s), times max(bubble, s): a rank waiting in
   the bubble leaves its core to another's work;
@@ -127,11 +129,12 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     serial = profile.step_s
     if machine.one_thread and world > 1 and profile.step_one_thread_s:
         serial = profile.step_one_thread_s
+    # the blocks' fixed cost per call (every block of the stage, every micro-batch) does not
+    # shrink with the rows a rank computes, nor with tp; the rest of their time does
+    fixed = min(profile.blocks * profile.block_call_s, serial * block)
+    blocks_s = (serial * block - fixed) / d * tp_share(profile, tp) + fixed * m
     compute = (
-        serial
-        / d
-        * tp_share(profile, tp)
-        * (block * again / pp + (1 - block))
+        (blocks_s * again / pp + serial * (1 - block) / d * tp_share(profile, tp))
         # ranks that share cores run the pipeline's idle slots with another rank's work: a
         # step takes the longer of the bubble's critical path and all ranks' work over the cores
         * max(bubble, machine.slowdown)
@@ -182,7 +185,8 @@ class Fit:
 
 def fit(points: Sequence[tuple[Step, float]]) -> Fit:
     """Least squares of measured = a x compute + b x communication (+ c x FSDP units
-    + e x calls), all >= 0.
+    + e x calls), all >= 0, in relative errors (each layout's row over its measured
+    time): the fast layouts, among which the search decides, weigh as much as the slow.
 
     The fixed costs (Python hooks, copies, a thread's wake-up: on a shared CPU they
     outweigh the bytes) join from four points (units) and six (calls) on, so that
@@ -199,8 +203,8 @@ def fit(points: Sequence[tuple[Step, float]]) -> Fit:
         columns.append(lambda s: s.units)
     if len(points) >= 6:
         columns.append(lambda s: s.calls)
-    rows = [[c(s) for c in columns] for s, _ in points]
-    found = nonnegative_least_squares(rows, [t for _, t in points])
+    rows = [[c(s) / t for c in columns] for s, t in points if t > 0]
+    found = nonnegative_least_squares(rows, [1.0] * len(rows)) if rows else None
     if found is None or found[0] <= 0:  # no compute: the points explain noise, not the machine
         return Fit(common, common)
     return Fit(*found)

@@ -53,6 +53,8 @@ class Profile:
     step_s: float = 0.0  # one serial step
     step_one_thread_s: float = 0.0  # the same at one intra-op thread (0: not measured)
     block_s: float = 0.0  # of it, the blocks' forward + backward
+    # one block's forward + backward at any batch (Python, dispatch, launches): per micro-batch
+    block_call_s: float = 0.0
     message_bytes: int = 0  # one block's output for the whole batch (what TP all-reduces)
     optimizer_bytes: int = 0  # the optimizer step's temporaries, above the gradients
     activation_sharded: float | None = None  # activations' share tp shards (None: as parameters)

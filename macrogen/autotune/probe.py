@@ -30,7 +30,7 @@ from macrogen.autotune.process_memory import TensorPeak, warm_process
 
 # what a stored probe measured: a probe of other measures is not reused (memory was the
 # resident set before, and carried no optimizer or activation shares)
-MEASURES = "tensor-bytes-3"
+MEASURES = "tensor-bytes-4"
 
 
 class ProbeError(Exception):
@@ -107,7 +107,15 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
         if not message and isinstance(out, torch.Tensor):
             message.append(out.numel() * out.element_size())
 
-    hooks = []
+    # the first block's arguments in a timed step (after the memory windows), for block_call_s
+    inputs: list[tuple[Any, Any]] = []
+    timing = [False]
+
+    def keep(module: Any, args: Any, kwargs: Any) -> None:
+        if timing[0] and not inputs:
+            inputs.append((args, kwargs))
+
+    hooks = [blocks[0][1].register_forward_pre_hook(keep, with_kwargs=True)] if blocks else []
     for _, b in blocks:
         hooks.append(b.register_forward_pre_hook(before))
         hooks.append(b.register_forward_hook(after))
@@ -122,6 +130,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     with TensorPeak(cuda=cuda) as one_step, saved.hooks():
         step()
     block_time[0] = 0.0
+    timing[0] = True
     times = []
     for _ in range(job.get("steps", 3)):
         start = time.perf_counter()
@@ -145,6 +154,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             one_thread = statistics.median(single)
         finally:
             torch.set_num_threads(threads)
+    call_s = _block_call_s(blocks[0][1], *inputs[-1], torch, cuda) if inputs else 0.0
     return {
         "profile": {
             "param_bytes": param_bytes,
@@ -166,10 +176,56 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             "step_one_thread_s": one_thread,
             # forward only was hooked: backward costs about twice the forward
             "block_s": min(step_s, 3 * block_time[0] / len(times)),
+            "block_call_s": call_s,
             "message_bytes": message[0] if message else 0,
         },
         "shape": {"blocks": len(blocks), "divisible": divisible},
     }
+
+
+def _block_call_s(block: Any, args: Any, kwargs: Any, torch: Any, cuda: bool) -> float:
+    """A block's forward + backward cost that does not shrink with its batch (Python, dispatch,
+    kernel launches): each micro-batch pays it again. The block is timed alone at its whole
+    batch and at one row, t(rows) = fixed + rows x per row; 0 when the batch can't be cut
+    (its first argument no tensor of 2 or more rows) or the block fails alone."""
+    first = args[0] if args else None
+    if not isinstance(first, torch.Tensor) or first.dim() == 0 or first.shape[0] < 2:
+        return 0.0
+    rows = first.shape[0]
+
+    def cut(v: Any, n: int) -> Any:
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows:
+            v = v[:n].detach()
+            return v.requires_grad_() if v.is_floating_point() else v
+        return v
+
+    def timed(n: int) -> float:
+        a = [cut(v, n) for v in args]
+        k = {key: cut(v, n) for key, v in kwargs.items()}
+        times = []
+        for i in range(13):  # 3 warm-up calls
+            start = time.perf_counter()
+            out = block(*a, **k)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            out.float().sum().backward()
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    grads = [(p, p.grad) for p in block.parameters()]
+    for p, _ in grads:  # backward would add to the step's gradients in place
+        p.grad = None
+    try:
+        whole, one = timed(rows), timed(1)
+    except Exception:  # a block that needs its model around it: no estimate, no harm
+        return 0.0
+    finally:
+        for p, g in grads:  # the timing's gradients are not the step's
+            p.grad = g
+    fixed: float = (rows * one - whole) / (rows - 1)
+    return max(0.0, min(one, fixed))
 
 
 class _SavedActivations:
