@@ -65,6 +65,7 @@ def main() -> None:
     timing = Timing(warmup=2, steps=args.steps, rounds=args.rounds, timeout=120)
     rows = []  # (world, layout name, prediction, measured candidate)
     searches = []
+    profiles = {}  # world size -> the probe's profile the predictions were made from
     with tempfile.TemporaryDirectory(prefix="layout-bench-") as tmp:
         src = Path(tmp) / "layout_auto.py"
         text = EXAMPLE.read_text().replace(
@@ -81,6 +82,7 @@ def main() -> None:
                 for c in full.record["candidates"]
                 if "time_s" in c
             }
+            profiles[world] = full.record.get("layout_probe", {}).get("profile")
             for ident, pred in preds.items():
                 if ident in measured:
                     rows.append((world, pred, measured[ident]))
@@ -133,6 +135,7 @@ def main() -> None:
                         "peak_bytes": c.get("peak_bytes"),
                         "step": pred.step.__dict__,
                         "memory": {**pred.memory.__dict__, "total": pred.memory.total},
+                        "profile": profiles.get(w),
                     }
                     for w, pred, c in rows
                 ],

@@ -61,6 +61,9 @@ class Reporter:
         with Progress(*columns, console=self.progress_console, transient=False) as progress:
             yield _Bar(progress, progress.add_task("starting the workers", total=total))
 
+    def note(self, text: str) -> None:
+        self.progress_console.print(escape(text))
+
     def summary(self, outcome: Outcome, elapsed: float) -> None:
         if outcome.predictions is not None:
             self.console.print(layout_table(outcome))
@@ -80,6 +83,17 @@ class Reporter:
                 f"measured {measured} of {len(outcome.space.candidates)} feasible layouts"
                 f" (exhaustive: {len(outcome.space.candidates)})"
             )
+            if outcome.finalists:
+                names = [
+                    outcome.predictions[f].layout.describe(outcome.world_size)
+                    for f in outcome.finalists
+                ]
+                self.console.print(
+                    escape(
+                        f"the {len(names)} closest timed side by side, each the median of its"
+                        f" runs: {', '.join(names)}"
+                    )
+                )
         else:
             self.console.print(table(outcome))
         winner = outcome.winner
@@ -177,6 +191,8 @@ def layout_table(outcome: Outcome) -> Table:
             result = f"[red]failed[/]: {escape(c['error'])}"
         elif c is None:
             result = "not measured (predicted slower)"
+        if c and len(c.get("times", ())) > 1:  # a finalist: timed again side by side
+            result += f"{', ' if result else ''}median of {len(c['times'])} runs"
         when = "-" if c is None else ("now" if ident in outcome.measured_now else "before")
         t.add_row(
             escape(pred.layout.describe(outcome.world_size)),

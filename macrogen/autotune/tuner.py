@@ -11,6 +11,7 @@ file and entry measures nothing.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -46,6 +47,14 @@ class Outcome:
     # layouts: canonical values -> the cost and memory models' prediction; None otherwise
     predictions: dict[str, Any] | None = None
     world_size: int = 1
+    # layouts: the closest measured, timed again side by side (canonical values); see FINALS
+    finalists: tuple[str, ...] = ()
+
+
+# layouts: the measured layouts within CLOSE of the best first measurement (FINALISTS at most)
+# are timed REPEATS more times, alternating, and each keeps the median: the winner is decided
+# side by side, not by one measurement that a load spike made slow or a quiet moment fast
+FINALISTS, CLOSE, REPEATS = 3, 0.10, 2
 
 
 def autotune(
@@ -149,7 +158,7 @@ def autotune(
                 known = book.known(searcher.order[index])
                 if known is None:
                     return
-                searcher.observe(known.get("time_s"))
+                searcher.observe(first_time(known))  # the finals' repeats don't move the search
                 now = database.canonical(searcher.order[index]) in book.measured_now
                 progress.advance(known, cached=not now, best=searcher.best)
                 index += 1
@@ -164,6 +173,19 @@ def autotune(
         if not searcher.done:
             todo = [c for c in searcher.order[index:] if book.known(c) is None]
             stopped = measure(program, todo, on_result, deadline=deadline)
+    finalists: list[dict[str, Any]] = []
+    if layout_site is not None and stopped != "budget":
+        finalists = finals(searcher.order, book)
+        again = [c for c in alternating(finalists, book) if c is not None]
+        if again:
+            reporter.note(f"timing the {len(finalists)} closest layouts again, side by side")
+
+            def on_repeat(m: Measurement) -> bool:
+                book.record(m, again=True)
+                return True
+
+            if measure(program, again, on_repeat, deadline=deadline) == "budget":
+                stopped = "budget"
     if stopped != "budget":
         stopped = searcher.stop_reason
     book.finish()
@@ -180,9 +202,41 @@ def autotune(
         skipped,
         predictions,
         world_size,
+        tuple(database.canonical(c) for c in finalists),
     )
     reporter.summary(outcome, time.monotonic() - started)
     return outcome
+
+
+def first_time(known: Mapping[str, Any]) -> float | None:
+    """A candidate's first measurement (the search's), whatever the finals added since."""
+    times = known.get("times")
+    return times[0] if times else known.get("time_s")
+
+
+def finals(order: list[dict[str, Any]], book: _Book) -> list[dict[str, Any]]:
+    """The measured layouts within CLOSE of the best, by first measurements (so a rerun picks
+    the same ones), best first; none when fewer than two."""
+    timed = []
+    for c in order:
+        known = book.known(c)
+        t = first_time(known) if known is not None else None
+        if t is not None:
+            timed.append((t, c))
+    if not timed:
+        return []
+    best = min(t for t, _ in timed)
+    close = sorted((x for x in timed if x[0] <= best * (1 + CLOSE)), key=lambda x: x[0])
+    return [c for _, c in close[:FINALISTS]] if len(close) > 1 else []
+
+
+def alternating(finalists: list[dict[str, Any]], book: _Book) -> list[dict[str, Any] | None]:
+    """Each finalist's missing repeats, in turns (A B C A B C): drifting load hits each alike."""
+    need = []
+    for c in finalists:
+        known = book.known(c) or {}
+        need.append(1 + REPEATS - len(known.get("times", [0.0])))
+    return [c for turn in range(max(need, default=0)) for c, n in zip(finalists, need) if n > turn]
 
 
 def _probe(
@@ -343,9 +397,23 @@ class _Book:
                 return candidate
         return None
 
-    def record(self, m: Measurement) -> None:
+    def record(self, m: Measurement, *, again: bool = False) -> None:
+        """Save ``m``; ``again``: a repeat of a measured candidate, kept beside its earlier
+        times (``times``), the median of which is its ``time_s``."""
+        if again and m.error is not None:
+            return  # a failed repeat: the candidate keeps the times it has
         record = self._record_for(m.signature if m.error is None else None)
         entry: dict[str, Any] = {"values": database.encode_values(m.values)}
+        before = self.known(m.values) if again else None
+        if before is not None and "time_s" in before and m.error is None:
+            times = [*before.get("times", [before["time_s"]]), float(f"{m.time_s:.6g}")]
+            m = replace(
+                m,
+                time_s=statistics.median(times),
+                samples=m.samples + before.get("samples", 0),
+                peak_bytes=tuple(map(max, m.peak_bytes, before.get("peak_bytes", m.peak_bytes))),
+            )
+            entry["times"] = times
         if m.error is None:
             entry.update(time_s=float(f"{m.time_s:.6g}"), samples=m.samples)
             if m.signature != record["key"]["signature"]:
