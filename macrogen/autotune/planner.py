@@ -70,7 +70,12 @@ def plan(
     except AutotuneError as e:
         raise PlanError(str(e)) from None
     profile = memory.Profile(**probed["profile"])
-    profile = replace(profile, step_s=profile.step_s / speedup, block_s=profile.block_s / speedup)
+    profile = replace(
+        profile,
+        step_s=profile.step_s / speedup,
+        block_s=profile.block_s / speedup,
+        block_call_s=profile.block_call_s / speedup,
+    )
     shape = ModelShape(probed["shape"]["blocks"], probed["shape"]["divisible"])
     return rank(profile, shape, world_size, machine, device_memory), profile
 
