@@ -5,8 +5,9 @@ serially, then cut at run time by ``mg.parallelize``, and trained 3 AdamW steps
 through ``mg.pipeline_step``. Losses, every gradient and every parameter (float64,
 within 1e-10) equal the unexpanded file's, run serially in this process. One spawn
 per world size: 2 ranks (1F1B with the default dp="replicate" over one replica,
-GPipe, interleaved), 4 ranks (pipeline 2 x data 2: replicate, FSDP, and ZeRO-1 with
-``mg.shard_optimizer``, whose ``.grad`` stays each replica's own: losses and parameters).
+GPipe, interleaved, the blocks recomputed), 4 ranks (pipeline 2 x data 2: replicate,
+FSDP with and without recompute, and ZeRO-1 with ``mg.shard_optimizer``, whose
+``.grad`` stays each replica's own: losses and parameters).
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ SOURCE = textwrap.dedent(
             return mg.parallelize(model, pp=2, microbatches=4, dp="fsdp")
         if variant == "zero1":
             return mg.parallelize(model, pp=2, microbatches=4, dp="zero1")
+        if variant == "recompute":
+            return mg.parallelize(model, pp=2, microbatches=4, recompute="blocks")
+        if variant == "fsdp_recompute":
+            return mg.parallelize(model, pp=2, microbatches=4, dp="fsdp", recompute="blocks")
         return model
 
 
@@ -145,7 +150,10 @@ def _worker(rank, world, variants, code, directory):
         rp.reset()
         module = load_module(code, f"pp_{variant}_{rank}", Path(directory))
         losses, grads, state, model = _train(module, variant)
-        out[variant] = (losses, grads, state, rp.pipeline_of(model).describe())
+        recomputed = sum(
+            getattr(m.__dict__.get("forward"), "_mg_recomputed", False) for m in model.modules()
+        )
+        out[variant] = (losses, grads, state, rp.pipeline_of(model).describe(), recomputed)
     return out
 
 
@@ -157,7 +165,8 @@ def _check(tmp_path, world, variants):
     for variant in variants:
         seen: list[dict] = [{} for _ in range(STEPS)]
         for rank_result in results:
-            losses, grads, state, _ = rank_result[variant]
+            losses, grads, state, _, recomputed = rank_result[variant]
+            assert recomputed == (2 if "recompute" in variant else 0), variant  # this stage's
             torch.testing.assert_close(
                 torch.tensor(losses), torch.tensor(want_losses), rtol=1e-10, atol=1e-10
             )
@@ -178,7 +187,7 @@ def _check(tmp_path, world, variants):
 
 
 def test_pp2_on_two_ranks_equals_the_serial_program(tmp_path):
-    results = _check(tmp_path, 2, ["1f1b", "gpipe", "interleaved"])
+    results = _check(tmp_path, 2, ["1f1b", "gpipe", "interleaved", "recompute"])
     assert results[0]["1f1b"][3] == (
         "stage 0: wte, wpe, blocks.0-1 | stage 1: blocks.2-3, lm_head, ln_f"
     )
@@ -186,4 +195,4 @@ def test_pp2_on_two_ranks_equals_the_serial_program(tmp_path):
 
 
 def test_pp2_by_dp2_on_four_ranks_equals_the_serial_program(tmp_path):
-    _check(tmp_path, 4, ["1f1b", "fsdp", "zero1"])
+    _check(tmp_path, 4, ["1f1b", "fsdp", "zero1", "fsdp_recompute"])
