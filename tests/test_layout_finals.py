@@ -123,3 +123,16 @@ def test_every_micro_batch_pays_the_blocks_fixed_cost() -> None:
     )  # without it, more micro-batches only shrink the bubble
     # no more fixed cost than the blocks' whole time
     assert compute(Layout(), 1, replace(PROFILE, block_call_s=1.0)) == compute(Layout(), 1)
+
+
+def test_the_optimizer_step_shrinks_only_where_it_is_sharded() -> None:
+    # of the step's 20 ms outside the blocks, the optimizer's 8 ms update every parameter
+    profile = replace(PROFILE, block_call_s=0.0, optimizer_s=0.008)
+
+    def compute(dp: str) -> float:
+        return cost.predict(profile, Layout(dp=dp), 4, MACHINE).compute
+
+    blocks, rest = 0.080 / 4, 0.012 / 4
+    assert abs(compute("replicate") - (blocks + rest + 0.008)) < 1e-12  # each replica steps all
+    assert abs(compute("zero1") - (blocks + rest + 0.002)) < 1e-12  # each rank its quarter
+    assert compute("fsdp") == compute("zero1")

@@ -6,7 +6,9 @@ Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
   thread: torchrun's default for several ranks), the planned layers' share / tp,
   the blocks' share / pp (x 4/3 when they are recomputed: one more forward); the
   blocks' fixed cost per call (``Profile.block_call_s``: Python, dispatch, kernel
-  launches) is paid whole by every micro-batch, whatever its rows; all times the
+  launches) is paid whole by every micro-batch, whatever its rows; the optimizer
+  step (``Profile.optimizer_s``) updates the rank's parameters, / D only when zero1
+  or fsdp shard them; all but the optimizer times the
   pipeline's bubble (m + pp - 1) / m (1F1B), or, where ranks share cores
   (ranks over cores = the slowdown s), times max(bubble, s): a rank waiting in
   the bubble leaves its core to another's work;
@@ -129,15 +131,22 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     serial = profile.step_s
     if machine.one_thread and world > 1 and profile.step_one_thread_s:
         serial = profile.step_one_thread_s
+    threads = serial / profile.step_s if profile.step_s else 1.0  # the probe's times -> serial's
     # the blocks' fixed cost per call (every block of the stage, every micro-batch) does not
     # shrink with the rows a rank computes, nor with tp; the rest of their time does
-    fixed = min(profile.blocks * profile.block_call_s, serial * block)
+    fixed = min(profile.blocks * profile.block_call_s * threads, serial * block)
     blocks_s = (serial * block - fixed) / d * tp_share(profile, tp) + fixed * m
+    # the optimizer step updates the rank's parameters: all of a replica's, unless sharded
+    optimizer = min(profile.optimizer_s * threads, serial * (1 - block))
+    rest = serial * (1 - block) - optimizer
+    optimizer *= tp_share(profile, tp) * pp_share(profile, pp)
+    optimizer /= d if layout.dp in ("zero1", "fsdp") else 1
     compute = (
-        (blocks_s * again / pp + serial * (1 - block) / d * tp_share(profile, tp))
+        (blocks_s * again / pp + rest / d * tp_share(profile, tp))
         # ranks that share cores run the pipeline's idle slots with another rank's work: a
         # step takes the longer of the bubble's critical path and all ranks' work over the cores
         * max(bubble, machine.slowdown)
+        + optimizer * machine.slowdown
     )
     tp_link = machine.intra if tp <= machine.per_node else machine.inter
     # a stage's d x tp ranks are consecutive: its data groups stay in a node when they fit

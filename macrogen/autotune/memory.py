@@ -55,6 +55,7 @@ class Profile:
     block_s: float = 0.0  # of it, the blocks' forward + backward
     # one block's forward + backward at any batch (Python, dispatch, launches): per micro-batch
     block_call_s: float = 0.0
+    optimizer_s: float = 0.0  # of the step, the optimizer's (0: not measured)
     message_bytes: int = 0  # one block's output for the whole batch (what TP all-reduces)
     optimizer_bytes: int = 0  # the optimizer step's temporaries, above the gradients
     activation_sharded: float | None = None  # activations' share tp shards (None: as parameters)

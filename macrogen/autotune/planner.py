@@ -75,6 +75,7 @@ def plan(
         step_s=profile.step_s / speedup,
         block_s=profile.block_s / speedup,
         block_call_s=profile.block_call_s / speedup,
+        optimizer_s=profile.optimizer_s / speedup,
     )
     shape = ModelShape(probed["shape"]["blocks"], probed["shape"]["divisible"])
     return rank(profile, shape, world_size, machine, device_memory), profile

@@ -30,7 +30,7 @@ from macrogen.autotune.process_memory import TensorPeak, warm_process
 
 # what a stored probe measured: a probe of other measures is not reused (memory was the
 # resident set before, and carried no optimizer or activation shares)
-MEASURES = "tensor-bytes-4"
+MEASURES = "tensor-bytes-5"
 
 
 class ProbeError(Exception):
@@ -131,6 +131,10 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
         step()
     block_time[0] = 0.0
     timing[0] = True
+    stepping = _Clock()  # the optimizer steps' time: replicate repeats it on every rank
+    for opt in optimizers:
+        hooks.append(opt.register_step_pre_hook(stepping.start))
+        hooks.append(opt.register_step_post_hook(stepping.stop))
     times = []
     for _ in range(job.get("steps", 3)):
         start = time.perf_counter()
@@ -177,10 +181,24 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             # forward only was hooked: backward costs about twice the forward
             "block_s": min(step_s, 3 * block_time[0] / len(times)),
             "block_call_s": call_s,
+            "optimizer_s": min(step_s, stepping.total / len(times)),
             "message_bytes": message[0] if message else 0,
         },
         "shape": {"blocks": len(blocks), "divisible": divisible},
     }
+
+
+class _Clock:
+    """Seconds between ``start`` and ``stop`` calls (hooks: any arguments), summed."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+
+    def start(self, *_: Any) -> None:
+        self.total -= time.perf_counter()
+
+    def stop(self, *_: Any) -> None:
+        self.total += time.perf_counter()
 
 
 def _block_call_s(block: Any, args: Any, kwargs: Any, torch: Any, cuda: bool) -> float:
