@@ -296,3 +296,28 @@ def test_cost_rises_from_none_to_every_2nd_to_all():
     serial = cost.predict(PROFILE, Layout(recompute=2), 1, machine).compute
     assert serial == pytest.approx(cost.predict(PROFILE, Layout(), 1, machine).compute + 0.4 / 3)
     assert half.tensor == pytest.approx(none.tensor * 5 / 4)  # 4 + 2 x 1/2 all-reduces per block
+
+
+def test_plan_widens_its_layout_column_for_every_2nd(capsys):
+    import argparse
+
+    from macrogen.autotune import planner
+    from macrogen.commands.plan import _print
+
+    machine = cost.Machine(8, cost.GLOO_LOCAL, cost.GLOO_LOCAL)
+    rows = [
+        planner.Row(
+            layout,
+            cost.predict(PROFILE, layout, 64, machine),
+            memory.Breakdown(1, 1, 1, 1),
+            None,
+            None,
+        )
+        for layout in (Layout(pp=2, microbatches=4, recompute=2), Layout())
+    ]
+    _print(rows, argparse.Namespace(world_size=64, gpus_per_node=8, link="gloo:1GB/s", top=10))
+    header, *lines = capsys.readouterr().out.splitlines()[1:]
+    assert "pp2 (mb4) x dp32 (replicate) + recompute 1/2 " in lines[0]
+    # every row's step column ends where the header's does
+    end = header.index("step") + len("step")
+    assert all(line[end - 1] != " " and line[end] == " " for line in lines)
