@@ -255,7 +255,7 @@ def test_layout_auto_is_one_tunable_over_layout_names():
         "tp2 pp1 fsdp mb1",
         "tp4 pp1 replicate mb1",
     ]
-    assert names == plain + [f"{name} recompute" for name in plain]
+    assert names == plain + [f"{n} recompute" for n in plain] + [f"{n} recompute/2" for n in plain]
     why = {c[param.key]: reason for c, reason in built.excluded}
     assert "does not divide the world size 4" in why["tp8 pp1 replicate mb1"]
     assert "pp > 1 with tp > 1" in why["tp2 pp2 replicate mb4"]
@@ -359,22 +359,22 @@ def test_autotune_rejects_a_bad_memory_limit(capsys):
 
 
 def test_recompute_is_part_of_a_layout_and_trades_memory_for_a_forward():
-    rc = Layout(tp=2, dp="fsdp", recompute=True)
+    rc = Layout(tp=2, dp="fsdp", recompute=1)
     assert rc.name() == "tp2 pp1 fsdp mb1 recompute" and layouts.parse(rc.name()) == rc
     assert rc.describe(4) == "tp2 x dp2 (fsdp) + recompute"
-    assert layouts.from_arguments({"recompute": "blocks"}) == Layout(recompute=True)
+    assert layouts.from_arguments({"recompute": "blocks"}) == Layout(recompute=1)
     assert layouts.from_arguments({"recompute": "some"}) is None
-    assert layouts.infeasible(Layout(recompute=True), 1, ModelShape(blocks=0)) == (
+    assert layouts.infeasible(Layout(recompute=1), 1, ModelShape(blocks=0)) == (
         "no repeated blocks to recompute"
     )
     # all 400 activation bytes are the 8 blocks': one block's (50) stays, plus 8 inputs of 10
     measured = dataclasses.replace(PROFILE, block_activations=1.0, message_bytes=10)
-    kept = memory.predict(measured, Layout(recompute=True), 1)
+    kept = memory.predict(measured, Layout(recompute=1), 1)
     assert kept.activations == pytest.approx(400 / 8 + 8 * 10)
     machine = cost.Machine(1, cost.GLOO_LOCAL, cost.GLOO_LOCAL)
     plain = cost.predict(PROFILE, Layout(), 1, machine).compute
     # the blocks' 0.8 s of forward and backward gain one forward (a third)
-    assert cost.predict(PROFILE, Layout(recompute=True), 1, machine).compute == pytest.approx(
+    assert cost.predict(PROFILE, Layout(recompute=1), 1, machine).compute == pytest.approx(
         plain + 0.8 / 3
     )
 

@@ -4,17 +4,16 @@ Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
 
 - compute: the serial step / D (on CPU ranks, the step at one intra-op
   thread: torchrun's default for several ranks), the planned layers' share / tp,
-  the blocks' share / pp (x 4/3 when they are recomputed: one more forward); the
-  blocks' fixed cost per call (``Profile.block_call_s``: Python, dispatch, kernel
-  launches) is paid whole by every micro-batch, whatever its rows; the optimizer
-  step (``Profile.optimizer_s``) updates the rank's parameters, / D only when zero1
-  or fsdp shard them; all but the optimizer times the
+  the blocks' share / pp (x 1 + r/3 when a share r of the blocks is recomputed: one
+  more forward of those); the blocks' fixed cost per call (``Profile.block_call_s``:
+  Python, dispatch, kernel launches) is paid whole by every micro-batch, whatever
+  its rows; the optimizer step (``Profile.optimizer_s``) updates the rank's
+  parameters, / D only when zero1 or fsdp shard them; all but the optimizer times the
   pipeline's bubble (m + pp - 1) / m (1F1B), or, where ranks share cores
   (ranks over cores = the slowdown s), times max(bubble, s): a rank waiting in
   the bubble leaves its core to another's work;
 - tensor parallel: Megatron's 4 all-reduces per block (2 forward, 2 backward;
-  6 when the forward is recomputed)
-  of one block's output for the rank's micro-batch, over tp ranks (sequence
+  4 + 2r when a share r of the blocks is recomputed) of one block's output for the rank's micro-batch, over tp ranks (sequence
   parallel's reduce-scatter + all-gather moves the same bytes);
 - data parallel: replicate and zero1 all-reduce the rank's gradients once
   (a ring moves 2x the parameter bytes); fsdp all-gathers them twice and
@@ -29,7 +28,7 @@ compute and the communication terms to measured step times, then fits two fixed
 costs the bytes do not explain: each FSDP unit's per step (``Step.units``:
 FSDP2's hooks, copies in and out of its flat buffers, three collectives; on a
 CPU they cost milliseconds) from four measured layouts, and each other
-collective call's (``Step.calls``: 4 per block and micro-batch under tp, 1
+collective call's (``Step.calls``: 4 + 2r per block and micro-batch under tp, 1
 all-reduce for replicate, 2 sends per micro-batch under pp) from six.
 """
 
@@ -127,7 +126,8 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     d, tp, pp, m = layout.dp_size(world), layout.tp, layout.pp, layout.microbatches
     bubble = (m + pp - 1) / m
     block = profile.block_s / profile.step_s if profile.step_s else 0.0
-    again = 1.0 + (1 / 3 if layout.recompute else 0.0)  # block_s is forward + backward (3 fwd)
+    recomputed = layout.recomputed(profile.blocks)  # the share of the blocks run twice
+    again = 1.0 + recomputed / 3  # block_s is forward + backward (3 forwards' time)
     serial = profile.step_s
     if machine.one_thread and world > 1 and profile.step_one_thread_s:
         serial = profile.step_one_thread_s
@@ -154,7 +154,7 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     pp_link = machine.intra if world <= machine.per_node else machine.inter
     message = profile.message_bytes / d / m  # one block's output, one micro-batch of this rank
     blocks = profile.blocks / pp if profile.blocks else 0.0
-    per_block = 6 if layout.recompute else 4  # a recomputed forward all-reduces twice again
+    per_block = 4 + 2 * recomputed  # a recomputed forward all-reduces twice again
     tensor = per_block * blocks * m * all_reduce_s(message, tp, tp_link)
     grads = profile.param_bytes * tp_share(profile, tp) * pp_share(profile, pp)
     fsdp_units = 0.0

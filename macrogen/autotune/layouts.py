@@ -1,12 +1,13 @@
 """Parallel layouts: tensor x pipeline x data ways, the data-parallel mode, micro-batches,
-and whether the repeated blocks are recomputed in backward.
+and which of the repeated blocks are recomputed in backward (none, every N-th, all).
 
 A layout is what ``mg.parallelize`` is asked for; the data-parallel degree is
 what the other degrees leave of the world size. This module is pure (no torch):
 the autotuner, ``macrogen plan`` and the macro's feasibility rule share it.
 
     Layout(tp=2, pp=1, dp="fsdp").name()          -> "tp2 pp1 fsdp mb1"
-    Layout(dp="fsdp", recompute=True).name()      -> "tp1 pp1 fsdp mb1 recompute"
+    Layout(dp="fsdp", recompute=1).name()         -> "tp1 pp1 fsdp mb1 recompute"
+    Layout(dp="fsdp", recompute=2).name()         -> "tp1 pp1 fsdp mb1 recompute/2"
     infeasible(Layout(tp=4), world=4, shape)      -> "layers.0.attn.n_head = 6 is not divisible by tp=4"
 """
 
@@ -21,7 +22,8 @@ DP_MODES = ("replicate", "zero1", "fsdp")
 # What layout="auto" offers at expansion time, before the world size is known (it prunes).
 AUTO_TP = (1, 2, 4, 8)
 AUTO_PP = (1, 2, 4)
-RECOMPUTE = (None, "none", "blocks")  # mg.parallelize's recompute= (runtime/recompute.py)
+# Every how many blocks layout="auto" recomputes (Layout.recompute): none, all, every 2nd.
+AUTO_RECOMPUTE = (0, 1, 2)
 
 
 @dataclass(frozen=True, order=True)
@@ -30,13 +32,17 @@ class Layout:
     pp: int = 1  # pipeline stages
     dp: str = "replicate"  # the data-parallel mode over the remaining ways
     microbatches: int = 1  # per step, through the pipeline (1 without one)
-    recompute: bool = False  # the repeated blocks run their forward again in backward
+    # every how many repeated blocks one runs its forward again in backward, from the first:
+    # 0 none, 1 all, 2 every 2nd (mg.parallelize's recompute=: None, "blocks", 2)
+    recompute: int = 0
 
     def dp_size(self, world: int) -> int:
         return world // (self.tp * self.pp)
 
     def name(self) -> str:
         name = f"tp{self.tp} pp{self.pp} {self.dp} mb{self.microbatches}"
+        if self.recompute > 1:
+            return f"{name} recompute/{self.recompute}"
         return f"{name} recompute" if self.recompute else name
 
     def describe(self, world: int) -> str:
@@ -45,10 +51,17 @@ class Layout:
         if self.pp > 1:
             parts.append(f"pp{self.pp} (mb{self.microbatches})")
         parts.append(f"dp{self.dp_size(world)} ({self.dp})")
-        return " x ".join(parts) + (" + recompute" if self.recompute else "")
+        again = f" + recompute 1/{self.recompute}" if self.recompute > 1 else " + recompute"
+        return " x ".join(parts) + (again if self.recompute else "")
+
+    def recomputed(self, blocks: int) -> float:
+        """The share of ``blocks`` repeated blocks that are recomputed (indices 0, N, 2N, ...)."""
+        if not self.recompute or blocks <= 0:
+            return 0.0
+        return -(-blocks // self.recompute) / blocks
 
 
-_NAME = re.compile(r"tp(\d+) pp(\d+) (\w+) mb(\d+)( recompute)?")
+_NAME = re.compile(r"tp(\d+) pp(\d+) (\w+) mb(\d+)( recompute(?:/(\d+))?)?")
 
 
 def parse(text: str) -> Layout:
@@ -57,9 +70,10 @@ def parse(text: str) -> Layout:
     if m is None or m.group(3) not in DP_MODES:
         raise ValueError(f"not a layout: {text!r} (expected e.g. 'tp2 pp1 fsdp mb1')")
     tp, pp, mb = int(m.group(1)), int(m.group(2)), int(m.group(4))
-    if min(tp, pp, mb) < 1:
-        raise ValueError(f"not a layout: {text!r} (degrees are >= 1)")
-    return Layout(tp, pp, m.group(3), mb, recompute=m.group(5) is not None)
+    every = 0 if m.group(5) is None else int(m.group(6) or 1)
+    if min(tp, pp, mb) < 1 or (m.group(6) is not None and every < 2):
+        raise ValueError(f"not a layout: {text!r} (degrees are >= 1, recompute/N has N >= 2)")
+    return Layout(tp, pp, m.group(3), mb, recompute=every)
 
 
 def microbatch_choices(pp: int) -> tuple[int, ...]:
@@ -69,9 +83,9 @@ def microbatch_choices(pp: int) -> tuple[int, ...]:
 
 def auto_choices() -> tuple[str, ...]:
     """Every layout ``layout="auto"`` stands for, by name; the default (all data parallel) first,
-    each without recomputation, then each with it."""
+    each without recomputation, then each recomputing all blocks, then every 2nd."""
     out = []
-    for recompute in (False, True):
+    for recompute in AUTO_RECOMPUTE:
         for tp, pp, dp in itertools.product(AUTO_TP, AUTO_PP, DP_MODES):
             for mb in microbatch_choices(pp):
                 out.append(Layout(tp, pp, dp, mb, recompute).name())
@@ -132,8 +146,8 @@ def enumerate_layouts(
                 continue
             for dp in DP_MODES:
                 for mb in microbatch_choices(pp):
-                    yield Layout(tp, pp, dp, mb)
-                    yield Layout(tp, pp, dp, mb, recompute=True)
+                    for recompute in AUTO_RECOMPUTE:
+                        yield Layout(tp, pp, dp, mb, recompute)
 
 
 def from_arguments(arguments: Mapping[str, object]) -> Layout | None:
@@ -152,8 +166,26 @@ def from_arguments(arguments: Mapping[str, object]) -> Layout | None:
             return None
     tp, pp = arguments.get("tp", 1), arguments.get("pp", 1)
     dp, mb = arguments.get("dp", "replicate"), arguments.get("microbatches", 1)
-    recompute = arguments.get("recompute")
+    recompute = recompute_every(arguments.get("recompute"))
     ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (tp, pp, mb))
-    if not ints or dp not in DP_MODES or recompute not in RECOMPUTE:
+    if not ints or dp not in DP_MODES or recompute is None:
         return None
-    return Layout(tp, pp, dp, mb, recompute == "blocks")  # type: ignore[arg-type]
+    return Layout(tp, pp, dp, mb, recompute)  # type: ignore[arg-type]
+
+
+def recompute_every(value: object) -> int | None:
+    """Every how many blocks ``mg.parallelize``'s ``recompute=value`` recomputes (None, "none": 0;
+    "blocks": 1; an int N >= 1: N); None for a bad value. Mirrors
+    ``macrogen.runtime.recompute.every`` (the runtime imports torch; the pass must not)."""
+    if value in (None, "none"):
+        return 0
+    if value == "blocks":
+        return 1
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return None
+
+
+def recompute_argument(every: int) -> str | int | None:
+    """The ``recompute=`` value that recomputes every ``every``-th block (0: None)."""
+    return None if every == 0 else "blocks" if every == 1 else every

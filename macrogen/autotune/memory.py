@@ -13,8 +13,9 @@ measures on each rank:
     and the larger of the step's two transients:
     activations  A / D (the global batch is split over the data ranks)
                  x activations' tp share x (1/pp) x in-flight micro-batches / micro-batches
-                 (recompute: the blocks' share of A falls to one block's, plus each block's
-                 input, the residual stream, whole under tp)
+                 (recompute every N-th block, a share r of the blocks: their share of A
+                 x (1 - r), plus one block's, live again while it is recomputed, plus each
+                 recomputed block's input, the residual stream, whole under tp)
                  (replicate, zero1 with D > 1: + a copy of the gradients while buckets reduce)
     optimizer    T, the optimizer step's temporaries, x the parameters' shares (zero1, fsdp: / D)
 
@@ -141,12 +142,13 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
     in_flight = min(layout.pp, layout.microbatches) / layout.microbatches
     kept, inputs = float(profile.activation_bytes), 0.0
     if layout.recompute and profile.blocks:
-        # each block keeps its input (the residual stream: whole under tp); one block's own
-        # activations live again while it is recomputed
+        # a recomputed block keeps its input (the residual stream: whole under tp), the others
+        # all their activations; one block's own activations live again while it is recomputed
         f = profile.block_activations
         in_blocks = kept * (profile.block_fraction if f is None else f)
-        kept += in_blocks / profile.blocks - in_blocks
-        inputs = float(profile.message_bytes * profile.blocks)
+        r = layout.recomputed(profile.blocks)
+        kept += in_blocks / profile.blocks - in_blocks * r
+        inputs = float(profile.message_bytes * profile.blocks) * r
     share = activation_tp_share(profile, layout.tp)
     activations = (kept * share + inputs) / d / layout.pp * in_flight
     if layout.dp in ("replicate", "zero1") and d > 1:

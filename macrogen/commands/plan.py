@@ -112,14 +112,17 @@ def _print(rows: list[Row], args: argparse.Namespace) -> None:
         f"{len(feasible)} feasible layout(s) of {args.world_size} ranks"
         f" ({args.gpus_per_node} per node, {args.link}), best first:"
     )
-    header = f"{'#':>3}  {'layout':<28} {'step':>10} {'compute':>10} {'tp':>10} {'dp':>10} {'pp':>10} {'memory/rank':>12}"
+    shown = feasible[: args.top]
+    # the layout column as wide as its longest ("pp2 (mb4) x dp32 (replicate) + recompute 1/2")
+    width = max([28] + [len(r.layout.describe(args.world_size)) for r in shown])
+    header = f"{'#':>3}  {'layout':<{width}} {'step':>10} {'compute':>10} {'tp':>10} {'dp':>10} {'pp':>10} {'memory/rank':>12}"
     print(header)
-    for i, r in enumerate(feasible[: args.top], 1):
+    for i, r in enumerate(shown, 1):
         s = r.step
         assert s is not None  # feasible
         note = f"  (predicted only: {r.note})" if r.note else ""
         print(
-            f"{i:>3}  {r.layout.describe(args.world_size):<28} {format_time(s.total):>10}"
+            f"{i:>3}  {r.layout.describe(args.world_size):<{width}} {format_time(s.total):>10}"
             f" {format_time(s.compute):>10} {format_time(s.tensor):>10}"
             f" {format_time(s.data):>10} {format_time(s.pipeline):>10}"
             f" {format_bytes(r.memory.total):>12}{note}"

@@ -27,7 +27,8 @@ step through a pipeline; nothing changes while pp is 1) and ``schedule`` ("1f1b"
 plan's ``"server"`` tables live on the last S ranks, ``macrogen.runtime.param_server``) with
 ``staleness`` (0), ``server_optimizer`` ("sgd" or "adagrad") and ``server_lr`` (0.01);
 ``recompute`` (None; "blocks": the repeated blocks keep only their inputs and run their
-forward again in backward, ``macrogen.runtime.recompute``).
+forward again in backward, ``macrogen.runtime.recompute``; an int N: every N-th block, from
+the first, 1 being "blocks").
 
 ``pp=N`` cuts the built model into N pipeline stages at run time, as ``@mg.pipeline``
 would cut its class (``macrogen.runtime.parallelize_pipeline``): the training step is
@@ -123,7 +124,8 @@ class Spec:
     staleness: int = 0
     server_optimizer: str = "sgd"
     server_lr: float = 0.01
-    recompute: str | None = None  # "blocks": the repeated blocks are recomputed in backward
+    # "blocks": the repeated blocks are recomputed in backward; an int N: every N-th of them
+    recompute: str | int | None = None
 
 
 def _degree(v: Any) -> str | None:
@@ -163,7 +165,8 @@ def _count(v: Any) -> str | None:
 
 
 def _recompute(v: Any) -> str | None:
-    return None if v in layouts.RECOMPUTE else 'None, "none" or "blocks"'
+    ok = layouts.recompute_every(v) is not None
+    return None if ok else 'None, "none", "blocks" or an int N >= 1 (every N-th block)'
 
 
 def _schedule(v: Any) -> str | None:
@@ -281,7 +284,7 @@ def _auto_layout(site: Site, args: dict[str, Arg], ctx: Context) -> dict[str, An
         "pp": chosen.pp,
         "dp": chosen.dp,
         "microbatches": chosen.microbatches,
-        "recompute": "blocks" if chosen.recompute else None,
+        "recompute": layouts.recompute_argument(chosen.recompute),
     }
 
 
@@ -428,8 +431,10 @@ def _summary(spec: Spec) -> str:
         steps.append(f"tensor parallel {spec.tp} ways (the model's own plan)")
     elif spec.plan is not None:
         steps.append(f"tensor parallel {spec.tp} ways ({len(spec.plan)} plan entries)")
-    if spec.recompute:
+    if spec.recompute in ("blocks", 1):
         steps.append("the repeated blocks recomputed in backward")
+    elif spec.recompute:
+        steps.append(f"every {_nth(spec.recompute)} repeated block recomputed in backward")
     if spec.servers:
         n = len(spec.server_plan)
         steps.append(f"{n} table{'s' * (n > 1)} on {spec.servers} parameter servers")
@@ -445,6 +450,13 @@ def _summary(spec: Spec) -> str:
     elif spec.dp != "none":
         steps.append(f"data parallel ({spec.dp})")
     return ", then ".join(steps) or "the mesh only"
+
+
+def _nth(n: object) -> str:
+    """2 -> "2nd", 3 -> "3rd", 11 -> "11th"."""
+    assert isinstance(n, int)
+    last = {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else last}"
 
 
 def expand(site: Site, ctx: Context) -> Expanded:
@@ -510,6 +522,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         apply_server_tables=names.get("apply_server_tables", ""),
         server_config=names.get("ServerConfig", ""),
         recompute=spec.recompute,
+        recompute_nth="" if spec.recompute in (None, "blocks", 1) else _nth(spec.recompute),
         apply_recompute=names.get("apply_recompute", ""),
     )
     model = cst.Arg(call.args[0].value)  # the rest were expansion-time values, now in the helper

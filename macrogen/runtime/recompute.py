@@ -12,8 +12,11 @@ key). It is applied after tensor parallelism and before data parallel, in
 torchtitan's order: FSDP's hooks run around the recomputed forward, and a
 tensor-parallel block's collectives run again in its recompute.
 
-Activations fall from every block's to the blocks' inputs plus one block's; a
-step costs one more forward of the blocks.
+``recompute=N`` (an int >= 1) recomputes every N-th block, those at indices 0, N, 2N, ...
+of the list (torchtitan's "selective" layer mode, ``ac_freq``); 1 is "blocks".
+
+Activations fall from every block's to the recomputed blocks' inputs, the others'
+own, plus one block's; a step costs one more forward of the recomputed blocks.
 """
 
 from __future__ import annotations
@@ -30,24 +33,38 @@ from torch.utils.checkpoint import checkpoint
 from macrogen.runtime.fully_sharded import repeated_layers
 from macrogen.runtime.parallelize import local_parameters
 
-CHOICES = (None, "none", "blocks")
 
-
-def apply_recompute(model: nn.Module, which: str | None, *, where: str) -> nn.Module:
-    """Recompute ``model``'s repeated blocks in backward (``which="blocks"``); None/"none": keep."""
-    if which not in CHOICES:
-        raise ValueError(
-            f"mg.parallelize at {where}: recompute={which!r}: expected None, 'none' or 'blocks'"
-        )
+def every(which: object) -> int | None:
+    """Every how many blocks ``recompute=which`` recomputes (0: none); None for a bad value."""
     if which in (None, "none"):
+        return 0
+    if which == "blocks":
+        return 1
+    if isinstance(which, int) and not isinstance(which, bool) and which >= 1:
+        return which
+    return None
+
+
+def apply_recompute(model: nn.Module, which: str | int | None, *, where: str) -> nn.Module:
+    """Recompute ``model``'s repeated blocks in backward: all (``which="blocks"`` or 1), every
+    N-th (an int N), or none (None/"none")."""
+    n = every(which)
+    if n is None:
+        raise ValueError(
+            f"mg.parallelize at {where}: recompute={which!r}: expected None, 'none', 'blocks'"
+            " or an int N >= 1 (every N-th block)"
+        )
+    if n == 0:
         return model
     blocks = repeated_layers(model)
     if not blocks:
         raise ValueError(
-            f"mg.parallelize at {where}: recompute='blocks' found no repeated blocks (a"
+            f"mg.parallelize at {where}: recompute={which!r} found no repeated blocks (a"
             f" ModuleList of one class, 2 or more entries) in {type(model).__name__}"
         )
-    for _, block in blocks:
+    for i, (_, block) in enumerate(blocks):
+        if i % n:
+            continue  # kept whole: its activations stay for backward
         if getattr(block.forward, "_mg_recomputed", False):
             continue  # applied once: a second mg.parallelize keeps one checkpoint
         block.forward = _recomputed(block)
