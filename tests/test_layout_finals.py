@@ -136,3 +136,17 @@ def test_the_optimizer_step_shrinks_only_where_it_is_sharded() -> None:
     assert abs(compute("replicate") - (blocks + rest + 0.008)) < 1e-12  # each replica steps all
     assert abs(compute("zero1") - (blocks + rest + 0.002)) < 1e-12  # each rank its quarter
     assert compute("fsdp") == compute("zero1")
+
+
+def test_fsdp_stages_gather_each_unit_again_for_every_micro_batch() -> None:
+    def step(m: int) -> cost.Step:
+        return cost.predict(PROFILE, Layout(pp=2, dp="fsdp", microbatches=m), 4, MACHINE)
+
+    four, eight = step(4), step(8)
+    # 4 blocks + the stage's root per stage: 2 gathers per micro-batch and 1 reduce-scatter each
+    # (x the ring's steps over the 2 data ranks: 1)
+    assert four.units == 5 * 9 / 3 and eight.units == 5 * 17 / 3
+    assert eight.data / four.data == 17 / 9
+    plain = cost.predict(PROFILE, Layout(dp="fsdp"), 4, MACHINE)
+    # without stages: 8 blocks + the root, gathered twice, reduced once, each in 3 ring steps
+    assert plain.units == 9 * 3

@@ -18,6 +18,7 @@ Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
 - data parallel: replicate and zero1 all-reduce the rank's gradients once
   (a ring moves 2x the parameter bytes); fsdp all-gathers them twice and
   reduce-scatters once (3x), one collective per unit (each block, and the root);
+  under a pipeline it gathers twice per micro-batch (2m + 1);
 - pipeline: each micro-batch's activations forward and gradient back across a cut.
 
 A collective over n ranks costs ring steps x (alpha + bytes per step / beta)
@@ -26,8 +27,10 @@ on the slowest link its group crosses: tensor groups are contiguous ranks
 Nothing overlaps (gloo on CPU blocks the computing thread); ``fit`` scales the
 compute and the communication terms to measured step times, then fits two fixed
 costs the bytes do not explain: each FSDP unit's per step (``Step.units``:
-FSDP2's hooks, copies in and out of its flat buffers, three collectives; on a
-CPU they cost milliseconds) from four measured layouts, and each other
+FSDP2's hooks, copies in and out of its flat buffers, three collectives -- under a
+pipeline 2m + 1, counted as (2m + 1) / 3 units, each x its ring's D - 1 steps; on a
+CPU they cost milliseconds)
+from four measured layouts, and each other
 collective call's (``Step.calls``: 4 + 2r per block and micro-batch under tp, 1
 all-reduce for replicate, 2 sends per micro-batch under pp) from six.
 """
@@ -161,8 +164,14 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     calls = per_block * blocks * m if tp > 1 else 0.0
     if layout.dp == "fsdp":  # per unit (each block, then the root): 2 all-gathers, 1 reduce-scatter
         units = (profile.blocks / pp if profile.blocks else 0.0) + 1
-        data = 3 * (all_gather_s(grads, d, dp_link) + (units - 1) * (d - 1) * dp_link.latency)
-        fsdp_units = units if d > 1 else 0.0
+        # under a pipeline schedule every micro-batch gathers each unit again in its forward
+        # (resharded after it) and in its backward; the gradients are reduced once, at the end
+        collectives = 2 * m + 1
+        data = collectives * (
+            all_gather_s(grads, d, dp_link) + (units - 1) * (d - 1) * dp_link.latency
+        )
+        # each collective's ring steps: a step waits for a rank that may be descheduled
+        fsdp_units = units * collectives / 3 * (d - 1)
     else:
         data = all_reduce_s(grads, d, dp_link)
         calls += 1 if d > 1 else 0.0
