@@ -70,3 +70,41 @@ def test_on_cuda_the_whole_peak_stands_for_forward_and_backward(monkeypatch):
     with TensorPeak(cuda=True) as window:
         pass
     assert (window.peak, window.end, window.unmarked, window.marked) == (300, 50, 300, 0)
+
+
+def test_a_free_made_on_another_thread_is_put_back_when_its_address_returns():
+    # the profiler sees allocations and frees on the thread it profiles only: a tensor
+    # made here and dropped on another thread (an async collective's) is never freed
+    # in the record, but its address, allocated again while "live", tells it was
+    events = [(1, 100, 0xA), (2, 50, 0xB), (3, 100, 0xA), (4, -50, 0xB), (5, -100, 0xA)]
+    assert process_memory.seen_frees(events) == [
+        (1, 100),
+        (2, 50),
+        (3, -100),
+        (3, 100),
+        (4, -50),
+        (5, -100),
+    ]
+    assert running_peak(process_memory.seen_frees(events)) == 150  # not 250
+
+
+def test_a_tensor_freed_on_another_thread_does_not_stay_in_the_window():
+    import queue
+    import threading
+
+    handed, dropped = queue.Queue(), queue.Queue()
+
+    def worker():  # a long-lived thread, as gloo's: it drops the tensors it is handed
+        while (t := handed.get()) is not None:
+            del t
+            dropped.put(True)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with TensorPeak(cuda=False) as window:
+        for _ in range(4):
+            handed.put(torch.ones(1 << 18))  # 1 MiB each, made here, freed there
+            dropped.get()
+    handed.put(None)
+    thread.join()
+    assert window.peak <= 2 * (1 << 20), window.peak  # not 4 MiB: the frees are put back

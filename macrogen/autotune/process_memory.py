@@ -92,17 +92,49 @@ class TensorPeak:
             self.unmarked = self.peak
             return
         self._profiler.__exit__(None, None, None)
-        recorded = self._profiler.profiler.kineto_results.events()
+        results = self._profiler.profiler.kineto_results
+        recorded = results.events()
         self._profiler = None
-        events = [  # (time, signed bytes) of each CPU allocation and free
-            (e.start_ns(), e.nbytes())
-            for e in recorded
-            if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
-        ]
+        events = seen_frees(_allocations(results))
         ranges = [(e.start_ns(), e.end_ns()) for e in recorded if e.name() == MARK]
         self.peak = running_peak(events)
         self.end = sum(nbytes for _, nbytes in events)
         self.unmarked, self.marked = phase_peaks(events, ranges)
+
+
+def _allocations(results: Any) -> list[tuple[int, int, int]]:
+    """(time, signed bytes, address) of each CPU allocation and free the profiler saw."""
+    found = []
+    stack = list(results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack += node.children
+        f = node.extra_fields
+        if type(f).__name__ == "_ExtraFields_Allocation" and str(f.device) == "cpu":
+            found.append((node.start_time_ns, f.alloc_size, f.ptr))
+    return found
+
+
+def seen_frees(allocations: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """(time, signed bytes) in time order, with the frees the profiler missed put back.
+
+    The profiler records a free only on a thread it profiles: a tensor made on the
+    main thread and dropped on gloo's or FSDP's (an async collective's buffers) is
+    never freed in its record (3 MB a step of an FSDP pipeline stage). An address
+    allocated again while its last allocation is still live was freed unseen: that
+    free is counted just before the new allocation."""
+    live: dict[int, int] = {}
+    out = []
+    for t, nbytes, ptr in sorted(allocations, key=lambda a: a[0]):
+        if nbytes > 0:
+            unseen = live.pop(ptr, 0)
+            if unseen:
+                out.append((t, -unseen))
+            live[ptr] = nbytes
+        else:
+            live.pop(ptr, None)
+        out.append((t, nbytes))
+    return out
 
 
 MARK = "macrogen.memory_mark"  # a record_function range whose own peak TensorPeak reports
