@@ -8,7 +8,10 @@ Losses, every gradient (each DTensor gathered whole) and every parameter of
 ``full_state_dict()`` (float64, within 1e-10) equal the unexpanded file's, run
 serially in this process; the state dict loads back into a fresh model. One spawn
 of 4 ranks (pipeline 2 x data 1 x tensor 2) runs every variant: 1F1B with the
-default dp="replicate" over one replica, GPipe, and 1F1B with recompute="blocks".
+default dp="replicate" over one replica, GPipe with recompute="blocks", interleaved
+(4 stages), and 1F1B with dp="fsdp" (over one data rank). On 8 ranks
+(``MACROGEN_TEST_8_RANKS=1``, ~15 s on 2 cores) pipeline 2 x data 2 x tensor 2 runs 1F1B
+with replicate and with FSDP (whose shards of the packed qkv are nested strided ones).
 """
 
 from __future__ import annotations
@@ -96,6 +99,16 @@ SOURCE = textwrap.dedent(
                 "blocks.*.out": "rowwise",
                 "lm_head": "colwise_gather_output",
             }, microbatches=2, schedule="gpipe", dp="none", recompute="blocks")
+        if variant == "interleaved":  # 4 stages, 2 a rank: the tie spans rank 0's and rank 1's
+            return mg.parallelize(model, pp=2, tp=2, tp_plan={
+                "wte": "vocab",
+                "blocks.*.qkv": ("colwise", 3),
+                "blocks.*.n_head": "divide",
+                "blocks.*.proj": "rowwise",
+                "blocks.*.fc": "colwise",
+                "blocks.*.out": "rowwise",
+                "lm_head": "colwise_gather_output",
+            }, microbatches=2, schedule="interleaved", dp="none")
         if variant == "fsdp":
             return mg.parallelize(model, pp=2, tp=2, tp_plan={
                 "wte": "vocab",
@@ -190,7 +203,10 @@ def _check(tmp_path, world, variants):
         seen: list[set[str]] = [set() for _ in range(STEPS)]
         for rank_result in results:
             losses, grads, state, described = rank_result[variant]
-            assert described == "stage 0: wte, wpe, blocks.0-1 | stage 1: blocks.2-3, lm_head, ln_f"
+            if variant != "interleaved":
+                assert described == (
+                    "stage 0: wte, wpe, blocks.0-1 | stage 1: blocks.2-3, lm_head, ln_f"
+                )
             torch.testing.assert_close(
                 torch.tensor(losses), torch.tensor(want_losses), rtol=1e-10, atol=1e-10
             )
@@ -208,7 +224,32 @@ def _check(tmp_path, world, variants):
 
 
 def test_pp2_by_tp2_on_four_ranks_equals_the_serial_program(tmp_path):
-    _check(tmp_path, 4, ["1f1b", "gpipe", "fsdp"])
+    _check(tmp_path, 4, ["1f1b", "gpipe", "interleaved", "fsdp"])
+
+
+def test_a_colwise_output_sent_to_the_loss_is_an_error_naming_the_layer():
+    """The last stage sends a colwise layer's output (this rank's slice of the features) on:
+    the check ``apply_tensor_parallel`` puts on the model's forward, on the stage module."""
+    import weakref
+
+    import torch.nn as nn
+
+    from macrogen.runtime import parallelize as rt
+
+    head, model = nn.Linear(2, 2), nn.Module()
+    model.__dict__[rt._COLWISE] = [("lm_head", head)]
+
+    class Stage(nn.Module):
+        def forward(self, x):
+            out = x * 2
+            head.__dict__[rt._LAST_OUTPUT] = weakref.ref(out)  # as the colwise forward keeps it
+            return out if x.sum() > 0 else out + 1
+
+    stage = Stage()
+    rt.check_outputs(model, stage, where="t.py:3")
+    stage(-torch.ones(2))  # another tensor: fine
+    with pytest.raises(rt.PlanError, match="lm_head is colwise.*colwise_gather_output"):
+        stage(torch.ones(2))
 
 
 @pytest.mark.skipif(
