@@ -104,8 +104,8 @@ def _data_mesh(
         if mesh.tensor_size > 1 and not tensor_parallel:  # @tensor_parallel's plain shards
             raise ValueError(
                 f"{where}: FSDP of a @mg.pipeline model with @mg.tensor_parallel layers is not"
-                " supported yet; mg.parallelize(model, pp=..., tp=..., dp='fsdp') on a built"
-                " model is"
+                " supported yet (mg.parallelize(model, pp=..., tp=..., dp='fsdp', tp_plan=...)"
+                " shards a model of undecorated classes)"
             )
         return whole["data"]  # each stage's data group (tensor-parallel DTensors: its 2-D)
     if mesh.tensor_size > 1:  # FSDP x TP: shard over the data dim of the one 2-D mesh

@@ -20,11 +20,10 @@ see the serial model. Every other parameter becomes a replicated DTensor too,
 so that ``clip_grad_norm_``'s foreach norm gets one kind of tensor. The forward
 computes on plain local tensors all the same: a forward pre-hook on the model
 puts each parameter's local tensor (``to_local()``, one autograd node each) in
-its place for the duration of the forward (pipelined: each stage's module's forward),
-and each planned layer's
-``forward`` (an instance attribute: its class is untouched) runs the layer's
-math on the local shard with the collective fused in, as ``@tensor_parallel``'s
-layers do. The gradients land on the DTensor parameters with their placements.
+its place for the duration of the forward (pipelined: of each stage module's
+forward; under FSDP: of each unit's), and each planned layer's ``forward`` (an
+instance attribute: its class is untouched) runs the layer's math on the local
+shard with the collective fused in, as ``@tensor_parallel``'s layers do. The gradients land on the DTensor parameters with their placements.
 
     style                  layers                       weight shard              output
     colwise                nn.Linear, HF Conv1D         out features              sharded on the last dim
