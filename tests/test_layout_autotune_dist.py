@@ -57,12 +57,13 @@ def test_layout_auto_on_four_gloo_ranks(tmp_path: Path, monkeypatch) -> None:
     ]
     plain += [f"tp1 pp2 {dp} mb{m}" for dp in ("replicate", "fsdp") for m in (4, 8)]
     plain += ["tp1 pp4 replicate mb8", "tp1 pp4 replicate mb16"]  # 8 blocks, 2 per stage
+    plain += ["tp2 pp2 replicate mb4", "tp2 pp2 replicate mb8"]  # tensor parallel in the stages
     every = [f"{name} recompute{n}" for name in plain for n in ("", "/2")]  # all, every 2nd
     assert sorted(feasible) == sorted(plain + every)
     reasons = {c[KEY]: why for c, why in outcome.space.excluded}
     assert reasons["tp4 pp1 replicate mb1"] == "layers.0.n_head = 6 is not divisible by tp=4"
     assert "does not divide the world size 4" in reasons["tp8 pp1 replicate mb1"]
-    assert "pp > 1 with tp > 1" in reasons["tp2 pp2 replicate mb4"]
+    assert "one data-parallel rank" in reasons["tp2 pp2 fsdp mb4"]  # the same as replicate
     assert "infeasible: layers.0.n_head = 6 is not divisible by tp=4: tp4 pp1 replicate mb1" in text
 
     record = outcome.record

@@ -51,7 +51,8 @@ def test_the_feasible_layouts_of_four_ranks():
     assert "tp2 pp2 replicate mb4" in feasible  # dp 1: replicate only
     assert not any(name.startswith("tp4") for name in feasible)  # 6 heads
     assert layouts.unsupported(Layout(pp=2, microbatches=4)) is None  # a run-time cut
-    assert layouts.unsupported(Layout(tp=2, pp=2, microbatches=4)) is not None
+    assert layouts.unsupported(Layout(tp=2, pp=2, microbatches=4)) is None  # stages sharded
+    assert layouts.unsupported(Layout(tp=2, pp=2, dp="fsdp", microbatches=4)) is None
     assert layouts.unsupported(Layout(tp=2, dp="zero1")) is not None
     assert layouts.unsupported(Layout(tp=2, dp="fsdp")) is None
 
@@ -253,12 +254,14 @@ def test_layout_auto_is_one_tunable_over_layout_names():
         "tp1 pp4 replicate mb16",
         "tp2 pp1 replicate mb1",
         "tp2 pp1 fsdp mb1",
+        "tp2 pp2 replicate mb4",  # tensor parallel inside pipeline stages
+        "tp2 pp2 replicate mb8",
         "tp4 pp1 replicate mb1",
     ]
     assert names == plain + [f"{n} recompute" for n in plain] + [f"{n} recompute/2" for n in plain]
     why = {c[param.key]: reason for c, reason in built.excluded}
     assert "does not divide the world size 4" in why["tp8 pp1 replicate mb1"]
-    assert "pp > 1 with tp > 1" in why["tp2 pp2 replicate mb4"]
+    assert "one data-parallel rank" in why["tp2 pp2 fsdp mb4"]
     assert "zero1" in why["tp2 pp1 zero1 mb1"]
     assert "mg.shard_optimizer" in why["tp1 pp1 zero1 mb1"]
     code = expand_source(AUTO, path="m.py", tuning={param.key: "tp2 pp1 fsdp mb1"}).code
@@ -273,11 +276,14 @@ def test_degrees_as_tunables_are_pruned_with_reasons():
         "build.parallelize.pp",
         "build.parallelize.tp",
     ]
-    assert all(
-        c["build.parallelize.tp"] == 1 for c in built.candidates if c["build.parallelize.pp"] > 1
-    )
+    piped = {
+        (c["build.parallelize.tp"], c["build.parallelize.dp"])
+        for c in built.candidates
+        if c["build.parallelize.pp"] > 1
+    }
+    assert piped == {(1, "replicate"), (1, "zero1"), (1, "fsdp"), (2, "replicate")}
     reasons = " | ".join(r for _, r in built.excluded)
-    assert "pp > 1 with tp > 1: mg.parallelize does not shard a built model's stages" in reasons
+    assert "pp > 1 with tp > 1" not in reasons  # tensor parallel inside pipeline stages
 
 
 def test_layout_auto_errors():

@@ -42,10 +42,12 @@ def test_memory_prunes_replication_of_a_big_model():
 
 def test_unsupported_layouts_are_predicted_and_marked():
     rows = planner.rank(BIG, ModelShape(32, {}), 64, NODES, None)
-    piped = next(r for r in rows if r.layout.pp == 2 and r.layout.tp > 1 and r.step is not None)
-    assert piped.note is not None and "pp > 1 with tp > 1" in piped.note
+    zero1 = next(r for r in rows if r.layout.dp == "zero1" and r.layout.tp > 1 and r.step)
+    assert zero1.note is not None and "zero1" in zero1.note
     alone = next(r for r in rows if r.layout.pp == 2 and r.layout.tp == 1 and r.step is not None)
     assert alone.note is None  # mg.parallelize cuts a built model's stages
+    piped = next(r for r in rows if r.layout.pp == 2 and r.layout.tp > 1 and r.layout.dp == "fsdp")
+    assert piped.note is None  # and shards their layers
 
 
 def _with_probe(tmp_path: Path) -> tuple[Path, Path]:

@@ -123,8 +123,6 @@ def infeasible(layout: Layout, world: int, shape: ModelShape | None = None) -> s
 
 def unsupported(layout: Layout) -> str | None:
     """Why ``mg.parallelize`` cannot run a feasible layout yet (it is predicted, not measured)."""
-    if layout.pp > 1 and layout.tp > 1:
-        return "pp > 1 with tp > 1: mg.parallelize does not shard a built model's stages yet"
     if layout.dp == "zero1" and layout.tp > 1:
         return 'dp="zero1" with tp > 1 is not supported by mg.parallelize yet'
     return None

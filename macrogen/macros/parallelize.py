@@ -32,7 +32,8 @@ the first, 1 being "blocks").
 
 ``pp=N`` cuts the built model into N pipeline stages at run time, as ``@mg.pipeline``
 would cut its class (``macrogen.runtime.parallelize_pipeline``): the training step is
-``mg.pipeline_step(model, x, y, loss_fn)``. It goes with every dp mode and tp=1.
+``mg.pipeline_step(model, x, y, loss_fn)``. It goes with every dp mode, and with tp > 1:
+the layers are sharded first, and each stage runs its parts on their local shards.
 
 ``layout="auto"`` stands for every layout (tp, pp, dp mode, micro-batches, recompute) that
 ``macrogen autotune`` finds feasible for its world size: one tunable, keyed
@@ -318,12 +319,6 @@ def _check_pipeline(args: dict[str, Arg], values: dict[str, Any]) -> None:
 def pipeline_problem(values: Mapping[str, Any]) -> tuple[str | None, tuple[str, ...]]:
     """Why ``pp > 1`` can't go with these arguments (and the arguments to blame), or None."""
     pp, m, schedule = values["pp"], values["microbatches"], values.get("schedule", "1f1b")
-    if values.get("tp", 1) != 1:
-        return (
-            f"pp={pp} with tp={values['tp']}: tensor parallelism inside pipeline stages of a"
-            " built model is not supported yet; use @mg.pipeline with @mg.tensor_parallel"
-            " layers in the model's class (docs/pipeline.md)"
-        ), ("pp",)
     if values.get("servers", 0):
         return f"pp={pp} with servers=S is not supported", ("servers",)
     if values.get("accumulate", 1) != 1:

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from macrogen.runtime import groups
 from macrogen.runtime import mesh as meshes
 from macrogen.runtime.eager import eager
-from macrogen.runtime.parallelize import local_forward_per_unit, path_pattern
+from macrogen.runtime.parallelize import is_tensor_parallel, local_forward_per_unit, path_pattern
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -85,19 +85,29 @@ def _units(
 
 
 def _data_mesh(
-    mesh: meshes.Mesh, replicate: int, where: str, *, pipelined: bool = False
+    mesh: meshes.Mesh,
+    replicate: int,
+    where: str,
+    *,
+    pipelined: bool = False,
+    tensor_parallel: bool = False,
 ) -> DeviceMesh:
     """The DeviceMesh FSDP shards over: the data dim, or (replicate, shard) for HSDP."""
     whole: DeviceMesh = mesh.device_mesh
     if mesh.pipeline_size > 1:
         if not pipelined:
             raise ValueError(f"{where}: FSDP with pp > 1 shards a @mg.pipeline model only")
-        if mesh.tensor_size > 1 or replicate != 1:
+        if replicate != 1:
             raise ValueError(
-                f"{where}: FSDP of a @mg.pipeline model with tp > 1 or dp_replicate > 1 is not"
-                " supported yet"
+                f"{where}: FSDP of a pipelined model with dp_replicate > 1 is not supported yet"
             )
-        return whole["data"]  # each stage's data group
+        if mesh.tensor_size > 1 and not tensor_parallel:  # @tensor_parallel's plain shards
+            raise ValueError(
+                f"{where}: FSDP of a @mg.pipeline model with @mg.tensor_parallel layers is not"
+                " supported yet (mg.parallelize(model, pp=..., tp=..., dp='fsdp', tp_plan=...)"
+                " shards a model of undecorated classes)"
+            )
+        return whole["data"]  # each stage's data group (tensor-parallel DTensors: its 2-D)
     if mesh.tensor_size > 1:  # FSDP x TP: shard over the data dim of the one 2-D mesh
         if replicate != 1:
             raise ValueError(f"{where}: dp_replicate with tp > 1 (HSDP x TP) is not supported yet")
@@ -155,7 +165,13 @@ def apply_fully_sharded(
         units = _units(model, config.shard_units, where)
     if mesh.device_mesh is None:  # serial: one rank holds everything, as the serial program
         return model
-    device_mesh = _data_mesh(mesh, config.dp_replicate, where, pipelined=pipe is not None)
+    device_mesh = _data_mesh(
+        mesh,
+        config.dp_replicate,
+        where,
+        pipelined=pipe is not None,
+        tensor_parallel=is_tensor_parallel(model),
+    )
     mp = MixedPrecisionPolicy()
     if config.mixed_precision is not None:
         mp = MixedPrecisionPolicy(
@@ -173,7 +189,7 @@ def apply_fully_sharded(
         fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **options)
     model.register_forward_hook(_VisibleOutputs(where))
-    if getattr(model, "_mg_local_forward", False):  # tensor parallel first (torchtitan's order)
+    if is_tensor_parallel(model):  # tensor parallel first (torchtitan's order)
         local_forward_per_unit(model, [unit for _, unit in units] + [model])
     if config.accumulate > 1:
         model.register_forward_pre_hook(_Accumulate(config.accumulate), prepend=True)
@@ -242,6 +258,7 @@ def _shard_stages(
     # FSDP puts new (sharded) parameters in the modules: the pipeline's tied parameters (a
     # weight stages share, its gradients summed over them) are found again after
     tied = [(_holder(model, param), group) for param, group in pipe.tied]
+    sharded: list[nn.Module] = []
     for s in pipe.stages:
         stage = pipe.stage_module(s)
         if named is None:  # the blocks of forward's loop this stage runs
@@ -252,6 +269,7 @@ def _shard_stages(
             units = [m for _, m in named if id(m) in held]
         for unit in units:
             fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
+        sharded += units
         # a bare parameter part stays the model's own attribute: FSDP leaves it, and the
         # pipeline averages its gradient over the data group as without FSDP
         ignored = set(stage.params)
@@ -263,6 +281,10 @@ def _shard_stages(
         )
     pipe.tied = [(owner._parameters[key], group) for (owner, key), group in tied]
     pipe.fully_sharded = True
+    if is_tensor_parallel(model):  # each unit swaps its gathered DTensors, the stage the rest
+        from macrogen.runtime.parallelize_pipeline import local_forward_per_stage
+
+        local_forward_per_stage(model, pipe, sharded)
     return model
 
 

@@ -20,10 +20,10 @@ see the serial model. Every other parameter becomes a replicated DTensor too,
 so that ``clip_grad_norm_``'s foreach norm gets one kind of tensor. The forward
 computes on plain local tensors all the same: a forward pre-hook on the model
 puts each parameter's local tensor (``to_local()``, one autograd node each) in
-its place for the duration of the forward, and each planned layer's
-``forward`` (an instance attribute: its class is untouched) runs the layer's
-math on the local shard with the collective fused in, as ``@tensor_parallel``'s
-layers do. The gradients land on the DTensor parameters with their placements.
+its place for the duration of the forward (pipelined: of each stage module's
+forward; under FSDP: of each unit's), and each planned layer's ``forward`` (an
+instance attribute: its class is untouched) runs the layer's math on the local
+shard with the collective fused in, as ``@tensor_parallel``'s layers do. The gradients land on the DTensor parameters with their placements.
 
     style                  layers                       weight shard              output
     colwise                nn.Linear, HF Conv1D         out features              sharded on the last dim
@@ -362,6 +362,7 @@ def apply_tensor_parallel(
     colwise = [(layer.name, getattr(layer.owner, layer.attr)) for layer in layers
                if layer.style.kind == "colwise"]  # fmt: skip
     if colwise:
+        model.__dict__[_COLWISE] = colwise  # (a pipeline's last stage checks its output too)
         model.register_forward_hook(functools.partial(_no_sharded_outputs, colwise, where))
     _tell_transformers(model, tp)
     return model
@@ -388,6 +389,13 @@ def _no_sharded_outputs(
                 f" {{{name!r}: 'colwise_gather_output'}} (HF's colwise_gather_output) to return"
                 " them whole"
             )
+
+
+def check_outputs(model: nn.Module, module: nn.Module, *, where: str) -> None:
+    """``module`` (a pipeline's last stage) must not send on a colwise layer's sharded output."""
+    colwise = model.__dict__.get(_COLWISE)
+    if colwise:
+        module.register_forward_hook(functools.partial(_no_sharded_outputs, colwise, where))
 
 
 def _tell_transformers(model: nn.Module, tp: int) -> None:
@@ -533,12 +541,25 @@ _LOCAL_FORWARD = "_mg_local_forward"  # the model runs its forward on local tens
 _SWAPPED = "_mg_swapped_parameters"  # (owner, name, DTensor parameter) while a forward runs
 _HOOKS = "_mg_local_hooks"  # the model's swap hooks (FSDP moves the swap into each unit)
 _SCOPE = "_mg_local_scope"  # the modules a swap covers (found once, not per forward)
+_COLWISE = "_mg_colwise_layers"  # (name, layer) of each colwise layer: its output is a slice
 
 
-def local_forward_per_unit(model: nn.Module, units: list[nn.Module]) -> None:
+def is_tensor_parallel(model: nn.Module) -> bool:
+    """``apply_tensor_parallel`` sharded ``model`` (its forward runs on local shards)."""
+    return bool(getattr(model, _LOCAL_FORWARD, False))
+
+
+def local_forward_per_unit(
+    model: nn.Module,
+    units: list[nn.Module],
+    owners: Mapping[nn.Module, list[nn.Module]] | None = None,
+) -> None:
     """Under FSDP, each unit's parameters are gathered (as tensor-parallel DTensors) only while
     the unit runs: swap them to local tensors there, after FSDP's gathering pre-hook (prepended)
-    and back before its resharding post-hook (appended), instead of once for the whole model."""
+    and back before its resharding post-hook (appended), instead of once for the whole model.
+
+    A pipeline's schedule runs its stages' modules, never the model's forward: each stage is a
+    unit, and ``owners`` adds the modules holding its bare parameters (their own tables only)."""
     for handle in model.__dict__.pop(_HOOKS, ()):
         handle.remove()
     boundaries = {id(u) for u in units}
@@ -552,9 +573,13 @@ def local_forward_per_unit(model: nn.Module, units: list[nn.Module]) -> None:
         return found
 
     for unit in units:
-        unit.__dict__[_SCOPE] = scope(unit)
-        unit.register_forward_pre_hook(_to_local)
-        unit.register_forward_hook(_restore, prepend=True, always_call=True)
+        for handle in unit.__dict__.pop(_HOOKS, ()):  # a unit's swap, set again (FSDP after pp)
+            handle.remove()
+        unit.__dict__[_SCOPE] = scope(unit) + list((owners or {}).get(unit, ()))
+        unit.__dict__[_HOOKS] = (
+            unit.register_forward_pre_hook(_to_local),
+            unit.register_forward_hook(_restore, prepend=True, always_call=True),
+        )
 
 
 class _ToLocal(torch.autograd.Function):

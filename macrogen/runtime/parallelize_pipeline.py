@@ -14,6 +14,14 @@ schedules, FSDP per stage and full state dicts are the decorator's. The copied
 lines keep their line numbers in the user's file, so a traceback in a stage shows
 the user's line.
 
+Tensor parallel goes first (``tp > 1``: the layers are DTensors on the mesh's tensor
+dim, sharded on the whole model before the cut). The schedule runs this rank's stage
+modules, never ``model.forward``, so the swap of DTensor parameters for their local
+shards moves from the model's forward to each stage module's (``local_forward_per_stage``;
+under FSDP, into each sharded block too). A weight tied across stages (a vocab-sharded
+embedding and a ``colwise_gather_output`` head share rows) is held by both stages, each
+rank its tensor shard, and its gradient summed over the pipeline ranks of that shard.
+
 This is the one runtime module that reads source: ``@pipeline``'s runtime
 (``pipeline.py``) takes the units the expansion wrote, while a built model's class
 was never expanded.
@@ -34,6 +42,7 @@ from macrogen import pipeline_analysis as analysis
 from macrogen import pipeline_units as pf
 from macrogen.pipeline_code import unit_function
 from macrogen.runtime import mesh as meshes
+from macrogen.runtime import parallelize
 from macrogen.runtime import pipeline as pipelines
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -101,11 +110,6 @@ def apply_pipeline(
         raise ValueError(f"{at}: schedule={schedule!r}: expected one of {SCHEDULES}")
     if pipelines.pipeline_of(model) is not None:
         raise ValueError(f"{at}: this model is pipelined already (@mg.pipeline or mg.parallelize)")
-    if mesh.tensor_size > 1:
-        raise ValueError(
-            f"{at}: pp > 1 with tp > 1 is not supported yet on a built model; use @mg.pipeline"
-            " with @mg.tensor_parallel layers in its class (docs/pipeline.md)"
-        )
     assert mesh.device_mesh is None or mesh.pipeline_size == pp  # (device_mesh made it so)
     per_rank = 2 if schedule == "interleaved" else 1
     config = pipelines.PipelineConfig(
@@ -115,10 +119,38 @@ def apply_pipeline(
         stages_per_rank=per_rank,
     )
     forward = forward_of(type(model), where=where)
-    pipelines.attach(model, config, forward, where=where)
+    pipe = pipelines.attach(model, config, forward, where=where)
+    if parallelize.is_tensor_parallel(model) and pipe.layout is not None:
+        _stages_on_local_shards(model, pipe, where=at)
     # the serial model's state dict, as a @pipeline class's methods give it
     model.__dict__["full_state_dict"] = functools.partial(pipelines.full_state_dict, model)
     model.__dict__["load_full_state_dict"] = functools.partial(
         pipelines.load_full_state_dict, model
     )
     return model
+
+
+def _stages_on_local_shards(model: nn.Module, pipe: pipelines.Pipeline, *, where: str) -> None:
+    """Tensor parallel first (its DTensors swapped for their local shards by a pre-hook on the
+    model's forward): the schedule runs this rank's stage modules, never ``model.forward``, so
+    each stage swaps the parameters of its own parts while it runs (per micro-batch)."""
+    local_forward_per_stage(model, pipe)
+    last = pipe.config.stages - 1
+    if last in pipe.stages:  # a colwise layer's output sent to the loss: a slice of it
+        parallelize.check_outputs(model, pipe.stage_module(last), where=where)
+
+
+def local_forward_per_stage(
+    model: nn.Module, pipe: pipelines.Pipeline, units: list[nn.Module] | None = None
+) -> None:
+    """Each of this rank's stage modules (and ``units`` inside them: FSDP's, each swapping
+    its own) runs on local shards; a stage's bare parameter parts are swapped in the module
+    holding them."""
+    stages = [pipe.stage_module(s) for s in pipe.stages]
+    owners: dict[nn.Module, list[nn.Module]] = {}
+    for stage, s in zip(stages, pipe.stages):
+        for part, users in pipe.plan.owners.items():
+            head = part.rpartition(".")[0]
+            if s in users and isinstance(pipelines._get(model, part), nn.Parameter):
+                owners.setdefault(stage, []).append(pipelines._get(model, head) if head else model)
+    parallelize.local_forward_per_unit(model, [*(units or ()), *stages], owners)

@@ -673,15 +673,16 @@ class Pipeline:
                 )
         current = self.model.state_dict()
         mine = {k: v for k, v in state_dict.items() if k in current}
-        if self.fully_sharded:  # FSDP's parameters: this rank's shard of each
-            from torch.distributed.tensor import distribute_tensor
+        # DTensors (FSDP's, mg.parallelize's tensor-parallel ones): this rank's shard of each
+        # (FSDP's shard of a packed colwise shard cut by hand: torch permutes its rows)
+        from torch.distributed.tensor import DTensor
 
-            for k, v in mine.items():
-                now = current[k]
-                if _is_dtensor(now):
-                    mine[k] = distribute_tensor(
-                        v.to(now.device, now.dtype), now.device_mesh, now.placements
-                    )
+        from macrogen.runtime.checkpoint_state import _restride
+
+        for k, v in mine.items():
+            now = current[k]
+            if isinstance(now, DTensor):
+                mine[k] = _restride(v.to(now.device, now.dtype), now)
         if self.layout is not None and self.layout.tensor_size > 1:  # each keeps its shard
             return tensor_parallel.load_full_state_dict(self.model, mine, strict=strict)
         return self.model.load_state_dict(mine, strict=strict)
@@ -689,11 +690,16 @@ class Pipeline:
     def _local_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's entries at serial shapes (tensor-parallel shards gathered in the stage)."""
         if self.layout is not None and self.layout.tensor_size > 1:
-            return tensor_parallel.full_state_dict(self.model)
-        state = self.model.state_dict()
-        if self.fully_sharded:  # every rank of the stage gathers each, in the same order
-            return {k: v.full_tensor() if _is_dtensor(v) else v for k, v in state.items()}
-        return state
+            state = tensor_parallel.full_state_dict(self.model)  # @tensor_parallel's shards
+        else:
+            state = self.model.state_dict()
+        # DTensors (FSDP's, mg.parallelize's tensor-parallel ones): every rank of the stage
+        # gathers each, in the same order (FSDP's shard of a packed colwise shard by hand)
+        from torch.distributed.tensor import DTensor
+
+        from macrogen.runtime.checkpoint_state import _full_tensor
+
+        return {k: _full_tensor(v) if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
 def _is_dtensor(t: Any) -> bool:

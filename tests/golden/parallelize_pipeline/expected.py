@@ -9,8 +9,10 @@ from macrogen.runtime.data_parallel import DataParallelConfig
 from macrogen.runtime.fully_sharded import FullyShardedConfig
 from macrogen.runtime.fully_sharded import apply_fully_sharded
 from macrogen.runtime.parallelize import apply_data_parallel
+from macrogen.runtime.parallelize import apply_tensor_parallel
 from macrogen.runtime.parallelize import device_mesh
 from macrogen.runtime.parallelize_pipeline import apply_pipeline
+from macrogen.runtime.recompute import apply_recompute
 
 
 def _parallelize_l20(model):
@@ -52,6 +54,32 @@ def _parallelize_l21(model):
     return model
 
 
+def _parallelize_l22(model):
+    """mg.parallelize at input.py:22: tensor parallel 2 ways (2 plan entries), then the repeated blocks recomputed in backward, then 2 pipeline stages (1f1b, 4 micro-batches), then data parallel (replicate).
+
+    The model object is kept; each step below changes it in place, in torchtitan's order.
+    """
+    mesh = device_mesh(tp=2, pp=2, planned=True, where='input.py:22')
+    # 1. tensor parallel over the mesh's tensor dim: shards as DTensors, forward on local shards
+    apply_tensor_parallel(model, mesh, {
+        'emb': 'vocab',
+        'head': 'colwise_gather_output',
+    }, where='input.py:22')
+    # the repeated blocks keep only their inputs and run their forward again in backward
+    # (before data parallel: FSDP's hooks wrap the recomputed forward)
+    apply_recompute(model, 'blocks', where='input.py:22')
+    # 2. pipeline: forward cut into 2 stages (1f1b, 4 micro-batches), as @mg.pipeline would cut
+    # its class; this rank keeps its stage, and mg.pipeline_step(model, x, y, loss_fn) runs the schedule
+    apply_pipeline(model, mesh, pp=2, microbatches=4, schedule='1f1b', where='input.py:22')
+    # 3. data parallel (replicate): gradients averaged over the mesh's data dim
+    apply_data_parallel(model, mesh, 'replicate', where='input.py:22', config=DataParallelConfig(
+        bucket_mb=25,
+        compress=None,
+        accumulate=1,
+    ))
+    return model
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -70,3 +98,5 @@ class Net(nn.Module):
 model = _parallelize_l20(Net())
 # macrogen: parallelize at input.py:21
 model = _parallelize_l21(Net())
+# macrogen: parallelize at input.py:22
+model = _parallelize_l22(Net())

@@ -19,3 +19,11 @@ class Net(nn.Module):
 
 model = mg.parallelize(Net(), pp=2, microbatches=4)
 model = mg.parallelize(Net(), pp=2, microbatches=8, schedule="interleaved", dp="fsdp")
+model = mg.parallelize(
+    Net(),
+    pp=2,
+    tp=2,
+    tp_plan={"emb": "vocab", "head": "colwise_gather_output"},
+    microbatches=4,
+    recompute="blocks",
+)
