@@ -92,11 +92,15 @@ def main() -> None:
             searches.append((world, found.winner, winner, best, n_found, len(measured)))
     worlds = sorted({w for w, _, _ in rows})
     fits = {w: cost.fit([(p.step, c["time_s"]) for x, p, c in rows if x == w]) for w in worlds}
+
+    def ms(v: float | None) -> str:
+        return "the link's prior" if v is None else f"{v * 1e3:.2f} ms"
+
     for w, f in fits.items():
         print(
             f"fit on {w} rank(s) (as the search fits its own runs): compute x{f.compute:.3f},"
-            f" communication x{f.communication:.3f}, {f.per_unit * 1e3:.2f} ms per FSDP unit,"
-            f" {f.per_call * 1e3:.2f} ms per other collective call"
+            f" communication x{f.communication:.3f}, {ms(f.per_unit)} per FSDP unit,"
+            f" {ms(f.per_call)} per other collective call"
         )
     print(
         f"{'ranks':>5}  {'layout':<40} {'measured':>10} {'raw':>10} {'fitted':>10} {'err':>6}"

@@ -14,6 +14,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -150,3 +151,24 @@ def test_fsdp_stages_gather_each_unit_again_for_every_micro_batch() -> None:
     plain = cost.predict(PROFILE, Layout(dp="fsdp"), 4, MACHINE)
     # without stages: 8 blocks + the root, gathered twice, reduced once, each in 3 ring steps
     assert plain.units == 9 * 3
+
+
+def test_an_fsdp_units_cost_is_the_links_prior_until_fsdp_layouts_are_measured() -> None:
+    machine = cost.Machine(8, cost.GLOO_LOCAL, cost.GLOO_LOCAL)
+    replicated = [cost.predict(PROFILE, Layout(dp="replicate"), w, machine) for w in (2, 4)]
+    replicated += [cost.predict(PROFILE, Layout(pp=2, microbatches=m), 2, machine) for m in (2, 4)]
+    f = cost.fit([(s, 1.3 * s.total) for s in replicated])
+    assert f.per_unit is None  # four points, none of them FSDP: nothing known of a unit
+    fsdp = cost.predict(PROFILE, Layout(dp="fsdp"), 4, machine)
+    assert f(fsdp) - f.compute * fsdp.compute - f.communication * fsdp.communication == (
+        fsdp.units * cost.GLOO_LOCAL.unit_s
+    )
+
+
+def test_calls_can_be_fitted_while_units_keep_their_prior() -> None:
+    steps = [
+        cost.Step(1.0 + c / 7, 0.0, 1.0 + c % 3, 0.0, calls=c, units=0, call_s=0.5, unit_s=0.5)
+        for c in (0, 30, 10, 2, 5, 1)
+    ]
+    f = cost.fit([(s, 2 * s.compute + 0.5 * s.communication + 0.01 * s.calls) for s in steps])
+    assert f.per_unit is None and f.per_call == pytest.approx(0.01)

@@ -192,8 +192,15 @@ def test_the_fit_finds_the_fixed_costs_of_fsdp_units_and_calls():
     assert (f.compute, f.communication, f.per_unit, f.per_call) == pytest.approx(
         (2, 0.5, 0.004, 0.01)
     )
-    four = cost.fit(list(zip(steps[:4], measured[:4])))  # units from four points, calls from six
-    assert four.per_call == 0
+    # units from four points, calls from six, two of them paying it
+    four = cost.fit(list(zip(steps[1:5], measured[1:5])))
+    assert four.per_call is None and four.per_unit is not None
+    assert cost.fit(list(zip(steps[:4], measured[:4]))).per_unit is None  # one FSDP layout
+    # before a fixed cost is fitted, the link's prior stands for it, in the fit and the prediction
+    primed = [dataclasses.replace(s, call_s=0.01, unit_s=0.004) for s in steps[:3]]
+    three = cost.fit(list(zip(primed, measured[:3])))
+    assert (three.compute, three.communication) == pytest.approx((2, 0.5))
+    assert three(primed[2]) == pytest.approx(measured[2])
     # a negative term would explain noise: it is held at zero and the rest refitted
     assert cost.nonnegative_least_squares([[1, 1], [1, 2], [1, 3]], [3, 2, 1]) == pytest.approx(
         [2, 0]

@@ -51,6 +51,10 @@ class Link:
     name: str
     bandwidth: float  # bytes per second
     latency: float = 5e-6  # seconds per message (alpha)
+    # fixed costs before any are fitted (``Fit``): a collective call's, an FSDP unit's per step
+    # (a GPU's: a kernel launch, FSDP2's hooks and copies)
+    call_s: float = 2e-5
+    unit_s: float = 1e-4
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,9 @@ class Machine:
     one_thread: bool = False  # several ranks run one intra-op thread each (torchrun on CPU)
 
 
-# gloo on one host (loopback TCP), from bench/collectives.py on the development machine
-GLOO_LOCAL = Link("gloo", bandwidth=0.7e9, latency=3.7e-4)
+# gloo on one host (loopback TCP), from bench/collectives.py on the development machine; its
+# fixed costs from bench/layout_autotune.py's fits there (FSDP2's hooks on CPU take ms)
+GLOO_LOCAL = Link("gloo", bandwidth=0.7e9, latency=3.7e-4, call_s=3e-4, unit_s=5e-3)
 
 
 _LINK = re.compile(r"\s*([A-Za-z][\w-]*)\s*:\s*([\d.eE+]+)\s*([KMGT]?)(B|b)/s\s*")
@@ -115,14 +120,21 @@ class Step:
     # each x the machine's slowdown (their fixed costs are fitted: ``Fit``)
     calls: float = 0.0
     units: float = 0.0
+    # the links' fixed costs per call and per unit, until measurements fit them (``Fit``)
+    call_s: float = 0.0
+    unit_s: float = 0.0
 
     @property
     def communication(self) -> float:
         return self.tensor + self.data + self.pipeline
 
     @property
+    def fixed(self) -> float:
+        return self.calls * self.call_s + self.units * self.unit_s
+
+    @property
     def total(self) -> float:
-        return self.compute + self.communication
+        return self.compute + self.communication + self.fixed
 
 
 def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> Step:
@@ -179,7 +191,10 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     calls += 2 * m if pp > 1 else 0.0
     # fixed costs are CPU work and waits on descheduled ranks: ranks sharing cores pay more
     s = machine.slowdown
-    return Step(compute, tensor, data, pipeline, calls * s, fsdp_units * s)
+    link = dp_link if layout.dp == "fsdp" else tp_link
+    return Step(
+        compute, tensor, data, pipeline, calls * s, fsdp_units * s, link.call_s, link.unit_s
+    )
 
 
 @dataclass(frozen=True)
@@ -189,15 +204,17 @@ class Fit:
 
     compute: float = 1.0
     communication: float = 1.0
-    per_unit: float = 0.0  # seconds per FSDP unit and step beyond its collectives' bytes
-    per_call: float = 0.0  # seconds per other collective or send beyond the alpha-beta model
+    # seconds per FSDP unit and step beyond its collectives' bytes (None: the link's prior)
+    per_unit: float | None = None
+    # seconds per other collective or send beyond the alpha-beta model (None: the link's)
+    per_call: float | None = None
 
     def __call__(self, step: Step) -> float:
         return (
             self.compute * step.compute
             + self.communication * step.communication
-            + self.per_unit * step.units
-            + self.per_call * step.calls
+            + (step.unit_s if self.per_unit is None else self.per_unit) * step.units
+            + (step.call_s if self.per_call is None else self.per_call) * step.calls
         )
 
 
@@ -208,24 +225,37 @@ def fit(points: Sequence[tuple[Step, float]]) -> Fit:
 
     The fixed costs (Python hooks, copies, a thread's wake-up: on a shared CPU they
     outweigh the bytes) join from four points (units) and six (calls) on, so that
-    there are more points than terms; one point fits one common scale of compute
-    and communication.
+    there are more points than terms, two of which pay the cost; until then the
+    link's priors stand for them.
+    One point fits one common scale of compute and communication.
     """
+    points = [(s, t) for s, t in points if t > 0]
     if not points:
         return Fit()
-    common = sum(t for _, t in points) / max(sum(s.total for s, _ in points), 1e-12)
-    if len(points) < 2:
-        return Fit(common, common)
+    # a fixed cost is fitted from enough points, two or more of which pay it (no FSDP layout
+    # measured says nothing of an FSDP unit's cost: its prior stands)
+    units = len(points) >= 4 and sum(s.units > 0 for s, _ in points) >= 2
+    calls = len(points) >= 6 and sum(s.calls > 0 for s, _ in points) >= 2
+    # what the fixed costs not fitted take of each measurement, at the links' priors
+    rest = [
+        (s, t - (0.0 if units else s.units * s.unit_s) - (0.0 if calls else s.calls * s.call_s))
+        for s, t in points
+    ]
+    variable = sum(s.compute + s.communication for s, _ in points)
+    common = max(sum(r for _, r in rest), 0.0) / max(variable, 1e-12)
+    if len(points) < 2 or common <= 0:
+        return Fit(common, common) if common > 0 else Fit()
     columns: list[Callable[[Step], float]] = [lambda s: s.compute, lambda s: s.communication]
-    if len(points) >= 4:
+    if units:
         columns.append(lambda s: s.units)
-    if len(points) >= 6:
+    if calls:
         columns.append(lambda s: s.calls)
-    rows = [[c(s) / t for c in columns] for s, t in points if t > 0]
-    found = nonnegative_least_squares(rows, [1.0] * len(rows)) if rows else None
+    rows = [[c(s) / t for c in columns] for s, t in points]
+    found = nonnegative_least_squares(rows, [r / t for (_, r), (_, t) in zip(rest, points)])
     if found is None or found[0] <= 0:  # no compute: the points explain noise, not the machine
         return Fit(common, common)
-    return Fit(*found)
+    fixed = iter(found[2:])  # the fitted fixed costs, in the columns' order
+    return Fit(found[0], found[1], next(fixed) if units else None, next(fixed) if calls else None)
 
 
 def nonnegative_least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
