@@ -17,7 +17,9 @@ strided ones).
 
 from __future__ import annotations
 
+import gc
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -191,7 +193,14 @@ def _worker(rank, world, variants, code, directory):
         losses, grads, state = _train(module, variant)
         # the state dict round-trips: a fresh model, cut and sharded, loads it and gives it back
         torch.set_default_dtype(torch.float64)
-        fresh = module.parallel(module.GPT(), variant)
+        whole = module.GPT()
+        blocks = [weakref.ref(b) for b in whole.blocks]
+        fresh = module.parallel(whole, variant)
+        del whole
+        gc.collect()
+        # the other stage's blocks are gone: nothing (a list of the model's modules) keeps them
+        alive = sum(b() is not None for b in blocks)
+        assert alive == 2, (variant, alive)
         fresh.load_full_state_dict(state)
         again = fresh.full_state_dict()
         torch.set_default_dtype(torch.float32)

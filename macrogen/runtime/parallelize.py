@@ -562,6 +562,9 @@ def local_forward_per_unit(
     unit, and ``owners`` adds the modules holding its bare parameters (their own tables only)."""
     for handle in model.__dict__.pop(_HOOKS, ()):
         handle.remove()
+    # the model's own list of every module it had: a pipeline cut dropped some, and the list
+    # would keep them (another stage's shards) alive
+    model.__dict__.pop(_SCOPE, None)
     boundaries = {id(u) for u in units}
 
     def scope(unit: nn.Module) -> list[nn.Module]:
