@@ -172,3 +172,15 @@ def test_calls_can_be_fitted_while_units_keep_their_prior() -> None:
     ]
     f = cost.fit([(s, 2 * s.compute + 0.5 * s.communication + 0.01 * s.calls) for s in steps])
     assert f.per_unit is None and f.per_call == pytest.approx(0.01)
+
+
+def test_the_entrys_batch_is_whole_on_every_rank() -> None:
+    from macrogen.autotune import memory
+
+    with_data = replace(PROFILE, data_bytes=500)
+    for layout, world in ((Layout(), 1), (Layout(dp="fsdp"), 4), (Layout(pp=2, microbatches=4), 2)):
+        more = (
+            memory.predict(with_data, layout, world).total
+            - memory.predict(PROFILE, layout, world).total
+        )
+        assert more == 500

@@ -18,6 +18,7 @@ measures on each rank:
                  recomputed block's input, the residual stream, whole under tp)
                  (replicate, zero1 with D > 1: + a copy of the gradients while buckets reduce)
     optimizer    T, the optimizer step's temporaries, x the parameters' shares (zero1, fsdp: / D)
+    data         the entry's own tensors between steps (its batch): whole on every rank
 
 The peak is the larger of a step's and the build's: ``mg.parallelize`` takes a
 built model, so every rank holds the whole serial model while it cuts its
@@ -57,6 +58,7 @@ class Profile:
     # one block's forward + backward at any batch (Python, dispatch, launches): per micro-batch
     block_call_s: float = 0.0
     optimizer_s: float = 0.0  # of the step, the optimizer's (0: not measured)
+    data_bytes: int = 0  # what the entry holds beside the model between steps (its batch)
     message_bytes: int = 0  # one block's output for the whole batch (what TP all-reduces)
     optimizer_bytes: int = 0  # the optimizer step's temporaries, above the gradients
     activation_sharded: float | None = None  # activations' share tp shards (None: as parameters)
@@ -100,10 +102,11 @@ class Breakdown:
     grads: float
     activations: float  # forward and backward's own tensors, or the optimizer step's
     build: float = 0.0  # while the serial model is cut into this rank's shards
+    data: float = 0.0  # the entry's own tensors (its batch), whole on every rank
 
     @property
     def step(self) -> float:
-        return self.params + self.state + self.grads + self.activations
+        return self.params + self.state + self.grads + self.activations + self.data
 
     @property
     def total(self) -> float:
@@ -155,7 +158,7 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
         activations += grads  # a bucket's gradients, scaled into a fresh buffer as it is reduced
     sharded = layout.tp > 1 or layout.pp > 1 or layout.dp == "fsdp"
     build = profile.param_bytes + (params if sharded else 0.0)
-    return Breakdown(params, state, grads, max(activations, temporaries), build)
+    return Breakdown(params, state, grads, max(activations, temporaries), build, profile.data_bytes)
 
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}

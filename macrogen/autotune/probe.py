@@ -30,7 +30,7 @@ from macrogen.autotune.process_memory import TensorPeak, warm_process
 
 # what a stored probe measured: a probe of other measures is not reused (memory was the
 # resident set before, and carried no optimizer or activation shares)
-MEASURES = "tensor-bytes-5"
+MEASURES = "tensor-bytes-6"
 
 
 class ProbeError(Exception):
@@ -179,6 +179,9 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             # the optimizer's state: counted when the optimizer is found, else what the
             # process holds between steps above the parameters and their gradients
             "state_bytes": state if state is not None else max(0, built.end - 2 * param_bytes),
+            # what the entry holds beside the model between steps (its batch): every rank
+            # builds it whole, whatever the layout
+            "data_bytes": max(0, built.end - 2 * param_bytes - (state or 0)),
             # gradients and activations: a step's tensors at its peak outside the optimizer
             # above the parameters and the state (the gradients it frees first were made
             # before the window), plus the gradients, which the model counts on their own
