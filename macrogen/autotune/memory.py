@@ -7,7 +7,7 @@ measures on each rank:
 
     params   P x tp share x pipeline share          (fsdp: / D, + three blocks' buffers;
                                                      under pp: whole through the step, + / D;
-                                                     its gradients twice, + / D)
+                                                     its gradients + / D + one block's)
     state    S x the same shares                    (zero1 and fsdp: / D)
     grads    as the parameters                      (fsdp: / D + four blocks' buffers)
     and the larger of the step's two transients:
@@ -130,11 +130,11 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
         state /= d
         temporaries /= d
     if layout.dp == "fsdp" and layout.pp > 1:
-        # torch's pipeline schedule gathers an FSDP stage once for all its micro-batches and
-        # reduces its gradients once at the end: the stage holds both whole beside the shards,
-        # and the whole gradients once more as the reduce-scatter's input
+        # torch's pipeline schedule keeps an FSDP stage gathered through each backward and
+        # reduces its gradients once, after the last micro-batch: the stage holds both whole
+        # beside the shards, and one unit's reduce-scatter input at a time
         params += params / d
-        grads += grads + grads / d
+        grads += grads / d + one_block
     elif layout.dp == "fsdp":
         # FSDP2 per unit: the gathered unit, the next one prefetched, and the all-gather's
         # buffer; in backward the unit's full gradients and the reduce-scatter's input and
