@@ -96,9 +96,10 @@ def test_memory_per_data_parallel_mode():
     assert fsdp.params == pytest.approx(25 + 3 * 10)  # a quarter, plus three blocks' buffers
     assert fsdp.state == 50 and fsdp.grads == pytest.approx(25 + 4 * 10)
     assert fsdp.activations == pytest.approx(100)  # no buckets: reduce-scattered per unit
-    # a pipeline stage under FSDP stays gathered through its micro-batches
+    # a pipeline stage under FSDP stays gathered through its backward, its gradients whole
+    # until the last micro-batch, reduce-scattered one unit (a block: 10) at a time
     staged = memory.predict(PROFILE, Layout(pp=2, dp="fsdp", microbatches=4), 4)
-    assert staged.params == pytest.approx(60 + 30) and staged.grads == pytest.approx(2 * 60 + 30)
+    assert staged.params == pytest.approx(60 + 30) and staged.grads == pytest.approx(60 + 30 + 10)
 
 
 def test_memory_under_tensor_and_pipeline_parallelism():
