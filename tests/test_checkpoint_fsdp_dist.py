@@ -93,10 +93,10 @@ def train(kind: str, ckpt: Path, stop: int | None = None, seed: int = 1) -> nn.M
 
 def full(model: nn.Module) -> dict[str, torch.Tensor]:
     # (not DTensor.full_tensor(): FSDP x TP's packed qkv comes out of it with rows permuted)
-    from macrogen.runtime.checkpoint_state import _full_tensor
+    from macrogen.runtime.dtensor_whole import full_tensor
 
     return {
-        k: (_full_tensor(v) if hasattr(v, "full_tensor") else v).detach().clone()
+        k: (full_tensor(v) if hasattr(v, "full_tensor") else v).detach().clone()
         for k, v in model.state_dict().items()
     }
 

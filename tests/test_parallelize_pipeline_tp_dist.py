@@ -178,9 +178,9 @@ def _full(t):
     # FSDP's shard of a packed colwise shard is gathered by hand (torch permutes its rows);
     # a copy: a replicated DTensor's whole tensor is its local one, a view into the gradient
     # buckets that the next step overwrites
-    from macrogen.runtime.checkpoint_state import _full_tensor
+    from macrogen.runtime.dtensor_whole import full_tensor
 
-    return (_full_tensor(t) if hasattr(t, "full_tensor") else t).detach().clone()
+    return (full_tensor(t) if hasattr(t, "full_tensor") else t).detach().clone()
 
 
 def _worker(rank, world, variants, code, directory):

@@ -677,12 +677,12 @@ class Pipeline:
         # (FSDP's shard of a packed colwise shard cut by hand: torch permutes its rows)
         from torch.distributed.tensor import DTensor
 
-        from macrogen.runtime.checkpoint_state import _restride
+        from macrogen.runtime.dtensor_whole import restride
 
         for k, v in mine.items():
             now = current[k]
             if isinstance(now, DTensor):
-                mine[k] = _restride(v.to(now.device, now.dtype), now)
+                mine[k] = restride(v.to(now.device, now.dtype), now)
         if self.layout is not None and self.layout.tensor_size > 1:  # each keeps its shard
             return tensor_parallel.load_full_state_dict(self.model, mine, strict=strict)
         return self.model.load_state_dict(mine, strict=strict)
@@ -697,9 +697,9 @@ class Pipeline:
         # gathers each, in the same order (FSDP's shard of a packed colwise shard by hand)
         from torch.distributed.tensor import DTensor
 
-        from macrogen.runtime.checkpoint_state import _full_tensor
+        from macrogen.runtime.dtensor_whole import full_tensor
 
-        return {k: _full_tensor(v) if isinstance(v, DTensor) else v for k, v in state.items()}
+        return {k: full_tensor(v) if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
 def _is_dtensor(t: Any) -> bool:
