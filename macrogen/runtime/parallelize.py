@@ -488,7 +488,21 @@ def _shard(
         "rowwise": _rowwise_forward,
         "vocab": _vocab_forward,
     }[style.kind]
-    module.__dict__["forward"] = functools.partial(forward, module, group, kind)
+    module.__dict__["forward"] = _weakly_bound(forward, module, group, kind)
+
+
+def _weakly_bound(fn: Any, module: nn.Module, *args: Any) -> Any:
+    """``fn(module, *args, ...)`` as ``module``'s own forward. The module holds it, so it reaches
+    the module weakly: a strong reference is a cycle, which keeps a layer that a pipeline cut
+    dropped (another stage's, with its shards) alive until a gc pass."""
+    ref = weakref.ref(module)
+
+    def forward(*more: Any, **kwargs: Any) -> Any:
+        me = ref()
+        assert me is not None, "a layer's forward outlived its layer"
+        return fn(me, *args, *more, **kwargs)
+
+    return forward
 
 
 def _cut(
@@ -562,9 +576,13 @@ def local_forward_per_unit(
     unit, and ``owners`` adds the modules holding its bare parameters (their own tables only)."""
     for handle in model.__dict__.pop(_HOOKS, ()):
         handle.remove()
-    # the model's own list of every module it had: a pipeline cut dropped some, and the list
-    # would keep them (another stage's shards) alive
+    # the model's own lists of every module it had (the swap's scope, the colwise layers): a
+    # pipeline cut dropped some, and the lists would keep them (another stage's shards) alive
     model.__dict__.pop(_SCOPE, None)
+    if _COLWISE in model.__dict__:  # in place: the output checks' hooks hold this list
+        kept = {id(m) for m in model.modules()}
+        colwise = model.__dict__[_COLWISE]
+        colwise[:] = [(n, m) for n, m in colwise if id(m) in kept]
     boundaries = {id(u) for u in units}
 
     def scope(unit: nn.Module) -> list[nn.Module]:
