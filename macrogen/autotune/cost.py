@@ -13,8 +13,9 @@ Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
   (ranks over cores = the slowdown s), times max(bubble, s): a rank waiting in
   the bubble leaves its core to another's work;
 - tensor parallel: Megatron's 4 all-reduces per block (2 forward, 2 backward;
-  4 + 2r when a share r of the blocks is recomputed) of one block's output for the rank's micro-batch, over tp ranks (sequence
-  parallel's reduce-scatter + all-gather moves the same bytes);
+  4 + 2r when a share r of the blocks is recomputed) of one block's output for
+  the rank's micro-batch, over tp ranks (sequence parallel's reduce-scatter +
+  all-gather moves the same bytes);
 - data parallel: replicate and zero1 all-reduce the rank's gradients once
   (a ring moves 2x the parameter bytes); fsdp all-gathers them twice and
   reduce-scatters once (3x), one collective per unit (each block, and the root);
@@ -29,9 +30,7 @@ compute and the communication terms to measured step times, then fits two fixed
 costs the bytes do not explain: each FSDP unit's per step (``Step.units``:
 FSDP2's hooks, copies in and out of its flat buffers, three collectives -- under a
 pipeline 2m + 1, counted as (2m + 1) / 3 units, each x its ring's D - 1 steps; on a
-CPU they cost milliseconds)
-from four measured layouts, and each other
-collective call's (``Step.calls``: 4 + 2r per block and micro-batch under tp, 1
+CPU they cost milliseconds) from four measured layouts, and each other collective call's (``Step.calls``: 4 + 2r per block and micro-batch under tp, 1
 all-reduce for replicate, 2 sends per micro-batch under pp) from six.
 """
 
@@ -191,9 +190,10 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     calls += 2 * m if pp > 1 else 0.0
     # fixed costs are CPU work and waits on descheduled ranks: ranks sharing cores pay more
     s = machine.slowdown
-    link = dp_link if layout.dp == "fsdp" else tp_link
+    # the priors of the links the calls cross: tp's all-reduces, else replicate's, else the sends
+    call_link = tp_link if tp > 1 else dp_link if d > 1 else pp_link
     return Step(
-        compute, tensor, data, pipeline, calls * s, fsdp_units * s, link.call_s, link.unit_s
+        compute, tensor, data, pipeline, calls * s, fsdp_units * s, call_link.call_s, dp_link.unit_s
     )
 
 

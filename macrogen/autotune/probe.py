@@ -96,13 +96,10 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     )
     sharded, divisible = _plan_sizes(model, job.get("plan"))
     message: list[int] = []
-    block_time = [0.0]
-
-    def before(module: Any, args: Any) -> None:
-        block_time[0] -= time.perf_counter()
+    in_blocks = _Clock()  # the blocks' forward
 
     def after(module: Any, args: Any, output: Any) -> None:
-        block_time[0] += time.perf_counter()
+        in_blocks.stop()
         out = output[0] if isinstance(output, (tuple, list)) else output
         if not message and isinstance(out, torch.Tensor):
             message.append(out.numel() * out.element_size())
@@ -117,7 +114,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
 
     hooks = [blocks[0][1].register_forward_pre_hook(keep, with_kwargs=True)] if blocks else []
     for _, b in blocks:
-        hooks.append(b.register_forward_pre_hook(before))
+        hooks.append(b.register_forward_pre_hook(in_blocks.start))
         hooks.append(b.register_forward_hook(after))
     for _ in range(2):  # warm-up: optimizer state, allocator
         step()
@@ -129,7 +126,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     # one step: the gradients it frees first were made before the window (they don't count)
     with TensorPeak(cuda=cuda) as one_step, saved.hooks():
         step()
-    block_time[0] = 0.0
+    in_blocks.total = 0.0  # from the timed steps on
     timing[0] = True
     stepping = _Clock()  # the optimizer steps' time: replicate repeats it on every rank
     for opt in optimizers:
@@ -192,7 +189,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             "block_activations": saved.block_fraction(),
             "step_s": step_s,
             "step_one_thread_s": one_thread,
-            "block_s": min(step_s, (1 + backward) * block_time[0] / len(times)),
+            "block_s": min(step_s, (1 + backward) * in_blocks.total / len(times)),
             "block_call_s": call_s,
             "optimizer_s": optimizer_s,
             "message_bytes": message[0] if message else 0,

@@ -176,7 +176,7 @@ def autotune(
     finalists: list[dict[str, Any]] = []
     if layout_site is not None and stopped != "budget":
         finalists = finals(searcher.order, book)
-        again = [c for c in alternating(finalists, book) if c is not None]
+        again = alternating(finalists, book)
         if again:
             reporter.note(f"timing the {len(finalists)} closest layouts again, side by side")
 
@@ -230,12 +230,12 @@ def finals(order: list[dict[str, Any]], book: _Book) -> list[dict[str, Any]]:
     return [c for _, c in close[:FINALISTS]] if len(close) > 1 else []
 
 
-def alternating(finalists: list[dict[str, Any]], book: _Book) -> list[dict[str, Any] | None]:
+def alternating(finalists: list[dict[str, Any]], book: _Book) -> list[dict[str, Any]]:
     """Each finalist's missing repeats, in turns (A B C A B C): drifting load hits each alike."""
     need = []
     for c in finalists:
-        known = book.known(c) or {}
-        need.append(1 + REPEATS - len(known.get("times", [0.0])))
+        runs = len((book.known(c) or {}).get("times", ())) or 1  # no ``times``: the first run
+        need.append(1 + REPEATS - runs)
     return [c for turn in range(max(need, default=0)) for c, n in zip(finalists, need) if n > turn]
 
 
@@ -405,7 +405,7 @@ class _Book:
         record = self._record_for(m.signature if m.error is None else None)
         entry: dict[str, Any] = {"values": database.encode_values(m.values)}
         before = self.known(m.values) if again else None
-        if before is not None and "time_s" in before and m.error is None:
+        if before is not None and "time_s" in before:
             times = [*before.get("times", [before["time_s"]]), float(f"{m.time_s:.6g}")]
             m = replace(
                 m,

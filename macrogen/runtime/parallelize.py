@@ -23,7 +23,8 @@ puts each parameter's local tensor (``to_local()``, one autograd node each) in
 its place for the duration of the forward (pipelined: of each stage module's
 forward; under FSDP: of each unit's), and each planned layer's ``forward`` (an
 instance attribute: its class is untouched) runs the layer's math on the local
-shard with the collective fused in, as ``@tensor_parallel``'s layers do. The gradients land on the DTensor parameters with their placements.
+shard with the collective fused in, as ``@tensor_parallel``'s layers do. The
+gradients land on the DTensor parameters with their placements.
 
     style                  layers                       weight shard              output
     colwise                nn.Linear, HF Conv1D         out features              sharded on the last dim
@@ -488,18 +489,18 @@ def _shard(
         "rowwise": _rowwise_forward,
         "vocab": _vocab_forward,
     }[style.kind]
-    module.__dict__["forward"] = _weakly_bound(forward, module, group, kind)
+    module.__dict__["forward"] = weakly_bound(forward, module, group, kind)
 
 
-def _weakly_bound(fn: Any, module: nn.Module, *args: Any) -> Any:
-    """``fn(module, *args, ...)`` as ``module``'s own forward. The module holds it, so it reaches
-    the module weakly: a strong reference is a cycle, which keeps a layer that a pipeline cut
-    dropped (another stage's, with its shards) alive until a gc pass."""
+def weakly_bound(fn: Any, module: nn.Module, *args: Any) -> Any:
+    """``fn(module, *args, ...)`` for ``module`` to hold (its own forward). It reaches the module
+    weakly: a strong reference is a cycle, which keeps a layer that a pipeline cut dropped
+    (another stage's, with its shards) alive until a gc pass."""
     ref = weakref.ref(module)
 
     def forward(*more: Any, **kwargs: Any) -> Any:
         me = ref()
-        assert me is not None, "a layer's forward outlived its layer"
+        assert me is not None, "a module's forward outlived its module"
         return fn(me, *args, *more, **kwargs)
 
     return forward

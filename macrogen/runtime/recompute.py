@@ -22,7 +22,6 @@ own, plus one block's; a step costs one more forward of the recomputed blocks.
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from macrogen.runtime.fully_sharded import repeated_layers
-from macrogen.runtime.parallelize import local_parameters
+from macrogen.runtime.parallelize import local_parameters, weakly_bound
 
 
 def every(which: object) -> int | None:
@@ -72,23 +71,18 @@ def apply_recompute(model: nn.Module, which: str | int | None, *, where: str) ->
 
 
 def _recomputed(block: nn.Module) -> Callable[..., Any]:
-    # The block holds this function: it reaches the block weakly, or a block that a pipeline
-    # cut drops (another stage's) would live on in a reference cycle until a gc pass.
-    ref = weakref.ref(block)
+    # The block holds these functions: they reach it weakly (weakly_bound), or a block that a
+    # pipeline cut drops (another stage's) would live on in a reference cycle until a gc pass.
     own = block.__dict__.get("forward")  # an instance forward already there, else the class's
+    forward = own if own is not None else weakly_bound(type(block).forward, block)
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        me = ref()
-        assert me is not None, "a block's forward outlived its block"
-        return own(*args, **kwargs) if own is not None else type(me).forward(me, *args, **kwargs)
-
-    def again(*args: Any, **kwargs: Any) -> Any:
+    def local(me: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # the recompute runs in backward, after mg.parallelize's forward hook has put the
         # tensor-parallel DTensor parameters back: the block takes its local shards again
-        me = ref()
-        assert me is not None, "a block's forward outlived its block"
         with local_parameters(me):
             return forward(*args, **kwargs)
+
+    again = weakly_bound(local, block)
 
     @functools.wraps(type(block).forward)
     def run(*args: Any, **kwargs: Any) -> Any:
