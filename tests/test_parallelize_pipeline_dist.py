@@ -7,7 +7,8 @@ within 1e-10) equal the unexpanded file's, run serially in this process. One spa
 per world size: 2 ranks (1F1B with the default dp="replicate" over one replica,
 GPipe, interleaved, the blocks recomputed), 4 ranks (pipeline 2 x data 2: replicate,
 FSDP with and without recompute, and ZeRO-1 with ``mg.shard_optimizer``, whose
-``.grad`` stays each replica's own: losses and parameters).
+``.grad`` stays each replica's own: losses and parameters). Replicate all-reduces a
+step's gradients once, not once per micro-batch.
 """
 
 from __future__ import annotations
@@ -143,17 +144,24 @@ def _full(t):
 
 
 def _worker(rank, world, variants, code, directory):
+    from macrogen.runtime import buckets
     from macrogen.runtime import pipeline as rp
 
+    launches = []  # dp="replicate": the buckets' all-reduces
+    launch = buckets.Bucket.launch
+    buckets.Bucket.launch = lambda self, *a, **k: (launches.append(1), launch(self, *a, **k))[1]
     out = {}
     for variant in variants:
         rp.reset()
+        launches.clear()
         module = load_module(code, f"pp_{variant}_{rank}", Path(directory))
         losses, grads, state, model = _train(module, variant)
         recomputed = sum(
             getattr(m.__dict__.get("forward"), "_mg_recomputed", False) for m in model.modules()
         )
-        out[variant] = (losses, grads, state, rp.pipeline_of(model).describe(), recomputed)
+        sync = model.__dict__.get("_mg_gradient_sync")
+        reduces = (len(launches), len(sync.buckets) if sync is not None else 0)
+        out[variant] = (losses, grads, state, rp.pipeline_of(model).describe(), recomputed, reduces)
     return out
 
 
@@ -165,7 +173,7 @@ def _check(tmp_path, world, variants):
     for variant in variants:
         seen: list[dict] = [{} for _ in range(STEPS)]
         for rank_result in results:
-            losses, grads, state, _, recomputed = rank_result[variant]
+            losses, grads, state, _, recomputed, _ = rank_result[variant]
             assert recomputed == (2 if "recompute" in variant else 0), variant  # this stage's
             torch.testing.assert_close(
                 torch.tensor(losses), torch.tensor(want_losses), rtol=1e-10, atol=1e-10
@@ -195,4 +203,9 @@ def test_pp2_on_two_ranks_equals_the_serial_program(tmp_path):
 
 
 def test_pp2_by_dp2_on_four_ranks_equals_the_serial_program(tmp_path):
-    _check(tmp_path, 4, ["1f1b", "fsdp", "zero1", "fsdp_recompute"])
+    results = _check(tmp_path, 4, ["1f1b", "fsdp", "zero1", "fsdp_recompute"])
+    # replicate averages a step's gradients once, after its 4 micro-batches' backwards (each
+    # backward all-reduced them before: the same sums, 4x the traffic)
+    for rank_result in results:
+        launched, buckets = rank_result["1f1b"][5]
+        assert buckets >= 1 and launched == STEPS * buckets

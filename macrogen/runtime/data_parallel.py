@@ -15,7 +15,10 @@ its ``__init__``. From then on, with no change to the training loop:
   gradients.
 
 With ``accumulate=k`` only every k-th backward communicates; the backwards in
-between accumulate locally into the same buffers.
+between accumulate locally into the same buffers. A pipeline step runs one
+backward per micro-batch: under ``averaged_once()`` they all accumulate, and
+the sum is averaged once when it ends (DDP's ``no_sync`` for all but the last,
+as torch's pipeline schedules do), not once per micro-batch.
 
 Unused parameters: a bucket whose parameter got no gradient this backward
 is launched at the end of backward with that parameter's gradient as it is
@@ -26,9 +29,10 @@ to ``None`` if it was ``None`` before, as in the serial program.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +114,7 @@ class GradientSync:
         self.started = False
         self.backwards = 0  # backward passes so far (accumulate counts them)
         self.gradients_elsewhere = False  # a sharded optimizer reduces the gradients itself
+        self.held = False  # inside averaged_once(): backwards accumulate, its end averages
         self.replanned: list[str] = []  # why the buckets were planned again (a replaced parameter)
         local = config.sync_every > 1 or config.outer is not None or config.overlap
         self.local_sgd = LocalSGD(self) if local else None
@@ -245,8 +250,8 @@ class GradientSync:
         self.in_backward = True
         k = self.config.accumulate
         self.syncing = self.backwards % k == k - 1  # this backward communicates
-        if self.gradients_elsewhere or (self.local_sgd and not self.local_sgd.warming_up()):
-            self.syncing = False  # gradients stay local: the optimizer or averaging syncs
+        if self.held or self._elsewhere():
+            self.syncing = False  # gradients stay local: the optimizer, averaging or the end syncs
         self.ready = bytearray(len(self.params))
         torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
 
@@ -262,11 +267,32 @@ class GradientSync:
         bucket.launch(self.group, self.scale)
         self.launched = b + 1
 
+    def _elsewhere(self) -> bool:
+        """Whether something else averages the gradients: a sharded optimizer, local SGD."""
+        return self.gradients_elsewhere or bool(self.local_sgd and not self.local_sgd.warming_up())
+
+    @contextlib.contextmanager
+    def averaged_once(self) -> Iterator[None]:
+        """The backwards inside (a pipeline step's micro-batches) accumulate locally; leaving
+        averages their sum in one all-reduce per bucket. An exception inside leaves the
+        gradients as they are: averaging then could wait on a rank that is not coming."""
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+        if self.world_size > 1 and self.started and not self._elsewhere():
+            self.ready = bytearray(len(self.params))
+            self._average()
+
     def _after_backward(self) -> None:
         self.in_backward = False
         self.backwards += 1
-        if not self.syncing:
-            return
+        if self.syncing:
+            self._average()
+
+    def _average(self) -> None:
+        """Launch the buckets not launched yet, wait for all, settle the unused parameters."""
         # Buckets with a parameter no gradient reached: launch them as they are, in order.
         for b in range(self.launched, len(self.buckets)):
             bucket = self.buckets[b]

@@ -39,6 +39,7 @@ Run without a process group (or with world size 1) the model stays whole and
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -556,15 +557,18 @@ class Pipeline:
         first, last_here = any(s.is_first for s in here), any(s.is_last for s in here)
         losses: list[torch.Tensor] = []
         given = {targets: y} if loss_fn is None and last_here and targets else {}
-        self._schedule.step(
-            *((x,) if first else ()),
-            target=y if last_here else None,
-            losses=losses if last_here else None,
-            return_outputs=False,
-            **given,
-        )
-        if lay.data_size > 1 and not _has_gradient_sync(self.model):
-            self._average_over_data()  # (@data_parallel on the model averages in its buckets)
+        sync = _gradient_sync(self.model)
+        # @data_parallel on the model averages in its buckets, once for all micro-batches
+        with sync.averaged_once() if sync is not None else contextlib.nullcontext():
+            self._schedule.step(
+                *((x,) if first else ()),
+                target=y if last_here else None,
+                losses=losses if last_here else None,
+                return_outputs=False,
+                **given,
+            )
+        if lay.data_size > 1 and sync is None:
+            self._average_over_data()
         self._sum_tied()
         device = self._device()
         loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
@@ -708,10 +712,11 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def _has_gradient_sync(model: nn.Module) -> bool:
+def _gradient_sync(model: nn.Module) -> Any:
+    """The model's @data_parallel averaging (``GradientSync``), if it has one."""
     from macrogen.runtime.data_parallel import GradientSync
 
-    return any(isinstance(v, GradientSync) for v in vars(model).values())
+    return next((v for v in vars(model).values() if isinstance(v, GradientSync)), None)
 
 
 # -- what users and generated code call ------------------------------------------------------
