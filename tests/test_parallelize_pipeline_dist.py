@@ -13,6 +13,7 @@ step's gradients once, not once per micro-batch.
 
 from __future__ import annotations
 
+import collections
 import textwrap
 from pathlib import Path
 
@@ -144,12 +145,13 @@ def _full(t):
 
 
 def _worker(rank, world, variants, code, directory):
-    from macrogen.runtime import buckets
+    from macrogen.runtime import buckets, zero
     from macrogen.runtime import pipeline as rp
 
-    launches = []  # dp="replicate": the buckets' all-reduces
-    launch = buckets.Bucket.launch
-    buckets.Bucket.launch = lambda self, *a, **k: (launches.append(1), launch(self, *a, **k))[1]
+    launches = []  # the buckets' all-reduces (replicate) and reduce-scatters (zero1)
+    for cls, name in ((buckets.Bucket, "launch"), (zero.ShardBucket, "launch_reduce")):
+        counted = getattr(cls, name)
+        setattr(cls, name, _counting(counted, launches))
     out = {}
     for variant in variants:
         rp.reset()
@@ -159,10 +161,17 @@ def _worker(rank, world, variants, code, directory):
         recomputed = sum(
             getattr(m.__dict__.get("forward"), "_mg_recomputed", False) for m in model.modules()
         )
-        sync = model.__dict__.get("_mg_gradient_sync")
-        reduces = (len(launches), len(sync.buckets) if sync is not None else 0)
+        reduces = sorted(collections.Counter(launches).values())  # launches per bucket
         out[variant] = (losses, grads, state, rp.pipeline_of(model).describe(), recomputed, reduces)
     return out
+
+
+def _counting(launch, launches):
+    def counted(self, *args, **kwargs):
+        launches.append(id(self))
+        return launch(self, *args, **kwargs)
+
+    return counted
 
 
 def _check(tmp_path, world, variants):
@@ -204,8 +213,9 @@ def test_pp2_on_two_ranks_equals_the_serial_program(tmp_path):
 
 def test_pp2_by_dp2_on_four_ranks_equals_the_serial_program(tmp_path):
     results = _check(tmp_path, 4, ["1f1b", "fsdp", "zero1", "fsdp_recompute"])
-    # replicate averages a step's gradients once, after its 4 micro-batches' backwards (each
-    # backward all-reduced them before: the same sums, 4x the traffic)
+    # replicate and zero1 reduce a step's gradients once, after its 4 micro-batches' backwards
+    # (each backward all-reduced them before, and zero1 sent the first one's for nothing)
     for rank_result in results:
-        launched, buckets = rank_result["1f1b"][5]
-        assert buckets >= 1 and launched == STEPS * buckets
+        for variant in ("1f1b", "zero1"):
+            per_bucket = rank_result[variant][5]
+            assert per_bucket and set(per_bucket) == {STEPS}, (variant, per_bucket)

@@ -45,7 +45,7 @@ backward accumulating, ``clip_grad_norm_``, a ``GradScaler``'s unscale).
 Otherwise (decided on all ranks together by one small all-reduce, so that all
 issue the same collectives) every bucket is sent again from ``step()``, which
 is the synchronous algorithm. With ``@data_parallel(accumulate=k)`` only the
-k-th backward of a window sends.
+k-th backward of a window sends; in a pipeline step none does (step() sends once).
 
 A piece is an ordinary tensor of the parameter's elements, so any optimizer
 whose update is element-wise (SGD, Adam, AdamW, Adagrad, RMSprop, ...) gives
@@ -554,7 +554,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ends = self.sync is None or self.sync.window_ends()
         self._window_ends = ends
         self._sent_grads = {}
-        self._eager = ends and not self._stale
+        # a pipeline step's micro-batches (the model's averaged_once): which backward is the
+        # last is not known here, so step() sends them once
+        held = self.sync is not None and self.sync.held
+        self._eager = ends and not self._stale and not held
         self._ready = bytearray(len(self._ready))
         self._pending = [len(b.params) for b in self.buckets]
         torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
