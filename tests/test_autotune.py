@@ -392,3 +392,40 @@ def test_a_candidate_its_macro_rejects_is_recorded_failed_without_a_run() -> Non
             error="expansion failed: the tile size of 'i' must be a power of two, not 48",
         )
     ]
+
+
+@pytest.mark.slow
+def test_the_worker_takes_the_order_the_search_gives_after_each_result(tmp_path: Path) -> None:
+    """A search that re-ranks as it learns (layouts: the fitted cost model) hands ``reorder``
+    to measure(); the worker, between candidates, takes the order written after its last
+    result: here ascending and descending in turns, so only a live order gives 5 1 4 2 3."""
+    from macrogen.autotune.measure import Measurement, Program, measure
+
+    source = textwrap.dedent(
+        """\
+        import torch
+
+        import macrogen as mg
+
+        SIZE = mg.tunable(1, choices=[1, 2, 3, 4, 5])
+
+
+        def make_step():
+            a = torch.randn(SIZE, SIZE)
+            return lambda: a @ a
+        """
+    )
+    src = _write(tmp_path, "order.py", source)
+    timing = Timing(warmup=1, min_time=0.02, timeout=60, group=1, rounds=1)
+    program = Program(src, source, ":make_step", True, 1, "cpu", timing)
+    got: list[Measurement] = []
+
+    def reorder(pending: list[dict]) -> list[dict]:
+        return sorted(pending, key=lambda v: v["SIZE"], reverse=len(got) % 2 == 0)
+
+    candidates = [{"SIZE": n} for n in range(1, 6)]
+    assert measure(program, candidates, lambda m: got.append(m) or True, reorder=reorder) == (
+        "complete"
+    )
+    assert [m.values["SIZE"] for m in got] == [5, 1, 4, 2, 3]
+    assert all(m.error is None for m in got)

@@ -81,6 +81,7 @@ def test_layout_auto_on_four_gloo_ranks(tmp_path: Path, monkeypatch) -> None:
         assert len(c["peak_bytes"]) == 4 and all(b > 0 for b in c["peak_bytes"])
         assert c["tokens_s"] > 0
     assert record["layout_probe"]["shape"]["blocks"] == 8
+    assert record["layout_probe"]["shape"]["rows"] == 16  # the batch: every layout splits it
     print(f"\nlayouts: measured {len(measured)} of {len(feasible)} in {elapsed:.1f} s\n{text}")
 
     # a rerun measures nothing (nor probes again): the database remembers

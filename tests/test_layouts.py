@@ -35,6 +35,18 @@ def test_infeasible_layouts_carry_their_reason(layout, reason):
     assert reason in (layouts.infeasible(layout, 4, SHAPE) or "")
 
 
+def test_a_batch_every_data_rank_and_micro_batch_cannot_share_equally_is_infeasible():
+    shape = ModelShape(blocks=8, rows=16)
+    assert layouts.infeasible(Layout(), 32, shape) == (
+        "a batch of 16 rows does not split into 32 data ranks (equal shares)"
+    )
+    assert layouts.infeasible(Layout(pp=2, microbatches=8), 8, shape) == (
+        "a batch of 16 rows does not split into 4 data ranks x 8 micro-batches (equal shares)"
+    )
+    assert layouts.infeasible(Layout(pp=2, microbatches=4), 8, shape) is None
+    assert layouts.infeasible(Layout(), 32, ModelShape(blocks=8)) is None  # rows not known
+
+
 def test_fewer_blocks_than_stages_is_infeasible():
     shape = ModelShape(blocks=2)
     assert layouts.infeasible(Layout(pp=4, microbatches=8), 4, shape) == (
@@ -331,6 +343,28 @@ def test_the_search_stops_when_nothing_left_is_predicted_faster():
         assert not exhaustive.done
     exhaustive.observe(0.3)
     assert exhaustive.done and exhaustive.stop_reason == "complete"
+
+
+def test_the_search_ranks_what_is_left_by_the_fit():
+    from macrogen.autotune import database
+    from macrogen.autotune.layout_search import LayoutSearch, Prediction
+
+    order = [{"k": name} for name in ("a", "b", "c", "d")]
+    # (compute, communication): raw a 1.0, b 1.05, c 1.2, d 1.3
+    raw = {"a": (1.0, 0.0), "b": (0.55, 0.5), "c": (0.6, 0.6), "d": (1.3, 0.0)}
+    predictions = {
+        database.canonical(c): Prediction(
+            Layout(), cost.Step(*raw[c["k"]], 0, 0), memory.Breakdown(0, 0, 0, 0)
+        )
+        for c in order
+    }
+    search = LayoutSearch(order, predictions, noise=float("-inf"))
+    search.observe(1.0)
+    assert [c["k"] for c in search.order] == ["a", "b", "c", "d"]  # one point: the raw order
+    search.observe(3.0)  # communication is 4.9x what the raw model says: c ~3.5, d 1.3
+    assert search.fitted.communication == pytest.approx(4.9)
+    assert [c["k"] for c in search.order] == ["a", "b", "d", "c"]
+    assert [c["k"] for c in search.rank([{"k": "c"}, {"k": "d"}])] == ["d", "c"]
 
 
 def test_sharded_layouts_peak_while_the_serial_model_is_cut():

@@ -50,14 +50,15 @@ def test_unsupported_layouts_are_predicted_and_marked():
     assert piped.note is None  # and shards their layers
 
 
-def _with_probe(tmp_path: Path) -> tuple[Path, Path]:
-    """The example and a tuning database holding its probe (as autotune stores it)."""
+def _with_probe(tmp_path: Path, rows: int = 1024) -> tuple[Path, Path]:
+    """The example and a tuning database holding its probe (as autotune stores it); the
+    entry's batch of ``rows`` rows."""
     src = tmp_path / "layout_auto.py"
     shutil.copy(EXAMPLE, src)
     db = tmp_path / "tuning.json"
     probe = {
         "profile": {**BIG.__dict__},
-        "shape": {"blocks": 8, "divisible": {"layers.0.n_head": 6}},
+        "shape": {"blocks": 8, "divisible": {"layers.0.n_head": 6}, "rows": rows},
         "source_hash": database.source_hash(src.read_text()),
         "measures": MEASURES,
     }
@@ -98,12 +99,50 @@ def test_plan_ranks_layouts_from_the_stored_probe(tmp_path, capsys):
     assert first.lstrip().startswith("1 ")
 
 
+def test_a_batch_that_does_not_split_rules_the_layout_out_until_it_grows(tmp_path, capsys):
+    src, db = _with_probe(tmp_path, rows=16)
+    argv = ["plan", str(src), "--world-size", "32", "--tuning", str(db), "--top", "200"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "a batch of 16 rows does not split into 32 data ranks (equal shares)" in out
+    assert "a batch of 16 rows does not split into 8 data ranks x 4 micro-batches" in out
+    assert " dp32 (" not in out and " dp16 (" in out  # tp2 x dp16: a row each
+    assert main([*argv, "--global-batch", "512"]) == 0
+    out = capsys.readouterr().out
+    assert " dp32 (" in out and "rows does not split" not in out
+
+
+def test_a_larger_batch_grows_what_grows_with_rows():
+    small = memory.Profile(
+        param_bytes=100,
+        sharded_bytes=0,
+        block_bytes=80,
+        blocks=2,
+        state_bytes=200,
+        transient_bytes=100 + 40,
+        step_s=10.0,
+        step_one_thread_s=20.0,
+        block_s=8.0,
+        block_call_s=0.5,
+        optimizer_s=1.0,
+        data_bytes=8,
+        message_bytes=16,
+    )
+    big = memory.with_batch(small, 4.0)
+    # the blocks' fixed cost (2 x 0.5 s) and the optimizer step (1 s) stay; the rest x4
+    assert big.step_s == pytest.approx(2.0 + 8.0 * 4) and big.block_s == pytest.approx(1 + 7 * 4)
+    assert big.step_one_thread_s == pytest.approx(20.0 * 34 / 10)
+    assert (big.activation_bytes, big.data_bytes, big.message_bytes) == (160, 32, 64)
+    assert (big.param_bytes, big.state_bytes, big.optimizer_s) == (100, 200, 1.0)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--link", "nvlink=fast"], "expected NAME:BANDWIDTH"),
         (["--gpu-memory", "lots"], "not a size: 'lots'"),
         (["--world-size", "0"], "--world-size must be at least 1"),
+        (["--global-batch", "0"], "--global-batch must be at least 1"),
     ],
 )
 def test_bad_options_are_usage_errors_in_one_line(tmp_path, capsys, args, message):

@@ -1,8 +1,9 @@
 """Autotuning an ``mg.parallelize`` layout: prune, predict, measure the best first, stop early.
 
     candidates --same layout?--> one each --probe--> shape and memory rules --> feasible
-    feasible --cost model--> order (predicted best first) --measure--> fit --> stop when
-    no remaining layout's fitted prediction beats the measured best by more than the noise
+    feasible --cost model--> order (predicted best first) --measure--> fit --> re-rank the rest
+    by the fit --> stop when no remaining layout's fitted prediction beats the measured best by
+    more than the noise
 
 A candidate is a dict of tunable values; ``layout_of`` reads the site's
 arguments with them in place (``layout="auto"``'s name, or the degrees).
@@ -108,7 +109,11 @@ def prepare(
 
 @dataclass
 class LayoutSearch:
-    """``search.Search``'s interface: the predicted best first, early stopping on the fit."""
+    """``search.Search``'s interface: the predicted best first, early stopping on the fit.
+
+    ``order`` is measured from the front; from two measurements on, what is left of it
+    is re-sorted by the fitted model after each one (``rank`` hands the worker that order).
+    """
 
     order: list[dict[str, Any]]
     predictions: dict[str, Prediction]
@@ -129,6 +134,13 @@ class LayoutSearch:
             if t is not None
         ]
         self.fitted = cost.fit(points)
+        if len(points) >= 2:  # the fit ranks what is left (one point only scales the raw model)
+            self.order[len(self.seen) :] = sorted(self.order[len(self.seen) :], key=self.predicted)
+
+    def rank(self, pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``pending`` in the search's order as it stands (the worker measures the first next)."""
+        position = {database.canonical(c): i for i, c in enumerate(self.order)}
+        return sorted(pending, key=lambda c: position.get(database.canonical(c), len(position)))
 
     def predicted(self, candidate: Mapping[str, Any]) -> float:
         return self.fitted(self.predictions[database.canonical(candidate)].step)

@@ -99,6 +99,7 @@ class ModelShape:
     blocks: int | None = None  # the repeated layer list's length; None: unknown
     # every size tp must divide: "layers.0.attn.n_head" -> 6, "layers.0.mlp.fc out features" -> 256
     divisible: Mapping[str, int] = field(default_factory=dict)
+    rows: int = 0  # the global batch's rows (the model's input's first dim); 0: not known
 
 
 def infeasible(layout: Layout, world: int, shape: ModelShape | None = None) -> str | None:
@@ -114,6 +115,10 @@ def infeasible(layout: Layout, world: int, shape: ModelShape | None = None) -> s
     for what, size in shape.divisible.items():
         if size % layout.tp:
             return f"{what} = {size} is not divisible by tp={layout.tp}"
+    d, m = layout.dp_size(world), layout.microbatches
+    if shape.rows and shape.rows % (d * m):
+        into = f"{d} data rank{'s' * (d > 1)}" + (f" x {m} micro-batches" if layout.pp > 1 else "")
+        return f"a batch of {shape.rows} rows does not split into {into} (equal shares)"
     if layout.recompute and shape.blocks == 0:
         return "no repeated blocks to recompute"
     if shape.blocks is not None and shape.blocks < layout.pp:

@@ -17,6 +17,11 @@ more). If one overruns, or the worker dies under it, that candidate is
 recorded as failed and the candidates not yet reported get a fresh launch.
 Near the budget's deadline the worker stops between rounds and reports what
 it timed; at the deadline the parent ends it, and what is in flight is lost.
+
+A search that ranks what is left by what it has measured (layouts: the fitted
+cost model) passes ``reorder``: after each result the parent writes the
+pending candidates' new order to a file, and the worker, between groups,
+waits briefly for the order that follows its last result and takes its first.
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ class Program:
 
 # Returns False to stop measuring (early stopping); the candidate in flight is dropped.
 OnResult = Callable[[Measurement], bool]
+# The pending candidates (values), in the order to measure them next.
+Reorder = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
 
 
 def measure(
@@ -90,8 +97,10 @@ def measure(
     on_result: OnResult,
     *,
     deadline: float | None = None,
+    reorder: Reorder | None = None,
 ) -> str:
-    """Measure candidates in order, calling ``on_result`` with each; why it stopped."""
+    """Measure candidates in order (``reorder``'s, as it changes), calling ``on_result`` with
+    each; why it stopped."""
     with tempfile.TemporaryDirectory(prefix="macrogen-autotune-") as tmp:
         work = Path(tmp)
         pending: list[tuple[str, dict[str, Any], Path]] = []
@@ -115,7 +124,11 @@ def measure(
         launches = 0
         while pending:
             launches += 1
-            outcome = _launch(program, pending, on_result, deadline, work / f"launch{launches}")
+            if reorder is not None:
+                pending[:] = _reordered(pending, reorder)
+            outcome = _launch(
+                program, pending, on_result, deadline, work / f"launch{launches}", reorder
+            )
             if outcome != "relaunch":
                 return outcome
         return "complete"
@@ -127,11 +140,13 @@ def _launch(
     on_result: OnResult,
     deadline: float | None,
     work: Path,
+    reorder: Reorder | None = None,
 ) -> str:
     """One worker launch over ``pending`` (consumed in place)."""
     work.mkdir()
     results = work / "results.jsonl"
     results.touch()
+    order = work / "order.json" if reorder is not None else None
     log = work / "worker.log"
     job = {
         "candidates": [
@@ -146,6 +161,7 @@ def _launch(
         # the worker's own deadline (wall clock, a second early): it stops between rounds
         "deadline": None if deadline is None else time.time() + deadline - time.monotonic() - 1.0,
         "results": str(results),
+        "order": None if order is None else str(order),  # {"after": results, "ids": [...]}
         "source": str(program.source_path.resolve()),
         "sys_path": [str(program.source_path.parent.resolve()), os.getcwd()],
         "timing": {
@@ -171,7 +187,7 @@ def _launch(
             start_new_session=True,  # so the whole group (torchrun and its ranks) can be ended
         )
     try:
-        return _follow(proc, program, pending, on_result, deadline, results, log)
+        return _follow(proc, program, pending, on_result, deadline, results, log, reorder, order)
     finally:
         _end(proc)
 
@@ -184,10 +200,13 @@ def _follow(
     deadline: float | None,
     results: Path,
     log: Path,
+    reorder: Reorder | None = None,
+    order: Path | None = None,
 ) -> str:
     by_id = {cid: values for cid, values, _ in pending}
     offset, last_progress, current = 0, time.monotonic(), None
     stopping = out_of_budget = False
+    reported = 0  # results of this launch handed on (the worker counts the same)
     while True:
         exited = proc.poll() is not None
         with results.open("r", encoding="utf-8") as f:
@@ -208,6 +227,10 @@ def _follow(
             # after a stop, what already arrived is still recorded
             keep_going = on_result(_measurement(by_id[result["id"]], result))
             stopping = stopping or not keep_going
+            reported += 1
+            if reorder is not None and order is not None and not stopping:
+                pending[:] = _reordered(pending, reorder)
+                _write_order(order, reported, [cid for cid, _, _ in pending])
         if stopping:
             return "stopped"
         if out_of_budget:
@@ -229,6 +252,25 @@ def _follow(
                 return "stopped"
             return "relaunch" if pending else "complete"
         time.sleep(POLL_S)
+
+
+def _reordered(
+    pending: list[tuple[str, dict[str, Any], Path]], reorder: Reorder
+) -> list[tuple[str, dict[str, Any], Path]]:
+    """``pending`` in ``reorder``'s order of their values (any it leaves out, last)."""
+    wanted = reorder([values for _, values, _ in pending])
+    position = {json.dumps(v, sort_keys=True, default=str): i for i, v in enumerate(wanted)}
+    return sorted(
+        pending,
+        key=lambda p: position.get(json.dumps(p[1], sort_keys=True, default=str), len(wanted)),
+    )
+
+
+def _write_order(order: Path, after: int, ids: list[str]) -> None:
+    """The worker's next candidates, once it has reported ``after`` results (written whole)."""
+    partial = order.with_suffix(".tmp")
+    partial.write_text(json.dumps({"after": after, "ids": ids}), encoding="utf-8")
+    os.replace(partial, order)
 
 
 def _measurement(values: Mapping[str, Any], result: Mapping[str, Any]) -> Measurement:

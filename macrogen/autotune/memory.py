@@ -37,7 +37,7 @@ attention heads: the residual stream stays whole); a pipeline stage holds
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from macrogen.autotune.layouts import Layout
 
@@ -76,6 +76,29 @@ class Profile:
     @property
     def activation_bytes(self) -> int:
         return max(0, self.transient_bytes - self.param_bytes)
+
+
+def with_batch(profile: Profile, factor: float) -> Profile:
+    """The profile at ``factor`` x the probe's global batch (``macrogen plan --global-batch``):
+    activations, the batch, a block's output and the step's time per row grow with it; the
+    parameters, the optimizer's state and step, and the blocks' fixed cost per call do not."""
+    fixed = profile.blocks * profile.block_call_s
+
+    def grow(seconds: float, kept: float) -> float:
+        kept = min(kept, seconds)
+        return kept + (seconds - kept) * factor
+
+    step_s = grow(profile.step_s, fixed + profile.optimizer_s)
+    ratio = step_s / profile.step_s if profile.step_s else factor
+    return replace(
+        profile,
+        transient_bytes=profile.param_bytes + round(profile.activation_bytes * factor),
+        data_bytes=round(profile.data_bytes * factor),
+        message_bytes=round(profile.message_bytes * factor),
+        step_s=step_s,
+        step_one_thread_s=profile.step_one_thread_s * ratio,  # its fixed parts: as the step's
+        block_s=grow(profile.block_s, fixed),
+    )
 
 
 def tp_share(profile: Profile, tp: int) -> float:

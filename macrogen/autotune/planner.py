@@ -5,7 +5,9 @@ from the tuning database, when ``autotune`` made one for this source), then
 every layout of ``world`` ranks is pruned (feasibility, memory per device) and
 ranked by predicted step time on the given links. Nothing runs on the
 machines planned for: compute is the probe's serial step divided by
-``speedup`` (how much faster the target device runs it).
+``speedup`` (how much faster the target device runs it), at the entry's batch
+or scaled to ``global_batch`` rows (``memory.with_batch``); a layout whose
+data ranks x micro-batches do not divide the batch's rows is infeasible.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ def plan(
     device_memory: float | None = None,
     speedup: float = 1.0,
     tuning: str | os.PathLike[str] | None = None,
+    global_batch: int | None = None,
 ) -> tuple[list[Row], memory.Profile]:
-    """Every layout of ``world_size``: the feasible ones by predicted step time, then the rest."""
+    """Every layout of ``world_size``: the feasible ones by predicted step time, then the rest;
+    at ``global_batch`` rows per step (None: the entry's, as probed)."""
     from macrogen.autotune.tuner import AutotuneError, _probe
 
     source_path = Path(path)
@@ -77,7 +81,15 @@ def plan(
         block_call_s=profile.block_call_s / speedup,
         optimizer_s=profile.optimizer_s / speedup,
     )
-    shape = ModelShape(probed["shape"]["blocks"], probed["shape"]["divisible"])
+    shape = ModelShape(**probed["shape"])
+    if global_batch is not None:
+        if not shape.rows:
+            raise PlanError(
+                f"{source_path}: --global-batch needs the batch's rows, and the probe saw no"
+                " tensor passed to the model's forward"
+            )
+        profile = memory.with_batch(profile, global_batch / shape.rows)
+        shape = replace(shape, rows=global_batch)
     return rank(profile, shape, world_size, machine, device_memory), profile
 
 

@@ -4,7 +4,7 @@ The autotuner (and ``macrogen plan``) expands the file with its default layout,
 builds the step through the entry on one process, and measures what
 ``memory.Profile`` and ``layouts.ModelShape`` hold: parameter bytes (all, in
 the tensor-parallel plan's layers, in the repeated blocks), every size the plan
-asks ``tp`` to divide, one block's output, the step's and the blocks' time, and
+asks ``tp`` to divide, the batch's rows, one block's output, the step's and the blocks' time, and
 the process's memory between steps and at a step's peak.
 
 Memory is measured as ``macrogen.autotune.process_memory`` says.
@@ -30,7 +30,7 @@ from macrogen.autotune.process_memory import TensorPeak, warm_process
 
 # what a stored probe measured: a probe of other measures is not reused (memory was the
 # resident set before, and carried no optimizer or activation shares)
-MEASURES = "tensor-bytes-6"
+MEASURES = "tensor-bytes-7"
 
 
 class ProbeError(Exception):
@@ -134,6 +134,14 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
         hooks.append(opt.register_step_post_hook(stepping.stop))
     forward = _Clock()  # the model's forward: what the blocks' forward is a share of
     hooks.append(model.register_forward_pre_hook(forward.start))
+    rows: list[int] = []  # the batch's rows: its first tensor's first dim
+
+    def batch(module: Any, args: Any, kwargs: Any) -> None:
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if not rows and first is not None and first.dim() > 0:
+            rows.append(int(first.shape[0]))
+
+    hooks.append(model.register_forward_pre_hook(batch, with_kwargs=True))
     hooks.append(model.register_forward_hook(forward.stop))
     times = []
     for _ in range(job.get("steps", 3)):
@@ -194,7 +202,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             "optimizer_s": optimizer_s,
             "message_bytes": message[0] if message else 0,
         },
-        "shape": {"blocks": len(blocks), "divisible": divisible},
+        "shape": {"blocks": len(blocks), "divisible": divisible, "rows": rows[0] if rows else 0},
     }
 
 
@@ -460,7 +468,7 @@ def run(
     if "error" in result:
         raise ProbeError(result["error"])
     shape = result["shape"]
-    return Profile(**result["profile"]), ModelShape(shape["blocks"], shape["divisible"])
+    return Profile(**result["profile"]), ModelShape(**shape)
 
 
 def _jsonable(plan: Any) -> Any:

@@ -121,7 +121,7 @@ def autotune(
             db, source, expansion.code, source_path, entry, in_source, search_path, plan, target
         )
         profile = memory.Profile(**probed["profile"])
-        shape = ModelShape(probed["shape"]["blocks"], probed["shape"]["divisible"])
+        shape = ModelShape(**probed["shape"])
         machine = layout_search.machine_for(target, world_size)
         cspace, predictions = layout_search.prepare(
             cspace, layout_site, profile, shape, world_size, machine, memory_per_rank
@@ -172,7 +172,9 @@ def autotune(
         stopped = "complete"
         if not searcher.done:
             todo = [c for c in searcher.order[index:] if book.known(c) is None]
-            stopped = measure(program, todo, on_result, deadline=deadline)
+            # layouts: what is left is measured in the fitted model's order as it changes
+            reorder = searcher.rank if layout_site is not None else None
+            stopped = measure(program, todo, on_result, deadline=deadline, reorder=reorder)
     finalists: list[dict[str, Any]] = []
     if layout_site is not None and stopped != "budget":
         finalists = finals(searcher.order, book)
@@ -273,7 +275,7 @@ def _probe(
         ) from None
     return {
         "profile": profile.__dict__,
-        "shape": {"blocks": shape.blocks, "divisible": dict(shape.divisible)},
+        "shape": {"blocks": shape.blocks, "divisible": dict(shape.divisible), "rows": shape.rows},
         "source_hash": wanted,
         "measures": probe.MEASURES,
     }

@@ -4,9 +4,11 @@
 For each candidate of the job, in order, every rank imports that candidate's
 expanded file, builds a step with the entry factory, warms up and times it;
 rank 0 appends one JSON line per candidate to the results file as soon as it
-is known. A candidate that fails (import, factory, step) is reported with its
-error and the next one runs: the ranks agree on failures after each phase, so
-no rank waits alone in a collective.
+is known. With an ``order`` file (a search that re-ranks as it learns), the
+candidates left are taken in the order the parent wrote after the last result.
+A candidate that fails (import, factory, step) is reported with its error and
+the next one runs: the ranks agree on failures after each phase, so no rank
+waits alone in a collective.
 
 The entry contract (see docs/autotune.md): ``factory(module)`` gets the
 expanded module and returns ``step`` -- a callable that runs one training step
@@ -62,17 +64,21 @@ def main(job_path: str) -> int:
     entry_factory = _entry_factory(job)  # a factory, an error text, or None (in the module)
     results = Path(job["results"])
     size = job["timing"]["group"]
-    for first in range(0, len(job["candidates"]), size):
+    remaining, reported = list(job["candidates"]), 0
+    while remaining:
         if not _parent_alive(job["parent_pid"]):
             # autotune itself was killed: nobody reads what we would write, or cleans up
             if rank == 0:
                 shutil.rmtree(_SOURCE["work"], ignore_errors=True)
             return 1
-        group = job["candidates"][first : first + size]
+        if reported and job.get("order"):
+            remaining = _in_order(remaining, job["order"], reported, distributed, rank)
+        group, remaining = remaining[:size], remaining[size:]
         measured, ran_out = _measure_group(group, job, entry_factory, distributed, rank, results)
         for result in measured:
             if rank == 0:
                 _append(results, result)
+        reported += len(measured)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -84,6 +90,36 @@ def main(job_path: str) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+ORDER_WAIT_S = 5.0  # how long the worker waits for the parent's order after a result
+
+
+def _in_order(
+    remaining: list[dict[str, Any]], order: str, reported: int, distributed: bool, rank: int
+) -> list[dict[str, Any]]:
+    """``remaining`` in the parent's order, once it has seen our ``reported`` results (rank
+    0 reads it and tells the others); the order as it was if none comes in time."""
+    ids: list[Any] = [None]
+    if rank == 0:
+        waited_until = time.monotonic() + ORDER_WAIT_S
+        while True:
+            try:
+                found = json.loads(Path(order).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                found = None
+            if found is not None and found.get("after", 0) >= reported:
+                ids[0] = found["ids"]
+                break
+            if time.monotonic() > waited_until:
+                break
+            time.sleep(0.01)
+    if distributed:
+        dist.broadcast_object_list(ids, src=0)
+    if ids[0] is None:
+        return remaining
+    position = {cid: i for i, cid in enumerate(ids[0])}
+    return sorted(remaining, key=lambda c: position.get(c["id"], len(position)))
 
 
 def _append(results: Path, line: dict[str, Any]) -> None:

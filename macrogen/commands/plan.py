@@ -56,6 +56,12 @@ def add_parser(
         metavar="X",
         help="how much faster a device runs the serial step than this machine's probe",
     )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        metavar="ROWS",
+        help="rows per step over all data ranks (default: the entry's batch, as probed)",
+    )
     p.add_argument("--top", type=int, default=10, metavar="N", help="layouts to show")
     p.add_argument("--tuning", metavar="DB", help="tuning database holding autotune's probe")
     return p
@@ -72,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         return usage(f"--world-size must be at least 1, not {args.world_size}")
     if args.gpus_per_node < 1:
         return usage(f"--gpus-per-node must be at least 1, not {args.gpus_per_node}")
+    if args.global_batch is not None and args.global_batch < 1:
+        return usage(f"--global-batch must be at least 1, not {args.global_batch}")
     if not args.speedup > 0:
         return usage(f"--speedup must be positive, not {args.speedup}")
     try:
@@ -91,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             device_memory=device_memory,
             speedup=args.speedup,
             tuning=args.tuning,
+            global_batch=args.global_batch,
         )
     except ExpansionError as e:
         print(e.report(), file=sys.stderr)
