@@ -367,6 +367,16 @@ def test_the_search_ranks_what_is_left_by_the_fit():
     assert [c["k"] for c in search.rank([{"k": "c"}, {"k": "d"}])] == ["d", "c"]
 
 
+def test_a_pipeline_stage_holds_every_micro_batch_s_receive_buffer():
+    profile = memory.Profile(100, 0, 80, 8, 200, 500, message_bytes=64)
+    assert memory.predict(profile, Layout(), 4).buffers == 0
+    for mb in (4, 8):  # m buffers of a micro-batch each: the rank's share of the batch
+        staged = memory.predict(profile, Layout(pp=2, microbatches=mb), 4)
+        assert staged.buffers == 64 / 2 and staged.step == pytest.approx(
+            staged.params + staged.state + staged.grads + staged.activations + 32
+        )
+
+
 def test_sharded_layouts_peak_while_the_serial_model_is_cut():
     small = memory.Profile(100, 80, 80, 8, 0, 100)  # no optimizer, no activations
     fsdp = memory.predict(small, Layout(dp="fsdp"), 4)

@@ -273,9 +273,16 @@ def test_memory_falls_from_none_to_every_2nd_to_all():
         memory.predict(PROFILE, Layout(recompute=r), 1).activations for r in (0, 2, 1)
     )
     assert none > half > every
-    # 4 of 8 blocks keep their activations (200), one block's live again (50), 4 inputs of 10
-    assert half == pytest.approx(400 / 2 + 400 / 8 + 4 * 10)
+    # 4 of 8 blocks keep their activations (200) and 4 their inputs of 10; block 6 lives again
+    # in backward after block 7, kept, was freed: no higher peak
+    assert half == pytest.approx(400 / 2 + 4 * 10)
+    # all: only the inputs, and the last block's activations again in backward (50)
     assert every == pytest.approx(400 / 8 + 8 * 10)
+    # 9 blocks, every 2nd: 0, 2, ..., 8; block 8, recomputed first, lives again on top
+    nine = dataclasses.replace(PROFILE, blocks=9)
+    assert memory.predict(nine, Layout(recompute=2), 1).activations == pytest.approx(
+        400 * 4 / 9 + 400 / 9 + 5 * 10
+    )
     for world, layout in ((4, Layout(tp=2, dp="fsdp")), (2, Layout(pp=2, microbatches=4))):
         values = [
             memory.predict(PROFILE, dataclasses.replace(layout, recompute=r), world).total

@@ -126,10 +126,11 @@ class Breakdown:
     activations: float  # forward and backward's own tensors, or the optimizer step's
     build: float = 0.0  # while the serial model is cut into this rank's shards
     data: float = 0.0  # the entry's own tensors (its batch), whole on every rank
+    buffers: float = 0.0  # a pipeline stage's receive buffers, every micro-batch's
 
     @property
     def step(self) -> float:
-        return self.params + self.state + self.grads + self.activations + self.data
+        return self.params + self.state + self.grads + self.activations + self.data + self.buffers
 
     @property
     def total(self) -> float:
@@ -169,11 +170,14 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
     kept, inputs = float(profile.activation_bytes), 0.0
     if layout.recompute and profile.blocks:
         # a recomputed block keeps its input (the residual stream: whole under tp), the others
-        # all their activations; one block's own activations live again while it is recomputed
+        # all their activations; in backward a recomputed block's own activations live again,
+        # above the forward's peak only when no kept block above it was freed first: when the
+        # first stage's last block is recomputed (all are, or every N-th with N dividing its index)
         f = profile.block_activations
         in_blocks = kept * (profile.block_fraction if f is None else f)
         r = layout.recomputed(profile.blocks)
-        kept += in_blocks / profile.blocks - in_blocks * r
+        again = (-(-profile.blocks // layout.pp) - 1) % layout.recompute == 0
+        kept += (in_blocks / profile.blocks if again else 0.0) - in_blocks * r
         inputs = float(profile.message_bytes * profile.blocks) * r
     share = activation_tp_share(profile, layout.tp)
     activations = (kept * share + inputs) / d / layout.pp * in_flight
@@ -181,7 +185,11 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
         activations += grads  # a bucket's gradients, scaled into a fresh buffer as it is reduced
     sharded = layout.tp > 1 or layout.pp > 1 or layout.dp == "fsdp"
     build = profile.param_bytes + (params if sharded else 0.0)
-    return Breakdown(params, state, grads, max(activations, temporaries), build, profile.data_bytes)
+    # torch's pipeline stage allocates a receive buffer for every micro-batch up front and
+    # keeps them: the first stage's for the gradients (the last's for the activations)
+    buffers = profile.message_bytes / d if layout.pp > 1 else 0.0
+    activations = max(activations, temporaries)
+    return Breakdown(params, state, grads, activations, build, profile.data_bytes, buffers)
 
 
 UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
