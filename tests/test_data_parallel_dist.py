@@ -307,3 +307,40 @@ def test_ranks_with_different_models_fail_clearly_on_every_rank(tmp_path):
         ), message
         assert "'blocks.1.ln_1.weight'" in message or "'blocks.0.ln_1.weight'" in message, message
         assert f"raised on rank {rank}" in message
+
+
+def _averaged_once_worker(rank: int, world: int) -> list:
+    """Two backwards per step under averaged_once (a pipeline step's micro-batches), accumulate=2
+    steps per window: the buckets go once per window, holding the mean of every rank's sums."""
+    from macrogen.runtime import buckets
+    from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync
+
+    launches = []
+    launch = buckets.Bucket.launch
+    buckets.Bucket.launch = lambda self, *a, **k: (launches.append(1), launch(self, *a, **k))[1]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    sync = GradientSync(model, DataParallelConfig(accumulate=2), where="t.py:1")
+    out = []
+    for step in range(4):
+        model(torch.zeros(1, 3))  # the first forward starts the averaging (buckets, broadcast)
+        with sync.averaged_once():
+            for micro in range(2):
+                x = torch.full((1, 3), float(1 + rank + micro + step))
+                model(x).sum().backward()
+        out.append((len(launches), model.weight.grad.clone()))
+        if step % 2 == 1:
+            model.zero_grad()
+    return out
+
+
+def test_averaged_once_counts_a_step_s_backwards_as_one_and_averages_at_the_window_s_end():
+    results = run_ranks(_averaged_once_worker, 2, timeout=60)
+    for rank, out in enumerate(results):
+        assert [n for n, _ in out] == [0, 1, 1, 2]  # windows of 2 steps, 2 backwards each
+        for step in (1, 3):
+            # d(sum(Wx + b))/dW = x per row: the window's x summed, averaged over the ranks
+            total = sum(1 + r + m + s for r in range(2) for m in range(2) for s in (step - 1, step))
+            torch.testing.assert_close(out[step][1], torch.full((2, 3), total / 2))
+        local = sum(1 + rank + m for m in range(2))  # step 0: this rank's own, not sent yet
+        torch.testing.assert_close(out[0][1], torch.full((2, 3), float(local)))

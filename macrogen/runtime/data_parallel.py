@@ -16,9 +16,10 @@ its ``__init__``. From then on, with no change to the training loop:
 
 With ``accumulate=k`` only every k-th backward communicates; the backwards in
 between accumulate locally into the same buffers. A pipeline step runs one
-backward per micro-batch: under ``averaged_once()`` they all accumulate, and
-the sum is averaged once when it ends (DDP's ``no_sync`` for all but the last,
-as torch's pipeline schedules do), not once per micro-batch.
+backward per micro-batch: under ``averaged_once()`` they all accumulate and
+count as one backward, and the sum is averaged once when it ends (DDP's
+``no_sync`` for all but the last, as torch's pipeline schedules do), not once
+per micro-batch.
 
 Unused parameters: a bucket whose parameter got no gradient this backward
 is launched at the end of backward with that parameter's gradient as it is
@@ -273,20 +274,25 @@ class GradientSync:
 
     @contextlib.contextmanager
     def averaged_once(self) -> Iterator[None]:
-        """The backwards inside (a pipeline step's micro-batches) accumulate locally; leaving
-        averages their sum in one all-reduce per bucket. An exception inside leaves the
-        gradients as they are: averaging then could wait on a rank that is not coming."""
+        """The backwards inside (a pipeline step's micro-batches) accumulate locally and count
+        as one backward of the ``accumulate`` window; leaving averages their sum, one all-reduce
+        per bucket, when the window ends. An exception inside leaves the gradients as they
+        are: averaging then could wait on a rank that is not coming."""
         self.held = True
         try:
             yield
         finally:
             self.held = False
-        if self.world_size > 1 and self.started and not self._elsewhere():
+        ends = self.window_ends()
+        self.backwards += 1
+        if ends and self.world_size > 1 and self.started and not self._elsewhere():
             self.ready = bytearray(len(self.params))
             self._average()
 
     def _after_backward(self) -> None:
         self.in_backward = False
+        if self.held:
+            return  # one of averaged_once's: it counts them as one, and averages at its end
         self.backwards += 1
         if self.syncing:
             self._average()
