@@ -150,7 +150,8 @@ def table(outcome: Outcome) -> Table:
 
 
 def layout_table(outcome: Outcome) -> Table:
-    """Layouts: predicted and measured step time and peak memory per rank, best measured first."""
+    """Layouts: predicted and measured step time and peak memory per rank, best measured first,
+    then the others as the fitted model ranks them."""
     from macrogen.autotune import cost
     from macrogen.autotune.memory import format_bytes
 
@@ -180,7 +181,10 @@ def layout_table(outcome: Outcome) -> Table:
     winner = None if outcome.winner is None else database.canonical(outcome.winner)
     # the cost model scaled to what was measured (compute and communication terms)
     fitted = cost.fit([(p.step, c["time_s"]) for p, c, _ in rows if c and "time_s" in c])
-    rows.sort(key=lambda r: (r[1] is None or "time_s" not in r[1], (r[1] or {}).get("time_s", 0)))
+    # the measured by time, then the rest by the fitted prediction (the search's order now)
+    rows.sort(
+        key=lambda r: (0, r[1]["time_s"]) if r[1] and "time_s" in r[1] else (1, fitted(r[0].step))
+    )
     for pred, c, ident in rows:
         time_s = c.get("time_s") if c else None
         peaks = c.get("peak_bytes") if c else None
