@@ -398,11 +398,14 @@ def test_a_candidate_its_macro_rejects_is_recorded_failed_without_a_run() -> Non
 def test_the_worker_takes_the_order_the_search_gives_after_each_result(tmp_path: Path) -> None:
     """A search that re-ranks as it learns (layouts: the fitted cost model) hands ``reorder``
     to measure(); the worker, between candidates, takes the order written after its last
-    result: here ascending and descending in turns, so only a live order gives 5 1 4 2 3."""
+    result: here ascending and descending in turns, so only a live order gives 5 1 4 2 3
+    (4 kills its worker: the new launch starts in the order after that failure, 2 then 3)."""
     from macrogen.autotune.measure import Measurement, Program, measure
 
     source = textwrap.dedent(
         """\
+        import os
+
         import torch
 
         import macrogen as mg
@@ -411,6 +414,8 @@ def test_the_worker_takes_the_order_the_search_gives_after_each_result(tmp_path:
 
 
         def make_step():
+            if SIZE == 4:
+                os._exit(3)  # the worker dies: the rest go on in a new launch, in the order
             a = torch.randn(SIZE, SIZE)
             return lambda: a @ a
         """
@@ -428,4 +433,4 @@ def test_the_worker_takes_the_order_the_search_gives_after_each_result(tmp_path:
         "complete"
     )
     assert [m.values["SIZE"] for m in got] == [5, 1, 4, 2, 3]
-    assert all(m.error is None for m in got)
+    assert [m.error is None for m in got] == [True, True, False, True, True]
