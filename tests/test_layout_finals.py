@@ -86,13 +86,15 @@ def test_a_blocks_fixed_cost_is_measured_alone_and_leaves_its_gradients() -> Non
     x = torch.randn(64, 8, 16, requires_grad=True)
     block(x).sum().backward()
     grads = [p.grad.clone() for p in block.parameters()]
-    fixed = probe._block_call_s(block, (x * 2,), {"scale": 0.5}, torch, cuda=False)
+    fixed, again = probe._block_call_s(block, (x * 2,), {"scale": 0.5}, torch, cuda=False)
     assert fixed > 0  # a call costs something whatever its rows
+    assert again is not None and again >= 0  # and checkpointing it, something more (or nothing)
     one_row = probe._block_call_s(block, (x[:1],), {}, torch, cuda=False)
-    assert one_row == 0.0  # one row: nothing to extrapolate from
+    assert one_row == (0.0, None)  # one row: nothing to extrapolate from
     assert all(torch.equal(p.grad, g) for p, g in zip(block.parameters(), grads))
     # a block that fails alone gives no estimate rather than an error
-    assert probe._block_call_s(block, (torch.randn(4, 3),), {}, torch, cuda=False) == 0.0
+    failed = probe._block_call_s(block, (torch.randn(4, 3),), {}, torch, cuda=False)
+    assert failed == (0.0, None)
 
 
 PROFILE = Profile(
@@ -124,6 +126,27 @@ def test_every_micro_batch_pays_the_blocks_fixed_cost() -> None:
     )  # without it, more micro-batches only shrink the bubble
     # no more fixed cost than the blocks' whole time
     assert compute(Layout(), 1, replace(PROFILE, block_call_s=1.0)) == compute(Layout(), 1)
+
+
+def test_a_recomputed_call_pays_what_checkpointing_adds_per_micro_batch() -> None:
+    def compute(layout: Layout, world: int, profile: Profile) -> float:
+        return cost.predict(profile, layout, world, MACHINE).compute
+
+    measured = replace(PROFILE, recompute_call_s=0.001)
+    for layout, world in ((Layout(), 1), (Layout(pp=2, microbatches=8), 2)):
+        again = replace(layout, recompute=1)
+        base = compute(layout, world, measured)
+        assert compute(again, world, measured) > compute(again, world, PROFILE) > base
+    # all 8 blocks, one micro-batch, 1 ms more each on top of their rows' forward again
+    rows = (0.080 - 0.016) / 3
+    assert compute(Layout(recompute=1), 1, measured) == pytest.approx(0.1 + rows + 0.008)
+    # a stage of 4 blocks, 8 micro-batches: 32 calls more; every 2nd block: 16
+    piped = [
+        compute(Layout(pp=2, microbatches=8, recompute=r), 2, measured)
+        - compute(Layout(pp=2, microbatches=8, recompute=r), 2, PROFILE)
+        for r in (1, 2)
+    ]
+    assert piped[0] == pytest.approx(2 * piped[1])
 
 
 def test_the_optimizer_step_shrinks_only_where_it_is_sharded() -> None:

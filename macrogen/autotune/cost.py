@@ -7,7 +7,8 @@ Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
   the blocks' share / pp (x 1 + r/3 when a share r of the blocks is recomputed: one
   more forward of those); the blocks' fixed cost per call (``Profile.block_call_s``:
   Python, dispatch, kernel launches) is paid whole by every micro-batch, whatever
-  its rows; the optimizer step (``Profile.optimizer_s``) updates the rank's
+  its rows, and so is what checkpointing adds to a recomputed block's call
+  (``Profile.recompute_call_s``: the RNG state saved, the forward's calls again); the optimizer step (``Profile.optimizer_s``) updates the rank's
   parameters, / D only when zero1 or fsdp shard them; all but the optimizer times the
   pipeline's bubble (m + pp - 1) / m (1F1B), or, where ranks share cores
   (ranks over cores = the slowdown s), times max(bubble, s): a rank waiting in
@@ -149,14 +150,19 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     # the blocks' fixed cost per call (every block of the stage, every micro-batch) does not
     # shrink with the rows a rank computes, nor with tp; the rest of their time does
     fixed = min(profile.blocks * profile.block_call_s * threads, serial * block)
-    blocks_s = (serial * block - fixed) / d * tp_share(profile, tp) + fixed * m
+    per_row = (serial * block - fixed) / d * tp_share(profile, tp)
+    if profile.recompute_call_s is None:  # not measured: the forward again, a third of it all
+        blocks_s = (per_row + fixed * m) * again
+    else:  # the rows' forward again, and what a checkpointed call adds, per micro-batch
+        added = profile.recompute_call_s * threads * profile.blocks * recomputed
+        blocks_s = per_row * again + (fixed + added) * m
     # the optimizer step updates the rank's parameters: all of a replica's, unless sharded
     optimizer = min(profile.optimizer_s * threads, serial * (1 - block))
     rest = serial * (1 - block) - optimizer
     optimizer *= tp_share(profile, tp) * pp_share(profile, pp)
     optimizer /= d if layout.dp in ("zero1", "fsdp") else 1
     compute = (
-        (blocks_s * again / pp + rest / d * tp_share(profile, tp))
+        (blocks_s / pp + rest / d * tp_share(profile, tp))
         # ranks that share cores run the pipeline's idle slots with another rank's work: a
         # step takes the longer of the bubble's critical path and all ranks' work over the cores
         * max(bubble, machine.slowdown)

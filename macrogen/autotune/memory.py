@@ -57,6 +57,8 @@ class Profile:
     block_s: float = 0.0  # of it, the blocks' forward + backward
     # one block's forward + backward at any batch (Python, dispatch, launches): per micro-batch
     block_call_s: float = 0.0
+    # what recomputing a block adds to that per call (None: not measured; a forward's share)
+    recompute_call_s: float | None = None
     optimizer_s: float = 0.0  # of the step, the optimizer's (0: not measured)
     data_bytes: int = 0  # what the entry holds beside the model between steps (its batch)
     message_bytes: int = 0  # one block's output for the whole batch (what TP all-reduces)

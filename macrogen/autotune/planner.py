@@ -79,6 +79,9 @@ def plan(
         step_s=profile.step_s / speedup,
         block_s=profile.block_s / speedup,
         block_call_s=profile.block_call_s / speedup,
+        recompute_call_s=(
+            None if profile.recompute_call_s is None else profile.recompute_call_s / speedup
+        ),
         optimizer_s=profile.optimizer_s / speedup,
     )
     shape = ModelShape(**probed["shape"])

@@ -30,7 +30,7 @@ from macrogen.autotune.process_memory import TensorPeak, warm_process
 
 # what a stored probe measured: a probe of other measures is not reused (memory was the
 # resident set before, and carried no optimizer or activation shares)
-MEASURES = "tensor-bytes-7"
+MEASURES = "tensor-bytes-8"
 
 
 class ProbeError(Exception):
@@ -166,7 +166,9 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             one_thread = statistics.median(single)
         finally:
             torch.set_num_threads(threads)
-    call_s = _block_call_s(blocks[0][1], *inputs[-1], torch, cuda) if inputs else 0.0
+    call_s, again_s = (
+        _block_call_s(blocks[0][1], *inputs[-1], torch, cuda) if inputs else (0.0, None)
+    )
     optimizer_s = min(step_s, stepping.total / len(times))
     # the blocks' backward is not hooked (full backward hooks change the graph): the step's
     # time outside the forward and the optimizer is backward's, shared as the forward's is
@@ -199,6 +201,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             "step_one_thread_s": one_thread,
             "block_s": min(step_s, (1 + backward) * in_blocks.total / len(times)),
             "block_call_s": call_s,
+            "recompute_call_s": again_s,
             "optimizer_s": optimizer_s,
             "message_bytes": message[0] if message else 0,
         },
@@ -219,14 +222,20 @@ class _Clock:
         self.total += time.perf_counter()
 
 
-def _block_call_s(block: Any, args: Any, kwargs: Any, torch: Any, cuda: bool) -> float:
+def _block_call_s(
+    block: Any, args: Any, kwargs: Any, torch: Any, cuda: bool
+) -> tuple[float, float | None]:
     """A block's forward + backward cost that does not shrink with its batch (Python, dispatch,
-    kernel launches): each micro-batch pays it again. The block is timed alone at its whole
-    batch and at one row, t(rows) = fixed + rows x per row; 0 when the batch can't be cut
-    (its first argument no tensor of 2 or more rows) or the block fails alone."""
+    kernel launches): each micro-batch pays it again; and what recomputing it adds to that
+    (torch's non-reentrant checkpoint, as ``mg.parallelize(recompute=...)`` runs it: saving
+    the RNG state, the forward again). The block is timed alone at its whole batch and at one
+    row, t(rows) = fixed + rows x per row, plain and checkpointed; (0, None) when the batch
+    can't be cut (its first argument no tensor of 2 or more rows) or the block fails alone."""
+    from torch.utils.checkpoint import checkpoint
+
     first = args[0] if args else None
     if not isinstance(first, torch.Tensor) or first.dim() == 0 or first.shape[0] < 2:
-        return 0.0
+        return 0.0, None
     rows = first.shape[0]
 
     def cut(v: Any, n: int) -> Any:
@@ -235,13 +244,13 @@ def _block_call_s(block: Any, args: Any, kwargs: Any, torch: Any, cuda: bool) ->
             return v.requires_grad_() if v.is_floating_point() else v
         return v
 
-    def timed(n: int) -> float:
+    def timed(n: int, again: bool = False) -> float:
         a = [cut(v, n) for v in args]
         k = {key: cut(v, n) for key, v in kwargs.items()}
         times = []
         for i in range(13):  # 3 warm-up calls
             start = time.perf_counter()
-            out = block(*a, **k)
+            out = checkpoint(block, *a, use_reentrant=False, **k) if again else block(*a, **k)
             out = out[0] if isinstance(out, (tuple, list)) else out
             out.float().sum().backward()
             if cuda:
@@ -250,18 +259,25 @@ def _block_call_s(block: Any, args: Any, kwargs: Any, torch: Any, cuda: bool) ->
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
 
+    def fixed(whole: float, one: float) -> float:
+        return float(max(0.0, min(one, (rows * one - whole) / (rows - 1))))
+
     grads = [(p, p.grad) for p in block.parameters()]
     for p, _ in grads:  # backward would add to the step's gradients in place
         p.grad = None
     try:
-        whole, one = timed(rows), timed(1)
-    except Exception:  # a block that needs its model around it: no estimate, no harm
-        return 0.0
+        try:
+            plain = fixed(timed(rows), timed(1))
+        except Exception:  # a block that needs its model around it: no estimate, no harm
+            return 0.0, None
+        try:
+            again: float | None = max(0.0, fixed(timed(rows, True), timed(1, True)) - plain)
+        except Exception:  # one that checkpoint can't run: the cost model's estimate stands
+            again = None
     finally:
         for p, g in grads:  # the timing's gradients are not the step's
             p.grad = g
-    fixed: float = (rows * one - whole) / (rows - 1)
-    return max(0.0, min(one, fixed))
+    return plain, again
 
 
 class _SavedActivations:
