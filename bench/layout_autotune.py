@@ -18,9 +18,12 @@ measured step time and peak memory per rank beside the predictions:
   a layout it has not measured);
 - memory: the model alone (no fitted constant);
 
-then the search's winner against the sweep's best, and how many layouts each
-measured. ``--plot`` draws measured and predicted step time per layout
-(matplotlib, if installed).
+then, per world size, whether the fitted model orders the three fastest as
+measured ("kept"; "kept up to measured ties" when each of the model's three is
+measured within 5% of the measured one in its place), the search's winner
+against the sweep's best, how many layouts each measured, and the search's
+finals (each finalist's runs). ``--plot`` draws measured and predicted step
+time per layout (matplotlib, if installed).
 """
 
 from __future__ import annotations
