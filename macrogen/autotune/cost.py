@@ -8,8 +8,9 @@ Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
   more forward of those); the blocks' fixed cost per call (``Profile.block_call_s``:
   Python, dispatch, kernel launches) is paid whole by every micro-batch, whatever
   its rows, and so is what checkpointing adds to a recomputed block's call
-  (``Profile.recompute_call_s``: the RNG state saved, the forward's calls again); the optimizer step (``Profile.optimizer_s``) updates the rank's
-  parameters, / D only when zero1 or fsdp shard them; all but the optimizer times the
+  (``Profile.recompute_call_s``: the RNG state saved, the forward's calls again);
+  the optimizer step (``Profile.optimizer_s``) updates the rank's parameters,
+  / D only when zero1 or fsdp shard them; all but the optimizer times the
   pipeline's bubble (m + pp - 1) / m (1F1B), or, where ranks share cores
   (ranks over cores = the slowdown s), times max(bubble, s): a rank waiting in
   the bubble leaves its core to another's work;

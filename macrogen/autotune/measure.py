@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from macrogen.autotune.database import canonical
 from macrogen.expand import ExpansionError, expand_source
+from macrogen.files import write_atomic
 
 POLL_S = 0.05
 STARTUP_S = 120.0  # a launch's own allowance (imports, rendezvous) before its first candidate
@@ -258,19 +260,13 @@ def _reordered(
     pending: list[tuple[str, dict[str, Any], Path]], reorder: Reorder
 ) -> list[tuple[str, dict[str, Any], Path]]:
     """``pending`` in ``reorder``'s order of their values (any it leaves out, last)."""
-    wanted = reorder([values for _, values, _ in pending])
-    position = {json.dumps(v, sort_keys=True, default=str): i for i, v in enumerate(wanted)}
-    return sorted(
-        pending,
-        key=lambda p: position.get(json.dumps(p[1], sort_keys=True, default=str), len(wanted)),
-    )
+    position = {canonical(v): i for i, v in enumerate(reorder([v for _, v, _ in pending]))}
+    return sorted(pending, key=lambda p: position.get(canonical(p[1]), len(position)))
 
 
 def _write_order(order: Path, after: int, ids: list[str]) -> None:
     """The worker's next candidates, once it has reported ``after`` results (written whole)."""
-    partial = order.with_suffix(".tmp")
-    partial.write_text(json.dumps({"after": after, "ids": ids}), encoding="utf-8")
-    os.replace(partial, order)
+    write_atomic(order, json.dumps({"after": after, "ids": ids}).encode())
 
 
 def _measurement(values: Mapping[str, Any], result: Mapping[str, Any]) -> Measurement:

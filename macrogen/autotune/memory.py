@@ -37,6 +37,7 @@ attention heads: the residual stream stays whole); a pipeline stage holds
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from macrogen.autotune.layouts import Layout
@@ -178,7 +179,8 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
         f = profile.block_activations
         in_blocks = kept * (profile.block_fraction if f is None else f)
         r = layout.recomputed(profile.blocks)
-        again = (-(-profile.blocks // layout.pp) - 1) % layout.recompute == 0
+        last = math.ceil(profile.blocks / layout.pp) - 1  # the first stage's last block
+        again = last % layout.recompute == 0
         kept += (in_blocks / profile.blocks if again else 0.0) - in_blocks * r
         inputs = float(profile.message_bytes * profile.blocks) * r
     share = activation_tp_share(profile, layout.tp)

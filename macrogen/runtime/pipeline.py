@@ -43,7 +43,7 @@ import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,9 @@ from macrogen.pipeline_units import Forward as Forward  # the generated code's
 from macrogen.pipeline_units import Statement as Statement
 from macrogen.runtime import class_plans as apply_step
 from macrogen.runtime import groups, mesh, tensor_parallel
+
+if TYPE_CHECKING:
+    from macrogen.runtime.data_parallel import GradientSync
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ATTR = "_macrogen_pipeline"  # where a pipelined model keeps its Pipeline (markers look for it)
@@ -712,8 +715,8 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def _gradient_sync(model: nn.Module) -> Any:
-    """The model's @data_parallel averaging (``GradientSync``), if it has one."""
+def _gradient_sync(model: nn.Module) -> GradientSync | None:
+    """The model's @data_parallel averaging, if it has one."""
     from macrogen.runtime.data_parallel import GradientSync
 
     return next((v for v in vars(model).values() if isinstance(v, GradientSync)), None)
