@@ -11,6 +11,7 @@ The fixed cost: a block's forward + backward that does not shrink with its rows
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -207,3 +208,37 @@ def test_the_entrys_batch_is_whole_on_every_rank() -> None:
             - memory.predict(PROFILE, layout, world).total
         )
         assert more == 500
+
+
+def test_the_probes_clocks_read_the_devices_events() -> None:
+    """On CUDA a step returns once its kernels are queued: the probe's clocks then read CUDA
+    events recorded on the stream (the kernels' time), not the host's clock (the queueing)."""
+    device = [0.0]  # the device's clock: ahead of the host by the work queued
+
+    class Event:  # torch.cuda.Event's part the clock uses
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+
+        def record(self) -> None:
+            self.at = device[0]
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: Event) -> float:
+            return (end.at - self.at) * 1000.0  # ms
+
+    clock = probe._Clock(Event)
+    for work in (0.25, 0.5):  # two forwards, each queued at once
+        clock.start()
+        device[0] += work
+        clock.stop()
+        device[0] += 1.0  # between them: not timed
+    assert clock.seconds() == pytest.approx(0.75)
+    clock.reset()
+    assert clock.seconds() == 0.0
+    host = probe._Clock()  # no events (CPU): the host's clock
+    host.start()
+    time.sleep(0.02)
+    host.stop()
+    assert 0.02 <= host.seconds() < 1.0
