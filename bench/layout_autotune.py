@@ -34,6 +34,7 @@ import math
 import tempfile
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from macrogen.autotune import cost, database, layout_search, memory, tuner
@@ -226,7 +227,8 @@ def plot(rows: list, path: str) -> None:
     ax.bar([x + 0.2 for x in xs], [r[2] * 1e3 for r in rows], 0.4, label="predicted (fitted)")
     ax.set_xticks(list(xs), [r[0] for r in rows], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("step time (ms)")
-    ax.set_title("examples/layout_auto.py on gloo ranks: measured vs predicted")
+    where = f"{torch.cuda.get_device_name()} (NCCL)" if torch.cuda.is_available() else "gloo ranks"
+    ax.set_title(f"examples/layout_auto.py on {where}: measured vs predicted")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -34,8 +34,9 @@ class Net(nn.Module):
 
 
 def build():
+    run = mg.launch()  # this rank's device: its GPU under torchrun on a CUDA host, else the CPU
     model = mg.parallelize(
-        Net(),
+        Net().to(run.device),
         layout="auto",
         tp_plan={"layers.*.fc": "colwise", "layers.*.proj": "rowwise", "layers.*.n_head": "divide"},
     )
@@ -44,8 +45,8 @@ def build():
     share = BATCH // mesh.data_size  # the global batch is fixed: each data rank trains its share
     data = torch.Generator().manual_seed(0)
     x, y = (
-        torch.randn(BATCH, SEQ, DIM, generator=data),
-        torch.randn(BATCH, SEQ, DIM, generator=data),
+        torch.randn(BATCH, SEQ, DIM, generator=data).to(run.device),
+        torch.randn(BATCH, SEQ, DIM, generator=data).to(run.device),
     )
     rows = slice(mesh.data_rank * share, (mesh.data_rank + 1) * share)
 
