@@ -41,6 +41,7 @@ import importlib.util  # noqa: E402
 import socket  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -364,6 +365,7 @@ def main() -> int:
             try:
                 rows += run()
             except Exception as e:  # a crash is a wrong result: report it in the table, go on
+                traceback.print_exc()  # the table's cell holds 60 characters; the log, the cause
                 rows.append(
                     Row(
                         section,

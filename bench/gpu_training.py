@@ -107,9 +107,11 @@ def _size(dry: bool) -> dict[str, int]:
 class _Case:
     """One wrapper and its peer: each builds (model, optimizer) from the same serial weights."""
 
-    def __init__(self, name: str, ours: Callable, peer: Callable, peer_name: str, compiled=False):
+    def __init__(
+        self, name: str, ours: Callable, peer: Callable, peer_name: str, compiled=False, note=""
+    ):
         self.name, self.ours, self.peer, self.peer_name = name, ours, peer, peer_name
-        self.compiled = compiled
+        self.compiled, self.note = compiled, note
 
 
 def _cases(module: Any) -> list[_Case]:
@@ -123,8 +125,8 @@ def _cases(module: Any) -> list[_Case]:
     )
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    def adamw(model):
-        return torch.optim.AdamW(model.parameters(), lr=LR)
+    def adamw(model, foreach=None):
+        return torch.optim.AdamW(model.parameters(), lr=LR, foreach=foreach)
 
     def as_data_parallel(serial):  # the wrapper's class, the serial weights
         model = module.DataParallelGPT(*serial.sizes).to(serial.head.weight.device)
@@ -168,11 +170,15 @@ def _cases(module: Any) -> list[_Case]:
             ),
             "ZeroRedundancyOpt",
         ),
+        # torch's TP leaves the embeddings, norms and head plain tensors beside the blocks'
+        # DTensors, and AdamW's foreach step (CUDA's default) refuses the mix: the peer needs
+        # foreach=False, and ours (plain tensors throughout) runs it too, for the same step
         _Case(
             "parallelize tp=1",
-            lambda s: (m := module.tensor_parallel(copy.deepcopy(s)), adamw(m)),
-            lambda s: (m := torch_tp(s), adamw(m)),
+            lambda s: (m := module.tensor_parallel(copy.deepcopy(s)), adamw(m, foreach=False)),
+            lambda s: (m := torch_tp(s), adamw(m, foreach=False)),
             "parallelize_module",
+            note="AdamW foreach=False (the peer's mixed DTensor/Tensor params)",
         ),
         _Case(
             "parallelize fsdp",
@@ -267,4 +273,5 @@ def _row(case: _Case, serial, x, y, device: str, backend: str, bench: Callable, 
         case.peer_name,
         t_theirs / t_ours,
         ">=0.95",
+        case.note,
     )

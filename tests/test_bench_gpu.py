@@ -46,3 +46,37 @@ def test_a_wrong_or_crashed_row_fails_the_run() -> None:
     assert Row("tile", "x", float("nan"), 1e-4, 0.0, "", 0.0, "").wrong  # a crash reads as NaN
     assert Row("tile", "x", 2e-4, 1e-4, 0.0, "", 0.0, "").wrong
     assert not Row("tile", "x", 0.0, 0.0, 0.0, "", 0.0, "").wrong
+
+
+def _run(code_or_args: list[str], extra_env: dict[str, str] | None = None):
+    env = dict(os.environ, PYTHONPATH=str(REPO), **(extra_env or {}))
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run(
+        code_or_args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_training_rows_run_with_cudas_foreach_optimizer_step() -> None:
+    """On CUDA, AdamW defaults to its foreach step, which refuses torch TP's mix of DTensor
+    and plain parameters (the H200 run's crash): the training rows run under that default."""
+    code = (
+        "import sys, torch.optim.adam as adam\n"
+        "adam._default_to_fused_or_foreach = lambda *a, **k: (False, True)  # CUDA's choice\n"
+        "sys.argv = ['bench/gpu.py', '--dry-run', '--only', 'training']\n"
+        "import runpy; runpy.run_path('bench/gpu.py', run_name='__main__')\n"
+    )
+    proc = _run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "parallelize tp=1" in proc.stdout and "CRASH" not in proc.stdout
+
+
+def test_the_gpu_sessions_script_runs_its_steps_and_logs_each(tmp_path) -> None:
+    proc = _run(
+        ["bash", "bench/gpu_session.sh", str(tmp_path)],
+        {"DRY": "1", "ONLY": "kernels", "PYTHON": sys.executable},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    status = (tmp_path / "status.txt").read_text()
+    assert "kernels: exit 0" in status and "training" not in status  # ONLY: the step asked for
+    assert " 0 wrong ==" in (tmp_path / "kernels.txt").read_text()
+    assert not (REPO / "macrogen" / "kernels").is_symlink()  # macrogen.kernels resolved as is

@@ -159,7 +159,9 @@ def _full(t):
 
 def _train(module, model, rows: slice):
     """3 AdamW steps; (losses, grads after the first backward, norms) on this rank's rows."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    # foreach: CUDA's default step (CPU's is the loop), which refuses a mix of DTensor and
+    # plain parameters (torch TP's); ours keeps plain tensors, so it runs on a GPU as it is
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     gen = torch.Generator().manual_seed(1)
     losses, norms, first = [], [], None
     for _ in range(STEPS):
