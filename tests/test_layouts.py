@@ -105,8 +105,8 @@ def test_memory_per_data_parallel_mode():
     zero1 = memory.predict(PROFILE, Layout(dp="zero1"), 4)
     assert zero1.state == 50 and zero1.params == 100
     fsdp = memory.predict(PROFILE, Layout(dp="fsdp"), 4)
-    assert fsdp.params == pytest.approx(25 + 3 * 10)  # a quarter, plus three blocks' buffers
-    assert fsdp.state == 50 and fsdp.grads == pytest.approx(25 + 4 * 10)
+    assert fsdp.params == pytest.approx(25 + 2 * 10)  # a quarter, plus two blocks' buffers
+    assert fsdp.state == 50 and fsdp.grads == pytest.approx(25 + 2 * 10)
     assert fsdp.activations == pytest.approx(100)  # no buckets: reduce-scattered per unit
     # a pipeline stage under FSDP stays gathered through its backward, its gradients whole
     # until the last micro-batch, reduce-scattered one unit (a block: 10) at a time

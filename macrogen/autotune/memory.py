@@ -5,11 +5,11 @@ or what a test writes down). Bytes are tensor bytes above those live before the
 model was built (``process_memory.TensorPeak``), what the autotune worker
 measures on each rank:
 
-    params   P x tp share x pipeline share          (fsdp: / D, + three blocks' buffers;
+    params   P x tp share x pipeline share          (fsdp: / D, + two blocks' buffers;
                                                      under pp: whole through the step, + / D;
                                                      its gradients + / D + one block's)
     state    S x the same shares                    (zero1 and fsdp: / D)
-    grads    as the parameters                      (fsdp: / D + four blocks' buffers)
+    grads    as the parameters                      (fsdp: / D + two blocks' buffers)
     and the larger of the step's two transients:
     activations  A / D (the global batch is split over the data ranks)
                  x activations' tp share x (1/pp) x in-flight micro-batches / micro-batches
@@ -163,12 +163,12 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
         params += params / d
         grads += grads / d + one_block
     elif layout.dp == "fsdp":
-        # FSDP2 per unit: the gathered unit, the next one prefetched, and the all-gather's
-        # buffer; in backward the unit's full gradients and the reduce-scatter's input and
-        # output, for this unit and the one before, still in flight (7 units: the buffers
-        # of 2 to 6.7 units that the measured layouts held above the rest, docs/autotune.md)
-        params = params / d + 3 * one_block
-        grads = grads / d + 4 * one_block
+        # FSDP2 at the step's peak (backward's start): the unit gathered and the next one
+        # prefetched, the unit's full gradients and the reduce-scatter's input. Four units:
+        # the measured layouts held 0.2 to 5.8 above the rest over four runs, median 3.1
+        # (seven, every buffer at once, was 3% to 29% over; docs/autotune.md)
+        params = params / d + 2 * one_block
+        grads = grads / d + 2 * one_block
     in_flight = min(layout.pp, layout.microbatches) / layout.microbatches
     kept, inputs = float(profile.activation_bytes), 0.0
     if layout.recompute and profile.blocks:

@@ -29,8 +29,9 @@ from macrogen.autotune.memory import Profile
 from macrogen.autotune.process_memory import TensorPeak, warm_process
 
 # what a stored probe measured: a probe of other measures is not reused (memory was the
-# resident set before, and carried no optimizer or activation shares)
-MEASURES = "tensor-bytes-8"
+# resident set before, and carried no optimizer or activation shares; a CUDA probe's times
+# were the host's before 9)
+MEASURES = "tensor-bytes-9"
 
 
 class ProbeError(Exception):
