@@ -225,7 +225,9 @@ def test_collective_calls_are_counted_per_layout():
     assert cost.predict(PROFILE, Layout(), 1, four).calls == 0
     assert cost.predict(PROFILE, Layout(), 4, four).calls == 1  # one all-reduce (buckets)
     fsdp = cost.predict(PROFILE, Layout(dp="fsdp"), 4, four)
-    assert (fsdp.units, fsdp.calls) == (9 * 3, 0)  # 8 blocks + the root, 3 ring steps each
+    assert (fsdp.units, fsdp.calls) == (9 * 4, 0)  # 8 blocks + the root, each 1 + 3 ring steps
+    # over DTensor parameters (tp), tp - 1 more: 1 + 1 ring step + 1
+    assert cost.predict(PROFILE, Layout(tp=2, dp="fsdp"), 4, four).units == 9 * 3
     assert cost.predict(PROFILE, Layout(tp=2), 2, four).calls == 4 * 8
     assert cost.predict(PROFILE, Layout(pp=2, microbatches=4), 2, four).calls == 2 * 4
 

@@ -31,7 +31,8 @@ Nothing overlaps (gloo on CPU blocks the computing thread); ``fit`` scales the
 compute and the communication terms to measured step times, then fits two fixed
 costs the bytes do not explain: each FSDP unit's per step (``Step.units``:
 FSDP2's hooks, copies in and out of its flat buffers, three collectives -- under a
-pipeline 2m + 1, counted as (2m + 1) / 3 units, each x its ring's D - 1 steps; on a
+pipeline 2m + 1, counted as (2m + 1) / 3 units, each x (D + tp - 1): itself, its ring's
+D - 1 steps, tp - 1 for DTensor parameters; on a
 CPU they cost milliseconds) from four measured layouts, and each other collective call's (``Step.calls``: 4 + 2r per block and micro-batch under tp, 1
 all-reduce for replicate, 2 sends per micro-batch under pp) from six.
 """
@@ -188,8 +189,11 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
         data = collectives * (
             all_gather_s(grads, d, dp_link) + (units - 1) * (d - 1) * dp_link.latency
         )
-        # each collective's ring steps: a step waits for a rank that may be descheduled
-        fsdp_units = units * collectives / 3 * (d - 1)
+        # per unit and collective: its own hooks and copies (1), a wait per ring step over
+        # the D - 1 data peers (a rank may be descheduled), and under tp FSDP2 over DTensor
+        # parameters, tp - 1 more: chosen from five 4-rank runs (every layout held out: 242
+        # of 255 within 25%, against 237 for D - 1 alone, which left tp x fsdp -3% to -31%)
+        fsdp_units = units * collectives / 3 * (d + tp - 1)
     else:
         data = all_reduce_s(grads, d, dp_link)
         calls += 1 if d > 1 else 0.0
