@@ -434,3 +434,55 @@ def test_the_worker_takes_the_order_the_search_gives_after_each_result(tmp_path:
     )
     assert [m.values["SIZE"] for m in got] == [5, 1, 4, 2, 3]
     assert [m.error is None for m in got] == [True, True, False, True, True]
+
+
+def test_a_stopped_launch_leaves_no_rank_running(tmp_path: Path) -> None:
+    """torchrun starts each rank in a session of its own: a search that stops (early stopping,
+    a timeout) must end the ranks too, or they go on measuring beside the next launch."""
+    from macrogen.autotune.measure import Measurement, Program, measure
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    source = textwrap.dedent(
+        f"""\
+        import os
+        import time
+
+        import macrogen as mg
+
+        SIZE = mg.tunable(1, choices=[1, 2, 3, 4])
+
+
+        def make_step():
+            open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+            # the first is quick; the next would keep an orphaned rank busy for 20 s
+            return lambda: time.sleep(0.001 if SIZE == 1 else 0.5)
+        """
+    )
+    src = _write(tmp_path, "stopped.py", source)
+    timing = Timing(warmup=1, min_time=0.02, timeout=60, group=1, rounds=1, steps=40)
+    program = Program(src, source, ":make_step", True, 2, "cpu", timing)
+    got: list[Measurement] = []
+    candidates = [{"SIZE": n} for n in range(1, 5)]
+
+    def stop(m: Measurement) -> bool:
+        got.append(m)
+        time.sleep(3)  # the ranks meanwhile go on into the next candidate's 20 s of steps
+        return False
+
+    assert measure(program, candidates, stop) == "stopped"
+    assert len(got) == 1 and got[0].error is None
+    ranks = [int(p.name) for p in pids.iterdir()]
+    assert len(set(ranks)) == 2  # both ranks built the first candidate
+
+    def running(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"  # a zombie waits for its reaper: it measures nothing
+
+    deadline = time.monotonic() + 5
+    while any(running(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(p) for p in ranks)

@@ -191,7 +191,7 @@ def _launch(
     try:
         return _follow(proc, program, pending, on_result, deadline, results, log, reorder, order)
     finally:
-        _end(proc)
+        _end(proc, work)
 
 
 def _follow(
@@ -295,13 +295,41 @@ def _command(program: Program, job: Path) -> list[str]:
     ]
 
 
-def _end(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _end(proc: subprocess.Popen[bytes], work: Path) -> None:
+    """Stop a launch still running: the launcher's process group, then each rank. torchrun
+    starts every rank in a session of its own, so a rank outlives a killed torchrun and
+    would go on measuring beside the next launch; each rank wrote its pid at its start."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     proc.wait()
+    from macrogen.autotune.worker import PID_SUFFIX
+
+    for pid_file in work.glob(f"*{PID_SUFFIX}"):
+        try:
+            pid = int(pid_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if _runs_job(pid, work):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _runs_job(pid: int, work: Path) -> bool:
+    """Whether ``pid`` is still a worker of this launch (not a process that reused the pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        # no such process, or no /proc (macOS): a pid written seconds ago is still the rank's
+        return not Path("/proc/self").exists()
+    except OSError:
+        return False
+    return str(work).encode() in cmdline
 
 
 def _tail(log: Path, lines: int = 6) -> str:

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+PID_SUFFIX = ".pid"  # each rank's pid, in its launch's folder: measure._end stops it by that
+
 
 class CandidateError(Exception):
     """A failure attributed to one candidate, with the phase it happened in."""
@@ -46,6 +48,9 @@ class CandidateError(Exception):
 
 def main(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
+    # the launch ends a rank that outlives its torchrun by this pid (measure._end)
+    rank_env = os.environ.get("RANK", "0")
+    (Path(job_path).parent / f"rank{rank_env}{PID_SUFFIX}").write_text(str(os.getpid()))
     for entry in reversed(job["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
