@@ -241,7 +241,7 @@ def test_recompute_arguments_map_to_layouts_and_back():
 def test_every_2nd_is_enumerated_beside_none_and_all():
     four = [layout for layout in layouts.enumerate_layouts(4) if layout.tp == 1 and layout.pp == 1]
     assert [(layout.dp, layout.recompute) for layout in four] == [
-        (dp, r) for dp in layouts.DP_MODES for r in (0, 1, 2)
+        (dp, r) for dp in layouts.LAYOUT_DP_MODES for r in (0, 1, 2)
     ]
 
 

@@ -18,7 +18,8 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-DP_MODES = ("replicate", "zero1", "fsdp")
+from macrogen.vocabulary import LAYOUT_DP_MODES
+
 # What layout="auto" offers at expansion time, before the world size is known (it prunes).
 AUTO_TP = (1, 2, 4, 8)
 AUTO_PP = (1, 2, 4)
@@ -67,7 +68,7 @@ _NAME = re.compile(r"tp(\d+) pp(\d+) (\w+) mb(\d+)( recompute(?:/(\d+))?)?")
 def parse(text: str) -> Layout:
     """The layout a ``name()`` spells; ValueError for anything else."""
     m = _NAME.fullmatch(text.strip())
-    if m is None or m.group(3) not in DP_MODES:
+    if m is None or m.group(3) not in LAYOUT_DP_MODES:
         raise ValueError(f"not a layout: {text!r} (expected e.g. 'tp2 pp1 fsdp mb1')")
     tp, pp, mb = int(m.group(1)), int(m.group(2)), int(m.group(4))
     every = 0 if m.group(5) is None else int(m.group(6) or 1)
@@ -86,7 +87,7 @@ def auto_choices() -> tuple[str, ...]:
     each without recomputation, then each recomputing all blocks, then every 2nd."""
     out = []
     for recompute in AUTO_RECOMPUTE:
-        for tp, pp, dp in itertools.product(AUTO_TP, AUTO_PP, DP_MODES):
+        for tp, pp, dp in itertools.product(AUTO_TP, AUTO_PP, LAYOUT_DP_MODES):
             for mb in microbatch_choices(pp):
                 out.append(Layout(tp, pp, dp, mb, recompute).name())
     return tuple(out)
@@ -147,7 +148,7 @@ def enumerate_layouts(
         for pp in divisors(world // tp):
             if max_pp is not None and pp > max_pp:
                 continue
-            for dp in DP_MODES:
+            for dp in LAYOUT_DP_MODES:
                 for mb in microbatch_choices(pp):
                     for recompute in AUTO_RECOMPUTE:
                         yield Layout(tp, pp, dp, mb, recompute)
@@ -171,7 +172,7 @@ def from_arguments(arguments: Mapping[str, object]) -> Layout | None:
     dp, mb = arguments.get("dp", "replicate"), arguments.get("microbatches", 1)
     recompute = recompute_every(arguments.get("recompute"))
     ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (tp, pp, mb))
-    if not ints or dp not in DP_MODES or recompute is None:
+    if not ints or dp not in LAYOUT_DP_MODES or recompute is None:
         return None
     return Layout(tp, pp, dp, mb, recompute)  # type: ignore[arg-type]
 

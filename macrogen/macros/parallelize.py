@@ -53,6 +53,7 @@ from macrogen import pipeline_units as pf
 from macrogen.autotune import layouts
 from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, TuningEnv, render
 from macrogen.macros import redundant
+from macrogen.vocabulary import DEFAULT_SCHEDULE, DP_MODES, SCHEDULES, SERVER, STYLES, one_of
 
 NAME = "parallelize"
 FORMS: frozenset[Form] = frozenset({"call"})
@@ -62,10 +63,6 @@ USAGE = (
 )
 CODE_ARGUMENTS = frozenset({"0"})  # the model expression runs in the program
 
-# Mirrors macrogen.runtime.parallelize.STYLES (the runtime imports torch; the pass must not).
-STYLES = ("colwise", "colwise_gather_output", "rowwise", "vocab", "divide", "replicate")
-DP_MODES = ("replicate", "zero1", "fsdp", "none")
-SERVER = "server"  # a table held by parameter servers (not a tensor-parallel style)
 SERVER_ONLY = ("staleness", "server_optimizer", "server_lr")
 
 DEFAULTS: dict[str, Any] = {
@@ -83,7 +80,7 @@ DEFAULTS: dict[str, Any] = {
     "shard_units": None,
     "dp_replicate": 1,
     "microbatches": 1,
-    "schedule": "1f1b",
+    "schedule": DEFAULT_SCHEDULE,
     "layout": None,
     "servers": 0,
     "staleness": 0,
@@ -100,7 +97,6 @@ FSDP_ONLY = (
     "dp_replicate",
 )
 NOT_FSDP = ("bucket_mb", "compress")
-SCHEDULES = ("1f1b", "gpipe", "interleaved")  # macrogen.runtime.parallelize_pipeline.SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -134,7 +130,7 @@ def _degree(v: Any) -> str | None:
 
 
 def _dp(v: Any) -> str | None:
-    return None if v in DP_MODES else '"replicate", "zero1", "fsdp" or "none"'
+    return None if v in DP_MODES else one_of(DP_MODES)
 
 
 def _bool(v: Any) -> str | None:
@@ -171,7 +167,7 @@ def _recompute(v: Any) -> str | None:
 
 
 def _schedule(v: Any) -> str | None:
-    return None if v in SCHEDULES else '"1f1b", "gpipe" or "interleaved"'
+    return None if v in SCHEDULES else one_of(SCHEDULES)
 
 
 def _server_optimizer(v: Any) -> str | None:

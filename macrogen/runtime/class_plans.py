@@ -25,21 +25,6 @@ from macrogen.runtime.tensor_parallel import (
     serial_state_dict,
 )
 
-# HF's tensor-parallel style names (``model._tp_plan``, ``config.base_model_tp_plan``) -> ours
-HF_STYLES = {
-    "colwise": "colwise",
-    "rowwise": "rowwise",
-    "colwise_rep": "colwise_gather_output",
-    "colwise_gather_output": "colwise_gather_output",
-    "rowwise_rep": "rowwise",
-    "embedding_rowwise": "vocab",
-    "packed_colwise": ("colwise", 2),
-    "replicate": "replicate",
-}
-STYLES = ("colwise", "colwise_gather_output", "rowwise", "vocab", "divide", "replicate")
-DP_MODES = ("replicate", "zero1", "none")  # "fsdp": macrogen.runtime.fully_sharded
-
-
 # -- the class decorators' plans -----------------------------------------------------------------
 #
 # ``@tensor_parallel`` records its plan on the user's class (``ClassPlan``, the class keeps its

@@ -73,20 +73,7 @@ from macrogen.runtime.tensor_parallel import (
     split,
     vocab_lookup,
 )
-
-# HF's tensor-parallel style names (``model._tp_plan``, ``config.base_model_tp_plan``) -> ours
-HF_STYLES = {
-    "colwise": "colwise",
-    "rowwise": "rowwise",
-    "colwise_rep": "colwise_gather_output",
-    "colwise_gather_output": "colwise_gather_output",
-    "rowwise_rep": "rowwise",
-    "embedding_rowwise": "vocab",
-    "packed_colwise": ("colwise", 2),
-    "replicate": "replicate",
-}
-STYLES = ("colwise", "colwise_gather_output", "rowwise", "vocab", "divide", "replicate")
-DP_MODES = ("replicate", "zero1", "none")  # "fsdp": macrogen.runtime.fully_sharded
+from macrogen.vocabulary import DP_MODES, HF_STYLES, STYLES
 
 
 class PlanError(ValueError):
@@ -731,8 +718,9 @@ def apply_data_parallel(
     optimizer to (``zero1``: ``mg.shard_optimizer`` then reduce-scatters them)."""
     from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync
 
-    if mode not in DP_MODES:
-        raise ValueError(f"mg.parallelize at {where}: dp={mode!r}: expected one of {DP_MODES}")
+    if mode not in DP_MODES or mode == "fsdp":  # fsdp: macrogen.runtime.fully_sharded
+        modes = tuple(m for m in DP_MODES if m != "fsdp")
+        raise ValueError(f"mg.parallelize at {where}: dp={mode!r}: expected one of {modes}")
     if mode == "none":
         return model
     if mode == "zero1" and mesh.tensor_size > 1:

@@ -44,8 +44,8 @@ from macrogen.pipeline_code import unit_function
 from macrogen.runtime import mesh as meshes
 from macrogen.runtime import parallelize
 from macrogen.runtime import pipeline as pipelines
+from macrogen.vocabulary import SCHEDULES
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
 DOCS = "docs/pipeline.md (what @mg.pipeline can cut)"
 
 

@@ -54,11 +54,11 @@ from macrogen.pipeline_units import Forward as Forward  # the generated code's
 from macrogen.pipeline_units import Statement as Statement
 from macrogen.runtime import class_plans as apply_step
 from macrogen.runtime import groups, mesh, tensor_parallel
+from macrogen.vocabulary import SCHEDULES
 
 if TYPE_CHECKING:
     from macrogen.runtime.data_parallel import GradientSync
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ATTR = "_macrogen_pipeline"  # where a pipelined model keeps its Pipeline (markers look for it)
 
 

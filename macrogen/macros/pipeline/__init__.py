@@ -68,6 +68,7 @@ from macrogen.macro import (
 from macrogen.macros.class_decorator import decorated, rendered_decorator
 from macrogen.pipeline_analysis import Analysed
 from macrogen.pipeline_code import unit_function
+from macrogen.vocabulary import SCHEDULES
 
 NAME = "pipeline"
 FORMS: frozenset[Form] = frozenset({"decorator"})
@@ -82,7 +83,6 @@ DEFAULTS: dict[str, Any] = {
     "split": None,
     "stages_per_rank": None,  # 1; "interleaved": 2
 }
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 @dataclass(frozen=True)
