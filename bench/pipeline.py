@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from macrogen.runtime import pipeline as rp  # noqa: E402
+from macrogen.runtime.pipeline_plan import forward_cut  # noqa: E402
 
 TOKENS = 16  # per sequence
 
@@ -155,7 +156,7 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
         config = rp.PipelineConfig(
             stages=2, microbatches=args.microbatches, schedule=schedule, split=(f"blocks.{cut}",)
         )
-        rp.attach(m, config, DEEP_FORWARD)
+        rp.attach(m, config, forward_cut(m, 2, config.split, DEEP_FORWARD))
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
 
         def ours(m=m, opt=opt):
@@ -202,7 +203,7 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
         config = rp.PipelineConfig(
             stages=2, microbatches=4, schedule="gpipe", split=(f"blocks.{cut}",)
         )
-        pipe = rp.attach(m, config, DEEP_FORWARD)
+        pipe = rp.attach(m, config, forward_cut(m, 2, config.split, DEEP_FORWARD))
         rp.pipeline_step(m, x, y, F.mse_loss)  # builds the stage and the schedule
         stage = pipe._schedule._stage
         for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):

@@ -15,6 +15,16 @@ from macrogen.pipeline_code import unit_function
 from macrogen.pipeline_units import Forward
 
 
+def attach(model, config, *, where: str = ""):
+    """``model`` pipelined as a ``@pipeline`` class's ``__init__`` does it: its forward cut."""
+    from macrogen.runtime import pipeline as rp
+    from macrogen.runtime.pipeline_plan import forward_cut
+
+    rp.check_config(config, where=where)
+    cut = forward_cut(model, config.stages, config.split, forward_of(type(model)))
+    return rp.attach(model, config, cut, where=where)
+
+
 def forward_of(cls: type) -> Forward:
     source = textwrap.dedent(inspect.getsource(cls.forward))
     a = analysis.parse(source)

@@ -15,6 +15,7 @@ import torch.nn as nn
 from macrogen.runtime import mesh as meshes
 from macrogen.runtime import pipeline as rp
 from macrogen.runtime.parallelize_pipeline import apply_pipeline, forward_of
+from macrogen.runtime.pipeline_plan import forward_cut
 from tests.helpers import expand, load_module
 
 SCALE = 2.0
@@ -37,8 +38,7 @@ class Net(nn.Module):
 def _whole(model, *args):
     """forward run through the generated unit functions, as one stage."""
     forward = forward_of(type(model), where="test.py:1")
-    plan = rp.plan(model, 1, None, forward)
-    return rp.stage_code(model, plan, 0)(model, *args)
+    return forward_cut(model, 1, None, forward).code(model, 0)(model, *args)
 
 
 def test_units_run_forward_with_its_globals():

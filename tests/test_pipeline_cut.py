@@ -58,7 +58,7 @@ def _load(name: str) -> types.ModuleType:
 
 def _stages(model):
     pipe = rp.pipeline_of(model)
-    return [rp.stage_code(model, pipe.plan, s) for s in range(2)]
+    return [pipe.cut.code(model, s) for s in range(2)]
 
 
 def test_the_runtime_reads_no_source(monkeypatch):

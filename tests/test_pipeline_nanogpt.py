@@ -17,6 +17,7 @@ import macrogen as mg
 from macrogen import pipeline_analysis as analysis
 from macrogen import pipeline_units as pf
 from macrogen.runtime import pipeline as rp
+from macrogen.runtime.pipeline_plan import forward_cut
 from tests.helpers import expand, expansion_errors
 from tests.pipeline_units import forward_of
 
@@ -73,7 +74,7 @@ def _data():
 
 
 def _plan(model, stages, split):
-    return rp.plan(model, stages, split, forward_of(type(model)))
+    return forward_cut(model, stages, split, forward_of(type(model)))
 
 
 def _parse(source):

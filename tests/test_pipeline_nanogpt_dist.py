@@ -101,7 +101,7 @@ def _worker(rank, world, cases, directory):
         model.load_full_state_dict(full)
         reloaded = model.full_state_dict()
         assert all(torch.equal(reloaded[k], full[k]) for k in full)
-        tied = [(name, sorted(stages)) for name, stages in pipe.plan.tied]
+        tied = [(name, sorted(stages)) for name, stages in pipe.cut.tied]
         results[variant, dtype] = (losses, full, tied, pipe.describe(), len(pipe.tied))
     return results
 

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from macrogen import pipeline_analysis as analysis
 from macrogen import pipeline_units as pf
 from macrogen.runtime import pipeline as rp
+from macrogen.runtime.pipeline_plan import forward_cut
 from tests.distributed import run_ranks
-from tests.pipeline_units import forward_of
+from tests.pipeline_units import attach, forward_of
 
 STEPS = 5
 BATCH = 8
@@ -27,7 +28,7 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def _plan(model, stages, split):
-    return rp.plan(model, stages, split, forward_of(type(model)))
+    return forward_cut(model, stages, split, forward_of(type(model)))
 
 
 def _parse(source):
@@ -225,7 +226,7 @@ def test_forwards_that_cannot_be_split(body, message):
 
 def test_serial_step_without_a_process_group():
     model, x, y, loss_fn = make("uneven")
-    pipe = rp.attach(model, rp.PipelineConfig(stages=2, microbatches=4), forward_of(type(model)))
+    pipe = attach(model, rp.PipelineConfig(stages=2, microbatches=4))
     assert pipe.layout is None  # not launched: the whole model, the serial step
     loss = rp.pipeline_step(model, x, y, loss_fn)
     assert math.isfinite(loss.item()) and model.head.weight.grad is not None
@@ -242,7 +243,7 @@ def _worker(rank, world, cases):
         config = rp.PipelineConfig(stages=2, microbatches=4, schedule=schedule)
         if schedule == "interleaved":  # 4 stages, 2 per rank: rank r holds stages r and r + 2
             config = rp.PipelineConfig(4, 4, schedule, stages_per_rank=2)
-        pipe = rp.attach(model, config, forward_of(type(model)))
+        pipe = attach(model, config)
         if schedule == "interleaved":
             assert pipe.stages == [rank % 2, rank % 2 + 2]
         lay = pipe.layout
@@ -267,7 +268,7 @@ def _worker(rank, world, cases):
         try:
             uneven = make("uneven")[0]
             config = rp.PipelineConfig(stages=3, microbatches=4)
-            rp.attach(uneven, config, forward_of(type(uneven)), where="m.py:3")
+            attach(uneven, config, where="m.py:3")
         except ValueError as e:
             results["error"] = str(e)
     return results
@@ -305,7 +306,7 @@ def test_interleaving_needs_stages_per_rank_that_fit():
         (rp.PipelineConfig(4, 5, "interleaved", stages_per_rank=2), "5 is not a multiple of 2"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
-            rp.attach(model, config, forward_of(type(model)))
+            attach(model, config)
 
 
 def test_two_stages_by_two_data_ranks_match_serial():

@@ -247,7 +247,7 @@ def _shard_stages(
     once per step, after the last micro-batch."""
     from torch.distributed.fsdp import fully_shard
 
-    from macrogen.runtime.pipeline import _get
+    from macrogen.runtime.pipeline_parts import part_at
 
     if config.accumulate > 1:
         raise ValueError(
@@ -261,9 +261,8 @@ def _shard_stages(
     sharded: list[nn.Module] = []
     for s in pipe.stages:
         stage = pipe.stage_module(s)
-        if named is None:  # the blocks of forward's loop this stage runs
-            a, b = pipe.plan.bounds(s)
-            units = [_get(model, u.name) for u in pipe.plan.units[a:b] if u.block is not None]
+        if named is None:  # the repeated blocks this stage runs
+            units = [part_at(model, name) for name in pipe.cut.blocks(s)]
         else:
             held = {id(m) for part in stage.parts for m in part.modules()}
             units = [m for _, m in named if id(m) in held]

@@ -4,7 +4,9 @@
     model = mg.parallelize(model, pp=2, microbatches=4)     # this rank keeps its stage
     loss = mg.pipeline_step(model, x, y, loss_fn)           # the schedule: forward, loss, backward
 
-What ``@mg.pipeline`` does at expansion, done at run time on the model's class:
+A transformers model is cut at the pipeline plan it ships (``pipeline_transformers.py``:
+the embedding, the decoder layers, the final norm, the head; every stage runs the model's
+own forward). Any other model is cut as ``@mg.pipeline`` would cut its class, at run time:
 forward's source (``inspect.getsource``) is analysed by the macro's own analysis
 (``macrogen/pipeline_analysis.py``), each statement becomes a function
 (``macrogen/pipeline_code.py``), compiled in forward's module (its globals, and
@@ -44,6 +46,9 @@ from macrogen.pipeline_code import unit_function
 from macrogen.runtime import mesh as meshes
 from macrogen.runtime import parallelize
 from macrogen.runtime import pipeline as pipelines
+from macrogen.runtime.pipeline_parts import part_at
+from macrogen.runtime.pipeline_plan import forward_cut
+from macrogen.runtime.pipeline_transformers import shipped_plan, transformers_cut
 from macrogen.vocabulary import SCHEDULES
 
 DOCS = "docs/pipeline.md (what @mg.pipeline can cut)"
@@ -79,8 +84,9 @@ def forward_of(cls: type, *, where: str) -> pf.Forward:
     if not a.forward.loops:
         raise ValueError(
             f"{at}, and it has no `for block in self.<ModuleList>:` loop whose blocks the"
-            " stages could share (a model that loops over its blocks in a submodule's forward,"
-            f" as transformers' models do, can't be cut yet). See {DOCS}"
+            " stages could share (a model whose blocks run in a submodule's forward is cut at"
+            " the pipeline plan transformers models ship, model.pp_plan: it has none)."
+            f" See {DOCS}"
         )
     namespace = fn.__globals__
     if fn.__code__.co_freevars:  # a class defined in a function: forward's closure, by value
@@ -118,8 +124,16 @@ def apply_pipeline(
         schedule=schedule,
         stages_per_rank=per_rank,
     )
-    forward = forward_of(type(model), where=where)
-    pipe = pipelines.attach(model, config, forward, where=where)
+    pipelines.check_config(config, where=where)
+    if shipped_plan(model):  # a transformers model: its own plan (pipeline_transformers.py)
+        cut: pipelines.Cut = transformers_cut(model, config.stages, where=at)
+    else:
+        forward = forward_of(type(model), where=where)
+        try:
+            cut = forward_cut(model, config.stages, None, forward)
+        except ValueError as e:
+            raise ValueError(f"{at}: {e}") from None
+    pipe = pipelines.attach(model, config, cut, where=where)
     if parallelize.is_tensor_parallel(model) and pipe.layout is not None:
         _stages_on_local_shards(model, pipe, where=at)
     # the serial model's state dict, as a @pipeline class's methods give it
@@ -149,8 +163,8 @@ def local_forward_per_stage(
     stages = [pipe.stage_module(s) for s in pipe.stages]
     owners: dict[nn.Module, list[nn.Module]] = {}
     for stage, s in zip(stages, pipe.stages):
-        for part, users in pipe.plan.owners.items():
+        for part, users in pipe.cut.owners.items():
             head = part.rpartition(".")[0]
-            if s in users and isinstance(pipelines._get(model, part), nn.Parameter):
-                owners.setdefault(stage, []).append(pipelines._get(model, head) if head else model)
+            if s in users and isinstance(part_at(model, part), nn.Parameter):
+                owners.setdefault(stage, []).append(part_at(model, head) if head else model)
     parallelize.local_forward_per_unit(model, [*(units or ()), *stages], owners)

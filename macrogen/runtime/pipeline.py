@@ -1,37 +1,37 @@
-"""Pipeline parallelism for ``@pipeline`` models, on ``torch.distributed.pipelining``.
+"""Pipeline parallelism on ``torch.distributed.pipelining``: a model cut into stages, each
+rank running its own, and the step that trains it.
 
-A generated ``@pipeline`` class makes one ``Pipeline`` at the end of its
-``__init__`` (the whole model is built first, initialized exactly as in the
-serial run). The ``Pipeline``:
+A model is pipelined once it is whole (built and initialized exactly as in the serial run):
+a ``@pipeline`` class at the end of its ``__init__``, ``mg.parallelize(model, pp=N)`` on a
+built model. What each stage holds and runs is a *cut* of the model:
 
-1. takes the model's ``forward`` as the expansion wrote it, one function per
-   statement (``Forward``, ``macrogen/pipeline_units.py``), and cuts its units
-   into ``stages`` stages, at the ``split`` names or, without them, at block
-   boundaries of its ``nn.ModuleList`` loop, balanced by parameter count (no
-   source is read here: the macro analysed forward at expansion);
-2. lays the world out as the program's (pipeline x data x tensor) ``DeviceMesh``
-   (``mesh.py``), pipeline outermost: rank r is stage ``r // (data_size *
-   tensor_size)``; tensor-parallel layers inside the stages were built with
-   their stage's tensor group (``declare``, before the model's ``__init__``)
-   and are cut into shards here, before the stage cut;
-3. keeps this stage's parts of the model (same attribute names, same state_dict
-   keys) and puts an ``Elsewhere`` placeholder where another stage's parts
-   were, so ``model.parameters()`` is this stage's parameters;
-4. at the first ``pipeline_step``, wraps this stage's code in torch's
-   ``PipelineStage`` and runs ``ScheduleGPipe`` or ``Schedule1F1B`` over
-   ``microbatches`` micro-batches on every step;
-5. keeps a tensor that parts on several stages share (nanoGPT's ``wte`` tied
-   to ``lm_head``) on each of them, Megatron-LM's way, and after the backward
-   sums its gradients over the pipeline ranks holding it.
+- ``pipeline_plan.ForwardCut``: forward's statements, as the ``@pipeline`` expansion (or
+  ``mg.parallelize`` on a model of the user's own) generated them, shared out at the
+  ``split`` names or balanced by parameter count over a ``nn.ModuleList`` loop's blocks;
+- ``pipeline_transformers.TransformersCut``: a transformers model at the pipeline plan it
+  ships (the embedding, the decoder layers, the final norm, the head).
 
-Parts are paths through containers (``transformer.h.3``, ``transformer.wte``).
-Without a ``loss_fn`` forward computes the loss: the last stage gets each
-micro-batch's ``y`` as forward's targets parameter and sends on the loss.
+The ``Pipeline``:
 
-Loss scaling: each micro-batch's loss is divided by the number of micro-batches
-and the schedule does not rescale the gradients, so the gradients add to
-whatever ``.grad`` held, exactly as the serial ``loss.backward()`` does (a
-mean loss over equal micro-batches is the mean over the batch).
+1. lays the world out as the program's (pipeline x data x tensor) ``DeviceMesh``
+   (``mesh.py``), pipeline outermost: rank r is stage ``r // (data_size * tensor_size)``;
+2. keeps this rank's stages' parts of the model (same attribute names, same state_dict
+   keys) and puts a placeholder where another stage's parts were, so
+   ``model.parameters()`` is this stage's parameters;
+3. at the first ``pipeline_step``, wraps each of this rank's stages in torch's
+   ``PipelineStage`` and runs ``ScheduleGPipe``, ``Schedule1F1B`` or
+   ``ScheduleInterleaved1F1B`` over ``microbatches`` micro-batches on every step;
+4. keeps a tensor that parts on several stages share (nanoGPT's ``wte`` tied to
+   ``lm_head``) on each of them, Megatron-LM's way, and after the backward sums its
+   gradients over the pipeline ranks holding it.
+
+Without a ``loss_fn`` forward computes the loss: the last stage gets each micro-batch's
+``y`` as forward's targets parameter (``labels`` for transformers) and sends on the loss.
+
+Loss scaling: each micro-batch's loss is divided by the number of micro-batches (a
+transformers causal LM's is its tokens' sum over the batch's count instead, see
+``pipeline_transformers``) and the schedule does not rescale the gradients, so the
+gradients add to whatever ``.grad`` held, exactly as the serial ``loss.backward()`` does.
 
 Run without a process group (or with world size 1) the model stays whole and
 ``pipeline_step`` is the serial step.
@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -52,14 +52,17 @@ from torch import nn
 from macrogen import pipeline_units as pf
 from macrogen.pipeline_units import Forward as Forward  # the generated code's
 from macrogen.pipeline_units import Statement as Statement
-from macrogen.runtime import class_plans as apply_step
-from macrogen.runtime import groups, mesh, tensor_parallel
+from macrogen.runtime import groups, mesh
+from macrogen.runtime import pipeline_state as state
+from macrogen.runtime.pipeline_parts import part_at
+from macrogen.runtime.pipeline_plan import StepInputs
 from macrogen.vocabulary import SCHEDULES
 
 if TYPE_CHECKING:
     from macrogen.runtime.data_parallel import GradientSync
 
 ATTR = "_macrogen_pipeline"  # where a pipelined model keeps its Pipeline (markers look for it)
+_LOSS_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,52 @@ class PipelineConfig:
     def ranks(self) -> int:
         """Pipeline ranks: the mesh's pipeline dimension."""
         return self.stages // self.stages_per_rank
+
+
+def check_config(config: PipelineConfig, *, where: str = "") -> None:
+    """A schedule torch runs, micro-batches it can run it with (a one-line error otherwise)."""
+    if config.schedule not in SCHEDULES:
+        raise ValueError(
+            f"{_at(where)}schedule must be one of {SCHEDULES}, not {config.schedule!r}"
+        )
+    if config.microbatches < 1 or config.stages < 1:
+        raise ValueError(f"{_at(where)}stages and microbatches must be >= 1")
+    if config.schedule == "1f1b" and config.microbatches < config.stages:
+        raise ValueError(
+            f"{_at(where)}1f1b needs at least as many micro-batches as stages"
+            f" ({config.microbatches} < {config.stages})"
+        )
+    problem = pf.interleaving_problem(
+        config.stages, config.microbatches, config.schedule, config.stages_per_rank
+    )
+    if problem:
+        raise ValueError(f"{_at(where)}{problem}")
+
+
+class Cut(Protocol):
+    """Which parts of the model each stage holds and what it runs (``pipeline_plan``,
+    ``pipeline_transformers``)."""
+
+    owners: dict[str, set[int]]  # part -> the stages holding it
+    tied: list[tuple[str, frozenset[int]]]  # parameters parts on several stages share
+
+    @property
+    def stages(self) -> int: ...
+
+    @property
+    def targets(self) -> str | None: ...  # forward's parameter for y when it computes the loss
+
+    def describe(self) -> str: ...
+
+    def blocks(self, stage: int) -> list[str]: ...  # the repeated blocks it runs (FSDP's units)
+
+    def placeholder(self, part: str, stage: int) -> nn.Module: ...
+
+    def code(self, model: nn.Module, stage: int) -> Callable[..., Any]: ...
+
+    def inputs(
+        self, x: Any, y: torch.Tensor, loss_fn: Any, microbatches: int, *, where: str
+    ) -> StepInputs: ...
 
 
 @dataclass(frozen=True)
@@ -131,226 +180,12 @@ def _at(where: str) -> str:
     return f"pipeline at {where}: " if where else ""
 
 
-# -- the plan: which units and which parts of the model each stage holds -------------------
-
-
-@dataclass
-class Plan:
-    forward: pf.Forward
-    units: list[pf.Unit]
-    starts: list[int]  # unit index where each stage after the first starts
-    carried: list[str]  # the value each cut sends on
-    owners: dict[str, set[int]]  # part ("transformer.wte", "blocks.3", "pos") -> stages using it
-    # parameters that parts on several stages share (nanoGPT's tied wte and lm_head weight):
-    # (their first name, those stages); each stage holds it, its gradients are summed
-    tied: list[tuple[str, frozenset[int]]] = field(default_factory=list)
-    # the paths forward reads that name a part of the model (not self.config.block_size)
-    placeable: frozenset[str] = frozenset()
-
-    def bounds(self, stage: int) -> tuple[int, int]:
-        edges = [0, *self.starts, len(self.units)]
-        return edges[stage], edges[stage + 1]
-
-    def describe(self) -> str:
-        """``stage 0: wte, wpe, blocks.0-2 | stage 1: blocks.3-5, lm_head, ln_f`` (source order)."""
-        stages = []
-        for s in range(len(self.starts) + 1):
-            a, b = self.bounds(s)
-            parts = [
-                part
-                for u in self.units[a:b]
-                for part in u.parts
-                if u.block is not None or part in self.placeable
-            ]
-            stages.append(f"stage {s}: {pf.runs(parts)}")
-        return " | ".join(stages)
-
-
-def plan(model: nn.Module, stages: int, split: tuple[str, ...] | None, forward: pf.Forward) -> Plan:
-    """Cut ``model``'s forward into ``stages`` stages (pure: the model is not changed)."""
-    name = type(model).__name__
-    blocks: dict[str, int] = {}
-    for loop in forward.loops:
-        seq = _get(model, loop)
-        if not isinstance(seq, (nn.ModuleList, nn.Sequential)):
-            raise ValueError(
-                f"{name}.forward loops over self.{loop}, which is a {type(seq).__name__}:"
-                " a loop a stage can start inside is over an nn.ModuleList"
-            )
-        blocks[loop] = len(seq)
-    units = forward.units(blocks)
-    try:
-        if split is not None:
-            if len(split) != stages - 1:
-                raise pf.SplitError(pf.split_count_message(stages, len(split)))
-            starts = pf.resolve_split(forward, units, list(split))
-        else:
-            starts = _balance(model, forward, units, stages)
-        carried = pf.check_cuts(forward, units, starts, list(split) if split else None)
-    except pf.SplitError as e:
-        raise ValueError(f"{name}: {e.message}") from None
-    p = Plan(forward, units, starts, carried, {})
-    p.owners = _owners(model, p, stages)
-    p.tied = _tied(model, p)
-    paths = {a for u in units for a in u.statement.attrs}
-    p.placeable = frozenset(a for a in paths if _placeable(model, a) is not None)
-    return p
-
-
-def _balance(model: nn.Module, forward: pf.Forward, units: list[pf.Unit], stages: int) -> list[int]:
-    loops = forward.loops
-    if not loops:
-        raise pf.SplitError(
-            f"forward has no `for block in self.<ModuleList>:` loop to balance over: give"
-            f" split=[...] (the submodules that start stages 1..{stages - 1};"
-            f" {pf.starts_text(units)})"
-        )
-    candidates = [k for k, u in enumerate(units) if u.block is not None and u.block > 0]
-    total = sum(1 for u in units if u.block is not None)
-    if stages > total:
-        raise pf.SplitError(
-            f"{stages} stages but forward's loop{'s' if len(loops) > 1 else ''} over"
-            f" {', '.join('self.' + lp for lp in loops)} ha{'ve' if len(loops) > 1 else 's'}"
-            f" {total} blocks: at most one stage per block"
-        )
-    weights = []
-    for u in units:
-        n = 0
-        seen: set[int] = set()  # per unit: a tied tensor weighs on each stage that holds it
-        for part in _parts(model, forward, u):
-            for p in _part_params(model, part):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    n += p.numel()
-        weights.append(n)
-    return pf.balanced(weights, candidates, stages)
-
-
-def _parts(model: nn.Module, forward: pf.Forward, unit: pf.Unit) -> list[str]:
-    """The parts of the model a unit uses: ``blocks.3`` for a block, ``transformer.wte``.
-
-    A path the unit reads (``self.transformer.wte.weight``) is cut where it leaves the
-    containers (ModuleDict, ModuleList, Sequential): the part is ``transformer.wte``.
-    """
-    parts = [unit.name] if unit.block is not None else []
-    loops = set(forward.loops)
-    for path in sorted(unit.statement.attrs):
-        part = _placeable(model, path)
-        if part is not None and part not in loops and part not in parts:
-            parts.append(part)
-    return parts
-
-
-CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.Sequential)
-
-
-def _child(obj: Any, name: str) -> Any:
-    if not isinstance(obj, nn.Module):
-        return None
-    for table in (obj._modules, obj._parameters, obj._buffers):
-        if name in table:
-            return table[name]
-    return None
-
-
-def _placeable(model: nn.Module, path: str) -> str | None:
-    """``transformer.wte`` for ``transformer.wte.weight``: the path down to a non-container."""
-    obj: Any = model
-    kept: list[str] = []
-    for name in path.split("."):
-        obj = _child(obj, name)
-        if obj is None:
-            break
-        kept.append(name)
-        if not isinstance(obj, CONTAINERS):
-            break
-    return ".".join(kept) or None  # None: an int, a config, a method: nothing to place
-
-
-def _part_params(model: nn.Module, part: str) -> list[nn.Parameter]:
-    obj = _get(model, part)
-    if isinstance(obj, nn.Module):
-        return list(obj.parameters())
-    if isinstance(obj, nn.Parameter):
-        return [obj]
-    return []
-
-
-def _get(model: nn.Module, part: str) -> Any:
-    """The module, parameter or buffer at a dotted path (``transformer.h.3``); None if none."""
-    obj: Any = model
-    for name in part.split("."):
-        obj = _child(obj, name)
-        if obj is None:
-            return None
-    return obj
-
-
-def _owners(model: nn.Module, p: Plan, stages: int) -> dict[str, set[int]]:
-    owners: dict[str, set[int]] = {}
-    for s in range(stages):
-        a, b = p.bounds(s)
-        for u in p.units[a:b]:
-            for part in _parts(model, p.forward, u):
-                owners.setdefault(part, set()).add(s)
-
-    # Parts forward never names (a head only a method uses, an unused layer) live on stage 0.
-    def walk(module: nn.Module, prefix: str) -> None:
-        for table in (module._modules, module._parameters, module._buffers):
-            for name, value in table.items():
-                path = f"{prefix}{name}"
-                if value is None or any(path == q or path.startswith(q + ".") for q in owners):
-                    continue
-                if isinstance(value, nn.Module) and any(q.startswith(path + ".") for q in owners):
-                    walk(value, path + ".")  # a container some of whose entries are placed
-                else:
-                    owners[path] = {0}
-
-    walk(model, "")
-    return owners
-
-
-def _tied(model: nn.Module, p: Plan) -> list[tuple[str, frozenset[int]]]:
-    """Parameters that parts on more than one stage share: each such stage keeps a copy."""
-    names: dict[int, str] = {}
-    users: dict[int, set[int]] = {}
-    for part, stages in sorted(p.owners.items()):
-        obj = _get(model, part)
-        found: Any = [(part, obj)] if isinstance(obj, nn.Parameter) else []
-        if isinstance(obj, nn.Module):
-            found = obj.named_parameters(prefix=part)
-        for name, param in found:
-            names.setdefault(id(param), name)
-            users.setdefault(id(param), set()).update(stages)
-    return [(names[i], frozenset(users[i])) for i in names if len(users[i]) > 1]
-
-
-# -- this rank's stage ------------------------------------------------------------------
-
-
-class Elsewhere(nn.Module):
-    """A part of the model that lives on another pipeline stage (this rank holds no copy)."""
-
-    def __init__(self, part: str, stage: int):
-        super().__init__()
-        self.part = part
-        self.stage = stage
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"{self.part} lives on pipeline stage {self.stage}, not on this rank: a pipelined"
-            " model trains through mg.pipeline_step(model, x, y, loss_fn), which runs the schedule"
-        )
-
-    def extra_repr(self) -> str:
-        return f"{self.part!r} on stage {self.stage}"
-
-
 class StageModule(nn.Module):
     """This rank's stage for ``PipelineStage``: the stage's code over the model's own parts.
 
     The last stage sends one tensor to the schedule's loss: forward's output (the first
-    element of a tuple), or, when forward computes the loss itself, that loss.
+    element of a tuple, a transformers output's logits), or, when forward computes the
+    loss itself, that loss.
     """
 
     model: nn.Module
@@ -366,95 +201,36 @@ class StageModule(nn.Module):
         self.params = nn.ParameterList(p for p in parts if isinstance(p, nn.Parameter))
         self.last = last  # None: not the last stage; "output" or "loss": what it sends on
 
-    def forward(self, *args: Any, **targets: Any) -> Any:
-        if self.last is None:  # the schedule gives every stage of a rank the same kwargs
-            return self.code(self.model, *args)
-        out = self.code(self.model, *args, **targets)
+    def forward(self, *args: Any, **inputs: Any) -> Any:
+        # the schedule gives every stage of a rank the same keyword inputs
+        out = self.code(self.model, *args, **inputs)
+        if self.last is None:
+            return out
         return output_of(out) if self.last == "output" else loss_of(out, type(self.model))
-
-
-def stage_code(model: nn.Module, p: Plan, stage: int) -> Callable[..., Any]:
-    """This stage's slice of forward: the generated functions of its units, in order.
-
-    Stage 0 takes forward's arguments; a later stage the value the cut before it
-    carries (the last one also forward's targets); each returns what the cut after it
-    carries, the last forward's output.
-    """
-    a, b = p.bounds(stage)
-    units = p.units[a:b]
-    forward = p.forward
-    signature = inspect.signature(type(model).forward)  # the serial forward's
-    given = None if stage == 0 else p.carried[stage - 1]
-    output = p.carried[stage] if stage < len(p.starts) else None
-    targets = forward.targets if output is None else None
-    found = signature.parameters.get(targets) if targets else None
-    default = None if found is None else found.default
-
-    def run(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if given is None:
-            bound = signature.bind(model, *args, **kwargs)
-            bound.apply_defaults()
-            env = dict(list(bound.arguments.items())[1:])
-        else:
-            env = {given: args[0]}
-            if targets is not None:
-                env[targets] = kwargs.get(targets, default)
-        result = None
-        for u in units:
-            s = u.statement
-            assert s.fn is not None, "a Forward of the expansion's: its functions"
-            block = () if u.block is None else (_get(model, u.name),)
-            result = s.fn(model, *block, *(env[n] for n in s.reads))
-            if s.writes:
-                env.update(zip(s.writes, (result,) if len(s.writes) == 1 else result))
-        return result if output is None else env[output]
-
-    return run
 
 
 class Pipeline:
     """Cuts ``model`` to this rank's stage and runs the schedule; see the module docstring."""
 
-    def __init__(
-        self, model: nn.Module, config: PipelineConfig, forward: pf.Forward, *, where: str = ""
-    ):
-        if config.schedule not in SCHEDULES:
-            raise ValueError(
-                f"{_at(where)}schedule must be one of {SCHEDULES}, not {config.schedule!r}"
-            )
-        if config.microbatches < 1 or config.stages < 1:
-            raise ValueError(f"{_at(where)}stages and microbatches must be >= 1")
-        if config.schedule == "1f1b" and config.microbatches < config.stages:
-            raise ValueError(
-                f"{_at(where)}1f1b needs at least as many micro-batches as stages"
-                f" ({config.microbatches} < {config.stages})"
-            )
-        problem = pf.interleaving_problem(
-            config.stages, config.microbatches, config.schedule, config.stages_per_rank
-        )
-        if problem:
-            raise ValueError(f"{_at(where)}{problem}")
+    def __init__(self, model: nn.Module, config: PipelineConfig, cut: Cut, *, where: str = ""):
+        check_config(config, where=where)
+        assert cut.stages == config.stages, (cut.stages, config.stages)
         self.model = model
         self.config = config
+        self.cut = cut
         self.where = where
         self.layout = layout(config.ranks, where=where) if config.ranks > 1 else None
-        try:  # on the serial layers: balanced by serial parameter counts, as the expansion says
-            self.plan = plan(model, config.stages, config.split, forward)
-        except ValueError as e:
-            raise ValueError(f"{_at(where)}{e}") from None
         self.keys = list(model.state_dict().keys())  # the serial model's, in its order
-        # Tensor-parallel layers inside the stages are cut into shards (in their stage's
-        # tensor group) now, not when the outermost __init__ returns: the stage cut below
-        # must see the sharded layers, and every rank still holds every layer, so the
-        # tensor-parallel rank-agreement check runs on the same modules everywhere.
-        apply_step.materialize(model)
         self.tied: list[tuple[nn.Parameter, Any]] = []  # shared parameters and their groups
         self._schedule: Any = None
         self._shape: Any = None
         self._loss_fn: Callable[..., torch.Tensor] | None = None
+        self._divisor = config.microbatches
         # each stage's module, made once (FSDP shards it when the model is built, before
         # the optimizer takes the parameters: @data_parallel(shard="full") on the class)
         self.stage_modules: dict[int, StageModule] = {}
+        self.parts: dict[int, list[Any]] = {}
+        self.code: dict[int, Callable[..., Any]] = {}
         self.fully_sharded = False
         if self.layout is not None:
             self._cut(self.stages)
@@ -471,28 +247,28 @@ class Pipeline:
         return list(range(self.stage, self.config.stages, step))
 
     def describe(self) -> str:
-        return self.plan.describe()
+        return self.cut.describe()
 
     def _cut(self, stages: list[int]) -> None:
-        """Keep these stages' parts; an ``Elsewhere`` (or nothing, for a tensor) for the others'."""
+        """Keep these stages' parts; a placeholder (or nothing, for a tensor) for the others'."""
         model = self.model
         self.tied = self._tie_groups(stages)  # on the whole model: every name resolves
         kept: dict[int, list[Any]] = {s: [] for s in stages}
-        for part, users in self.plan.owners.items():
+        for part, users in self.cut.owners.items():
             if users & kept.keys():
                 for s in users & kept.keys():
-                    kept[s].append(_get(model, part))
+                    kept[s].append(part_at(model, part))
                 continue
             owner = min(users)
             head, _, name = part.rpartition(".")
-            parent = _get(model, head) if head else model
+            parent = part_at(model, head) if head else model
             if name in parent._modules:
-                parent._modules[name] = Elsewhere(part, owner)
+                parent._modules[name] = self.cut.placeholder(part, owner)
             else:
                 parent._parameters.pop(name, None)
                 parent._buffers.pop(name, None)
         self.parts = kept
-        self.code = {s: stage_code(model, self.plan, s) for s in stages}
+        self.code = {s: self.cut.code(model, s) for s in stages}
 
     def _tie_groups(self, stages: list[int]) -> list[tuple[nn.Parameter, Any]]:
         """The shared parameters this rank holds, each with the group of ranks holding it.
@@ -505,7 +281,7 @@ class Pipeline:
         grid = torch.arange(world).view(lay.stages, lay.data_size, lay.tensor_size)
         mine = dist.get_rank()
         out: list[tuple[nn.Parameter, Any]] = []
-        for name, users in self.plan.tied:
+        for name, users in self.cut.tied:
             ranks = sorted({s % lay.stages for s in users})  # pipeline ranks holding it
             held = any(s in users for s in stages)
             if len(ranks) == 1:
@@ -517,14 +293,14 @@ class Pipeline:
                     if mine in line:
                         group = g
             if held:
-                param = _get(self.model, name)
+                param = part_at(self.model, name)
                 assert isinstance(param, nn.Parameter), name
                 out.append((param, group))
         return out
 
     # -- the step ---------------------------------------------------------------------
     def step(
-        self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor] | None
+        self, x: Any, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor] | None
     ) -> torch.Tensor:
         """One training step's forward and backward; the batch's mean loss on every rank.
 
@@ -532,52 +308,56 @@ class Pipeline:
         forward's targets parameter and its (last) returned value is the loss.
         """
         if self.layout is None:
-            return serial_step(self.model, x, y, loss_fn)
-        targets = self.plan.forward.targets
-        if loss_fn is None and targets is None:
-            raise ValueError(
-                f"{_at(self.where)}pipeline_step without a loss_fn gives y to forward's second"
-                f" parameter, and {type(self.model).__name__}.forward has none with a default"
-                " (nanoGPT's targets=None): give a loss_fn"
-            )
+            return serial_step(self.model, x, y, loss_fn, targets=self.cut.targets)
         m = self.config.microbatches
-        if x.shape[0] % m:
+        rows = _rows(x)
+        if rows % m:
             raise ValueError(
-                f"{_at(self.where)}a batch of {x.shape[0]} does not split into {m} equal"
+                f"{_at(self.where)}a batch of {rows} does not split into {m} equal"
                 " micro-batches (the mean loss over unequal ones is not the batch's mean)"
             )
+        feed = self.cut.inputs(x, y, loss_fn, m, where=_at(self.where))
         last = "loss" if loss_fn is None else "output"
-        shape = (tuple(x.shape), x.dtype, tuple(y.shape), last)
+        shape = (_shapes(feed.args), _shapes(feed.kwargs), tuple(y.shape), last)
         if self._schedule is None or shape != self._shape:
             self._schedule, self._shape = self._build(last), shape  # new shapes: new p2p buffers
-        self._loss_fn = loss_fn
+        self._loss_fn, self._divisor = loss_fn, feed.divisor
         # The schedule calls this stage's code, not the model: run the model's forward
         # pre-hooks once, as model(x) would (@data_parallel's start-up and buffer broadcast).
         for hook in list(self.model._forward_pre_hooks.values()):
-            hook(self.model, (x,))
+            hook(self.model, feed.args)
         lay = self.layout
         here = getattr(self._schedule, "_stages", None) or [self._schedule._stage]
         first, last_here = any(s.is_first for s in here), any(s.is_last for s in here)
         losses: list[torch.Tensor] = []
-        given = {targets: y} if loss_fn is None and last_here and targets else {}
         sync = _gradient_sync(self.model)
         # @data_parallel on the model averages in its buckets, once for all micro-batches
         with sync.averaged_once() if sync is not None else contextlib.nullcontext():
             self._schedule.step(
-                *((x,) if first else ()),
+                *(feed.args if first else ()),
                 target=y if last_here else None,
                 losses=losses if last_here else None,
                 return_outputs=False,
-                **given,
+                **feed.kwargs,
+                **(feed.last if last_here else {}),
             )
         if lay.data_size > 1 and sync is None:
             self._average_over_data()
         self._sum_tied()
-        device = self._device()
-        loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
+        return self._loss_everywhere(losses)
+
+    def _loss_everywhere(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The batch's loss, from the ranks of the last stage to every pipeline rank, in the
+        dtype the last stage computed it in (HF's loss: float32 in a float64 model)."""
+        lay = self.layout
+        assert lay is not None
+        sent = torch.zeros(2, dtype=torch.float64, device=self._device())  # (loss, its dtype)
+        if losses:
+            loss = torch.stack(losses).sum().detach()
+            sent[0], sent[1] = loss.double(), float(_LOSS_DTYPES.index(loss.dtype))
         src = dist.get_global_rank(lay.pipeline_group, lay.stages - 1)  # holds the last stage
-        dist.broadcast(loss, src=src, group=lay.pipeline_group)
-        return loss
+        dist.broadcast(sent, src=src, group=lay.pipeline_group)
+        return sent[0].to(_LOSS_DTYPES[int(sent[1])])
 
     def _sum_tied(self) -> None:
         """A parameter stages share gets the sum of their gradients, as the serial one does."""
@@ -590,8 +370,8 @@ class Pipeline:
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._loss_fn is None:  # the last stage's output is forward's own loss
-            return output / self.config.microbatches
-        return self._loss_fn(output, target) / self.config.microbatches
+            return output / self._divisor
+        return self._loss_fn(output, target) / self._divisor
 
     def _device(self) -> torch.device:
         for p in self.model.parameters():
@@ -656,57 +436,36 @@ class Pipeline:
     # -- checkpoints ---------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The serial model's state dict (same keys, same order), gathered from every stage."""
-        local = self._local_state_dict()
-        if self.layout is None:
-            return local
-        gathered: list[Any] = [None] * self.layout.stages
-        mine = {k: v.detach().cpu() for k, v in local.items()}
-        dist.all_gather_object(gathered, mine, group=self.layout.pipeline_group)
-        merged: dict[str, torch.Tensor] = {}
-        for part in gathered:
-            for k, v in part.items():
-                merged.setdefault(k, v)
-        return {k: merged[k] for k in self.keys if k in merged}
+        group = None if self.layout is None else self.layout.pipeline_group
+        return state.gathered(self.model, self.keys, self._tensor_parallel(), group)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:
         """Load a serial model's state dict: each stage keeps its own entries."""
-        if strict:
-            missing = [k for k in self.keys if k not in state_dict]
-            unexpected = [k for k in state_dict if k not in self.keys]
-            if missing or unexpected:
-                raise RuntimeError(
-                    f"{_at(self.where)}not a state dict of this model: missing {missing},"
-                    f" unexpected {unexpected}"
-                )
-        current = self.model.state_dict()
-        mine = {k: v for k, v in state_dict.items() if k in current}
-        # DTensors (FSDP's, mg.parallelize's tensor-parallel ones): this rank's shard of each
-        # (FSDP's shard of a packed colwise shard cut by hand: torch permutes its rows)
-        from torch.distributed.tensor import DTensor
+        return state.load(
+            self.model, self.keys, state_dict, self._tensor_parallel(), strict, _at(self.where)
+        )
 
-        from macrogen.runtime.dtensor_whole import restride
+    def _tensor_parallel(self) -> bool:
+        """@tensor_parallel's shards (plain tensors) in the stages' layers."""
+        return self.layout is not None and self.layout.tensor_size > 1
 
-        for k, v in mine.items():
-            now = current[k]
-            if isinstance(now, DTensor):
-                mine[k] = restride(v.to(now.device, now.dtype), now)
-        if self.layout is not None and self.layout.tensor_size > 1:  # each keeps its shard
-            return tensor_parallel.load_full_state_dict(self.model, mine, strict=strict)
-        return self.model.load_state_dict(mine, strict=strict)
 
-    def _local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's entries at serial shapes (tensor-parallel shards gathered in the stage)."""
-        if self.layout is not None and self.layout.tensor_size > 1:
-            state = tensor_parallel.full_state_dict(self.model)  # @tensor_parallel's shards
-        else:
-            state = self.model.state_dict()
-        # DTensors (FSDP's, mg.parallelize's tensor-parallel ones): every rank of the stage
-        # gathers each, in the same order (FSDP's shard of a packed colwise shard by hand)
-        from torch.distributed.tensor import DTensor
+def _rows(x: Any) -> int:
+    """The batch's size: x's first dimension (a dict of inputs: its input ids')."""
+    first = x.get("input_ids", next(iter(x.values()), None)) if isinstance(x, Mapping) else x
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(
+            f"pipeline_step takes x as a tensor (or a dict of them), not {type(x).__name__}"
+        )
+    return first.shape[0]
 
-        from macrogen.runtime.dtensor_whole import full_tensor
 
-        return {k: full_tensor(v) if isinstance(v, DTensor) else v for k, v in state.items()}
+def _shapes(tensors: Any) -> tuple[Any, ...]:
+    """What the schedule's point-to-point buffers depend on: each input's shape and dtype."""
+    items = tensors.items() if isinstance(tensors, Mapping) else enumerate(tensors)
+    return tuple(
+        (k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, v) for k, v in items
+    )
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -727,26 +486,54 @@ def _gradient_sync(model: nn.Module) -> GradientSync | None:
 
 def serial_step(
     model: nn.Module,
-    x: torch.Tensor,
+    x: Any,
     y: torch.Tensor,
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    targets: str | None = None,
 ) -> torch.Tensor:
+    """The serial step: ``loss_fn(model(x), y)``, or forward's own loss: ``model(x, y)``
+    (``y`` as forward's ``targets`` parameter, a transformers model's ``labels``)."""
     if loss_fn is None:  # forward computes its loss: nanoGPT's `logits, loss = model(x, y)`
-        loss = loss_of(model(x, y), type(model))
+        name = targets or _labels(model)
+        out = _call(model, x, **{name: y}) if name else _call(model, x, y)
+        loss = loss_of(out, type(model))
     else:
-        loss = loss_fn(output_of(model(x)), y)
+        loss = loss_fn(output_of(_call(model, x)), y)
     loss.backward()
     return loss
 
 
+def _call(model: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """``model(x, ...)``; a dict of inputs (a tokenizer's batch) as keywords."""
+    return model(**x, **kwargs) if isinstance(x, Mapping) else model(x, *args, **kwargs)
+
+
+def _labels(model: nn.Module) -> str | None:
+    """``labels`` when forward takes it (a transformers model), else None: y goes second."""
+    forward = getattr(model, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        return None
+    return "labels" if "labels" in params else None
+
+
 def output_of(out: Any) -> Any:
-    """What goes on to the loss: forward's output, or the first element of its tuple."""
+    """What goes on to the loss: forward's output, the first element of its tuple, or a
+    transformers output's logits."""
+    if isinstance(out, Mapping):
+        return out["logits"] if "logits" in out else next(iter(out.values()))
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def loss_of(out: Any, cls: type) -> torch.Tensor:
-    """forward's own loss: what it returns, or the last element of its tuple."""
-    loss = out[-1] if isinstance(out, (tuple, list)) and out else out
+    """forward's own loss: what it returns, the last element of its tuple, or a transformers
+    output's loss."""
+    if isinstance(out, Mapping):
+        loss = out.get("loss")
+    else:
+        loss = out[-1] if isinstance(out, (tuple, list)) and out else out
     if not isinstance(loss, torch.Tensor):
         raise ValueError(
             f"pipeline_step without a loss_fn calls {cls.__name__}(x, y) for its loss, and got"
@@ -762,28 +549,23 @@ def pipeline_of(model: nn.Module) -> Pipeline | None:
 
 def pipeline_step(
     model: nn.Module,
-    x: torch.Tensor,
+    x: Any,
     y: torch.Tensor,
     loss_fn: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``loss = loss_fn(model(x), y); loss.backward(); return loss``, or the model's schedule.
 
     A tuple from forward gives its first element to ``loss_fn``. Without ``loss_fn``
-    forward computes the loss: ``model(x, y)`` returns it, or ``(output, loss)``.
+    forward computes the loss: ``model(x, y)`` returns it, or ``(output, loss)`` (a
+    transformers model: ``model(x, labels=y).loss``).
     """
     pipe = pipeline_of(model)
     return serial_step(model, x, y, loss_fn) if pipe is None else pipe.step(x, y, loss_fn)
 
 
-def attach(
-    model: nn.Module, config: PipelineConfig, forward: pf.Forward, *, where: str = ""
-) -> Pipeline:
-    """Make ``model`` (fully built) pipelined: this rank keeps its stage.
-
-    ``forward`` is the model's forward as the expansion generated it, one function per
-    statement: the stages run those.
-    """
-    pipe = Pipeline(model, config, forward, where=where)
+def attach(model: nn.Module, config: PipelineConfig, cut: Cut, *, where: str = "") -> Pipeline:
+    """Make ``model`` (fully built) pipelined at ``cut``: this rank keeps its stages."""
+    pipe = Pipeline(model, config, cut, where=where)
     model.__dict__[ATTR] = pipe
     return pipe
 
