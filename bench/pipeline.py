@@ -40,6 +40,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from macrogen.runtime import mesh as meshes  # noqa: E402
 from macrogen.runtime import pipeline as rp  # noqa: E402
 from macrogen.runtime.pipeline_plan import forward_cut  # noqa: E402
 
@@ -151,12 +152,12 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
 
     steps["serial (rank 0)"] = serial
     for schedule in ("gpipe", "1f1b"):
-        rp.reset()
+        meshes.reset()
         m = model(args)
         config = rp.PipelineConfig(
             stages=2, microbatches=args.microbatches, schedule=schedule, split=(f"blocks.{cut}",)
         )
-        rp.attach(m, config, forward_cut(m, 2, config.split, DEEP_FORWARD))
+        rp.attach(m, config, forward_cut(m, 2, config.split, DEEP_FORWARD), meshes.mesh(pipeline=2))
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
 
         def ours(m=m, opt=opt):
@@ -198,12 +199,14 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
 
     spans = []
     if args.timeline:  # one more @pipeline GPipe step with each chunk's compute recorded
-        rp.reset()
+        meshes.reset()
         m = model(args)
         config = rp.PipelineConfig(
             stages=2, microbatches=4, schedule="gpipe", split=(f"blocks.{cut}",)
         )
-        pipe = rp.attach(m, config, forward_cut(m, 2, config.split, DEEP_FORWARD))
+        pipe = rp.attach(
+            m, config, forward_cut(m, 2, config.split, DEEP_FORWARD), meshes.mesh(pipeline=2)
+        )
         rp.pipeline_step(m, x, y, F.mse_loss)  # builds the stage and the schedule
         stage = pipe._schedule._stage
         for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):

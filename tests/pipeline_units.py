@@ -17,12 +17,17 @@ from macrogen.pipeline_units import Forward
 
 def attach(model, config, *, where: str = ""):
     """``model`` pipelined as a ``@pipeline`` class's ``__init__`` does it: its forward cut."""
+    from macrogen.runtime import mesh as meshes
     from macrogen.runtime import pipeline as rp
     from macrogen.runtime.pipeline_plan import forward_cut
 
     rp.check_config(config, where=where)
+    try:
+        mesh = meshes.mesh(pipeline=config.ranks)
+    except ValueError as e:
+        raise ValueError(f"pipeline at {where}: {e}") from None
     cut = forward_cut(model, config.stages, config.split, forward_of(type(model)))
-    return rp.attach(model, config, cut, where=where)
+    return rp.attach(model, config, cut, mesh, where=where)
 
 
 def forward_of(cls: type) -> Forward:

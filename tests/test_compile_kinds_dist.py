@@ -91,12 +91,12 @@ def test_sequence_parallel_compiled_equals_eager(tmp_path):
 def _pipeline(rank, world, tmp, expanded):
     import torch._dynamo
 
-    from macrogen.runtime import pipeline as rp
+    from macrogen.runtime import mesh as meshes
 
     sys.path.insert(0, tmp)
     results, counts = [], None
     for compiled in (False, True):
-        rp.reset()
+        meshes.reset()
         module = load_module(expanded, f"pipe_compile_{compiled}_{rank}", Path(tmp))
         torch.manual_seed(0)
         model = module.GPT(module.GPTConfig())

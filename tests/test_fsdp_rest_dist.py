@@ -229,12 +229,13 @@ def _train_pipelined(module, rows):
 
 
 def _pipelined(rank, world, tmp, expanded):
+    from macrogen.runtime import mesh as meshes
     from macrogen.runtime import pipeline as rp
 
     module = load_module(expanded, f"fsdp_pipe_{rank}", Path(tmp))
     pipe = None
     rows = slice(None)
-    lay = rp.layout(2)
+    lay = meshes.mesh(pipeline=2)  # (the program's: the pipelined model's, made first)
     if lay is not None and lay.data_size > 1:
         share = 2 * BATCH // lay.data_size
         rows = slice(lay.data_rank * share, (lay.data_rank + 1) * share)

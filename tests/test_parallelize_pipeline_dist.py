@@ -146,6 +146,7 @@ def _full(t):
 
 def _worker(rank, world, variants, code, directory):
     from macrogen.runtime import buckets, zero
+    from macrogen.runtime import mesh as meshes
     from macrogen.runtime import pipeline as rp
 
     launches = []  # the buckets' all-reduces (replicate) and reduce-scatters (zero1)
@@ -154,7 +155,7 @@ def _worker(rank, world, variants, code, directory):
         setattr(cls, name, _counting(counted, launches))
     out = {}
     for variant in variants:
-        rp.reset()
+        meshes.reset()
         launches.clear()
         module = load_module(code, f"pp_{variant}_{rank}", Path(directory))
         losses, grads, state, model = _train(module, variant)

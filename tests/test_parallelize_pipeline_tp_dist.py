@@ -183,11 +183,12 @@ def _full(t):
 
 
 def _worker(rank, world, variants, code, directory):
+    from macrogen.runtime import mesh as meshes
     from macrogen.runtime import pipeline as rp
 
     out = {}
     for variant in variants:
-        rp.reset()
+        meshes.reset()
         module = load_module(code, f"pptp_{variant}_{rank}", Path(directory))
         losses, grads, state = _train(module, variant)
         # the state dict round-trips: a fresh model, cut and sharded, loads it and gives it back

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import macrogen as mg
+from macrogen.runtime import mesh as meshes
 from macrogen.runtime import pipeline as rp
 from tests.distributed import run_ranks
 from tests.helpers import load_module
@@ -90,7 +91,7 @@ def _worker(rank, world, cases, directory):
     sys.path.insert(0, directory)
     results = {}
     for variant, dtype, expanded in cases:
-        rp.reset()
+        meshes.reset()
         module = load_module(expanded, f"nanogpt_{variant}_{dtype}_{rank}", Path(directory))
         losses, full, model = _train(module, dtype, variant == "gpipe")
         pipe = rp.pipeline_of(model)

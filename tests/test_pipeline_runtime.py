@@ -7,6 +7,7 @@ more than the checks. Serial references are computed in this process.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from macrogen import pipeline_analysis as analysis
 from macrogen import pipeline_units as pf
+from macrogen.runtime import mesh as meshes
 from macrogen.runtime import pipeline as rp
 from macrogen.runtime.pipeline_plan import forward_cut
 from tests.distributed import run_ranks
@@ -232,13 +234,31 @@ def test_serial_step_without_a_process_group():
     assert math.isfinite(loss.item()) and model.head.weight.grad is not None
 
 
+def test_the_pipeline_takes_the_mesh_it_is_given():
+    """No mesh is declared ahead of the model: the pipeline is given the program's, and one
+    of other stages is refused (the stages and the mesh are made together)."""
+    model, *_ = make("uneven")
+    config = rp.PipelineConfig(stages=2, microbatches=4)
+    cut = forward_cut(model, 2, None, forward_of(type(model)))
+    assert rp.attach(model, config, cut, meshes.SERIAL).layout is None  # serial: kept whole
+    other = dataclasses.replace(meshes.SERIAL, pipeline_size=3, device_mesh=object())
+    with pytest.raises(ValueError) as e:
+        rp.attach(model, config, cut, other, where="m.py:3")
+    assert str(e.value) == (
+        "pipeline at m.py:3: the program's mesh (pipeline, data, tensor) = (3, 1, 1) has 3"
+        " pipeline stage(s), and the model is cut into 2: one mesh per program, made with the"
+        " pipeline's stages"
+    )
+    assert not hasattr(rp, "declare") and not hasattr(meshes, "expect_pipeline")
+
+
 # -- distributed parity ---------------------------------------------------------------------
 
 
 def _worker(rank, world, cases):
     results = {}
     for kind, schedule in cases:
-        rp.reset()
+        meshes.reset()
         model, x, y, loss_fn = make(kind)
         config = rp.PipelineConfig(stages=2, microbatches=4, schedule=schedule)
         if schedule == "interleaved":  # 4 stages, 2 per rank: rank r holds stages r and r + 2
@@ -264,7 +284,7 @@ def _worker(rank, world, cases):
         assert all(torch.equal(reloaded[k], full[k]) for k in full)
         results[kind, schedule] = (losses, full, list(model.state_dict()))
     if world == 4:  # 4 ranks don't divide into 3 stages
-        rp.reset()
+        meshes.reset()
         try:
             uneven = make("uneven")[0]
             config = rp.PipelineConfig(stages=3, microbatches=4)

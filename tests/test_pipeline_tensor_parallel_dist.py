@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import macrogen as mg
+from macrogen.runtime import mesh as meshes
 from macrogen.runtime import pipeline as rp
 from tests.distributed import run_ranks
 from tests.helpers import load_module
@@ -149,7 +150,7 @@ def _worker(rank, world, expanded, directory):
     assert all(torch.equal(reloaded[k], full[k]) for k in full)
     error = None
     try:  # one mesh per program: another pipeline depth is refused, on every rank alike
-        rp.declare(4, where="other.py:9")
+        meshes.mesh(pipeline=4)
     except ValueError as e:
         error = str(e)
     return losses, state, layout, shapes, error
@@ -176,9 +177,9 @@ def test_tensor_parallel_stages_on_four_ranks_match_the_unexpanded_file(tmp_path
     results = _run(tmp_path, SOURCE, 4)
     for rank, (_, _, layout, shapes, error) in enumerate(results):
         assert error == (
-            "pipeline at other.py:9: this program's mesh (pipeline, data, tensor) = (2, 1, 2)"
-            " has 2 pipeline stage(s), and a model asks for 4: one mesh per program, and a"
-            " pipelined model must be built before any other parallel module"
+            "this program's mesh (pipeline, data, tensor) = (2, 1, 2) has 2 pipeline stage(s),"
+            " and a model asks for 4: one mesh per program, made by its first parallel module"
+            " (or mg.mesh()): build the pipelined model first"
         )
         stage = rank // 2
         assert layout == (

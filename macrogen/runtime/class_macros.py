@@ -74,11 +74,11 @@ _SYNC = "_mg_data_parallel"  # a @data_parallel model's GradientSync
 
 
 def pipeline_class(config: Any, forward: Any, *, ranks: int, where: str) -> Callable[[type], type]:
-    """What ``@pipeline`` expands to: the mesh told of ``ranks`` pipeline ranks first (tensor-
-    parallel layers built in the model take their tensor group within their stage), the class's
-    ``__init__`` run inside ``construction`` (the whole model, initialized as in a serial run),
-    then, still inside it, the cut planned on the serial layers, the tensor-parallel shards cut
-    under the model, and this rank's stage kept (``attach``). The class object itself is
+    """What ``@pipeline`` expands to: the class's ``__init__`` run inside ``construction`` (the
+    whole model, initialized as in a serial run), then, still inside it, the program's mesh
+    made with ``ranks`` pipeline ranks (its tensor-parallel layers take their tensor group
+    within their stage), the cut planned on the serial layers, the tensor-parallel shards cut,
+    and this rank's stage kept (``attach``, given the mesh). The class object itself is
     returned, under its name."""
     from macrogen.runtime import pipeline as pipelines
     from macrogen.runtime.pipeline_plan import forward_cut
@@ -89,18 +89,18 @@ def pipeline_class(config: Any, forward: Any, *, ranks: int, where: str) -> Call
         @functools.wraps(init)
         def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
             pipelines.check_config(config, where=where)
-            pipelines.declare(ranks, where=where)
             with construction(self):
                 init(self, *args, **kwargs)
-                mesh_for(self)  # its tensor-parallel plans' size=, before attach reads the mesh
-                try:  # balanced by the serial layers' parameter counts, as the expansion says
+                try:  # with its tensor-parallel plans' size=
+                    mesh = mesh_for(self, pipeline=ranks)
+                    # balanced by the serial layers' parameter counts, as the expansion says
                     cut = forward_cut(self, config.stages, config.split, forward)
                 except ValueError as e:
                     raise ValueError(f"pipeline at {where}: {e}") from None
                 # the stage cut must see the tensor-parallel shards, cut now (every rank still
                 # holds every layer: their rank-agreement check runs on the same modules)
                 materialize(self)
-                pipelines.attach(self, config, cut, where=where)
+                pipelines.attach(self, config, cut, mesh, where=where)
 
         def full_state_dict(self: nn.Module) -> dict[str, torch.Tensor]:
             """The serial module's state dict (same keys, same order), gathered from every stage."""

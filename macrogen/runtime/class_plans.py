@@ -151,13 +151,15 @@ def materialize(module: nn.Module) -> None:
         apply_class_plans(module, record.under(module))
 
 
-def mesh_for(module: nn.Module) -> None:
-    """Make the program's mesh now with the size= of the plans waiting under ``module``."""
+def mesh_for(module: nn.Module, *, pipeline: int | None = None) -> meshes.Mesh:
+    """The program's mesh, made now with the size= of the plans waiting under ``module`` (and
+    ``pipeline`` stages)."""
     record = _building.get()
     for waiting in record.under(module) if record is not None else ():
         plan = class_plan(type(waiting))
         assert plan is not None
-        meshes.tensor_parallel_group(plan.size)
+        meshes.tensor_parallel_group(plan.size, pipeline=pipeline)
+    return meshes.mesh(pipeline=pipeline)
 
 
 def _waiting(module: nn.Module) -> bool:

@@ -11,20 +11,22 @@ its group from the dimension it needs: tensor-parallel layers from
 ``mesh().tensor_group``, data-parallel modules from ``mesh().data_group``
 (different tensor-parallel ranks hold different shards, never to be averaged).
 
-A ``@pipeline`` model declares its stages (``expect_pipeline``) before its
-layers are built, so the mesh made then (by its first tensor-parallel layer,
-or by the pipeline itself) is P x D x T, pipeline outermost, tensor innermost:
-rank = (stage * D + data rank) * T + tensor rank. With P = 2, D = 1, T = 2,
-tensor groups are [0, 1] and [2, 3] (one per stage), pipeline groups [0, 2]
-and [1, 3] (the peers that send each other activations).
+A pipelined program asks for its mesh with its pipeline stages
+(``mesh(size, pipeline=P)``: ``mg.parallelize(pp=P)``'s ``device_mesh``, a
+``@pipeline`` class once its ``__init__`` ran, before its tensor-parallel
+layers are cut): P x D x T, pipeline outermost, tensor innermost: rank =
+(stage * D + data rank) * T + tensor rank. With P = 2, D = 1, T = 2, tensor
+groups are [0, 1] and [2, 3] (one per stage), pipeline groups [0, 2] and
+[1, 3] (the peers that send each other activations). The pipeline receives
+that mesh; nothing declares stages ahead of it.
 
-The mesh is made once per program, on first use (a tensor-parallel module's
-``__init__``, or a data-parallel module's). Before any group is made, every
-rank shows the others what it asks for (``size=`` and ``$MACROGEN_TP_SIZE``):
-ranks that disagree get the same clear error, instead of some waiting in
-``new_group`` while others wait in a collective. A monitored barrier first
-names a rank that is stopped or hung (``MACROGEN_TIMEOUT``), and every group
-gets that timeout.
+The mesh is made once per program, on first use, and kept (``mg.mesh()``, and
+the data-parallel modules that read their group from it). Before any group is
+made, every rank shows the others what it asks for (``size=``,
+``$MACROGEN_TP_SIZE`` and the pipeline stages): ranks that disagree get the
+same clear error, instead of some waiting in ``new_group`` while others wait in
+a collective. A monitored barrier first names a rank that is stopped or hung
+(``MACROGEN_TIMEOUT``), and every group gets that timeout.
 """
 
 from __future__ import annotations
@@ -68,7 +70,6 @@ class Mesh:
 SERIAL = Mesh(1, 1, None, None)
 
 _mesh: Mesh | None = None  # the program's mesh, once made (like torch's own mesh registry)
-_stages: int | None = None  # pipeline stages a @pipeline model declared before the mesh existed
 
 
 def tensor_parallel_size(requested: int | None, world: int, pipeline_size: int = 1) -> int:
@@ -97,54 +98,43 @@ def tensor_parallel_size(requested: int | None, world: int, pipeline_size: int =
     return requested
 
 
-def mesh(size: int | None = None) -> Mesh:
-    """The program's mesh, made on first use; a later ``size`` must be the mesh's.
+def mesh(size: int | None = None, *, pipeline: int | None = None) -> Mesh:
+    """The program's mesh, made on first use; a later ``size`` (or ``pipeline``) must be the
+    mesh's.
 
-    ``size=None`` takes the mesh as it is, or, when none exists yet, makes it
-    with $MACROGEN_TP_SIZE (else 1).
+    ``size=None`` takes the mesh as it is, or, when none exists yet, makes it with
+    $MACROGEN_TP_SIZE (else 1); ``pipeline`` is its pipeline stages (None: as it is, else 1).
+    With one rank the program is serial: any pipeline stages stay whole.
     """
     global _mesh
     if not groups.ensure_initialized():
         return SERIAL  # run without torchrun: serial
+    world = dist.get_world_size()
+    if world == 1:
+        pipeline = None  # one rank holds every stage
     if _mesh is not None:
         if size is not None and size != _mesh.tensor_size:
             raise ValueError(
                 f"this program already uses tensor-parallel size {_mesh.tensor_size};"
                 f" a module asks for {size}: one mesh per program"
             )
+        if pipeline is not None and pipeline != _mesh.pipeline_size:
+            raise ValueError(
+                f"this program's mesh (pipeline, data, tensor) = {_mesh.shape} has"
+                f" {_mesh.pipeline_size} pipeline stage(s), and a model asks for {pipeline}:"
+                " one mesh per program, made by its first parallel module (or mg.mesh()):"
+                " build the pipelined model first"
+            )
         return _mesh
-    world = dist.get_world_size()
-    stages = _stages or 1
-    tensor_size = agree_on_tensor_size(size, world, stages)
-    _mesh = build(world, tensor_size, stages)
-    return _mesh
-
-
-def expect_pipeline(stages: int) -> None:
-    """A ``@pipeline`` model of ``stages`` stages is being built: the mesh gets a pipeline dim.
-
-    Called before the model's layers are built, so that a tensor-parallel layer
-    inside a stage, which makes the mesh on first use, makes it P x D x T and
-    takes its tensor group within its stage.
-    """
-    global _stages
-    if not groups.ensure_initialized() or dist.get_world_size() == 1:
-        return  # serial: the model stays whole
-    world = dist.get_world_size()
+    stages = pipeline or 1
     if world % stages:
         raise ValueError(
             f"world size {world} does not divide into {stages} pipeline stages:"
             f" launch a multiple of {stages} processes (pipeline x data)"
         )
-    have = _mesh.pipeline_size if _mesh is not None else _stages
-    if have is not None and have != stages:
-        shape = f" (pipeline, data, tensor) = {_mesh.shape}" if _mesh is not None else ""
-        raise ValueError(
-            f"this program's mesh{shape} has {have} pipeline stage(s), and a model asks"
-            f" for {stages}: one mesh per program, and a pipelined model must be built"
-            " before any other parallel module"
-        )
-    _stages = stages
+    tensor_size = agree_on_tensor_size(size, world, stages)
+    _mesh = build(world, tensor_size, stages)
+    return _mesh
 
 
 def agree_on_tensor_size(size: int | None, world: int, pipeline_size: int = 1) -> int:
@@ -236,9 +226,11 @@ def _device_mesh(
     return DeviceMesh.from_group(dim_groups, device_type, mesh=grid, mesh_dim_names=names)
 
 
-def tensor_parallel_group(size: int | None = None) -> dist.ProcessGroup | None:
+def tensor_parallel_group(
+    size: int | None = None, *, pipeline: int | None = None
+) -> dist.ProcessGroup | None:
     """This rank's tensor-parallel group (None when serial or when the degree is 1)."""
-    m = mesh(size)
+    m = mesh(size, pipeline=pipeline)
     return m.tensor_group if m.tensor_size > 1 else None
 
 
@@ -249,5 +241,5 @@ def data_parallel_group() -> dist.ProcessGroup | None:
 
 def reset() -> None:
     """Forget the mesh (tests that build several programs in one process)."""
-    global _mesh, _stages
-    _mesh = _stages = None
+    global _mesh
+    _mesh = None

@@ -167,12 +167,10 @@ def device_mesh(*, tp: int = 1, pp: int = 1, planned: bool = False, where: str) 
             " ranks leaves every layer whole; pass tp=N to shard it",
             stacklevel=3,
         )
-    if pp > 1:
-        try:
-            meshes.expect_pipeline(pp)
-        except ValueError as e:
-            raise ValueError(f"mg.parallelize at {where}: {e}") from None
-    return meshes.mesh(tp)
+    try:  # (pp=1 takes the program's mesh as it is)
+        return meshes.mesh(tp, pipeline=pp if pp > 1 else None)
+    except ValueError as e:
+        raise ValueError(f"mg.parallelize at {where}: {e}") from None
 
 
 # -- tensor parallel ---------------------------------------------------------------------------

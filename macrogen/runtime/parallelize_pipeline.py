@@ -133,7 +133,7 @@ def apply_pipeline(
             cut = forward_cut(model, config.stages, None, forward)
         except ValueError as e:
             raise ValueError(f"{at}: {e}") from None
-    pipe = pipelines.attach(model, config, cut, where=where)
+    pipe = pipelines.attach(model, config, cut, mesh, where=where)
     if parallelize.is_tensor_parallel(model) and pipe.layout is not None:
         _stages_on_local_shards(model, pipe, where=at)
     # the serial model's state dict, as a @pipeline class's methods give it

@@ -13,8 +13,9 @@ built model. What each stage holds and runs is a *cut* of the model:
 
 The ``Pipeline``:
 
-1. lays the world out as the program's (pipeline x data x tensor) ``DeviceMesh``
-   (``mesh.py``), pipeline outermost: rank r is stage ``r // (data_size * tensor_size)``;
+1. is given the program's (pipeline x data x tensor) mesh (``mesh.py``: a ``DeviceMesh``
+   and its groups, made with the pipeline's stages), pipeline outermost: rank r is stage
+   ``r // (data_size * tensor_size)``;
 2. keeps this rank's stages' parts of the model (same attribute names, same state_dict
    keys) and puts a placeholder where another stage's parts were, so
    ``model.parameters()`` is this stage's parameters;
@@ -52,8 +53,9 @@ from torch import nn
 from macrogen import pipeline_units as pf
 from macrogen.pipeline_units import Forward as Forward  # the generated code's
 from macrogen.pipeline_units import Statement as Statement
-from macrogen.runtime import groups, mesh
+from macrogen.runtime import groups
 from macrogen.runtime import pipeline_state as state
+from macrogen.runtime.mesh import Mesh
 from macrogen.runtime.pipeline_parts import part_at
 from macrogen.runtime.pipeline_plan import StepInputs
 from macrogen.vocabulary import SCHEDULES
@@ -129,53 +131,6 @@ class Cut(Protocol):
     ) -> StepInputs: ...
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where this rank sits on the program's (pipeline x data x tensor) mesh."""
-
-    stages: int  # pipeline ranks (the stages, unless several stages per rank)
-    data_size: int
-    stage: int  # this rank's place on the pipeline: rank // (data_size * tensor_size)
-    data_rank: int  # which share of the data this rank trains on
-    pipeline_group: dist.ProcessGroup  # this rank and its peers of the other stages
-    data_group: dist.ProcessGroup  # ranks holding the same stage and shards (one rank: its own)
-    tensor_size: int = 1  # tensor-parallel ranks splitting this stage's layers
-
-
-def declare(ranks: int, *, where: str = "") -> None:
-    """Before the model's layers are built: the mesh's pipeline dimension will be ``ranks``.
-
-    ``ranks`` is the number of stages (over ``stages_per_rank``, interleaved). A
-    generated ``@pipeline`` class calls this first, so that tensor-parallel
-    layers inside its stages, built by the user's ``__init__``, take their
-    tensor group within their stage (the mesh is P x D x T).
-    """
-    try:
-        mesh.expect_pipeline(ranks)
-    except ValueError as e:
-        raise ValueError(f"{_at(where)}{e}") from None
-
-
-def layout(stages: int, *, where: str = "") -> Layout | None:
-    """This rank's place on the (pipeline x data x tensor) mesh; None when serial (no group, world 1)."""
-    if not groups.ensure_initialized() or dist.get_world_size() == 1:
-        return None
-    declare(stages, where=where)
-    try:
-        m = mesh.mesh()
-    except ValueError as e:
-        raise ValueError(f"{_at(where)}{e}") from None
-    assert m.pipeline_size == stages  # (declare refuses a mesh of other stages)
-    assert m.pipeline_group is not None and m.data_group is not None
-    return Layout(stages, m.data_size, m.pipeline_rank, m.data_rank, m.pipeline_group,
-                  m.data_group, m.tensor_size)  # fmt: skip
-
-
-def reset() -> None:
-    """Forget the mesh (tests that build several programs in one process)."""
-    mesh.reset()
-
-
 def _at(where: str) -> str:
     return f"pipeline at {where}: " if where else ""
 
@@ -212,14 +167,17 @@ class StageModule(nn.Module):
 class Pipeline:
     """Cuts ``model`` to this rank's stage and runs the schedule; see the module docstring."""
 
-    def __init__(self, model: nn.Module, config: PipelineConfig, cut: Cut, *, where: str = ""):
+    def __init__(
+        self, model: nn.Module, config: PipelineConfig, cut: Cut, mesh: Mesh, *, where: str = ""
+    ):
         check_config(config, where=where)
         assert cut.stages == config.stages, (cut.stages, config.stages)
         self.model = model
         self.config = config
         self.cut = cut
         self.where = where
-        self.layout = layout(config.ranks, where=where) if config.ranks > 1 else None
+        # the program's (pipeline x data x tensor) mesh; None when serial (no group, world 1)
+        self.layout = _pipelined(mesh, config, where)
         self.keys = list(model.state_dict().keys())  # the serial model's, in its order
         self.tied: list[tuple[nn.Parameter, Any]] = []  # shared parameters and their groups
         self._schedule: Any = None
@@ -238,7 +196,7 @@ class Pipeline:
     @property
     def stage(self) -> int:
         """This rank's (first) stage."""
-        return 0 if self.layout is None else self.layout.stage
+        return 0 if self.layout is None else self.layout.pipeline_rank
 
     @property
     def stages(self) -> list[int]:
@@ -278,15 +236,15 @@ class Pipeline:
         lay = self.layout
         assert lay is not None
         world = dist.get_world_size()
-        grid = torch.arange(world).view(lay.stages, lay.data_size, lay.tensor_size)
+        grid = torch.arange(world).view(lay.pipeline_size, lay.data_size, lay.tensor_size)
         mine = dist.get_rank()
         out: list[tuple[nn.Parameter, Any]] = []
         for name, users in self.cut.tied:
-            ranks = sorted({s % lay.stages for s in users})  # pipeline ranks holding it
+            ranks = sorted({s % lay.pipeline_size for s in users})  # pipeline ranks holding it
             held = any(s in users for s in stages)
             if len(ranks) == 1:
                 continue  # one rank holds every stage that uses it: one tensor, one gradient
-            group = lay.pipeline_group if len(ranks) == lay.stages else None
+            group = lay.pipeline_group if len(ranks) == lay.pipeline_size else None
             if group is None:
                 for line in grid[ranks].reshape(len(ranks), -1).t().tolist():
                     g = dist.new_group(line, timeout=groups.timeout())
@@ -355,7 +313,8 @@ class Pipeline:
         if losses:
             loss = torch.stack(losses).sum().detach()
             sent[0], sent[1] = loss.double(), float(_LOSS_DTYPES.index(loss.dtype))
-        src = dist.get_global_rank(lay.pipeline_group, lay.stages - 1)  # holds the last stage
+        assert lay.pipeline_group is not None
+        src = dist.get_global_rank(lay.pipeline_group, lay.pipeline_size - 1)  # the last stage
         dist.broadcast(sent, src=src, group=lay.pipeline_group)
         return sent[0].to(_LOSS_DTYPES[int(sent[1])])
 
@@ -448,6 +407,20 @@ class Pipeline:
     def _tensor_parallel(self) -> bool:
         """@tensor_parallel's shards (plain tensors) in the stages' layers."""
         return self.layout is not None and self.layout.tensor_size > 1
+
+
+def _pipelined(mesh: Mesh, config: PipelineConfig, where: str) -> Mesh | None:
+    """``mesh`` when it cuts the world into ``config``'s pipeline ranks; None when serial."""
+    if mesh.device_mesh is None:  # one rank (or none): the model stays whole
+        return None
+    if mesh.pipeline_size != config.ranks or mesh.pipeline_group is None:
+        raise ValueError(
+            f"{_at(where)}the program's mesh (pipeline, data, tensor) = {mesh.shape} has"
+            f" {mesh.pipeline_size} pipeline stage(s), and the model is cut into"
+            f" {config.ranks}: one mesh per program, made with the pipeline's stages"
+        )
+    assert mesh.data_group is not None
+    return mesh
 
 
 def _rows(x: Any) -> int:
@@ -563,9 +536,12 @@ def pipeline_step(
     return serial_step(model, x, y, loss_fn) if pipe is None else pipe.step(x, y, loss_fn)
 
 
-def attach(model: nn.Module, config: PipelineConfig, cut: Cut, *, where: str = "") -> Pipeline:
-    """Make ``model`` (fully built) pipelined at ``cut``: this rank keeps its stages."""
-    pipe = Pipeline(model, config, cut, where=where)
+def attach(
+    model: nn.Module, config: PipelineConfig, cut: Cut, mesh: Mesh, *, where: str = ""
+) -> Pipeline:
+    """Make ``model`` (fully built) pipelined at ``cut`` on ``mesh``, the program's (pipeline x
+    data x tensor) mesh (``SERIAL`` without ranks): this rank keeps its stages."""
+    pipe = Pipeline(model, config, cut, mesh, where=where)
     model.__dict__[ATTR] = pipe
     return pipe
 
