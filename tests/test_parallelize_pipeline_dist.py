@@ -5,7 +5,8 @@ serially, then cut at run time by ``mg.parallelize``, and trained 3 AdamW steps
 through ``mg.pipeline_step``. Losses, every gradient and every parameter (float64,
 within 1e-10) equal the unexpanded file's, run serially in this process. One spawn
 per world size: 2 ranks (1F1B with the default dp="replicate" over one replica,
-GPipe, interleaved, the blocks recomputed), 4 ranks (pipeline 2 x data 2: replicate,
+GPipe, interleaved, the blocks recomputed, and ``pipeline_step(torch.compile(model), ...)``:
+the schedule runs, and one warning says the stages run eagerly), 4 ranks (pipeline 2 x data 2: replicate,
 FSDP with and without recompute, and ZeRO-1 with ``mg.shard_optimizer``, whose
 ``.grad`` stays each replica's own: losses and parameters). Replicate all-reduces a
 step's gradients once, not once per micro-batch.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import textwrap
+import warnings
 from pathlib import Path
 
 import torch
@@ -88,7 +90,13 @@ SOURCE = textwrap.dedent(
             return mg.parallelize(model, pp=2, microbatches=4, recompute="blocks")
         if variant == "fsdp_recompute":
             return mg.parallelize(model, pp=2, microbatches=4, dp="fsdp", recompute="blocks")
+        if variant == "compiled":
+            return mg.parallelize(model, pp=2, microbatches=4)
         return model
+
+
+    def stepped(model, variant):  # what the loop hands pipeline_step (nanoGPT compiles it)
+        return torch.compile(model, backend="eager") if variant == "compiled" else model
 
 
     def optimizer(model, variant):
@@ -100,10 +108,12 @@ STEPS = 3
 BATCH = 8
 
 
-def _train(module, variant):
-    """(losses, gradients after each step, parameters after the last): this rank's share."""
+def _train(module, variant, told=None):
+    """(losses, gradients after each step, parameters after the last): this rank's share;
+    ``told``: the warnings about a compiled model pipeline_step gave."""
     from macrogen.runtime import mesh as meshes
 
+    told = [] if told is None else told
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
     model = module.parallel(module.GPT(), variant)
@@ -118,7 +128,10 @@ def _train(module, variant):
     losses, grads = [], []
     for _ in range(STEPS):
         optimizer.zero_grad()
-        loss = module.mg.pipeline_step(model, x, y, module.loss_fn)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = module.mg.pipeline_step(module.stepped(model, variant), x, y, module.loss_fn)
+        told.extend(str(w.message) for w in caught if "torch.compile" in str(w.message))
         grads.append(
             {
                 n: _full(p.grad)
@@ -158,12 +171,14 @@ def _worker(rank, world, variants, code, directory):
         meshes.reset()
         launches.clear()
         module = load_module(code, f"pp_{variant}_{rank}", Path(directory))
-        losses, grads, state, model = _train(module, variant)
+        told: list[str] = []
+        losses, grads, state, model = _train(module, variant, told)
         recomputed = sum(
             getattr(m.__dict__.get("forward"), "_mg_recomputed", False) for m in model.modules()
         )
         reduces = sorted(collections.Counter(launches).values())  # launches per bucket
-        out[variant] = (losses, grads, state, rp.pipeline_of(model).describe(), recomputed, reduces)
+        described = rp.pipeline_of(model).describe()
+        out[variant] = (losses, grads, state, described, recomputed, reduces, told)
     return out
 
 
@@ -183,7 +198,8 @@ def _check(tmp_path, world, variants):
     for variant in variants:
         seen: list[dict] = [{} for _ in range(STEPS)]
         for rank_result in results:
-            losses, grads, state, _, recomputed, _ = rank_result[variant]
+            losses, grads, state, _, recomputed, _, told = rank_result[variant]
+            assert len(told) == (variant == "compiled"), told  # stages run eagerly: said once
             assert recomputed == (2 if "recompute" in variant else 0), variant  # this stage's
             torch.testing.assert_close(
                 torch.tensor(losses), torch.tensor(want_losses), rtol=1e-10, atol=1e-10
@@ -205,7 +221,7 @@ def _check(tmp_path, world, variants):
 
 
 def test_pp2_on_two_ranks_equals_the_serial_program(tmp_path):
-    results = _check(tmp_path, 2, ["1f1b", "gpipe", "interleaved", "recompute"])
+    results = _check(tmp_path, 2, ["1f1b", "gpipe", "interleaved", "recompute", "compiled"])
     assert results[0]["1f1b"][3] == (
         "stage 0: wte, wpe, blocks.0-1 | stage 1: blocks.2-3, lm_head, ln_f"
     )

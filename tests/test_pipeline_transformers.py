@@ -206,3 +206,12 @@ def test_without_ranks_the_expanded_program_is_the_serial_one(tmp_path):
     plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     assert torch.equal(loss, plain(input_ids=ids, labels=ids).loss)
+
+
+def test_a_compiled_model_takes_its_labels_by_name():
+    """pipeline_step(torch.compile(model), x, y) gives y to forward's ``labels``, as for the
+    model itself: the compiled wrapper's forward takes (*args, **kwargs), and y second would be
+    a transformers model's attention_mask."""
+    compiled = torch.compile(LM(), backend="eager")  # (not run: compiling takes seconds)
+    assert rp.uncompiled(compiled).__class__ is LM
+    assert rp._labels(compiled) == "labels"

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -190,6 +192,7 @@ class Pipeline:
         self.parts: dict[int, list[Any]] = {}
         self.code: dict[int, Callable[..., Any]] = {}
         self.fully_sharded = False
+        self.warned_compiled = False  # pipeline_step was given torch.compile(model) (said once)
         if self.layout is not None:
             self._cut(self.stages)
 
@@ -484,7 +487,7 @@ def _call(model: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _labels(model: nn.Module) -> str | None:
     """``labels`` when forward takes it (a transformers model), else None: y goes second."""
-    forward = getattr(model, "forward", None)
+    forward = getattr(uncompiled(model), "forward", None)  # (a compiled wrapper's: *args)
     try:
         params = inspect.signature(forward).parameters if forward is not None else {}
     except (TypeError, ValueError):
@@ -516,8 +519,17 @@ def loss_of(out: Any, cls: type) -> torch.Tensor:
 
 
 def pipeline_of(model: nn.Module) -> Pipeline | None:
-    found = getattr(model, "__dict__", {}).get(ATTR)
+    """The model's pipeline, if it is pipelined (through ``torch.compile``'s wrapper too)."""
+    found = getattr(uncompiled(model), "__dict__", {}).get(ATTR)
     return found if isinstance(found, Pipeline) else None
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile(module)`` wraps (its ``OptimizedModule``), else ``model``."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (loaded by any compile)
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        return uncompiled(model._orig_mod)
+    return model
 
 
 def pipeline_step(
@@ -530,10 +542,29 @@ def pipeline_step(
 
     A tuple from forward gives its first element to ``loss_fn``. Without ``loss_fn``
     forward computes the loss: ``model(x, y)`` returns it, or ``(output, loss)`` (a
-    transformers model: ``model(x, labels=y).loss``).
+    transformers model: ``model(x, labels=y).loss``). A pipelined model under
+    ``torch.compile(model)`` runs its schedule: the stages, not the compiled whole.
     """
     pipe = pipeline_of(model)
-    return serial_step(model, x, y, loss_fn) if pipe is None else pipe.step(x, y, loss_fn)
+    if pipe is None or pipe.layout is None:  # serially, the (compiled) model is the step
+        targets = None if pipe is None else pipe.cut.targets
+        return serial_step(model, x, y, loss_fn, targets=targets)
+    if model is not pipe.model:
+        _warn_compiled_whole(pipe)
+    return pipe.step(x, y, loss_fn)
+
+
+def _warn_compiled_whole(pipe: Pipeline) -> None:
+    """Once per model: a whole-model compile never runs under a schedule."""
+    if pipe.warned_compiled:
+        return
+    pipe.warned_compiled = True
+    warnings.warn(
+        f"{_at(pipe.where)}torch.compile(model) compiles the model's forward, which a pipeline's"
+        " schedule never calls (it runs this rank's stages): the stages run eagerly. Compile"
+        " the blocks instead (for block in blocks: block.compile()), before pipeline_step",
+        stacklevel=3,
+    )
 
 
 def attach(
