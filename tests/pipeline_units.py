@@ -10,9 +10,9 @@ import dataclasses
 import inspect
 import textwrap
 
-from macrogen import pipeline_analysis as analysis
-from macrogen.pipeline_code import unit_function
-from macrogen.pipeline_units import Forward
+from macrogen.pipelining import analysis
+from macrogen.pipelining.code import unit_function
+from macrogen.pipelining.units import Forward
 
 
 def attach(model, config, *, where: str = ""):

@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import macrogen as mg
-from macrogen import pipeline_analysis as analysis
-from macrogen import pipeline_units as pf
+from macrogen.pipelining import analysis
+from macrogen.pipelining import units as pf
 from macrogen.runtime import pipeline as rp
 from macrogen.runtime.pipeline_plan import forward_cut
 from tests.helpers import expand, expansion_errors

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from macrogen import pipeline_analysis as analysis
-from macrogen import pipeline_units as pf
+from macrogen.pipelining import analysis
+from macrogen.pipelining import units as pf
 from macrogen.runtime import mesh as meshes
 from macrogen.runtime import pipeline as rp
 from macrogen.runtime.pipeline_plan import forward_cut

@@ -49,10 +49,10 @@ from typing import Any, cast
 
 import libcst as cst
 
-from macrogen import pipeline_units as pf
 from macrogen.autotune import layouts
 from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, TuningEnv, render
 from macrogen.macros import redundant
+from macrogen.pipelining.units import interleaving_problem
 from macrogen.vocabulary import DEFAULT_SCHEDULE, DP_MODES, SCHEDULES, SERVER, STYLES, one_of
 
 NAME = "parallelize"
@@ -323,7 +323,7 @@ def pipeline_problem(values: Mapping[str, Any]) -> tuple[str | None, tuple[str, 
             " (microbatches=M)"
         ), ("accumulate",)
     per_rank = 2 if schedule == "interleaved" else 1
-    problem = pf.interleaving_problem(pp * per_rank, m, schedule, per_rank)
+    problem = interleaving_problem(pp * per_rank, m, schedule, per_rank)
     if problem is None and schedule == "1f1b" and m < pp:
         problem = (
             f"pp={pp} with schedule 1f1b needs at least as many micro-batches as stages:"

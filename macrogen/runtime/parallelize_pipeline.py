@@ -8,8 +8,8 @@ A transformers model is cut at the pipeline plan it ships (``pipeline_transforme
 the embedding, the decoder layers, the final norm, the head; every stage runs the model's
 own forward). Any other model is cut as ``@mg.pipeline`` would cut its class, at run time:
 forward's source (``inspect.getsource``) is analysed by the macro's own analysis
-(``macrogen/pipeline_analysis.py``), each statement becomes a function
-(``macrogen/pipeline_code.py``), compiled in forward's module (its globals, and
+(``macrogen/pipelining/analysis.py``), each statement becomes a function
+(``macrogen/pipelining/code.py``), compiled in forward's module (its globals, and
 the values of its closure), and the model is ``attach``-ed to a ``Pipeline``
 exactly as a ``@pipeline`` class's ``__init__`` does: stage balance, tied weights,
 schedules, FSDP per stage and full state dicts are the decorator's. The copied
@@ -40,9 +40,9 @@ from typing import Any
 
 from torch import nn
 
-from macrogen import pipeline_analysis as analysis
-from macrogen import pipeline_units as pf
-from macrogen.pipeline_code import unit_function
+from macrogen.pipelining.analysis import parse
+from macrogen.pipelining.code import unit_function
+from macrogen.pipelining.units import Forward, SplitError
 from macrogen.runtime import mesh as meshes
 from macrogen.runtime import parallelize
 from macrogen.runtime import pipeline as pipelines
@@ -54,7 +54,7 @@ from macrogen.vocabulary import SCHEDULES
 DOCS = "docs/pipeline.md (what @mg.pipeline can cut)"
 
 
-def forward_of(cls: type, *, where: str) -> pf.Forward:
+def forward_of(cls: type, *, where: str) -> Forward:
     """``cls.forward`` as units, each statement a function: the ``Forward`` that
     ``@pipeline``'s expansion would write for ``cls``. A forward that can't be cut is a
     one-line ``ValueError`` naming the class and why."""
@@ -76,8 +76,8 @@ def forward_of(cls: type, *, where: str) -> pf.Forward:
             f" as functions outside the class; call the parent's layers directly. See {DOCS}"
         )
     try:
-        a = analysis.parse(textwrap.dedent("".join(lines)))
-    except pf.SplitError as e:
+        a = parse(textwrap.dedent("".join(lines)))
+    except SplitError as e:
         raise ValueError(f"{at}, and it can't be: {e.message}. See {DOCS}") from None
     except SyntaxError as e:  # a lambda's or a one-line method's source: not a whole def
         raise ValueError(f"{at}, and its source does not parse alone ({e.msg})") from None

@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from macrogen import pipeline_units as pf
-from macrogen.pipeline_units import Forward as Forward  # the generated code's
-from macrogen.pipeline_units import Statement as Statement
+from macrogen.pipelining.units import Forward as Forward  # the generated code's
+from macrogen.pipelining.units import Statement as Statement
+from macrogen.pipelining.units import interleaving_problem
 from macrogen.runtime import groups
 from macrogen.runtime import pipeline_state as state
 from macrogen.runtime.mesh import Mesh
@@ -100,7 +100,7 @@ def check_config(config: PipelineConfig, *, where: str = "") -> None:
             f"{_at(where)}1f1b needs at least as many micro-batches as stages"
             f" ({config.microbatches} < {config.stages})"
         )
-    problem = pf.interleaving_problem(
+    problem = interleaving_problem(
         config.stages, config.microbatches, config.schedule, config.stages_per_rank
     )
     if problem:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from macrogen import pipeline_units as pf
+from macrogen.pipelining.units import runs
 from macrogen.runtime.pipeline_parts import part_at
 from macrogen.runtime.pipeline_standins import EmbeddingElsewhere
 
@@ -65,7 +65,7 @@ def check_stages(model: nn.Module, cut: TransformersCut, at: str) -> None:
         problems = _agree([_differs(model, cut, s, ids, whole, again) for s in everyone], ids)
     for s, problem in enumerate(problems):
         if problem:
-            raise ValueError(f"{at}, and stage {s} ({pf.runs(cut.held(s))}) {problem}")
+            raise ValueError(f"{at}, and stage {s} ({runs(cut.held(s))}) {problem}")
 
 
 def _ids(model: nn.Module) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Where ``@pipeline`` (and ``mg.parallelize(pp=N)`` on a model of the user's own) cuts a model:
 its forward's statements, as the expansion generated them, shared out between the stages.
 
-``forward_cut`` takes the model's ``forward`` as units (``macrogen/pipeline_units.py``: each
+``forward_cut`` takes the model's ``forward`` as units (``macrogen/pipelining/units.py``: each
 statement a function; each block of a ``for block in self.<ModuleList>:`` loop a unit of its
 own) and cuts them at the ``split`` names or, without them, where the stages' parameter
 counts come out most even. A stage holds the parts its units read (same attribute names,
@@ -19,7 +19,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from macrogen import pipeline_units as pf
+from macrogen.pipelining.units import (
+    Forward,
+    SplitError,
+    Unit,
+    balanced,
+    check_cuts,
+    resolve_split,
+    runs,
+    split_count_message,
+    starts_text,
+)
 from macrogen.runtime.pipeline_parts import (
     Elsewhere,
     numel,
@@ -44,8 +54,8 @@ class StepInputs:
 class ForwardCut:
     """forward's units shared out between the stages; see the module docstring."""
 
-    forward: pf.Forward
-    units: list[pf.Unit]
+    forward: Forward
+    units: list[Unit]
     starts: list[int]  # unit index where each stage after the first starts
     carried: list[str]  # the value each cut sends on
     owners: dict[str, set[int]]  # part ("transformer.wte", "blocks.3", "pos") -> stages using it
@@ -84,7 +94,7 @@ class ForwardCut:
                 for part in u.parts
                 if u.block is not None or part in self.placeable
             ]
-            stages.append(f"stage {s}: {pf.runs(parts)}")
+            stages.append(f"stage {s}: {runs(parts)}")
         return " | ".join(stages)
 
     def placeholder(self, part: str, stage: int) -> nn.Module:
@@ -112,7 +122,7 @@ class ForwardCut:
 
 
 def forward_cut(
-    model: nn.Module, stages: int, split: tuple[str, ...] | None, forward: pf.Forward
+    model: nn.Module, stages: int, split: tuple[str, ...] | None, forward: Forward
 ) -> ForwardCut:
     """Cut ``model``'s forward into ``stages`` stages (pure: the model is not changed)."""
     name = type(model).__name__
@@ -129,12 +139,12 @@ def forward_cut(
     try:
         if split is not None:
             if len(split) != stages - 1:
-                raise pf.SplitError(pf.split_count_message(stages, len(split)))
-            starts = pf.resolve_split(forward, units, list(split))
+                raise SplitError(split_count_message(stages, len(split)))
+            starts = resolve_split(forward, units, list(split))
         else:
             starts = _balance(model, forward, units, stages)
-        carried = pf.check_cuts(forward, units, starts, list(split) if split else None)
-    except pf.SplitError as e:
+        carried = check_cuts(forward, units, starts, list(split) if split else None)
+    except SplitError as e:
         raise ValueError(f"{name}: {e.message}") from None
     cut = ForwardCut(forward, units, starts, carried, {})
     cut.owners = _owners(model, cut)
@@ -144,28 +154,28 @@ def forward_cut(
     return cut
 
 
-def _balance(model: nn.Module, forward: pf.Forward, units: list[pf.Unit], stages: int) -> list[int]:
+def _balance(model: nn.Module, forward: Forward, units: list[Unit], stages: int) -> list[int]:
     loops = forward.loops
     if not loops:
-        raise pf.SplitError(
+        raise SplitError(
             f"forward has no `for block in self.<ModuleList>:` loop to balance over: give"
             f" split=[...] (the submodules that start stages 1..{stages - 1};"
-            f" {pf.starts_text(units)})"
+            f" {starts_text(units)})"
         )
     candidates = [k for k, u in enumerate(units) if u.block is not None and u.block > 0]
     total = sum(1 for u in units if u.block is not None)
     if stages > total:
-        raise pf.SplitError(
+        raise SplitError(
             f"{stages} stages but forward's loop{'s' if len(loops) > 1 else ''} over"
             f" {', '.join('self.' + lp for lp in loops)} ha{'ve' if len(loops) > 1 else 's'}"
             f" {total} blocks: at most one stage per block"
         )
     # per unit: a tied tensor weighs on each stage that holds it
     weights = [numel(model, _parts(model, forward, u)) for u in units]
-    return pf.balanced(weights, candidates, stages)
+    return balanced(weights, candidates, stages)
 
 
-def _parts(model: nn.Module, forward: pf.Forward, unit: pf.Unit) -> list[str]:
+def _parts(model: nn.Module, forward: Forward, unit: Unit) -> list[str]:
     """The parts of the model a unit uses: ``blocks.3`` for a block, ``transformer.wte``.
 
     A path the unit reads (``self.transformer.wte.weight``) is cut where it leaves the

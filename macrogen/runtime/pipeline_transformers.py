@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macrogen import pipeline_units as pf
+from macrogen.pipelining.units import balanced, runs
 from macrogen.runtime.pipeline_check import check_stages
 from macrogen.runtime.pipeline_parts import Elsewhere, numel, part_at, tied, unplaced
 from macrogen.runtime.pipeline_plan import StepInputs
@@ -125,7 +125,7 @@ class TransformersCut:
 
     def describe(self) -> str:
         """``stage 0: model.embed_tokens, model.layers.0-1 | stage 1: model.layers.2-3, ...``."""
-        text = " | ".join(f"stage {s}: {pf.runs(self.held(s))}" for s in range(self.stages))
+        text = " | ".join(f"stage {s}: {runs(self.held(s))}" for s in range(self.stages))
         return text + (f" | every stage: {', '.join(self.everywhere)}" if self.everywhere else "")
 
     def placeholder(self, part: str, stage: int) -> nn.Module:
@@ -230,7 +230,7 @@ def _balance(model: nn.Module, cut: TransformersCut, stages: int) -> list[int]:
     layers = [f"{cut.layers}.{k}" for k in range(cut.count)]
     weights = [numel(model, cut.before), *(numel(model, [p]) for p in layers)]
     weights.append(numel(model, cut.after))
-    starts = pf.balanced(weights, list(range(2, cut.count + 1)), stages)
+    starts = balanced(weights, list(range(2, cut.count + 1)), stages)
     return [s - 1 for s in starts]  # units -> layers (the first unit is what comes before)
 
 

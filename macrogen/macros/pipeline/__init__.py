@@ -36,11 +36,11 @@ the statement), a split name forward doesn't call, more stages than a
 literal number of blocks. The rest (world size, parameter counts) is
 checked at run time.
 
-Where the rest lives: ``macrogen/pipeline_analysis.py`` reads forward's ``ast``
-(its statements, what each reads and writes, what can't be cut);
-``macrogen/pipeline_code.py`` writes each statement's function (both shared with
-``mg.parallelize(pp=N)``, which cuts a built model's forward at run time); ``macrogen/pipeline_units.py``, shared with
-the runtime, cuts the units (split names, the value each cut carries).
+Where the rest lives (``macrogen/pipelining/``): ``analysis.py`` reads forward's ``ast``
+(its statements, what each reads and writes, what can't be cut); ``code.py`` writes each
+statement's function (both shared with ``mg.parallelize(pp=N)``, which cuts a built model's
+forward at run time); ``units.py``, shared with the runtime, cuts the units (split names,
+the value each cut carries).
 """
 
 from __future__ import annotations
@@ -53,8 +53,6 @@ from typing import Any
 import libcst as cst
 from libcst.metadata import PositionProvider
 
-from macrogen import pipeline_analysis as analysis
-from macrogen import pipeline_units as pf
 from macrogen.macro import (
     Arg,
     Context,
@@ -66,8 +64,23 @@ from macrogen.macro import (
     render_statements,
 )
 from macrogen.macros.class_decorator import decorated, rendered_decorator
-from macrogen.pipeline_analysis import Analysed
-from macrogen.pipeline_code import unit_function
+from macrogen.pipelining.analysis import Analysed, parse, self_path
+from macrogen.pipelining.code import unit_function
+from macrogen.pipelining.units import (
+    SUPPORTED,
+    Forward,
+    SplitError,
+    Unit,
+    check_cuts,
+    interleaving_problem,
+    open_end,
+    resolve_split,
+    runs,
+    split_count_message,
+    split_names,
+    starts_text,
+    unknown_split_message,
+)
 from macrogen.vocabulary import SCHEDULES
 
 NAME = "pipeline"
@@ -135,7 +148,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         )
     for s in schedules:
         for n in microbatches:
-            problem = pf.interleaving_problem(stages, n, s, _stages_per_rank(spr, s))
+            problem = interleaving_problem(stages, n, s, _stages_per_rank(spr, s))
             if problem:
                 at = args.get("stages_per_rank") or args.get("schedule")
                 raise MacroError(problem, at.node if at else anchor)
@@ -211,8 +224,8 @@ def _forward(cls: cst.ClassDef) -> cst.FunctionDef:
 def _analyse(fn: cst.FunctionDef) -> Analysed:
     code = cst.Module([]).code_for_node(fn.with_changes(decorators=(), leading_lines=()))
     try:
-        return analysis.parse(code)
-    except pf.SplitError as e:
+        return parse(code)
+    except SplitError as e:
         raise MacroError(
             f"forward can't be cut into pipeline stages: {e.message}", _statement(fn, e.path)
         ) from None
@@ -256,13 +269,13 @@ def _assigned(init: ast.FunctionDef) -> dict[str, ast.expr]:
     found: dict[str, ast.expr] = {}
     for node in ast.walk(init):
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            path = analysis.self_path(node.targets[0], me)
+            path = self_path(node.targets[0], me)
             if path is not None:
                 found[path] = node.value
     return found
 
 
-def _static_blocks(cls: cst.ClassDef, forward: pf.Forward, ctx: Context) -> dict[str, int | None]:
+def _static_blocks(cls: cst.ClassDef, forward: Forward, ctx: Context) -> dict[str, int | None]:
     """How many blocks each looped-over ModuleList has, where __init__ shows it literally."""
     found: dict[str, int | None] = {loop: None for loop in forward.loops}
     init = _init(cls)
@@ -327,7 +340,7 @@ def _tied(cls: cst.ClassDef, placed: list[list[str]] | None) -> tuple[str, ...]:
     me = init.args.args[0].arg
     ties = []
     for path, value in _assigned(init).items():
-        source = analysis.self_path(value, me)
+        source = self_path(value, me)
         if source is None or source.rpartition(".")[2] not in ("weight", "bias"):
             continue
         where = "each stage that uses it holds it, its gradients summed over them"
@@ -393,11 +406,11 @@ def _check_split(
     forward = analysed.forward
     loops = forward.loops
     if split is None:
-        if not loops and not pf.split_names(forward.units({})[1:]):
+        if not loops and not split_names(forward.units({})[1:]):
             raise MacroError(
                 "forward can't be cut into pipeline stages: it has no `for block in"
                 " self.<ModuleList>:` loop and calls no submodule at top level after its first"
-                f" statement (supported: {pf.SUPPORTED})",
+                f" statement (supported: {SUPPORTED})",
                 fn.name,
             )
         if not loops:
@@ -405,7 +418,7 @@ def _check_split(
                 "without split=[...], @pipeline balances the blocks of a `for block in"
                 " self.<ModuleList>:` loop in forward, and this forward has none: name the"
                 f" submodules that start stages 1..{stages - 1} (split=[...];"
-                f" {pf.starts_text(forward.units({}))})",
+                f" {starts_text(forward.units({}))})",
                 fn.name,
             )
         total = [blocks[lp] for lp in loops]
@@ -427,7 +440,7 @@ def _check_split(
             f"split must be a list of submodule names ('blocks.3'), not {split!r}", node
         )
     if len(split) != stages - 1:
-        raise MacroError(pf.split_count_message(stages, len(split)), node)
+        raise MacroError(split_count_message(stages, len(split)), node)
     counts: dict[str, int] = {}
     for lp in loops:
         wanted = [b for s in split if (b := _block_of(s, lp)) is not None]
@@ -440,8 +453,8 @@ def _check_split(
         if not any(_names(u, name) for u in units):
             raise MacroError(_unknown(analysed, units, name, open_ended), el)
     try:
-        starts = pf.resolve_split(forward, units, list(split))
-    except pf.SplitError as e:
+        starts = resolve_split(forward, units, list(split))
+    except SplitError as e:
         raise MacroError(e.message, node) from None
     _cuts(forward, fn, units, starts, list(split), node)
     edges = [0, *starts, len(units)]
@@ -455,16 +468,14 @@ def _check_split(
             if p.partition(".")[0] not in plain
         ]
         placed.append(parts)
-        text = pf.runs(parts)
+        text = runs(parts)
         for lp in open_ended:  # the last block is the run time's: "blocks.3.."
-            text = pf.open_end(text, lp, counts[lp] - 1)
+            text = open_end(text, lp, counts[lp] - 1)
         described.append(f"stage {s}: {text}")
     return " | ".join(described), placed
 
 
-def _unknown(
-    analysed: Analysed, units: list[pf.Unit], name: str, open_ended: frozenset[str]
-) -> str:
+def _unknown(analysed: Analysed, units: list[Unit], name: str, open_ended: frozenset[str]) -> str:
     """Why ``name`` starts no stage: also when a statement calls it inside an ``if``."""
     forward = analysed.forward
     head, _, tail = name.rpartition(".")
@@ -475,9 +486,9 @@ def _unknown(
             return (
                 f"split name {name!r} is called inside `{text}`, which runs wholly in one"
                 f" stage: a stage starts at a top-level statement or a block"
-                f" ({pf.starts_text(units, open_ended)})"
+                f" ({starts_text(units, open_ended)})"
             )
-    return pf.unknown_split_message(forward, units, name, open_ended)
+    return unknown_split_message(forward, units, name, open_ended)
 
 
 def _block_of(name: str, loop: str) -> int | None:
@@ -485,21 +496,21 @@ def _block_of(name: str, loop: str) -> int | None:
     return int(tail) if head == loop and tail.isdigit() else None
 
 
-def _names(unit: pf.Unit, name: str) -> bool:
+def _names(unit: Unit, name: str) -> bool:
     return unit.name == name if unit.block is not None else name in unit.statement.calls
 
 
 def _cuts(
-    forward: pf.Forward,
+    forward: Forward,
     fn: cst.FunctionDef,
-    units: list[pf.Unit],
+    units: list[Unit],
     starts: list[int],
     names: list[str] | None,
     anchor: cst.CSTNode,
 ) -> None:
     try:
-        pf.check_cuts(forward, units, starts, names)
-    except pf.SplitError as e:
+        check_cuts(forward, units, starts, names)
+    except SplitError as e:
         raise MacroError(e.message, _statement(fn, e.path) if e.path else anchor) from None
 
 

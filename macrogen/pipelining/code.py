@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 
-from macrogen.pipeline_analysis import Analysed
+from macrogen.pipelining.analysis import Analysed
 
 INDENT = "    "
 

@@ -1,6 +1,6 @@
 """forward's source as units: which statements, what each reads and writes, where it can't be cut.
 
-Pure ``ast``: the result is ``macrogen.pipeline_units.Forward`` (the data the
+Pure ``ast``: the result is ``macrogen.pipelining.units.Forward`` (the data the
 generated code hands the runtime), plus what the macro's errors and code
 generation need (each statement's node). The ``@pipeline`` macro runs it at
 expansion; ``mg.parallelize(pp=N)`` at run time, on a built model's forward
@@ -13,7 +13,7 @@ import ast
 import textwrap
 from dataclasses import dataclass
 
-from macrogen.pipeline_units import SUPPORTED, Forward, SplitError, Statement
+from macrogen.pipelining.units import SUPPORTED, Forward, SplitError, Statement
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A pipelined ``forward`` as units, and where stages can be cut from them.
 
 Pure Python (no ``ast``, no torch), shared by the ``@pipeline`` macro, which
-analyses forward's source at expansion (``pipeline_analysis.py``) and
+analyses forward's source at expansion (``analysis.py``) and
 generates one function per statement, and ``macrogen.runtime.pipeline``, which
 only chooses the boundaries and calls those functions. A splittable forward::
 
