@@ -420,17 +420,17 @@ def _mark_steps(optimizers: list[Any], torch: Any) -> list[Any]:
 
 def _plan_sizes(model: Any, plan: Any) -> tuple[int, dict[str, int]]:
     """The bytes of the planned (sharded) layers, and each size tp must divide (first of each path)."""
-    from macrogen.runtime import parallelize as rt
+    from macrogen.runtime import parallelize
 
     if plan is None:
         return 0, {}
     if plan == "hf":
-        plan = rt.hf_plan(model)
+        plan = parallelize.hf_plan(model)
     plan = {k: tuple(v) if isinstance(v, list) else v for k, v in plan.items()}
     sharded, divisible, seen = 0, {}, set()
     for path, value in plan.items():
-        style = rt.Style.parse(value, path)
-        for name, owner, attr in rt._matches(model, path):
+        style = parallelize.Style.parse(value, path)
+        for name, owner, attr in parallelize._matches(model, path):
             target = getattr(owner, attr)
             what, size = _size(name, target, style)
             if what is None:
@@ -444,7 +444,7 @@ def _plan_sizes(model: Any, plan: Any) -> tuple[int, dict[str, int]]:
 
 
 def _size(name: str, target: Any, style: Any) -> tuple[str | None, int]:
-    from macrogen.runtime import parallelize as rt
+    from macrogen.runtime import parallelize
 
     if style.kind == "replicate":
         return None, 0
@@ -452,7 +452,7 @@ def _size(name: str, target: Any, style: Any) -> tuple[str | None, int]:
         return (name, target) if isinstance(target, int) else (None, 0)
     if style.kind == "vocab":
         return f"{name} rows", target.num_embeddings
-    kind = rt._kind(target)
+    kind = parallelize._kind(target)
     if kind not in ("linear", "conv1d"):
         return None, 0
     out_features, in_features = (

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from macrogen.runtime import mesh as meshes
 from macrogen.runtime.class_plans import construction, materialize, mesh_for
 
 
@@ -42,7 +41,7 @@ def data_parallel_class(
                 from macrogen.runtime.fully_sharded import apply_fully_sharded
 
                 apply_fully_sharded(
-                    self, meshes.mesh(), fully_sharded, where=where, macro="@mg.data_parallel"
+                    self, mesh_for(self), fully_sharded, where=where, macro="@mg.data_parallel"
                 )
             elif servers is not None:  # (a server rank does not return from here)
                 from macrogen.runtime.param_server import apply_server_tables
@@ -80,7 +79,7 @@ def pipeline_class(config: Any, forward: Any, *, ranks: int, where: str) -> Call
     within their stage), the cut planned on the serial layers, the tensor-parallel shards cut,
     and this rank's stage kept (``attach``, given the mesh). The class object itself is
     returned, under its name."""
-    from macrogen.runtime import pipeline as pipelines
+    from macrogen.runtime import pipeline
     from macrogen.runtime.pipeline_plan import forward_cut
 
     def decorate(cls: type) -> type:
@@ -88,7 +87,7 @@ def pipeline_class(config: Any, forward: Any, *, ranks: int, where: str) -> Call
 
         @functools.wraps(init)
         def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-            pipelines.check_config(config, where=where)
+            pipeline.check_config(config, where=where)
             with construction(self):
                 init(self, *args, **kwargs)
                 try:  # with its tensor-parallel plans' size=
@@ -100,17 +99,17 @@ def pipeline_class(config: Any, forward: Any, *, ranks: int, where: str) -> Call
                 # the stage cut must see the tensor-parallel shards, cut now (every rank still
                 # holds every layer: their rank-agreement check runs on the same modules)
                 materialize(self)
-                pipelines.attach(self, config, cut, mesh, where=where)
+                pipeline.attach(self, config, cut, mesh, where=where)
 
         def full_state_dict(self: nn.Module) -> dict[str, torch.Tensor]:
             """The serial module's state dict (same keys, same order), gathered from every stage."""
-            return pipelines.full_state_dict(self)
+            return pipeline.full_state_dict(self)
 
         def load_full_state_dict(
             self: nn.Module, state_dict: dict[str, Any], strict: bool = True
         ) -> Any:
             """Load a serial module's state dict; each stage keeps its own entries."""
-            return pipelines.load_full_state_dict(self, state_dict, strict)
+            return pipeline.load_full_state_dict(self, state_dict, strict)
 
         cls.__init__ = __init__  # type: ignore[misc]
         cls.full_state_dict = full_state_dict  # type: ignore[attr-defined]

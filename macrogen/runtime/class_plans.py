@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from macrogen.runtime import mesh as meshes
-from macrogen.runtime import tensor_parallel_plan as class_styles
+from macrogen.runtime import tensor_parallel_plan
 from macrogen.runtime.eager import eager
+from macrogen.runtime.mesh import Mesh, mesh, tensor_parallel_group
 from macrogen.runtime.tensor_parallel import (
     load_serial_state_dict,
     serial_state_dict,
@@ -151,15 +151,15 @@ def materialize(module: nn.Module) -> None:
         apply_class_plans(module, record.under(module))
 
 
-def mesh_for(module: nn.Module, *, pipeline: int | None = None) -> meshes.Mesh:
+def mesh_for(module: nn.Module, *, pipeline: int | None = None) -> Mesh:
     """The program's mesh, made now with the size= of the plans waiting under ``module`` (and
     ``pipeline`` stages)."""
     record = _building.get()
     for waiting in record.under(module) if record is not None else ():
         plan = class_plan(type(waiting))
         assert plan is not None
-        meshes.tensor_parallel_group(plan.size, pipeline=pipeline)
-    return meshes.mesh(pipeline=pipeline)
+        tensor_parallel_group(plan.size, pipeline=pipeline)
+    return mesh(pipeline=pipeline)
 
 
 def _waiting(module: nn.Module) -> bool:
@@ -183,17 +183,17 @@ def apply_class_plans(root: nn.Module, modules: list[nn.Module]) -> None:
     for module in modules:
         plan = class_plan(type(module))
         assert plan is not None
-        group = meshes.tensor_parallel_group(plan.size)
+        group = tensor_parallel_group(plan.size)
         if group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            class_styles.warn_whole(plan.name)
-        planned.append(class_styles.Planned(module, plan.name, group, plan.plan))
+            tensor_parallel_plan.warn_whole(plan.name)
+        planned.append(tensor_parallel_plan.Planned(module, plan.name, group, plan.plan))
     for module in modules:  # applied or failed: never again (a failure raises out of __init__)
         module.__dict__[APPLIED] = True
         guard = module.__dict__.pop(_GUARD, None)
         if guard is not None:
             guard.remove()
     if planned:
-        class_styles.apply(planned, root)
+        tensor_parallel_plan.apply(planned, root)
         _watch(root)
 
 

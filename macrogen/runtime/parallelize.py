@@ -57,7 +57,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from macrogen.runtime import groups
-from macrogen.runtime import mesh as meshes
 from macrogen.runtime.agreement import Fingerprint, check_agreement
 from macrogen.runtime.class_plans import APPLIED
 from macrogen.runtime.collectives import (
@@ -69,6 +68,7 @@ from macrogen.runtime.collectives import (
     scatter_last_dim,
 )
 from macrogen.runtime.eager import eager
+from macrogen.runtime.mesh import SERIAL, Mesh, mesh
 from macrogen.runtime.tensor_parallel import (
     split,
     vocab_lookup,
@@ -140,7 +140,7 @@ def hf_plan(model: nn.Module) -> dict[str, Any]:
 # -- the mesh --------------------------------------------------------------------------------
 
 
-def device_mesh(*, tp: int = 1, pp: int = 1, planned: bool = False, where: str) -> meshes.Mesh:
+def device_mesh(*, tp: int = 1, pp: int = 1, planned: bool = False, where: str) -> Mesh:
     """The program's (pipeline x) data x tensor mesh, agreed by every rank before any group.
 
     A product of degrees that does not divide the world size is an error on every rank
@@ -152,7 +152,7 @@ def device_mesh(*, tp: int = 1, pp: int = 1, planned: bool = False, where: str) 
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"mg.parallelize at {where}: {name}={value!r}: expected an int >= 1")
     if not groups.ensure_initialized():
-        return meshes.SERIAL
+        return SERIAL
     world = dist.get_world_size()
     if world % (tp * pp):  # the same inputs on every rank: the same error, before any group
         what = f"tp={tp}" if pp == 1 else f"pp x tp = {pp} x {tp}"
@@ -168,7 +168,7 @@ def device_mesh(*, tp: int = 1, pp: int = 1, planned: bool = False, where: str) 
             stacklevel=3,
         )
     try:  # (pp=1 takes the program's mesh as it is)
-        return meshes.mesh(tp, pipeline=pp if pp > 1 else None)
+        return mesh(tp, pipeline=pp if pp > 1 else None)
     except ValueError as e:
         raise ValueError(f"mg.parallelize at {where}: {e}") from None
 
@@ -315,7 +315,7 @@ def _check(name: str, target: Any, style: Style, tp: int) -> str | None:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, mesh: meshes.Mesh, plan: Mapping[str, Any], *, where: str
+    model: nn.Module, mesh: Mesh, plan: Mapping[str, Any], *, where: str
 ) -> nn.Module:
     """Shard ``model``'s planned layers over the mesh's tensor dim (in place; returns ``model``)."""
     tp = mesh.tensor_size
@@ -398,7 +398,7 @@ def _tell_transformers(model: nn.Module, tp: int) -> None:
         config.distributed_config = DistributedConfig(tp_size=tp)
 
 
-def _check_ranks(model: nn.Module, layers: list[_Layer], mesh: meshes.Mesh, where: str) -> None:
+def _check_ranks(model: nn.Module, layers: list[_Layer], mesh: Mesh, where: str) -> None:
     """Every rank must plan the same: the plan, the serial shapes, and divided attributes' serial
     values (``n_head`` 8 on one rank and 4 on another gives equal shapes, different attention)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -710,7 +710,7 @@ def _vocab_forward(
 
 
 def apply_data_parallel(
-    model: nn.Module, mesh: meshes.Mesh, mode: str, *, where: str, config: Any = None
+    model: nn.Module, mesh: Mesh, mode: str, *, where: str, config: Any = None
 ) -> nn.Module:
     """Average ``model``'s gradients over the mesh's data dim (``replicate``), or leave the
     optimizer to (``zero1``: ``mg.shard_optimizer`` then reduce-scatters them)."""

@@ -43,9 +43,8 @@ from torch import nn
 from macrogen.pipelining.analysis import parse
 from macrogen.pipelining.code import unit_function
 from macrogen.pipelining.units import Forward, SplitError
-from macrogen.runtime import mesh as meshes
-from macrogen.runtime import parallelize
-from macrogen.runtime import pipeline as pipelines
+from macrogen.runtime import parallelize, pipeline
+from macrogen.runtime.mesh import Mesh
 from macrogen.runtime.pipeline_parts import part_at
 from macrogen.runtime.pipeline_plan import forward_cut
 from macrogen.runtime.pipeline_transformers import shipped_plan, transformers_cut
@@ -106,7 +105,7 @@ def forward_of(cls: type, *, where: str) -> Forward:
 
 
 def apply_pipeline(
-    model: nn.Module, mesh: meshes.Mesh, *, pp: int, microbatches: int, schedule: str, where: str
+    model: nn.Module, mesh: Mesh, *, pp: int, microbatches: int, schedule: str, where: str
 ) -> nn.Module:
     """Cut ``model`` into the mesh's pipeline stages (in place; returns ``model``): this rank
     keeps its stage, and ``mg.pipeline_step`` runs the schedule. Serially (no process
@@ -114,37 +113,35 @@ def apply_pipeline(
     at = f"mg.parallelize at {where}"
     if schedule not in SCHEDULES:
         raise ValueError(f"{at}: schedule={schedule!r}: expected one of {SCHEDULES}")
-    if pipelines.pipeline_of(model) is not None:
+    if pipeline.pipeline_of(model) is not None:
         raise ValueError(f"{at}: this model is pipelined already (@mg.pipeline or mg.parallelize)")
     assert mesh.device_mesh is None or mesh.pipeline_size == pp  # (device_mesh made it so)
     per_rank = 2 if schedule == "interleaved" else 1
-    config = pipelines.PipelineConfig(
+    config = pipeline.PipelineConfig(
         stages=pp * per_rank,
         microbatches=microbatches,
         schedule=schedule,
         stages_per_rank=per_rank,
     )
-    pipelines.check_config(config, where=where)
+    pipeline.check_config(config, where=where)
     if shipped_plan(model):  # a transformers model: its own plan (pipeline_transformers.py)
-        cut: pipelines.Cut = transformers_cut(model, config.stages, where=at)
+        cut: pipeline.Cut = transformers_cut(model, config.stages, where=at)
     else:
         forward = forward_of(type(model), where=where)
         try:
             cut = forward_cut(model, config.stages, None, forward)
         except ValueError as e:
             raise ValueError(f"{at}: {e}") from None
-    pipe = pipelines.attach(model, config, cut, mesh, where=where)
+    pipe = pipeline.attach(model, config, cut, mesh, where=where)
     if parallelize.is_tensor_parallel(model) and pipe.layout is not None:
         _stages_on_local_shards(model, pipe, where=at)
     # the serial model's state dict, as a @pipeline class's methods give it
-    model.__dict__["full_state_dict"] = functools.partial(pipelines.full_state_dict, model)
-    model.__dict__["load_full_state_dict"] = functools.partial(
-        pipelines.load_full_state_dict, model
-    )
+    model.__dict__["full_state_dict"] = functools.partial(pipeline.full_state_dict, model)
+    model.__dict__["load_full_state_dict"] = functools.partial(pipeline.load_full_state_dict, model)
     return model
 
 
-def _stages_on_local_shards(model: nn.Module, pipe: pipelines.Pipeline, *, where: str) -> None:
+def _stages_on_local_shards(model: nn.Module, pipe: pipeline.Pipeline, *, where: str) -> None:
     """Tensor parallel first (its DTensors swapped for their local shards by a pre-hook on the
     model's forward): the schedule runs this rank's stage modules, never ``model.forward``, so
     each stage swaps the parameters of its own parts while it runs (per micro-batch)."""
@@ -155,7 +152,7 @@ def _stages_on_local_shards(model: nn.Module, pipe: pipelines.Pipeline, *, where
 
 
 def local_forward_per_stage(
-    model: nn.Module, pipe: pipelines.Pipeline, units: list[nn.Module] | None = None
+    model: nn.Module, pipe: pipeline.Pipeline, units: list[nn.Module] | None = None
 ) -> None:
     """Each of this rank's stage modules (and ``units`` inside them: FSDP's, each swapping
     its own) runs on local shards; a stage's bare parameter parts are swapped in the module

@@ -408,9 +408,9 @@ def apply_param_server(
             " build one such model per job"
         )
     _started = True
-    from macrogen.runtime import mesh as meshes
+    from macrogen.runtime.mesh import mesh
 
-    meshes.mesh()  # made by every rank now: the workers' data parallelism reads it later
+    mesh()  # made by every rank now: the workers' data parallelism reads it later
     rank = dist.get_rank()
     workers = dist.new_group(list(range(W)))  # every rank takes part in making a group
     # resumable's checkpoints run on a worker group of their own (its save thread's collectives

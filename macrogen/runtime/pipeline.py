@@ -55,8 +55,7 @@ from torch import nn
 from macrogen.pipelining.units import Forward as Forward  # the generated code's
 from macrogen.pipelining.units import Statement as Statement
 from macrogen.pipelining.units import interleaving_problem
-from macrogen.runtime import groups
-from macrogen.runtime import pipeline_state as state
+from macrogen.runtime import groups, pipeline_state
 from macrogen.runtime.mesh import Mesh
 from macrogen.runtime.pipeline_parts import part_at
 from macrogen.runtime.pipeline_plan import StepInputs
@@ -399,11 +398,11 @@ class Pipeline:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The serial model's state dict (same keys, same order), gathered from every stage."""
         group = None if self.layout is None else self.layout.pipeline_group
-        return state.gathered(self.model, self.keys, self._tensor_parallel(), group)
+        return pipeline_state.gathered(self.model, self.keys, self._tensor_parallel(), group)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:
         """Load a serial model's state dict: each stage keeps its own entries."""
-        return state.load(
+        return pipeline_state.load(
             self.model, self.keys, state_dict, self._tensor_parallel(), strict, _at(self.where)
         )
 
