@@ -21,27 +21,7 @@ from macrogen.markers import (
     tile,
     tunable,
 )
-
-__version__ = "0.1.0"
-
-# Attributes of ``macrogen`` a file may use that are not macros.
-NON_MACRO_NAMES = frozenset(
-    {
-        "__version__",
-        "autotune",
-        "clip_grad_norm_",
-        "expand",
-        "expand_source",
-        "ExpansionError",
-        "hook",
-        "kernels",
-        "launch",
-        "markers",
-        "mesh",
-        "pipeline_step",
-        "runtime",
-    }
-)
+from macrogen.version import __version__
 
 
 def __getattr__(name: str) -> Any:

@@ -15,6 +15,25 @@ from typing import Any, TypeVar
 
 from macrogen.macros import MODULES
 
+# Attributes of ``macrogen`` a file may use that are not macros.
+NON_MACRO_NAMES = frozenset(
+    {
+        "__version__",
+        "autotune",
+        "clip_grad_norm_",
+        "expand",
+        "expand_source",
+        "ExpansionError",
+        "hook",
+        "kernels",
+        "launch",
+        "markers",
+        "mesh",
+        "pipeline_step",
+        "runtime",
+    }
+)
+
 T = TypeVar("T")
 
 TARGETS = ("cpu", "cuda")

@@ -2,6 +2,7 @@
 
 - a macro imports from the pass only through the SDK, ``macrogen.macro``;
 - no import circle in ``macrogen/`` (an import under ``if TYPE_CHECKING:`` is not one);
+- no module of the package imported under another name;
 - one registry of macros (``macrogen.macros.MODULES``), read by the markers and the pass;
 - every optional member of a macro is declared, typed and defaulted, in ``Hooks``, and
   documented in docs/macros.md;
@@ -47,12 +48,15 @@ def _type_checking_nodes(tree: ast.Module) -> set[int]:
 
 def imports_of(name: str) -> set[str]:
     """The modules of macrogen/ that module ``name`` imports, anywhere in it (in a function
-    too: that import runs when it is called), except under ``if TYPE_CHECKING:``, and
-    except its own parent packages (Python imports those before the module itself)."""
+    too: that import runs when it is called), except under ``if TYPE_CHECKING:``. A parent
+    package counts where a name defined in it is imported (``from macrogen.expand import
+    Expansion`` in ``macrogen.expand.expansion``), not where only its submodules are (Python
+    imports a module's parents before the module itself: no edge of its own)."""
     path = MODULES[name]
     tree = ast.parse(path.read_text(encoding="utf-8"))
     skipped = _type_checking_nodes(tree)
     found: set[str] = set()
+    named: set[str] = set()  # modules a name defined in them is imported from
     for node in ast.walk(tree):
         if id(node) in skipped:
             continue
@@ -71,7 +75,12 @@ def imports_of(name: str) -> set[str]:
             found.update(submodules)
             if len(submodules) < len(node.names):
                 found.add(module)
-    return {m for m in found if m in MODULES and m != name and not name.startswith(m + ".")}
+                named.add(module)
+    return {
+        m
+        for m in found
+        if m in MODULES and m != name and (m in named or not name.startswith(m + "."))
+    }
 
 
 GRAPH = {name: imports_of(name) for name in MODULES}
@@ -134,6 +143,57 @@ def test_no_import_circles_in_the_package():
 
 def test_the_circle_finder_finds_one():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_a_name_from_the_parent_package_imported_back_is_a_circle(tmp_path, monkeypatch):
+    """The circle macrogen.expand had: its __init__ imports the pass (in a function, when a
+    file needs it), and the pass imported the result type from the __init__."""
+    (tmp_path / "pkg").mkdir()
+    parent, child = tmp_path / "pkg" / "__init__.py", tmp_path / "pkg" / "child.py"
+    parent.write_text("class Result: ...\n\ndef run():\n    from pkg.child import go\n")
+    child.write_text("from pkg import Result\n\ndef go(): ...\n")
+    monkeypatch.setitem(MODULES, "pkg", parent)
+    monkeypatch.setitem(MODULES, "pkg.child", child)
+    assert circles({"pkg": imports_of("pkg"), "pkg.child": imports_of("pkg.child")}) == [
+        ["pkg", "pkg.child"]
+    ]
+    child.write_text("from pkg import other\n")  # a submodule: no edge to the parent
+    monkeypatch.setitem(MODULES, "pkg.other", child)
+    assert imports_of("pkg.child") == {"pkg.other"}
+
+
+def renamed_modules(name: str) -> list[str]:
+    """Modules of macrogen/ that module ``name`` imports under another name (``import
+    macrogen.x.y as z``, ``from macrogen.x import y as z``); ``y as y`` re-exports a name."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in MODULES and a.asname not in (None, a.name.rpartition(".")[2]):
+                    found.append(f"{name}:{node.lineno}: import {a.name} as {a.asname}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("macrogen"):
+            for a in node.names:
+                if f"{node.module}.{a.name}" in MODULES and a.asname not in (None, a.name):
+                    found.append(
+                        f"{name}:{node.lineno}: from {node.module} import {a.name} as {a.asname}"
+                    )
+    return found
+
+
+def test_no_module_is_imported_under_another_name():
+    """A module reads as its own name wherever it is used (not ``class_plans as apply_step``)."""
+    assert [line for name in sorted(MODULES) for line in renamed_modules(name)] == []
+
+
+def test_the_renaming_finder_finds_one(tmp_path, monkeypatch):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from macrogen.runtime import mesh as meshes\nimport macrogen.hook as h\n")
+    monkeypatch.setitem(MODULES, "planted", planted)
+    assert renamed_modules("planted") == [
+        "planted:1: from macrogen.runtime import mesh as meshes",
+        "planted:2: import macrogen.hook as h",
+    ]
 
 
 def test_the_sdk_exports_what_it_names():

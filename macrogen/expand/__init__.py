@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import unicodedata
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from macrogen.expand.errors import ExpansionError, InternalError
+from macrogen.expand.result import Expansion
 
 if TYPE_CHECKING:
-    from macrogen.expand.context import Options, SiteArguments, Tunable
+    from macrogen.expand.context import Options
 
 __all__ = [
     "Expansion",
@@ -29,15 +30,6 @@ __all__ = [
 ]
 
 PACKAGE = "macrogen"
-
-
-@dataclass(frozen=True)
-class Expansion:
-    code: str
-    changed: bool  # False when the file has no macro sites (code is then the input)
-    tunables: Mapping[str, Tunable] = field(default_factory=dict)  # every tunable, by key
-    sites: tuple[tuple[str, int], ...] = ()  # (macro, line) of each expanded site
-    arguments: tuple[SiteArguments, ...] = ()  # each expanded site's arguments (for autotune)
 
 
 def may_use_macros(source: str) -> bool:

@@ -17,16 +17,18 @@ from typing import Any
 
 import libcst as cst
 
-from macrogen import __version__, macros
-from macrogen.expand import Expansion, codegen, protocol
+from macrogen import macros
+from macrogen.expand import codegen, protocol
 from macrogen.expand.args import Evaluator, no_argument_macros
 from macrogen.expand.context import Context, Options, Position, SiteArguments
 from macrogen.expand.errors import Diagnostic, ExpansionError, MacroError
 from macrogen.expand.fast import drive
 from macrogen.expand.fast.layout import split_lines, without_indent_form_feeds
 from macrogen.expand.fast.statements import MAX_NODES, Disagree, Pieces, TooLarge, WholeFile
+from macrogen.expand.result import Expansion
 from macrogen.expand.sites import PACKAGE, Scope, ScopeStack, collect_scope, nfkc
 from macrogen.expand.transform import Expander
+from macrogen.version import __version__
 
 _NON_ASCII_WORD = re.compile(r"\w*[^\x00-\x7f]\w*")
 _CODING = re.compile(r"^[ \t\f]*#.*?coding[:=]")

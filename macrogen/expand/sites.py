@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from macrogen import NON_MACRO_NAMES, macros
+from macrogen import macros
 from macrogen.expand.errors import MacroError
 from macrogen.expand.walk import Visitor, walk
+from macrogen.markers import NON_MACRO_NAMES
 
 PACKAGE = "macrogen"
 
