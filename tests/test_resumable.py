@@ -51,7 +51,7 @@ def test_expanded_loop_resumes_to_the_unexpanded_result(tmp_path: Path) -> None:
     serial = load(SOURCE)["train"](str(tmp_path / "unused"))  # the marker writes nothing
     assert not (tmp_path / "unused").exists()
     expanded = expand_source(SOURCE, path="train.py").code
-    assert "from macrogen.runtime.checkpoint import resumable as _mg_resumable" in expanded
+    assert "from macrogen.runtime import resumable as _mg_resumable" in expanded
     train = load(expanded)["train"]
     ckpt = str(tmp_path / "ckpt")
     assert same(train(ckpt, stop=7), load(SOURCE)["train"](ckpt, stop=7))  # saving changes nothing

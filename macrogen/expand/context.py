@@ -17,8 +17,17 @@ import libcst as cst
 
 from macrogen.expand import codegen
 from macrogen.expand.args import Arg, Args
-from macrogen.expand.errors import MacroError
+from macrogen.expand.errors import InternalError, MacroError
 from macrogen.expand.protocol import Import
+
+RUNTIME = "macrogen.runtime"  # what expanded files import: the runtime's interface
+
+
+def _runtime_exports() -> frozenset[str]:
+    from macrogen.runtime import EXPORTS  # (a table: no torch)
+
+    return frozenset(EXPORTS)
+
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -166,7 +175,16 @@ class Context:
         return self._requested_now(Import(local, module, None, stmt))
 
     def import_from(self, module: str, name: str) -> Import:
-        """The name under which generated code reaches ``module.name``."""
+        """The name under which generated code reaches ``module.name``. The runtime is reached
+        through its interface, ``macrogen.runtime``, for the names it exports only."""
+        if module.startswith(RUNTIME + "."):
+            raise InternalError(
+                f"generated code imports from {RUNTIME} (its interface), not from {module}"
+            )
+        if module == RUNTIME and name not in _runtime_exports():
+            raise InternalError(
+                f"{RUNTIME} exports no {name!r}: add it to EXPORTS in macrogen/runtime/__init__.py"
+            )
         key = f"from {module} import {name}"
         for stmt, local in self._names.items():
             if stmt == key or stmt.startswith(key + " as "):

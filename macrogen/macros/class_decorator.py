@@ -1,8 +1,7 @@
 """Where a class macro puts its runtime decorator (``@tensor_parallel_class(...)``, ...).
 
 The class keeps its name: each of ``@tensor_parallel``, ``@data_parallel`` and
-``@pipeline`` becomes a decorator of ``macrogen.runtime.class_plans`` or
-``macrogen.runtime.class_macros`` on the user's class. Stacked macros expand bottom-up, so a macro above finds the
+``@pipeline`` becomes a decorator from ``macrogen.runtime`` on the user's class. Stacked macros expand bottom-up, so a macro above finds the
 decorators of those below already on the class: its own goes above them (it
 wraps what they made, as the source's order says), below the user's own.
 """
@@ -15,7 +14,8 @@ import libcst as cst
 
 from macrogen.macro import Context, InternalError, dotted, render
 
-RUNTIME = ("macrogen.runtime.class_plans", "macrogen.runtime.class_macros")
+# the runtime's class decorators (from macrogen.runtime, the generated code's interface)
+DECORATORS = ("tensor_parallel_class", "data_parallel_class", "pipeline_class")
 
 
 def rendered_decorator(template: str, **params: Any) -> cst.Decorator:
@@ -42,5 +42,5 @@ def _generated(ctx: Context, decorator: cst.Decorator) -> bool:
     name = dotted(call.func) if isinstance(call, cst.Call) else None
     statement = ctx.generated_import(name) if name is not None else None
     return statement is not None and statement.startswith(
-        tuple(f"from {module} import " for module in RUNTIME)
+        tuple(f"from macrogen.runtime import {d}" for d in DECORATORS)
     )

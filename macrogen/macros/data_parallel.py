@@ -301,17 +301,16 @@ def _check(name: str, arg: Arg, ctx: Context) -> None:
 def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
     assert isinstance(site.node, cst.ClassDef)
-    decorator = ctx.import_from("macrogen.runtime.class_macros", "data_parallel_class")
+    decorator = ctx.import_from("macrogen.runtime", "data_parallel_class")
     if spec.shard == "full":
         return _fully_sharded(spec, site, ctx, decorator)
     servers: dict[str, Any] = {}
     if spec.servers:  # apply_server_tables makes the workers' GradientSync
-        runtime = "macrogen.runtime.param_server"
-        servers = {"server_config": ctx.import_from(runtime, "ServerConfig")}
-    config = ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig")
+        servers = {"server_config": ctx.import_from("macrogen.runtime", "ServerConfig")}
+    config = ctx.import_from("macrogen.runtime", "DataParallelConfig")
     outer_sgd = None
     if spec.outer is not None:
-        outer_sgd = ctx.import_from("macrogen.runtime.local_sgd", "OuterSGD")
+        outer_sgd = ctx.import_from("macrogen.runtime", "OuterSGD")
     plan = rendered_decorator(
         "data_parallel.py.j2",
         name=spec.name,
@@ -348,7 +347,7 @@ def _decorated(ctx: Context, site: Site, plan: cst.Decorator) -> Expanded:
 
 def _fully_sharded(spec: Spec, site: Site, ctx: Context, decorator: Any) -> Expanded:
     """``shard="full"``: the class's construction ends in FSDP2's apply, mg.parallelize's."""
-    config = ctx.import_from("macrogen.runtime.fully_sharded", "FullyShardedConfig")
+    config = ctx.import_from("macrogen.runtime", "FullyShardedConfig")
     plan = rendered_decorator(
         "data_parallel.py.j2",
         name=spec.name,

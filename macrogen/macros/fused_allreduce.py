@@ -99,7 +99,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site)
     k = len(spec.tensors)
     fn = ctx.names.fresh(f"_fused_allreduce_l{site.line}")
-    runtime = ctx.import_from("macrogen.runtime.fused", "FusedAllReduce")
+    runtime = ctx.import_from("macrogen.runtime", "FusedAllReduce")
     helper = render(
         "fused_allreduce.py.j2",
         location=ctx.location(site.line),

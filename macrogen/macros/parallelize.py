@@ -454,26 +454,26 @@ def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
     call = site.node
     assert isinstance(call, cst.Call)
-    runtime = "macrogen.runtime.parallelize"
+    runtime = "macrogen.runtime"
     imports = [ctx.import_from(runtime, "device_mesh")]
     if spec.plan is not None or spec.hf:
         imports.append(ctx.import_from(runtime, "apply_tensor_parallel"))
         if spec.hf:
             imports.append(ctx.import_from(runtime, "hf_plan"))
     if spec.recompute:
-        imports.append(ctx.import_from("macrogen.runtime.recompute", "apply_recompute"))
+        imports.append(ctx.import_from("macrogen.runtime", "apply_recompute"))
     if spec.servers:
-        imports.append(ctx.import_from("macrogen.runtime.param_server", "apply_server_tables"))
-        imports.append(ctx.import_from("macrogen.runtime.param_server", "ServerConfig"))
+        imports.append(ctx.import_from("macrogen.runtime", "apply_server_tables"))
+        imports.append(ctx.import_from("macrogen.runtime", "ServerConfig"))
     if spec.pp > 1:
-        imports.append(ctx.import_from("macrogen.runtime.parallelize_pipeline", "apply_pipeline"))
+        imports.append(ctx.import_from("macrogen.runtime", "apply_pipeline"))
     if spec.dp == "fsdp":
-        imports.append(ctx.import_from("macrogen.runtime.fully_sharded", "apply_fully_sharded"))
-        imports.append(ctx.import_from("macrogen.runtime.fully_sharded", "FullyShardedConfig"))
+        imports.append(ctx.import_from("macrogen.runtime", "apply_fully_sharded"))
+        imports.append(ctx.import_from("macrogen.runtime", "FullyShardedConfig"))
     elif spec.dp != "none":
         if not spec.servers:  # with servers, apply_server_tables runs the workers' part
             imports.append(ctx.import_from(runtime, "apply_data_parallel"))
-        imports.append(ctx.import_from("macrogen.runtime.data_parallel", "DataParallelConfig"))
+        imports.append(ctx.import_from("macrogen.runtime", "DataParallelConfig"))
     names = {imp.name: imp for imp in imports}
     fn = ctx.names.fresh(f"_parallelize_l{site.line}")
     helper = render(

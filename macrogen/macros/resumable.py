@@ -82,7 +82,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site)
     loop = site.node
     assert isinstance(loop, cst.For) and isinstance(loop.iter, cst.Call)
-    runtime = ctx.import_from("macrogen.runtime.checkpoint", "resumable")
+    runtime = ctx.import_from("macrogen.runtime", "resumable")
     # The call keeps the program's own expressions (as expanded: site.node) and gets
     # every and keep as literals, all as keywords after the iterable.
     code = {

@@ -35,7 +35,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     call = site.node
     assert isinstance(call, cst.Call)
     redundant.sharded_optimizer(ctx, site.call or call, site.line)
-    shard = ctx.import_from("macrogen.runtime.zero", "shard_optimizer")
+    shard = ctx.import_from("macrogen.runtime", "shard_optimizer")
     text = render(
         "shard_optimizer.py.j2",
         shard=shard,

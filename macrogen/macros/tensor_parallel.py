@@ -339,12 +339,12 @@ def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | 
 def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
     assert isinstance(site.node, cst.ClassDef) and isinstance(site.original, cst.ClassDef)
-    plan_module = "macrogen.runtime.tensor_parallel_plan"
+    plan_module = "macrogen.runtime"
     styles = {s: ctx.import_from(plan_module, s) for s in _styles(spec)}
     entries = [
         (e.key, styles[e.style.runtime], e.style.arguments(), e.style.comment) for e in spec.entries
     ]
-    decorator = ctx.import_from("macrogen.runtime.class_plans", "tensor_parallel_class")
+    decorator = ctx.import_from("macrogen.runtime", "tensor_parallel_class")
     plan = rendered_decorator(
         "tensor_parallel_class.py.j2",
         name=spec.name,
@@ -356,7 +356,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
 
     def collective(function: str) -> str:
         if function not in used:
-            used[function] = ctx.import_from("macrogen.runtime.collectives", function)
+            used[function] = ctx.import_from("macrogen.runtime", function)
         return used[function]
 
     node_body, original_body = site.node.body.body, site.original.body.body

@@ -27,7 +27,7 @@ class Net(nn.Module):
 def test_shard_full_expands_to_parallelizes_fsdp_apply():
     code = expand(NET.format(args='shard="full", mixed_precision="bf16", shard_units=["fc"]'))
     # the class's decorator applies FSDP2 as mg.parallelize's dp="fsdp" does (class_macros)
-    assert "from macrogen.runtime.fully_sharded import FullyShardedConfig" in code
+    assert "from macrogen.runtime import FullyShardedConfig" in code
     assert "fully_sharded=FullyShardedConfig(" in code
     assert "GradientSync" not in code and "def _apply" not in code
     assert "mixed_precision='bf16'," in code and "shard_units=('fc',)," in code

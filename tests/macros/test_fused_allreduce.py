@@ -37,7 +37,7 @@ def test_k_calls_become_one_call_of_a_generated_function():
     assert call_line(code) == "_fused_allreduce_l4(a, b, c)"
     # the helper is one runtime object per site, called as the K calls were
     assert "_fused_allreduce_l4 = FusedAllReduce(3, where='test.py:4')\n" in code
-    assert "from macrogen.runtime.fused import FusedAllReduce\n" in code
+    assert "from macrogen.runtime import FusedAllReduce\n" in code
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ def test_the_optimizer_expression_is_kept_and_wrapped():
         import macrogen as mg
 
         # ---- macrogen: generated from test.py; edit the source, not this block ----
-        from macrogen.runtime.zero import shard_optimizer as _mg_shard_optimizer
+        from macrogen.runtime import shard_optimizer as _mg_shard_optimizer
 
         model = torch.nn.Linear(4, 4)
         # macrogen: shard_optimizer at test.py:5
@@ -49,7 +49,7 @@ def test_a_call_anywhere_and_comments_inside_are_kept():
         from macrogen import shard_optimizer
 
         # ---- macrogen: generated from test.py; edit the source, not this block ----
-        from macrogen.runtime.zero import shard_optimizer as _mg_shard_optimizer
+        from macrogen.runtime import shard_optimizer as _mg_shard_optimizer
 
         def configure(model):
             # macrogen: shard_optimizer at test.py:5

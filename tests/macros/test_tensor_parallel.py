@@ -53,9 +53,9 @@ def test_class_keeps_its_name_and_carries_its_plan_as_data():
         import macrogen as mg
 
         # ---- macrogen: generated from test.py; edit the source, not this block ----
-        from macrogen.runtime.class_plans import tensor_parallel_class
-        from macrogen.runtime.tensor_parallel_plan import Colwise
-        from macrogen.runtime.tensor_parallel_plan import Rowwise
+        from macrogen.runtime import Colwise
+        from macrogen.runtime import Rowwise
+        from macrogen.runtime import tensor_parallel_class
 
 
         # macrogen: tensor_parallel at test.py:5
@@ -136,7 +136,7 @@ def test_generated_names_are_hygienic():
     )
     assert "@_mg_tensor_parallel_class('MLP', None, {" in code
     assert "class MLP(nn.Module):" in code
-    assert "from macrogen.runtime.tensor_parallel_plan import Colwise as _mg_Colwise" in code
+    assert "from macrogen.runtime import Colwise as _mg_Colwise" in code
     assert "'fc': _mg_Colwise()," in code
 
 

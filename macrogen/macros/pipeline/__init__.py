@@ -530,11 +530,11 @@ def expand(site: Site, ctx: Context) -> Expanded:
             raise InternalError(f"pipeline: unexpected text in the cut description {text!r}")
     assert isinstance(site.node, cst.ClassDef)
     imports = (
-        ctx.import_from("macrogen.runtime.class_macros", "pipeline_class"),
-        ctx.import_from("macrogen.runtime.pipeline", "PipelineConfig"),
+        ctx.import_from("macrogen.runtime", "pipeline_class"),
+        ctx.import_from("macrogen.runtime", "PipelineConfig"),
     )
     decorator, config = imports
-    units, forward_var = _units(spec, site, ctx, "macrogen.runtime.pipeline")
+    units, forward_var = _units(spec, site, ctx)
     plan = rendered_decorator(
         "pipeline_class.py.j2",
         name=spec.name,
@@ -561,9 +561,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     return Expanded([first, *units[1:], cls.with_changes(leading_lines=blank)])
 
 
-def _units(
-    spec: Spec, site: Site, ctx: Context, runtime: str
-) -> tuple[list[cst.BaseStatement], str]:
+def _units(spec: Spec, site: Site, ctx: Context) -> tuple[list[cst.BaseStatement], str]:
     """forward's statements as functions (the user's lines, each marked with where it came
     from), and the ``Forward`` that lists them for the runtime."""
     a = spec.analysed
@@ -587,8 +585,8 @@ def _units(
         "pipeline_forward.py.j2",
         name=spec.name,
         var=var,
-        forward=ctx.import_from(runtime, "Forward"),
-        statement=ctx.import_from(runtime, "Statement"),
+        forward=ctx.import_from("macrogen.runtime", "Forward"),
+        statement=ctx.import_from("macrogen.runtime", "Statement"),
         params=a.forward.params,
         targets=a.forward.targets,
         statements=[

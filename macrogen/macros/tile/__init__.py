@@ -205,7 +205,7 @@ class _Output:
         self.first = next(t for t, _ in self.nest.tensors if t not in self.nest.index_tensors)
         # With --target cpu no kernel is generated: the function is the torch path.
         self.kernel_wanted = ctx.options.target != "cpu"
-        runtime = "macrogen.runtime.triton_support"
+        runtime = "macrogen.runtime"
         self.mods = {"torch": ctx.import_module("torch")}
         if self.kernel_wanted:
             for name in ("triton", "tl", "use_triton", "interpreting", "int64_offsets"):

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_macros import data_parallel_class
-from macrogen.runtime.data_parallel import DataParallelConfig
+from macrogen.runtime import DataParallelConfig
+from macrogen.runtime import data_parallel_class
 
 # macrogen: define at input.py:9
 ACCUMULATE = 4

@@ -10,9 +10,9 @@ import torch.nn as nn
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_macros import data_parallel_class
-from macrogen.runtime.data_parallel import DataParallelConfig
-from macrogen.runtime.local_sgd import OuterSGD
+from macrogen.runtime import DataParallelConfig
+from macrogen.runtime import OuterSGD
+from macrogen.runtime import data_parallel_class
 
 # macrogen: tunable at input.py:8
 # tunable SYNC_EVERY = 8 (the default); choices [8, 32]

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_macros import data_parallel_class
-from macrogen.runtime.fully_sharded import FullyShardedConfig
+from macrogen.runtime import FullyShardedConfig
+from macrogen.runtime import data_parallel_class
 
 
 class Block(nn.Module):

@@ -6,8 +6,8 @@ import torch.nn as nn
 from macrogen import data_parallel as dp, tunable
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_macros import data_parallel_class
-from macrogen.runtime.data_parallel import DataParallelConfig
+from macrogen.runtime import DataParallelConfig
+from macrogen.runtime import data_parallel_class
 
 
 # macrogen: data_parallel at input.py:5

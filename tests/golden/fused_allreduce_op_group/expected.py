@@ -6,7 +6,7 @@ from torch.distributed import ReduceOp
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.fused import FusedAllReduce
+from macrogen.runtime import FusedAllReduce
 
 
 # fused_allreduce at input.py:8: 2 all_reduce calls, one collective per dtype.

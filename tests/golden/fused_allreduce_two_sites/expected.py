@@ -5,7 +5,7 @@ import torch.distributed as dist
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.fused import FusedAllReduce
+from macrogen.runtime import FusedAllReduce
 
 
 # fused_allreduce at input.py:7: 2 all_reduce calls, one collective per dtype.

@@ -5,14 +5,14 @@ import torch.nn as nn
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.data_parallel import DataParallelConfig
-from macrogen.runtime.fully_sharded import FullyShardedConfig
-from macrogen.runtime.fully_sharded import apply_fully_sharded
-from macrogen.runtime.parallelize import apply_data_parallel
-from macrogen.runtime.parallelize import apply_tensor_parallel
-from macrogen.runtime.parallelize import device_mesh
-from macrogen.runtime.parallelize_pipeline import apply_pipeline
-from macrogen.runtime.recompute import apply_recompute
+from macrogen.runtime import DataParallelConfig
+from macrogen.runtime import FullyShardedConfig
+from macrogen.runtime import apply_data_parallel
+from macrogen.runtime import apply_fully_sharded
+from macrogen.runtime import apply_pipeline
+from macrogen.runtime import apply_recompute
+from macrogen.runtime import apply_tensor_parallel
+from macrogen.runtime import device_mesh
 
 
 def _parallelize_l20(model):

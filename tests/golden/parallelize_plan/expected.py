@@ -6,10 +6,10 @@ import macrogen as mg
 from transformers import GPT2Config, GPT2LMHeadModel
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.data_parallel import DataParallelConfig
-from macrogen.runtime.parallelize import apply_data_parallel
-from macrogen.runtime.parallelize import apply_tensor_parallel
-from macrogen.runtime.parallelize import device_mesh
+from macrogen.runtime import DataParallelConfig
+from macrogen.runtime import apply_data_parallel
+from macrogen.runtime import apply_tensor_parallel
+from macrogen.runtime import device_mesh
 
 
 def _parallelize_l9(model):

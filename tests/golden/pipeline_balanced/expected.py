@@ -4,10 +4,10 @@ import torch.nn as nn
 from macrogen import pipeline, pipeline_step
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_macros import pipeline_class
-from macrogen.runtime.pipeline import Forward
-from macrogen.runtime.pipeline import PipelineConfig
-from macrogen.runtime.pipeline import Statement
+from macrogen.runtime import Forward
+from macrogen.runtime import PipelineConfig
+from macrogen.runtime import Statement
+from macrogen.runtime import pipeline_class
 
 
 # macrogen: pipeline at input.py:5

@@ -4,12 +4,12 @@ import torch.nn as nn
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_macros import data_parallel_class
-from macrogen.runtime.class_macros import pipeline_class
-from macrogen.runtime.data_parallel import DataParallelConfig
-from macrogen.runtime.pipeline import Forward
-from macrogen.runtime.pipeline import PipelineConfig
-from macrogen.runtime.pipeline import Statement
+from macrogen.runtime import DataParallelConfig
+from macrogen.runtime import Forward
+from macrogen.runtime import PipelineConfig
+from macrogen.runtime import Statement
+from macrogen.runtime import data_parallel_class
+from macrogen.runtime import pipeline_class
 
 
 # macrogen: pipeline at input.py:6

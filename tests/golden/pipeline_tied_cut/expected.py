@@ -11,10 +11,10 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_macros import pipeline_class
-from macrogen.runtime.pipeline import Forward
-from macrogen.runtime.pipeline import PipelineConfig
-from macrogen.runtime.pipeline import Statement
+from macrogen.runtime import Forward
+from macrogen.runtime import PipelineConfig
+from macrogen.runtime import Statement
+from macrogen.runtime import pipeline_class
 
 
 @dataclass

@@ -6,7 +6,7 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.checkpoint import resumable as _mg_resumable
+from macrogen.runtime import resumable as _mg_resumable
 
 # macrogen: define at input.py:5
 EVERY = 50

@@ -8,9 +8,9 @@ import torch.nn as nn
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_macros import data_parallel_class
-from macrogen.runtime.data_parallel import DataParallelConfig
-from macrogen.runtime.zero import shard_optimizer as _mg_shard_optimizer
+from macrogen.runtime import DataParallelConfig
+from macrogen.runtime import data_parallel_class
+from macrogen.runtime import shard_optimizer as _mg_shard_optimizer
 
 
 # macrogen: data_parallel at input.py:9

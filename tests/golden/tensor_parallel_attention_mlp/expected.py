@@ -10,11 +10,11 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_plans import tensor_parallel_class
-from macrogen.runtime.tensor_parallel_plan import Colwise
-from macrogen.runtime.tensor_parallel_plan import Divide
-from macrogen.runtime.tensor_parallel_plan import Replicate
-from macrogen.runtime.tensor_parallel_plan import Rowwise
+from macrogen.runtime import Colwise
+from macrogen.runtime import Divide
+from macrogen.runtime import Replicate
+from macrogen.runtime import Rowwise
+from macrogen.runtime import tensor_parallel_class
 
 
 # macrogen: tensor_parallel at input.py:10

@@ -5,9 +5,9 @@ import torch.nn as nn
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_plans import tensor_parallel_class
-from macrogen.runtime.tensor_parallel_plan import Rowwise
-from macrogen.runtime.tensor_parallel_plan import Vocab
+from macrogen.runtime import Rowwise
+from macrogen.runtime import Vocab
+from macrogen.runtime import tensor_parallel_class
 
 
 class Head(nn.Module):

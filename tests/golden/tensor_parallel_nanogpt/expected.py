@@ -6,12 +6,12 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_plans import tensor_parallel_class
-from macrogen.runtime.collectives import vocab_parallel_cross_entropy
-from macrogen.runtime.tensor_parallel_plan import Colwise
-from macrogen.runtime.tensor_parallel_plan import Divide
-from macrogen.runtime.tensor_parallel_plan import Rowwise
-from macrogen.runtime.tensor_parallel_plan import Vocab
+from macrogen.runtime import Colwise
+from macrogen.runtime import Divide
+from macrogen.runtime import Rowwise
+from macrogen.runtime import Vocab
+from macrogen.runtime import tensor_parallel_class
+from macrogen.runtime import vocab_parallel_cross_entropy
 
 
 # nanoGPT's attention, unedited: forward's full-width C becomes this rank's width where it

@@ -9,12 +9,12 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_plans import tensor_parallel_class
-from macrogen.runtime.tensor_parallel_plan import Colwise
-from macrogen.runtime.tensor_parallel_plan import Divide
-from macrogen.runtime.tensor_parallel_plan import FromSequence
-from macrogen.runtime.tensor_parallel_plan import Rowwise
-from macrogen.runtime.tensor_parallel_plan import Sequence
+from macrogen.runtime import Colwise
+from macrogen.runtime import Divide
+from macrogen.runtime import FromSequence
+from macrogen.runtime import Rowwise
+from macrogen.runtime import Sequence
+from macrogen.runtime import tensor_parallel_class
 
 
 @dataclass

@@ -7,12 +7,12 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.class_plans import tensor_parallel_class
-from macrogen.runtime.collectives import as_sharded_dtensor
-from macrogen.runtime.collectives import gather_last_dim
-from macrogen.runtime.collectives import vocab_parallel_cross_entropy
-from macrogen.runtime.tensor_parallel_plan import Colwise
-from macrogen.runtime.tensor_parallel_plan import Vocab
+from macrogen.runtime import Colwise
+from macrogen.runtime import Vocab
+from macrogen.runtime import as_sharded_dtensor
+from macrogen.runtime import gather_last_dim
+from macrogen.runtime import tensor_parallel_class
+from macrogen.runtime import vocab_parallel_cross_entropy
 
 
 # nanoGPT's head: the logits that go into the loss stay split over the vocabulary

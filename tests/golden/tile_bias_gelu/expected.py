@@ -4,11 +4,11 @@ import torch
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime.triton_support import int64_offsets
-from macrogen.runtime.triton_support import interpreting
-from macrogen.runtime.triton_support import tl
-from macrogen.runtime.triton_support import triton
-from macrogen.runtime.triton_support import use_triton
+from macrogen.runtime import int64_offsets
+from macrogen.runtime import interpreting
+from macrogen.runtime import tl
+from macrogen.runtime import triton
+from macrogen.runtime import use_triton
 
 
 # tile at input.py:5: sizes and loop bounds, checked before either path runs.
