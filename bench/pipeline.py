@@ -8,7 +8,8 @@ d -> 4d -> d on ``--batch`` x 16 tokens) trains with SGD:
 
 - *serial*: one process, one thread, ``mg.pipeline_step`` on the whole model;
 - *@pipeline*: 2 gloo ranks of one thread each, the runtime the generated class
-  calls (``attach(model, PipelineConfig(...), forward)``), cut in the middle of the blocks;
+  calls (``attach(model, PipelineConfig(...), forward_cut(...), mesh)``), cut in the middle
+  of the blocks;
 - *by hand*: the same 2 ranks, the same split, two stage modules written by hand
   and handed to torch's ``PipelineStage`` and schedule, as torch's docs do it.
 
