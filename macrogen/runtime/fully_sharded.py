@@ -189,11 +189,49 @@ def apply_fully_sharded(
         fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **options)
     model.register_forward_hook(_VisibleOutputs(where))
+    _save_pretrained_gathers(model, mesh.tensor_size, device_mesh.size(), config.dp_replicate)
     if is_tensor_parallel(model):  # tensor parallel first (torchtitan's order)
         local_forward_per_unit(model, [unit for _, unit in units] + [model])
     if config.accumulate > 1:
         model.register_forward_pre_hook(_Accumulate(config.accumulate), prepend=True)
     return model
+
+
+def _save_pretrained_gathers(model: nn.Module, tp: int, dp: int, replicate: int) -> None:
+    """A transformers model's ``save_pretrained``, called on every rank as for HF's own FSDP,
+    writes the serial weights: its config says the model is sharded (so every rank gathers
+    and rank 0 writes, then all wait), and the gather is ``dtensor_whole.full_tensor``'s,
+    which keeps the rows of an FSDP x TP packed layer in order (DCP's full state dict, which
+    transformers would use, permutes them in torch 2.13). Without this, safetensors is given
+    the DTensor shards and fails ("invalid python storage")."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "gather_sharded_state_dict_for_save"):
+        return
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    config.distributed_config = DistributedConfig(
+        tp_size=tp, fsdp_size=dp // replicate, dp_replicate_size=replicate
+    )
+    # an attribute of this instance: the model keeps its class, and only its save changes
+    model.__dict__["gather_sharded_state_dict_for_save"] = _gathered_for_save
+
+
+def _gathered_for_save(
+    model: nn.Module, state_dict: dict[str, Any], distributed_config: Any, **_: Any
+) -> dict[str, torch.Tensor]:
+    """The state dict transformers is about to write, whole, on rank 0's CPU ({} on the other
+    ranks): one tensor at a time, in the state dict's order, which is the same on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    from macrogen.runtime.dtensor_whole import full_tensor
+
+    writer = dist.get_rank() == 0
+    whole: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        gathered = full_tensor(value) if isinstance(value, DTensor) else value
+        if writer:
+            whole[key] = gathered.detach().cpu()
+    return whole
 
 
 class _VisibleOutputs:
