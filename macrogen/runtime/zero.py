@@ -38,10 +38,15 @@ One step, overlapped with the forward and backward around it:
    inference), not a second ``step()``, not the next backward (which waits for
    every bucket at its start).
 
+Between a training backward and ``step()``, torch's ``clip_grad_norm_``,
+``clip_grad_value_`` and a ``GradScaler``'s ``unscale_`` of the sent ``.grad``
+tensors act on the averaged gradients, the shares (``zero_grads``): the norm is
+the serial program's, and nothing is sent again.
+
 The gradients sent during backward are used only if they are still the ones
 ``step()`` would read: every bucket was sent in the last backward, and no
 ``.grad`` was replaced or written since (tensor version counters: another
-backward accumulating, ``clip_grad_norm_``, a ``GradScaler``'s unscale).
+backward accumulating, an in-place write of another kind).
 Otherwise (decided on all ranks together by one small all-reduce, so that all
 issue the same collectives) every bucket is sent again from ``step()``, which
 is the synchronous algorithm. With ``@data_parallel(accumulate=k)`` only the
@@ -82,6 +87,7 @@ from macrogen.runtime import groups, zero_runs
 from macrogen.runtime.buckets import plan_buckets
 from macrogen.runtime.eager import eager
 from macrogen.runtime.mesh import data_parallel_group
+from macrogen.runtime.zero_grads import ROUTED, SentGradients, ShardedGradientError
 
 if TYPE_CHECKING:
     from macrogen.runtime.data_parallel import GradientSync
@@ -333,34 +339,21 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-class ShardedGradientError(RuntimeError):
-    """User code took a norm of gradients the sharded optimizer has sent (local, not averaged)."""
-
-
-# What torch.nn.utils.clip_grad_norm_ / get_total_norm / clip_grad_value_ call on the .grads.
-NORMS = frozenset(
-    {
-        torch._foreach_norm,
-        torch.linalg.vector_norm,
-        torch.linalg.norm,
-        torch.norm,
-        torch.Tensor.norm,
-        torch.Tensor.clamp_,
-        torch.clamp_,
-        torch._foreach_clamp_min_,
-        torch._foreach_clamp_max_,
-    }
-)
-
-
-# A GradScaler's unscale_: writes the gradients in place without bumping their version
-# counters (torch 2.13), so ShardBucket.changed() can't see it.
-_UNSCALE = torch._amp_foreach_non_finite_check_and_unscale_
-
-
 # The runtime's own tensor operations while the guard is on (during backward, in step()):
 # without it, each would pay the guard's ~10 us (about 1 ms per step on bench/ddp.py's GPT).
 _UNWATCHED = torch._C.DisableTorchFunction
+
+
+def _push_beneath_user_modes(guard: TorchFunctionMode) -> None:
+    """Push ``guard`` on the torch-function stack beneath the modes already there (a user's
+    ``with torch.device(...)``, say): their ``__exit__`` pops the top of the stack, which
+    stays theirs, and operations pass through them to ours."""
+    above = []
+    while torch._C._len_torch_function_stack():
+        above.append(torch._C._pop_torch_function_stack())
+    guard.__enter__()
+    for mode in reversed(above):
+        torch._C._push_on_torch_function_stack(mode)
 
 
 class _Guard(TorchFunctionMode):
@@ -371,10 +364,10 @@ class _Guard(TorchFunctionMode):
     stale parameter: not the forward, not the user between step() and forward (logging,
     an EMA, ``state_dict()``, ``torch.save``, ``no_grad`` inference), not a second step.
 
-    From the end of a training forward to ``step()`` / ``zero_grad()``, a norm (or clamp)
-    of gradients already sent raises ``ShardedGradientError``: each rank's ``.grad`` is
-    its local gradient, so ``torch.nn.utils.clip_grad_norm_`` would silently clip by a
-    local norm (``mg.clip_grad_norm_(opt, max_norm)`` clips by the averaged gradients).
+    From the end of a training forward to ``step()`` / ``zero_grad()``, norms, scalar
+    writes and a GradScaler's unscale of gradients already sent act on their average
+    (``zero_grads``): each rank's ``.grad`` is its local gradient, and
+    ``torch.nn.utils.clip_grad_norm_`` of it would clip by a local norm.
     """
 
     def __init__(self, owner: ShardedOptimizer):
@@ -394,10 +387,8 @@ class _Guard(TorchFunctionMode):
         if owner is not None:
             if owner._in_flight:
                 owner._wait_for(args, kwargs)
-            if owner._sent_grads and func in NORMS:
-                owner._check_not_sent(func, args, kwargs)
-            elif owner._sent_grads and func is _UNSCALE:  # writes without a version bump
-                return owner._unscale(func, args, kwargs)
+            if owner.sent.grads and func in ROUTED:
+                return owner.sent.route(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -427,6 +418,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         saved = optimizer.state_dict() if optimizer.state else None
         super().__init__(optimizer.param_groups, optimizer.defaults)
         order = [p for g in self.param_groups for p in g["params"]]
+        self._order = order
         group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         syncs = self._disable_gradient_sync(order)
         self.sync = syncs[0] if len(syncs) == 1 else None  # its accumulate window is ours
@@ -448,8 +440,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )
         self.buckets: list[ShardBucket] = []
         self._slot: list[tuple[int, int]] = [(0, 0)] * len(order)  # param -> (bucket, position)
+        self._members: list[list[int]] = []  # each bucket's parameters, by their order index
         for b, layout in enumerate(plan):
             members = [ranked[k] for k in layout.indices]
+            self._members.append(members)
             p2p = _point_to_point(group, layout.device)
             bucket = ShardBucket(
                 [(i, group_of[i], order[i]) for i in members], self.world_size, self.rank, p2p
@@ -492,8 +486,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ready = bytearray(len(order))
         self._reduced = False  # the shares hold this window's averaged gradients
         self._window_ends = False  # the backward under way ends an accumulation window
-        self._sent_grads: dict[int, torch.Tensor] = {}  # id -> .grad the reduce-scatter took
-        self._guard_grads = False  # the guard stays on for _sent_grads until step/zero_grad
+        # the .grads the reduce-scatter took: torch's clipping and AMP on them act on the shares
+        self.sent = SentGradients(
+            self.buckets, len(order), group, self._ensure_reduced, where=where
+        )
+        self._guard_grads = False  # the guard stays on for self.sent until step/zero_grad
+        named = {id(p): n for n, p in self.sync.module.named_parameters()} if self.sync else {}
+        self.sent.names = [named.get(id(p), f"parameter {i}") for i, p in enumerate(order)]
         self.resends = 0  # steps whose gradients were all sent again from step() (counted)
         self._pending = [len(b.params) for b in self.buckets]
         self._hooks = []
@@ -553,7 +552,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # With @data_parallel(accumulate=k), only the window's last backward sends.
         ends = self.sync is None or self.sync.window_ends()
         self._window_ends = ends
-        self._sent_grads = {}
+        self.sent.clear()
         # a pipeline step's micro-batches (the model's averaged_once): which backward is the
         # last is not known here, so step() sends them once
         held = self.sync is not None and self.sync.held
@@ -565,8 +564,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _after_backward(self) -> None:
         self._in_backward = False
         if self._window_ends:  # step() averages these: a norm of them here is a local one
-            grads = (p.grad for b in self.buckets for p in b.params)
-            self._sent_grads = {id(g): g for g in grads if g is not None}
+            self.sent.record(self._order)
         if self._eager:  # buckets a parameter's gradient never reached: as they are, in order
             while self._launched < len(self.buckets):
                 self._launch_reduce(self._launched)
@@ -585,8 +583,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.finish_gather()  # a second step without a forward in between
-        if not self._reduced:  # (clip_grad_norm_ has reduced and clipped them already)
+        if not self._reduced:
             self._reduce()
+        else:  # (a clip has averaged and clipped them already): nothing written since
+            written = self.sent.written_after_reduce(self._order)
+            if written is not None:
+                self._reduced = False
+                raise ShardedGradientError(
+                    f"{self.where}: the .grad of {written} was written after the gradients were"
+                    " averaged (by a clip, or a norm of them): write gradients before clipping"
+                )
         self._reduced = False
         self._unguard_grads()
         self._drop_guard()  # (the local step runs without it; pushed again below)
@@ -604,7 +610,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._gathers.append(bucket)
         if self._guard is None:  # (one left on the stack under a user's mode serves again)
             self._guard = _Guard(self)
-            self._guard.__enter__()  # type: ignore[no-untyped-call]
+            _push_beneath_user_modes(self._guard)
         return loss
 
     def _reduce(self) -> None:
@@ -630,12 +636,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 bucket.launch_reduce(self.group, tag=2 * b)
         self._launched, self._stale = 0, False
         unused: set[int] = set()
-        for bucket in self.buckets:
+        counts = [0] * len(self._order)  # each parameter: the ranks that had a gradient for it
+        for b, bucket in enumerate(self.buckets):
             used = bucket.finish_reduce()
             if not bool((used > 0).all()):
                 unused.update(
                     id(bucket.params[i]) for i in torch.nonzero(used == 0).flatten().tolist()
                 )
+            for j, n in enumerate(used.tolist()):
+                counts[self._members[b][j]] = round(n)
             bucket.refresh()
         for run in self.runs:  # the optimizer skips a piece no rank had a gradient for
             if run.flat and unused and any(id(pc.param) in unused for pc in run.pieces):
@@ -647,7 +656,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for pc in run.pieces:
                 grad = run.bucket.grad[pc.at : pc.at + pc.tensor.numel()]
                 pc.tensor.grad = None if id(pc.param) in unused else grad
+        self.sent.reduced(self._order, counts, self.world_size)
         self._reduced = True
+
+    def _ensure_reduced(self) -> None:
+        """The shares hold this window's averaged gradients (a clip's first operation)."""
+        self.finish_gather()
+        if not self._reduced:
+            self._reduce()
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -694,6 +710,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's, clamped
         torch._foreach_mul_(shares, coef)
+        self.sent.written()
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -711,47 +728,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _guard_gradients(self) -> None:
         """Keep the guard on from a training forward's end to step() / zero_grad()."""
         if self._guard is None:
-            if torch._C._len_torch_function_stack():
-                return  # under a user's mode, which would pop ours on its exit: not detected
             self._guard = _Guard(self)
-            self._guard.__enter__()  # type: ignore[no-untyped-call]
+            _push_beneath_user_modes(self._guard)
         self._guard_grads = True
 
     def _unguard_grads(self) -> None:
-        self._sent_grads = {}
+        self.sent.clear()
         self._guard_grads = False
-
-    def _unscale(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        """A GradScaler's unscale of gradients sent: send them again; agree on found_inf.
-
-        Each rank's ``.grad`` is its local gradient, so the scaler's inf check is local:
-        one rank could skip ``step()`` while another steps (a hang, or parameters that
-        differ) and their loss scales would part. The serial program's averaged
-        gradient is non-finite if any rank's is, so the flag becomes the MAX over the
-        ranks, in place, before the scaler reads it (as torch's ShardedGradScaler).
-        """
-        # (grads, found_inf, inv_scale): the schema's names are self, found_inf, inv_scale
-        grads = args[0] if args else kwargs["self"]
-        found_inf = args[1] if len(args) > 1 else kwargs["found_inf"]
-        result = func(*args, **kwargs)
-        sent = self._sent_grads
-        if any(sent.get(id(g)) is g for g in grads):
-            self._stale = True  # so step() sends the unscaled gradients again
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
-        return result
-
-    def _check_not_sent(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        """Called by the guard on a norm or clamp: refuse one of gradients already sent."""
-        sent = self._sent_grads
-        for a in (*args, *kwargs.values()):
-            items = a if isinstance(a, (list, tuple)) else (a,)
-            if any(isinstance(x, torch.Tensor) and sent.get(id(x)) is x for x in items):
-                name = getattr(func, "__name__", str(func))
-                raise ShardedGradientError(
-                    f"{self.where}: {name} of gradients sent by the sharded optimizer: use"
-                    " mg.clip_grad_norm_(opt, max_norm) with shard_optimizer: the gradients are"
-                    " reduce-scattered, each rank's .grad holds only its local gradient"
-                )
 
     # -- the updated parameters: waited for where they are read ------------------------------
     def finish_gather(self) -> None:
