@@ -81,7 +81,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from macrogen.runtime import groups, zero_runs
 from macrogen.runtime.buckets import plan_buckets
@@ -98,9 +97,6 @@ MB = 2**20
 # whole model, factored row/column statistics, sparse gradients).
 NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
 
-# parameter -> weak reference to the sharded optimizer whose gradient hooks it carries
-_HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
 
 def _grad_ready(ref: weakref.ref[ShardedOptimizer], i: int, param: torch.Tensor) -> None:
     opt = ref()
@@ -114,6 +110,26 @@ def _after_forward(ref: weakref.ref[ShardedOptimizer], *args: Any) -> None:
     opt = ref()
     if opt is not None:
         opt._after_forward()
+
+
+def _model_sync(params: list[torch.Tensor], where: str) -> GradientSync:
+    """The averaging of the one data-parallel model whose parameters these are."""
+    from macrogen.runtime.data_parallel import syncs_of
+
+    syncs = syncs_of(params)
+    if not syncs:
+        raise ValueError(
+            f"{where}: the optimizer's parameters belong to no data-parallel model: shard the"
+            " optimizer of a model built with mg.parallelize(model, dp='zero1') or of a"
+            " @mg.data_parallel class (whose averaging the sharded optimizer takes over)"
+        )
+    if len(syncs) > 1:
+        sites = ", ".join(s.where for s in syncs)
+        raise ValueError(
+            f"{where}: the optimizer holds the parameters of {len(syncs)} data-parallel models"
+            f" ({sites}): shard one optimizer per model"
+        )
+    return syncs[0]
 
 
 def _point_to_point(group: dist.ProcessGroup | None, device: torch.device) -> tuple[bool, bool]:
@@ -393,12 +409,19 @@ class _Guard(TorchFunctionMode):
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """``optimizer``'s update, with its state sharded over the data-parallel group."""
+    """``optimizer``'s update, with its state sharded over the data-parallel group.
+
+    ``sync`` is the ``GradientSync`` of the data-parallel model whose parameters the optimizer
+    holds (``@data_parallel``, ``mg.parallelize(dp="zero1")``): its averaging stands down, and
+    its forward and its accumulation window time this optimizer's. Without it, the one the
+    parameters name (each parameter's ``SyncLink``, which the model registered); ``group``:
+    the model's data-parallel group, unless given."""
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         *,
+        sync: GradientSync | None = None,
         group: dist.ProcessGroup | None = None,
         where: str = "shard_optimizer",
         bucket_mb: float | None = None,
@@ -412,27 +435,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 " optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ...)"
             )
         self.where = where
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        self.sync = sync if sync is not None else _model_sync(order, where)
+        self._take_gradients(self.sync)
+        group = group if group is not None else self.sync.group
         self.group = group
         self.world_size = groups.world_size(group)
         self.rank = groups.rank(group)
         saved = optimizer.state_dict() if optimizer.state else None
         super().__init__(optimizer.param_groups, optimizer.defaults)
-        order = [p for g in self.param_groups for p in g["params"]]
         self._order = order
         group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        syncs = self._disable_gradient_sync(order)
-        self.sync = syncs[0] if len(syncs) == 1 else None  # its accumulate window is ours
         # Buckets over the parameters in the model's registration order (reversed: about
         # the order backward finishes them), as @data_parallel plans its own.
-        known = {id(p): k for k, p in enumerate(self.sync.params)} if self.sync else {}
+        known = {id(p): k for k, p in enumerate(self.sync.params)}
         ranked = sorted(range(len(order)), key=lambda i: known.get(id(order[i]), len(known) + i))
-        config = self.sync.config if self.sync else None
-        mb = bucket_mb if bucket_mb is not None else (config.bucket_mb if config else 25)
-        first = (
-            first_bucket_mb
-            if first_bucket_mb is not None
-            else (config.first_bucket_mb if config else 1)
-        )
+        config = self.sync.config
+        mb = bucket_mb if bucket_mb is not None else config.bucket_mb
+        first = first_bucket_mb if first_bucket_mb is not None else config.first_bucket_mb
         plan = plan_buckets(
             [order[i] for i in ranked],
             bucket_bytes=int(mb * MB),
@@ -491,7 +511,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.buckets, len(order), group, self._ensure_reduced, where=where
         )
         self._guard_grads = False  # the guard stays on for self.sent until step/zero_grad
-        named = {id(p): n for n, p in self.sync.module.named_parameters()} if self.sync else {}
+        named = {id(p): n for n, p in self.sync.module.named_parameters()}
         self.sent.names = [named.get(id(p), f"parameter {i}") for i, p in enumerate(order)]
         self.resends = 0  # steps whose gradients were all sent again from step() (counted)
         self._pending = [len(b.params) for b in self.buckets]
@@ -500,30 +520,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if p.requires_grad:
                 hook = functools.partial(_grad_ready, weakref.ref(self), i)
                 self._hooks.append(p.register_post_accumulate_grad_hook(hook))
-        if self.sync is not None:  # the guard is not needed past the model's next forward
-            after = functools.partial(_after_forward, weakref.ref(self))
-            self._hooks.append(self.sync.module.register_forward_hook(after))
-        for p in order:  # a newer sharded optimizer over a parameter takes its hooks over
-            old = _HOOKED.get(p)
-            if old is not None and old() is not None and old() is not self:
-                old()._unhook()
-            _HOOKED[p] = weakref.ref(self)
+        # the guard is not needed past the model's next forward
+        after = functools.partial(_after_forward, weakref.ref(self))
+        self._hooks.append(self.sync.module.register_forward_hook(after))
+        # a newer sharded optimizer over the model takes the gradients (and the hooks) over
+        old = self.sync.sharded_by() if self.sync.sharded_by is not None else None
+        if old is not None and old is not self:
+            old._unhook()
+        self.sync.sharded_by = weakref.ref(self)
         if saved is not None:
             self.load_state_dict(saved)
 
-    def _disable_gradient_sync(self, params: list[torch.Tensor]) -> list[GradientSync]:
-        """A @data_parallel model holding these parameters leaves the averaging to us."""
-        from macrogen.runtime.data_parallel import syncs_of
-
-        syncs = syncs_of(params)
-        for sync in syncs:
-            if sync.local_sgd is not None:
-                raise TypeError(
-                    f"{self.where}: shard_optimizer over a @data_parallel(sync_every=k > 1) model"
-                    f" ({sync.where}) is not supported: the sharded step averages every step"
-                )
-            sync.gradients_elsewhere = True
-        return syncs
+    def _take_gradients(self, sync: GradientSync) -> None:
+        """The data-parallel model leaves the averaging to us: the reduce-scatter does it."""
+        if sync.local_sgd is not None:
+            raise TypeError(
+                f"{self.where}: shard_optimizer over a @data_parallel(sync_every=k > 1) model"
+                f" ({sync.where}) is not supported: the sharded step averages every step"
+            )
+        sync.gradients_elsewhere = True
 
     def _unhook(self) -> None:
         """Another sharded optimizer took these parameters: step() communicates all at once."""
@@ -550,12 +565,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._launched:  # a second backward before step(): what was sent is out of date
             self._stale = True
         # With @data_parallel(accumulate=k), only the window's last backward sends.
-        ends = self.sync is None or self.sync.window_ends()
+        ends = self.sync.window_ends()
         self._window_ends = ends
         self.sent.clear()
         # a pipeline step's micro-batches (the model's averaged_once): which backward is the
         # last is not known here, so step() sends them once
-        held = self.sync is not None and self.sync.held
+        held = self.sync.held
         self._eager = ends and not self._stale and not held
         self._ready = bytearray(len(self._ready))
         self._pending = [len(b.params) for b in self.buckets]
@@ -939,7 +954,6 @@ def shard_optimizer(
             " tp > 1): FSDP already shards the optimizer state, so shard_optimizer is redundant;"
             " use the optimizer as it is (with tp > 1, use dp='replicate')"
         )
-    group = data_parallel_group()
-    if groups.world_size(group) == 1:
+    if groups.world_size(data_parallel_group()) == 1:
         return optimizer
-    return ShardedOptimizer(optimizer, group=group, where=where)
+    return ShardedOptimizer(optimizer, where=where)  # over its model's data-parallel group
