@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from macrogen.runtime.checkpoint import convert, resumable
+from macrogen.runtime.checkpoint import resumable
+from macrogen.runtime.checkpoint_convert import convert
 from tests.distributed import run_ranks
 
 STEPS, EVERY, STOP = 8, 4, 5

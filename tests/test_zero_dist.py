@@ -18,11 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import macrogen as mg
 from macrogen.runtime.data_parallel import gradient_sync
-from macrogen.runtime.zero import (
-    ShardedGradientError,
-    ShardedOptimizer,
-    shard_optimizer,
-)
+from macrogen.runtime.zero import ShardedOptimizer, shard_optimizer
+from macrogen.runtime.zero_grads import ShardedGradientError
 from tests.distributed import run_ranks
 from tests.test_data_parallel_dist import (
     GLOBAL_BATCH,
@@ -260,10 +257,10 @@ def _overlap_cases(rank: int, world: int, out_dir: str) -> dict:
     serial_opt.step()
     assert opt.resends == 0
     # the parameters are in flight; reading one waits for its bucket only (and earlier ones)
-    assert id(ours.lm_head.weight) in opt._in_flight
+    assert id(ours.lm_head.weight) in opt.watch.in_flight
     _ = ours.wte.weight * 1  # the first bucket gathered: the forward's first layer
-    assert id(ours.wte.weight) not in opt._in_flight
-    assert id(ours.lm_head.weight) in opt._in_flight, "the last layer's bucket is still out"
+    assert id(ours.wte.weight) not in opt.watch.in_flight
+    assert id(ours.lm_head.weight) in opt.watch.in_flight, "the last layer's bucket is still out"
     saved = {k: v.clone() for k, v in ours.state_dict().items()}  # a checkpoint, now
     doubled = [p * 2 for p in ours.parameters()]  # an EMA-like read
     opt.finish_gather()

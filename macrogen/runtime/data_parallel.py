@@ -42,8 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from macrogen.kernels.grad_compress import COMM_DTYPES
-from macrogen.runtime import class_plans as apply_step
-from macrogen.runtime import fused, groups
+from macrogen.runtime import class_plans, fused, groups
 from macrogen.runtime.agreement import Fingerprint, check_agreement, fingerprint
 from macrogen.runtime.buckets import Bucket, local, plan_buckets
 from macrogen.runtime.eager import eager
@@ -98,7 +97,7 @@ class GradientSync:
         self.where = where
         # Tensor-parallel shards wait for the outermost decorated model's construction to end;
         # this one's may still be running, so cut them now, before the parameters are collected.
-        apply_step.materialize(module)
+        class_plans.materialize(module)
         # Read now, after the user's __init__: a tensor-parallel mesh built there sets the group.
         self.group = data_parallel_group()
         self.world_size = groups.world_size(self.group)

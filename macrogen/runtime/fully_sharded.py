@@ -30,8 +30,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from macrogen.runtime import groups
-from macrogen.runtime import mesh as meshes
 from macrogen.runtime.eager import eager
+from macrogen.runtime.mesh import Mesh
 from macrogen.runtime.parallelize import is_tensor_parallel, local_forward_per_unit, path_pattern
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -85,7 +85,7 @@ def _units(
 
 
 def _data_mesh(
-    mesh: meshes.Mesh,
+    mesh: Mesh,
     replicate: int,
     where: str,
     *,
@@ -130,7 +130,7 @@ def _data_mesh(
 
 def apply_fully_sharded(
     model: nn.Module,
-    mesh: meshes.Mesh,
+    mesh: Mesh,
     config: FullyShardedConfig,
     *,
     where: str,

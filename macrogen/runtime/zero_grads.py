@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from macrogen.runtime.zero import ShardBucket
+    from macrogen.runtime.zero_buckets import ShardBucket
 
 
 class ShardedGradientError(RuntimeError):
@@ -299,6 +299,43 @@ class SentGradients:
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
         self.written()
         return None
+
+
+def clip_shares(
+    buckets: list[ShardBucket],
+    group: dist.ProcessGroup | None,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` of the averaged gradients the buckets' shares hold:
+    the total norm from every rank's shares (one all-reduce of one number; MAX for inf),
+    the shares scaled in place by torch's coefficient; returns the total norm."""
+    p = float(norm_type)
+    shares = [bucket.grad[: bucket.chunk] for bucket in buckets]  # padding is 0
+    norms = torch.stack(  # (half precision summed in float32)
+        [
+            torch.linalg.vector_norm(s, p, dtype=torch.promote_types(s.dtype, torch.float32))
+            for s in shares
+        ]
+    )
+    if p == math.inf:  # the largest over the ranks
+        total, op = norms.max(), dist.ReduceOp.MAX
+    else:  # sum of |g|^p (of nonzeros for p = 0) over the ranks
+        total, op = (norms.sum() if p == 0 else (norms**p).sum()), dist.ReduceOp.SUM
+    dist.all_reduce(total, op=op, group=group)
+    if p not in (0.0, math.inf):
+        total = total ** (1.0 / p)
+    total = total.to(shares[0].dtype)
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is"
+            " non-finite, so it cannot be clipped. To disable this error and scale the"
+            " gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's, clamped
+    torch._foreach_mul_(shares, coef)
+    return total
 
 
 def _scalar(value: Any) -> bool:
