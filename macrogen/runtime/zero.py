@@ -229,13 +229,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._reduced = False  # the shares hold this window's averaged gradients
         self._window_ends = False  # the backward under way ends an accumulation window
         # the .grads the reduce-scatter took: torch's clipping and AMP on them act on the shares
-        self.sent = SentGradients(
-            self.buckets, len(order), group, self._ensure_reduced, where=where
-        )
+        named = {id(p): n for n, p in self.sync.module.named_parameters()}
+        names = [named.get(id(p), f"parameter {i}") for i, p in enumerate(order)]
+        self.sent = SentGradients(self.buckets, names, group, self._ensure_reduced, where=where)
         # the parameters in flight after a step, the gradients sent before it: the guard's
         self.watch = Watch(self.sent)
-        named = {id(p): n for n, p in self.sync.module.named_parameters()}
-        self.sent.names = [named.get(id(p), f"parameter {i}") for i, p in enumerate(order)]
         self.resends = 0  # steps whose gradients were all sent again from step() (counted)
         self._pending = [len(b.params) for b in self.buckets]
         self._hooks = []

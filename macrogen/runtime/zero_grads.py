@@ -91,16 +91,18 @@ class SentGradients:
     def __init__(
         self,
         buckets: list[ShardBucket],
-        count: int,
+        names: list[str],
         group: dist.ProcessGroup | None,
         reduce: Callable[[], None],
         where: str,
     ):
         self.buckets = buckets
+        self.names = names  # the optimizer's parameters (in its order: Piece.index), named
         self.group = group
         self.reduce = reduce
         self.where = where
-        self.count = count  # parameters of the optimizer (their order: Piece.index)
+        count = len(names)
+        self.count = count
         self.device = buckets[0].full.device
         # each parameter's pieces in this rank's share: (bucket, first element, elements)
         self.pieces: list[list[tuple[ShardBucket, int, int]]] = [[] for _ in range(count)]
@@ -111,7 +113,6 @@ class SentGradients:
         self.partial: list[str] = []  # parameters with a gradient on some ranks only
         self._norms: dict[float, torch.Tensor] = {}  # order -> every parameter's averaged norm
         self._after_reduce: list[tuple[torch.Tensor | None, int]] = []  # (.grad, version)
-        self.names: list[str] = [f"parameter {i}" for i in range(count)]
 
     # -- what was sent -------------------------------------------------------------------
     def record(self, params: list[torch.Tensor]) -> None:
