@@ -17,6 +17,8 @@ to torch DDP measured in the same run:
     macrogen          @data_parallel, AdamW                       / DDP, AdamW
     zero1             @data_parallel + mg.shard_optimizer(AdamW)  / DDP, AdamW
     zero1_fused       ... + shard_optimizer(AdamW(fused=True))    / DDP, AdamW(fused=True)
+    zero1_clip        ... + torch clip_grad_norm_ after backward  / DDP + the same clip
+    zero1_mgclip      ... + mg.clip_grad_norm_(opt, c) instead    / DDP + torch's clip
     sync4             @data_parallel(sync_every=4), AdamW         / DDP, AdamW
     ddp_zero          DDP + torch ZeroRedundancyOptimizer(AdamW)  / DDP, AdamW
     zero1_floor       DDP, AdamW over half the elements only      / DDP, AdamW
@@ -211,6 +213,14 @@ def variants(models, rank: int) -> dict[str, Variant]:
     out["ddp_fused"] = (m, plain(m.parameters(), fused=True), tokens)
     m = fresh(models.GPTDataParallel)
     out["zero1_fused"] = (m, models.adamw(m.parameters(), fused=True), tokens)
+    # clipped where DDP users clip: torch's clip_grad_norm_ of .grad after backward (under
+    # ZeRO-1 the averaged gradients' norm, from the shares), or mg.clip_grad_norm_(opt, c)
+    m = DDP(fresh(GPT), bucket_cap_mb=BUCKET_MB)
+    out["ddp_clip"] = (m, plain(m.parameters()), tokens)
+    m = fresh(models.GPTDataParallel)
+    out["zero1_clip"] = (m, models.adamw(m.parameters()), tokens)
+    m = fresh(models.GPTDataParallel)
+    out["zero1_mgclip"] = (m, models.adamw(m.parameters()), tokens)
     m = fresh(models.GPTLocalSGD4)
     out["sync4"] = (m, plain(m.parameters()), tokens)
     m = DDP(fresh(GPT), bucket_cap_mb=BUCKET_MB)
@@ -230,6 +240,19 @@ def variants(models, rank: int) -> dict[str, Variant]:
     m = fresh(models.ConvNet)
     out["bn_allreduce"] = (m, AllReduceFirst(sgd(m.parameters())), images)
     return out
+
+
+MAX_NORM = 1.0  # nanoGPT's grad_clip (torchtitan's max_norm, HF Trainer's max_grad_norm)
+
+
+def clip(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The clip a variant makes between backward and step (``*_clip``, ``*_mgclip``), if any."""
+    if name.endswith("_mgclip"):
+        import macrogen as mg
+
+        mg.clip_grad_norm_(opt, MAX_NORM)
+    elif name.endswith("_clip"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
 
 
 class AllReduceFirst(torch.optim.Optimizer):
@@ -308,6 +331,7 @@ def worker(rank: int, world: int, port: int, steps: int, rounds: int, out_dir: s
         model, opt, batch = runs[name]
         opt.zero_grad()
         model(*batch).backward()
+        clip(name, model, opt)
         opt.step()
 
     def settle(name: str) -> None:
@@ -327,7 +351,7 @@ def worker(rank: int, world: int, port: int, steps: int, rounds: int, out_dir: s
 
     gpt_batch, conv_batch = runs["ddp"][2], runs["ddp_bn"][2]
     ddp_calls = ddp_calls_per_step(GPT(GPTConfig(**MODEL)), gpt_batch)
-    for name in ("ddp", "ddp_fused", "ddp_zero", "zero1_floor"):
+    for name in ("ddp", "ddp_fused", "ddp_clip", "ddp_zero", "zero1_floor"):
         calls[name] += ddp_calls
     calls["ddp_bn"] += ddp_calls_per_step(models.ConvNet(), conv_batch)
     states = {name: state_bytes(opt) for name, (_, opt, _) in runs.items()}
@@ -360,13 +384,14 @@ PROFILED = (
     ("buckets.py", "wait", "@data_parallel Bucket.wait"),
     ("data_parallel.py", "_after_backward", "@data_parallel end of backward (waits)"),
     ("data_parallel.py", "broadcast", "@data_parallel buffer broadcast"),
-    ("zero.py", "launch_reduce", "ZeRO copy into send buffer + reduce-scatter launch"),
-    ("zero.py", "finish_reduce", "ZeRO wait reduce-scatter + sum + scale"),
-    ("zero.py", "_agree", "ZeRO agreement all-reduce (1 element)"),
-    ("zero.py", "refresh", "ZeRO parameters into the share"),
-    ("zero.py", "launch_gather", "ZeRO all-gather launch"),
-    ("zero.py", "finish_gather", "ZeRO wait all-gather + copy into parameters"),
-    ("zero.py", "_wait_for", "ZeRO guard: checks (and waits) per torch op"),
+    ("zero_buckets.py", "launch_reduce", "ZeRO copy into send buffer + reduce-scatter launch"),
+    ("zero_buckets.py", "finish_reduce", "ZeRO wait reduce-scatter + sum + scale"),
+    ("zero.py", "_reduce_now", "ZeRO step's reduce (agreement all-reduce, waits, shares)"),
+    ("zero_buckets.py", "refresh", "ZeRO parameters into the share"),
+    ("zero_buckets.py", "launch_gather", "ZeRO all-gather launch"),
+    ("zero_buckets.py", "finish_gather", "ZeRO wait all-gather + copy into parameters"),
+    ("zero_guard.py", "wait_for", "ZeRO guard: checks (and waits) per torch op"),
+    ("zero_grads.py", "route", "ZeRO: torch's clip of the sent .grads, on the shares"),
     ("adamw.py", "_multi_tensor_adamw", "AdamW foreach"),
     ("adamw.py", "_fused_adamw", "AdamW fused"),
 )
@@ -386,20 +411,21 @@ def profile_worker(rank: int, world: int, port: int, steps: int, out_dir: str) -
     models = expanded_module(Path(out_dir))
     runs = variants(models, rank)
 
-    def step(model, opt, batch) -> None:
+    def step(name, model, opt, batch) -> None:
         opt.zero_grad()
         model(*batch).backward()
+        clip(name, model, opt)
         opt.step()
 
     for name, (model, opt, batch) in runs.items():
         for _ in range(3):
-            step(model, opt, batch)
+            step(name, model, opt, batch)
         dist.barrier()
         prof = cProfile.Profile(time.thread_time)
         c, t = cpu_seconds(), time.perf_counter()
         prof.enable()
         for _ in range(steps):
-            step(model, opt, batch)
+            step(name, model, opt, batch)
         if hasattr(opt, "finish_gather"):
             opt.finish_gather()
         prof.disable()
@@ -446,6 +472,9 @@ def report(times, cpu_times, calls, states, seconds: float) -> None:
         ("ZeRO-1 / DDP (both AdamW)", "zero1", "ddp", 0.85),
         ("ZeRO-1 fused / DDP fused AdamW", "zero1_fused", "ddp_fused", 0.85),
         ("ZeRO-1 fused / DDP", "zero1_fused", "ddp", 0.85),
+        ("ZeRO-1 + torch clip / DDP + torch clip", "zero1_clip", "ddp_clip", 0.85),
+        ("ZeRO-1 + torch clip / ZeRO-1 + mg.clip", "zero1_clip", "zero1_mgclip", None),
+        ("ZeRO-1 + torch clip / ZeRO-1 unclipped", "zero1_clip", "zero1", None),
         ("sync_every=4 / DDP", "sync4", "ddp", None),
         ("DDP + ZeroRedundancyOptimizer / DDP", "ddp_zero", "ddp", None),
         ("ZeRO-1 / DDP + ZeroRedundancyOptimizer", "zero1", "ddp_zero", None),

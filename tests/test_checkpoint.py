@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from macrogen.runtime.checkpoint import MARKER, CheckpointError, resumable
+from macrogen.runtime.checkpoint import CheckpointError, resumable
+from macrogen.runtime.checkpoint_dir import MARKER
 
 STEPS = 12
 

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from macrogen.runtime.checkpoint import convert, resumable
+from macrogen.runtime.checkpoint import resumable
+from macrogen.runtime.checkpoint_convert import convert
 from tests.distributed import run_ranks
 
 STEPS, EVERY, STOP = 8, 4, 5
@@ -62,9 +63,14 @@ def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         parallelize(model, "Net", tensor_parallel_group(2), plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if kind in ("zero", "dptp"):
+        from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync
         from macrogen.runtime.zero import shard_optimizer
 
-        opt = shard_optimizer(opt)  # over the data group; it averages the gradients
+        # data parallel over the data group (as dp="zero1" does), whose averaging the sharded
+        # optimizer takes over: it reduce-scatters the gradients
+        sync = GradientSync(model, DataParallelConfig(), where="test_checkpoint_parallel_dist.py")
+        model.__dict__["_mg_gradient_sync"] = sync
+        opt = shard_optimizer(opt)
     return model, opt
 
 

@@ -18,8 +18,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from macrogen.cli import main
-from macrogen.runtime import checkpoint
-from macrogen.runtime.checkpoint import CheckpointError, resumable, step_dir, write_marker
+from macrogen.runtime import checkpoint_dir
+from macrogen.runtime.checkpoint import CheckpointError, resumable
+from macrogen.runtime.checkpoint_dir import step_dir, write_marker
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # skip warnings are not the point here
 
@@ -171,7 +172,7 @@ def test_a_foreign_checkpoint_is_refused_with_a_message(tmp_path: Path, how: str
     with pytest.raises(CheckpointError, match=reason):
         _resume(ckpt)
     if how != "chmod o+w dir":
-        state, why = checkpoint.examine(folder)
+        state, why = checkpoint_dir.examine(folder)
         assert state == "unusable" and reason in why
 
 

@@ -25,16 +25,17 @@ from pathlib import Path
 import macrogen as mg
 from tests.distributed import run_ranks
 from tests.helpers import expand, load_module
+from tests.test_compile_dist import GraphBreaks
 
 GOLDEN = Path(__file__).parent / "golden"
 STEPS = 5
 
 
-def _counters():
+def _counters(breaks: GraphBreaks) -> tuple[int, int]:
+    """Graphs compiled so far, and graph breaks as dynamo's graph-break log shows them."""
     import torch._dynamo.utils as dynamo_utils
 
-    stats = dynamo_utils.counters
-    return stats["stats"]["unique_graphs"], sum(stats["graph_break"].values())
+    return dynamo_utils.counters["stats"]["unique_graphs"], len(breaks.reasons)
 
 
 def _sequence_parallel(rank, world, tmp, whole):
@@ -59,16 +60,17 @@ def _sequence_parallel(rank, world, tmp, whole):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         data = torch.Generator().manual_seed(1)
-        for i in range(STEPS):
-            x = torch.randn(shape, generator=data)[:, mine]
-            w = torch.randn(shape, generator=data)[:, mine]
-            optimizer.zero_grad()
-            (step(x) * w).sum().backward()
-            optimizer.step()
-            if i == 1:
-                after_two = _counters()[0]
+        with GraphBreaks() as breaks:
+            for i in range(STEPS):
+                x = torch.randn(shape, generator=data)[:, mine]
+                w = torch.randn(shape, generator=data)[:, mine]
+                optimizer.zero_grad()
+                (step(x) * w).sum().backward()
+                optimizer.step()
+                if i == 1:
+                    after_two = _counters(breaks)[0]
         if compiled:
-            counts = (after_two, *_counters())
+            counts = (after_two, *_counters(breaks))
         finals.append({k: v.detach().clone() for k, v in block.state_dict().items()})
     for key, value in finals[0].items():
         torch.testing.assert_close(finals[1][key], value, rtol=0, atol=1e-6, msg=key)
@@ -109,14 +111,15 @@ def _pipeline(rank, world, tmp, expanded):
         data = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
         X, Y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
         losses = []
-        for i in range(STEPS):
-            optimizer.zero_grad()
-            losses.append(mg.pipeline_step(model, X, Y).item())
-            optimizer.step()
-            if i == 1:
-                after_two = _counters()[0]
+        with GraphBreaks() as breaks:
+            for i in range(STEPS):
+                optimizer.zero_grad()
+                losses.append(mg.pipeline_step(model, X, Y).item())
+                optimizer.step()
+                if i == 1:
+                    after_two = _counters(breaks)[0]
         if compiled:
-            counts = (after_two, *_counters())
+            counts = (after_two, *_counters(breaks))
         state = {k: v.detach().clone() for k, v in model.full_state_dict().items()}
         results.append((losses, state))
     (eager_losses, eager), (compiled_losses, ours) = results

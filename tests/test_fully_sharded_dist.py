@@ -6,7 +6,9 @@ the batch: FSDP on 2 and 4 ranks and HSDP 2 x 2, on transformers'
 ModuleList, tied embedding and head, the parent re-initializing its children);
 hand-written FSDP2 on the same weights gives the same bits; torch's
 ``clip_grad_norm_`` gives the serial norm; ``accumulate=2`` equals the serial
-loop's two micro-batches; and the errors a user can make are named.
+loop's two micro-batches; ``save_pretrained`` on every rank writes a folder that
+``from_pretrained`` loads equal to the model (FSDP, HSDP, FSDP x TP, and GPT-2's
+packed, tied layers under FSDP x TP); and the errors a user can make are named.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ SOURCE = textwrap.dedent(
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     import macrogen as mg
 
@@ -82,8 +84,24 @@ SOURCE = textwrap.dedent(
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
 
 
+    def gpt2():
+        return GPT2LMHeadModel(GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32))
+
+
     def fsdp(model):
         return mg.parallelize(model, dp="fsdp")
+
+
+    def fsdp_tp_gpt2(model):  # a packed qkv (HF Conv1D), the embedding tied to the head
+        return mg.parallelize(model, tp=2, dp="fsdp", tp_plan={
+            "transformer.h.*.attn.c_attn": ("colwise", 3),
+            "transformer.h.*.attn.c_proj": "rowwise",
+            "transformer.h.*.attn.split_size": "divide",
+            "transformer.h.*.attn.num_heads": "divide",
+            "transformer.h.*.mlp.c_fc": "colwise",
+            "transformer.h.*.mlp.c_proj": "rowwise",
+        })
 
 
     def hsdp(model):
@@ -156,6 +174,8 @@ def _parity(rank, world, tmp, kind, wrap, micro):
     torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
     local = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
+    if kind == "llama":  # every rank calls save_pretrained, as for transformers' own FSDP
+        _assert_saves_whole(model, ours, Path(tmp) / wrap, rank)
 
     if wrap == "fsdp":  # hand-written FSDP2 on the same weights: the same bits
         from torch.distributed.fsdp import fully_shard
@@ -193,6 +213,33 @@ def test_fully_sharded_matches_serial(tmp_path, kind, wrap, world, micro):
     # HSDP: sharded within halves; FSDP x TP: what TP does not split is sharded 2 ways only
     shards = world // 2 if wrap == "hsdp" or "_tp_" in wrap else world
     assert local <= total // shards + 64 * shards  # 1/world of the parameters (rows rounded up)
+
+
+def _assert_saves_whole(model, state, folder, rank):
+    """``model.save_pretrained`` on every rank: ``from_pretrained`` loads ``state`` bit for bit."""
+    import torch.distributed as dist
+
+    model.save_pretrained(folder, is_main_process=rank == 0)
+    dist.barrier()
+    loaded = type(model).from_pretrained(folder, dtype=torch.float32).state_dict()
+    assert loaded.keys() == state.keys()
+    for key, value in loaded.items():
+        assert torch.equal(value, state[key]), key
+
+
+def _save_packed(rank, world, tmp):
+    """GPT-2 under FSDP x TP (packed qkv, tied head) saved before training: the serial weights."""
+    module = load_module(expand(SOURCE), f"fsdp_save_{rank}", Path(tmp))
+    torch.manual_seed(0)
+    serial = {k: v.clone() for k, v in module.gpt2().state_dict().items()}
+    torch.manual_seed(0)
+    model = module.fsdp_tp_gpt2(module.gpt2())
+    _assert_saves_whole(model, serial, Path(tmp) / "gpt2", rank)
+    return True
+
+
+def test_save_pretrained_of_fsdp_x_tp_with_a_packed_layer_writes_the_serial_weights(tmp_path):
+    assert run_ranks(_save_packed, 4, args=(str(tmp_path),), timeout=300) == [True] * 4
 
 
 def _errors(rank, world, tmp):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from macrogen.runtime.checkpoint import convert
+from macrogen.runtime.checkpoint_convert import convert
 from tests.distributed import run_script
 
 SCRIPT = Path(__file__).with_name("param_server_kill_train.py")

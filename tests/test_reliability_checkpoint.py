@@ -35,8 +35,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from macrogen.cli import main
-from macrogen.runtime import checkpoint
-from macrogen.runtime.checkpoint import MARKER, CheckpointError, resumable, step_dir, write_marker
+from macrogen.runtime import checkpoint_dir
+from macrogen.runtime.checkpoint import CheckpointError, resumable
+from macrogen.runtime.checkpoint_dir import MARKER, step_dir, write_marker
 
 pytestmark = pytest.mark.timeout(120)  # a FIFO must not hang anything
 
@@ -222,17 +223,17 @@ def test_folder_resumable_stops_and_keeps_it(damaged) -> None:
 
 def test_folder_fresh_starts_over_and_keeps_it(damaged, monkeypatch) -> None:
     ckpt, folder = damaged
-    state, _ = checkpoint.examine(folder)
+    state, _ = checkpoint_dir.examine(folder)
     monkeypatch.setenv("MACROGEN_FRESH", "1")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert _train(ckpt) == [0, 1, 2, 3]
-    if state == checkpoint.UNUSABLE:  # known unusable: kept, out of the saves' way
+    if state == checkpoint_dir.UNUSABLE:  # known unusable: kept, out of the saves' way
         assert (ckpt / "step_00000002.unreadable").exists()
         assert any("kept the unusable checkpoint" in str(w.message) for w in caught)
     else:  # looks complete (only a load would tell): fresh deletes it, as the user asked
         assert not (ckpt / "step_00000002.unreadable").exists()
-    assert checkpoint.check_complete(step_dir(ckpt, 4)) is None
+    assert checkpoint_dir.check_complete(step_dir(ckpt, 4)) is None
 
 
 # ---- category: marker ----------------------------------------------------------------------
@@ -307,8 +308,8 @@ def test_marker(tmp_path: Path, edit, capsys) -> None:
     else:
         data = json.dumps(edit(json.loads((folder / MARKER).read_text()))).encode()
     (folder / MARKER).write_bytes(data)
-    state, why = checkpoint.examine(folder)
-    assert state == checkpoint.UNUSABLE and "\n" not in why
+    state, why = checkpoint_dir.examine(folder)
+    assert state == checkpoint_dir.UNUSABLE and "\n" not in why
     assert main(["checkpoint", "list", str(ckpt)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{folder}  UNUSABLE: ") and out.count("\n") == 1, out
@@ -389,7 +390,7 @@ def test_an_unusable_newest_checkpoint_is_kept_and_the_older_one_resumed(tmp_pat
     with pytest.warns(UserWarning, match=r"step_00000004: DCP can't read it: "):
         assert _train(ckpt, steps=6) == [2, 3, 4, 5]
     assert (ckpt / "step_00000004.unreadable").is_dir()
-    assert checkpoint.check_complete(step_dir(ckpt, 4)) is None  # saved again
+    assert checkpoint_dir.check_complete(step_dir(ckpt, 4)) is None  # saved again
 
 
 def test_fresh_argument_and_a_bad_environment_value(tmp_path: Path, monkeypatch) -> None:
@@ -501,7 +502,7 @@ SHORT = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos
 def test_disk_full_during_a_save_is_named_and_cleaned(tmp_path, monkeypatch, error) -> None:
     ckpt = tmp_path / "ckpt"
     _disk_full_at(monkeypatch, 4, error)
-    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 0)
+    monkeypatch.setattr("macrogen.runtime.checkpoint.free_bytes", lambda path: 0)
     with pytest.raises(CheckpointError) as e:
         _train(ckpt, steps=6)
     assert str(e.value) == (
@@ -515,7 +516,7 @@ def test_disk_full_with_on_save_error_warn_trains_on(tmp_path, monkeypatch) -> N
     _disk_full_at(monkeypatch, 4, ENOSPC)
     with pytest.warns(UserWarning, match=r"step_00000004: no space left on device"):
         assert _train(ckpt, steps=8, on_save_error="warn") == list(range(8))
-    assert [p.name for p in checkpoint.step_dirs(ckpt)] == ["step_00000006", "step_00000008"]
+    assert [p.name for p in checkpoint_dir.step_dirs(ckpt)] == ["step_00000006", "step_00000008"]
 
 
 def test_a_save_that_fails_for_another_reason_is_raised_as_it_is(tmp_path, monkeypatch) -> None:

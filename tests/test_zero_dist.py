@@ -18,11 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import macrogen as mg
 from macrogen.runtime.data_parallel import gradient_sync
-from macrogen.runtime.zero import (
-    ShardedGradientError,
-    ShardedOptimizer,
-    shard_optimizer,
-)
+from macrogen.runtime.zero import ShardedOptimizer, shard_optimizer
+from macrogen.runtime.zero_grads import ShardedGradientError
 from tests.distributed import run_ranks
 from tests.test_data_parallel_dist import (
     GLOBAL_BATCH,
@@ -221,8 +218,9 @@ def _overlap_cases(rank: int, world: int, out_dir: str) -> dict:
 
     Several buckets (ManyBuckets' plan). Whatever reads the parameters between
     step() and the next forward reads the updated values; gradients that change
-    after backward (another backward, an in-place change) are sent again from
-    step(); every step equals the serial program's.
+    after backward (another backward, an in-place change the shares can't take)
+    are sent again from step(), a scalar write or a GradScaler's unscale acts on
+    the averaged shares; every step equals the serial program's.
     """
     from examples.gpt import GPT, batch
 
@@ -239,15 +237,14 @@ def _overlap_cases(rank: int, world: int, out_dir: str) -> dict:
     assert len(opt.buckets) >= 3, len(opt.buckets)
     report: dict = {}
 
-    def both(*, micro: int = 1, change_grads: bool = False) -> None:
+    def both(*, micro: int = 1, change=None) -> None:
         for model, o, rows in ((serial, serial_opt, 1), (ours, opt, world)):
             o.zero_grad()
             for piece in micro_batches(inputs, micro, rank if rows > 1 else 0, rows):
                 (model(*piece) / micro).backward()
-            if change_grads:  # as clip_grad_norm_ or a GradScaler's unscale_ would
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(0.5)
+            for p in model.parameters() if change else ():
+                if p.grad is not None:
+                    change(p.grad)
             o.step()
 
     # 1. sent during backward, all of it; nothing sent again
@@ -260,10 +257,10 @@ def _overlap_cases(rank: int, world: int, out_dir: str) -> dict:
     serial_opt.step()
     assert opt.resends == 0
     # the parameters are in flight; reading one waits for its bucket only (and earlier ones)
-    assert id(ours.lm_head.weight) in opt._in_flight
+    assert id(ours.lm_head.weight) in opt.watch.in_flight
     _ = ours.wte.weight * 1  # the first bucket gathered: the forward's first layer
-    assert id(ours.wte.weight) not in opt._in_flight
-    assert id(ours.lm_head.weight) in opt._in_flight, "the last layer's bucket is still out"
+    assert id(ours.wte.weight) not in opt.watch.in_flight
+    assert id(ours.lm_head.weight) in opt.watch.in_flight, "the last layer's bucket is still out"
     saved = {k: v.clone() for k, v in ours.state_dict().items()}  # a checkpoint, now
     doubled = [p * 2 for p in ours.parameters()]  # an EMA-like read
     opt.finish_gather()
@@ -299,20 +296,25 @@ def _overlap_cases(rank: int, world: int, out_dir: str) -> dict:
     # 3. two backwards before step(): the first one's sends are out of date
     both(micro=2)
     assert opt.resends == 1
-    # 4. gradients written after backward (in place): sent again
-    both(change_grads=True)
+    # 4. gradients written after backward (in place) in a way the shares can't take: sent again
+    both(change=lambda g: g.add_(g))
     assert opt.resends == 2
     both()
     assert opt.resends == 2
-    # 5. a GradScaler's unscale_ (its kernel bumps no version counter): sent again too
+    # ... by a scalar, as clip_grad_norm_ or clip_grad_value_ would: done to the shares
+    both(change=lambda g: g.mul_(0.5))
+    both(change=lambda g: g.clamp_(-1e-3, 1e-3))
+    assert opt.resends == 2
+    assert_params_close(ours, serial, "scalar writes", **FP32)
+    # 5. a GradScaler's unscale_ (its kernel bumps no version counter): unscales the shares
     for model, o, b in ((serial, serial_opt, inputs), (ours, opt, mine)):
         o.zero_grad()
         model(*b).backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1), torch.tensor(0.5))
         o.step()
-    assert opt.resends == 3
-    assert_params_close(ours, serial, "after 6 steps", **FP32)
+    assert opt.resends == 2
+    assert_params_close(ours, serial, "after 8 steps", **FP32)
     report["buckets"] = len(opt.buckets)
 
     # @data_parallel(accumulate=4): only the 4th backward sends, nothing is sent twice
@@ -334,8 +336,44 @@ def test_overlapped_step_never_reads_stale_parameters_or_gradients(tmp_path):
     assert all(r["buckets"] >= 3 for r in results)
 
 
+def _torch_clip(opt, params, limit, norm_type):
+    return torch.nn.utils.clip_grad_norm_(params, limit, norm_type)
+
+
+def _torch_clip_loop(opt, params, limit, norm_type):  # one norm per tensor, one mul_ per tensor
+    return torch.nn.utils.clip_grad_norm_(params, limit, norm_type, foreach=False)
+
+
+def _torch_clip_in_two(opt, params, limit, norm_type):
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
+    return norm
+
+
+def _sharded_clip(opt, params, limit, norm_type):
+    return opt.clip_grad_norm_(limit, norm_type=norm_type)
+
+
+def _macrogen_clip(opt, params, limit, norm_type):  # (it also runs unsharded)
+    return mg.clip_grad_norm_(opt, limit, norm_type)
+
+
+CLIPS = (
+    (2.0, _torch_clip),
+    (2.0, _sharded_clip),
+    (math.inf, _torch_clip_loop),
+    (1.0, _torch_clip_in_two),
+    (math.inf, _macrogen_clip),
+    (1.0, _torch_clip),
+    (2.0, _torch_clip_loop),
+)
+
+
 def _clip_cases(rank: int, world: int, out_dir: str) -> dict:
-    """opt.clip_grad_norm_ clips by the averaged gradients' norm, as serial clip_grad_norm_."""
+    """Clipping after backward, as the serial program clips: torch's clip_grad_norm_ (and its
+    parts) of the local .grads, opt.clip_grad_norm_ and mg.clip_grad_norm_ all clip by the
+    averaged gradients' norm and return it; clip_grad_value_ clamps the averaged gradients."""
     from examples.gpt import GPT, batch
 
     models = expanded_models(out_dir, rank)
@@ -348,8 +386,9 @@ def _clip_cases(rank: int, world: int, out_dir: str) -> dict:
     torch.manual_seed(0)
     ours = models.ManyBuckets(config)
     opt = shard_optimizer(adamw(ours.parameters()))
+    params = list(ours.parameters())
     report: dict = {"norms": []}
-    for step, norm_type in enumerate((2.0, 2.0, math.inf, 1.0, math.inf, 1.0)):
+    for norm_type, clip in CLIPS:
         serial_opt.zero_grad()
         serial(*inputs).backward()
         grads = [p.grad for p in serial.parameters() if p.grad is not None]
@@ -359,31 +398,36 @@ def _clip_cases(rank: int, world: int, out_dir: str) -> dict:
         serial_opt.step()
         opt.zero_grad()
         ours(*mine).backward()
-        # the method, and the function that also runs unsharded
-        if step % 2:
-            got = opt.clip_grad_norm_(limit, norm_type=norm_type)
-        else:
-            got = mg.clip_grad_norm_(opt, limit, norm_type)
+        got = clip(opt, params, limit, norm_type)
         opt.step()
-        torch.testing.assert_close(got, want, **FP32, msg=f"norm_type {norm_type}")
+        torch.testing.assert_close(got, want, **FP32, msg=f"{clip.__name__} {norm_type}")
         report["norms"].append(float(got))
+    for model, o, rows in ((serial, serial_opt, inputs), (ours, opt, mine)):
+        o.zero_grad()
+        model(*rows).backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+        o.step()
     assert opt.resends == 0, "the shares sent during backward were clipped, not sent again"
     assert_params_close(ours, serial, "clipped ZeRO vs serial", skip=NOISE_ONLY, **FP32)
 
-    # torch's clipping (a local norm) is refused, on every rank, before any collective
+    # what the shares can't give is refused, on every rank, before any collective
     opt.zero_grad()
     ours(*mine).backward()
-    params = list(ours.parameters())
-    for clip in (
-        lambda: torch.nn.utils.clip_grad_norm_(params, 0.05),
-        lambda: torch.nn.utils.clip_grad_norm_(params, 0.05, foreach=False),
-        lambda: torch.nn.utils.clip_grad_value_(params, 0.01),
-        lambda: params[0].grad.norm(),
+    grad = params[0].grad
+    for refused, why in (
+        (lambda: grad.norm(dim=0), "along a dim"),
+        (lambda: torch._foreach_norm([grad, torch.ones(3)]), "mixes them"),
+        (lambda: torch.linalg.vector_norm(grad, -1.0), "ord=-1.0"),
+        (lambda: grad.mul_(torch.ones_like(grad)), "not scalars"),
     ):
-        with pytest.raises(ShardedGradientError, match=r"use mg.clip_grad_norm_\(opt, max_norm\)"):
-            clip()
-    params[0].grad.mul_(1.0)  # (in place and uniform, as a GradScaler's unscale: allowed)
-    opt.clip_grad_norm_(0.05)
+        with pytest.raises(ShardedGradientError, match=why):
+            refused()
+    torch.nn.utils.clip_grad_norm_(params, 0.05)
+    grad.add_(1.0)  # written after the clip averaged them: step() would lose it
+    with pytest.raises(ShardedGradientError, match=r"written after the gradients were averaged"):
+        opt.step()
+    opt.zero_grad()
+    ours(*mine).backward()
     opt.step()
     _ = params[0].grad.norm()  # after step(): logging a local norm is the user's business
     opt.zero_grad()

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from macrogen.runtime import zero_runs
+from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync
 from macrogen.runtime.zero import ShardedOptimizer
 from tests.distributed import run_ranks
 
@@ -60,6 +61,13 @@ OPTIMIZERS = {
 ROUNDING = dict(rtol=1e-5, atol=1e-6)
 
 
+def data_parallel(model: nn.Module) -> nn.Module:
+    """``model`` averaged over the ranks, as mg.parallelize(dp="zero1") leaves it."""
+    sync = GradientSync(model, DataParallelConfig(), where="test_zero_runs_dist.py")
+    model.__dict__["_mg_gradient_sync"] = sync
+    return model
+
+
 def sharded(model, make, groups, *, flat: bool) -> ShardedOptimizer:
     saved = zero_runs.FLAT_SAFE
     if not flat:
@@ -92,9 +100,9 @@ def _flat_vs_pieces(rank: int, world: int, opt_name: str, groups_name: str) -> d
     make, groups = OPTIMIZERS[opt_name], {"one": one_group, "nanogpt": nanogpt_groups}[groups_name]
     exact = "fused" not in opt_name
     torch.manual_seed(0)
-    flat_model = Net()
+    flat_model = data_parallel(Net())
     torch.manual_seed(0)
-    piece_model = Net()
+    piece_model = data_parallel(Net())
     flat = sharded(flat_model, make, groups, flat=True)
     pieces = sharded(piece_model, make, groups, flat=False)
     g = torch.Generator().manual_seed(10 + rank)  # each rank its own batches

@@ -37,13 +37,14 @@ def add_parser(
 
 
 def run(args: argparse.Namespace) -> int:
-    from macrogen.runtime import checkpoint  # torch only when this command runs
+    # torch only when this command runs
+    from macrogen.runtime import checkpoint_convert, checkpoint_dir
 
     if args.action == "list":
         return _list(Path(args.dir))
     try:
-        used = checkpoint.convert(args.src, args.out, model_only=args.model_only)
-    except (checkpoint.CheckpointError, OSError) as e:
+        used = checkpoint_convert.convert(args.src, args.out, model_only=args.model_only)
+    except (checkpoint_dir.CheckpointError, OSError) as e:
         print(f"macrogen checkpoint: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {args.out} from {used}")
@@ -52,25 +53,25 @@ def run(args: argparse.Namespace) -> int:
 
 def _list(root: Path) -> int:
     """Each checkpoint folder under ``root`` (or ``root`` itself, if it is one) and its state."""
-    from macrogen.runtime import checkpoint
+    from macrogen.runtime import checkpoint_dir
 
     if not root.is_dir():
         print(f"macrogen checkpoint: error: not a directory: {root}", file=sys.stderr)
         return 1
     try:
-        if checkpoint.is_step_dir(root):
+        if checkpoint_dir.is_step_dir(root):
             folders = [root]
         else:
-            folders = checkpoint.step_dirs(root)
+            folders = checkpoint_dir.step_dirs(root)
     except OSError as e:
         print(f"macrogen checkpoint: error: can't list {root}: {e.strerror or e}", file=sys.stderr)
         return 1
     if not folders:
         print(f"{root}: no checkpoint folders (step_NNNNNNNN) in it")
     for path in folders:
-        state, why = checkpoint.examine(path, deep=True)
-        label = {checkpoint.COMPLETE: "complete", checkpoint.PARTIAL: "INCOMPLETE: "}.get(
+        state, why = checkpoint_dir.examine(path, deep=True)
+        label = {checkpoint_dir.COMPLETE: "complete", checkpoint_dir.PARTIAL: "INCOMPLETE: "}.get(
             state, "UNUSABLE: "
         )
-        print(f"{path}  {label}{why if state != checkpoint.COMPLETE else ''}")
+        print(f"{path}  {label}{why if state != checkpoint_dir.COMPLETE else ''}")
     return 0

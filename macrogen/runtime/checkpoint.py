@@ -34,20 +34,18 @@ workers alone, on the workers' gloo group the job made at start-up (the server
 ranks have left the default group's collectives): worker 0 pulls the tables and
 their optimizer state over RPC into the checkpoint (``servers.*``), and a load
 sends them back to the servers before the first step.
+
+(``checkpoint_dir``: the folders, markers and pruning; ``checkpoint_state``: what
+a checkpoint holds of the model and optimizers; ``checkpoint_files``: reading
+files that are data, safely; ``checkpoint_convert``: one ``torch.save`` file.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import io
 import itertools
-import json
 import os
-import shutil
-import stat
-import sys
-import tempfile
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
@@ -65,21 +63,30 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from macrogen import files
 from macrogen.runtime import checkpoint_state, groups, param_server
+from macrogen.runtime.checkpoint_dir import (
+    COMPLETE,
+    FRESH_ENV,
+    UNUSABLE,
+    CheckpointError,
+    none_usable,
+    prune,
+    remove,
+    set_aside,
+    step_dir,
+    survey_dir,
+    warn,
+    writable_error,
+    write_marker,
+)
 from macrogen.runtime.checkpoint_files import (
-    MAX_MARKER_BYTES,
-    SafeEmptyLoadPlanner,
     SafeLoadPlanner,
     SafeReader,
     Unusable,
-    folder_error,
     free_bytes,
     one_line,
     read_metadata,
-    read_regular,
     root_error,
     short_write,
     storage_error,
@@ -92,23 +99,9 @@ warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
 )
 
-MARKER = "macrogen_complete.json"
-PREFIX = "step_"
-FORMAT = 1  # version of the marker's contents
-SET_ASIDE = ".unreadable"  # suffix of an unusable checkpoint moved out of a save's way
-FRESH_ENV = "MACROGEN_FRESH"  # 1: start over at step 0, as fresh=True
 ON_SAVE_ERROR = ("error", "warn")
 LOW_SPACE = 1 << 20  # bytes free under which a short write is put down to a full disk
 MAX_RNG_BYTES = 1 << 20  # torch's CPU RNG state is 5056 bytes, CUDA's 16 per device
-
-# What examine() says of a step folder
-COMPLETE = "complete"  # marker and files as the save wrote them
-PARTIAL = "partial"  # no marker: a save that did not finish (deleted when in the way)
-UNUSABLE = "unusable"  # a marker, but it can't be used: kept, never deleted
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory that can't be used: unwritable, or from another model."""
 
 
 class _Unreadable(Exception):
@@ -209,17 +202,6 @@ def _skip(iterable: Iterable[T], n: int) -> Iterator[T]:
     return items
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"{PREFIX}{step:08d}"
-
-
-def _step_of(path: Path) -> int | None:
-    """The step of a folder named step_<ASCII digits> (not '²', which isdigit() takes)."""
-    tail = path.name[len(PREFIX) :]
-    ok = path.name.startswith(PREFIX) and 0 < len(tail) <= 18 and tail.isascii() and tail.isdigit()
-    return int(tail) if ok else None
-
-
 class _Checkpointer:
     """One rank's side of the loop: start-up, asynchronous saves, markers, pruning."""
 
@@ -256,9 +238,9 @@ class _Checkpointer:
         ``length``: the loop's number of items, where known (a checkpoint past it is refused).
         """
         root = self.config.dir
-        self._agree(_writable_error(root, self.rank) or root_error(root))
+        self._agree(writable_error(root, self.rank) or root_error(root))
         survey: list[tuple[int, str, str]] = self._broadcast(
-            _survey(root) if self.rank == 0 else None
+            survey_dir(root) if self.rank == 0 else None
         )
         unusable = {step: why for step, state, why in survey if state == UNUSABLE}
         start = 0
@@ -277,7 +259,7 @@ class _Checkpointer:
                 break
             else:
                 if unusable:
-                    raise CheckpointError(_none_usable(root, unusable))
+                    raise CheckpointError(none_usable(root, unusable))
         if self.rank == 0:
             # Folders past the starting point would be written again by this run: a partial
             # save (or, with fresh, a checkpoint) is deleted, an unusable one set aside.
@@ -285,15 +267,15 @@ class _Checkpointer:
                 if step <= start:
                     continue
                 if step in unusable:
-                    _set_aside(step_dir(root, step))
+                    set_aside(step_dir(root, step))
                 else:
-                    _remove(step_dir(root, step))
+                    remove(step_dir(root, step))
         self._barrier()
         return start
 
     def _warn(self, message: str) -> None:
         if self.rank == 0:
-            _warn(message)
+            warn(message)
 
     def _load(self, path: Path, step: int, length: int | None) -> int:
         """Load the checkpoint at ``path`` (of step ``step``) into the model and optimizers;
@@ -398,12 +380,12 @@ class _Checkpointer:
         on_save_error="warn" only warned about (the last complete checkpoint stays)."""
         cause = _save_cause(path, e)  # before the removal frees the space
         if self.rank == 0:
-            _remove(path)
+            remove(path)
         if cause is None:  # not the disk: a bug, raised as it is
             raise e
         message = f"can't save checkpoint {path}: {cause}"
         if self.config.on_save_error == "warn":
-            _warn(f"{message}; training goes on from the last complete one")
+            warn(f"{message}; training goes on from the last complete one")
             return
         raise CheckpointError(message) from None
 
@@ -473,233 +455,6 @@ class _Checkpointer:
             dist.barrier(group=self.group)
 
 
-def _warn(message: str) -> None:
-    """A warning pointing at the program's line (the loop or the call), not at this module."""
-    level, frame = 2, sys._getframe(1)  # 1: this function; 2: its caller
-    while frame is not None and frame.f_code.co_filename == __file__:
-        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
-    warnings.warn(message, stacklevel=level)
-
-
-# ---- the checkpoint directory (rank 0's side) ---------------------------------------------
-
-
-def _writable_error(root: Path, rank: int) -> str | None:
-    """Why this rank can't write checkpoints under ``root`` (None if it can)."""
-    try:
-        root.mkdir(parents=True, exist_ok=True, mode=0o755)  # not group-writable under umask 002
-        with tempfile.NamedTemporaryFile(dir=root, prefix=f".probe-rank{rank}-"):
-            pass
-    except OSError as e:
-        return (
-            f"checkpoint directory {str(root)!r} is not writable (rank {rank}): {e.strerror or e}"
-        )
-    return None
-
-
-def step_dirs(root: Path) -> list[Path]:
-    """Everything named like a checkpoint folder under ``root`` (links included), oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(s, p) for p in root.iterdir() if (s := _step_of(p)) is not None]
-    return [p for _, p in sorted(found)]
-
-
-def is_step_dir(path: Path) -> bool:
-    """Whether ``path`` is itself a checkpoint folder (named step_N, or holding a marker)."""
-    return _step_of(path) is not None or os.path.lexists(path / MARKER)
-
-
-def examine(path: Path, *, deep: bool = False) -> tuple[str, str]:
-    """What the step folder ``path`` is (COMPLETE, PARTIAL or UNUSABLE) and why, in a line.
-
-    ``deep``: also read its ``.metadata`` (as a load would, with the restricted unpickler).
-    A folder, or a file in it, that is not the user's is UNUSABLE even without a marker:
-    it is never read and never deleted.
-    """
-    why = folder_error(path)
-    if why is not None:
-        return UNUSABLE, why
-    try:
-        data = read_regular(path / MARKER, MAX_MARKER_BYTES)
-    except FileNotFoundError:
-        return PARTIAL, "no completion marker (the save did not finish)"
-    except Unusable as e:
-        return UNUSABLE, f"unreadable completion marker: {e}"
-    why = _marker_error(data, _step_of(path))
-    if why is None:
-        why = _sizes_error(path, data)
-    if why is None and deep:
-        try:
-            read_metadata(path)
-        except (Unusable, OSError) as e:
-            why = f"its .metadata can't be read: {one_line(e)}"
-    return (UNUSABLE, why) if why is not None else (COMPLETE, "complete")
-
-
-def _marker_error(data: bytes, step: int | None) -> str | None:
-    """Why the marker's JSON is not what write_marker writes (None if it is): every field typed."""
-    try:
-        marker = json.loads(data)
-    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested 100,000 deep
-        return f"unreadable completion marker: {str(e).splitlines()[0] if str(e) else 'too deep'}"
-    if not isinstance(marker, dict):
-        return "completion marker is not a JSON object"
-
-    def whole(value: Any, low: int) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-    if marker.get("format") != FORMAT or not whole(marker.get("format"), 1):
-        return f"completion marker has format {marker.get('format')!r}, not {FORMAT}"
-    if not whole(marker.get("step"), 0) or (step is not None and marker["step"] != step):
-        return f"completion marker has step {marker.get('step')!r}, not {step}"
-    if not whole(marker.get("world_size"), 1):
-        return f"completion marker has world_size {marker.get('world_size')!r}"
-    files = marker.get("files")
-    if not isinstance(files, dict) or ".metadata" not in files:
-        return "completion marker lists no files"
-    for name, size in files.items():
-        if name in (".", "..", MARKER) or "/" in name or "\0" in name:
-            return f"completion marker lists {name!r}, not a file of the folder"
-        if not whole(size, 0):
-            return f"completion marker gives {name} the size {size!r}, not a number of bytes"
-    return None
-
-
-def _sizes_error(path: Path, data: bytes) -> str | None:
-    """Why the files are not as the save wrote them (None if they are); the marker is valid."""
-    for name, size in sorted(json.loads(data)["files"].items()):
-        try:
-            actual = os.lstat(path / name).st_size
-        except OSError:
-            return f"{name} is missing"
-        if actual != size:
-            return f"{name} has {actual} bytes, the save wrote {size}"
-    return None
-
-
-def _survey(root: Path) -> list[tuple[int, str, str]]:
-    """(step, state, why) of every step folder under ``root``, newest first."""
-    return [(_step_of(p) or 0, *examine(p)) for p in reversed(step_dirs(root))]
-
-
-def find_checkpoints(root: Path) -> tuple[list[int], list[tuple[str, str]]]:
-    """Steps of the complete checkpoints, newest first, and the newer folders skipped (why)."""
-    complete: list[int] = []
-    skipped: list[tuple[str, str]] = []
-    for step, state, why in _survey(root):
-        if state == COMPLETE:
-            complete.append(step)
-        elif not complete:  # only folders newer than the one resumed from matter
-            skipped.append((str(step_dir(root, step)), why))
-    return complete, skipped
-
-
-def check_complete(path: Path) -> str | None:
-    """Why the checkpoint at ``path`` is not complete and intact (None if it is)."""
-    state, why = examine(path)
-    return None if state == COMPLETE else why
-
-
-def _none_usable(root: Path, unusable: dict[int, str]) -> str:
-    """The error when checkpoints exist and none can be used (none is deleted)."""
-    listed = [f"{step_dir(root, s).name}: {why}" for s, why in sorted(unusable.items())[::-1][:3]]
-    more = f"; and {len(unusable) - 3} more" if len(unusable) > 3 else ""
-    return (
-        f"no checkpoint under {str(root)!r} can be used ({'; '.join(listed)}{more});"
-        f" nothing was deleted: repair or move them, or pass fresh=True ({FRESH_ENV}=1)"
-        " to start at step 0"
-    )
-
-
-def write_marker(path: Path, step: int, world_size: int) -> None:
-    """Mark ``path`` complete: a JSON file written to a temporary name, fsynced, renamed."""
-    _writable_by_owner_only(path)
-    sizes = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
-    sizes.pop(MARKER, None)
-    text = json.dumps(
-        {"format": FORMAT, "step": step, "world_size": world_size, "files": sizes}, indent=1
-    )
-    fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{MARKER}.")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it private; the checkpoint's other files are not
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path / MARKER)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path)
-
-
-def _writable_by_owner_only(path: Path) -> None:
-    """Take group and other write permission off the folder DCP wrote and its files, which a
-    umask of 002 gives them: a checkpoint others can write is refused at the next start."""
-    for p in (path, *path.iterdir()):
-        try:
-            mode = os.lstat(p).st_mode
-            if mode & 0o022 and not stat.S_ISLNK(mode):
-                os.chmod(p, stat.S_IMODE(mode) & ~0o022)
-        except OSError:
-            pass  # another user's file: refused, with its name, when it is read
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def prune(root: Path, keep: int) -> None:
-    """Delete the folders older than the ``keep`` newest complete checkpoints, except unusable
-    ones (never deleted) and links (never followed)."""
-    survey = _survey(root)[::-1]  # oldest first
-    complete = [step for step, state, _ in survey if state == COMPLETE]
-    if len(complete) <= keep:
-        return
-    oldest_kept = complete[-keep]
-    for step, state, _ in survey:
-        if step < oldest_kept and state != UNUSABLE:
-            _remove(step_dir(root, step))
-
-
-def _remove(path: Path) -> None:
-    """Delete a step folder; a link (or anything not a folder) is left alone, never followed."""
-    try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            return
-        # The marker goes first: a folder half deleted is then merely incomplete.
-        if stat.S_ISREG(os.lstat(path / MARKER).st_mode):
-            os.unlink(path / MARKER)
-    except OSError:
-        pass
-    shutil.rmtree(path, ignore_errors=True)  # rmtree does not follow links inside
-
-
-def _set_aside(path: Path) -> None:
-    """Move an unusable checkpoint out of the way of the saves (renamed, links included)."""
-    for n in range(1, 1000):
-        aside = path.with_name(path.name + SET_ASIDE + (f"-{n}" if n > 1 else ""))
-        if not os.path.lexists(aside):
-            break
-    try:
-        os.rename(path, aside)
-    except OSError as e:
-        raise CheckpointError(
-            f"can't move the unusable checkpoint {path} out of the way: {e.strerror or e}"
-        ) from None
-    _warn(f"kept the unusable checkpoint {path} as {aside.name}")
-
-
 # ---- model mismatch ----------------------------------------------------------------------
 
 
@@ -736,68 +491,6 @@ def _near(key: str, saved: Any) -> str:
     head = key.split(".", 1)[0] + "."
     same_kind = [k for k in saved if k.startswith(head)]
     return f" (it has {same_kind[0]!r}, ...)" if same_kind else ""
-
-
-# ---- conversion (``macrogen checkpoint convert``) -------------------------------------------
-
-
-def latest(root: Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (None if there is none)."""
-    complete, _ = find_checkpoints(root)
-    return step_dir(root, complete[0]) if complete else None
-
-
-def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, model_only: bool) -> Path:
-    """Write a DCP checkpoint as one ``torch.save`` file, for loading without torch.distributed.
-
-    ``src`` is a checkpoint folder (``ckpt/step_00000050``) or a directory of them (its
-    newest complete one). The file holds ``{"model", "optim", "loop", "rng"}`` as
-    ``get_state_dict`` gave them, or with ``model_only`` the model's state_dict alone
-    (``model.load_state_dict(torch.load(out))``). ``out`` is replaced whole or not at
-    all (written beside it, then renamed). Returns the folder converted.
-    """
-    path = Path(src)
-    if not is_step_dir(path):
-        why = root_error(path)
-        if why is not None:
-            raise CheckpointError(f"refusing to read checkpoints under {str(path)!r}: {why}")
-        found = latest(path)
-        if found is None:
-            raise CheckpointError(f"no complete checkpoint under {str(path)!r}")
-        path = found
-    state, why = examine(path)
-    if state != COMPLETE:
-        raise CheckpointError(f"checkpoint {str(path)!r} is not complete: {why}")
-    whole: dict[str, Any] = {}
-    try:
-        metadata = read_metadata(path)
-    except (Unusable, OSError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r} can't be read: {one_line(e)}") from None
-    try:  # as dcp_to_torch_save reads it (dcp.load would fill a copy), byte items weights_only
-        _load_state_dict(
-            whole,
-            storage_reader=SafeReader(path, metadata),
-            planner=SafeEmptyLoadPlanner(),  # type: ignore[no-untyped-call]
-            no_dist=True,
-        )
-    except (Exception, CheckpointException) as e:  # the files are data from disk: any failure
-        raise CheckpointError(f"checkpoint {str(path)!r} can't be read: {one_line(e)}") from None
-    if model_only and not isinstance(whole.get("model"), dict):
-        raise CheckpointError(f"checkpoint {str(path)!r} holds no model")
-    _save_atomic(whole["model"] if model_only else whole, Path(out))
-    return path
-
-
-def _save_atomic(obj: Any, out: Path) -> None:
-    """torch.save ``obj`` to ``out``: readers see the old file or the new, never half of one."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    try:
-        files.write_atomic(out, buffer.getvalue())  # staged beside OUT, renamed
-    except files.WriteError as e:  # a directory, a read-only file: it says so itself
-        raise CheckpointError(str(e)) from None
-    except OSError as e:
-        raise CheckpointError(f"can't write {out}: {e.strerror or e}") from None
 
 
 # ---- why a save failed --------------------------------------------------------------------

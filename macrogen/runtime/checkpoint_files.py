@@ -29,12 +29,20 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint import filesystem as dcp_fs
-from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 METADATA = ".metadata"
@@ -42,7 +50,7 @@ MAX_MARKER_BYTES = 1 << 20  # a marker lists one size per file: a few hundred by
 
 # What ``.metadata`` may make: DCP's metadata classes (torch 2.13) and the values in them.
 _ALLOWED = {
-    (dcp_md.__name__, name)
+    (Metadata.__module__, name)
     for name in (
         "Metadata",
         "TensorStorageMetadata",
@@ -54,7 +62,7 @@ _ALLOWED = {
         "_MEM_FORMAT_ENCODING",
     )
 } | {
-    (dcp_fs.__name__, "_StorageInfo"),
+    (_StorageInfo.__module__, "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # a layout by its name
     ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
@@ -165,13 +173,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
 
 
-def read_metadata(folder: Path) -> dcp_md.Metadata:
+def read_metadata(folder: Path) -> Metadata:
     """The checkpoint's ``.metadata``, made only of DCP's metadata classes; else Unusable."""
     data = read_regular(folder / METADATA)
     if not data:
         raise Unusable(f"{METADATA} is empty")
     try:
-        metadata: dcp_md.Metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        metadata: Metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # garbage, a torch.save file, a refused class: all one answer
         raise Unusable(f"{METADATA} is not DCP metadata ({one_line(e)})") from None
     why = _check_metadata(metadata)
@@ -182,7 +190,7 @@ def read_metadata(folder: Path) -> dcp_md.Metadata:
 
 def _check_metadata(md: Any) -> str | None:
     """Why ``md`` is not metadata DCP can use (None if it is): the fields DCP reads, typed."""
-    if not isinstance(md, dcp_md.Metadata):
+    if not isinstance(md, Metadata):
         return f"a {type(md).__name__}"
     sdm = md.state_dict_metadata
     if not isinstance(sdm, dict):
@@ -190,28 +198,28 @@ def _check_metadata(md: Any) -> str | None:
     for key, entry in sdm.items():
         if not isinstance(key, str):
             return f"a key {key!r}"
-        if isinstance(entry, dcp_md.TensorStorageMetadata):
+        if isinstance(entry, TensorStorageMetadata):
             props = entry.properties
             if not (
                 isinstance(entry.size, torch.Size)
-                and isinstance(props, dcp_md.TensorProperties)
+                and isinstance(props, TensorProperties)
                 and isinstance(props.dtype, torch.dtype)
                 and isinstance(entry.chunks, list)
                 and all(
-                    isinstance(c, dcp_md.ChunkStorageMetadata)
+                    isinstance(c, ChunkStorageMetadata)
                     and isinstance(c.offsets, torch.Size)
                     and isinstance(c.sizes, torch.Size)
                     for c in entry.chunks
                 )
             ):
                 return f"a malformed entry for {key!r}"
-        elif not isinstance(entry, dcp_md.BytesStorageMetadata):
+        elif not isinstance(entry, BytesStorageMetadata):
             return f"a {type(entry).__name__} for {key!r}"
     storage = md.storage_data
     if not isinstance(storage, dict):
         return "no storage_data"
     for index, info in storage.items():
-        if not isinstance(index, dcp_md.MetadataIndex) or not isinstance(info, dcp_fs._StorageInfo):
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             return "a malformed storage entry"
         name = info.relative_path
         if not isinstance(name, str) or not _plain_name(name):
@@ -220,7 +228,7 @@ def _check_metadata(md: Any) -> str | None:
             return f"a malformed storage entry for {index.fqn!r}"
     if md.planner_data is not None and not isinstance(md.planner_data, dict):
         return "malformed planner_data"
-    if md.storage_meta is not None and not isinstance(md.storage_meta, dcp_md.StorageMeta):
+    if md.storage_meta is not None and not isinstance(md.storage_meta, StorageMeta):
         return "malformed storage_meta"
     return None
 
@@ -237,16 +245,16 @@ class SafeReader(FileSystemReader):
     bad file is one clean error, not DCP's logged tracebacks and per-rank fallback).
     """
 
-    def __init__(self, path: Path, metadata: dcp_md.Metadata | None = None):
+    def __init__(self, path: Path, metadata: Metadata | None = None):
         super().__init__(path)
         self.metadata = metadata
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_md.Metadata:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # per-rank metadata files: not what resumable writes
             raise Unusable("per-rank metadata files are not supported")
         metadata = self.metadata or read_metadata(Path(self.path))
         if metadata.storage_meta is None:
-            metadata.storage_meta = dcp_md.StorageMeta()
+            metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 

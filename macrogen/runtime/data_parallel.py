@@ -33,14 +33,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from macrogen.kernels.grad_compress import COMM_DTYPES
 from macrogen.runtime import class_plans, fused, groups
@@ -51,10 +50,7 @@ from macrogen.runtime.local_sgd import LocalSGD, OuterSGD
 from macrogen.runtime.mesh import data_parallel_group
 
 MB = 2**20
-
-# parameter -> weak reference to its model's GradientSync: a sharded optimizer over
-# these parameters finds the model's averaging here and takes the gradients over
-_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+LINK = "_mg_gradient_sync"  # a parameter's attribute: the SyncLink to its model's GradientSync
 
 
 @dataclass(frozen=True)
@@ -108,6 +104,7 @@ class GradientSync:
         self.scale = 1.0 / self.world_size  # gradients are averaged: scaled, then summed
         self.names: list[str] = []
         self.params: list[nn.Parameter] = []
+        self.param_ids: set[int] = set()  # (of self.params: the parameters this one averages)
         self.plan_id = 0  # gradient hooks of an earlier plan (a replaced parameter's) do nothing
         self.buckets: list[Bucket] = []  # planned at the first forward, on the parameters' device
         self.slot: list[tuple[int, int]] = []  # parameter -> (bucket, position in it)
@@ -116,6 +113,8 @@ class GradientSync:
         self.gradients_elsewhere = False  # a sharded optimizer reduces the gradients itself
         self.held = False  # inside averaged_once(): backwards accumulate, its end averages
         self.replanned: list[str] = []  # why the buckets were planned again (a replaced parameter)
+        # the sharded optimizer that reduce-scatters these gradients instead (it registers)
+        self.sharded_by: weakref.ref[Any] | None = None
         local = config.sync_every > 1 or config.outer is not None or config.overlap
         self.local_sgd = LocalSGD(self) if local else None
         self.buffers = BufferBroadcast(self.group)
@@ -132,8 +131,9 @@ class GradientSync:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        for p in self.params:
-            _OWNER[p] = weakref.ref(self)
+        self.param_ids = {id(p) for p in self.params}
+        for p in self.params:  # each parameter names its model's averaging (see syncs_of)
+            setattr(p, LINK, SyncLink(self))
         if self.world_size == 1:
             return
         # (not removed on a re-plan: a deep copy of the model shares the handles' targets)
@@ -396,15 +396,37 @@ class BufferBroadcast:
             self.flats.append((flat, views, slots))
 
 
-def syncs_of(params: Sequence[torch.Tensor]) -> list[GradientSync]:
-    """The GradientSyncs of the @data_parallel models these parameters belong to."""
+class SyncLink:
+    """A parameter's link to the ``GradientSync`` that averages its gradient (weak: a parameter
+    does not keep a dead model's averaging alive). The model registers it on each of its
+    parameters, so that a sharded optimizer given those parameters finds the model's averaging
+    (and takes the gradients over) without any table of its own. A copy of the parameter
+    (``copy.deepcopy``) has none, and a pickled one comes back without it."""
+
+    __slots__ = ("sync",)
+
+    def __init__(self, sync: GradientSync):
+        self.sync = weakref.ref(sync)
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return type(None), ()
+
+
+def syncs_of(params: Iterable[torch.Tensor]) -> list[GradientSync]:
+    """The GradientSyncs averaging these parameters' gradients (their models'), each once."""
     found: list[GradientSync] = []
     for p in params:
-        ref = _OWNER.get(p)
-        sync = ref() if ref is not None else None
-        if sync is not None and all(sync is not s for s in found):
+        link = getattr(p, LINK, None)
+        sync = link.sync() if isinstance(link, SyncLink) else None
+        if sync is not None and all(sync is not s for s in found) and _holds(sync, p):
             found.append(sync)
     return found
+
+
+def _holds(sync: GradientSync, param: torch.Tensor) -> bool:
+    """Whether ``sync`` still averages ``param`` (a parameter it replanned without keeps its
+    link to it until a newer averaging registers)."""
+    return id(param) in sync.param_ids
 
 
 def gradient_sync(model: nn.Module) -> GradientSync:

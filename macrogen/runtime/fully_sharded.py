@@ -20,8 +20,11 @@ parameters sharded within a group of world/R and replicated across the R groups.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -142,6 +145,7 @@ def apply_fully_sharded(
     class of the user's own (``shard="full"``, which calls this at the end of ``__init__``).
     """
     where = f"{macro} at {where}"
+    name = type(model).__name__  # (fully_shard makes it FSDP<name>)
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
@@ -189,11 +193,121 @@ def apply_fully_sharded(
         fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **options)
     model.register_forward_hook(_VisibleOutputs(where))
+    _CompileNotice.watch(model, name, units, where)
+    _save_pretrained_gathers(model, mesh.tensor_size, device_mesh.size(), config.dp_replicate)
     if is_tensor_parallel(model):  # tensor parallel first (torchtitan's order)
         local_forward_per_unit(model, [unit for _, unit in units] + [model])
     if config.accumulate > 1:
         model.register_forward_pre_hook(_Accumulate(config.accumulate), prepend=True)
     return model
+
+
+def _save_pretrained_gathers(model: nn.Module, tp: int, dp: int, replicate: int) -> None:
+    """A transformers model's ``save_pretrained``, called on every rank as for HF's own FSDP,
+    writes the serial weights: its config says the model is sharded (so every rank gathers
+    and rank 0 writes, then all wait), and the gather is ``dtensor_whole.full_tensor``'s,
+    which keeps the rows of an FSDP x TP packed layer in order (DCP's full state dict, which
+    transformers would use, permutes them in torch 2.13). Without this, safetensors is given
+    the DTensor shards and fails ("invalid python storage")."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "gather_sharded_state_dict_for_save"):
+        return
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    config.distributed_config = DistributedConfig(
+        tp_size=tp, fsdp_size=dp // replicate, dp_replicate_size=replicate
+    )
+    # an attribute of this instance: the model keeps its class, and only its save changes
+    model.__dict__["gather_sharded_state_dict_for_save"] = _gathered_for_save
+
+
+def _gathered_for_save(
+    model: nn.Module, state_dict: dict[str, Any], distributed_config: Any, **_: Any
+) -> dict[str, torch.Tensor]:
+    """The state dict transformers is about to write, whole, on rank 0's CPU ({} on the other
+    ranks): one tensor at a time, in the state dict's order, which is the same on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    from macrogen.runtime.dtensor_whole import full_tensor
+
+    writer = dist.get_rank() == 0
+    whole: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        gathered = full_tensor(value) if isinstance(value, DTensor) else value
+        if writer:
+            whole[key] = gathered.detach().cpu()
+    return whole
+
+
+class _CompileNotice:
+    """Under ``torch.compile`` of the whole model, the forward that calls the sharded units is
+    not compiled whole, and the model says so once, at its first compiled forward.
+
+    FSDP2 runs its hooks around each unit's forward eagerly (``torch._dynamo.disable``,
+    torch 2.13), so dynamo breaks the graph at each unit's call; called in a loop (a block
+    list), that break is one dynamo can't resume from: it runs the whole top-level forward
+    eagerly and compiles each unit's own ``forward`` on its own. Nothing is wrong in the
+    numbers; the top-level layers (embedding, final norm, head, loss) are simply eager.
+
+    How it knows: a forward pre-hook on the first unit's first submodule, which dynamo
+    traces where it compiles that unit's forward (``torch.compiler.is_compiling()``), notes
+    the compile; the root's eager forward hook then tells, unless the user compiled the units
+    themselves (``block.compile()``, torchtitan's way), where the top-level forward is eager
+    by their choice."""
+
+    def __init__(self, name: str, units: list[tuple[str, nn.Module]], where: str):
+        self.name = name  # the model's class
+        self.units = units  # (path, module) of each sharded unit
+        self.where = where
+        self.compiled = False  # a unit's forward was traced by dynamo
+        self.told = False
+
+    @classmethod
+    def watch(
+        cls, model: nn.Module, name: str, units: list[tuple[str, nn.Module]], where: str
+    ) -> None:
+        inner = next((m for m in units[0][1].children()), None) if units else None
+        if inner is None:
+            return
+        notice = cls(name, units, where)
+        inner.register_forward_pre_hook(notice.traced)
+        model.register_forward_hook(notice.tell)
+
+    def traced(self, module: nn.Module, args: object) -> None:
+        # traced where dynamo compiles the unit's forward (a constant True there), a no-op
+        # in eager runs
+        if torch.compiler.is_compiling():
+            self.compiled = True
+
+    @eager
+    def tell(self, module: nn.Module, args: object, output: object) -> None:
+        if not self.compiled or self.told:
+            return
+        self.told = True
+        if any(getattr(u, "_compiled_call_impl", None) is not None for _, u in self.units):
+            return  # the user compiled the units: the eager top level is theirs
+        paths = self.units[0][0] + (", ..." if len(self.units) > 1 else "")
+        warnings.warn(
+            f"{self.where}: under torch.compile, {self.name}.forward runs eagerly: FSDP2 runs"
+            f" its hooks around each of the {len(self.units)} sharded units ({paths}) outside"
+            " dynamo, which breaks the graph at each unit's call, and dynamo compiles no"
+            " forward that calls them in a loop; each unit's own forward is compiled. To"
+            " compile just the units and say so, compile each of them before training, as"
+            " torchtitan does (`block.compile()`)",
+            stacklevel=_user_level(),
+        )
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of the first caller outside torch and macrogen: the program's line
+    that called the model (the warning points there, not into torch's hooks)."""
+    import macrogen
+
+    libraries = (str(Path(torch.__file__).parent), str(Path(macrogen.__file__).parent))
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(libraries):
+        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    return level
 
 
 class _VisibleOutputs:

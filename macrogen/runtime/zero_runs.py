@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from macrogen.runtime.zero import Piece, ShardBucket
+    from macrogen.runtime.zero_buckets import Piece, ShardBucket
 
 # torch.optim classes whose update is element-wise with per-tensor state that depends on
 # the step count only: stepping a run equals stepping its pieces. Other optimizers (a
