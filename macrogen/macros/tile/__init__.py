@@ -43,7 +43,7 @@ import libcst as cst
 
 from macrogen.macro import Context, Expanded, Form, MacroError, Site, render, render_statements
 from macrogen.macros.tile import flash
-from macrogen.macros.tile.analysis import analyze, is_docstring, words
+from macrogen.macros.tile.analysis import analyze, words
 from macrogen.macros.tile.checks import alias_checks, index_checks
 from macrogen.macros.tile.code import parse
 from macrogen.macros.tile.constraints import block_shape, too_big
@@ -60,6 +60,7 @@ from macrogen.macros.tile.kernel import (
 from macrogen.macros.tile.kernel import flat as _flat
 from macrogen.macros.tile.names import LoopBounds, Namer, Names, loads_in, make_names
 from macrogen.macros.tile.steps import Branch, Step
+from macrogen.macros.tile.syntax import is_docstring
 from macrogen.macros.tile.torch_path import (
     BLOCK_ELEMENTS,
     MIN_BLOCK_ROWS,

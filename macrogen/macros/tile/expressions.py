@@ -1,7 +1,7 @@
-"""How ``@tile`` reads expressions: loads, arithmetic and calls into IR nodes (tile_ir.py).
+"""How ``@tile`` reads expressions: loads, arithmetic and calls into IR nodes (ir.py).
 
 ``ExpressionReader`` is the expression half of the analysis in
-tile_analysis.py; it reads the analysis' tables of what names mean (``params``,
+analysis.py; it reads the analysis' tables of what names mean (``params``,
 ``sizes``, ``ndim``, ``scalars``, ``loop_vars``, ``outputs``, ``constants``)
 and records tensors and scalars as it meets them.
 """
