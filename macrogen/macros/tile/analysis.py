@@ -40,6 +40,7 @@ from macrogen.macros.tile.ir import (
     Const,
     Dot,
     Expr,
+    Index,
     InnerLoop,
     Let,
     Loop,
@@ -90,6 +91,7 @@ class _Analyzer(BranchReader, OnlineSoftmaxReader, LoopReader):
         self.scalars: list[str] = []
         self.sizes: dict[str, Size] = {}
         self.loop_vars: set[str] = set()
+        self.loops: dict[str, Loop] = {}  # loop variable -> its loop (the latest one read)
         self.stored: dict[str, cst.CSTNode] = {}
         self.taken = set(taken)
         self.outputs = self._outputs(fn.body)
@@ -510,6 +512,8 @@ class _Analyzer(BranchReader, OnlineSoftmaxReader, LoopReader):
                     el,
                 )
             names.append(sl.value.value)
+        for dim, (el, var) in enumerate(zip(target.slice, names)):
+            self._index_in_range(target, dim, Index(var, 0), el)
         if len(set(names)) != len(names) or set(names) != set(loop_vars):
             raise MacroError(
                 f"this store must index each of the loop variables {', '.join(loop_vars)} exactly once,"

@@ -13,8 +13,9 @@ from __future__ import annotations
 import libcst as cst
 
 from macrogen.macro import MacroError
-from macrogen.macros.tile.expressions import ExpressionReader, contains
-from macrogen.macros.tile.ir import Bound, Loop, Size
+from macrogen.macros.tile.code import name, plus
+from macrogen.macros.tile.expressions import ExpressionReader, code_of, contains
+from macrogen.macros.tile.ir import Bound, Index, Loop, Size
 from macrogen.macros.tile.syntax import is_shape, is_shape_subscript, shape_read
 
 
@@ -99,7 +100,8 @@ class LoopReader(ExpressionReader):
         start = bounds[0] if len(bounds) == 2 else Bound(None, 0)
         step = self._step(it.args[2].value) if len(it.args) == 3 else 1
         self.loop_vars.add(var)
-        return Loop(var, start, bounds[-1], step)
+        self.loops[var] = Loop(var, start, bounds[-1], step)
+        return self.loops[var]
 
     def _step(self, node: cst.BaseExpression) -> int:
         """A positive integer constant: a literal or a define()d int."""
@@ -166,3 +168,38 @@ class LoopReader(ExpressionReader):
         name = self._fresh(f"{tensor}_size{dim}")
         self.sizes[name] = Size(name, tensor, dim)
         return name
+
+    def _index_in_range(
+        self, subscript: cst.Subscript, dim: int, index: Index, node: cst.CSTNode
+    ) -> None:
+        """Refuse ``x[i - 1]`` where ``i`` starts at 0, and ``x[i + 1]`` where ``i`` runs to
+        ``x.shape[0]``: the first reads ``x[-1]``, which Python counts from the end of the
+        dimension and the tiled versions cannot; the second makes the loop raise IndexError.
+        Ranges known only at run time are checked there (checks.py)."""
+        if index.var is None:
+            return
+        loop = self.loops[index.var]
+        tensor = code_of(subscript.value)
+        if loop.start.size is None and loop.start.offset + index.offset < 0:
+            first = loop.start.offset
+            raise MacroError(
+                f"{code_of(subscript)} reads index {first + index.offset} of dimension {dim} of"
+                f" {tensor} at {index.var} = {first}: Python counts a negative index from the end"
+                f" of the dimension, @tile does not wrap it; start the loop at {-index.offset}"
+                " or index inside the range",
+                node,
+            )
+        size = self.sizes.get(loop.stop.size or "")
+        if (
+            loop.step == 1
+            and size is not None
+            and (size.tensor, size.dim) == (tensor, dim)
+            and loop.stop.offset + index.offset >= 1
+        ):
+            last = plus(name(size.name), loop.stop.offset - 1).text
+            raise MacroError(
+                f"{code_of(subscript)} reads past the end of dimension {dim} of {tensor} at the"
+                f" last {index.var} ({index.var} = {last}): the loop raises IndexError there; stop"
+                f" the loop {loop.stop.offset + index.offset} earlier",
+                node,
+            )

@@ -42,22 +42,22 @@ def _attention_shapes(out, q, kk, v, scale):
         raise ValueError('out and kk share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if out.numel() and v.numel() and out.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
         raise ValueError('out and v share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > q.shape[0]):
-        raise IndexError('q: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if k_lo < k_hi and (k_lo < 0 or k_hi > q.shape[1]):
-        raise IndexError('q: index k leaves dimension 1 for some k in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > kk.shape[0]):
-        raise IndexError('kk: index j leaves dimension 0 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if k_lo < k_hi and (k_lo < 0 or k_hi > kk.shape[1]):
-        raise IndexError('kk: index k leaves dimension 1 for some k in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > v.shape[0]):
-        raise IndexError('v: index j leaves dimension 0 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if e_lo < e_hi and (e_lo < 0 or e_hi > v.shape[1]):
-        raise IndexError('v: index e leaves dimension 1 for some e in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > out.shape[0]):
-        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if e_lo < e_hi and (e_lo < 0 or e_hi > out.shape[1]):
-        raise IndexError('out: index e leaves dimension 1 for some e in its range (the loop would raise IndexError; negative indices do not wrap here)')
+    if i_lo < i_hi and i_hi > q.shape[0]:
+        raise IndexError('q: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if k_lo < k_hi and k_hi > q.shape[1]:
+        raise IndexError('q: index k leaves dimension 1 for some k in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > kk.shape[0]:
+        raise IndexError('kk: index j leaves dimension 0 for some j in its range (the loop would raise IndexError)')
+    if k_lo < k_hi and k_hi > kk.shape[1]:
+        raise IndexError('kk: index k leaves dimension 1 for some k in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > v.shape[0]:
+        raise IndexError('v: index j leaves dimension 0 for some j in its range (the loop would raise IndexError)')
+    if e_lo < e_hi and e_hi > v.shape[1]:
+        raise IndexError('v: index e leaves dimension 1 for some e in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > out.shape[0]:
+        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if e_lo < e_hi and e_hi > out.shape[1]:
+        raise IndexError('out: index e leaves dimension 1 for some e in its range (the loop would raise IndexError)')
     return M, D, N, E, i_lo, i_hi, e_lo, e_hi, j_lo, j_hi, k_lo, k_hi
 
 
