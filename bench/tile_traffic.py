@@ -35,6 +35,10 @@ TRAFFIC: dict[str, list[dict]] = {
     "rms": [_rows(n, m, extra={"w": (n,)}) for n, m in ((1000, 9), (16384, 3), (20000, 2))],
     "silu_residual": [{"out": (n,), "x": (n,), "y": (n,)} for n in (1000, 100_003)],
     "matmul": [{"out": (256, 256), "a": (256, 512), "b": (512, 256)}],
+    "batched_gate": [
+        {"out": (4, m), "x": (4, m, n), "w": (n,), "bias": (m,)}
+        for m, n in ((50, 1000), (5, 20000))
+    ],
     # 2 x 333 queries and keys against the default 128- and 64-tiles, head dimensions 64, 128
     "attention": [_attention_shapes(2, 333, 64)],
     "attention_causal": [_attention_shapes(2, 333, 128)],
@@ -70,6 +74,7 @@ def traffic_rows(directory: Path, patterns: list | None = None) -> list[dict]:
                 "loaded": meter.loaded,
                 "raw_loaded": meter.raw_loaded,
                 "stored": meter.stored,
+                "programs": meter.launches[-1].grid[0],  # the launch grid
                 "compulsory": compulsory(ins, outs),
                 "ratio": meter.traffic / compulsory(ins, outs),
                 "raw_ratio": (meter.raw_loaded + meter.stored) / compulsory(ins, outs),
@@ -108,6 +113,7 @@ def _backward_row(tiled, fn: str, shapes: dict) -> dict:
         "loaded": meter.loaded,
         "raw_loaded": meter.raw_loaded,
         "stored": meter.stored,
+        "programs": meter.launches[-1].grid[0],
         "compulsory": total,
         "ratio": meter.traffic / total,
         "raw_ratio": (meter.raw_loaded + meter.stored) / total,
@@ -124,7 +130,8 @@ def traffic_section(directory: Path, as_json: bool, patterns: list | None = None
     print("   traffic: bytes stored + bytes loaded that no earlier program of the launch loaded")
     print("   (those come from L2); raw: every load of every program; matmul: each program's loads")
     print(
-        f"{'pattern':<26}{'shape':<16}{'traffic/compulsory':>20}{'loads/inputs':>14}{'raw':>12}{'goal':>10}"
+        f"{'pattern':<26}{'shape':<16}{'traffic/compulsory':>20}{'loads/inputs':>14}{'raw':>12}"
+        f"{'programs':>10}{'goal':>10}"
     )
     for r in rows:
         shapes = r["shapes"]
@@ -138,5 +145,5 @@ def traffic_section(directory: Path, as_json: bool, patterns: list | None = None
         goal = "(looped)" if r["looped"] else "<=1.1" if "backward" in r["pattern"] else "<=1.05"
         print(
             f"{r['pattern']:<26}{shape:<16}{r['ratio']:>20.3f}{r['load_ratio']:>14.3f}"
-            f"{r['raw_ratio']:>12.3f}{goal:>10}"
+            f"{r['raw_ratio']:>12.3f}{r['programs']:>10}{goal:>10}"
         )

@@ -55,6 +55,7 @@ from macrogen.macros.tile.flash_output import Options as FlashOptions
 from macrogen.macros.tile.ir import InnerLoop, Load, Nest
 from macrogen.macros.tile.kernel import (
     PERSISTENT_MAX,
+    PERSISTENT_ROWS,
     PERSISTENT_TILE,
     KernelEmitter,
     persistent_ok,
@@ -459,6 +460,7 @@ class _Output:
             "knob": self.fns["persistent_max"],
             "max": PERSISTENT_MAX,
             "tile": PERSISTENT_TILE,
+            "max_rows": PERSISTENT_ROWS,
             "flag": self.persistent,
             "flag_local": flag,
             "warps": warps,

@@ -177,8 +177,8 @@ def _attention_kernel(
 
 
 # tile at input.py:5: the attention nest's backward: dq, dk and dv, from the same loop nest.
-# Program n computes dk and dv of the n-th BLOCK keys (every query that sees them, a step at a
-# time) and dq of the n-th BLOCK queries (every key they see); no atomics.
+# A program computes dk and dv of BLOCK keys (every query that sees them, a step
+# at a time), or dq of BLOCK queries (every key they see): each element is one program's, no atomics.
 @triton.jit
 def _attention_backward_kernel(
     # Pointers: the gradients (written), the forward's tensors, the gradient of out
@@ -232,7 +232,8 @@ def _attention_backward_kernel(
 
     # ---- this program's block of keys and of queries
     pid = tl.program_id(0)
-    tiles = tl.maximum(tl.cdiv(j_hi - j_lo, BLOCK), tl.cdiv(i_hi - i_lo, BLOCK))
+    tiles_kv = tl.cdiv(tl.maximum(j_hi - j_lo, 0), BLOCK)
+    tiles = tiles_kv + tl.cdiv(tl.maximum(i_hi - i_lo, 0), BLOCK)
     pid_n = pid % tiles
     k_row = k_lo + tl.arange(0, HEAD_K)[None, :]
     e_2 = e_lo + tl.arange(0, HEAD_E)[None, :]
@@ -252,9 +253,9 @@ def _attention_backward_kernel(
     dv_base = dv_ptr
     qk_scale = scale * 1.4426950408889634  # f(s) = s * c, in base 2
 
-    # ==== dk and dv of this program's keys: (block, head_k) and (block, head_e)
-    n_start = j_lo + pid_n * BLOCK
-    if n_start < j_hi:
+    # ==== the first tiles_kv programs: dk and dv of a block of keys, (block, head_k) and (block, head_e)
+    if pid_n < tiles_kv:
+        n_start = j_lo + pid_n * BLOCK
         j_2 = n_start + tl.arange(0, BLOCK)[:, None]
         if INDEX_64:
             j_2 = j_2.to(tl.int64)
@@ -307,9 +308,9 @@ def _attention_backward_kernel(
         tl.store(dk_base + j_2 * stride_dkk0 + k_row * stride_dkk1, (dk * scale).to(dkk_ptr.dtype.element_ty), mask=j_mask & k_row_mask)
         tl.store(dv_base + j_2 * stride_dv0 + e_2 * stride_dv1, dv_2.to(dv_ptr.dtype.element_ty), mask=j_mask & e_mask_2)
 
-    # ==== dq of this program's queries: (block, head_k)
-    m_start = i_lo + pid_n * BLOCK
-    if m_start < i_hi:
+    # ==== the others: dq of a block of queries, (block, head_k)
+    else:
+        m_start = i_lo + (pid_n - tiles_kv) * BLOCK
         i_2 = m_start + tl.arange(0, BLOCK)[:, None]
         if INDEX_64:
             i_2 = i_2.to(tl.int64)
@@ -449,7 +450,8 @@ def _attention_backward_triton(dout_2, lse, out, q, kk, v, scale):
     dq = torch.zeros_like(q)
     dkk = torch.zeros_like(kk)
     dv = torch.zeros_like(v)
-    programs = max(triton.cdiv(max(j_hi - j_lo, 0), 64), triton.cdiv(max(i_hi - i_lo, 0), 64)) * batch
+    # per batch element: a program per block of keys (dk, dv), then one per block of queries (dq)
+    programs = (triton.cdiv(max(j_hi - j_lo, 0), 64) + triton.cdiv(max(i_hi - i_lo, 0), 64)) * batch
     if programs > 0:
         _attention_backward_kernel[(programs,)](
             dq,

@@ -155,7 +155,8 @@ def _online_softmax_triton(out, lse, x):
     persistent = max(j_hi - j_lo, 0) <= _online_softmax_persistent_max
     if persistent:
         block_j = triton.next_power_of_2(max(max(j_hi - j_lo, 0), 1))
-        room = max(8192 // block_j, 1)  # the grid's tile: at most 8192 elements in all
+        # the grid's tile: at most 2 rows, 8192 elements in all
+        room = max(min(8192 // block_j, 2), 1)
         block_i = min(block_i, room)
         warps = min(max(warps, block_i * block_j // 512), 16)  # 512 elements a warp
     programs = triton.cdiv(max(i_hi - i_lo, 0), block_i)
