@@ -213,6 +213,7 @@ def test_attention_forward_and_backward_compile(name, dtype, head, target, tmp_p
     not os.environ.get("TILE_COMPILE_ALL"),
     reason="minutes of compiles: TILE_COMPILE_ALL=1 runs the whole product (bench/RESULTS.md)",
 )
+@pytest.mark.timeout(3600)  # (4 compiles a test; minutes each on shared cores)
 @pytest.mark.parametrize("target", [TARGET, A100], ids=["sm90", "sm80"])
 @pytest.mark.parametrize("head", [64, 128])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

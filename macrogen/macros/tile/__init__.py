@@ -483,6 +483,8 @@ class _Output:
         return pair if pair[0] != pair[1] else []
 
     def torch_path(self) -> str:
+        if self.attention is not None:  # eager softmax attention (flash_output.py)
+            return self.attention.torch_path()
         torch = self.mods["torch"]
         shared = sharing(self.nest, self.names, torch)
         names = self.names.fork()

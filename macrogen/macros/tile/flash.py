@@ -20,8 +20,8 @@ and the weighted sum (two). Recognised here in exactly that shape::
 (``c`` an integer: a number, sizes, their sums), written in any of the ways
 that say so (``i >= j``, ``j < i + 1``, ``j - i <= N - M``). ``kk`` and ``v``
 may leave out the batch variable (one set of keys for every query head).
-Anything else keeps the elementwise kernel (kernel.py); the torch path is the
-same either way.
+Anything else keeps the elementwise kernel (kernel.py) and the general torch path
+(torch_path.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """The generated functions of an attention nest (flash.py): FlashAttention kernels and autograd.
 
-For ``attention(out, q, kk, v, scale)`` the expansion adds, besides the shapes
-function and the torch path every nest gets:
+For ``attention(out, q, kk, v, scale)`` the expansion writes, besides the shapes
+function every nest gets:
 
+- ``_attention_torch`` (the CPU path, tile_flash_torch.py.j2): eager softmax
+  attention, one fused softmax, written into out;
 - ``_attention_kernel`` (templates/tile_flash_kernel.py.j2): one program per
   tile of queries (and batch element); q's tile loaded once; the keys it sees
   walked ``BLOCK_J`` at a time in base 2 (``exp2``, the logit's scale folded
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from macrogen.macro import render
 from macrogen.macros.tile.code import Code, Parsed, binary, call, method, name, number, parse, plus
 from macrogen.macros.tile.flash import Flash
+from macrogen.macros.tile.flash_torch import ROLES, TorchOutput, fresh_locals, grouped
 from macrogen.macros.tile.ir import Const, Load, Loop, Nest, Store
 from macrogen.macros.tile.logit import derivative, linear_scale, renamed
 from macrogen.macros.tile.names import LoopBounds, Namer, Names
@@ -55,10 +58,7 @@ class Options:
     backward_stages: int
 
 
-ROLES = ("q", "kk", "v", "out")
-
-
-class FlashOutput:
+class FlashOutput(TorchOutput):
     """Renders an attention nest's kernels, launchers and autograd function from one set of names."""
 
     def __init__(
@@ -197,21 +197,21 @@ class FlashOutput:
         printer = TritonPrinter({}, tl)
         c = linear_scale(f.logit, f.score)
         if c is not None:
-            scale = binary("*", _group(printer.expr(c)), number(LOG2E))
+            scale = binary("*", grouped(printer.expr(c)), number(LOG2E))
             return scale, binary("*", name(score), name(scale_local)), None
         logit = printer.expr(renamed(f.logit, f.score, score))
         slope = printer.expr(renamed(derivative(f.logit, f.score), f.score, score))
-        return None, binary("*", _group(logit), number(LOG2E)), slope
+        return None, binary("*", grouped(logit), number(LOG2E)), slope
 
     def _natural_scale(self, tl: str) -> Code | None:
         c = linear_scale(self.f.logit, self.f.score)
         if c is None or c == Const(frozenset(), False, 1.0):
             return None
-        return _group(TritonPrinter({}, tl).expr(c))
+        return grouped(TritonPrinter({}, tl).expr(c))
 
     def _offset(self, printer: TritonPrinter | TorchPrinter) -> Code | None:
         """c of the causal mask ``j <= i + c``, as code (None: no mask)."""
-        return _group(printer.expr(self.f.causal)) if self.f.causal is not None else None
+        return grouped(printer.expr(self.f.causal)) if self.f.causal is not None else None
 
     def _shifted(self, code: Code, sign: int, extra: int, offset: Code) -> Code:
         """``code + c + extra`` (sign 1) or ``code - c + extra`` (sign -1); a number c folds in."""
@@ -232,7 +232,7 @@ class FlashOutput:
             if batch is not None and t["batch"] is not None:
                 index = name(n["b"])
                 if local == "lse_base":
-                    index = _group(binary("-", index, name(self.names.bounds[batch].lo)))
+                    index = grouped(binary("-", index, name(self.names.bounds[batch].lo)))
                 code = binary("+", code, binary("*", index, name(str(t["batch"]))))
             out.append({"name": n[local], "code": parse(code)})
         return out
@@ -240,7 +240,7 @@ class FlashOutput:
     # -- the forward kernel ------------------------------------------------------------------
     def kernel(self) -> str:
         f, tl = self.f, self.mods["tl"]
-        n = _locals(
+        n = fresh_locals(
             self.names.fork().namer,
             "pid tiles pid_i i_start i i_mask k_row k_col e j_row j_col b k_row_mask k_col_mask"
             " e_mask q_base kk_base v_base out_base lse_base q_tile qk_scale m_run l_run acc"
@@ -253,7 +253,7 @@ class FlashOutput:
         in_range = binary("<", name(n["key"]), name(keys.hi))
         if offset is not None:  # key j is seen by query i when j <= i + c
             seen = binary("<=", name(n["key"]), self._shifted(name(n["i"]), 1, 0, offset))
-            masked = binary("&", _group(in_range), _group(seen))
+            masked = binary("&", grouped(in_range), grouped(seen))
             first_unseen = self._shifted(name(n["i_start"]), 1, 1, offset)
             j_full = _whole_steps(tl, keys, call(f"{tl}.minimum", keys.hi, first_unseen), block_j)
             past = self._shifted(binary("+", name(n["i_start"]), name(block_i)), 1, 0, offset)
@@ -286,7 +286,7 @@ class FlashOutput:
     # -- the backward kernel -----------------------------------------------------------------
     def backward_kernel(self) -> str:
         f, tl = self.f, self.mods["tl"]
-        n = _locals(
+        n = fresh_locals(
             self.names.fork().namer,
             "pid tiles_kv tiles pid_n k_row e b k_row_mask e_mask q_base kk_base v_base out_base dout_base"
             " lse_base dq_base dk_base dv_base qk_scale n_start j j_mask kk_tile v_tile dk dv"
@@ -306,13 +306,13 @@ class FlashOutput:
         if offset is not None:
             dkdv_test = binary(
                 "&",
-                _group(rows_ok),
-                _group(binary("<=", name(n["j"]), self._shifted(name(n["i_col"]), 1, 0, offset))),
+                grouped(rows_ok),
+                grouped(binary("<=", name(n["j"]), self._shifted(name(n["i_col"]), 1, 0, offset))),
             )
             dq_test = binary(
                 "&",
-                _group(keys_ok),
-                _group(binary("<=", name(n["j_col"]), self._shifted(name(n["i"]), 1, 0, offset))),
+                grouped(keys_ok),
+                grouped(binary("<=", name(n["j_col"]), self._shifted(name(n["i"]), 1, 0, offset))),
             )
             first = binary("-", self._shifted(name(n["n_start"]), -1, 0, offset), q_lo)
             i_first = binary(
@@ -345,12 +345,12 @@ class FlashOutput:
             i_first = i_full = q_lo
             j_full = _whole_steps(tl, keys, name(keys.hi), step)
             j_end = name(keys.hi)
-        ds = binary("*", name(n["p"]), _group(binary("-", name(n["dp"]), name(n["delta"]))))
+        ds = binary("*", name(n["p"]), grouped(binary("-", name(n["dp"]), name(n["delta"]))))
         ds_t = binary(
-            "*", name(n["p"]), _group(binary("-", name(n["dp"]), Code(f"{n['delta']}[None, :]")))
+            "*", name(n["p"]), grouped(binary("-", name(n["dp"]), Code(f"{n['delta']}[None, :]")))
         )
         if slope is not None:
-            ds, ds_t = binary("*", ds, _group(slope)), binary("*", ds_t, _group(slope))
+            ds, ds_t = binary("*", ds, grouped(slope)), binary("*", ds_t, grouped(slope))
         c = self._natural_scale(tl)
         stored = {}  # each gradient as its tensor's dtype; dq and dk times c when f(s) = s * c
         for local, g in zip(("dq", "dk", "dv"), self.grads):
@@ -359,7 +359,7 @@ class FlashOutput:
                 if c is not None and local != "dv"
                 else name(n[local])
             )
-            stored[local] = method(_group(value), "to", f"{g['ptr']}.dtype.element_ty")
+            stored[local] = method(grouped(value), "to", f"{g['ptr']}.dtype.element_ty")
         roles = {role: self._role(role) for role in ROLES}
         which = {f"{role}_base": roles[role] for role in ROLES}
         which["dout_base"] = self.dout
@@ -405,7 +405,7 @@ class FlashOutput:
         return call("max", binary("-", name(b.hi), name(b.lo)), "0")
 
     def launchers(self) -> str:
-        n = _locals(self.names.fork().namer, "lse dout head_k head_e batch programs")
+        n = fresh_locals(self.names.fork().namer, "lse dout head_k head_e batch programs")
         grads = [
             {"name": str(g["local"]), "of": g["of"], "shared": g["shared"], "ndim": g["ndim"]}
             for g in self.grads
@@ -445,135 +445,6 @@ class FlashOutput:
             "out_ndim": len(self.f.out.index),
         }
         return render("tile_flash_launcher.py.j2", **params)
-
-    # -- the torch backward and the autograd function ------------------------------------------
-    def autograd(self) -> str:
-        f, torch = self.f, self.mods["torch"]
-        n = _locals(
-            self.names.fork().namer,
-            "dout s z p dp ds q_view kk_view v_view o_view do_view ctx lse d_out",
-        )
-        canonical = {role: self._canonical(role) for role in ROLES}
-        views = []
-        for role, local, tensor in (
-            ("q", "q_view", self.tensor["q"]),
-            ("kk", "kk_view", self.tensor["kk"]),
-            ("v", "v_view", self.tensor["v"]),
-            ("out", "o_view", self.tensor["out"]),
-            ("out", "do_view", n["dout"]),
-        ):
-            views.append(
-                {
-                    "name": n[local],
-                    "tensor": tensor,
-                    "code": parse(self._view(role, tensor, canonical[role])),
-                    "shape": "(" + ", ".join(canonical[role]) + ")",
-                }
-            )
-        printer = TorchPrinter({}, torch)
-        logit = printer.expr(renamed(f.logit, f.score, n["s"]))
-        slope = derivative(f.logit, f.score)
-        causal = None
-        offset = self._offset(printer)
-        if offset is not None:
-            query, keys = self.names.bounds[f.query], self.names.bounds[f.keys]
-            device = f"device={n['s']}.device"
-            key = Code(f"{torch}.arange({keys.lo}, {keys.hi}, {device})[None, :]")
-            row = Code(f"{torch}.arange({query.lo}, {query.hi}, {device})[:, None]")
-            causal = binary(">", key, self._shifted(row, 1, 0, offset))
-        values = {
-            "q": binary("@", name(n["ds"]), name(n["kk_view"])),
-            "kk": binary("@", Code(f"{n['ds']}.mT"), name(n["q_view"])),
-            "v": binary("@", Code(f"{n['p']}.mT"), name(n["do_view"])),
-        }
-        grads = []
-        for g in self.grads:
-            role = str(g["role"])
-            value: Code = _group(values[role])
-            if g["shared"]:
-                value = method(value, "sum", "0")
-            order = self._order(role)
-            perm = [canonical[role].index(v) for v in order]
-            if perm != sorted(perm):
-                value = method(value, "permute", *map(str, perm))
-            value = method(value, "to", f"{g['of']}.dtype")
-            grads.append(
-                {
-                    "name": str(g["local"]),
-                    "of": g["of"],
-                    "slices": parse(Code(self._slices(role))),
-                    "value": parse(value),
-                }
-            )
-        by_tensor: dict[str, list[str]] = {}
-        for g in grads:
-            by_tensor.setdefault(str(g["of"]), []).append(str(g["name"]))
-        returned = []
-        for p in self.nest.params:
-            if p == self.tensor["out"]:
-                returned.append(parse(name(n["d_out"])))
-            elif p in by_tensor:
-                returned.append(parse(Code(" + ".join(by_tensor[p]))))
-            else:
-                returned.append(parse(Code("None")))
-        params = {
-            **self._shared_params(),
-            **self.common,
-            "n": n,
-            "torch": torch,
-            "views": views,
-            "logit": parse(logit),
-            "causal": parse(causal) if causal is not None else None,
-            "derivative": parse(printer.expr(renamed(slope, f.score, n["s"])))
-            if slope != Const(frozenset(), False, 1.0)
-            else None,
-            "grads": grads,
-            "launch": self.fns.get("launch", ""),
-            "backward_launcher": self.fns.get("backward_launcher", ""),
-            "use_triton": self.mods.get("use_triton", ""),
-            "first": self.tensor["out"],
-            "batch_count": parse(self._batch_count()),
-            "tensors": [t for t, _ in self.nest.tensors],
-            # the arguments that are no tensors, read by the nest or not: the backward gets them
-            "others": [p for p in self.nest.params if p not in dict(self.nest.tensors)],
-            "out_index": self.nest.params.index(self.tensor["out"]),
-            "out_slices": parse(Code(self._slices("out"))),
-            "returned": returned,
-        }
-        return render("tile_flash_autograd.py.j2", **params)
-
-    def _order(self, role: str) -> list[str]:
-        """The loop variables indexing ``role``'s tensor, in its dimension order."""
-        access = self.access[role]
-        index = access.index if isinstance(access, Store) else [ix.var for ix in access.index]
-        return [str(v) for v in index]
-
-    def _canonical(self, role: str) -> list[str]:
-        """The order the torch backward computes in: (batch, rows, columns)."""
-        rows, cols = self.walk[role]
-        batch = [self.f.batch.var] if self.f.batch and self.f.batch.var in self._order(role) else []
-        return [*batch, rows, cols]
-
-    def _slices(self, role: str) -> str:
-        """``lo:hi`` of each dimension of ``role``'s tensor: the part the nest reads or writes."""
-        loops = {loop.var: self.names.bounds[loop] for loop in self.loops}
-        return ", ".join(f"{loops[v].lo}:{loops[v].hi}" for v in self._order(role))
-
-    def _view(self, role: str, tensor: str, canonical: list[str]) -> Code:
-        order = self._order(role)
-        code = Code(f"{tensor}[{self._slices(role)}]")
-        perm = [order.index(v) for v in canonical]
-        return method(code, "permute", *map(str, perm)) if perm != sorted(perm) else code
-
-
-def _locals(namer: Namer, hints: str) -> dict[str, str]:
-    """Fresh names for a generated function's locals (none is a name of the user's)."""
-    return {hint: namer(hint) for hint in hints.split()}
-
-
-def _group(code: Code) -> Code:
-    """``code`` as one operand: parenthesized unless it is an atom."""
-    return code if code.prec >= 100 else Code(f"({code.text})")
 
 
 def _whole_steps(tl: str, keys: LoopBounds, stop: Code, block: str) -> Code:

@@ -497,26 +497,17 @@ def _attention_backward_triton(dout_2, lse, out, q, kk, v, scale):
     return dq, dkk, dv
 
 
-# tile at input.py:5: the CPU path.
+# tile at input.py:5: the CPU path: the attention nest as whole-tensor torch operations.
 def _attention_torch(out, q, kk, v, scale):
-    """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
+    """The loop nest at input.py:5 as eager softmax attention (at least float32 inside), in place."""
     M, D, N, E, i_lo, i_hi, e_lo, e_hi, j_lo, j_hi, k_lo, k_hi = _attention_shapes(out, q, kk, v, scale)
-    q = q.float() if q.dtype in (torch.float16, torch.bfloat16) else q  # compute in float32, as the kernel does
-    kk = kk.float() if kk.dtype in (torch.float16, torch.bfloat16) else kk  # compute in float32, as the kernel does
-    v = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v  # compute in float32, as the kernel does
-    default_dtype = kk.dtype == q.dtype == v.dtype == torch.get_default_dtype()
-    q_ik = q[i_lo:i_hi, k_lo:k_hi][:, None, None, :]
-    kk_jk = kk[j_lo:j_hi, k_lo:k_hi][None, None, :, :]
-    s_sum = (q_ik[:, 0, 0] @ kk_jk[0, 0].mT)[:, None, :, None]
-    s = s_sum
-    t = s.mul_(scale) if default_dtype else s * scale
-    m = t.amax(dim=2, keepdim=True)
-    t_2 = t.sub_(m) if default_dtype else t - m
-    exp_2 = t_2.exp_() if default_dtype else torch.exp(t_2)
-    l = exp_2.sum(dim=2, keepdim=True)
-    v_je = v[j_lo:j_hi, e_lo:e_hi].permute(1, 0)[None, :, :, None]
-    acc = (exp_2[:, 0, :, 0] @ v_je[0, :, :, 0].mT)[:, :, None, None]
-    torch.div(acc[..., 0, 0], l[..., 0, 0], out=out[i_lo:i_hi, e_lo:e_hi])
+    q_view = q[i_lo:i_hi, k_lo:k_hi].to(torch.promote_types(q.dtype, torch.float32))  # (i, k)
+    kk_view = kk[j_lo:j_hi, k_lo:k_hi].to(torch.promote_types(kk.dtype, torch.float32))  # (j, k)
+    v_view = v[j_lo:j_hi, e_lo:e_hi].to(torch.promote_types(v.dtype, torch.float32))  # (j, e)
+    s_2 = q_view @ kk_view.mT
+    z = s_2.mul_(scale)
+    p = torch.softmax(z, dim=-1)  # (one fused pass)
+    out[i_lo:i_hi, e_lo:e_hi] = (p @ v_view).to(out.dtype)
 
 
 # tile at input.py:5: the backward as whole-tensor torch operations (any device; at least float32 inside).
