@@ -64,13 +64,8 @@ from macrogen.macros.tile.kernel import flat as _flat
 from macrogen.macros.tile.names import LoopBounds, Namer, Names, loads_in, make_names
 from macrogen.macros.tile.steps import Branch, Step
 from macrogen.macros.tile.syntax import is_docstring
-from macrogen.macros.tile.torch_path import (
-    BLOCK_ELEMENTS,
-    MIN_BLOCK_ROWS,
-    TorchEmitter,
-    row_blocks,
-    sharing,
-)
+from macrogen.macros.tile.torch_layout import BLOCK_ELEMENTS, MIN_BLOCK_ROWS, row_blocks
+from macrogen.macros.tile.torch_path import TorchEmitter, sharing
 
 NAME = "tile"
 FORMS: frozenset[Form] = frozenset({"decorator"})
