@@ -84,6 +84,7 @@ _.create_masked_load  # unused attribute (macrogen/macros/tile/traffic.py)
 _.create_masked_store  # unused attribute (macrogen/macros/tile/traffic.py)
 compulsory  # unused function (macrogen/macros/tile/traffic.py)
 matmul_ideal_bytes_per_flop  # unused function (macrogen/macros/tile/traffic.py)
+faithful_bf16_dot  # unused function (macrogen/macros/tile/interpret.py): tests and bench/gpu.py --dry-run
 _.__qualname__  # unused attribute (macrogen/markers.py)
 MACRO_NAMES  # unused variable (macrogen/markers.py)
 check_complete  # unused function (macrogen/runtime/checkpoint.py)

@@ -9,8 +9,10 @@ Rows (each checked against a reference, then timed):
   eager torch, and its speed against ``torch.compile`` of the eager expression
   (goal >= 0.9) and eager; the matmul in fp16, bf16 and fp32 as TFLOP/s against
   cuBLAS (``torch.matmul``; goal >= 0.8 for fp16/bf16; the best of
-  bench/tile.py's MATMUL_CONFIGS); the attention pattern against
-  ``F.scaled_dot_product_attention`` (goal >= 0.5), in fp32 and fp16;
+  bench/tile.py's MATMUL_CONFIGS);
+- ``attention``: the attention patterns' kernels against SDPA's flash kernel in
+  fp16 and bf16, head dimensions 64 and 128, causal and not, at sequence 4096:
+  forward (goal >= 0.8) and forward + backward (goal >= 0.7), bench/gpu_attention.py;
 - ``kernels``: gradient compression (fp32 -> bf16 and back) and the fused
   all-reduce's pack/unpack, as a fraction of the device's copy bandwidth;
 - ``fused_allreduce``: 16 small tensors, world size 1 (NCCL; gloo in a dry
@@ -51,6 +53,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.* from a checkout
 
 from bench.fused_allreduce import block_source  # noqa: E402
+from bench.gpu_attention import attention_rows  # noqa: E402
 from bench.gpu_training import training_rows  # noqa: E402
 from bench.tile import MATMUL_CONFIGS, PATTERNS, Pattern, load  # noqa: E402
 from macrogen.expand import expand_source  # noqa: E402
@@ -102,12 +105,12 @@ def tile_rows(directory: Path, device: str) -> list[Row]:
     rows = []
     for p in PATTERNS:
         name = p.name.split()[0]
+        if name.startswith("attention"):  # the attention section times them against SDPA
+            continue
         _, tiled = load(p, directory)
         launcher = getattr(tiled, f"_{name}_triton")
         shapes = p.small if DRY else p.gpu
         dtypes = [p.gpu_dtype]
-        if name == "attention":  # the FlashAttention kernel: fp32 (ieee tl.dot) and fp16
-            dtypes = [torch.float32, torch.float16]
         if p.flops is not None:  # the matmul in every dtype the kernel takes
             dtypes = [torch.float16, torch.bfloat16, torch.float32]
             if DRY:  # the interpreter multiplies bfloat16's bit patterns in tl.dot (triton#11584)
@@ -116,8 +119,6 @@ def tile_rows(directory: Path, device: str) -> list[Row]:
             label = name if len(dtypes) == 1 else f"{name} {str(dtype).split('.')[-1]}"
             if p.flops is None:
                 rows.append(_tile_row(p, label, launcher, shapes, device, dtype))
-                if name == "attention":
-                    rows.append(_attention_vs_sdpa(launcher, shapes, device, dtype))
             else:
                 rows.append(_best_matmul(p, label, directory, shapes, device, dtype))
     return rows
@@ -171,30 +172,6 @@ def _tile_row(p: Pattern, label: str, launcher, shapes: dict, device: str, dtype
     note = f"eager {t_eager / t_ours:.2f}x"
     return Row(
         "tile", label, error, tolerance, t_ours, "torch.compile", t_compiled / t_ours, ">=0.9", note
-    )
-
-
-def _attention_vs_sdpa(launcher, shapes: dict, device: str, dtype) -> Row:
-    """The attention pattern (scale 0.125, one head) against F.scaled_dot_product_attention."""
-    import torch.nn.functional as F
-
-    args = _inputs(shapes, device, dtype)
-    q, k, v = (args[n][None, None] for n in ("q", "kk", "v"))  # (1, 1, L, D)
-    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125)[0, 0]
-    launcher(**args)
-    error = rel_error(args["out"], want)
-    tolerance = 2e-2 if dtype != torch.float32 else 1e-4
-    t_ours = bench(lambda: launcher(**args), device)
-    t_sdpa = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=0.125), device)
-    return Row(
-        "tile",
-        f"attention vs SDPA {str(dtype).split('.')[-1]}",
-        error,
-        tolerance,
-        t_ours,
-        "SDPA",
-        t_sdpa / t_ours,
-        ">=0.5",
     )
 
 
@@ -334,7 +311,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU, no GPU needed")
     parser.add_argument(
-        "--only", nargs="*", default=(), help="sections: tile kernels fused_allreduce training"
+        "--only",
+        nargs="*",
+        default=(),
+        help="sections: tile attention kernels fused_allreduce training",
     )
     args = parser.parse_args()
     device = "cpu" if args.dry_run else "cuda"
@@ -351,11 +331,12 @@ def main() -> int:
     )
     print(f"== bench/gpu.py: {title}; torch {torch.__version__} ==")
     rows: list[Row] = []
-    sections = args.only or ("tile", "kernels", "fused_allreduce", "training")
+    sections = args.only or ("tile", "attention", "kernels", "fused_allreduce", "training")
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         directory = Path(tmp)
         for section, run in (
             ("tile", lambda: tile_rows(directory, device)),
+            ("attention", lambda: attention_rows(directory, device, DRY, bench, Row)),
             ("kernels", lambda: kernel_rows(device)),
             ("fused_allreduce", lambda: allreduce_rows(directory, device)),
             ("training", lambda: training_rows(directory, device, DRY, bench, Row, _module)),
@@ -378,12 +359,12 @@ def main() -> int:
                         "",
                     )
                 )
-    head = f"{'section':<16}{'case':<26}{'max err':>10}{'ok':>5}{'time':>11}{'vs':>20}{'ratio':>8}{'goal':>7}  note"
+    head = f"{'section':<16}{'case':<28}{'max err':>10}{'ok':>5}{'time':>11}{'vs':>20}{'ratio':>8}{'goal':>7}  note"
     print(head)
     for r in rows:
         ok = "NO" if r.wrong else "ok"
         print(
-            f"{r.section:<16}{r.name:<26}{r.error:>10.2e}{ok:>5}{r.seconds * 1e3:>9.3f}ms"
+            f"{r.section:<16}{r.name:<28}{r.error:>10.2e}{ok:>5}{r.seconds * 1e3:>9.3f}ms"
             f"{r.reference:>20}{r.ratio:>8.2f}{r.goal:>7}  {r.note}"
         )
     wrong = [r for r in rows if r.wrong]

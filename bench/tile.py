@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -90,11 +89,40 @@ def _silu_residual(out, x, y):
     out.copy_(x * torch.sigmoid(x) + y)
 
 
-def _attention(out, q, kk, v):
-    s = (q @ kk.T) * 0.125
-    m = s.amax(dim=1, keepdim=True)
+def _attention(out, q, kk, v, scale):
+    s = (q @ kk.mT) * scale
+    m = s.amax(dim=-1, keepdim=True)
     e = torch.exp(s - m)
-    out.copy_((e @ v) / e.sum(dim=1, keepdim=True))
+    out.copy_((e @ v) / e.sum(dim=-1, keepdim=True))
+
+
+def _causal_attention(out, q, kk, v, scale):
+    s = (q @ kk.mT) * scale
+    keys = torch.arange(s.shape[-1], device=s.device)
+    s = s.masked_fill(keys[None, :] > keys[: s.shape[-2], None], float("-inf"))
+    out.copy_(torch.softmax(s, dim=-1) @ v)
+
+
+# The attention patterns' tunables: the forward's query and key tiles, warps and stages, the
+# backward's blocks, step, warps and stages (macrogen autotune searches them; bench/gpu.py times
+# ATTENTION_CONFIGS, bench/gpu_attention.py)
+ATTENTION_TILES = """
+        @mg.tile(
+            i=mg.tunable(128, choices=[64, 128]),
+            j=mg.tunable(64, choices=[32, 64, 128]),
+            num_warps=mg.tunable(4, choices=[4, 8]),
+            num_stages=mg.tunable(3, choices=[2, 3, 4]),
+            backward_block=mg.tunable(64, choices=[64, 128]),
+            backward_step=mg.tunable(32, choices=[16, 32, 64]),
+            backward_warps=mg.tunable(4, choices=[4, 8]),
+            backward_stages=mg.tunable(2, choices=[1, 2, 3]),
+        )"""
+
+
+def _attention_shapes(batch: int, n: int, head: int) -> dict:
+    """(batch x heads, n, head) for q, kk, v and out, and the scale 1/sqrt(head)."""
+    shape = (batch, n, head)
+    return {"out": shape, "q": shape, "kk": shape, "v": shape, "scale": head**-0.5}
 
 
 PATTERNS = [
@@ -254,126 +282,78 @@ PATTERNS = [
         {"out": (64, 4096), "x": (64, 4096, 1024), "w": (1024,), "bias": (4096,)},
     ),
     Pattern(
-        "attention (2 inner levels)",
-        """
-        @mg.tile(i=64, e=64, j=64, k=64)
-        def attention(out, q, kk, v):
-            M, D = q.shape
-            N, E = v.shape
-            for i in range(M):
-                for e in range(E):
-                    m = float("-inf")
-                    l = 0.0
-                    for j in range(N):
-                        s = 0.0
-                        for k in range(D):
-                            s += q[i, k] * kk[j, k]
-                        m_new = max(m, s * 0.125)
-                        l = l * torch.exp(m - m_new) + torch.exp(s * 0.125 - m_new)
-                        m = m_new
-                    acc = 0.0
-                    for j in range(N):
-                        s = 0.0
-                        for k in range(D):
-                            s += q[i, k] * kk[j, k]
-                        acc += torch.exp(s * 0.125 - m) * v[j, e]
-                    out[i, e] = acc / l
+        "attention (batch, online softmax)",
+        ATTENTION_TILES
+        + """
+        def attention(out, q, kk, v, scale):
+            B, M, D = q.shape
+            _, N, E = v.shape
+            for b in range(B):
+                for i in range(M):
+                    for e in range(E):
+                        m = float("-inf")
+                        l = 0.0
+                        for j in range(N):
+                            s = 0.0
+                            for k in range(D):
+                                s += q[b, i, k] * kk[b, j, k]
+                            m_new = max(m, s * scale)
+                            l = l * torch.exp(m - m_new) + torch.exp(s * scale - m_new)
+                            m = m_new
+                        acc = 0.0
+                        for j in range(N):
+                            s = 0.0
+                            for k in range(D):
+                                s += q[b, i, k] * kk[b, j, k]
+                            acc += torch.exp(s * scale - m) * v[b, j, e]
+                        out[b, i, e] = acc / l
         """,
         _attention,
-        {"out": (1024, 64), "q": (1024, 64), "kk": (1024, 64), "v": (1024, 64)},
-        {"out": (8, 8), "q": (8, 8), "kk": (16, 8), "v": (16, 8)},
-        {"out": (4096, 64), "q": (4096, 64), "kk": (4096, 64), "v": (4096, 64)},
+        _attention_shapes(4, 512, 64),
+        _attention_shapes(1, 8, 8),
+        _attention_shapes(32, 4096, 64),
+        gpu_dtype=torch.float16,
+    ),
+    Pattern(
+        "attention_causal (batch, if j <= i)",
+        ATTENTION_TILES
+        + """
+        def attention_causal(out, q, kk, v, scale):
+            B, M, D = q.shape
+            _, N, E = v.shape
+            for b in range(B):
+                for i in range(M):
+                    for e in range(E):
+                        m = float("-inf")
+                        for j in range(N):
+                            s = 0.0
+                            for k in range(D):
+                                s += q[b, i, k] * kk[b, j, k]
+                            if j <= i:
+                                m = max(m, s * scale)
+                        l = 0.0
+                        for j in range(N):
+                            s = 0.0
+                            for k in range(D):
+                                s += q[b, i, k] * kk[b, j, k]
+                            if j <= i:
+                                l += torch.exp(s * scale - m)
+                        acc = 0.0
+                        for j in range(N):
+                            s = 0.0
+                            for k in range(D):
+                                s += q[b, i, k] * kk[b, j, k]
+                            if j <= i:
+                                acc += torch.exp(s * scale - m) * v[b, j, e]
+                        out[b, i, e] = acc / l
+        """,
+        _causal_attention,
+        _attention_shapes(4, 512, 64),
+        _attention_shapes(1, 8, 8),
+        _attention_shapes(32, 4096, 64),
+        gpu_dtype=torch.float16,
     ),
 ]
-
-
-def _rows(n: int, m: int, outputs: tuple[str, ...] = ("out",), extra: dict | None = None) -> dict:
-    """Shapes of a row-wise pattern with ``m`` rows of ``n``."""
-    shapes = {name: (m, n) if name == "out" else (m,) for name in outputs}
-    return {**shapes, "x": (m, n), **(extra or {})}
-
-
-# --traffic: the shapes each kernel is metered at (rows up to 16K, and one past the persistent
-# bound, where the looped variant runs), sizes not multiples of the tiles
-TRAFFIC: dict[str, list[dict]] = {
-    "bias_gelu": [_rows(n, 37, extra={"b": (n,)}) for n in (1000, 16384)],
-    "softmax": [_rows(n, m) for n, m in ((1000, 9), (16384, 3), (20000, 2))],
-    "online_softmax": [_rows(n, m) for n, m in ((1000, 9), (16384, 3), (20000, 2))],
-    "row_sum_max": [_rows(n, m, ("total", "biggest")) for n, m in ((1000, 9), (16384, 3))],
-    "rms": [_rows(n, m, extra={"w": (n,)}) for n, m in ((1000, 9), (16384, 3), (20000, 2))],
-    "silu_residual": [{"out": (n,), "x": (n,), "y": (n,)} for n in (1000, 100_003)],
-    "matmul": [{"out": (256, 256), "a": (256, 512), "b": (512, 256)}],
-}
-
-
-def traffic_rows(directory: Path) -> list[dict]:
-    """Each pattern's kernel metered under the Triton interpreter (TRITON_INTERPRET=1 must be set
-    before triton is imported): one row per shape."""
-    import numpy as np
-
-    from macrogen.macros.tile.traffic import Meter, compulsory, matmul_ideal_bytes_per_flop
-
-    rows = []
-    for p in PATTERNS:
-        fn = _function_name(p)
-        if fn not in TRAFFIC:
-            continue
-        _, tiled = load(p, directory)
-        launcher = getattr(tiled, f"_{fn}_triton")
-        for shapes in TRAFFIC[fn]:
-            args = inputs(shapes)
-            with Meter() as meter, np.errstate(all="ignore"):  # (masked lanes' inf - inf)
-                launcher(**args)
-            outs = [args[o] for o in p.outputs]
-            ins = [t for k, t in args.items() if k not in p.outputs]
-            row = {
-                "pattern": fn,
-                # the looped variant: a reduction's row past the persistent bound
-                "looped": hasattr(tiled, f"_{fn}_persistent_max")
-                and shapes["x"][-1] > getattr(tiled, f"_{fn}_persistent_max"),
-                "shapes": {k: list(v) for k, v in shapes.items()},
-                "loaded": meter.loaded,
-                "raw_loaded": meter.raw_loaded,
-                "stored": meter.stored,
-                "compulsory": compulsory(ins, outs),
-                "ratio": meter.traffic / compulsory(ins, outs),
-                "raw_ratio": (meter.raw_loaded + meter.stored) / compulsory(ins, outs),
-                "load_ratio": meter.loaded / compulsory(ins, []),
-            }
-            if p.flops is not None:  # reuse: bytes loaded per FLOP against the tiles' ideal
-                tiles = {"i": 64, "j": 64}  # the pattern's @mg.tile(i=64, j=64, ...)
-                ideal = matmul_ideal_bytes_per_flop(tiles["i"], tiles["j"], 4)
-                per_flop = meter.raw_loaded / p.flops(shapes)  # what each program loads
-                row.update(bytes_per_flop=per_flop, ideal=ideal, reuse_ratio=per_flop / ideal)
-            rows.append(row)
-    return rows
-
-
-def traffic_section(directory: Path, as_json: bool) -> None:
-    rows = traffic_rows(directory)
-    if as_json:
-        print(json.dumps(rows))
-        return
-    print("== memory traffic of each kernel (Triton interpreter; masked lanes excluded) ==")
-    print("   traffic: bytes stored + bytes loaded that no earlier program of the launch loaded")
-    print("   (those come from L2); raw: every load of every program; matmul: each program's loads")
-    print(
-        f"{'pattern':<16}{'shape':<22}{'traffic/compulsory':>20}{'loads/inputs':>14}{'raw':>12}{'goal':>10}"
-    )
-    for r in rows:
-        shape = "x".join(map(str, r["shapes"].get("x", r["shapes"].get("a"))))
-        if "reuse_ratio" in r:
-            print(
-                f"{r['pattern']:<16}{shape:<22}{'bytes/FLOP':>12}{r['bytes_per_flop']:>8.4f}"
-                f"  ideal {r['ideal']:.4f} ({r['reuse_ratio']:.2f}x){'<=1.2x':>8}"
-            )
-            continue
-        goal = "(looped)" if r["looped"] else "<=1.05"
-        print(
-            f"{r['pattern']:<16}{shape:<22}{r['ratio']:>20.3f}{r['load_ratio']:>14.3f}"
-            f"{r['raw_ratio']:>12.3f}{goal:>10}"
-        )
-
 
 # The matmul's configurations worth trying on a GPU (Triton's matmul tutorial's list for
 # CUDA, within the pattern's tunable choices): bench/gpu.py times each and reports the best;
@@ -417,8 +397,12 @@ def load(p: Pattern, directory: Path, config: dict | None = None):
 
 
 def inputs(shapes: dict, device: str = "cpu", dtype=torch.float32) -> dict:
+    """A random tensor per shape (a tuple); other values (a scale) are passed as they are."""
     gen = torch.Generator(device=device).manual_seed(0)
-    return {k: torch.randn(s, generator=gen, device=device, dtype=dtype) for k, s in shapes.items()}
+    return {
+        k: torch.randn(s, generator=gen, device=device, dtype=dtype) if isinstance(s, tuple) else s
+        for k, s in shapes.items()
+    }
 
 
 def median(fn, args: dict, min_run_time: float) -> float:
@@ -551,8 +535,11 @@ def main() -> int:
                 file=sys.stderr,
             )
             return 3
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.* from a checkout
+        from bench.tile_traffic import traffic_section
+
         with tempfile.TemporaryDirectory(prefix="bench-tile-") as tmp:
-            traffic_section(Path(tmp), args.json)
+            traffic_section(Path(tmp), args.json, PATTERNS)  # (this module's: --only)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-tile-") as tmp:
         cpu_section(Path(tmp), args.rounds, args.min_run_time)

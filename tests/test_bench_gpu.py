@@ -20,7 +20,9 @@ def test_dry_run_checks_every_row_and_exits_zero() -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
-        [sys.executable, "bench/gpu.py", "--dry-run"],
+        # (the attention section: through the session script, below)
+        [sys.executable, "bench/gpu.py", "--dry-run", "--only", "tile", "kernels"]
+        + ["fused_allreduce", "training"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -30,8 +32,10 @@ def test_dry_run_checks_every_row_and_exits_zero() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     for p in PATTERNS:
+        if p.name.startswith("attention"):  # (the attention section's)
+            continue
         assert any(line.startswith("tile") and p.name.split()[0] in line for line in lines), p.name
-    cases = ("attention vs SDPA", "compress", "decompress", "fused pack", "fused unpack")
+    cases = ("compress", "decompress", "fused pack", "fused unpack")
     training = ("@data_parallel", "shard_optimizer", "parallelize tp=1", "parallelize fsdp")
     for case in (*cases, "16 small fp32", *training, "@data_parallel compiled"):
         assert any(case in line for line in lines), case
@@ -80,3 +84,18 @@ def test_the_gpu_sessions_script_runs_its_steps_and_logs_each(tmp_path) -> None:
     assert "kernels: exit 0" in status and "training" not in status  # ONLY: the step asked for
     assert " 0 wrong ==" in (tmp_path / "kernels.txt").read_text()
     assert not (REPO / "macrogen" / "kernels").is_symlink()  # macrogen.kernels resolved as is
+
+
+def test_the_gpu_sessions_attention_step_runs_the_sdpa_comparison(tmp_path) -> None:
+    """The step the next GPU session pastes from: every row it prints, dry here."""
+    proc = _run(
+        ["bash", "bench/gpu_session.sh", str(tmp_path)],
+        {"DRY": "1", "ONLY": "attention", "PYTHON": sys.executable},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "attention: exit 0" in (tmp_path / "status.txt").read_text()
+    lines = (tmp_path / "attention.txt").read_text().splitlines()
+    cases = ("float16 d64 full fwd ", "float16 d64 full fwd+bwd", "bfloat16 d128 causal fwd+bwd")
+    for case in cases:
+        assert any(line.startswith("attention") and case in line for line in lines), case
+    assert lines[-1].endswith(" 4 rows, 0 wrong ==")

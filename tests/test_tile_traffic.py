@@ -43,12 +43,21 @@ def _row(rows: list[dict], pattern: str, n: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    "pattern", ["bias_gelu", "softmax", "online_softmax", "row_sum_max", "rms", "silu_residual"]
+    "pattern",
+    [
+        "bias_gelu",
+        "softmax",
+        "online_softmax",
+        "row_sum_max",
+        "rms",
+        "silu_residual",
+        "batched_gate",
+    ],
 )
 def test_rows_up_to_16k_move_each_byte_once(rows: list[dict], pattern: str) -> None:
     metered = [r for r in rows if r["pattern"] == pattern and not r["looped"]]
     assert metered and max(r["shapes"]["x"][-1] for r in metered) >= 1000
-    if pattern not in ("bias_gelu", "silu_residual"):
+    if pattern not in ("bias_gelu", "silu_residual", "batched_gate"):
         assert any(r["shapes"]["x"][-1] == 16384 for r in metered)
     for r in metered:
         assert r["ratio"] <= 1.05, r
@@ -76,3 +85,27 @@ def test_matmul_loads_within_1_2x_of_its_tiles_ideal(rows: list[dict]) -> None:
     (matmul,) = [r for r in rows if r["pattern"] == "matmul"]
     assert matmul["reuse_ratio"] <= 1.2
     assert matmul["ideal"] == pytest.approx(4 * (64 + 64) / (2 * 64 * 64))
+
+
+@pytest.mark.parametrize("pattern", ["attention", "attention_causal"])
+def test_attention_moves_each_byte_once_forward_and_backward(
+    rows: list[dict], pattern: str
+) -> None:
+    """The forward loads q's tile once and walks the keys it sees (K and V from L2 after the
+    first program); the backward's programs each own a block of keys (dk, dv) or of queries
+    (dq) and read nothing twice: the goals are 1.05 and 1.1, both meter at 1.0."""
+    forward = next(r for r in rows if r["pattern"] == pattern)
+    backward = next(r for r in rows if r["pattern"] == f"{pattern} backward")
+    assert forward["ratio"] <= 1.05, forward
+    assert backward["ratio"] <= 1.1, backward
+    assert forward["shapes"]["q"] == [2, 333, 64 if pattern == "attention" else 128]
+
+
+def test_short_rows_take_two_rows_a_program(rows: list[dict]) -> None:
+    """batched_gate's 4 x 50 rows of 1000: two rows a program (100 programs), not eight; the
+    weight row, read again by each program from L2, stays out of the traffic (1.0)."""
+    gate = _row(rows, "batched_gate", 1000)
+    assert gate["programs"] == 100 and gate["ratio"] == pytest.approx(1.0)
+    # x once, the weight row once a program (from L2), bias and out per row
+    raw = (200 * 1000 + 100 * 1000 + 200 + 200) / (200 * 1000 + 1000 + 50 + 200)
+    assert gate["raw_ratio"] == pytest.approx(raw, rel=1e-6)

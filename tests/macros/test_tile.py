@@ -242,6 +242,66 @@ def test_shapes_and_index_ranges_are_checked_at_run_time(tmp_path) -> None:
         module.shift(out, torch.randn(5), b)
 
 
+def test_an_index_that_python_would_wrap_is_an_expansion_error() -> None:
+    """out[i] = x[i - 1] over range(M) reads x[-1] at i = 0, which Python wraps to the last
+    element; the tiled versions cannot: refused at the index, never a silent difference."""
+    source = """
+    import macrogen as mg
+
+    @mg.tile(i=32)
+    def shift(out, x):
+        (M,) = x.shape
+        for i in range(M):
+            out[i] = x[i - 1]
+    """
+    (error,) = expansion_errors(textwrap.dedent(source))
+    assert error.startswith("test.py:8:20: error: x[i - 1] reads index -1 of dimension 0 of x")
+    assert "Python counts a negative index from the end" in error and "start the loop at 1" in error
+    # from 1 on, the same read is inside the dimension: it expands and matches the loop
+    assert "def _shift_kernel" in _expand(source.replace("range(M)", "range(1, M)"))
+
+
+def test_an_index_past_the_end_of_its_loops_size_is_an_expansion_error() -> None:
+    """x[i + 1] with i up to x.shape[0] - 1: the loop raises IndexError at its last i."""
+    source = """
+    import macrogen as mg
+
+    @mg.tile(i=32, j=32)
+    def diff(out, x):
+        M, N = x.shape
+        for i in range(M):
+            for j in range(1, x.shape[1]):
+                out[i, j] = x[i, j + 1] - x[i, j - 1]
+    """
+    (error,) = expansion_errors(textwrap.dedent(source))
+    assert "x[i, j + 1] reads past the end of dimension 1 of x at the last j (j = N - 1)" in error
+    assert "stop the loop 1 earlier" in error
+    assert "def _diff_kernel" in _expand(source.replace("x.shape[1]", "x.shape[1] - 1"))
+
+
+def test_a_start_known_at_run_time_is_checked_for_negative_indices_there(tmp_path) -> None:
+    module = load_module(
+        _expand(
+            """
+            import macrogen as mg
+
+            @mg.tile(i=32)
+            def shift(out, x, lo):
+                (M,) = x.shape
+                for i in range(lo, M):
+                    out[i] = x[i - 1]
+            """
+        ),
+        "tile_shift_from",
+        tmp_path,
+    )
+    x, out = torch.randn(6), torch.full((6,), float("nan"))
+    module.shift(out, x, 1)
+    torch.testing.assert_close(out[1:], x[:-1])
+    with pytest.raises(ValueError, match="index i - 1 of x is negative for some i in its range"):
+        module.shift(out, x, 0)  # the loop would read x[-1]: refused, not read as x[0] or junk
+
+
 def test_outputs_that_share_memory_with_inputs_are_refused(tmp_path) -> None:
     module = load_module(_expand(SCALE), "tile_scale_alias", tmp_path)
     x = torch.randn(8)
@@ -311,9 +371,10 @@ def test_gathered_indices_are_checked_like_the_loop_would(tmp_path, monkeypatch)
     table, out = torch.randn(5), torch.full((3,), float("nan"))
     module.embed(out, table, torch.tensor([4, 0, 2]))
     assert torch.equal(out, table[[4, 0, 2]])
-    for bad in ([0, 5, 1], [0, -1, 1]):  # too large; negative (the loop would wrap it)
-        with pytest.raises(IndexError, match="an index read from idx leaves dimension 0"):
-            module.embed(out, table, torch.tensor(bad))
+    with pytest.raises(IndexError, match="an index read from idx leaves dimension 0"):
+        module.embed(out, table, torch.tensor([0, 5, 1]))  # the loop raises IndexError too
+    with pytest.raises(ValueError, match="an index read from idx is negative: Python counts it"):
+        module.embed(out, table, torch.tensor([0, -1, 1]))  # the loop would read table[-1]
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the device check, to the dtype checks
     with pytest.raises(ValueError, match="idx indexes other tensors: it must be an int32 or int64"):
         module._embed_triton(out, table, torch.tensor([0.0, 1.0, 2.0]))

@@ -11,6 +11,7 @@ launcher runs on CPU tensors with the kernel replaced by a recorder.
 
 from __future__ import annotations
 
+import os
 import textwrap
 import warnings
 
@@ -48,17 +49,21 @@ class Recorder:
         return lambda *args, **kwargs: self.launches.append((args, kwargs))
 
 
-def launch(module, name: str, args: dict) -> tuple[tuple, dict]:
+def launch(
+    module, name: str, args: dict, kernel: str = "kernel", launcher: str = "triton", *first
+) -> tuple[tuple, dict]:
     """The arguments ``_<name>_triton(**args)`` passes ``_<name>_kernel`` (CPU tensors: the
-    launcher is told it runs under the interpreter, so it takes them)."""
-    kernel, interpreting = getattr(module, f"_{name}_kernel"), module.interpreting
+    launcher is told it runs under the interpreter, so it takes them); ``kernel`` and
+    ``launcher`` name another pair (``backward_kernel``, ``backward_triton``), ``first`` the
+    launcher's leading arguments."""
+    saved, interpreting = getattr(module, f"_{name}_{kernel}"), module.interpreting
     recorder = Recorder()
-    setattr(module, f"_{name}_kernel", recorder)
+    setattr(module, f"_{name}_{kernel}", recorder)
     module.interpreting = lambda: True
     try:
-        getattr(module, f"_{name}_triton")(**args)
+        getattr(module, f"_{name}_{launcher}")(*first, **args)
     finally:
-        setattr(module, f"_{name}_kernel", kernel)
+        setattr(module, f"_{name}_{kernel}", saved)
         module.interpreting = interpreting
     (launched,) = recorder.launches
     return launched
@@ -73,11 +78,16 @@ def _type(value) -> str:
 
 
 def compile_launch(
-    module, name: str, launched: tuple[tuple, dict], target: GPUTarget = TARGET, **overrides
+    module,
+    name: str,
+    launched: tuple[tuple, dict],
+    target: GPUTarget = TARGET,
+    kernel_name: str = "kernel",
+    **overrides,
 ) -> None:
     """Compile ``_<name>_kernel`` with what its launcher passed (``overrides``: meta-parameters
     the launcher chooses from sizes these inputs do not have, as 64-bit offsets)."""
-    kernel = getattr(module, f"_{name}_kernel")
+    kernel = getattr(module, f"_{name}_{kernel_name}")
     args, kwargs = launched
     constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
     constexprs.update(overrides)
@@ -166,3 +176,73 @@ def test_persistent_variant_at_its_longest_row_compiles_for_sm90(name: str, tmp_
     assert kwargs["PERSISTENT"] and kwargs["BLOCK_I"] == 1 and kwargs["BLOCK_J"] == 16384
     assert kwargs["num_warps"] == 16
     compile_launch(module, name, launched)
+
+
+def attention_launches(name: str, config: dict | None, dtype: str, head: int, tmp_path):
+    """(module, forward launch, backward launch) of a bench/tile.py attention pattern at
+    ``config`` (its tunables' values; None: the defaults), 2 x 200 queries and keys."""
+    from bench.tile import _attention_shapes
+
+    (p,) = [p for p in PATTERNS if p.name.split()[0] == name]
+    tuning = {f"{name}.{k}": v for k, v in (config or {}).items()}
+    code = expand_source(HEADER + textwrap.dedent(p.source), path=f"{name}.py", tuning=tuning).code
+    tag = "_".join(map(str, (config or {}).values()))
+    module = load_module(code, f"tile_compile_{name}_{dtype}_{head}_{tag}", tmp_path)
+    args = inputs(_attention_shapes(2, 200, head), dtype=DTYPES[dtype])
+    forward = launch(module, name, args)
+    lse, dout = torch.zeros(2, 200), torch.zeros_like(args["out"])
+    backward = launch(module, name, args, "backward_kernel", "backward_triton", dout, lse)
+    return module, forward, backward
+
+
+@pytest.mark.parametrize(
+    "name, dtype, head, target",
+    [("attention", "fp16", 128, TARGET), ("attention_causal", "bf16", 64, A100)],
+    ids=["fp16-d128-full-sm90", "bf16-d64-causal-sm80"],
+)
+def test_attention_forward_and_backward_compile(name, dtype, head, target, tmp_path) -> None:
+    """The benchmark's attention kernels at their default tiles: both dtypes, head dimensions,
+    masks and targets once (the whole product: test_attention_kernels_compile_matrix)."""
+    module, forward, backward = attention_launches(name, None, dtype, head, tmp_path)
+    assert forward[1]["HEAD_K"] == head and backward[1]["HEAD_E"] == head
+    compile_launch(module, name, forward, target)
+    compile_launch(module, name, backward, target, "backward_kernel")
+
+
+@pytest.mark.skipif(
+    not os.environ.get("TILE_COMPILE_ALL"),
+    reason="minutes of compiles: TILE_COMPILE_ALL=1 runs the whole product (bench/RESULTS.md)",
+)
+@pytest.mark.timeout(3600)  # (4 compiles a test; minutes each on shared cores)
+@pytest.mark.parametrize("target", [TARGET, A100], ids=["sm90", "sm80"])
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["attention", "attention_causal"])
+def test_attention_kernels_compile_matrix(name, dtype, head, target, tmp_path) -> None:
+    """Every configuration bench/gpu.py times (ATTENTION_CONFIGS), forward and backward."""
+    from bench.gpu_attention import ATTENTION_CONFIGS
+
+    for config in ATTENTION_CONFIGS:
+        module, forward, backward = attention_launches(name, config, dtype, head, tmp_path)
+        assert forward[1]["num_warps"] == config["num_warps"]
+        assert backward[1]["num_warps"] == config["backward_warps"]
+        compile_launch(module, name, forward, target)
+        compile_launch(module, name, backward, target, "backward_kernel")
+
+
+def test_short_rows_are_two_to_a_program_at_four_warps(tmp_path) -> None:
+    """batched_gate on the GPU (64 x 4096 rows of 1024): 2 rows a program at 4 warps, where the
+    launcher used to pack 8 rows at 16 warps (every row's sum across warps: 72 shuffles and 9
+    barriers in the sm_90 PTX, against 15 and 1 now); rows of 4096 stay 2 at 16 warps."""
+    (p,) = [p for p in PATTERNS if p.name.startswith("batched_gate")]
+    code = expand_source(HEADER + textwrap.dedent(p.source), path="gate.py").code
+    module = load_module(code, "tile_compile_gate_rows", tmp_path)
+    args = inputs({"out": (4, 64), "x": (4, 64, 1024), "w": (1024,), "bias": (64,)})
+    kwargs = launch(module, "batched_gate", args)[1]
+    assert kwargs["PERSISTENT"] and kwargs["BLOCK_B"] * kwargs["BLOCK_I"] == 2
+    assert kwargs["BLOCK_J"] == 1024 and kwargs["num_warps"] == 4
+    (rms,) = [p for p in PATTERNS if p.name == "rms"]
+    code = expand_source(HEADER + textwrap.dedent(rms.source), path="rms.py").code
+    module = load_module(code, "tile_compile_rms_rows", tmp_path)
+    kwargs = launch(module, "rms", inputs({"out": (8, 4096), "x": (8, 4096), "w": (4096,)}))[1]
+    assert kwargs["BLOCK_I"] == 2 and kwargs["num_warps"] == 16

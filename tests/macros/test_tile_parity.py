@@ -16,20 +16,43 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_interpreted
-from tests.macros.tile_cases import CASES, RANDOM_CASES, WIDE_CASES, compare, modules
+from tests.macros.tile_cases import (
+    ATTENTION_GRADS,
+    CASES,
+    RANDOM_CASES,
+    WIDE_CASES,
+    attention_name,
+    compare,
+    modules,
+)
+
+# The interpreter's cases take about 65 s of CPU (the attention part 30 s), all in the first
+# test's setup: on a shared machine under load that is several minutes of wall time.
+pytestmark = pytest.mark.timeout(900)
 
 NAMES = [case.name for case in CASES]
 WIDE = [f"{name}@int64" for name in WIDE_CASES]
 LOOPED = [f"{name}@looped" for name in NAMES]  # _<name>_persistent_max = 0: rows a tile at a time
+GRADS = [f"{attention_name(*case)}@grad" for case in ATTENTION_GRADS]
+
+
+def _interpret(directory: Path, part: str) -> dict:
+    # (wall time: on a shared machine under load it is several times the CPU time)
+    proc = run_interpreted("tests.macros.tile_interpret", str(directory), part, timeout=840)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Each case's result from the Triton interpreter: None when it matches the loop."""
-    directory = tmp_path_factory.mktemp("tile_interpret")
-    proc = run_interpreted("tests.macros.tile_interpret", str(directory))
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+    return _interpret(tmp_path_factory.mktemp("tile_interpret"), "cases")
+
+
+@pytest.fixture(scope="module")
+def gradients(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The attention kernels' forward and backward from the interpreter: None when they match."""
+    return _interpret(tmp_path_factory.mktemp("tile_attention"), "attention")
 
 
 @pytest.mark.parametrize("name", NAMES + WIDE + LOOPED)
@@ -46,6 +69,14 @@ def test_triton_kernel_matches_loop_on_random_bodies(interpreted: dict) -> None:
     assert len(random) == 2 * RANDOM_CASES  # each also @looped
     failures = [result for result in random.values() if result is not None]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", GRADS)
+def test_attention_kernels_forward_and_backward_match_float64(name: str, gradients: dict) -> None:
+    """The autograd function with its kernels (2 x 70 queries, 90 keys, 32-tiles; NaN-poisoned
+    out): out, dq, dk and dv in float32, float16 and bfloat16, head dimensions 64 and 128,
+    causal and not."""
+    assert gradients[name] is None, gradients[name]
 
 
 @pytest.mark.parametrize("name", NAMES)

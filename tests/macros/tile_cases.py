@@ -508,6 +508,89 @@ CASES = [
         rtol=1e-4,
         atol=1e-4,
     ),
+    # a causal mask (if j <= i in each pass) over a batch loop: M != N, two tiles of queries
+    # and of keys, so that the kernel has whole steps, steps across the diagonal and skipped ones
+    Case(
+        "flash_causal",
+        """
+        @mg.tile(i=16, j=16)
+        def flash_causal(out, q, kk, v, scale):
+            B, M, D = q.shape
+            _, N, E = v.shape
+            for b in range(B):
+                for i in range(M):
+                    for e in range(E):
+                        m = float("-inf")
+                        for j in range(N):
+                            s = 0.0
+                            for k in range(D):
+                                s += q[b, i, k] * kk[b, j, k]
+                            if j <= i:
+                                m = max(m, s * scale)
+                        l = 0.0
+                        for j in range(N):
+                            s = 0.0
+                            for k in range(D):
+                                s += q[b, i, k] * kk[b, j, k]
+                            if j <= i:
+                                l += torch.exp(s * scale - m)
+                        acc = 0.0
+                        for j in range(N):
+                            s = 0.0
+                            for k in range(D):
+                                s += q[b, i, k] * kk[b, j, k]
+                            if j <= i:
+                                acc += torch.exp(s * scale - m) * v[b, j, e]
+                        out[b, i, e] = acc / l
+        """,
+        {  # (the loop's cost is B * M * E * N * D per pass)
+            "out": ("nan", (2, 21, 4)),
+            "q": ("randn", (2, 21, 3)),
+            "kk": ("randn", (2, 27, 3)),
+            "v": ("randn", (2, 27, 4)),
+            "scale": 0.4,
+        },
+        rtol=1e-4,
+        atol=1e-4,
+    ),
+    # bfloat16 operands for both tl.dots, checked with the interpreter's dot reading them as
+    # numbers (macrogen.macros.tile.interpret.faithful_bf16_dot: triton#11584)
+    Case(
+        "flash_bf16",
+        """
+        @mg.tile(i=16, j=16)
+        def flash_bf16(out, q, kk, v):
+            M, D = q.shape
+            N, E = v.shape
+            for i in range(M):
+                for e in range(E):
+                    m = float("-inf")
+                    l = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        m_new = max(m, s * 0.25)
+                        l = l * torch.exp(m - m_new) + torch.exp(s * 0.25 - m_new)
+                        m = m_new
+                    acc = 0.0
+                    for j in range(N):
+                        s = 0.0
+                        for k in range(D):
+                            s += q[i, k] * kk[j, k]
+                        acc += torch.exp(s * 0.25 - m) * v[j, e]
+                    out[i, e] = acc / l
+        """,
+        {
+            "out": ("nan", (17, 3)),
+            "q": ("randn", (17, 4)),
+            "kk": ("randn_t", (33, 4)),
+            "v": ("randn", (33, 3)),
+        },
+        rtol=2e-2,
+        atol=2e-2,
+        dtype=torch.bfloat16,
+    ),
     Case(
         "scores_softmax",
         """
@@ -683,7 +766,101 @@ CASES = [
 
 
 # kernels the interpreter also runs with 64-bit offsets forced on (tile_interpret.py)
-WIDE_CASES = ("gather", "attention", "flash_attention", "strided_matmul", "scores_softmax")
+WIDE_CASES = (
+    "gather",
+    "attention",
+    "flash_attention",
+    "flash_causal",
+    "strided_matmul",
+    "scores_softmax",
+)
+
+
+# -- the attention nest's gradients: the kernels' forward and backward against float64 ---------
+ATTENTION = """
+@mg.tile(i=32, j=32, backward_block=32, backward_step=16)
+def {name}(out, q, kk, v, scale):
+    B, M, D = q.shape
+    _, N, E = v.shape
+    for b in range(B):
+        for i in range(M):
+            for e in range(E):
+                m = float("-inf")
+                for j in range(N):
+                    s = 0.0
+                    for k in range(D):
+                        s += q[b, i, k] * kk[b, j, k]
+                    {mask}m = max(m, s * scale)
+                l = 0.0
+                for j in range(N):
+                    s = 0.0
+                    for k in range(D):
+                        s += q[b, i, k] * kk[b, j, k]
+                    {mask}l += torch.exp(s * scale - m)
+                acc = 0.0
+                for j in range(N):
+                    s = 0.0
+                    for k in range(D):
+                        s += q[b, i, k] * kk[b, j, k]
+                    {mask}acc += torch.exp(s * scale - m) * v[b, j, e]
+                out[b, i, e] = acc / l
+"""
+# (causal, head dimension, dtype): ragged sizes (2 x 70 queries, 90 keys) against 32-tiles
+ATTENTION_GRADS = [
+    (causal, head, dtype)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    for head in (64, 128)
+    for causal in (False, True)
+]
+# measured: 3e-7, 5e-4 and 1.2e-2 (bfloat16: p rounded to 8 bits for p @ v, as FlashAttention does)
+ATTENTION_TOLERANCE = {torch.float32: 2e-6, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+
+
+def attention_name(causal: bool, head: int, dtype: torch.dtype) -> str:
+    return f"attention_{'causal' if causal else 'full'}_{head}_{str(dtype).split('.')[-1]}"
+
+
+def attention_source(name: str, causal: bool) -> str:
+    mask = "if j <= i:\n                        " if causal else ""
+    return HEADER + ATTENTION.format(name=name, mask=mask)
+
+
+def attention_reference(q, kk, v, scale: float, causal: bool):
+    """softmax(q kk^T * scale, masked) v in float64: what the nest computes."""
+    z = q.double() @ kk.double().mT * scale
+    if causal:
+        keys = torch.arange(z.shape[-1])[None, :] > torch.arange(z.shape[-2])[:, None]
+        z = z.masked_fill(keys, float("-inf"))
+    return z.softmax(dim=-1) @ v.double()
+
+
+def attention_gradients(
+    module, name: str, causal: bool, head: int, dtype: torch.dtype
+) -> str | None:
+    """Run the expanded nest with q, kk and v requiring grad (the autograd function: the kernels
+    when ``module.use_triton`` says so), backward from a random dout; a message when out or a
+    gradient differs from float64 by more than the dtype's tolerance (relative to its largest
+    value), None when all agree. out starts as NaN: every element must be written."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"q": (2, 70, head), "kk": (2, 90, head), "v": (2, 90, head)}
+    leaves = {
+        k: torch.randn(s, generator=gen).to(dtype).requires_grad_() for k, s in shapes.items()
+    }
+    scale = head**-0.5
+    out = torch.full((2, 70, head), float("nan"), dtype=dtype)
+    getattr(module, name)(out, leaves["q"], leaves["kk"], leaves["v"], scale)
+    dout = torch.randn(out.shape, generator=gen).to(dtype)
+    out.backward(dout)
+    refs = {k: t.detach().double().requires_grad_() for k, t in leaves.items()}
+    want = attention_reference(refs["q"], refs["kk"], refs["v"], scale, causal)
+    want.backward(dout.double())
+    pairs = [("out", out.detach(), want.detach())]
+    pairs += [(f"d{k}", leaves[k].grad, refs[k].grad) for k in leaves]
+    for label, got, expected in pairs:
+        error = ((got.double() - expected).abs().max() / expected.abs().max()).item()
+        if not error <= ATTENTION_TOLERANCE[dtype]:
+            return f"{name}: {label} is {error:.2e} off float64 (relative to its largest value)"
+    return None
 
 
 # -- random bodies: the hypothesis test (torch path) and the interpreter run (kernel) ----------

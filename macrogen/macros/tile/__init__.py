@@ -41,18 +41,21 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from macrogen.macro import Context, Expanded, Form, MacroError, Site, render, render_statements
+from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, render, render_statements
 from macrogen.macros.tile import flash
-from macrogen.macros.tile.analysis import analyze, is_docstring, words
+from macrogen.macros.tile.analysis import analyze, words
 from macrogen.macros.tile.checks import alias_checks, index_checks
-from macrogen.macros.tile.code import parse
+from macrogen.macros.tile.code import Parsed, parse
 from macrogen.macros.tile.constraints import block_shape, too_big
 from macrogen.macros.tile.constraints import (
     tuning_constraint as tuning_constraint,  # autotune's hook
 )
+from macrogen.macros.tile.flash_output import FlashOutput
+from macrogen.macros.tile.flash_output import Options as FlashOptions
 from macrogen.macros.tile.ir import InnerLoop, Load, Nest
 from macrogen.macros.tile.kernel import (
     PERSISTENT_MAX,
+    PERSISTENT_ROWS,
     PERSISTENT_TILE,
     KernelEmitter,
     persistent_ok,
@@ -60,19 +63,17 @@ from macrogen.macros.tile.kernel import (
 from macrogen.macros.tile.kernel import flat as _flat
 from macrogen.macros.tile.names import LoopBounds, Namer, Names, loads_in, make_names
 from macrogen.macros.tile.steps import Branch, Step
-from macrogen.macros.tile.torch_path import (
-    BLOCK_ELEMENTS,
-    MIN_BLOCK_ROWS,
-    TorchEmitter,
-    row_blocks,
-    sharing,
-)
+from macrogen.macros.tile.syntax import is_docstring
+from macrogen.macros.tile.torch_layout import BLOCK_ELEMENTS, MIN_BLOCK_ROWS, row_blocks
+from macrogen.macros.tile.torch_path import TorchEmitter, sharing
 
 NAME = "tile"
 FORMS: frozenset[Form] = frozenset({"decorator"})
 USAGE = "@tile(i=64, j=64) decorates a function whose body is a loop nest over range(...)"
 
 OPTIONS = {"num_warps": 4, "num_stages": 2, "dot_precision": "torch", "group_size": 8}
+# the attention nest's backward kernel (flash_output.py): its own blocks, warps and stages
+BACKWARD = {"backward_block": 64, "backward_step": 32, "backward_warps": 4, "backward_stages": 2}
 # "torch": TF32 only where torch.backends.cuda.matmul.allow_tf32 allows it (off by default),
 # so that an fp32 matmul keeps fp32 semantics unless the user opts in, here or in torch
 DOT_PRECISIONS = ("torch", "ieee", "tf32", "tf32x3")
@@ -91,6 +92,7 @@ class Spec:
         8  # a matmul's row tiles that walk the columns together (L2 reuse); 1: row-major
     )
     words: frozenset[str] = frozenset()  # the function's identifier-like words (analysis.words)
+    backward: tuple[int, int, int, int] = tuple(BACKWARD.values())  # type: ignore[assignment]
 
     @property
     def tile(self) -> dict[str, int]:
@@ -98,8 +100,11 @@ class Spec:
 
 
 def default_tile(nest: Nest) -> int:
-    """About a thousand elements per tile: 1024, 32x32, 16x16x16, 8x8x8x8 (32 each for a tl.dot)."""
-    if nest.dot is not None or flash.match(nest) is not None:
+    """About a thousand elements per tile: 1024, 32x32, 16x16x16, 8x8x8x8 (32 each for a tl.dot;
+    64 for the attention nest, whose kernel holds 2-D blocks of queries and keys)."""
+    if flash.match(nest) is not None:
+        return 64
+    if nest.dot is not None:
         return 32
     return {1: 1024, 2: 32, 3: 16, 4: 8}.get(nest.rank, 4)
 
@@ -116,13 +121,21 @@ def validate(site: Site, ctx: Context) -> Spec:
         dict.fromkeys([g.var for g in nest.grid] + [s.loop.var for s in nest.all_inner_loops])
     )
     for var in variables:
-        if var in OPTIONS:
+        if var in OPTIONS or var in BACKWARD:
             raise MacroError(
                 f"name the loop variable something other than {var!r}: it is a tile() option",
                 site.original,
             )
     default = default_tile(nest)
-    args = site.args.bind({**{v: default for v in variables}, **OPTIONS})
+    attention = flash.match(nest)
+    for option, arg in site.args.keywords.items():
+        if option in BACKWARD and attention is None:
+            raise MacroError(
+                f"{option} is an option of the attention nest's backward kernel; this nest has none",
+                arg.node,
+            )
+    backward_options = BACKWARD if attention is not None else {}
+    args = site.args.bind({**{v: default for v in variables}, **OPTIONS, **backward_options})
     tiles = {}
     for var in variables:
         value = args[var].value if var in args else default
@@ -165,9 +178,42 @@ def validate(site: Site, ctx: Context) -> Spec:
         raise MacroError(
             f"group_size must be a positive integer, not {group!r}", args["group_size"].node
         )
+    backward = _backward_options(args)
     return Spec(
-        nest, tuple(tiles.items()), num_warps, num_stages, precision, group, frozenset(taken)
+        nest,
+        tuple(tiles.items()),
+        num_warps,
+        num_stages,
+        precision,
+        group,
+        frozenset(taken),
+        backward,
     )
+
+
+def _backward_options(args: dict[str, Arg]) -> tuple[int, int, int, int]:
+    """The attention backward's blocks, step, warps and stages, checked."""
+    values = []
+    for option, default in BACKWARD.items():
+        if option not in args:
+            values.append(default)
+            continue
+        value, node = args[option].value, args[option].node
+        if option == "backward_stages":
+            ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 8
+            want = "an integer from 1 to 8"
+        elif option == "backward_warps":
+            ok = value in (1, 2, 4, 8, 16, 32) and not isinstance(value, bool)
+            want = "a power of two from 1 to 32"
+        else:  # a tl.dot dimension
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 16
+            ok = ok and value & (value - 1) == 0
+            want = "a power of two of at least 16 (a tl.dot dimension)"
+        if not ok:
+            raise MacroError(f"{option} must be {want}, not {value!r}", node)
+        values.append(value)
+    block, step, warps, stages = values
+    return block, step, warps, stages
 
 
 def kernel_nest(nest: Nest, tiles: dict[str, int]) -> Nest:
@@ -190,9 +236,14 @@ def expand(site: Site, ctx: Context) -> Expanded:
         raise MacroError("an @tile function needs at least one tensor parameter", site.original)
     out = _Output(spec, site, ctx)
     helpers = [out.shapes()]
-    if out.kernel_wanted:
+    if out.attention is not None and out.flash:
+        helpers += [out.attention.kernel(), out.attention.backward_kernel()]
+        helpers.append(out.attention.launchers())
+    elif out.kernel_wanted:
         helpers += [out.kernel(), out.launcher()]
     helpers.append(out.torch_path())
+    if out.attention is not None:
+        helpers.append(out.attention.autograd())
     return Expanded([out.function()], helpers=tuple(helpers))
 
 
@@ -212,18 +263,20 @@ class _Output:
                 self.mods[name] = ctx.import_from(runtime, name)
         self.names = make_names(self.nest, set(spec.words) | set(self.mods.values()))
         base = self.nest.name.strip("_") or "tile"
-        self.fns = {
-            kind: ctx.names.fresh(f"_{base}_{suffix}")
-            for kind, suffix in (
-                ("shapes", "shapes"),
-                ("kernel", "kernel"),
-                ("launcher", "triton"),
-                ("torch_fn", "torch"),
-                ("torch_block", "torch_block"),
-                ("persistent_max", "persistent_max"),
-            )
-            if self.kernel_wanted or kind in ("shapes", "torch_fn", "torch_block")
-        }
+        # the attention nest: differentiable (an autograd function), and with tiles tl.dot
+        # takes, FlashAttention kernels (flash.py, flash_output.py)
+        matched = flash.match(self.nest)
+        self.flash = flash.wanted(self.nest, spec.tile) if self.kernel_wanted else None
+        kinds = [("shapes", "shapes"), ("torch_fn", "torch"), ("torch_block", "torch_block")]
+        if self.kernel_wanted:
+            kinds += [("kernel", "kernel"), ("launcher", "triton")]
+            kinds += [("persistent_max", "persistent_max")] if not self.flash else []
+        if self.flash:
+            kinds += [("launch", "launch"), ("backward_kernel", "backward_kernel")]
+            kinds += [("backward_launcher", "backward_triton")]
+        if matched:
+            kinds += [("backward_torch", "backward_torch"), ("autograd", "autograd")]
+        self.fns = {kind: ctx.names.fresh(f"_{base}_{suffix}") for kind, suffix in kinds}
         self.bounds = list(dict.fromkeys(self.names.bounds.values()))
         results = [s.name for s in self.nest.sizes] + [x for b in self.bounds for x in (b.lo, b.hi)]
         self.common = {
@@ -234,8 +287,6 @@ class _Output:
             **self.fns,
         }
         self.kernel_nest = kernel_nest(self.nest, spec.tile)
-        # the attention nest with tiles tl.dot takes: a FlashAttention kernel (flash.py)
-        self.flash = flash.wanted(self.nest, spec.tile) if self.kernel_wanted else None
         self.dot_precision = (
             self.names.namer("DOT_PRECISION")
             if self.kernel_nest.dot is not None or self.flash
@@ -244,9 +295,37 @@ class _Output:
         self.group = self.names.namer("GROUP_SIZE") if self.kernel_nest.dot is not None else ""
         self.persistent = (
             self.names.namer("PERSISTENT")
-            if self.kernel_wanted and persistent_ok(self.kernel_nest)
+            if self.kernel_wanted and persistent_ok(self.kernel_nest) and not self.flash
             else ""
         )
+        self.attention = (
+            FlashOutput(
+                matched,
+                self.nest,
+                self.names,
+                self.mods,
+                self.fns,
+                self.common,
+                FlashOptions(
+                    spec.tile[matched.query.var],
+                    spec.tile[matched.keys.var],
+                    spec.num_warps,
+                    spec.num_stages,
+                    *spec.backward,
+                ),
+                self.dot_precision or self.names.namer("DOT_PRECISION"),
+                self._precision(),
+            )
+            if matched
+            else None
+        )
+
+    def _precision(self) -> Parsed:
+        """The launch argument of DOT_PRECISION: "torch" follows torch's allow_tf32."""
+        if self.spec.dot_precision == "torch":
+            allow = f"{self.mods['torch']}.backends.cuda.matmul.allow_tf32"
+            return parse(f'"tf32" if {allow} else "ieee"')
+        return parse(repr(self.spec.dot_precision))
 
     def _tensor(self, t: str, ndim: int) -> dict[str, object]:
         first = self.first
@@ -275,8 +354,7 @@ class _Output:
 
     def kernel(self) -> str:
         names = self.names.fork()
-        grid_nest = dataclasses.replace(self.nest, body=()) if self.flash else self.kernel_nest
-        emitter = KernelEmitter(grid_nest, names, self.mods["tl"], self.dot_precision)
+        emitter = KernelEmitter(self.kernel_nest, names, self.mods["tl"], self.dot_precision)
         pid = names.namer("pid")
         grouped = self.kernel_nest.dot is not None and self.spec.group_size > 1
         return render(
@@ -293,11 +371,7 @@ class _Output:
             grouping=emitter.grouping,
             group=self.group if grouped else "",
             wide=self.names.wide,
-            steps=(
-                flash.FlashEmitter(self.flash, names, self.mods["tl"], self.dot_precision).steps()
-                if self.flash
-                else self._kernel_steps(emitter, names)
-            ),
+            steps=self._kernel_steps(emitter, names),
             persistent=self.persistent,
             **self.common,
         )
@@ -381,6 +455,7 @@ class _Output:
             "knob": self.fns["persistent_max"],
             "max": PERSISTENT_MAX,
             "tile": PERSISTENT_TILE,
+            "max_rows": PERSISTENT_ROWS,
             "flag": self.persistent,
             "flag_local": flag,
             "warps": warps,
@@ -396,9 +471,6 @@ class _Output:
 
     def _dot_operands(self) -> list[str]:
         """The tensors a tl.dot reads in their own dtype (both plain loads), else none."""
-        if self.flash:
-            pair = [self.flash.q.tensor_name, self.flash.kk.tensor_name]
-            return pair if pair[0] != pair[1] else []
         dot = self.kernel_nest.dot
         if dot is None or not (isinstance(dot.left, Load) and isinstance(dot.right, Load)):
             return []
@@ -406,6 +478,8 @@ class _Output:
         return pair if pair[0] != pair[1] else []
 
     def torch_path(self) -> str:
+        if self.attention is not None:  # eager softmax attention (flash_output.py)
+            return self.attention.torch_path()
         torch = self.mods["torch"]
         shared = sharing(self.nest, self.names, torch)
         names = self.names.fork()
@@ -440,6 +514,9 @@ class _Output:
             params=self.nest.params,
             launcher=self.fns.get("launcher", ""),
             torch_fn=self.fns["torch_fn"],
+            autograd=self.fns.get("autograd", ""),
+            torch=self.mods["torch"],
+            tensors=[t for t, _ in self.nest.tensors],
         )
         docstring = [s for s in _block(fn)[:1] if is_docstring(s)]
         return fn.with_changes(body=cst.IndentedBlock([*docstring, *body]))

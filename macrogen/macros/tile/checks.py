@@ -33,26 +33,39 @@ def index_checks(nest: Nest, names: Names) -> list[dict[str, object]]:
     loops = {g.var: g for g in nest.grid}
     _visit(nest.body, loops, accesses, gathers)
     checks: list[dict[str, object]] = []
+    negative: set[tuple[Loop, int]] = set()
     for tensor, d, loop, offset, var in accesses:
         size = f"{tensor}.shape[{d}]"
         if loop is None:
             checks.append(
                 {
                     "test": parse(f"{offset} >= {size}"),
+                    "error": "IndexError",
                     "message": f"index {offset} is out of range for dimension {d} of {tensor}",
                 }
             )
             continue
         b = names.bounds[loop]
         term = var if offset == 0 else f"{var} {'+' if offset > 0 else '-'} {abs(offset)}"
+        # a start known at expansion leaves no negative index (the analysis refuses one that
+        # would); one known at run time is checked once per (loop, offset)
+        if loop.start.size is not None and (loop, offset) not in negative:
+            negative.add((loop, offset))
+            checks.append(
+                {
+                    "test": parse(f"{b.lo} < {b.hi} and {plus(name(b.lo), offset)} < 0"),
+                    "error": "ValueError",
+                    "message": f"index {term} of {tensor} is negative for some {var} in its range:"
+                    " Python counts a negative index from the end of the dimension, @tile does"
+                    " not wrap it; start the loop where the index is 0 or more",
+                }
+            )
         checks.append(
             {
-                "test": parse(
-                    f"{b.lo} < {b.hi} and ({plus(name(b.lo), offset)} < 0"
-                    f" or {plus(name(b.hi), offset)} > {size})"
-                ),
+                "test": parse(f"{b.lo} < {b.hi} and {plus(name(b.hi), offset)} > {size}"),
+                "error": "IndexError",
                 "message": f"{tensor}: index {term} leaves dimension {d} for some {var} in its range"
-                " (the loop would raise IndexError; negative indices do not wrap here)",
+                " (the loop would raise IndexError)",
             }
         )
     for tensor, d, index, scope in gathers:
@@ -68,11 +81,18 @@ def index_checks(nest: Nest, names: Names) -> list[dict[str, object]]:
         values = f"{index.tensor_name}[{', '.join(subs)}]"
         checks.append(
             {
-                "test": parse(
-                    f"{values}.numel() and ({values}.min() < 0 or {values}.max() >= {tensor}.shape[{d}])"
-                ),
+                "test": parse(f"{values}.numel() and {values}.min() < 0"),
+                "error": "ValueError",
+                "message": f"{tensor}: an index read from {index.tensor_name} is negative: Python"
+                f" counts it from the end of dimension {d}, @tile does not wrap it",
+            }
+        )
+        checks.append(
+            {
+                "test": parse(f"{values}.numel() and {values}.max() >= {tensor}.shape[{d}]"),
+                "error": "IndexError",
                 "message": f"{tensor}: an index read from {index.tensor_name} leaves dimension {d}"
-                " (the loop would raise IndexError; negative indices do not wrap here)",
+                " (the loop would raise IndexError)",
             }
         )
     return checks

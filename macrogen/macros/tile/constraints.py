@@ -38,20 +38,44 @@ def too_big(shape: list[int]) -> str | None:
     )
 
 
-OPTIONS = frozenset({"num_warps", "num_stages", "dot_precision", "group_size"})  # not tile sizes
+# arguments that are not tile sizes
+OPTIONS = frozenset(
+    {
+        "num_warps",
+        "num_stages",
+        "dot_precision",
+        "group_size",
+        "backward_block",
+        "backward_step",
+        "backward_warps",
+        "backward_stages",
+    }
+)
 
 
 def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
-    """On CUDA, the site's tile sizes must fit in one Triton block (the CPU path is torch)."""
-    tiles = [
-        v
-        for k, v in arguments.items()
-        if k not in OPTIONS and isinstance(v, int) and not isinstance(v, bool)
-    ]
+    """On CUDA, a candidate whose tiles no kernel can hold (the CPU path is torch).
+
+    The constraint sees the site's arguments, not its loop nest, and which tiles share a
+    block depends on the nest: an elementwise kernel's block is the product of its grid's
+    tiles and one per level of inner loops, a tl.dot's and the attention kernel's are 2-D
+    (64x64 each for ``@tile(i=64, e=64, j=64, k=64)``, not one 64^4 block). So it refuses
+    what every kernel would: two tiles whose product is past Triton's block; expansion
+    checks the nest's own block (autotune records a candidate past it as a failed
+    expansion)."""
+    tiles = sorted(
+        (
+            v
+            for k, v in arguments.items()
+            if k not in OPTIONS and isinstance(v, int) and not isinstance(v, bool)
+        ),
+        reverse=True,
+    )
     if env.target != "cuda" or not tiles:
         return None
-    numel = math.prod(tiles)
+    widest = tiles[:2]
+    numel = math.prod(widest)
     if numel <= MAX_TILE_ELEMENTS:
         return None
-    shape = "x".join(map(str, tiles))
+    shape = "x".join(map(str, widest))
     return f"a {shape} tile has {numel} elements, more than Triton's {MAX_TILE_ELEMENTS}"

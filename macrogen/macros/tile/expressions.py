@@ -1,7 +1,7 @@
-"""How ``@tile`` reads expressions: loads, arithmetic and calls into IR nodes (tile_ir.py).
+"""How ``@tile`` reads expressions: loads, arithmetic and calls into IR nodes (ir.py).
 
 ``ExpressionReader`` is the expression half of the analysis in
-tile_analysis.py; it reads the analysis' tables of what names mean (``params``,
+analysis.py; it reads the analysis' tables of what names mean (``params``,
 ``sizes``, ``ndim``, ``scalars``, ``loop_vars``, ``outputs``, ``constants``)
 and records tensors and scalars as it meets them.
 """
@@ -15,7 +15,19 @@ from typing import Any
 import libcst as cst
 
 from macrogen.macro import MacroError, evaluated, find
-from macrogen.macros.tile.ir import Binary, Call, Const, Expr, Index, Load, Name, Size, Unary, Var
+from macrogen.macros.tile.ir import (
+    Binary,
+    Call,
+    Const,
+    Expr,
+    Index,
+    Load,
+    Loop,
+    Name,
+    Size,
+    Unary,
+    Var,
+)
 
 _UNARY_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs")
 _TORCH_FUNCTIONS = {f: f for f in (*_UNARY_FUNCTIONS, "where")} | {
@@ -71,6 +83,14 @@ class ExpressionReader:
     index_tensors: set[str]
     value_tensors: set[str]
     constants: Mapping[str, Any]
+    loops: dict[str, Loop]  # loop variable -> the loop that binds it where it is read
+
+    def _index_in_range(
+        self, subscript: cst.Subscript, dim: int, index: Index, node: cst.CSTNode
+    ) -> None:
+        """Refuse an index the analysis can tell leaves its dimension (the analysis knows the
+        loops' ranges and the sizes)."""
+        raise NotImplementedError
 
     def _use_tensor(self, tensor: str, ndim: int, node: cst.CSTNode) -> None:
         """Record ``tensor``'s rank (the analysis checks it against its other uses)."""
@@ -230,8 +250,9 @@ class ExpressionReader:
             )
         mine.add(tensor)
         index = []
-        for el in node.slice:
+        for dim, el in enumerate(node.slice):
             index.append(self._index(el, scope, nested=as_index))
+            self._index_in_range(node, dim, index[-1], el)
         used = [i.var for i in index if i.var is not None]
         if len(set(used)) != len(used):
             raise MacroError("a loop variable may index only one dimension of a load", node)

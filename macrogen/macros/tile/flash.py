@@ -1,22 +1,27 @@
-"""The two-level attention nest as a FlashAttention kernel: ``tl.dot`` over tiles of keys.
+"""The attention nest, recognised: what its FlashAttention kernels (flash_output.py) need to know.
 
-The nest (docs/tile.md, *Two levels*) computes a row's scores three times, one
-pass each for the max, the sum and the weighted sum of ``v``. Recognised here in
-exactly that shape::
+The nest (docs/tile.md, *Attention*) computes a row's scores once per pass: the
+max, the sum and the weighted sum of ``v`` (three passes), or an online softmax
+and the weighted sum (two). Recognised here in exactly that shape::
 
-    m = float("-inf")
-    for j: s = 0.0; for k: s += q[i, k] * kk[j, k];  m = max(m, f(s))
-    l = 0.0
-    for j: s = 0.0; for k: s += q[i, k] * kk[j, k];  l += exp(f(s) - m)
-    acc = 0.0
-    for j: s = 0.0; for k: s += q[i, k] * kk[j, k];  acc += exp(f(s) - m) * v[j, e]
-    out[i, e] = acc / l
+    for b in range(B):                 # optional: one program per batch (x head) element
+      for i in range(M):               # queries
+        for e in range(E):             # out's columns
+            m = float("-inf")
+            for j: s = 0.0; for k: s += q[b, i, k] * kk[b, j, k];  if j <= i: m = max(m, f(s))
+            l = 0.0
+            for j: s = 0.0; for k: s += q[b, i, k] * kk[b, j, k];  if j <= i: l += exp(f(s) - m)
+            acc = 0.0
+            for j: s = 0.0; for k: ...;  if j <= i: acc += exp(f(s) - m) * v[b, j, e]
+            out[b, i, e] = acc / l
 
-(``f`` reads ``s``, scalars, sizes and numbers: ``s * scale``), the kernel is
-one pass over the keys: per tile of keys, the scores ``q @ kk.T`` as a
-``tl.dot`` per tile of ``k``, an online softmax (running max and sum, the
-accumulator rescaled as the max grows) and ``acc += p @ v`` as a ``tl.dot``,
-all in float32. Anything else keeps the elementwise kernel (kernel.py).
+``f`` is arithmetic on ``s``, scalars, sizes and numbers (``s * scale``); the
+``if`` (the same in every pass, or in none) is a causal mask ``j <= i + c``
+(``c`` an integer: a number, sizes, their sums), written in any of the ways
+that say so (``i >= j``, ``j < i + 1``, ``j - i <= N - M``). ``kk`` and ``v``
+may leave out the batch variable (one set of keys for every query head).
+Anything else keeps the elementwise kernel (kernel.py) and the general torch path
+(torch_path.py).
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from macrogen.macros.tile.code import Code, binary, call, chain, method, name, parse, suffix
 from macrogen.macros.tile.ir import (
     Accum,
     Binary,
@@ -37,36 +41,44 @@ from macrogen.macros.tile.ir import (
     Loop,
     Name,
     Nest,
+    Statement,
     Store,
     Unary,
+    Var,
 )
-from macrogen.macros.tile.names import Names, loads_in, names_in
-from macrogen.macros.tile.printer import TritonPrinter
-from macrogen.macros.tile.steps import Assign, LoopBlock, Step, TritonStore, Widen
+from macrogen.macros.tile.names import loads_in, names_in
 
-MIN_DOT = 16  # tl.dot's smallest M, N and K: smaller tiles keep the elementwise kernel
+MIN_DOT = 16  # tl.dot's smallest M, N and K: smaller query or key tiles keep the elementwise kernel
+_IDENTITY = {"max": float("-inf"), "sum": 0.0, "expsum": float("-inf")}  # what a masked lane adds
 
 
 @dataclass(frozen=True)
 class Flash:
     """The parts of a recognised attention nest."""
 
-    query: str  # the grid variable of the queries (i)
-    column: str  # the grid variable of v's and out's columns (e)
+    query: Loop  # the grid loop of the queries (i)
+    column: Loop  # the grid loop of v's and out's columns (e)
+    batch: Loop | None  # the grid loop of the batch (x head) elements, if any (b)
     keys: Loop  # the loop over keys (j)
     depth: Loop  # the loop of the scores' dot products (k)
-    q: Load  # q[i, k]
-    kk: Load  # kk[j, k]
-    v: Load  # v[j, e]
+    q: Load  # q[b, i, k]
+    kk: Load  # kk[b, j, k]
+    v: Load  # v[b, j, e]
     score: str  # the local holding a score (s)
     logit: Expr  # f(s): what the softmax exponentiates
+    causal: Expr | None  # c of the mask ``j <= i + c`` (an integer expression), or None
     out: Store
+
+    def axes(self, load: Load | Store) -> dict[str, int]:
+        """Which dimension of ``load``'s tensor each of its variables indexes."""
+        index = load.index if isinstance(load, Store) else tuple(ix.var for ix in load.index)
+        return {var: d for d, var in enumerate(index) if var is not None}
 
 
 def match(nest: Nest) -> Flash | None:
     """The attention nest's parts, or None if the nest is not exactly one of its two shapes:
     three passes (max; sum; weighted sum) or two (an online softmax; the weighted sum)."""
-    if len(nest.grid) != 2 or nest.index_tensors or not isinstance(nest.body[-1], Store):
+    if len(nest.grid) not in (2, 3) or nest.index_tensors or not isinstance(nest.body[-1], Store):
         return None
     store = nest.body[-1]
     lets = [s for s in nest.body if isinstance(s, Let)]
@@ -74,7 +86,7 @@ def match(nest: Nest) -> Flash | None:
     if len(lets) != 3 or len(lets) + len(passes) + 1 != len(nest.body):
         return None
     starts = {s.name: s.value.value if isinstance(s.value, Const) else None for s in lets}
-    # each pass: the same score loop, then its reductions
+    # each pass: the same score loop, then (under the same condition, or none) its reductions
     first = passes[0]
     if len(first.body) < 3 or first.loop.step != 1:
         return None
@@ -93,30 +105,30 @@ def match(nest: Nest) -> Flash | None:
         return None
     assert isinstance(product, Binary)
     keys, depth = first.loop.var, score_loop.loop.var
-    grid = [g.var for g in nest.grid]
     q, kk = _pair(product.left, product.right, depth, keys)
     if q is None or kk is None:
         return None
-    query = grid[0]  # the queries' tile is the grid's first axis: a column [BLOCK_I, 1]
-    if q.dims != {query, depth}:
+    split = [_conditioned(p.body[2:]) for p in passes]
+    if any(s is None for s in split):
         return None
-    column = grid[1 - grid.index(query)]
+    conditions = {_strip(c) if c is not None else None for c, _ in split}  # type: ignore[misc]
+    if len(conditions) != 1:
+        return None  # a mask in some passes only, or different masks
+    condition = split[0][0]  # type: ignore[index]
+    reductions = [r for _, r in split]  # type: ignore[misc]
     # the reductions: max of f(s) into m, sum of exp(f(s) - m) into l (a second pass, or the
     # online softmax's "expsum" in the first), sum of exp(f(s) - m) * v[j, e] into acc (last)
-    reductions = [[r for r in p.body[2:] if isinstance(r, Accum)] for p in passes]
     online = [len(r) for r in reductions] == [2, 1]
     if [len(r) for r in reductions] == [1, 1, 1]:
         (red_m,), (red_l,), (red_acc,) = reductions
         if red_l.op != "sum" or red_l.shift is not None:
             return None
-    elif [len(r) for r in reductions] == [2, 1]:
+    elif online:
         (red_m, red_l), (red_acc,) = reductions
         if red_l.op != "expsum" or red_l.shift != red_m.name or red_l.value != red_m.value:
             return None
     else:
         return None
-    if any(len(p.body) != 2 + len(r) for p, r in zip(passes, reductions)):
-        return None  # (a pass holding anything but its reductions)
     names = (red_m.name, red_l.name, red_acc.name)
     if len(set(names)) != 3 or [starts.get(n) for n in names] != [float("-inf"), 0.0, 0.0]:
         return None
@@ -128,6 +140,12 @@ def match(nest: Nest) -> Flash | None:
     logit = red_m.value
     if not _logit(logit, score_local=score_let.name, nest=nest):
         return None
+    grid = {g.var: g for g in nest.grid}
+    roles = _roles(nest, q, kk, keys, depth)
+    if roles is None:
+        return None
+    query, batch_var = roles
+    (column,) = [v for v in grid if v not in (query, batch_var)]
     shifted = Call(
         frozenset({query, keys}),
         True,
@@ -151,7 +169,10 @@ def match(nest: Nest) -> Flash | None:
         return None
     v = weighted.right if _same(weighted.left, shifted) else weighted.left
     p = weighted.left if v is weighted.right else weighted.right
-    if not (_same(p, shifted) and isinstance(v, Load) and _plain(v) and v.dims == {keys, column}):
+    batched = {batch_var} if batch_var is not None else set()
+    if not (_same(p, shifted) and isinstance(v, Load) and _plain(v)):
+        return None
+    if not {keys, column} <= v.dims <= {keys, column} | batched:
         return None
     ratio = Binary(
         frozenset({query, column}),
@@ -164,30 +185,154 @@ def match(nest: Nest) -> Flash | None:
         isinstance(store, Store)
         and not store.add
         and store.cond is None
-        and set(store.index) == {query, column}
+        and set(store.index) == {query, column} | batched
         and _same(store.value, ratio)
     ):
         return None
-    return Flash(query, column, first.loop, score_loop.loop, q, kk, v, score_let.name, logit, store)
+    causal = None
+    if condition is not None:
+        causal = _causal(condition, query, keys, nest)
+        if causal is None:
+            return None
+    return Flash(
+        grid[query],
+        grid[column],
+        grid[batch_var] if batch_var is not None else None,
+        first.loop,
+        score_loop.loop,
+        q,
+        kk,
+        v,
+        score_let.name,
+        logit,
+        causal,
+        store,
+    )
 
 
 def wanted(nest: Nest, tiles: dict[str, int]) -> Flash | None:
-    """The attention nest's parts when its kernel is a FlashAttention one: tl.dot needs
-    tiles of at least 16 along each of its axes (smaller ones stay elementwise)."""
+    """The attention nest's parts when its kernel is a FlashAttention one: tl.dot needs tiles
+    of at least 16 along the queries and the keys (the head dimensions are taken whole, padded
+    to a power of two of at least 16); smaller ones stay elementwise."""
     flash = match(nest)
     if flash is None:
         return None
-    axes = (flash.query, flash.column, flash.keys.var, flash.depth.var)
-    return flash if all(tiles[v] >= MIN_DOT for v in axes) else None
+    return flash if all(tiles[v.var] >= MIN_DOT for v in (flash.query, flash.keys)) else None
+
+
+def _roles(nest: Nest, q: Load, kk: Load, keys: str, depth: str) -> tuple[str, str | None] | None:
+    """(the query variable, the batch variable or None): q varies along the query and the
+    batch, kk along the keys and, optionally, the batch."""
+    grid = [g.var for g in nest.grid]
+    rest = sorted(q.dims - {depth}, key=grid.index) if q.dims - {depth} <= set(grid) else None
+    if rest is None or len(rest) != len(grid) - 1:
+        return None
+    if len(rest) == 1:
+        return rest[0], None
+    # two candidates: the batch is the one kk has too (or, if kk has neither, the outer one)
+    shared = [v for v in rest if v in kk.dims]
+    batch = shared[0] if len(shared) == 1 else rest[0] if not shared else None
+    if batch is None:
+        return None
+    query = next(v for v in rest if v != batch)
+    if not {keys, depth} <= kk.dims <= {keys, depth, batch}:
+        return None
+    return query, batch
+
+
+def _conditioned(body: tuple[Statement, ...]) -> tuple[Expr | None, list[Accum]] | None:
+    """A pass's statements after its score: its reductions, and the condition they are all
+    taken under (``if cond:`` around them: ``Let(cond, test)`` then each reduction as
+    ``where(cond, value, identity)``), or None when they are something else."""
+    condition: Expr | None = None
+    cond_name = None
+    rest = list(body)
+    if rest and isinstance(rest[0], Let):
+        condition, cond_name = rest[0].value, rest[0].name
+        rest = rest[1:]
+    if not rest or not all(isinstance(r, Accum) for r in rest):
+        return None
+    out: list[Accum] = []
+    for r in rest:
+        assert isinstance(r, Accum)
+        if cond_name is None:
+            out.append(r)
+            continue
+        w = r.value
+        if not (
+            isinstance(w, Call)
+            and w.fn == "where"
+            and isinstance(w.args[0], Name)
+            and w.args[0].name == cond_name
+            and isinstance(w.args[2], Const)
+            and w.args[2].value == _IDENTITY.get(r.op)
+        ):
+            return None
+        out.append(dataclasses.replace(r, value=w.args[1]))
+    return condition, out
+
+
+def _causal(condition: Expr, query: str, keys: str, nest: Nest) -> Expr | None:
+    """c of ``j <= i + c`` when ``condition`` says exactly that (c: integers and sizes)."""
+    if not (isinstance(condition, Binary) and condition.op in ("<", "<=", ">", ">=")):
+        return None
+    left, right = _linear(condition.left, nest), _linear(condition.right, nest)
+    if left is None or right is None:
+        return None
+    # left - right, as {variable: coefficient} and the constant terms [(sign, expr)]
+    coefficients = dict(left[0])
+    for var, c in right[0].items():
+        coefficients[var] = coefficients.get(var, 0) - c
+    terms = left[1] + [(-sign, e) for sign, e in right[1]]
+    coefficients = {v: c for v, c in coefficients.items() if c}
+    op = condition.op
+    if coefficients == {keys: -1, query: 1}:  # i - j + C op 0: j op' i + C
+        op = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}[op]
+        terms = [(-sign, e) for sign, e in terms]
+    elif coefficients != {keys: 1, query: -1}:
+        return None
+    # now j - i + C op 0, i.e. j op i - C
+    if op not in ("<", "<="):
+        return None  # keys after the query: not a causal mask
+    offset: Expr = Const(frozenset(), False, -1 if op == "<" else 0)
+    for sign, e in terms:
+        offset = Binary(frozenset(), False, "+" if sign < 0 else "-", offset, e)
+    return offset
+
+
+def _linear(e: Expr, nest: Nest) -> tuple[dict[str, int], list[tuple[int, Expr]]] | None:
+    """``e`` as loop variables' coefficients and integer terms (sizes, integer numbers)."""
+    sizes = {s.name for s in nest.sizes}
+    if isinstance(e, Var):
+        return {e.name: 1}, []
+    if isinstance(e, Const) and isinstance(e.value, int) and not isinstance(e.value, bool):
+        return {}, [(1, e)]
+    if isinstance(e, Name) and e.name in sizes:
+        return {}, [(1, e)]
+    if isinstance(e, Unary) and e.op == "-":
+        inner = _linear(e.operand, nest)
+        if inner is None:
+            return None
+        return {v: -c for v, c in inner[0].items()}, [(-s, t) for s, t in inner[1]]
+    if isinstance(e, Binary) and e.op in ("+", "-"):
+        left, right = _linear(e.left, nest), _linear(e.right, nest)
+        if left is None or right is None:
+            return None
+        sign = 1 if e.op == "+" else -1
+        coefficients = dict(left[0])
+        for v, c in right[0].items():
+            coefficients[v] = coefficients.get(v, 0) + sign * c
+        return coefficients, left[1] + [(sign * s, t) for s, t in right[1]]
+    return None
 
 
 def _plain(e: Expr) -> bool:
     """A load whose indices are distinct loop variables, no offsets, no gathers."""
-    if not isinstance(e, Load) or len(e.index) != 2:
+    if not isinstance(e, Load) or len(e.index) not in (2, 3):
         return False
     vars_ = [ix.var for ix in e.index]
     ok = all(ix.var is not None and ix.offset == 0 and ix.gather is None for ix in e.index)
-    return ok and len(set(vars_)) == 2
+    return ok and len(set(vars_)) == len(vars_)
 
 
 def _product(e: Expr) -> bool:
@@ -199,7 +344,7 @@ def _pair(a: Expr, b: Expr, depth: str, keys: str) -> tuple[Load | None, Load | 
     if not (isinstance(a, Load) and isinstance(b, Load)):
         return None, None
     q, kk = (b, a) if keys in a.dims else (a, b)
-    if kk.dims != {keys, depth} or keys in q.dims or depth not in q.dims:
+    if not {keys, depth} <= kk.dims or keys in q.dims or depth not in q.dims:
         return None, None
     return q, kk
 
@@ -218,6 +363,8 @@ def _arithmetic(e: Expr) -> bool:
     if isinstance(e, Unary):
         return _arithmetic(e.operand)
     if isinstance(e, Binary):
+        if e.op == "**":
+            return _arithmetic(e.left)
         return e.op in ("+", "-", "*", "/") and _arithmetic(e.left) and _arithmetic(e.right)
     if isinstance(e, Call):
         return e.fn in ("exp", "log", "sqrt", "tanh", "sigmoid", "abs") and all(
@@ -243,175 +390,3 @@ def _strip(e: Expr) -> Expr:
     fields["dims"] = frozenset()
     fields["tensor"] = True
     return type(e)(**fields)  # type: ignore[arg-type]
-
-
-def _rename(e: Expr, old: str, new: str) -> Expr:
-    if isinstance(e, Name):
-        return dataclasses.replace(e, name=new) if e.name == old else e
-    fields: dict[str, object] = {}
-    for f in dataclasses.fields(e):
-        value = getattr(e, f.name)
-        if isinstance(value, Expr):
-            fields[f.name] = _rename(value, old, new)
-        elif isinstance(value, tuple) and value and isinstance(value[0], Expr):
-            fields[f.name] = tuple(_rename(x, old, new) for x in value)
-    return dataclasses.replace(e, **fields)  # type: ignore[arg-type]
-
-
-class FlashEmitter:
-    """The kernel body (steps) after the grid setup: ``i`` is a column ``[BLOCK_I, 1]``,
-    ``e`` a row ``[1, BLOCK_E]`` (the grid of a rank-2 nest)."""
-
-    def __init__(self, flash: Flash, names: Names, tl: str, dot_precision: str):
-        self.f, self.names, self.tl, self.precision = flash, names, tl, dot_precision
-
-    def steps(self) -> list[Step]:
-        f, names, tl = self.f, self.names, self.tl
-        namer, block = names.namer, names.block
-        bi, be = block[f.query], block[f.column]
-        keys, depth = names.bounds[f.keys], names.bounds[f.depth]
-        f32 = f"{tl}.float32"
-        m_run, l_run, acc = namer("m_run"), namer("l_run"), namer("acc_run")
-        out: list[Step] = [
-            Widen((f.query, f.column), names.wide),
-            Assign(m_run, parse(call(f"{tl}.full", f"[{bi}, 1]", 'float("-inf")', f32))),
-            Assign(l_run, parse(call(f"{tl}.zeros", f"[{bi}, 1]", dtype=f32))),
-            Assign(acc, parse(call(f"{tl}.zeros", f"[{bi}, {be}]", dtype=f32))),
-        ]
-        # per tile of keys: j along the scores' columns (kk^T) and along v's rows
-        j_start, j_row, j_col = (
-            namer(f"{f.keys.var}_start"),
-            namer(f"{f.keys.var}_row"),
-            namer(f"{f.keys.var}_col"),
-        )
-        j_row_mask, j_col_mask = namer(f"{j_row}_mask"), namer(f"{j_col}_mask")
-        k_start, k_row, k_col = (
-            namer(f"{f.depth.var}_start"),
-            namer(f"{f.depth.var}_row"),
-            namer(f"{f.depth.var}_col"),
-        )
-        k_row_mask, k_col_mask = namer(f"{k_row}_mask"), namer(f"{k_col}_mask")
-        scores = namer(f"{f.score}_tile")
-        q_tile, kk_tile, v_tile = (
-            namer(f"{f.q.tensor_name}_tile"),
-            namer(f"{f.kk.tensor_name}_tile"),
-            namer(f"{f.v.tensor_name}_tile"),
-        )
-        logit, m_next, p, alpha = namer("logit"), namer("m_next"), namer("p"), namer("alpha")
-
-        def along(start: str, size: str, axes: str) -> Code:
-            return binary("+", name(start), suffix(call(f"{tl}.arange", "0", size), axes))
-
-        def dot(a: Code, b: Code, acc_: Code) -> Code:
-            return call(f"{tl}.dot", a, b, acc_, input_precision=self.precision)
-
-        bj, bk = block[f.keys.var], block[f.depth.var]
-        index_q = {f.query: f.query, f.depth.var: k_row}
-        index_kk = {f.keys.var: j_row, f.depth.var: k_col}
-        index_v = {f.keys.var: j_col, f.column: f.column}
-        mask_q = binary("&", name(names.mask[f.query]), name(k_row_mask))
-        mask_kk = binary("&", name(j_row_mask), name(k_col_mask))
-        mask_v = binary("&", name(j_col_mask), name(names.mask[f.column]))
-        depth_loop = LoopBlock(
-            start=k_start,
-            lo=depth.lo,
-            hi=depth.hi,
-            block=bk,
-            stride=parse(name(bk)),
-            step=1,
-            before=(Assign(scores, parse(call(f"{tl}.zeros", f"[{bi}, {bj}]", dtype=f32))),),
-            setup=(
-                Assign(k_row, parse(along(k_start, bk, "[None, :]"))),
-                Assign(k_col, parse(along(k_start, bk, "[:, None]"))),
-                Widen((k_row, k_col), names.wide),
-                Assign(k_row_mask, parse(binary("<", name(k_row), name(depth.hi)))),
-                Assign(k_col_mask, parse(binary("<", name(k_col), name(depth.hi)))),
-            ),
-            body=(
-                Assign(q_tile, parse(self._load(f.q, index_q, mask_q))),
-                Assign(kk_tile, parse(self._load(f.kk, index_kk, mask_kk))),
-                Assign(scores, parse(dot(name(q_tile), name(kk_tile), name(scores)))),
-            ),
-            after=(),
-            var=f.depth.var,
-            dot=True,
-        )
-        printed = TritonPrinter({}, tl).expr(_rename(f.logit, f.score, scores))
-        rescaled = binary("*", name(l_run), name(alpha))
-        key_loop = LoopBlock(
-            start=j_start,
-            lo=keys.lo,
-            hi=keys.hi,
-            block=bj,
-            stride=parse(name(bj)),
-            step=1,
-            before=(),
-            setup=(
-                Assign(j_row, parse(along(j_start, bj, "[None, :]"))),
-                Assign(j_col, parse(along(j_start, bj, "[:, None]"))),
-                Widen((j_row, j_col), names.wide),
-                Assign(j_row_mask, parse(binary("<", name(j_row), name(keys.hi)))),
-                Assign(j_col_mask, parse(binary("<", name(j_col), name(keys.hi)))),
-            ),
-            body=(
-                depth_loop,
-                # padding keys at -inf: their p is 0
-                Assign(logit, parse(call(f"{tl}.where", j_row_mask, printed, 'float("-inf")'))),
-                Assign(
-                    m_next,
-                    parse(
-                        call(
-                            f"{tl}.maximum",
-                            m_run,
-                            call(f"{tl}.max", logit, axis="1", keep_dims="True"),
-                        )
-                    ),
-                ),
-                Assign(p, parse(call(f"{tl}.exp", binary("-", name(logit), name(m_next))))),
-                Assign(alpha, parse(call(f"{tl}.exp", binary("-", name(m_run), name(m_next))))),
-                Assign(
-                    l_run,
-                    parse(binary("+", rescaled, call(f"{tl}.sum", p, axis="1", keep_dims="True"))),
-                ),
-                Assign(v_tile, parse(self._load(f.v, index_v, mask_v))),
-                # p in v's dtype: a float16 v makes a float16 x float16 dot, accumulated in float32
-                Assign(
-                    acc,
-                    parse(
-                        dot(
-                            method(name(p), "to", f"{v_tile}.dtype"),
-                            name(v_tile),
-                            binary("*", name(acc), name(alpha)),
-                        )
-                    ),
-                ),
-                Assign(m_run, parse(name(m_next))),
-            ),
-            after=(),
-            var=f.keys.var,
-            dot=True,
-        )
-        out.append(key_loop)
-        store = f.out
-        pointer = self._address(store.tensor_name, {v: v for v in store.index}, store.index)
-        value = binary("/", name(acc), name(l_run))
-        ptr = names.ptr[store.tensor_name]
-        mask = binary("&", name(names.mask[f.query]), name(names.mask[f.column]))
-        out.append(
-            TritonStore(
-                parse(pointer), parse(method(value, "to", f"{ptr}.dtype.element_ty")), parse(mask)
-            )
-        )
-        return out
-
-    def _address(self, tensor: str, index: dict[str, str], order: tuple[str, ...]) -> Code:
-        strides = self.names.strides[tensor]
-        terms = [name(self.names.ptr[tensor])]
-        terms += [binary("*", name(index[v]), name(strides[d])) for d, v in enumerate(order)]
-        return chain("+", terms)
-
-    def _load(self, ld: Load, index: dict[str, str], mask: Code) -> Code:
-        """A tile in the tensor's own dtype: tl.dot takes float16/bfloat16 operands as they are."""
-        order = tuple(ix.var for ix in ld.index if ix.var is not None)
-        address = self._address(ld.tensor_name, index, order)
-        return call(f"{self.tl}.load", address, mask=mask, other="0.0")

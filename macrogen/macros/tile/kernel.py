@@ -60,6 +60,11 @@ IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf, "expsum": 0.0}
 # launcher also shrinks the grid's tiles so that a program holds at most PERSISTENT_TILE)
 PERSISTENT_MAX = 16384
 PERSISTENT_TILE = 8192
+# and at most this many rows: each row's reduction crosses the program's warps (shuffles, and
+# shared memory with a barrier per step), so short rows packed 8 to a program (8 x 1024 at 16
+# warps: 72 shuffles and 9 barriers in its sm_90 PTX, against 18 and 1 for 2 x 4096) spend
+# longer reducing than loading; 2 x 1024 at 4 warps: 15 and 1 (docs/tile.md, Persistent)
+PERSISTENT_ROWS = 2
 
 
 def persistent_ok(nest: Nest) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from macrogen.macros.tile.code import (
@@ -38,7 +37,6 @@ from macrogen.macros.tile.ir import (
     Load,
     Name,
     Nest,
-    Statement,
     Store,
     Unary,
 )
@@ -46,6 +44,15 @@ from macrogen.macros.tile.kernel import IDENTITY
 from macrogen.macros.tile.names import LoopBounds, Names, load_name, loads_in, names_in, vars_in
 from macrogen.macros.tile.printer import TorchPrinter
 from macrogen.macros.tile.steps import Assign, Step, TorchStore, drop_dead_stores
+from macrogen.macros.tile.torch_layout import (
+    Axes,
+    all_statements,
+    arrange,
+    is_product,
+    matrix_operand,
+    permutation,
+    repeated_loops,
+)
 
 
 class TorchEmitter:
@@ -68,7 +75,7 @@ class TorchEmitter:
         self.shared = shared
         self.uses: Counter[str] = Counter()
         self.reductions: dict[str, str] = {}  # a repeated loop's reduction -> its local
-        self.repeated = _repeated(nest)
+        self.repeated = repeated_loops(nest)
         self.folded: set[Store] = set()  # stores already written by their reduction (out=)
         self.meta: dict[str, Meta] = {}  # tensor locals: what in_place needs to know
 
@@ -91,7 +98,7 @@ class TorchEmitter:
             return out
         out = drop_dead_stores(out)
         values = sorted(
-            {ld.tensor_name for st in _statements(self.nest.body) for ld in loads_in(st.value)}
+            {ld.tensor_name for st in all_statements(self.nest.body) for ld in loads_in(st.value)}
         )
         flag = self.names.namer("default_dtype")
         fast = in_place(out, self.meta, self.torch, flag)
@@ -187,7 +194,7 @@ class TorchEmitter:
             b = bounds[ix.var]
             subs.append(f"{plus(name(b.lo), ix.offset)}:{plus(name(b.hi), ix.offset)}{b.step}")
             order.append(ix.var)
-        return suffix(name(ld.tensor_name), f"[{', '.join(subs)}]" + _arrange(order, axes))
+        return suffix(name(ld.tensor_name), f"[{', '.join(subs)}]" + arrange(order, axes))
 
     def _loads(
         self,
@@ -212,7 +219,7 @@ class TorchEmitter:
         b = bounds[var]
         args = [b.lo, b.hi] + ([b.step[1:]] if b.step else [])
         device = f"{self.nest.tensors[0][0]}.device"
-        code = suffix(call(f"{self.torch}.arange", *args, device=device), _arrange([var], axes))
+        code = suffix(call(f"{self.torch}.arange", *args, device=device), arrange([var], axes))
         self.indices[var] = self.views.get(code.text, "")
         if self.indices[var]:
             return []
@@ -271,7 +278,7 @@ class TorchEmitter:
             if deeper:
                 code = suffix(code, "[..." + ", 0" * deeper + "]")
             canonical = [*self.grid_vars, *level]
-            return suffix(code, _permute(canonical, order))
+            return suffix(code, permutation(canonical, order))
 
         subs = [f"{bounds[v].lo}:{bounds[v].hi}{bounds[v].step}" for v in order]
         target = suffix(name(s.tensor_name), f"[{', '.join(subs)}]")
@@ -370,7 +377,7 @@ class TorchEmitter:
                 ):
                     store = self._fold_target(st.name, op, s)
                 if (
-                    store is not None and not store.add and not (op == "sum" and _product(value))
+                    store is not None and not store.add and not (op == "sum" and is_product(value))
                 ):  # total[i] = s: the reduction writes the output (out=), no temporary
                     out.extend(self._fold_reduction(store, printer.expr(value), fn, axis, bounds))
                     continue
@@ -403,10 +410,10 @@ class TorchEmitter:
         no assignment of ``acc`` between, indexed by the grid's loops in order."""
         if self.identity.get(acc) != IDENTITY[op] or loop in self.repeated:
             return None
-        reads = [st for st in _statements(self.nest.body) if acc in _reads(st)]
+        reads = [st for st in all_statements(self.nest.body) if acc in _reads(st)]
         writes = [
             st
-            for st in _statements(self.nest.body)
+            for st in all_statements(self.nest.body)
             if isinstance(st, (Let, Accum)) and st.name == acc
         ]
         if len(reads) != 1 or sum(isinstance(st, Accum) for st in writes) != 1:
@@ -487,15 +494,15 @@ class TorchEmitter:
         only_left, only_right = sorted(left - right), sorted(right - left)
         if k in left & right and len(only_left) <= 1 and len(only_right) <= 1:
             batch = [v for v in axes if v in left & right and v != k]
-            a = _matrix(printer.expr(e.left), axes, left, [*batch, *only_left, k])
-            b = _matrix(printer.expr(e.right), axes, right, [*batch, k, *only_right])
+            a = matrix_operand(printer.expr(e.left), axes, left, [*batch, *only_left, k])
+            b = matrix_operand(printer.expr(e.right), axes, right, [*batch, k, *only_right])
             if not only_left:  # a row: (..., 1, k)
                 a = suffix(a, "[..., None, :]")
             if not only_right:  # a column: (..., k, 1)
                 b = suffix(b, "[..., None]")
             squeeze = ("" if only_left else ", 0") + ("" if only_right else ", 0")
             product = suffix(binary("@", a, b), f"[...{squeeze}]" if squeeze else "")
-            return suffix(product, _arrange([*batch, *only_left, *only_right], axes))
+            return suffix(product, arrange([*batch, *only_left, *only_right], axes))
         letters = "abcdefgh"[: self.rank]
         kept = letters.replace(letters[axis], "")
         spec = f"{letters},{letters}->{kept}"
@@ -559,17 +566,6 @@ class _NotingPrinter(TorchPrinter):
 _ARITHMETIC = ("+", "-", "*", "/", "**")
 
 
-def _statements(body: tuple[Statement, ...]) -> list[Let | Accum | Store]:
-    """Every statement of ``body``, those of its inner loops too."""
-    out: list[Let | Accum | Store] = []
-    for st in body:
-        if isinstance(st, InnerLoop):
-            out.extend(_statements(st.body))
-        else:
-            out.append(st)
-    return out
-
-
 def _reads(st: Let | Accum | Store) -> set[str]:
     """The names (locals, scalars) a statement reads; an online softmax's sum reads its max."""
     found = names_in(st.value)
@@ -578,11 +574,6 @@ def _reads(st: Let | Accum | Store) -> set[str]:
     if isinstance(st, Store) and st.cond is not None:
         found |= names_in(st.cond)
     return found
-
-
-def _product(e: Expr) -> bool:
-    """A product of two tensors that vary along loops (``_contract``, ``_matvec`` take it)."""
-    return isinstance(e, Binary) and e.op == "*" and bool(e.left.dims) and bool(e.right.dims)
 
 
 def _is_name(code: Code) -> bool:
@@ -594,117 +585,9 @@ def _dtype(code: Code) -> Code:
 
 
 _DIRECT = {"+": "add", "-": "sub", "*": "mul", "/": "div"}  # torch functions with out=
-Axes = list[str | None]  # the loop variable on each axis of the nest's tensors (None: none)
+
+
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _arrange(order: list[str], axes: list[str | None]) -> str:
-    """Indexing that puts a slice's dimensions (loop variables ``order``) on ``axes``."""
-    if not order:
-        return ""
-    present = [a for a in axes if a in order]
-    code = _permute(order, present)
-    if len(present) < len(axes):
-        code += "[" + ", ".join(":" if a in order else "None" for a in axes) + "]"
-    return code
-
-
-def _matrix(code: Code, axes: Axes, dims: frozenset[str], want: list[str]) -> Code:
-    """A tensor on the nest's axes (varying along ``dims``, size 1 elsewhere) as a matmul
-    operand whose dimensions are the loop variables ``want``: index 0 on the other axes,
-    then reorder (``.mT`` for a swap of the last two)."""
-    subs = [":" if a in dims else "0" for a in axes]
-    while subs and subs[-1] == ":":
-        subs.pop()
-    picked = suffix(code, f"[{', '.join(subs)}]" if subs else "")
-    have = [a for a in axes if a is not None and a in dims]
-    if len(want) >= 2 and have != want and have == [*want[:-2], want[-1], want[-2]]:
-        return suffix(picked, ".mT")
-    return suffix(picked, _permute(have, want))
-
-
-def _permute(have: list[str], want: list[str]) -> str:
-    if have == want:
-        return ""
-    return f".permute({', '.join(str(have.index(v)) for v in want)})"
-
-
-def _repeated(nest: Nest) -> set[InnerLoop]:
-    """Inner loops that occur more than once and read no locals (a row's scores, recomputed
-    in each pass over the row): the torch path computes their reductions once."""
-    loops = Counter(nest.all_inner_loops)
-    assigned = {
-        st.name for loop in loops for st in (*nest.body, *loop.body) if isinstance(st, (Let, Accum))
-    }
-
-    def pure(loop: InnerLoop) -> bool:
-        return all(
-            isinstance(st, Accum) and not (names_in(st.value) & assigned) for st in loop.body
-        )
-
-    return {loop for loop, count in loops.items() if count > 1 and pure(loop)}
-
-
-BLOCK_ELEMENTS = 1 << 18  # elements per block of rows (1 MiB of float32): cache-sized passes
-MIN_BLOCK_ROWS = 8  # rows per block at least (per-operation overhead would dominate)
-
-
-@dataclass(frozen=True)
-class RowBlocks:
-    """The torch path runs over blocks of the first parallel loop's rows, so that a
-    multi-pass computation (GELU's chain of operations, a row's sum then max) reads each
-    block from cache instead of memory: ``for lo in range(first, last, block)``."""
-
-    lo: str  # the loop's bounds, rebound per block
-    hi: str
-    first: str  # its whole range
-    last: str
-    rows: str  # rows per block
-    step: int
-    per_row: str  # code: elements of the widest tensor per row (at least 1)
-
-
-def row_blocks(nest: Nest, names: Names) -> RowBlocks | None:
-    """Blocks of the first grid loop for the torch path; None where it has matrix products
-    (a matmul, ``_contract``, ``_matvec``): BLAS blocks those itself, and smaller products
-    run slower (measured: attention and batched_gate of bench/tile.py)."""
-    products = any(
-        isinstance(st, Accum) and st.op == "sum" and _product(st.value)
-        for st in _statements(nest.body)
-    )
-    if nest.dot is not None or products or not nest.grid:
-        return None
-    first = nest.grid[0]
-    extents = {b.var: f"{b.hi} - {b.lo}" for b in names.bounds.values()}  # (one loop per var)
-    widths = set()
-    for dims in _dim_sets(nest):
-        if first.var in dims and len(dims) > 1:
-            others = [extents[v] for v in sorted(dims - {first.var})]
-            widths.add(others[0] if len(others) == 1 else " * ".join(f"({e})" for e in others))
-    per_row = f"max({', '.join(sorted(widths))}, 1)" if widths else "1"  # 1: no empty range
-    b = names.bounds[first]
-    step = int(b.step[1:]) if b.step else 1
-    namer = names.namer
-    return RowBlocks(
-        b.lo,
-        b.hi,
-        namer(f"{first.var}_first"),
-        namer(f"{first.var}_last"),
-        namer("rows"),
-        step,
-        per_row,
-    )
-
-
-def _dim_sets(nest: Nest) -> set[frozenset[str]]:
-    """The loop variables each value of the nest varies along (its tensors' shapes)."""
-    found: set[frozenset[str]] = set()
-    for st in _statements(nest.body):
-        found.add(st.value.dims)
-        found.update(ld.dims for ld in loads_in(st.value))
-        if isinstance(st, Store):
-            found.add(frozenset(st.index))
-    return found
 
 
 def sharing(nest: Nest, names: Names, torch: str) -> set[str]:

@@ -42,26 +42,26 @@ def _attention_shapes(out, q, kk, v, scale):
         raise ValueError('out and kk share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if out.numel() and v.numel() and out.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
         raise ValueError('out and v share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > q.shape[0]):
-        raise IndexError('q: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if k_lo < k_hi and (k_lo < 0 or k_hi > q.shape[1]):
-        raise IndexError('q: index k leaves dimension 1 for some k in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > kk.shape[0]):
-        raise IndexError('kk: index j leaves dimension 0 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if k_lo < k_hi and (k_lo < 0 or k_hi > kk.shape[1]):
-        raise IndexError('kk: index k leaves dimension 1 for some k in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > v.shape[0]):
-        raise IndexError('v: index j leaves dimension 0 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if e_lo < e_hi and (e_lo < 0 or e_hi > v.shape[1]):
-        raise IndexError('v: index e leaves dimension 1 for some e in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > out.shape[0]):
-        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if e_lo < e_hi and (e_lo < 0 or e_hi > out.shape[1]):
-        raise IndexError('out: index e leaves dimension 1 for some e in its range (the loop would raise IndexError; negative indices do not wrap here)')
+    if i_lo < i_hi and i_hi > q.shape[0]:
+        raise IndexError('q: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if k_lo < k_hi and k_hi > q.shape[1]:
+        raise IndexError('q: index k leaves dimension 1 for some k in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > kk.shape[0]:
+        raise IndexError('kk: index j leaves dimension 0 for some j in its range (the loop would raise IndexError)')
+    if k_lo < k_hi and k_hi > kk.shape[1]:
+        raise IndexError('kk: index k leaves dimension 1 for some k in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > v.shape[0]:
+        raise IndexError('v: index j leaves dimension 0 for some j in its range (the loop would raise IndexError)')
+    if e_lo < e_hi and e_hi > v.shape[1]:
+        raise IndexError('v: index e leaves dimension 1 for some e in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > out.shape[0]:
+        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if e_lo < e_hi and e_hi > out.shape[1]:
+        raise IndexError('out: index e leaves dimension 1 for some e in its range (the loop would raise IndexError)')
     return M, D, N, E, i_lo, i_hi, e_lo, e_hi, j_lo, j_hi, k_lo, k_hi
 
 
-# tile at input.py:5: one program per tile of the parallel loops (i: 32, e: 32).
+# tile at input.py:5: the attention nest as a FlashAttention kernel: one program per 32 queries, one pass over the keys.
 @triton.jit
 def _attention_kernel(
     # Pointers to the tensors
@@ -69,6 +69,7 @@ def _attention_kernel(
     q_ptr,
     kk_ptr,
     v_ptr,
+    lse_ptr,  # float32 (batch, query): each row's logsumexp, in base 2, for the backward
     # Scalar arguments
     scale,
     # Sizes
@@ -85,11 +86,13 @@ def _attention_kernel(
     stride_kk1,
     stride_v0,
     stride_v1,
+    stride_lse_batch,
     # Meta-parameters
-    BLOCK_I: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_J: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_I: tl.constexpr,  # queries per program
+    BLOCK_J: tl.constexpr,  # keys per step
+    HEAD_K: tl.constexpr,  # the scores' depth (k), whole: a power of two, at least 16
+    HEAD_E: tl.constexpr,  # out's columns (e), whole
+    STORE_LSE: tl.constexpr,  # write each row's logsumexp (training)
     DOT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
 ):
@@ -99,64 +102,269 @@ def _attention_kernel(
     j_lo, j_hi = 0, N
     k_lo, k_hi = 0, D
 
-    # ---- this program's tile of the parallel loops
+    # ---- this program's queries
     pid = tl.program_id(0)
-    tiles_i = tl.cdiv(i_hi - i_lo, BLOCK_I)
-    tiles_e = tl.cdiv(e_hi - e_lo, BLOCK_E)
-    pid_i = pid // tiles_e
-    i = i_lo + pid_i * BLOCK_I + tl.arange(0, BLOCK_I)[:, None]
-    i_mask = i < i_hi
-    pid_e = pid % tiles_e
-    e = e_lo + pid_e * BLOCK_E + tl.arange(0, BLOCK_E)[None, :]
-    e_mask = e < e_hi
-
-    # ---- the loop body, on whole tiles
+    tiles = tl.cdiv(i_hi - i_lo, BLOCK_I)
+    pid_i = pid % tiles
+    i_start = i_lo + pid_i * BLOCK_I
+    i_2 = i_start + tl.arange(0, BLOCK_I)[:, None]
+    k_row = k_lo + tl.arange(0, HEAD_K)[None, :]
+    k_col = k_lo + tl.arange(0, HEAD_K)[:, None]
+    e_2 = e_lo + tl.arange(0, HEAD_E)[None, :]
+    j_row = tl.arange(0, BLOCK_J)[None, :]  # a step's keys along the scores' columns
+    j_col = tl.arange(0, BLOCK_J)[:, None]  # ... and along v's rows
     if INDEX_64:
-        i = i.to(tl.int64)
-        e = e.to(tl.int64)
+        i_2 = i_2.to(tl.int64)
+        k_row = k_row.to(tl.int64)
+        k_col = k_col.to(tl.int64)
+        e_2 = e_2.to(tl.int64)
+        j_row = j_row.to(tl.int64)
+        j_col = j_col.to(tl.int64)
+    i_mask_2 = i_2 < i_hi
+    k_row_mask = k_row < k_hi
+    k_col_mask = k_col < k_hi
+    e_mask_2 = e_2 < e_hi
+    q_base = q_ptr
+    kk_base = kk_ptr
+    v_base = v_ptr
+    out_base = out_ptr
+    lse_base = lse_ptr
+
+    # ---- q's rows, loaded once: (block_i, head_k)
+    q_tile = tl.load(q_base + i_2 * stride_q0 + k_row * stride_q1, mask=i_mask_2 & k_row_mask, other=0.0)
+    qk_scale = scale * 1.4426950408889634  # f(s) = s * c, in base 2: exp(x) = exp2(x * log2(e))
     m_run = tl.full([BLOCK_I, 1], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_I, 1], dtype=tl.float32)
-    acc_run = tl.zeros([BLOCK_I, BLOCK_E], dtype=tl.float32)
-    # ---- for j in range(j_lo, j_hi), one tile at a time: a tl.dot per tile
-    for j_start in range(j_lo, j_hi, BLOCK_J):
-        j_row = j_start + tl.arange(0, BLOCK_J)[None, :]
-        j_col = j_start + tl.arange(0, BLOCK_J)[:, None]
-        if INDEX_64:
-            j_row = j_row.to(tl.int64)
-            j_col = j_col.to(tl.int64)
-        j_row_mask = j_row < j_hi
-        j_col_mask = j_col < j_hi
-        # ---- for k in range(k_lo, k_hi), one tile at a time: a tl.dot per tile
-        s_tile = tl.zeros([BLOCK_I, BLOCK_J], dtype=tl.float32)
-        for k_start in range(k_lo, k_hi, BLOCK_K):
-            k_row = k_start + tl.arange(0, BLOCK_K)[None, :]
-            k_col = k_start + tl.arange(0, BLOCK_K)[:, None]
-            if INDEX_64:
-                k_row = k_row.to(tl.int64)
-                k_col = k_col.to(tl.int64)
-            k_row_mask = k_row < k_hi
-            k_col_mask = k_col < k_hi
-            q_tile = tl.load(q_ptr + i * stride_q0 + k_row * stride_q1, mask=i_mask & k_row_mask, other=0.0)
-            kk_tile = tl.load(kk_ptr + j_row * stride_kk0 + k_col * stride_kk1, mask=j_row_mask & k_col_mask, other=0.0)
-            s_tile = tl.dot(q_tile, kk_tile, s_tile, input_precision=DOT_PRECISION)
-        logit = tl.where(j_row_mask, s_tile * scale, float("-inf"))
-        m_next = tl.maximum(m_run, tl.max(logit, axis=1, keep_dims=True))
-        p = tl.exp(logit - m_next)
-        alpha = tl.exp(m_run - m_next)
+    acc_2 = tl.zeros([BLOCK_I, HEAD_E], dtype=tl.float32)
+
+    # ---- keys every query of the tile sees, whole steps: no masks
+    j_full = j_lo + tl.maximum(j_hi - j_lo, 0) // BLOCK_J * BLOCK_J
+    for j_start in range(j_lo, j_full, BLOCK_J):
+        # (head_k, block_j): kk's rows of this step, transposed for q @ kk.T
+        kk_step = tl.load(kk_base + (j_start + j_row) * stride_kk0 + k_col * stride_kk1, mask=k_col_mask, other=0.0)
+        s_2 = tl.dot(q_tile, kk_step, input_precision=DOT_PRECISION)
+        z = s_2 * qk_scale
+        m_next = tl.maximum(m_run, tl.max(z, axis=1, keep_dims=True))
+        p = tl.exp2(z - m_next)
+        alpha = tl.exp2(m_run - m_next)
         l_run = l_run * alpha + tl.sum(p, axis=1, keep_dims=True)
-        v_tile = tl.load(v_ptr + j_col * stride_v0 + e * stride_v1, mask=j_col_mask & e_mask, other=0.0)
-        acc_run = tl.dot(p.to(v_tile.dtype), v_tile, acc_run * alpha, input_precision=DOT_PRECISION)
+        v_step = tl.load(v_base + (j_start + j_col) * stride_v0 + e_2 * stride_v1, mask=e_mask_2, other=0.0)
+        # p in v's dtype: a float16 or bfloat16 v makes a half-precision dot, accumulated in float32
+        acc_2 = tl.dot(p.to(v_step.dtype), v_step, acc_2 * alpha, input_precision=DOT_PRECISION)
         m_run = m_next
-    tl.store(out_ptr + i * stride_out0 + e * stride_out1, (acc_run / l_run).to(out_ptr.dtype.element_ty), mask=i_mask & e_mask)
+
+    # ---- the ragged last step: masked
+    j_end = j_hi
+    for j_start in range(j_full, j_end, BLOCK_J):
+        # (head_k, block_j): kk's rows of this step, transposed for q @ kk.T
+        kk_step = tl.load(kk_base + (j_start + j_row) * stride_kk0 + k_col * stride_kk1, mask=(j_start + j_row < j_hi) & k_col_mask, other=0.0)
+        s_2 = tl.dot(q_tile, kk_step, input_precision=DOT_PRECISION)
+        z = s_2 * qk_scale
+        key = j_start + j_row
+        z = tl.where(key < j_hi, z, float("-inf"))
+        m_next = tl.maximum(m_run, tl.max(z, axis=1, keep_dims=True))
+        p = tl.exp2(z - m_next)
+        alpha = tl.exp2(m_run - m_next)
+        l_run = l_run * alpha + tl.sum(p, axis=1, keep_dims=True)
+        v_step = tl.load(v_base + (j_start + j_col) * stride_v0 + e_2 * stride_v1, mask=(j_start + j_col < j_hi) & e_mask_2, other=0.0)
+        # p in v's dtype: a float16 or bfloat16 v makes a half-precision dot, accumulated in float32
+        acc_2 = tl.dot(p.to(v_step.dtype), v_step, acc_2 * alpha, input_precision=DOT_PRECISION)
+        m_run = m_next
+
+    tl.store(out_base + i_2 * stride_out0 + e_2 * stride_out1, (acc_2 / l_run).to(out_ptr.dtype.element_ty), mask=i_mask_2 & e_mask_2)
+    if STORE_LSE:
+        tl.store(lse_base + (i_2 - i_lo), m_run + tl.log2(l_run), mask=i_mask_2)
 
 
-# tile at input.py:5: the launcher.
-def _attention_triton(out, q, kk, v, scale):
-    """Run the loop nest at input.py:5 as the Triton kernel _attention_kernel.
+# tile at input.py:5: the attention nest's backward: dq, dk and dv, from the same loop nest.
+# A program computes dk and dv of BLOCK keys (every query that sees them, a step
+# at a time), or dq of BLOCK queries (every key they see): each element is one program's, no atomics.
+@triton.jit
+def _attention_backward_kernel(
+    # Pointers: the gradients (written), the forward's tensors, the gradient of out
+    dq_ptr,
+    dkk_ptr,
+    dv_ptr,
+    out_ptr,
+    q_ptr,
+    kk_ptr,
+    v_ptr,
+    dout_ptr,
+    lse_ptr,
+    # Scalar arguments
+    scale,
+    # Sizes
+    M,
+    D,
+    N,
+    E,
+    # Strides: how far the pointer moves for one step along each dimension
+    stride_dq0,
+    stride_dq1,
+    stride_dkk0,
+    stride_dkk1,
+    stride_dv0,
+    stride_dv1,
+    stride_out0,
+    stride_out1,
+    stride_q0,
+    stride_q1,
+    stride_kk0,
+    stride_kk1,
+    stride_v0,
+    stride_v1,
+    stride_dout0,
+    stride_dout1,
+    stride_lse_batch,
+    # Meta-parameters
+    BLOCK: tl.constexpr,  # keys (for dk, dv) and queries (for dq) per program
+    STEP: tl.constexpr,  # queries (for dk, dv) and keys (for dq) per step
+    HEAD_K: tl.constexpr,  # the scores' depth (k), whole
+    HEAD_E: tl.constexpr,  # out's columns (e), whole
+    DOT_PRECISION: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offsets in int64 (a tensor past 2**31 elements)
+):
+    # ---- loop bounds: for v in range(v_lo, v_hi)
+    i_lo, i_hi = 0, M
+    e_lo, e_hi = 0, E
+    j_lo, j_hi = 0, N
+    k_lo, k_hi = 0, D
 
-    CUDA tensors (CPU tensors under TRITON_INTERPRET=1), all on one device,
-    float16, bfloat16 or float32 (computed in float32, each output stored in its
-    own dtype); writes into the output tensors in place.
+    # ---- this program's block of keys and of queries
+    pid = tl.program_id(0)
+    tiles_kv = tl.cdiv(tl.maximum(j_hi - j_lo, 0), BLOCK)
+    tiles = tiles_kv + tl.cdiv(tl.maximum(i_hi - i_lo, 0), BLOCK)
+    pid_n = pid % tiles
+    k_row = k_lo + tl.arange(0, HEAD_K)[None, :]
+    e_2 = e_lo + tl.arange(0, HEAD_E)[None, :]
+    if INDEX_64:
+        k_row = k_row.to(tl.int64)
+        e_2 = e_2.to(tl.int64)
+    k_row_mask = k_row < k_hi
+    e_mask_2 = e_2 < e_hi
+    q_base = q_ptr
+    kk_base = kk_ptr
+    v_base = v_ptr
+    out_base = out_ptr
+    dout_base = dout_ptr
+    lse_base = lse_ptr
+    dq_base = dq_ptr
+    dk_base = dkk_ptr
+    dv_base = dv_ptr
+    qk_scale = scale * 1.4426950408889634  # f(s) = s * c, in base 2
+
+    # ==== the first tiles_kv programs: dk and dv of a block of keys, (block, head_k) and (block, head_e)
+    if pid_n < tiles_kv:
+        n_start = j_lo + pid_n * BLOCK
+        j_2 = n_start + tl.arange(0, BLOCK)[:, None]
+        if INDEX_64:
+            j_2 = j_2.to(tl.int64)
+        j_mask = j_2 < j_hi
+        kk_tile = tl.load(kk_base + j_2 * stride_kk0 + k_row * stride_kk1, mask=j_mask & k_row_mask, other=0.0)
+        v_tile = tl.load(v_base + j_2 * stride_v0 + e_2 * stride_v1, mask=j_mask & e_mask_2, other=0.0)
+        dk = tl.zeros([BLOCK, HEAD_K], dtype=tl.float32)
+        dv_2 = tl.zeros([BLOCK, HEAD_E], dtype=tl.float32)
+        # every query sees every key: whole unmasked steps, then the ragged last one masked
+        i_whole = i_lo + (i_hi - i_lo) // STEP * STEP
+        lo, hi = i_lo, i_whole
+        for i_start in range(lo, hi, STEP):
+            i_col = i_start + tl.arange(0, STEP)[None, :]  # the step's queries along the columns of the transposed scores
+            i_row = i_start + tl.arange(0, STEP)[:, None]  # ... and along the rows of q, out and dout
+            if INDEX_64:
+                i_col = i_col.to(tl.int64)
+                i_row = i_row.to(tl.int64)
+            q_step = tl.load(q_base + i_row * stride_q0 + k_row * stride_q1, mask=k_row_mask, other=0.0)
+            s_2 = tl.dot(kk_tile, tl.trans(q_step), input_precision=DOT_PRECISION)  # (block, step): scores, transposed
+            lse_step = tl.load(lse_base + (i_col - i_lo))
+            p = tl.exp2(s_2 * qk_scale - lse_step)
+            do_step = tl.load(dout_base + i_row * stride_dout0 + e_2 * stride_dout1, mask=e_mask_2, other=0.0)
+            dv_2 = tl.dot(p.to(do_step.dtype), do_step, dv_2, input_precision=DOT_PRECISION)
+            o_step = tl.load(out_base + i_row * stride_out0 + e_2 * stride_out1, mask=e_mask_2, other=0.0)
+            delta = tl.sum(do_step.to(tl.float32) * o_step.to(tl.float32), axis=1)  # rowsum(dout * out)
+            dp = tl.dot(v_tile, tl.trans(do_step), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[None, :])
+            dk = tl.dot(ds.to(q_step.dtype), q_step, dk, input_precision=DOT_PRECISION)
+
+        lo, hi = i_whole, i_hi
+        for i_start in range(lo, hi, STEP):
+            i_col = i_start + tl.arange(0, STEP)[None, :]  # the step's queries along the columns of the transposed scores
+            i_row = i_start + tl.arange(0, STEP)[:, None]  # ... and along the rows of q, out and dout
+            if INDEX_64:
+                i_col = i_col.to(tl.int64)
+                i_row = i_row.to(tl.int64)
+            q_step = tl.load(q_base + i_row * stride_q0 + k_row * stride_q1, mask=(i_row < i_hi) & k_row_mask, other=0.0)
+            s_2 = tl.dot(kk_tile, tl.trans(q_step), input_precision=DOT_PRECISION)  # (block, step): scores, transposed
+            lse_step = tl.load(lse_base + (i_col - i_lo), mask=i_col < i_hi, other=float("inf"))
+            p = tl.exp2(s_2 * qk_scale - lse_step)
+            p = tl.where(i_col < i_hi, p, 0.0)
+            do_step = tl.load(dout_base + i_row * stride_dout0 + e_2 * stride_dout1, mask=(i_row < i_hi) & e_mask_2, other=0.0)
+            dv_2 = tl.dot(p.to(do_step.dtype), do_step, dv_2, input_precision=DOT_PRECISION)
+            o_step = tl.load(out_base + i_row * stride_out0 + e_2 * stride_out1, mask=(i_row < i_hi) & e_mask_2, other=0.0)
+            delta = tl.sum(do_step.to(tl.float32) * o_step.to(tl.float32), axis=1)  # rowsum(dout * out)
+            dp = tl.dot(v_tile, tl.trans(do_step), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[None, :])
+            dk = tl.dot(ds.to(q_step.dtype), q_step, dk, input_precision=DOT_PRECISION)
+
+        tl.store(dk_base + j_2 * stride_dkk0 + k_row * stride_dkk1, (dk * scale).to(dkk_ptr.dtype.element_ty), mask=j_mask & k_row_mask)
+        tl.store(dv_base + j_2 * stride_dv0 + e_2 * stride_dv1, dv_2.to(dv_ptr.dtype.element_ty), mask=j_mask & e_mask_2)
+
+    # ==== the others: dq of a block of queries, (block, head_k)
+    else:
+        m_start = i_lo + (pid_n - tiles_kv) * BLOCK
+        i_2 = m_start + tl.arange(0, BLOCK)[:, None]
+        if INDEX_64:
+            i_2 = i_2.to(tl.int64)
+        i_mask_2 = i_2 < i_hi
+        q_tile = tl.load(q_base + i_2 * stride_q0 + k_row * stride_q1, mask=i_mask_2 & k_row_mask, other=0.0)
+        do_tile = tl.load(dout_base + i_2 * stride_dout0 + e_2 * stride_dout1, mask=i_mask_2 & e_mask_2, other=0.0)
+        o_tile = tl.load(out_base + i_2 * stride_out0 + e_2 * stride_out1, mask=i_mask_2 & e_mask_2, other=0.0)
+        delta = tl.sum(do_tile.to(tl.float32) * o_tile.to(tl.float32), axis=1, keep_dims=True)  # rowsum(dout * out)
+        lse_tile = tl.load(lse_base + (i_2 - i_lo), mask=i_mask_2, other=0.0)
+        dq_2 = tl.zeros([BLOCK, HEAD_K], dtype=tl.float32)
+        # keys every query of the block sees, whole steps, then the masked rest
+        j_full = j_lo + tl.maximum(j_hi - j_lo, 0) // STEP * STEP
+        lo, hi = j_lo, j_full
+        for j_start in range(lo, hi, STEP):
+            j_col = j_start + tl.arange(0, STEP)[None, :]  # the step's keys along the scores' columns
+            j_row = j_start + tl.arange(0, STEP)[:, None]  # ... and along the rows of kk and v
+            if INDEX_64:
+                j_col = j_col.to(tl.int64)
+                j_row = j_row.to(tl.int64)
+            kk_step = tl.load(kk_base + j_row * stride_kk0 + k_row * stride_kk1, mask=k_row_mask, other=0.0)
+            v_step = tl.load(v_base + j_row * stride_v0 + e_2 * stride_v1, mask=e_mask_2, other=0.0)
+            s_2 = tl.dot(q_tile, tl.trans(kk_step), input_precision=DOT_PRECISION)  # (block, step)
+            p = tl.exp2(s_2 * qk_scale - lse_tile)
+            dp = tl.dot(do_tile, tl.trans(v_step), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta)
+            dq_2 = tl.dot(ds.to(kk_step.dtype), kk_step, dq_2, input_precision=DOT_PRECISION)
+
+        lo, hi = j_full, j_hi
+        for j_start in range(lo, hi, STEP):
+            j_col = j_start + tl.arange(0, STEP)[None, :]  # the step's keys along the scores' columns
+            j_row = j_start + tl.arange(0, STEP)[:, None]  # ... and along the rows of kk and v
+            if INDEX_64:
+                j_col = j_col.to(tl.int64)
+                j_row = j_row.to(tl.int64)
+            kk_step = tl.load(kk_base + j_row * stride_kk0 + k_row * stride_kk1, mask=(j_row < j_hi) & k_row_mask, other=0.0)
+            v_step = tl.load(v_base + j_row * stride_v0 + e_2 * stride_v1, mask=(j_row < j_hi) & e_mask_2, other=0.0)
+            s_2 = tl.dot(q_tile, tl.trans(kk_step), input_precision=DOT_PRECISION)  # (block, step)
+            p = tl.exp2(s_2 * qk_scale - lse_tile)
+            p = tl.where(j_col < j_hi, p, 0.0)
+            dp = tl.dot(do_tile, tl.trans(v_step), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta)
+            dq_2 = tl.dot(ds.to(kk_step.dtype), kk_step, dq_2, input_precision=DOT_PRECISION)
+
+        tl.store(dq_base + i_2 * stride_dq0 + k_row * stride_dq1, (dq_2 * scale).to(dq_ptr.dtype.element_ty), mask=i_mask_2 & k_row_mask)
+
+
+# tile at input.py:5: the attention kernel's launcher (lse: each row's logsumexp for the backward, or None).
+def _attention_launch(out, q, kk, v, scale, lse):
+    """Run the attention nest at input.py:5 as the FlashAttention kernel _attention_kernel.
+
+    CUDA tensors (CPU tensors under TRITON_INTERPRET=1) on one device; q and kk of
+    one dtype (float16, bfloat16 or float32), the head dimensions up to 256;
+    writes out in place, and each query row's logsumexp into lse (float32,
+    (batch, query)) unless lse is None.
     """
     M, D, N, E, i_lo, i_hi, e_lo, e_hi, j_lo, j_hi, k_lo, k_hi = _attention_shapes(out, q, kk, v, scale)
     if out.device.type != "cuda" and not interpreting():
@@ -171,7 +379,12 @@ def _attention_triton(out, q, kk, v, scale):
         raise ValueError("v must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
     if q.dtype != kk.dtype:
         raise ValueError('the operands of a tl.dot must have one dtype: q and kk')
-    programs = triton.cdiv(max(i_hi - i_lo, 0), 32) * triton.cdiv(max(e_hi - e_lo, 0), 32)
+    head_k = max(triton.next_power_of_2(max(k_hi - k_lo, 1)), 16)
+    head_e = max(triton.next_power_of_2(max(e_hi - e_lo, 1)), 16)
+    if max(head_k, head_e) > 256:
+        raise ValueError('the attention kernel takes whole head dimensions up to 256 (k and e), not %d and %d; the torch path takes any' % (k_hi - k_lo, e_hi - e_lo))
+    batch = 1
+    programs = triton.cdiv(max(i_hi - i_lo, 0), 32) * batch
     if programs == 0:
         return
     _attention_kernel[(programs,)](
@@ -179,6 +392,7 @@ def _attention_triton(out, q, kk, v, scale):
         q,
         kk,
         v,
+        lse if lse is not None else out,
         scale,
         M,
         D,
@@ -192,42 +406,176 @@ def _attention_triton(out, q, kk, v, scale):
         kk.stride(1),
         v.stride(0),
         v.stride(1),
+        lse.stride(0) if lse is not None else 0,
         BLOCK_I=32,
-        BLOCK_E=32,
         BLOCK_J=32,
-        BLOCK_K=32,
-        INDEX_64=int64_offsets(out, q, kk, v),
+        HEAD_K=head_k,
+        HEAD_E=head_e,
+        STORE_LSE=lse is not None,
         DOT_PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
+        INDEX_64=int64_offsets(out, q, kk, v),
         num_warps=4,
         num_stages=2,
     )
 
 
-# tile at input.py:5: the CPU path.
-def _attention_torch(out, q, kk, v, scale):
-    """The loop nest at input.py:5 as whole-tensor torch operations, in place."""
+# tile at input.py:5: the launcher, as the function's own signature.
+def _attention_triton(out, q, kk, v, scale):
+    """Run the loop nest at input.py:5 as the Triton kernel _attention_kernel (no logsumexp kept)."""
+    _attention_launch(out, q, kk, v, scale, None)
+
+
+# tile at input.py:5: the backward's launcher: the gradients of q, kk and v.
+def _attention_backward_triton(dout_2, lse, out, q, kk, v, scale):
+    """The gradients of the attention nest at input.py:5 with respect to q, kk and v,
+    by the kernel _attention_backward_kernel from the forward's logsumexp ``lse``."""
     M, D, N, E, i_lo, i_hi, e_lo, e_hi, j_lo, j_hi, k_lo, k_hi = _attention_shapes(out, q, kk, v, scale)
-    q = q.float() if q.dtype in (torch.float16, torch.bfloat16) else q  # compute in float32, as the kernel does
-    kk = kk.float() if kk.dtype in (torch.float16, torch.bfloat16) else kk  # compute in float32, as the kernel does
-    v = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v  # compute in float32, as the kernel does
-    default_dtype = kk.dtype == q.dtype == v.dtype == torch.get_default_dtype()
-    q_ik = q[i_lo:i_hi, k_lo:k_hi][:, None, None, :]
-    kk_jk = kk[j_lo:j_hi, k_lo:k_hi][None, None, :, :]
-    s_sum = (q_ik[:, 0, 0] @ kk_jk[0, 0].mT)[:, None, :, None]
-    s = s_sum
-    t = s.mul_(scale) if default_dtype else s * scale
-    m = t.amax(dim=2, keepdim=True)
-    t_2 = t.sub_(m) if default_dtype else t - m
-    exp_2 = t_2.exp_() if default_dtype else torch.exp(t_2)
-    l = exp_2.sum(dim=2, keepdim=True)
-    v_je = v[j_lo:j_hi, e_lo:e_hi].permute(1, 0)[None, :, :, None]
-    acc = (exp_2[:, 0, :, 0] @ v_je[0, :, :, 0].mT)[:, :, None, None]
-    torch.div(acc[..., 0, 0], l[..., 0, 0], out=out[i_lo:i_hi, e_lo:e_hi])
+    if out.device.type != "cuda" and not interpreting():
+        raise ValueError('_attention_triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), not ' + str(out.device))
+    if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError('_attention_triton takes float16, bfloat16 or float32 tensors, not ' + str(out.dtype))
+    if q.device != out.device or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("q must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if kk.device != out.device or kk.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("kk must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if v.device != out.device or v.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("v must be a float16, bfloat16 or float32 tensor on the same device as out (loads compute in float32; stores cast to each output's dtype)")
+    if q.dtype != kk.dtype:
+        raise ValueError('the operands of a tl.dot must have one dtype: q and kk')
+    head_k = max(triton.next_power_of_2(max(k_hi - k_lo, 1)), 16)
+    head_e = max(triton.next_power_of_2(max(e_hi - e_lo, 1)), 16)
+    if max(head_k, head_e) > 256:
+        raise ValueError('the attention kernel takes whole head dimensions up to 256 (k and e), not %d and %d; the torch path takes any' % (k_hi - k_lo, e_hi - e_lo))
+    batch = 1
+    dq = torch.zeros_like(q)
+    dkk = torch.zeros_like(kk)
+    dv = torch.zeros_like(v)
+    # per batch element: a program per block of keys (dk, dv), then one per block of queries (dq)
+    programs = (triton.cdiv(max(j_hi - j_lo, 0), 64) + triton.cdiv(max(i_hi - i_lo, 0), 64)) * batch
+    if programs > 0:
+        _attention_backward_kernel[(programs,)](
+            dq,
+            dkk,
+            dv,
+            out,
+            q,
+            kk,
+            v,
+            dout_2,
+            lse,
+            scale,
+            M,
+            D,
+            N,
+            E,
+            dq.stride(0),
+            dq.stride(1),
+            dkk.stride(0),
+            dkk.stride(1),
+            dv.stride(0),
+            dv.stride(1),
+            out.stride(0),
+            out.stride(1),
+            q.stride(0),
+            q.stride(1),
+            kk.stride(0),
+            kk.stride(1),
+            v.stride(0),
+            v.stride(1),
+            dout_2.stride(0),
+            dout_2.stride(1),
+            lse.stride(0),
+            BLOCK=64,
+            STEP=32,
+            HEAD_K=head_k,
+            HEAD_E=head_e,
+            DOT_PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
+            INDEX_64=int64_offsets(out, q, kk, v, dq, dkk, dv, dout_2),
+            num_warps=4,
+            num_stages=2,
+        )
+    return dq, dkk, dv
+
+
+# tile at input.py:5: the CPU path: the attention nest as whole-tensor torch operations.
+def _attention_torch(out, q, kk, v, scale):
+    """The loop nest at input.py:5 as eager softmax attention (at least float32 inside), in place."""
+    M, D, N, E, i_lo, i_hi, e_lo, e_hi, j_lo, j_hi, k_lo, k_hi = _attention_shapes(out, q, kk, v, scale)
+    q_view = q[i_lo:i_hi, k_lo:k_hi].to(torch.promote_types(q.dtype, torch.float32))  # (i, k)
+    kk_view = kk[j_lo:j_hi, k_lo:k_hi].to(torch.promote_types(kk.dtype, torch.float32))  # (j, k)
+    v_view = v[j_lo:j_hi, e_lo:e_hi].to(torch.promote_types(v.dtype, torch.float32))  # (j, e)
+    s_2 = q_view @ kk_view.mT
+    z = s_2.mul_(scale)
+    p = torch.softmax(z, dim=-1)  # (one fused pass)
+    out[i_lo:i_hi, e_lo:e_hi] = (p @ v_view).to(out.dtype)
+
+
+# tile at input.py:5: the backward as whole-tensor torch operations (any device; at least float32 inside).
+def _attention_backward_torch(dout_2, out, q, kk, v, scale):
+    """The gradients of the attention nest at input.py:5 with respect to q, kk and v:
+    the softmax recomputed from the scores, then dv = p.T @ dout, ds = p * (dp - rowsum(dout * out)) * f'(s)."""
+    M, D, N, E, i_lo, i_hi, e_lo, e_hi, j_lo, j_hi, k_lo, k_hi = _attention_shapes(out, q, kk, v, scale)
+    q_view = q[i_lo:i_hi, k_lo:k_hi].to(torch.promote_types(q.dtype, torch.float32))  # (i, k)
+    kk_view = kk[j_lo:j_hi, k_lo:k_hi].to(torch.promote_types(kk.dtype, torch.float32))  # (j, k)
+    v_view = v[j_lo:j_hi, e_lo:e_hi].to(torch.promote_types(v.dtype, torch.float32))  # (j, e)
+    o_view = out[i_lo:i_hi, e_lo:e_hi].to(torch.promote_types(out.dtype, torch.float32))  # (i, e)
+    do_view = dout_2[i_lo:i_hi, e_lo:e_hi].to(torch.promote_types(dout_2.dtype, torch.float32))  # (i, e)
+    s_2 = q_view @ kk_view.mT
+    z = s_2 * scale
+    p = z.softmax(dim=-1)
+    dp = do_view @ v_view.mT
+    ds = p * (dp - (do_view * o_view).sum(dim=-1, keepdim=True))
+    ds = ds * scale  # f'(s)
+    dq = torch.zeros_like(q)
+    dq[i_lo:i_hi, k_lo:k_hi] = (ds @ kk_view).to(q.dtype)
+    dkk = torch.zeros_like(kk)
+    dkk[j_lo:j_hi, k_lo:k_hi] = (ds.mT @ q_view).to(kk.dtype)
+    dv = torch.zeros_like(v)
+    dv[j_lo:j_hi, e_lo:e_hi] = (p.mT @ do_view).to(v.dtype)
+    return dq, dkk, dv
+
+
+# tile at input.py:5: the nest as an autograd function, so that training differentiates it.
+class _attention_autograd(torch.autograd.Function):
+    """The attention nest at input.py:5 with its backward, from the same loop nest: the
+    FlashAttention kernels on CUDA, whole-tensor torch operations elsewhere.
+    ``out`` is written in place (marked dirty), as the loop writes it."""
+
+    @staticmethod
+    def forward(ctx, out, q, kk, v, scale):
+        lse = None
+        if use_triton(out.device):
+            M, D, N, E, i_lo, i_hi, e_lo, e_hi, j_lo, j_hi, k_lo, k_hi = _attention_shapes(out, q, kk, v, scale)
+            lse = torch.empty((1, max(i_hi - i_lo, 0)), dtype=torch.float32, device=out.device)
+            _attention_launch(out, q, kk, v, scale, lse)
+        else:
+            _attention_torch(out, q, kk, v, scale)
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(out, q, kk, v, lse)
+        ctx.scalars = (scale, )
+        return out
+
+    @staticmethod
+    def backward(ctx, dout_2):
+        out, q, kk, v, lse = ctx.saved_tensors
+        (scale, ) = ctx.scalars
+        if lse is not None:
+            dq, dkk, dv = _attention_backward_triton(dout_2, lse, out, q, kk, v, scale)
+        else:
+            dq, dkk, dv = _attention_backward_torch(dout_2, out, q, kk, v, scale)
+        d_out = None
+        if ctx.needs_input_grad[0]:  # out's old values: kept where the nest did not write
+            M, D, N, E, i_lo, i_hi, e_lo, e_hi, j_lo, j_hi, k_lo, k_hi = _attention_shapes(out, q, kk, v, scale)
+            d_out = dout_2.clone()
+            d_out[i_lo:i_hi, e_lo:e_hi] = 0
+        return d_out, dq, dkk, dv, None
 
 
 # macrogen: tile at input.py:5
 def attention(out, q, kk, v, scale):
-    if use_triton(out.device):
+    if torch.is_grad_enabled() and (out.requires_grad or q.requires_grad or kk.requires_grad or v.requires_grad):  # differentiable: the backward comes from the same nest
+        _attention_autograd.apply(out, q, kk, v, scale)
+    elif use_triton(out.device):
         _attention_triton(out, q, kk, v, scale)
     else:
         _attention_torch(out, q, kk, v, scale)

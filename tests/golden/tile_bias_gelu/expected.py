@@ -34,16 +34,16 @@ def _bias_gelu_shapes(out, x, b):
         raise ValueError('out and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if out.numel() and b.numel() and out.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
         raise ValueError('out and b share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > x.shape[0]):
-        raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > x.shape[1]):
-        raise IndexError('x: index j leaves dimension 1 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > b.shape[0]):
-        raise IndexError('b: index j leaves dimension 0 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > out.shape[0]):
-        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > out.shape[1]):
-        raise IndexError('out: index j leaves dimension 1 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
+    if i_lo < i_hi and i_hi > x.shape[0]:
+        raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > x.shape[1]:
+        raise IndexError('x: index j leaves dimension 1 for some j in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > b.shape[0]:
+        raise IndexError('b: index j leaves dimension 0 for some j in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > out.shape[0]:
+        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > out.shape[1]:
+        raise IndexError('out: index j leaves dimension 1 for some j in its range (the loop would raise IndexError)')
     return M, N, i_lo, i_hi, j_lo, j_hi
 
 

@@ -55,24 +55,28 @@ def _gather_shapes(out, sums, table, idx, perm, x):
         raise ValueError('sums and perm share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if sums.numel() and x.numel() and sums.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError('sums and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > idx.shape[0]):
-        raise IndexError('idx: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > table.shape[1]):
-        raise IndexError('table: index j leaves dimension 1 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > x.shape[0]):
-        raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > perm.shape[0]):
-        raise IndexError('perm: index j leaves dimension 0 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > sums.shape[0]):
-        raise IndexError('sums: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > out.shape[0]):
-        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > out.shape[1]):
-        raise IndexError('out: index j leaves dimension 1 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if idx[i_lo:i_hi].numel() and (idx[i_lo:i_hi].min() < 0 or idx[i_lo:i_hi].max() >= table.shape[0]):
-        raise IndexError('table: an index read from idx leaves dimension 0 (the loop would raise IndexError; negative indices do not wrap here)')
-    if perm[j_lo:j_hi].numel() and (perm[j_lo:j_hi].min() < 0 or perm[j_lo:j_hi].max() >= x.shape[1]):
-        raise IndexError('x: an index read from perm leaves dimension 1 (the loop would raise IndexError; negative indices do not wrap here)')
+    if i_lo < i_hi and i_hi > idx.shape[0]:
+        raise IndexError('idx: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > table.shape[1]:
+        raise IndexError('table: index j leaves dimension 1 for some j in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > x.shape[0]:
+        raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > perm.shape[0]:
+        raise IndexError('perm: index j leaves dimension 0 for some j in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > sums.shape[0]:
+        raise IndexError('sums: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > out.shape[0]:
+        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > out.shape[1]:
+        raise IndexError('out: index j leaves dimension 1 for some j in its range (the loop would raise IndexError)')
+    if idx[i_lo:i_hi].numel() and idx[i_lo:i_hi].min() < 0:
+        raise ValueError('table: an index read from idx is negative: Python counts it from the end of dimension 0, @tile does not wrap it')
+    if idx[i_lo:i_hi].numel() and idx[i_lo:i_hi].max() >= table.shape[0]:
+        raise IndexError('table: an index read from idx leaves dimension 0 (the loop would raise IndexError)')
+    if perm[j_lo:j_hi].numel() and perm[j_lo:j_hi].min() < 0:
+        raise ValueError('x: an index read from perm is negative: Python counts it from the end of dimension 1, @tile does not wrap it')
+    if perm[j_lo:j_hi].numel() and perm[j_lo:j_hi].max() >= x.shape[1]:
+        raise IndexError('x: an index read from perm leaves dimension 1 (the loop would raise IndexError)')
     return M, N, i_lo, i_hi, j_lo, j_hi
 
 
@@ -207,7 +211,8 @@ def _gather_triton(out, sums, table, idx, perm, x):
     persistent = max(j_hi - j_lo, 0) <= _gather_persistent_max
     if persistent:
         block_j = triton.next_power_of_2(max(max(j_hi - j_lo, 0), 1))
-        room = max(8192 // block_j, 1)  # the grid's tile: at most 8192 elements in all
+        # the grid's tile: at most 2 rows, 8192 elements in all
+        room = max(min(8192 // block_j, 2), 1)
         block_i = min(block_i, room)
         warps = min(max(warps, block_i * block_j // 512), 16)  # 512 elements a warp
     programs = triton.cdiv(max(i_hi - i_lo, 0), block_i)

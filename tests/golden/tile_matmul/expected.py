@@ -36,18 +36,18 @@ def _matmul_shapes(out, a, b):
         raise ValueError('out and a share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if out.numel() and b.numel() and out.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
         raise ValueError('out and b share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > a.shape[0]):
-        raise IndexError('a: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if k_lo < k_hi and (k_lo < 0 or k_hi > a.shape[1]):
-        raise IndexError('a: index k leaves dimension 1 for some k in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if k_lo < k_hi and (k_lo < 0 or k_hi > b.shape[0]):
-        raise IndexError('b: index k leaves dimension 0 for some k in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > b.shape[1]):
-        raise IndexError('b: index j leaves dimension 1 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > out.shape[0]):
-        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > out.shape[1]):
-        raise IndexError('out: index j leaves dimension 1 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
+    if i_lo < i_hi and i_hi > a.shape[0]:
+        raise IndexError('a: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if k_lo < k_hi and k_hi > a.shape[1]:
+        raise IndexError('a: index k leaves dimension 1 for some k in its range (the loop would raise IndexError)')
+    if k_lo < k_hi and k_hi > b.shape[0]:
+        raise IndexError('b: index k leaves dimension 0 for some k in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > b.shape[1]:
+        raise IndexError('b: index j leaves dimension 1 for some j in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > out.shape[0]:
+        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > out.shape[1]:
+        raise IndexError('out: index j leaves dimension 1 for some j in its range (the loop would raise IndexError)')
     return M, K, N, i_lo, i_hi, j_lo, j_hi, k_lo, k_hi
 
 

@@ -36,14 +36,14 @@ def _row_sum_max_shapes(total, biggest, x):
         raise ValueError('total and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if biggest.numel() and x.numel() and biggest.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError('biggest and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > x.shape[0]):
-        raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > x.shape[1]):
-        raise IndexError('x: index j leaves dimension 1 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > total.shape[0]):
-        raise IndexError('total: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > biggest.shape[0]):
-        raise IndexError('biggest: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
+    if i_lo < i_hi and i_hi > x.shape[0]:
+        raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > x.shape[1]:
+        raise IndexError('x: index j leaves dimension 1 for some j in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > total.shape[0]:
+        raise IndexError('total: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > biggest.shape[0]:
+        raise IndexError('biggest: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
     return M, N, i_lo, i_hi, j_lo, j_hi
 
 
@@ -143,7 +143,8 @@ def _row_sum_max_triton(total, biggest, x):
     persistent = max(j_hi - j_lo, 0) <= _row_sum_max_persistent_max
     if persistent:
         block_j = triton.next_power_of_2(max(max(j_hi - j_lo, 0), 1))
-        room = max(8192 // block_j, 1)  # the grid's tile: at most 8192 elements in all
+        # the grid's tile: at most 2 rows, 8192 elements in all
+        room = max(min(8192 // block_j, 2), 1)
         block_i = min(block_i, room)
         warps = min(max(warps, block_i * block_j // 512), 16)  # 512 elements a warp
     programs = triton.cdiv(max(i_hi - i_lo, 0), block_i)

@@ -32,22 +32,22 @@ def _laplace_rows_shapes(out, x, eps):
     j_lo, j_hi = 0, N
     if out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError('out and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
-    if b_lo < b_hi and (b_lo < 0 or b_hi > x.shape[0]):
-        raise IndexError('x: index b leaves dimension 0 for some b in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo + 1 < 0 or i_hi + 1 > x.shape[1]):
-        raise IndexError('x: index i + 1 leaves dimension 1 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > x.shape[2]):
-        raise IndexError('x: index j leaves dimension 2 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > x.shape[1]):
-        raise IndexError('x: index i leaves dimension 1 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo - 1 < 0 or i_hi - 1 > x.shape[1]):
-        raise IndexError('x: index i - 1 leaves dimension 1 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if b_lo < b_hi and (b_lo < 0 or b_hi > out.shape[0]):
-        raise IndexError('out: index b leaves dimension 0 for some b in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > out.shape[1]):
-        raise IndexError('out: index i leaves dimension 1 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo < 0 or j_hi > out.shape[2]):
-        raise IndexError('out: index j leaves dimension 2 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
+    if b_lo < b_hi and b_hi > x.shape[0]:
+        raise IndexError('x: index b leaves dimension 0 for some b in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi + 1 > x.shape[1]:
+        raise IndexError('x: index i + 1 leaves dimension 1 for some i in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > x.shape[2]:
+        raise IndexError('x: index j leaves dimension 2 for some j in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > x.shape[1]:
+        raise IndexError('x: index i leaves dimension 1 for some i in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi - 1 > x.shape[1]:
+        raise IndexError('x: index i - 1 leaves dimension 1 for some i in its range (the loop would raise IndexError)')
+    if b_lo < b_hi and b_hi > out.shape[0]:
+        raise IndexError('out: index b leaves dimension 0 for some b in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > out.shape[1]:
+        raise IndexError('out: index i leaves dimension 1 for some i in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi > out.shape[2]:
+        raise IndexError('out: index j leaves dimension 2 for some j in its range (the loop would raise IndexError)')
     return B, M, N, b_lo, b_hi, i_lo, i_hi, j_lo, j_hi
 
 

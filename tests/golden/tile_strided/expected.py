@@ -37,20 +37,20 @@ def _strided_shapes(out, x, total):
         raise ValueError('out and total share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
     if total.numel() and x.numel() and total.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError('total and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > x.shape[0]):
-        raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo < j_hi and (j_lo + 1 < 0 or j_hi + 1 > x.shape[1]):
-        raise IndexError('x: index j + 1 leaves dimension 1 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > total.shape[0]):
-        raise IndexError('total: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo - 1 < 0 or i_hi - 1 > x.shape[0]):
-        raise IndexError('x: index i - 1 leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo_2 < j_hi_2 and (j_lo_2 < 0 or j_hi_2 > x.shape[1]):
-        raise IndexError('x: index j leaves dimension 1 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > out.shape[0]):
-        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if j_lo_2 < j_hi_2 and (j_lo_2 < 0 or j_hi_2 > out.shape[1]):
-        raise IndexError('out: index j leaves dimension 1 for some j in its range (the loop would raise IndexError; negative indices do not wrap here)')
+    if i_lo < i_hi and i_hi > x.shape[0]:
+        raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if j_lo < j_hi and j_hi + 1 > x.shape[1]:
+        raise IndexError('x: index j + 1 leaves dimension 1 for some j in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > total.shape[0]:
+        raise IndexError('total: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi - 1 > x.shape[0]:
+        raise IndexError('x: index i - 1 leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if j_lo_2 < j_hi_2 and j_hi_2 > x.shape[1]:
+        raise IndexError('x: index j leaves dimension 1 for some j in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > out.shape[0]:
+        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if j_lo_2 < j_hi_2 and j_hi_2 > out.shape[1]:
+        raise IndexError('out: index j leaves dimension 1 for some j in its range (the loop would raise IndexError)')
     return M, N, i_lo, i_hi, j_lo, j_hi, j_lo_2, j_hi_2
 
 

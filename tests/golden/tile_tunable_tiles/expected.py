@@ -30,10 +30,10 @@ def _scale_shift_shapes(out, x, alpha, beta):
     i_lo, i_hi = 0, N
     if out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError('out and x share memory; @tile needs outputs apart from the other tensors (pass a fresh tensor, or a clone)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > x.shape[0]):
-        raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
-    if i_lo < i_hi and (i_lo < 0 or i_hi > out.shape[0]):
-        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError; negative indices do not wrap here)')
+    if i_lo < i_hi and i_hi > x.shape[0]:
+        raise IndexError('x: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
+    if i_lo < i_hi and i_hi > out.shape[0]:
+        raise IndexError('out: index i leaves dimension 0 for some i in its range (the loop would raise IndexError)')
     return N, i_lo, i_hi
 
 
