@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import errno
 import json
 import os
 import time
@@ -220,17 +221,19 @@ def _attempt_store(where: Placement) -> dict[str, Any]:
     host, port = os.environ["MASTER_ADDR"], _int_env("MASTER_PORT")
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # torchrun's own store
     within = _within(limit)
+    hosting = rank == 0 and not agent
     try:
-        if rank != 0 or agent:
+        if not hosting:
             _wait_for_listener(host, port, deadline)
         tcp = dist.TCPStore(
             host,
             port,
             world_size,
-            is_master=rank == 0 and not agent,
+            is_master=hosting,
             timeout=datetime.timedelta(seconds=seconds),
             wait_for_workers=False,
             multi_tenant=not agent,
+            master_listen_fd=_listener_on(host, port) if hosting else None,
         )
     except (RuntimeError, OSError) as e:
         raise StartupError(
@@ -241,6 +244,25 @@ def _attempt_store(where: Placement) -> dict[str, Any]:
     store = dist.PrefixStore(f"macrogen/attempt_{attempt}", tcp)
     _agree(store, rank, {"WORLD_SIZE": str(world_size), "backend": where.backend}, deadline, within)
     return {"store": store, "rank": rank, "world_size": world_size}
+
+
+def _listener_on(host: str, port: int) -> int | None:
+    """A socket bound to MASTER_ADDR's own address, for the store to listen on (torch's store
+    binds every interface: a local job's store would be reachable from the network). None
+    where MASTER_ADDR is no address of this machine (behind a NAT): torch binds as it does."""
+    import socket
+
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+    except OSError as e:
+        listener.close()
+        if e.errno == errno.EADDRNOTAVAIL:
+            return None
+        raise
+    return listener.detach()  # the store owns it now
 
 
 def _wait_for_listener(host: str, port: int, deadline: float) -> None:
