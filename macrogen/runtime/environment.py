@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from typing import overload
 
 _DECIMAL = re.compile(r"[+]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", re.ASCII)
 
@@ -29,6 +30,33 @@ def text(name: str) -> str | None:
     """The variable's value, stripped; None when unset or blank."""
     value = os.environ.get(name, "").strip()
     return value or None
+
+
+def is_set(name: str) -> bool:
+    """The variable is in the environment, whatever it holds (torchrun's RANK, even blank)."""
+    return name in os.environ
+
+
+@overload
+def whole(
+    name: str,
+    default: int,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    blank_is_unset: bool = False,
+) -> int: ...
+
+
+@overload
+def whole(
+    name: str,
+    default: None,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    blank_is_unset: bool = False,
+) -> int | None: ...
 
 
 def whole(
@@ -64,8 +92,8 @@ def seconds(name: str, *, low: float = 1.0, high: float = 365 * 24 * 3600) -> fl
     number = float(value) if _DECIMAL.fullmatch(value) else math.nan
     if not low <= number <= high:  # (NaN fails too)
         raise EnvironmentValueError(
-            f"{name}={raw!r}: expected a number of seconds from {low:g} to {high:g}"
-            " (unset it for the default)"
+            f"{name}={raw!r}: expected a positive number of seconds, at least {low:g} and at"
+            f" most {high:.0f}; unset it for the default"
         )
     return number
 
