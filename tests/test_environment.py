@@ -160,3 +160,17 @@ def test_the_server_transport_is_one_of_two(monkeypatch):
     monkeypatch.setenv(param_server.TRANSPORT_ENV, "tcp")
     with pytest.raises(ValueError, match=r"^MACROGEN_SERVER_TRANSPORT='tcp': expected one of p2p"):
         environment.choice(param_server.TRANSPORT_ENV, "p2p", param_server.TRANSPORTS)
+
+
+def test_a_switch_is_on_or_off_and_nothing_else(monkeypatch):
+    from macrogen import hook
+
+    for on in ("1", "true", "YES", "on"):
+        monkeypatch.setenv(hook.DISABLE_ENV, on)
+        assert hook.disabled()
+    for off in ("0", "false", "no", "OFF", "", " "):
+        monkeypatch.setenv(hook.DISABLE_ENV, off)
+        assert not hook.disabled()
+    monkeypatch.setenv(hook.SHOW_ENV, "maybe")
+    with pytest.raises(ValueError, match=r"^MACROGEN_SHOW_EXPANDED='maybe': expected 1 or 0"):
+        hook.options()

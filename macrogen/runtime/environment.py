@@ -4,6 +4,7 @@
     port = environment.whole("MASTER_PORT", None, low=1, high=65535)
     seconds = environment.seconds("MACROGEN_TIMEOUT")         # None when unset
     kind = environment.choice("MACROGEN_SERVER_TRANSPORT", "p2p", ("p2p", "rpc"))
+    show = environment.flag("MACROGEN_SHOW_EXPANDED")        # 1/0, true/false, yes/no, on/off
 
 ``int()`` alone takes "²", "١٢" and " 7 ", and says only "invalid literal for int()";
 torch takes a port of 99999 to a pybind TypeError and a timeout of 1e-9 s to a failure
@@ -96,6 +97,22 @@ def seconds(name: str, *, low: float = 1.0, high: float = 365 * 24 * 3600) -> fl
             f" most {high:.0f}; unset it for the default"
         )
     return number
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def flag(name: str) -> bool:
+    """The variable as a switch: 1/true/yes/on, or 0/false/no/off (any case); unset or blank
+    is off."""
+    value = text(name)
+    if value is None or value.lower() in _OFF:
+        return False
+    if value.lower() in _ON:
+        return True
+    raise EnvironmentValueError(
+        f"{name}={os.environ.get(name)!r}: expected 1 or 0 (or true/false, yes/no, on/off)"
+    )
 
 
 def choice(name: str, default: str, choices: tuple[str, ...]) -> str:
