@@ -174,3 +174,26 @@ def test_a_switch_is_on_or_off_and_nothing_else(monkeypatch):
     monkeypatch.setenv(hook.SHOW_ENV, "maybe")
     with pytest.raises(ValueError, match=r"^MACROGEN_SHOW_EXPANDED='maybe': expected 1 or 0"):
         hook.options()
+
+
+def _bound(fd: int | None) -> str | None:
+    import socket
+
+    if fd is None:
+        return None
+    with socket.socket(fileno=fd) as s:
+        return s.getsockname()[0]
+
+
+def test_the_store_macrogen_hosts_listens_on_master_addr_only(monkeypatch):
+    """Not on every interface; and not on a loopback a host name resolves to here, where the
+    job may span machines that resolve it otherwise (torch then binds as it does)."""
+    import socket
+
+    assert _bound(groups._listener_on("127.0.0.1", 0, 2)) == "127.0.0.1"
+    name = socket.gethostname()
+    if socket.gethostbyname(name).startswith("127."):  # Debian's /etc/hosts
+        assert groups._listener_on(name, 0, 2) is None  # LOCAL_WORLD_SIZE unset: maybe several
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert _bound(groups._listener_on(name, 0, 2)) == socket.gethostbyname(name)
+    assert groups._listener_on("192.0.2.123", 0, 2) is None  # no address of this machine

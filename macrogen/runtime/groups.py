@@ -235,7 +235,7 @@ def _attempt_store(where: Placement) -> dict[str, Any]:
             timeout=datetime.timedelta(seconds=seconds),
             wait_for_workers=False,
             multi_tenant=not agent,
-            master_listen_fd=_listener_on(host, port) if hosting else None,
+            master_listen_fd=_listener_on(host, port, world_size) if hosting else None,
         )
     except (RuntimeError, OSError) as e:
         raise StartupError(
@@ -247,13 +247,20 @@ def _attempt_store(where: Placement) -> dict[str, Any]:
     return {"store": store, "rank": rank, "world_size": world_size}
 
 
-def _listener_on(host: str, port: int) -> int | None:
+def _listener_on(host: str, port: int, world_size: int) -> int | None:
     """A socket bound to MASTER_ADDR's own address, for the store to listen on (torch's store
-    binds every interface: a local job's store would be reachable from the network). None
-    where MASTER_ADDR is no address of this machine (behind a NAT): torch binds as it does."""
+    binds every interface: a local job's store would be reachable from the network). None,
+    and torch binds as it does, where that address may not be the one the others use: it is
+    no address of this machine (behind a NAT), or a host name that resolves to loopback here
+    (Debian's /etc/hosts) in a job that may span machines."""
+    import ipaddress
     import socket
 
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    local = environment.whole("LOCAL_WORLD_SIZE", None, low=1) == world_size
+    literal = host == "localhost" or _is_address(host)
+    if ipaddress.ip_address(address[0]).is_loopback and not (local or literal):
+        return None
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -264,6 +271,16 @@ def _listener_on(host: str, port: int) -> int | None:
             return None
         raise
     return listener.detach()  # the store owns it now
+
+
+def _is_address(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _wait_for_listener(host: str, port: int, deadline: float) -> None:
