@@ -20,11 +20,13 @@ allocation of what the bytes say.
     LOAD  (table, step, has_sums) + rows[share, dim] (+ sums)  -> OK
     BYE                                            the worker is done
 
-A server answers requests in one thread (``Server.serve``): one receiving thread per worker
-blocks on that worker's next header (a blocking receive from one peer ends with an error
-when that peer's process ends, which a receive from any peer does not) and queues it. A
+A server (``Server.serve``) has one thread per worker, blocked on that worker's next header
+(a blocking receive from one peer ends with an error when that peer's process ends, which a
+receive from any peer does not); it answers the request itself, under one lock over the
+tables. A worker is known by the connection its bytes came on, never by what they say. A
 fetch or export that must wait for other workers' pushes is kept until it may be answered,
-or until the worker it waits for has left (an error reply naming that worker).
+or until the worker it waits for has said it is done (an error reply naming that worker).
+A worker posts the receives of a reply before it asks, so no answer waits for them.
 """
 
 from __future__ import annotations
