@@ -10,7 +10,8 @@ reader of the rendered page does not see it) saying what the block is:
                              run (it needs ranks, a GPU, a dataset, or names the page defines
                              elsewhere).
     <!-- doc: expansion -->  Python: part of the expansion of the page's previous run/expand
-                             block (as train.py): its lines appear there, in this order.
+                             block (as train.py): its lines appear there, in this order
+                             (quotes aside: ``ruff format`` turns the page's ' into ").
     <!-- doc: compile -->    Python: compiles; shell: ``bash -n`` accepts it.
     <!-- doc: fragment -->   not checked: output, a command line, a template, an excerpt.
 
@@ -139,13 +140,18 @@ def _expansion_of(block: Block) -> str:
     return expand_source(source.code, path="train.py").code
 
 
+def _same(line: str, want: str) -> bool:
+    # ruff format rewrites the page's blocks to double quotes; the expansion writes repr()'s.
+    return line.rstrip().replace("'", '"') == want.rstrip().replace("'", '"')
+
+
 @pytest.mark.parametrize("block", _ids("expansion"), ids=str)
 def test_expansion_blocks_are_what_expand_writes(block: Block):
     lines = iter(_expansion_of(block).splitlines())
     for want in block.code.strip("\n").splitlines():
         if not want.strip():
             continue
-        assert any(line.rstrip() == want.rstrip() for line in lines), (
+        assert any(_same(line, want) for line in lines), (
             f"{block}: {want.strip()!r} is not in the expansion (in this order)"
         )
 
