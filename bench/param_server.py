@@ -10,6 +10,8 @@ machine's gloo ranks, in four set-ups, each in fresh processes:
     server s=0   1 server rank holds the table (plan style "server"), synchronous
     server s=2   the same, staleness 2 (Hogwild on the server)
     2 servers    2 server ranks, synchronous
+    s=0 rpc      as "server s=0", over torch RPC (the opt-in transport) instead of the
+                 default point-to-point tensors on the job's process group
 
 Printed per set-up: the median time per step (after 3 warm-up steps) and the tensor
 bytes one worker moves per step (replicated: the gradient it all-reduces; servers:
@@ -41,7 +43,9 @@ class Rec(nn.Module):
         return self.head(self.emb(ids).mean(1)).squeeze(-1)
 
 
-def worker(rank: int, world: int, port: int, servers: int, staleness: int, args, queue) -> None:
+def worker(
+    rank: int, world: int, port: int, servers: int, staleness: int, transport: str, args, queue
+) -> None:
     import torch.distributed as dist
 
     from macrogen.runtime import param_server
@@ -53,7 +57,7 @@ def worker(rank: int, world: int, port: int, servers: int, staleness: int, args,
     torch.manual_seed(0)
     model = Rec(args.rows, args.dim)
     if servers:
-        config = param_server.ServerConfig(servers, staleness, "sgd", 0.5)
+        config = param_server.ServerConfig(servers, staleness, "sgd", 0.5, transport=transport)
         try:
             param_server.apply_param_server(
                 model,
@@ -91,7 +95,7 @@ def worker(rank: int, world: int, port: int, servers: int, staleness: int, args,
     dist.destroy_process_group()
 
 
-def run(servers: int, staleness: int, args) -> tuple[float, float, float]:
+def run(servers: int, staleness: int, transport: str, args) -> tuple[float, float, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -99,7 +103,9 @@ def run(servers: int, staleness: int, args) -> tuple[float, float, float]:
     queue = ctx.Queue()
     world = args.workers + servers
     ctx_procs = [
-        ctx.Process(target=worker, args=(r, world, port, servers, staleness, args, queue))
+        ctx.Process(
+            target=worker, args=(r, world, port, servers, staleness, transport, args, queue)
+        )
         for r in range(world)
     ]
     for p in ctx_procs:
@@ -120,13 +126,14 @@ def main() -> None:
     table_mb = args.rows * args.dim * 4 / 2**20
     print(f"table {args.rows} x {args.dim} float32 ({table_mb:.1f} MiB), {args.workers} workers")
     print(f"{'set-up':<12} {'ms/step':>8} {'KiB moved/step':>15} {'KiB touched':>12}")
-    for label, servers, staleness in (
-        ("replicated", 0, 0),
-        ("server s=0", 1, 0),
-        ("server s=2", 1, 2),
-        ("2 servers", 2, 0),
+    for label, servers, staleness, transport in (
+        ("replicated", 0, 0, "p2p"),
+        ("server s=0", 1, 0, "p2p"),
+        ("server s=2", 1, 2, "p2p"),
+        ("2 servers", 2, 0, "p2p"),
+        ("s=0 rpc", 1, 0, "rpc"),
     ):
-        ms, moved, touched = run(servers, staleness, args)
+        ms, moved, touched = run(servers, staleness, transport, args)
         print(f"{label:<12} {ms:8.1f} {moved / 1024:15.1f} {touched / 1024:12.1f}")
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from macrogen import cache
+from macrogen.runtime import environment
 
 __all__ = [
     "MacroExpansionError",
@@ -151,7 +152,7 @@ def uninstall() -> None:
 
 
 def disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+    return environment.flag(DISABLE_ENV)
 
 
 def options(
@@ -164,10 +165,10 @@ def options(
     """Options from arguments, else the environment; paths made absolute now."""
     if target not in (None, "cpu", "cuda"):
         raise ValueError(f"target must be 'cpu', 'cuda' or None, not {target!r}")
-    tuning = tuning or os.environ.get(TUNING_ENV) or None
-    cache_dir = cache_dir or os.environ.get(CACHE_DIR_ENV) or None
+    tuning = tuning or environment.text(TUNING_ENV)
+    cache_dir = cache_dir or environment.text(CACHE_DIR_ENV)
     if show is None:
-        show = os.environ.get(SHOW_ENV, "") not in ("", "0")
+        show = environment.flag(SHOW_ENV)
     return Options(
         target,
         Path(os.path.abspath(tuning)) if tuning else None,

@@ -18,6 +18,7 @@ def test_examples_run_agrees_and_names_each_ranks_device_and_backend():
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "serial and data-parallel training agree" in done.stdout
+    assert "Warning" not in done.stderr, done.stderr  # (tp 1 is the demo's choice: nothing to warn)
     for rank in range(2):  # what the decision function picks for this host: cpu/gloo, or GPUs
         where = placement_here(rank, 2)
         assert f"rank {rank} of 2 on {where.device} (backend {where.backend})" in done.stdout

@@ -292,3 +292,35 @@ def test_expanded_program_with_a_server_equals_serial(tmp_path, program):
     for got in results[:2]:
         for key, value in want.items():  # the dense model, the tables and their Adagrad sums
             torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12, msg=key)
+
+
+def _one_leaves(rank: int, world: int) -> str | None:
+    """Worker 1 leaves after step 0; worker 0's fetch for step 2 needs its step-1 push."""
+    model = build(SMALL)
+    config = param_server.ServerConfig(1, 0, "sgd", 0.5, timeout_s=60)
+    try:
+        param_server.apply_param_server(model, [("emb", model.emb), ("bag", model.bag)], config,
+                                        where="test")  # fmt: skip
+    except SystemExit:
+        return None
+    steps = 1 if rank == 1 else 3
+    try:
+        for t in range(steps):
+            ids, tags, y = batch(t, 2, rank, SMALL)
+            ((model(ids, tags) - y) ** 2).mean().backward()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        param_server.shutdown()
+    return "trained"
+
+
+def test_a_worker_that_leaves_early_is_named_at_once():
+    """Synchronous: a step needs every worker's push; a worker that said it is done before
+    pushing it is named in the others' error at once (not after the fetch timeout)."""
+    results = run_ranks(_one_leaves, world_size=3, timeout=60)
+    assert results[1] == "trained" and results[2] is None
+    assert (
+        "needs worker 1's push for its step 1, but worker 1 said it was done after 1 step"
+        in (results[0])
+    )

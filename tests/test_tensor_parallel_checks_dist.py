@@ -33,8 +33,15 @@ def _checks(rank, world, tmp):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module.Attn(8)  # no size=, MACROGEN_TP_SIZE unset: whole layers on every rank
-    assert any("tensor_parallel plan Attn: the tensor-parallel size is 1 in a job of 2" in str(w.message)
-               for w in caught), [str(w.message) for w in caught]  # fmt: skip
+    whole = [
+        w
+        for w in caught
+        if "plan Attn: the tensor-parallel size is 1 in a job of 2" in str(w.message)
+    ]
+    assert whole, [str(w.message) for w in caught]
+    assert whole[0].filename == __file__, whole[
+        0
+    ].filename  # the line that built it, not contextlib
     meshes.reset()
     os.environ[meshes.SIZE_ENV] = "2"
     with pytest.raises(RuntimeError, match=r"divided attributes \(serial values\): \(\('Attn.n_head', 8\),\) on rank 0 but \(\('Attn.n_head', 4\),\)"):  # fmt: skip

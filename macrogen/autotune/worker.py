@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from macrogen.runtime import environment
+
 PID_SUFFIX = ".pid"  # each rank's pid, in its launch's folder: measure._end stops it by that
 
 
@@ -49,7 +51,7 @@ class CandidateError(Exception):
 def main(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
     # the launch ends a rank that outlives its torchrun by this pid (measure._end)
-    rank_env = os.environ.get("RANK", "0")
+    rank_env = environment.whole("RANK", 0, low=0)
     (Path(job_path).parent / f"rank{rank_env}{PID_SUFFIX}").write_text(str(os.getpid()))
     for entry in reversed(job["sys_path"]):
         if entry not in sys.path:
@@ -60,7 +62,7 @@ def main(job_path: str) -> int:
         name=source.name,
         lines=source.read_text(encoding="utf-8").splitlines(),
     )
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    distributed = environment.whole("WORLD_SIZE", 1, low=1) > 1
     if distributed:
         from macrogen.runtime.groups import ensure_initialized
 

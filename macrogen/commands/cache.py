@@ -8,12 +8,12 @@ folders are affected, never the interpreter's ``.pyc`` files; ``--cache-dir``
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from macrogen import cache, hook
 from macrogen.commands import HelpFormatter, describe
+from macrogen.runtime import environment
 
 
 def add_parser(
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(f"macrogen cache: error: not a directory: {', '.join(missing)}", file=sys.stderr)
         return 2
-    cache_dir = args.cache_dir or os.environ.get(hook.CACHE_DIR_ENV)
+    cache_dir = args.cache_dir or environment.text(hook.CACHE_DIR_ENV)
     cache_dirs = [Path(cache_dir)] if cache_dir else []
     if args.action == "clear":
         count, size = cache.clear(trees, cache_dirs)

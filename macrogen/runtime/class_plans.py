@@ -184,8 +184,9 @@ def apply_class_plans(root: nn.Module, modules: list[nn.Module]) -> None:
         plan = class_plan(type(module))
         assert plan is not None
         group = tensor_parallel_group(plan.size)
-        if group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            tensor_parallel_plan.warn_whole(plan.name)
+        if group is None and plan.size is None and dist.is_initialized():
+            if dist.get_world_size() > 1:  # (size=1 in the plan is a choice: no warning)
+                tensor_parallel_plan.warn_whole(plan.name)
         planned.append(tensor_parallel_plan.Planned(module, plan.name, group, plan.plan))
     for module in modules:  # applied or failed: never again (a failure raises out of __init__)
         module.__dict__[APPLIED] = True

@@ -30,14 +30,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import errno
 import json
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from macrogen.runtime import environment
 
 BACKEND_ENV = "MACROGEN_BACKEND"  # e.g. "gloo", "nccl", "cpu:gloo,cuda:nccl"; unset: chosen here
 TIMEOUT_ENV = "MACROGEN_TIMEOUT"  # seconds a rank waits for the others; unset: torch's default
@@ -133,39 +135,31 @@ def check_backend(text: str) -> None:
 
 def placement() -> Placement:
     """``choose_placement`` for this process, from torchrun's environment and this machine."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = environment.whole("LOCAL_RANK", 0, low=0)
     # Without LOCAL_WORLD_SIZE (another launcher), the world size: the same on every rank,
     # so every rank still picks the same backend.
-    local_world = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "1"
+    local_world = environment.whole("LOCAL_WORLD_SIZE", None, low=1)
+    if local_world is None:
+        local_world = environment.whole("WORLD_SIZE", 1, low=1)
     cuda = torch.cuda.is_available()
     return choose_placement(
         cuda_available=cuda,
         device_count=torch.cuda.device_count() if cuda else 0,
         local_rank=local_rank,
-        local_world_size=int(local_world),
-        requested=os.environ.get(BACKEND_ENV),
+        local_world_size=local_world,
+        requested=environment.text(BACKEND_ENV),
     )
 
 
 def timeout() -> datetime.timedelta | None:
-    """``MACROGEN_TIMEOUT`` as a timedelta; None (torch's default, 10-30 minutes) when unset."""
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds <= MAX_TIMEOUT_S:  # (NaN fails too)
-        raise ValueError(
-            f"{TIMEOUT_ENV}={text!r}: expected a positive number of seconds,"
-            f" at most {MAX_TIMEOUT_S} (a year); unset it for torch's default"
-        )
-    return datetime.timedelta(seconds=seconds)
+    """``MACROGEN_TIMEOUT`` as a timedelta; None (torch's default, 10-30 minutes) when unset.
+    At least a second (a smaller one fails every collective), at most a year."""
+    seconds = environment.seconds(TIMEOUT_ENV, low=1.0, high=MAX_TIMEOUT_S)
+    return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
 def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    return all(environment.is_set(name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def ensure_initialized() -> bool:
@@ -214,33 +208,79 @@ def _attempt_store(where: Placement) -> dict[str, Any]:
     limit = timeout()
     seconds = (limit or dist.constants.default_pg_timeout).total_seconds()
     deadline = time.monotonic() + seconds
-    rank, world_size = _int_env("RANK"), _int_env("WORLD_SIZE")
-    if not 0 <= rank < world_size:
-        raise StartupError(f"RANK={rank} is not below WORLD_SIZE={world_size}")
-    host, port = os.environ["MASTER_ADDR"], _int_env("MASTER_PORT")
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # torchrun's own store
-    within = _within(limit)
     try:
-        if rank != 0 or agent:
+        rank = environment.whole("RANK", None, low=0)
+        world_size = environment.whole("WORLD_SIZE", None, low=1)
+        port = environment.whole("MASTER_PORT", None, low=1, high=65535)
+        attempt = environment.whole("TORCHELASTIC_RESTART_COUNT", 0, low=0)
+    except environment.EnvironmentValueError as e:
+        raise StartupError(str(e)) from None
+    if rank is None or world_size is None or port is None:
+        raise StartupError("RANK, WORLD_SIZE and MASTER_PORT must all be set (torchrun sets them)")
+    if not rank < world_size:
+        raise StartupError(f"RANK={rank} is not below WORLD_SIZE={world_size}")
+    host = environment.text("MASTER_ADDR") or ""
+    _resolve(host, port)
+    agent = environment.text("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # torchrun's own store
+    within = _within(limit)
+    hosting = rank == 0 and not agent
+    try:
+        if not hosting:
             _wait_for_listener(host, port, deadline)
         tcp = dist.TCPStore(
             host,
             port,
             world_size,
-            is_master=rank == 0 and not agent,
+            is_master=hosting,
             timeout=datetime.timedelta(seconds=seconds),
             wait_for_workers=False,
             multi_tenant=not agent,
+            master_listen_fd=_listener_on(host, port, world_size) if hosting else None,
         )
     except (RuntimeError, OSError) as e:
         raise StartupError(
             f"rank {rank}: can't reach the store at MASTER_ADDR={host} MASTER_PORT={port}"
             f" within {within}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         ) from None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"macrogen/attempt_{attempt}", tcp)
     _agree(store, rank, {"WORLD_SIZE": str(world_size), "backend": where.backend}, deadline, within)
     return {"store": store, "rank": rank, "world_size": world_size}
+
+
+def _listener_on(host: str, port: int, world_size: int) -> int | None:
+    """A socket bound to MASTER_ADDR's own address, for the store to listen on (torch's store
+    binds every interface: a local job's store would be reachable from the network). None,
+    and torch binds as it does, where that address may not be the one the others use: it is
+    no address of this machine (behind a NAT), or a host name that resolves to loopback here
+    (Debian's /etc/hosts) in a job that may span machines."""
+    import ipaddress
+    import socket
+
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    local = environment.whole("LOCAL_WORLD_SIZE", None, low=1) == world_size
+    literal = host == "localhost" or _is_address(host)
+    if ipaddress.ip_address(address[0]).is_loopback and not (local or literal):
+        return None
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+    except OSError as e:
+        listener.close()
+        if e.errno == errno.EADDRNOTAVAIL:
+            return None
+        raise
+    return listener.detach()  # the store owns it now
+
+
+def _is_address(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _wait_for_listener(host: str, port: int, deadline: float) -> None:
@@ -262,12 +302,21 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
             time.sleep(0.05)
 
 
-def _int_env(name: str) -> int:
-    text = os.environ.get(name, "")
+def _resolve(host: str, port: int) -> None:
+    """StartupError at once when MASTER_ADDR names no host: a failed name lookup does not
+    heal by waiting (torch would retry it until its timeout, 30 minutes by default)."""
+    import socket
+
+    if not host:
+        raise StartupError("MASTER_ADDR is blank: set it to the host name or address of rank 0")
     try:
-        return int(text)
-    except ValueError:
-        raise StartupError(f"{name}={text!r}: expected a whole number") from None
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise StartupError(
+            f"MASTER_ADDR={host!r}: the name does not resolve to an address ({why});"
+            " set it to the host name or IP address of rank 0's machine"
+        ) from None
 
 
 def _within(limit: datetime.timedelta | None) -> str:

@@ -17,13 +17,12 @@ again returns the same answer. A program that made its own group keeps it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from macrogen.runtime import groups
+from macrogen.runtime import environment, groups
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,9 @@ def launch() -> Launch:
     return Launch(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size()))),
+        local_rank=environment.whole("LOCAL_RANK", 0, low=0),
+        local_world_size=environment.whole("LOCAL_WORLD_SIZE", None, low=1)
+        or dist.get_world_size(),
         device=device,
         backend=str(dist.get_backend()),
         note=where.note,

@@ -31,14 +31,13 @@ a collective. A monitored barrier first names a rank that is stopped or hung
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from macrogen.runtime import groups
+from macrogen.runtime import environment, groups
 
 SIZE_ENV = "MACROGEN_TP_SIZE"  # the tensor-parallel degree when the plan gives no size= (else 1)
 
@@ -80,10 +79,7 @@ def tensor_parallel_size(requested: int | None, world: int, pipeline_size: int =
     data. Like Megatron-LM and torchtitan, tensor parallelism is asked for.
     """
     if requested is None:
-        env = os.environ.get(SIZE_ENV, "").strip()
-        if env and (not env.isdigit() or int(env) < 1):
-            raise ValueError(f"{SIZE_ENV}={env!r}: expected a positive integer")
-        requested = int(env) if env else 1
+        requested = environment.whole(SIZE_ENV, 1, low=1, blank_is_unset=True)
     if pipeline_size > 1 and requested >= 1 and (world // pipeline_size) % requested:
         raise ValueError(
             f"tensor-parallel size {requested} does not divide the {world // pipeline_size} ranks"
@@ -139,7 +135,7 @@ def mesh(size: int | None = None, *, pipeline: int | None = None) -> Mesh:
 
 def agree_on_tensor_size(size: int | None, world: int, pipeline_size: int = 1) -> int:
     """Every rank's request, compared on every rank before any group exists; the agreed size."""
-    request = (size, os.environ.get(SIZE_ENV, "").strip(), pipeline_size)
+    request = (size, environment.text(SIZE_ENV) or "", pipeline_size)
     if world > 1:
         groups.barrier("macrogen: building the data x tensor mesh")
         gathered: list[Any] = [None] * world

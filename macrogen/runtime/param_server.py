@@ -8,18 +8,21 @@ training loop), the last S are **servers**. Row ``r`` of a planned table lives
 on server ``r % S`` at local index ``r // S`` (round robin, so a block of hot
 low ids is spread over every server). A server holds its rows and their
 optimizer state (SGD, or Adagrad's sum of squares) and applies sparse row
-updates; workers hold no copy of the table. The rest of the model is
-data-parallel among the workers as usual (a worker-only process group).
+updates (``param_server_table``); workers hold no copy of the table. The rest of
+the model is data-parallel among the workers as usual (a worker-only process group).
 
-One step of a worker, for each planned table, over ``torch.distributed.rpc``
-(TensorPipe), torch's parameter-server tutorial pattern:
+One step of a worker, for each planned table, as tensors sent point to point on a
+gloo group of the whole job (``param_server_wire``: nothing is unpickled, no
+listener of its own; ``torch.distributed.rpc`` only where a program asks for it,
+``param_server_rpc``):
 
     forward:  ids -> unique ids U -> fetch(U's ids on server j) from every server j
               (ids go out once, U rows come back) -> the layer's math on the U rows
     backward: a hook on the U rows pushes their gradient rows to their servers
               (rows only: a server pairs them with the ids of this worker's fetch)
 
-So a step moves U x 4 bytes of ids (int32) plus 2 x U rows, whatever the table's size.
+So a step moves U x 4 bytes of ids (int32) plus 2 x U rows, whatever the table's size
+(and a 40-byte header and a 32-byte reply per message, per server).
 
 Consistency (``staleness=s``). Each server counts, per table and per worker,
 the pushes it has applied. A worker's fetch for its step t (t pushes done)
@@ -29,13 +32,13 @@ waits until every worker's pushes up to step t - s are applied:
   come, then applies their sum (in worker order, divided by W, as data
   parallelism averages gradients) once; the next fetch waits for that. This is
   the serial program: a batch of all workers' samples, one optimizer step.
-- ``s > 0``: each push is applied when it comes (divided by W, Hogwild-style
-  under the table's lock); a worker may read rows that lack up to s steps of
-  the other workers' updates, and never more.
+- ``s > 0``: each push is applied when it comes (divided by W, Hogwild-style);
+  a worker may read rows that lack up to s steps of the other workers'
+  updates, and never more.
 
 Server ranks never return from ``apply_param_server``: they serve until every
-worker has shut the RPC agent down (``shutdown()``, also run at exit), then
-raise ``SystemExit(0)``. Limits: one training forward per table per step (no
+worker has said it is done (``shutdown()``, also run at exit), then raise
+``SystemExit(0)``. Limits: one training forward per table per step (no
 gradient accumulation), every worker uses each table every step, no tensor
 parallelism with servers, tables on the CPU.
 """
@@ -44,9 +47,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
-import socket
-import threading
+import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,144 +56,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from macrogen.runtime import environment
+from macrogen.runtime.param_server_table import ServerConfig, ServerTable
+from macrogen.runtime.param_server_wire import ProtocolError, Server, Shape, Wire, share_of
+
+__all__ = ["ServerConfig", "ServerPlanError", "apply_param_server", "apply_server_tables"]
+
 OPTIMIZERS = ("sgd", "adagrad")
-_WORKER = "mg_ps_worker{}"
-_SERVER = "mg_ps_server{}"
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    servers: int  # S: the last S ranks of the job hold the planned tables
-    staleness: int = 0  # steps a worker may run ahead of the slowest push (0: synchronous)
-    optimizer: str = "sgd"  # "sgd" or "adagrad" (torch's rules, lr_decay 0, no weight decay)
-    lr: float = 0.01
-    eps: float = 1e-10  # adagrad
-    initial_accumulator_value: float = 0.0  # adagrad
-    timeout_s: float = 300.0  # a fetch waiting longer for the other workers' pushes fails
-
-
-# -- the server side (tables live in the server processes' globals) ------------------------
-
-
-class _Table:
-    """One table's rows on one server, their optimizer state, and the step bookkeeping."""
-
-    def __init__(self, rows: torch.Tensor, config: ServerConfig, workers: int):
-        self.rows = rows
-        self.config = config
-        self.workers = workers
-        adagrad = config.optimizer == "adagrad"
-        self.sum = torch.full_like(rows, config.initial_accumulator_value) if adagrad else None
-        self.cond = threading.Condition()
-        self.applied = [0] * workers  # pushes applied, per worker
-        self.waiting: dict[int, dict[int, torch.Tensor]] = {}  # s=0: step -> worker -> grads
-        self.fetched: dict[int, torch.Tensor] = {}  # worker -> ids of its last training fetch
-        self.waiting_ids: dict[int, dict[int, torch.Tensor]] = {}
-        self.max_lag = 0  # the most steps a fetch's rows lacked of some worker's pushes
-
-    def ready(self, step: int) -> bool:
-        return min(self.applied) >= step - self.config.staleness
-
-    def fetch(self, worker: int, step: int, ids: torch.Tensor, training: bool) -> torch.Tensor:
-        ids = ids.long()
-        with self.cond:
-            if not self.cond.wait_for(lambda: self.ready(step), self.config.timeout_s):
-                raise TimeoutError(
-                    f"parameter server: worker {worker}'s step {step} waited"
-                    f" {self.config.timeout_s:g} s for the other workers' pushes"
-                    f" (applied per worker: {self.applied})"
-                )
-            self.max_lag = max(self.max_lag, step - min(self.applied))
-            if training:
-                self.fetched[worker] = ids
-            return self.rows.index_select(0, ids)
-
-    def push(self, worker: int, step: int, grads: torch.Tensor) -> None:
-        with self.cond:
-            ids = self.fetched.pop(worker, None)
-            if ids is None or ids.numel() != grads.shape[0]:
-                raise RuntimeError(
-                    f"parameter server: worker {worker} pushed gradients for step {step} without"
-                    " a matching training fetch (one training forward per table per step)"
-                )
-            if self.config.staleness > 0:
-                self._apply(ids, grads)
-                self.applied[worker] += 1
-            else:
-                self.waiting.setdefault(step, {})[worker] = grads
-                self.waiting_ids.setdefault(step, {})[worker] = ids
-                if len(self.waiting[step]) == self.workers:
-                    grads_by, ids_by = self.waiting.pop(step), self.waiting_ids.pop(step)
-                    order = range(self.workers)  # worker order: the same sum on every run
-                    self._apply(
-                        torch.cat([ids_by[w] for w in order]),
-                        torch.cat([grads_by[w] for w in order]),
-                    )
-                    self.applied = [step + 1] * self.workers
-            self.cond.notify_all()
-
-    def _apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """One optimizer step on the rows ``ids`` (repeats summed first), gradients / W."""
-        if ids.numel() == 0:
-            return
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        g = torch.zeros(unique.numel(), *grads.shape[1:], dtype=grads.dtype)
-        g.index_add_(0, inverse, grads)
-        g.div_(self.workers)
-        lr = self.config.lr
-        if self.sum is None:  # SGD: p <- p - lr g
-            self.rows.index_copy_(0, unique, self.rows.index_select(0, unique).add(g, alpha=-lr))
-            return
-        # Adagrad (torch's rule): s <- s + g^2; p <- p - lr g / (sqrt(s) + eps)
-        s = self.sum.index_select(0, unique).addcmul_(g, g, value=1)
-        self.sum.index_copy_(0, unique, s)
-        std = s.sqrt().add_(self.config.eps)
-        self.rows.index_copy_(
-            0, unique, self.rows.index_select(0, unique).addcdiv_(g, std, value=-lr)
-        )
-
-    def export(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-        with self.cond:
-            if not self.cond.wait_for(lambda: min(self.applied) >= step, self.config.timeout_s):
-                raise TimeoutError(f"parameter server: step {step}'s pushes never all came")
-            rows = self.rows.clone()
-            return rows, None if self.sum is None else self.sum.clone(), list(self.applied)
-
-    def load(self, rows: torch.Tensor, sum_: torch.Tensor | None, step: int) -> None:
-        with self.cond:
-            self.rows.copy_(rows)
-            if self.sum is not None and sum_ is not None:
-                self.sum.copy_(sum_)
-            self.applied = [step] * self.workers
-            self.waiting.clear()
-            self.waiting_ids.clear()
-            self.fetched.clear()
-            self.cond.notify_all()
-
-
-_started = False  # this process started its RPC agent
-_TABLES: dict[str, _Table] = {}  # on a server: the planned tables' rows it holds, by path
-
-
-# Module-level functions: RPC pickles them by name and runs them on the server.
-def _fetch(key: str, worker: int, step: int, ids: torch.Tensor, training: bool) -> torch.Tensor:
-    return _TABLES[key].fetch(worker, step, ids, training)
-
-
-def _push(key: str, worker: int, step: int, grads: torch.Tensor) -> None:
-    _TABLES[key].push(worker, step, grads)
-
-
-def _lag(key: str) -> int:
-    return _TABLES[key].max_lag
-
-
-def _export(key: str, step: int) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-    return _TABLES[key].export(step)
-
-
-def _load(key: str, rows: torch.Tensor, sum_: torch.Tensor | None, step: int) -> None:
-    _TABLES[key].load(rows, sum_, step)
+TRANSPORTS = ("p2p", "rpc")
+TRANSPORT_ENV = "MACROGEN_SERVER_TRANSPORT"  # "rpc": torch RPC (trusts its network; docs/async.md)
+_FOREVER = datetime.timedelta(days=365)  # a server waits this long for a worker's next request
 
 
 # -- the worker side ---------------------------------------------------------------------------
@@ -200,7 +73,8 @@ def _load(key: str, rows: torch.Tensor, sum_: torch.Tensor | None, step: int) ->
 
 @dataclass
 class Traffic:
-    """Tensor bytes this worker sent and received over RPC, by kind (ids, rows, gradients)."""
+    """Tensor bytes this worker sent and received, by kind (ids, rows, gradients); the
+    headers and replies around them are not counted."""
 
     ids: int = 0
     rows: int = 0
@@ -214,56 +88,43 @@ class Traffic:
 
 @dataclass
 class _Client:
-    key: str  # the layer's path: the table's name on the servers
+    key: str  # the layer's path
+    index: int  # the table's number on the servers (the plan's order, the same on every rank)
     module: nn.Module
     rows: int
-    worker: int
     servers: int
+    wire: Any  # param_server_wire.Wire, or param_server_rpc.RpcWire
     step: int = 0  # pushes done
     fetches: int = 0  # training fetches so far
     pending: int = 0  # the training fetch whose rows' gradient is pushed next (0: none)
-    futures: list[Any] = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)
-
-    def settle(self) -> None:
-        """Wait for the pushes in flight (their errors surface here)."""
-        futures, self.futures = self.futures, []
-        for f in futures:
-            f.wait()
 
     def lookup(
         self, ids: torch.Tensor, padding_idx: int | None
     ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """The unique rows ``ids`` use (fetched), ``ids`` renumbered into them, and the padding
         row's new number (None: the batch does not use it)."""
-        from torch.distributed import rpc
-
-        self.settle()
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{self.key}: indices must be int64 or int32, not {ids.dtype}")
         unique, inverse = torch.unique(ids.long(), return_inverse=True)
+        if unique.numel() and not (0 <= int(unique[0]) and int(unique[-1]) < self.rows):
+            raise IndexError(f"{self.key}: index out of range for a table of {self.rows} rows")
         training = torch.is_grad_enabled()
         owner = unique % self.servers
         masks = [owner == j for j in range(self.servers)]
-        futures = []
-        for j, mask in enumerate(masks):
+        parts = []
+        for mask in masks:
             local = unique[mask] // self.servers
             if self.rows // self.servers < 2**31:  # int32 on the wire: half the ids' bytes
                 local = local.int()
             self.traffic.ids += local.numel() * local.element_size()
-            futures.append(
-                rpc.rpc_async(
-                    _SERVER.format(j),
-                    _fetch,
-                    args=(self.key, self.worker, self.step, local, training),
-                )
-            )
-        weight_like = self.module.__dict__["_mg_server_meta"]
-        rows = torch.empty(unique.numel(), weight_like[1], dtype=weight_like[0])
-        for mask, fut in zip(masks, futures):
-            got = fut.wait()
-            self.traffic.rows += got.numel() * got.element_size()
-            rows[mask] = got
+            parts.append(local)
+        got = self.wire.fetch(self.index, self.step, parts, training)
+        dtype, dim = self.module.__dict__["_mg_server_meta"]
+        rows = torch.empty(unique.numel(), dim, dtype=dtype)
+        for mask, part in zip(masks, got):
+            self.traffic.rows += part.numel() * part.element_size()
+            rows[mask] = part
         if training:
             self.traffic.touched += rows.numel() * rows.element_size()
             rows.requires_grad_(True)
@@ -277,20 +138,16 @@ class _Client:
         return rows, inverse, pad
 
     def _send(self, token: int, masks: list[torch.Tensor], grad: torch.Tensor) -> None:
-        from torch.distributed import rpc
-
         if token != self.pending:
             raise RuntimeError(
                 f"{self.key}: two training forwards before one backward: a server table takes"
                 " one forward per step (no gradient accumulation)"
             )
         self.pending = 0
-        for j, mask in enumerate(masks):
-            g = grad[mask].detach().contiguous()
-            self.traffic.grads += g.numel() * g.element_size()
-            self.futures.append(
-                rpc.rpc_async(_SERVER.format(j), _push, args=(self.key, self.worker, self.step, g))
-            )
+        dtype = self.module.__dict__["_mg_server_meta"][0]
+        grads = [grad[mask].detach().to(dtype).contiguous() for mask in masks]
+        self.traffic.grads += sum(g.numel() * g.element_size() for g in grads)
+        self.wire.push(self.index, self.step, grads)
         self.step += 1
 
 
@@ -378,14 +235,15 @@ def apply_param_server(
     """Move ``layers``' tables to the server ranks (the last ``config.servers``); see the module
     docstring. On a worker returns ``model``; a server serves, then raises ``SystemExit(0)``.
     ``data_parallel`` (a ``DataParallelConfig``) averages the rest over the workers."""
-    from torch.distributed import rpc
-
     S = config.servers
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"mg.parallelize at {where}: server_optimizer={config.optimizer!r}")
     if config.staleness < 0 or config.lr <= 0 or S < 1:
         raise ValueError(f"mg.parallelize at {where}: {config}: needs servers >= 1, staleness >= 0,"
                          " lr > 0")  # fmt: skip
+    if config.transport not in (None, *TRANSPORTS):
+        raise ValueError(f"mg.parallelize at {where}: transport={config.transport!r}: expected"
+                         f" one of {', '.join(TRANSPORTS)}")  # fmt: skip
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model  # serial: the table stays in the model
     world = dist.get_world_size()
@@ -402,12 +260,13 @@ def apply_param_server(
     if problems:
         raise ServerPlanError(f"mg.parallelize at {where}: " + "; ".join(problems))
     global _started
-    if _started:  # torch's RPC agent starts once per process
+    if _started:  # a server rank serves one model's tables, then leaves
         raise RuntimeError(
             f"mg.parallelize at {where}: a second model with server tables in this process:"
             " build one such model per job"
         )
     _started = True
+    transport = _agreed_transport(config, where)
     from macrogen.runtime.mesh import mesh
 
     mesh()  # made by every rank now: the workers' data parallelism reads it later
@@ -418,39 +277,84 @@ def apply_param_server(
     checkpoints = dist.new_group(list(range(W)), backend="gloo")
     for _, layer in layers:  # rank 0's initial table, as data parallelism starts from rank 0's
         dist.broadcast(layer.weight.data, src=0)
-    port = [_free_port() if rank == 0 else 0]
-    dist.broadcast_object_list(port, src=0)
-    serving = rank >= W
-    if serving:
+    # the tables' traffic: a gloo group of the whole job (the servers wait for requests
+    # as long as the job runs; a worker's waits are bounded by config.timeout_s)
+    group = None
+    if transport == "p2p":
+        group = dist.new_group(list(range(world)), backend="gloo", timeout=_FOREVER)
+    if rank >= W:
         j = rank - W
-        for name, layer in layers:
-            _TABLES[name] = _Table(layer.weight.detach()[j::S].clone(), config, W)
-    options = rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port[0]}",
-        rpc_timeout=config.timeout_s + 30,
-        num_worker_threads=max(16, 4 * W * len(layers)),
-    )
-    name = _SERVER.format(rank - W) if serving else _WORKER.format(rank)
-    with _own_store():
-        rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
-    if serving:
-        rpc.shutdown()  # serves every request until all workers have shut down
-        _TABLES.clear()
-        raise SystemExit(0)
+        tables = [ServerTable(m.weight.detach()[j::S].clone(), config, W) for _, m in layers]
+        _serve(tables, group, W, rank, world, config)
+    wire: Any
+    if group is not None:
+        shapes = [
+            [
+                Shape(
+                    share_of(m.num_embeddings, j, S),
+                    m.embedding_dim,
+                    m.weight.dtype,
+                    sums=config.optimizer == "adagrad",
+                )  # fmt: skip
+                for j in range(S)
+            ]
+            for _, m in layers
+        ]
+        wire = Wire(group, rank, list(range(W, world)), shapes, config.timeout_s)
+    else:
+        from macrogen.runtime import param_server_rpc
+
+        param_server_rpc.start(rank, world, W, None, config)
+        wire = param_server_rpc.RpcWire(rank, S)
     clients = []
-    for name, layer in layers:
-        client = _Client(name, layer, layer.num_embeddings, rank, S)
+    for index, (name, layer) in enumerate(layers):
+        client = _Client(name, index, layer, layer.num_embeddings, S, wire)
         weight = layer._parameters.pop("weight")
         layer.__dict__["_mg_server_meta"] = (weight.dtype, weight.shape[1])
         layer.__dict__["_mg_server"] = client
         forward = _bag_forward if isinstance(layer, nn.EmbeddingBag) else _embedding_forward
         layer.__dict__["forward"] = _bound(forward, client, layer)
         clients.append(client)
-    model.__dict__["_mg_param_server"] = _Job(clients, workers, W, S, config, checkpoints)
-    atexit.register(shutdown)
+    model.__dict__["_mg_param_server"] = _Job(clients, workers, W, S, config, wire, checkpoints)
+    _OPEN.append(wire)
+    atexit.register(_close_quietly, wire)
     if data_parallel is not None and W > 1:
         _worker_data_parallel(model, data_parallel, workers, W, where)
     return model
+
+
+def _serve(
+    tables: list[ServerTable], group: Any, W: int, rank: int, world: int, config: ServerConfig
+) -> None:
+    """A server rank: answer the workers until every one is done, then leave the program."""
+    if group is None:
+        from macrogen.runtime import param_server_rpc
+
+        param_server_rpc.start(rank, world, W, tables, config)
+        param_server_rpc.serve()
+        raise SystemExit(0)
+    try:
+        Server(tables, group, list(range(W))).serve()
+    except ProtocolError as e:  # a worker stopped, or bytes that are no request: one line
+        raise SystemExit(f"rank {rank}: {e}") from None
+    raise SystemExit(0)
+
+
+def _agreed_transport(config: ServerConfig, where: str) -> str:
+    """The transport every rank was started with (one all-gather): RPC only where asked."""
+    transport = config.transport or environment.choice(TRANSPORT_ENV, "p2p", TRANSPORTS)
+    mine = torch.tensor([TRANSPORTS.index(transport)])
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    chosen = {TRANSPORTS[int(t)] for t in every}
+    if len(chosen) > 1:
+        ranks = [r for r, t in enumerate(every) if TRANSPORTS[int(t)] != TRANSPORTS[int(every[0])]]
+        raise ValueError(
+            f"mg.parallelize at {where}: the ranks disagree on the server transport: rank 0 has"
+            f" {TRANSPORTS[int(every[0])]!r}, rank {ranks[0]} {TRANSPORTS[int(every[ranks[0]])]!r}"
+            f" (set {TRANSPORT_ENV} the same on every rank)"
+        )
+    return transport
 
 
 def _bound(fn: Any, client: _Client, layer: nn.Module) -> Any:
@@ -468,6 +372,7 @@ class _Job:
     W: int
     S: int
     config: ServerConfig
+    wire: Any  # this worker's end of the tables' traffic
     checkpoints: Any = None  # the workers' group for resumable's DCP saves and loads
 
 
@@ -479,27 +384,6 @@ def _worker_data_parallel(model: nn.Module, config: Any, group: Any, W: int, whe
     sync.group, sync.world_size, sync.scale = group, W, 1.0 / W
     sync.buffers = BufferBroadcast(group)
     model.__dict__["_mg_gradient_sync"] = sync
-
-
-@contextlib.contextmanager
-def _own_store() -> Any:
-    """RPC's rendezvous on a store of its own, hosted by rank 0 on the port it chose. Under
-    torchrun (TORCHELASTIC_USE_AGENT_STORE=True) every rank would be a client of a store
-    nobody hosts on that port (a hang), and torchrun's own store outlives a restart, where
-    a new attempt's RPC keys would meet the killed attempt's."""
-    key = "TORCHELASTIC_USE_AGENT_STORE"
-    saved = os.environ.pop(key, None)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ[key] = saved
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def job_of(model: nn.Module) -> _Job | None:
@@ -516,41 +400,33 @@ def job(model: nn.Module) -> _Job:
 
 
 def traffic(model: nn.Module) -> dict[str, Traffic]:
-    """This worker's RPC tensor bytes per server table so far."""
+    """This worker's tensor bytes per server table so far."""
     return {c.key: c.traffic for c in job(model).clients}
 
 
 def max_lag(model: nn.Module) -> dict[str, int]:
     """Per server table, the most steps any fetch so far lacked of some worker's pushes
     (never above ``staleness``; 0 when synchronous)."""
-    from torch.distributed import rpc
-
-    return {
-        c.key: max(rpc.rpc_sync(_SERVER.format(j), _lag, args=(c.key,)) for j in range(c.servers))
-        for c in job(model).clients
-    }
+    j_ = job(model)
+    return {c.key: max(j_.wire.lag(c.index)) for c in j_.clients}
 
 
 def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The server tables, whole, and their optimizer state, after this worker's last step's
     pushes are applied everywhere: ``{path}.weight``, ``{path}.adagrad_sum``, ``{path}.step``.
     Any worker may call it alone (rank 0, to save); with staleness 0 every worker gets the same."""
-    from torch.distributed import rpc
-
+    j_ = job(model)
     out: dict[str, torch.Tensor] = {}
-    for c in job(model).clients:
-        c.settle()
-        parts = [
-            rpc.rpc_sync(_SERVER.format(j), _export, args=(c.key, c.step)) for j in range(c.servers)
-        ]
+    for c in j_.clients:
+        parts = j_.wire.export(c.index, c.step)
         dtype, dim = c.module.__dict__["_mg_server_meta"]
         rows = torch.empty(c.rows, dim, dtype=dtype)
-        for j, (r, _, _) in enumerate(parts):
+        for j, (r, _) in enumerate(parts):
             rows[j :: c.servers] = r
         out[f"{c.key}.weight"] = rows
         if parts[0][1] is not None:
             total = torch.empty_like(rows)
-            for j, (_, s, _) in enumerate(parts):
+            for j, (_, s) in enumerate(parts):
                 total[j :: c.servers] = s
             out[f"{c.key}.adagrad_sum"] = total
         out[f"{c.key}.step"] = torch.tensor(c.step)
@@ -560,30 +436,30 @@ def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Every worker calls it with the same ``state`` (worker 0 sends the rows to the servers;
     the others wait for that) before the first step: the tables and step counts resume."""
-    from torch.distributed import rpc
-
     j_ = job(model)
     for c in j_.clients:
-        c.settle()
         step = int(state[f"{c.key}.step"])
         if dist.get_rank(j_.workers) == 0:
             rows = state[f"{c.key}.weight"]
             total = state.get(f"{c.key}.adagrad_sum")
-            for j in range(c.servers):
-                part = None if total is None else total[j :: c.servers].contiguous()
-                rpc.rpc_sync(
-                    _SERVER.format(j),
-                    _load,
-                    args=(c.key, rows[j :: c.servers].contiguous(), part, step),
+            if j_.config.optimizer != "adagrad":
+                total = None
+            parts = [
+                (
+                    rows[j :: c.servers].contiguous(),
+                    None if total is None else total[j :: c.servers].contiguous(),
                 )
+                for j in range(c.servers)
+            ]
+            j_.wire.load(c.index, step, parts)
         c.step = step
     dist.barrier(group=j_.workers)
 
 
 def checkpoint_state(model: nn.Module, *, load: bool) -> dict[str, torch.Tensor]:
     """The server tables' part of a ``resumable`` checkpoint (DCP, over the workers' group; the
-    servers take no part in it): worker 0 pulls the tables whole with their optimizer state over
-    RPC (``state_dict``), every worker adds its step counts (DCP stores one copy of a key). For a
+    servers take no part in it): worker 0 pulls the tables whole with their optimizer state
+    (``state_dict``), every worker adds its step counts (DCP stores one copy of a key). For a
     load (``load``): tensors of those shapes to read into, then ``load_state_dict``."""
     j_ = job(model)
     first = dist.get_rank(j_.workers) == 0
@@ -600,16 +476,20 @@ def checkpoint_state(model: nn.Module, *, load: bool) -> dict[str, torch.Tensor]
     return out
 
 
-_shut = False
+_started = False  # this process made a model with server tables (one per process)
+_OPEN: list[Any] = []  # the wires this process opened, for shutdown()
 
 
-def shutdown() -> None:
-    """Stop this worker's RPC agent (after every worker's last push): the servers then exit."""
-    global _shut
-    from torch.distributed import rpc
+def shutdown(model: nn.Module | None = None) -> None:
+    """Tell the servers this worker is done (after its last push): they exit once every
+    worker has. ``model``: that model's tables; None: every model's in this process. Also
+    run at exit."""
+    wires = [job(model).wire] if model is not None else list(_OPEN)
+    for wire in wires:
+        wire.close()
 
-    if _shut:
-        return
-    _shut = True
+
+def _close_quietly(wire: Any) -> None:
+    """At exit: the process group may be gone already (the program destroyed it)."""
     with contextlib.suppress(Exception):
-        rpc.shutdown()
+        wire.close()

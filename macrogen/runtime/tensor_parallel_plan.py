@@ -22,7 +22,9 @@ shard, shared; a plan that cannot keep a tie is an error naming both names.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,8 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from macrogen.runtime import groups
+from macrogen.runtime import environment, groups
 from macrogen.runtime.collectives import gather_sequence, group_size, sum_gradients
+from macrogen.runtime.mesh import SIZE_ENV
 from macrogen.runtime.tensor_parallel import (
     ColwiseLinear,
     RowwiseLinear,
@@ -406,14 +409,29 @@ def parallelize(
 
 @functools.cache
 def warn_whole(name: str) -> None:
-    """Once per plan: a plan in a job of several ranks at tensor-parallel size 1 shards nothing."""
+    """Once per plan: a plan in a job of several ranks at tensor-parallel size 1 shards nothing
+    (said only where nothing asked for a size: a launch's MACROGEN_TP_SIZE=1 is a choice)."""
+    if environment.text(SIZE_ENV) is not None:
+        return
     warnings.warn(
         f"tensor_parallel plan {name}: the tensor-parallel size is 1 in a job of"
         f" {dist.get_world_size()} ranks (no size= in the plan, $MACROGEN_TP_SIZE unset), so every"
         " rank holds the full layers; set size= or MACROGEN_TP_SIZE, or use"
         " mg.parallelize(model, tp=N, ...)",
-        stacklevel=4,
+        stacklevel=_user_frame(),
     )
+
+
+def _user_frame() -> int:
+    """warn_whole's stacklevel for the first frame outside macrogen and contextlib: the
+    user's line that built the model (a fixed level lands in contextlib's ``__exit__``)."""
+    import sys
+
+    inside = (os.path.dirname(os.path.dirname(__file__)), contextlib.__file__)
+    frame, level = sys._getframe(2), 2  # (0: here, 1: warn_whole)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def apply(planned: list[Planned], root: nn.Module) -> None:

@@ -354,7 +354,7 @@ def test_run_time_errors_name_the_layer_and_what_is_supported(monkeypatch):
     ):
         tensor_parallel_size(None, 6)
     monkeypatch.setenv(SIZE_ENV, "two")
-    with pytest.raises(ValueError, match=r"MACROGEN_TP_SIZE='two': expected a positive integer"):
+    with pytest.raises(ValueError, match=r"MACROGEN_TP_SIZE='two': expected a whole number >= 1"):
         tensor_parallel_size(None, 2)
 
 
