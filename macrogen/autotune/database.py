@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -279,6 +280,55 @@ def _record_problem(record: Any) -> str | None:
             decode_values(values)
         except ValueError as e:
             return str(e)
+    return _layout_problem(record)
+
+
+# the mg.parallelize arguments a layout is made of (a tuning key ``<site>.<argument>``)
+_LAYOUT_ARGUMENTS = ("layout", "tp", "pp", "dp", "microbatches", "recompute")
+
+
+def _layout_problem(record: Mapping[str, Any]) -> str | None:
+    """A winner that is a parallel layout the layout rules refuse (``layouts.problem``) on the
+    record's world size, for its model as probed (``layout_probe``): a record edited by hand
+    to name one is an error here, at expansion, not a failure at run time on every rank."""
+    from macrogen.autotune import layouts
+
+    winner = decode_values(record.get("winner") or {})
+    sites: dict[str, dict[str, Any]] = {}
+    for key, value in winner.items():
+        site, _, argument = key.rpartition(".")
+        if site and argument in _LAYOUT_ARGUMENTS:
+            sites.setdefault(site, {})[argument] = value
+    probe = record.get("layout_probe")
+    if not sites or (probe is None and not any("layout" in v for v in sites.values())):
+        return None  # no layout: a layout record is one autotune probed, or a layout="auto"
+    world = record["key"].get("world_size", 1)
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        return f'"key"."world_size" must be a whole number of ranks, not {world!r}'
+    shape, written = None, None
+    if probe is not None:
+        try:
+            shape = layouts.ModelShape(**probe["shape"])
+            written = decode_values(probe.get("arguments", {}))
+        except (TypeError, KeyError, ValueError):
+            return '"layout_probe" is not a probe macrogen autotune wrote'
+        if not isinstance(shape.divisible, dict) or not all(
+            isinstance(v, int) and v > 0 for v in shape.divisible.values()
+        ):
+            return '"layout_probe"."shape" is not a probe macrogen autotune wrote'
+    for site, chosen in sorted(sites.items()):
+        arguments = {**(written or {}), **chosen}
+        layout = layouts.from_arguments(arguments)
+        shown = ", ".join(f"{k}={v!r}" for k, v in sorted(chosen.items()))
+        if layout is None:
+            if "layout" in chosen:
+                return f"the winner {shown} for {site} is not a layout"
+            continue  # dp="none" and the like: no layout the rules model
+        if layout.pp == 1:
+            layout = dataclasses.replace(layout, microbatches=1)
+        reason = layouts.problem(layout, world, shape, arguments if written else None)
+        if reason is not None:
+            return f"the winner {shown} for {site} cannot run on {world} ranks: {reason}"
     return None
 
 

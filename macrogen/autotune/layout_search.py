@@ -33,12 +33,17 @@ def site_of(params: tuple[Parameter, ...]) -> SiteArguments | None:
     return None
 
 
-def layout_of(site: SiteArguments, candidate: Mapping[str, Any]) -> Layout | None:
+def arguments_of(site: SiteArguments, candidate: Mapping[str, Any]) -> dict[str, Any]:
+    """The site's arguments with the candidate's values in place of its tunables."""
     arguments = dict(site.values)
     for argument, key in site.tunables.items():
         if key in candidate:
             arguments[argument] = candidate[key]
-    layout = layouts.from_arguments(arguments)
+    return arguments
+
+
+def layout_of(site: SiteArguments, candidate: Mapping[str, Any]) -> Layout | None:
+    layout = layouts.from_arguments(arguments_of(site, candidate))
     if layout is not None and layout.pp == 1:
         layout = replace(layout, microbatches=1)  # micro-batches change nothing without stages
     return layout
@@ -89,7 +94,7 @@ def prepare(
             excluded.append((candidate, f"the same layout as {seen[layout]}"))
             continue
         seen[layout] = layout.name()
-        reason = layouts.infeasible(layout, world, shape)
+        reason = layouts.problem(layout, world, shape, arguments_of(site, candidate))
         mem = memory.predict(profile, layout, world)
         if reason is None and memory_limit is not None and mem.total > memory_limit:
             reason = (

@@ -93,7 +93,8 @@ def plan(
             )
         profile = memory.with_batch(profile, global_batch / shape.rows)
         shape = replace(shape, rows=global_batch)
-    return rank(profile, shape, world_size, machine, device_memory), profile
+    arguments = dict(sites[0].values)
+    return rank(profile, shape, world_size, machine, device_memory, arguments), profile
 
 
 def rank(
@@ -102,17 +103,25 @@ def rank(
     world: int,
     machine: cost.Machine,
     device_memory: float | None = None,
+    arguments: dict[str, object] | None = None,
 ) -> list[Row]:
+    """Every layout of ``world`` ranks, the feasible by predicted step time first; feasible as
+    ``layouts.problem`` decides for the site's ``arguments`` (None: the model's rules alone,
+    and what mg.parallelize can't run yet is ranked, marked "predicted only")."""
     rows = []
-    for layout in layouts.enumerate_layouts(world, max_tp=machine.per_node):
+    every = layouts.enumerate_layouts(
+        world, max_tp=machine.per_node, max_pp=shape.blocks or None, rows=shape.rows
+    )
+    for layout in every:
         mem = memory.predict(profile, layout, world)
-        reason = layouts.infeasible(layout, world, shape)
+        reason = layouts.problem(layout, world, shape, arguments)
         if reason is None and device_memory is not None and mem.total > device_memory:
             reason = (
                 f"predicted {memory.format_bytes(mem.total)} per rank, over"
                 f" {memory.format_bytes(device_memory)}"
             )
         step = cost.predict(profile, layout, world, machine) if reason is None else None
-        rows.append(Row(layout, step, mem, reason, layouts.unsupported(layout)))
+        note = layouts.unsupported(layout) if arguments is None else None
+        rows.append(Row(layout, step, mem, reason, note))
     rows.sort(key=lambda r: (r.step is None, r.step.total if r.step else 0.0, r.layout))
     return rows

@@ -120,6 +120,8 @@ def autotune(
         probed = _probe(
             db, source, expansion.code, source_path, entry, in_source, search_path, plan, target
         )
+        # the site's written arguments: what a record's layout is checked with when read
+        probed = {**probed, "arguments": database.encode_values(layout_site.values)}
         profile = memory.Profile(**probed["profile"])
         shape = ModelShape(**probed["shape"])
         machine = layout_search.machine_for(target, world_size)
@@ -341,12 +343,17 @@ def _tuning_key(
     }
 
 
-def _check_request(entry: str, world_size: int, max_trials: int) -> None:
+def check_entry(entry: str) -> None:
+    """AutotuneError unless ``entry`` reads ``module:factory`` (or ``:factory``)."""
     module, sep, factory = entry.partition(":")
     if not sep or not factory.isidentifier() or (module and not _dotted(module)):
         raise AutotuneError(
             f"--entry must be module:factory (e.g. bench_gpt:make_step, or :make_step for a factory in the tuned file), not {entry!r}"
         )
+
+
+def _check_request(entry: str, world_size: int, max_trials: int) -> None:
+    check_entry(entry)
     if world_size < 1:
         raise AutotuneError(f"--world-size must be at least 1, not {world_size}")
     if max_trials < 1:

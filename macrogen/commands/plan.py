@@ -38,7 +38,7 @@ def add_parser(
         metavar="MODULE:FACTORY",
         help="factory returning (model, step), as for autotune",
     )
-    p.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks planned for")
+    p.add_argument("--world-size", required=True, metavar="N", help="ranks planned for")
     p.add_argument("--gpu-memory", metavar="SIZE", help="memory per device (80GB, 512MiB)")
     p.add_argument(
         "--link",
@@ -46,47 +46,41 @@ def add_parser(
         metavar="LINKS",
         help="within a node, across nodes: NAME:BANDWIDTH[,NAME:BANDWIDTH]",
     )
-    p.add_argument(
-        "--gpus-per-node", type=int, default=8, metavar="N", help="ranks on the fast link"
-    )
+    p.add_argument("--gpus-per-node", default="8", metavar="N", help="ranks on the fast link")
     p.add_argument(
         "--speedup",
-        type=float,
-        default=1.0,
+        default="1",
         metavar="X",
         help="how much faster a device runs the serial step than this machine's probe",
     )
     p.add_argument(
         "--global-batch",
-        type=int,
         metavar="ROWS",
         help="rows per step over all data ranks (default: the entry's batch, as probed)",
     )
-    p.add_argument("--top", type=int, default=10, metavar="N", help="layouts to show")
+    p.add_argument("--top", default="10", metavar="N", help="layouts to show")
     p.add_argument("--tuning", metavar="DB", help="tuning database holding autotune's probe")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from macrogen.autotune import cost, memory
+    from macrogen.autotune import cost, layouts, units
 
-    def usage(message: str) -> int:
-        print(f"macrogen plan: error: {message}", file=sys.stderr)
-        return 2
-
-    if args.world_size < 1:
-        return usage(f"--world-size must be at least 1, not {args.world_size}")
-    if args.gpus_per_node < 1:
-        return usage(f"--gpus-per-node must be at least 1, not {args.gpus_per_node}")
-    if args.global_batch is not None and args.global_batch < 1:
-        return usage(f"--global-batch must be at least 1, not {args.global_batch}")
-    if not args.speedup > 0:
-        return usage(f"--speedup must be positive, not {args.speedup}")
-    try:
+    try:  # every value read one way (macrogen.autotune.units); bad usage is exit 2
+        args.world_size = units.count("--world-size", args.world_size, maximum=layouts.MAX_WORLD)
+        args.gpus_per_node = units.count("--gpus-per-node", args.gpus_per_node)
+        args.top = units.count("--top", args.top)
+        global_batch = (
+            None if args.global_batch is None else units.count("--global-batch", args.global_batch)
+        )
+        speedup = units.number("--speedup", args.speedup)
         intra, inter = cost.parse_links(args.link)
-        device_memory = None if args.gpu_memory is None else memory.parse_bytes(args.gpu_memory)
-    except ValueError as e:
-        return usage(str(e))
+        device_memory = (
+            None if args.gpu_memory is None else units.size("--gpu-memory", args.gpu_memory)
+        )
+    except units.UsageError as e:
+        print(f"macrogen plan: error: {e}", file=sys.stderr)
+        return 2
     machine = cost.Machine(args.gpus_per_node, intra, inter)
     from macrogen.autotune.planner import PlanError, plan
 
@@ -97,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
             world_size=args.world_size,
             machine=machine,
             device_memory=device_memory,
-            speedup=args.speedup,
+            speedup=speedup,
             tuning=args.tuning,
-            global_batch=args.global_batch,
+            global_batch=global_batch,
         )
     except ExpansionError as e:
         print(e.report(), file=sys.stderr)
