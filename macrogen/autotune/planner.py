@@ -1,5 +1,9 @@
 """``macrogen plan``: every layout of a world size, ranked by the cost and memory models.
 
+Two sources of a model: a program's ``mg.parallelize`` probed on this machine (``plan``,
+below), or a model known by its shapes alone (``rank_model``: a ``ModelSpec`` from a
+transformers config or a meta-device model, on a table's devices, ``scale.py``).
+
 The model is probed once on this machine (``probe.py``; or its probe is read
 from the tuning database, when ``autotune`` made one for this source), then
 every layout of ``world`` ranks is pruned (feasibility, memory per device) and
@@ -16,8 +20,10 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from macrogen.autotune import cost, database, layouts, memory
+from macrogen.autotune import cost, database, layouts, memory, scale
+from macrogen.autotune.devices import DeviceSet
 from macrogen.autotune.layouts import Layout, ModelShape
+from macrogen.autotune.model_spec import ModelSpec
 from macrogen.expand import expand_source
 from macrogen.files import read_source
 
@@ -125,3 +131,78 @@ def rank(
         rows.append(Row(layout, step, mem, reason, note))
     rows.sort(key=lambda r: (r.step is None, r.step.total if r.step else 0.0, r.layout))
     return rows
+
+
+@dataclass(frozen=True)
+class ScaleRow:
+    layout: Layout
+    prediction: scale.Prediction | None  # None: infeasible
+    reason: str | None  # infeasible, or over a device's memory
+    note: str | None  # feasible, but mg.parallelize can't run it yet (predicted only)
+    # heterogeneous device sets: the even split's prediction (the adapted one is ``prediction``)
+    even: scale.Prediction | None = None
+
+    @property
+    def gain(self) -> float | None:
+        """How much faster the adapted split is than the even one (heterogeneous sets)."""
+        if self.even is None or self.prediction is None:
+            return None
+        return self.even.step.total / self.prediction.step.total
+
+
+def plan_shapes(
+    source: str,
+    *,
+    seq: int,
+    devices: DeviceSet,
+    global_batch: int,
+    modes: tuple[str, ...] | None = None,
+) -> tuple[list[ScaleRow], ModelSpec]:
+    """``macrogen plan --model SOURCE``: the model's spec from its shapes (``meta_model``), then
+    every layout of the devices ranked (``rank_model``)."""
+    from macrogen.autotune import meta_model
+
+    try:
+        spec = meta_model.load_spec(source, seq, search_path=(os.getcwd(),))
+    except meta_model.ShapeError as e:
+        raise PlanError(str(e)) from None
+    return rank_model(spec, devices, global_batch, modes=modes), spec
+
+
+def rank_model(
+    spec: ModelSpec,
+    devices: DeviceSet,
+    global_batch: int,
+    arguments: dict[str, object] | None = None,
+    modes: tuple[str, ...] | None = None,
+) -> list[ScaleRow]:
+    """Every layout of the device set for ``global_batch`` sequences of ``spec.seq`` tokens,
+    the feasible (``layouts.problem``, and every rank within its device's memory) by predicted
+    step time first; ``modes``: only these data-parallel modes (one data rank is always
+    "replicate"). On a heterogeneous set each layout is predicted with rows and blocks in
+    proportion to the devices' speed (``scale.adapted_split``) beside the even split."""
+    world = devices.world
+    shape = ModelShape(blocks=spec.layers, divisible=dict(spec.divisible), rows=global_batch)
+    out = []
+    every = layouts.enumerate_layouts(
+        world, max_tp=devices.per_node, max_pp=spec.layers, rows=global_batch
+    )
+    for layout in every:
+        if modes is not None and layout.dp not in modes and layout.dp_size(world) > 1:
+            continue
+        reason = layouts.problem(layout, world, shape, arguments)
+        note = layouts.unsupported(layout) if arguments is None else None
+        if reason is not None:
+            out.append(ScaleRow(layout, None, reason, note))
+            continue
+        even = scale.predict(spec, layout, devices, global_batch)
+        found, before = even, None
+        if not devices.uniform:
+            split = scale.adapted_split(spec, layout, devices, global_batch)
+            found, before = scale.predict(spec, layout, devices, global_batch, split), even
+        if found.over is not None:
+            out.append(ScaleRow(layout, None, f"over memory: {found.over}", note))
+            continue
+        out.append(ScaleRow(layout, found, None, note, before))
+    out.sort(key=lambda r: (r.prediction is None, r.prediction.step.total if r.prediction else 0.0))
+    return out

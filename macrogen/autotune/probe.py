@@ -88,6 +88,14 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
         )
     model, step = models[0], steps[0]
     params = {id(p): p for p in model.parameters()}
+    if any(p.is_meta for p in params.values()):
+        # a step on meta tensors allocates nothing and takes the time of dispatch alone: every
+        # figure the probe measures would be wrong, silently
+        raise ProbeError(
+            "the entry's model is on the meta device, where a step allocates and times nothing:"
+            " plan it from its shapes instead (macrogen plan --model MODULE:NAME, a function"
+            " returning the meta model or its config)"
+        )
     param_bytes = sum(p.numel() * p.element_size() for p in params.values())
     blocks = repeated_layers(model)
     block_bytes = sum(
