@@ -253,3 +253,12 @@ def test_layouts_of_a_model_are_the_one_feasibility_rules():
     for r in ranked:
         if r.prediction is not None:
             assert layouts.problem(r.layout, 8, shape) is None
+
+
+def test_sequence_lengths_are_in_the_space(capsys):
+    argv = ["plan", "--model", str(DATA / "llama3_8b.json"), "--devices", "8xH100"]
+    assert main([*argv, "--global-batch", "16", "--seq-len", "8192,4096", "--top", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "32 x 4096 tokens" in out and "16 x 8192 tokens" in out  # the same tokens per step
+    assert main([*argv, "--global-batch", "3", "--seq-len", "8192,5000"]) == 1
+    assert "no whole number of 5000-token sequences" in capsys.readouterr().err

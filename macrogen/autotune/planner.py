@@ -141,6 +141,7 @@ class ScaleRow:
     note: str | None  # feasible, but mg.parallelize can't run it yet (predicted only)
     # heterogeneous device sets: the even split's prediction (the adapted one is ``prediction``)
     even: scale.Prediction | None = None
+    seq: int = 0  # tokens per sequence
 
     @property
     def gain(self) -> float | None:
@@ -153,20 +154,34 @@ class ScaleRow:
 def plan_shapes(
     source: str,
     *,
-    seq: int,
+    seqs: tuple[int, ...],
     devices: DeviceSet,
     global_batch: int,
     modes: tuple[str, ...] | None = None,
 ) -> tuple[list[ScaleRow], ModelSpec]:
-    """``macrogen plan --model SOURCE``: the model's spec from its shapes (``meta_model``), then
-    every layout of the devices ranked (``rank_model``)."""
+    """``macrogen plan --model SOURCE``: the model's spec from its shapes (``meta_model``) at
+    each sequence length, then every layout of the devices ranked (``rank_model``) together.
+    ``global_batch`` sequences of the first length; the others keep its tokens per step (a
+    length that does not divide them is an error). The spec returned is the first length's."""
     from macrogen.autotune import meta_model
 
-    try:
-        spec = meta_model.load_spec(source, seq, search_path=(os.getcwd(),))
-    except meta_model.ShapeError as e:
-        raise PlanError(str(e)) from None
-    return rank_model(spec, devices, global_batch, modes=modes), spec
+    tokens = global_batch * seqs[0]
+    rows: list[ScaleRow] = []
+    specs = []
+    for seq in seqs:
+        if tokens % seq:
+            raise PlanError(
+                f"--seq-len {seq}: {global_batch} x {seqs[0]} tokens per step are no whole"
+                f" number of {seq}-token sequences"
+            )
+        try:
+            spec = meta_model.load_spec(source, seq, search_path=(os.getcwd(),))
+        except meta_model.ShapeError as e:
+            raise PlanError(str(e)) from None
+        specs.append(spec)
+        rows += rank_model(spec, devices, tokens // seq, modes=modes)
+    rows.sort(key=_by_step)
+    return rows, specs[0]
 
 
 def rank_model(
@@ -193,7 +208,7 @@ def rank_model(
         reason = layouts.problem(layout, world, shape, arguments)
         note = layouts.unsupported(layout) if arguments is None else None
         if reason is not None:
-            out.append(ScaleRow(layout, None, reason, note))
+            out.append(ScaleRow(layout, None, reason, note, seq=spec.seq))
             continue
         even = scale.predict(spec, layout, devices, global_batch)
         found, before = even, None
@@ -201,8 +216,12 @@ def rank_model(
             split = scale.adapted_split(spec, layout, devices, global_batch)
             found, before = scale.predict(spec, layout, devices, global_batch, split), even
         if found.over is not None:
-            out.append(ScaleRow(layout, None, f"over memory: {found.over}", note))
+            out.append(ScaleRow(layout, None, f"over memory: {found.over}", note, seq=spec.seq))
             continue
-        out.append(ScaleRow(layout, found, None, note, before))
-    out.sort(key=lambda r: (r.prediction is None, r.prediction.step.total if r.prediction else 0.0))
+        out.append(ScaleRow(layout, found, None, note, before, spec.seq))
+    out.sort(key=_by_step)
     return out
+
+
+def _by_step(row: ScaleRow) -> tuple[bool, float]:
+    return row.prediction is None, row.prediction.step.total if row.prediction else 0.0

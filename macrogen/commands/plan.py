@@ -51,7 +51,12 @@ def add_parser(
         metavar="SET",
         help="COUNTxKIND[:MEMORY],... in rank order (8xH100,8xA100:40GB)",
     )
-    shapes.add_argument("--seq-len", metavar="TOKENS", help="tokens per sequence")
+    shapes.add_argument(
+        "--seq-len",
+        metavar="TOKENS",
+        help="tokens per sequence; several (4096,8192): each is planned, at the first's tokens"
+        " per step",
+    )
     shapes.add_argument(
         "--dp", metavar="MODES", help="data-parallel modes to consider (replicate,zero1,fsdp)"
     )
@@ -126,7 +131,7 @@ def _run_shapes(args: argparse.Namespace, memory: float | None) -> int:
             raise units.UsageError(f"{option} goes with FILE; --model plans for --devices")
     if args.devices is None or args.global_batch is None or args.seq_len is None:
         raise units.UsageError("--model needs --devices, --global-batch and --seq-len")
-    seq = units.count("--seq-len", args.seq_len)
+    seqs = tuple(units.count("--seq-len", part) for part in args.seq_len.split(","))
     table = devices.TABLE
     if args.device_table is not None:
         try:
@@ -157,7 +162,7 @@ def _run_shapes(args: argparse.Namespace, memory: float | None) -> int:
             raise units.UsageError(f"--dp {wrong[0]!r}: the modes are {', '.join(LAYOUT_DP_MODES)}")
     try:
         rows, spec = plan_shapes(
-            args.model, seq=seq, devices=found, global_batch=args.global_batch, modes=modes
+            args.model, seqs=seqs, devices=found, global_batch=args.global_batch, modes=modes
         )
     except PlanError as e:
         print(f"macrogen plan: error: {e}", file=sys.stderr)
@@ -196,7 +201,13 @@ def _print_shapes(
     )
     print(f"{len(feasible)} feasible layout(s) of {world} ranks, best first:")
     shown = feasible[: args.top]
-    width = max([28] + [len(r.layout.describe(world)) for r in shown])
+    several = len({r.seq for r in rows}) > 1  # sequence lengths in the space
+
+    def named(r: ScaleRow) -> str:
+        rows_ = round(args.global_batch * spec.seq / r.seq)
+        return r.layout.describe(world) + (f", {rows_} x {r.seq} tokens" if several else "")
+
+    width = max([28] + [len(named(r)) for r in shown])
     hetero = not found.uniform
     extra = f" {'even split':>10} {'gain':>6}  split" if hetero else ""
     print(
@@ -217,7 +228,7 @@ def _print_shapes(
                 f"  rows {rows_}, blocks {blocks}"
             )
         print(
-            f"{i:>3}  {r.layout.describe(world):<{width}} {format_time(s.total):>10}"
+            f"{i:>3}  {named(r):<{width}} {format_time(s.total):>10}"
             f" {p.mfu:>6.1%} {format_time(s.compute):>10} {format_time(s.tensor):>10}"
             f" {format_time(s.pipeline):>10} {format_time(s.data):>10}"
             f" {format_bytes(p.memory.total):>12}{more}{note}"
