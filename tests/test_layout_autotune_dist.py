@@ -42,7 +42,8 @@ def _run(src: Path) -> tuple[object, str]:
 def test_layout_auto_on_four_gloo_ranks(tmp_path: Path, monkeypatch) -> None:
     # every measured layout is a finalist: timed again side by side, in the same launch
     monkeypatch.setattr(tuner, "CLOSE", 10.0)
-    monkeypatch.setattr(tuner, "REPEATS", 1)  # (CI's time)
+    monkeypatch.setattr(tuner, "MIN_RUNS", 2)  # (CI's time)
+    monkeypatch.setattr(tuner, "MAX_RUNS", 2)
     src = tmp_path / "layout_auto.py"
     shutil.copy(EXAMPLE, src)
     started = time.monotonic()
@@ -74,9 +75,10 @@ def test_layout_auto_on_four_gloo_ranks(tmp_path: Path, monkeypatch) -> None:
     assert outcome.winner is not None and outcome.stopped == "early stop"
     finalists = [c for c in measured if "times" in c]
     assert len(finalists) == min(tuner.FINALISTS, len(measured)) == len(outcome.finalists)
-    assert all(len(c["times"]) == 1 + tuner.REPEATS for c in finalists)
-    assert outcome.new_measurements == len(measured) + tuner.REPEATS * len(finalists)
-    assert "closest timed side by side, each the median of its runs" in text
+    assert all(len(c["times"]) == tuner.MIN_RUNS for c in finalists)
+    assert outcome.new_measurements == len(measured) + (tuner.MIN_RUNS - 1) * len(finalists)
+    assert "timed side by side, each the median of its runs" in text
+    assert "ahead of the runner-up" in text
     for c in measured:  # per rank: peak memory; and the throughput
         assert len(c["peak_bytes"]) == 4 and all(b > 0 for b in c["peak_bytes"])
         assert c["tokens_s"] > 0

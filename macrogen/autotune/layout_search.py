@@ -142,6 +142,12 @@ class LayoutSearch:
         if len(points) >= 2:  # the fit ranks what is left (one point only scales the raw model)
             self.order[len(self.seen) :] = sorted(self.order[len(self.seen) :], key=self.predicted)
 
+    def settle(self, best: float, spread: float) -> None:
+        """The finals' word: the winner's median, and its runs' spread relative to it; a layout
+        predicted within that spread of the winner is measured before the search stops."""
+        self.best = best
+        self.noise = max(self.noise, min(spread, 0.10))  # at most: a spike is no model error
+
     def rank(self, pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``pending`` in the search's order as it stands (the worker measures the first next)."""
         position = {database.canonical(c): i for i, c in enumerate(self.order)}

@@ -17,6 +17,7 @@ data ranks x micro-batches do not divide the batch's rows is infeasible.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -76,6 +77,7 @@ def plan(
             not module,
             search_path,
             sites[0].values.get("tp_plan"),
+            progress=lambda text: print(f"macrogen plan: {text}", file=sys.stderr, flush=True),
         )
     except AutotuneError as e:
         raise PlanError(str(e)) from None

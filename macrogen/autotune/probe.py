@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -31,11 +32,20 @@ from macrogen.autotune.process_memory import TensorPeak, warm_process
 # what a stored probe measured: a probe of other measures is not reused (memory was the
 # resident set before, and carried no optimizer or activation shares; a CUDA probe's times
 # were the host's before 9)
-MEASURES = "tensor-bytes-9"
+MEASURES = "tensor-bytes-10"
 
 
 class ProbeError(Exception):
     """The serial run failed: the message says where."""
+
+
+# a line the probe writes to stderr for the parent to show (the probe takes a minute: a user
+# is told what it is doing, not left with silence)
+PROGRESS = "macrogen-probe: "
+
+
+def _say(text: str) -> None:
+    print(f"{PROGRESS}{text}", file=sys.stderr, flush=True)
 
 
 # -- the probe itself ------------------------------------------------------------------------
@@ -72,6 +82,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
         factory = getattr(module, job["entry"].split(":", 1)[1], None)
         if not callable(factory):
             raise ProbeError(f"the tuned file defines no callable {job['entry']!r} (--entry)")
+    _say("building the model through the entry (serially, one process)")
     warm_process()
     torch.manual_seed(0)
     cuda = job.get("target") == "cuda"
@@ -129,6 +140,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     for _, b in blocks:
         hooks.append(b.register_forward_pre_hook(in_blocks.start))
         hooks.append(b.register_forward_hook(after))
+    _say("2 warm-up steps, then one step's memory")
     for _ in range(2):  # warm-up: optimizer state, allocator
         step()
     built.__exit__()
@@ -157,6 +169,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     hooks.append(model.register_forward_pre_hook(batch, with_kwargs=True))
     hooks.append(model.register_forward_hook(forward.stop))
     steps = [_Clock(event) for _ in range(job.get("steps", 3))]
+    _say(f"timing {len(steps)} steps")
     for clock in steps:
         clock.start()
         step()
@@ -180,6 +193,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             one_thread = statistics.median(single)
         finally:
             torch.set_num_threads(threads)
+    _say("timing one block alone, plain and recomputed, in turns")
     call_s, again_s = (
         _block_call_s(blocks[0][1], *inputs[-1], torch, cuda) if inputs else (0.0, None)
     )
@@ -258,6 +272,10 @@ class _Clock:
         return float(sum(a.elapsed_time(b) for a, b in pairs)) / 1000.0  # (ms)
 
 
+# the block's fixed cost per call is taken this many times, in turns with its recomputed cost
+ROUNDS = 3
+
+
 def _block_call_s(
     block: Any, args: Any, kwargs: Any, torch: Any, cuda: bool
 ) -> tuple[float, float | None]:
@@ -265,7 +283,8 @@ def _block_call_s(
     kernel launches): each micro-batch pays it again; and what recomputing it adds to that
     (torch's non-reentrant checkpoint, as ``mg.parallelize(recompute=...)`` runs it: saving
     the RNG state, the forward again). The block is timed alone at its whole batch and at one
-    row, t(rows) = fixed + rows x per row, plain and checkpointed; (0, None) when the batch
+    row, t(rows) = fixed + rows x per row, plain and checkpointed, in ROUNDS rounds; each is
+    the median of its rounds; (0, None) when the batch
     can't be cut (its first argument no tensor of 2 or more rows) or the block fails alone."""
     from torch.utils.checkpoint import checkpoint
 
@@ -280,18 +299,18 @@ def _block_call_s(
             return v.requires_grad_() if v.is_floating_point() else v
         return v
 
-    def timed(n: int, again: bool = False) -> float:
+    def timed(n: int, again: bool = False, calls: int = 5) -> float:
         a = [cut(v, n) for v in args]
         k = {key: cut(v, n) for key, v in kwargs.items()}
         times = []
-        for i in range(13):  # 3 warm-up calls
+        for i in range(calls + 1):  # 1 warm-up call
             start = time.perf_counter()
             out = checkpoint(block, *a, use_reentrant=False, **k) if again else block(*a, **k)
             out = out[0] if isinstance(out, (tuple, list)) else out
             out.float().sum().backward()
             if cuda:
                 torch.cuda.synchronize()
-            if i >= 3:
+            if i >= 1:
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
 
@@ -301,19 +320,26 @@ def _block_call_s(
     grads = [(p, p.grad) for p in block.parameters()]
     for p, _ in grads:  # backward would add to the step's gradients in place
         p.grad = None
+    plains: list[float] = []
+    agains: list[float] = []
     try:
-        try:
-            plain = fixed(timed(rows), timed(1))
-        except Exception:  # a block that needs its model around it: no estimate, no harm
-            return 0.0, None
-        try:
-            again: float | None = max(0.0, fixed(timed(rows, True), timed(1, True)) - plain)
-        except Exception:  # one that checkpoint can't run: the cost model's estimate stands
-            again = None
+        # ROUNDS rounds in turns (plain, then checkpointed), each figure the median of its
+        # rounds: load that comes and goes while one is timed does not fix it for the search
+        for _ in range(ROUNDS):
+            try:
+                plain = fixed(timed(rows), timed(1))
+            except Exception:  # a block that needs its model around it: no estimate, no harm
+                return 0.0, None
+            plains.append(plain)
+            try:
+                agains.append(max(0.0, fixed(timed(rows, True), timed(1, True)) - plain))
+            except Exception:  # one that checkpoint can't run: the cost model's estimate stands
+                break
     finally:
         for p, g in grads:  # the timing's gradients are not the step's
             p.grad = g
-    return plain, again
+    again = statistics.median(agains) if len(agains) == len(plains) else None
+    return statistics.median(plains), again
 
 
 class _SavedActivations:
@@ -482,8 +508,10 @@ def run(
     *,
     target: str = "cpu",
     timeout: float = 300.0,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Profile, ModelShape]:
-    """Probe the expanded ``code`` (the file's default layout) in a process of its own."""
+    """Probe the expanded ``code`` (the file's default layout) in a process of its own;
+    ``progress`` is told each phase the probe starts."""
     with tempfile.TemporaryDirectory(prefix="macrogen-probe-") as tmp:
         work = Path(tmp)
         file = work / name
@@ -500,27 +528,47 @@ def run(
         (work / "job.json").write_text(json.dumps(job))
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
         env.setdefault("KINETO_LOG_LEVEL", "5")  # the memory window's profiler: no start/stop lines
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "macrogen.autotune.probe", "job.json", "out.json"],
+            cwd=work,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        tail: list[str] = []
+        reader = threading.Thread(target=_relay, args=(proc, tail, progress), daemon=True)
+        reader.start()
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "macrogen.autotune.probe", "job.json", "out.json"],
-                cwd=work,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                stdin=subprocess.DEVNULL,
-            )
+            returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
             raise ProbeError(f"the serial run took over {timeout:g} s") from None
+        finally:
+            reader.join(timeout=5)
         out = work / "out.json"
         if not out.exists():
-            tail = " | ".join(proc.stderr.strip().splitlines()[-4:]) or "no output"
-            raise ProbeError(f"the serial run exited with status {proc.returncode}: {tail}")
+            last = " | ".join(tail[-4:]) or "no output"
+            raise ProbeError(f"the serial run exited with status {returncode}: {last}")
         result = json.loads(out.read_text())
     if "error" in result:
         raise ProbeError(result["error"])
     shape = result["shape"]
     return Profile(**result["profile"]), ModelShape(**shape)
+
+
+def _relay(proc: Any, tail: list[str], progress: Callable[[str], None] | None) -> None:
+    """The probe's stderr: its progress lines to ``progress``, the rest kept for an error."""
+    for line in proc.stderr:
+        line = line.rstrip("\n")
+        if line.startswith(PROGRESS):
+            if progress is not None:
+                progress(f"probe: {line[len(PROGRESS) :]}")
+        elif line.strip():
+            tail.append(line)
+            del tail[:-20]
 
 
 def _jsonable(plan: Any) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -47,14 +47,18 @@ class Outcome:
     # layouts: canonical values -> the cost and memory models' prediction; None otherwise
     predictions: dict[str, Any] | None = None
     world_size: int = 1
-    # layouts: the closest measured, timed again side by side (canonical values); see FINALS
+    # layouts: the leaders, timed again side by side (canonical values); see FINALISTS
     finalists: tuple[str, ...] = ()
+    verdict: str = ""  # layouts: how far the winner leads the runner-up, against their spread
 
 
-# layouts: the measured layouts within CLOSE of the best first measurement (FINALISTS at most)
-# are timed REPEATS more times, alternating, and each keeps the median: the winner is decided
-# side by side, not by one measurement that a load spike made slow or a quiet moment fast
-FINALISTS, CLOSE, REPEATS = 3, 0.10, 2
+# layouts: the measured layouts within CLOSE of the best median (the runner-up always,
+# FINALISTS at most) are timed again in turns until each has MIN_RUNS runs, then in more rounds
+# (up to MAX_RUNS runs each) until the winner's lead over the runner-up exceeds their measured
+# spread: the winner is decided side by side, not by one measurement that a load spike made
+# slow or a quiet moment fast; and the search goes on while a layout not measured is
+# predicted within that spread of the winner
+FINALISTS, CLOSE, MIN_RUNS, MAX_RUNS = 3, 0.10, 3, 5
 
 
 def autotune(
@@ -117,8 +121,18 @@ def autotune(
     if layout_site is not None:  # a layout: one candidate at a time, each its own mesh
         timing = replace(timing, group=1)
         plan = layout_site.values.get("tp_plan")
+        reporter = reporter or Reporter()
         probed = _probe(
-            db, source, expansion.code, source_path, entry, in_source, search_path, plan, target
+            db,
+            source,
+            expansion.code,
+            source_path,
+            entry,
+            in_source,
+            search_path,
+            plan,
+            target,
+            reporter.note,
         )
         # the site's written arguments: what a record's layout is checked with when read
         probed = {**probed, "arguments": database.encode_values(layout_site.values)}
@@ -170,26 +184,45 @@ def autotune(
             observe_known()
             return not searcher.done
 
-        observe_known()
+        def on_repeat(m: Measurement) -> bool:
+            book.record(m, again=True)
+            return True
+
         stopped = "complete"
-        if not searcher.done:
-            todo = [c for c in searcher.order[index:] if book.known(c) is None]
-            # layouts: what is left is measured in the fitted model's order as it changes
-            reorder = searcher.rank if layout_site is not None else None
-            stopped = measure(program, todo, on_result, deadline=deadline, reorder=reorder)
-    finalists: list[dict[str, Any]] = []
-    if layout_site is not None and stopped != "budget":
-        finalists = finals(searcher.order, book)
-        again = alternating(finalists, book)
-        if again:
-            reporter.note(f"timing the {len(finalists)} closest layouts again, side by side")
-
-            def on_repeat(m: Measurement) -> bool:
-                book.record(m, again=True)
-                return True
-
-            if measure(program, again, on_repeat, deadline=deadline) == "budget":
-                stopped = "budget"
+        finalists: list[dict[str, Any]] = []
+        for _ in range(FINALISTS * MAX_RUNS + 2):  # every pass adds a run, or ends the loop
+            observe_known()
+            if not searcher.done:
+                todo = [c for c in searcher.order[index:] if book.known(c) is None]
+                # layouts: what is left is measured in the fitted model's order as it changes
+                reorder = searcher.rank if layout_site is not None else None
+                if measure(program, todo, on_result, deadline=deadline, reorder=reorder) == (
+                    "budget"
+                ):
+                    stopped = "budget"
+                    break
+            if layout_site is None:
+                break
+            finalists = leaders(searcher.order, book)
+            again = next_round(finalists, book)
+            if again:
+                assert predictions is not None  # a layout's search
+                names = ", ".join(f"{predictions[database.canonical(c)].layout.name()}"
+                                  for c in finalists)  # fmt: skip
+                reporter.note(
+                    f"timing the {len(finalists)} leading layouts again, in turns: {names}"
+                )
+                if measure(program, again, on_repeat, deadline=deadline) == "budget":
+                    stopped = "budget"
+                    break
+                continue  # the leaders may change with their medians
+            best, spread = settled(finalists, book)
+            if best is None:
+                break
+            searcher.settle(best, spread)  # a layout predicted within the spread is measured
+            observe_known()
+            if searcher.done:
+                break
     if stopped != "budget":
         stopped = searcher.stop_reason
     book.finish()
@@ -207,6 +240,7 @@ def autotune(
         predictions,
         world_size,
         tuple(database.canonical(c) for c in finalists),
+        verdict(finalists, book),
     )
     reporter.summary(outcome, time.monotonic() - started)
     return outcome
@@ -218,29 +252,79 @@ def first_time(known: Mapping[str, Any]) -> float | None:
     return times[0] if times else known.get("time_s")
 
 
-def finals(order: list[dict[str, Any]], book: _Book) -> list[dict[str, Any]]:
-    """The measured layouts within CLOSE of the best, by first measurements (so a rerun picks
-    the same ones), best first; none when fewer than two."""
-    timed = []
-    for c in order:
-        known = book.known(c)
-        t = first_time(known) if known is not None else None
-        if t is not None:
-            timed.append((t, c))
-    if not timed:
+def runs_of(known: Mapping[str, Any] | None) -> list[float]:
+    """A candidate's measured times: its first, then the finals' repeats."""
+    if known is None or "time_s" not in known:
         return []
-    best = min(t for t, _ in timed)
-    close = sorted((x for x in timed if x[0] <= best * (1 + CLOSE)), key=lambda x: x[0])
-    return [c for _, c in close[:FINALISTS]] if len(close) > 1 else []
+    times = known.get("times")
+    return [float(t) for t in times] if times else [float(known["time_s"])]
 
 
-def alternating(finalists: list[dict[str, Any]], book: _Book) -> list[dict[str, Any]]:
-    """Each finalist's missing repeats, in turns (A B C A B C): drifting load hits each alike."""
-    need = []
-    for c in finalists:
-        runs = len((book.known(c) or {}).get("times", ())) or 1  # no ``times``: the first run
-        need.append(1 + REPEATS - runs)
-    return [c for turn in range(max(need, default=0)) for c, n in zip(finalists, need) if n > turn]
+def spread(runs: list[float]) -> float:
+    """Half the range of a candidate's runs: how far one run of it may land from another."""
+    return (max(runs) - min(runs)) / 2 if len(runs) > 1 else 0.0
+
+
+def leaders(order: list[dict[str, Any]], book: _Book) -> list[dict[str, Any]]:
+    """The measured layouts within CLOSE of the best median, and the runner-up whatever its
+    distance, best first (FINALISTS at most); none when fewer than two were measured."""
+    timed = sorted(
+        (
+            (statistics.median(r), i, c)
+            for i, c in enumerate(order)
+            if (r := runs_of(book.known(c)))
+        ),
+        key=lambda x: (x[0], x[1]),
+    )
+    if len(timed) < 2:
+        return []
+    best = timed[0][0]
+    close = [c for t, _, c in timed if t <= best * (1 + CLOSE)]
+    return (close if len(close) > 1 else [timed[0][2], timed[1][2]])[:FINALISTS]
+
+
+def next_round(finalists: list[dict[str, Any]], book: _Book) -> list[dict[str, Any]]:
+    """The leaders' next runs, in turns (A B C A B C: drifting load hits each alike): the
+    missing ones up to MIN_RUNS; then, while the winner's lead does not exceed the spread of
+    its runs and the runner-up's, one more each up to MAX_RUNS; [] when decided."""
+    runs = [runs_of(book.known(c)) for c in finalists]
+    need = [max(0, MIN_RUNS - len(r)) for r in runs]
+    if any(need):
+        return [c for turn in range(max(need)) for c, n in zip(finalists, need) if n > turn]
+    if not finalists or _separated(runs):
+        return []
+    return [c for c, r in zip(finalists, runs) if len(r) < MAX_RUNS]
+
+
+def _separated(runs: list[list[float]]) -> bool:
+    medians = sorted((statistics.median(r), i) for i, r in enumerate(runs))
+    (first, i), (second, j) = medians[0], medians[1]
+    return second - first > max(spread(runs[i]), spread(runs[j]))
+
+
+def settled(finalists: list[dict[str, Any]], book: _Book) -> tuple[float | None, float]:
+    """The winner's median and its runs' spread relative to it (the finals' word on the noise)."""
+    runs = [r for c in finalists if (r := runs_of(book.known(c)))]
+    if not runs:
+        return None, 0.0
+    best = min(runs, key=statistics.median)
+    median = statistics.median(best)
+    return median, spread(best) / median if median else 0.0
+
+
+def verdict(finalists: list[dict[str, Any]], book: _Book) -> str:
+    """``x1.042 ahead of the runner-up, beyond their spread (1.3%)``, or a tie within it."""
+    runs = [runs_of(book.known(c)) for c in finalists]
+    runs = [r for r in runs if r]
+    if len(runs) < 2:
+        return ""
+    ranked = sorted(runs, key=statistics.median)
+    first, second = statistics.median(ranked[0]), statistics.median(ranked[1])
+    noise = max(spread(ranked[0]), spread(ranked[1])) / first
+    lead = second / first
+    if second - first > noise * first:
+        return f"x{lead:.3f} ahead of the runner-up, beyond their spread ({noise:.1%})"
+    return f"x{lead:.3f} ahead of the runner-up, within their spread ({noise:.1%}): a tie"
 
 
 def _probe(
@@ -253,6 +337,7 @@ def _probe(
     search_path: list[str],
     plan: Any,
     target: str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """The serial probe of the model: from the database when this source was probed on this
     target (None: any, ``macrogen plan``) by this probe's measures (``probe.MEASURES``), else
@@ -269,7 +354,14 @@ def _probe(
         target = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         profile, shape = probe.run(
-            code, source_path.name, entry, in_source, search_path, plan, target=target
+            code,
+            source_path.name,
+            entry,
+            in_source,
+            search_path,
+            plan,
+            target=target,
+            progress=progress,
         )
     except probe.ProbeError as e:
         raise AutotuneError(
