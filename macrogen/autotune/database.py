@@ -416,12 +416,20 @@ class Database:
 
 # -- what expand reads --------------------------------------------------------------------
 def winners(
-    path: Path, source: str, *, file: str, target: str | None = None
+    path: Path,
+    source: str,
+    *,
+    file: str,
+    target: str | None = None,
+    device: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The winning value per tunable key of ``file`` (its name as recorded); and the stale keys skipped.
 
     Several records may tune the same file (other devices, world sizes): the one
-    tuned most recently wins. A record for another source text is stale.
+    tuned most recently wins. A record for another source text is stale. Given
+    ``device`` (a rank's device kind, as ``environment.device_kinds`` names it), a
+    rank of a mixed job resolves its own kind's records first: those keyed by that kind
+    (name, capability, memory, link), then those of a device of its name, then any.
     """
     digest = source_hash(source)
     values: dict[str, Any] = {}
@@ -433,10 +441,21 @@ def winners(
         and r.get("winner") is not None
         and (target is None or r["key"].get("target") in (None, target))
     ]
-    for record in sorted(records, key=lambda r: -r.get("generation", 0)):
+    records.sort(key=lambda r: (_distance(r["key"].get("device"), device), -r.get("generation", 0)))
+    for record in records:
         if record.get("source_hash") != digest:
             stale.update(record["winner"])
             continue
         for key, value in decode_values(record["winner"]).items():
             values.setdefault(key, value)
     return values, sorted(stale - set(values))
+
+
+def _distance(recorded: Any, device: Mapping[str, Any] | None) -> int:
+    """How far a record's device is from the rank's: 0 its kind, 1 its name, 2 another."""
+    if device is None or not isinstance(recorded, dict):
+        return 0 if device is None else 2
+    if all(recorded.get(k) == v for k, v in device.items()) and set(recorded) == set(device):
+        return 0
+    same = ("kind", "name")
+    return 1 if all(recorded.get(k) == device.get(k) for k in same) else 2

@@ -141,8 +141,9 @@ class Reporter:
             )
         else:
             chosen = "none (every candidate failed; expand uses the defaults)"
+        on = f" on {outcome.device.get('name')}" if outcome.device else ""
         self.console.print(
-            f"winner: {chosen}; {outcome.new_measurements} new measurement(s),"
+            f"winner{on}: {chosen}; {outcome.new_measurements} new measurement(s),"
             f" {outcome.strategy} search ({outcome.stopped}), {elapsed:.1f} s;"
             f" tuning database: {outcome.database}"
         )

@@ -10,11 +10,12 @@ file and entry measures nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,8 @@ class Outcome:
     # layouts: the leaders, timed again side by side (canonical values); see FINALISTS
     finalists: tuple[str, ...] = ()
     verdict: str = ""  # layouts: how far the winner leads the runner-up, against their spread
+    others: tuple[Outcome, ...] = ()  # a machine with several kinds of device: the others'
+    device: Mapping[str, Any] = field(default_factory=dict)  # the kind measured on (its key)
 
 
 # layouts: the measured layouts within CLOSE of the best median (the runner-up always,
@@ -76,20 +79,80 @@ def autotune(
     memory_per_rank: float | None = None,
     noise: float = 0.05,
 ) -> Outcome:
-    """Tune every ``tunable`` of the file at ``path``; see docs/autotune.md."""
-    started = time.monotonic()
-    deadline = None if budget is None else started + budget
-    source_path = Path(path)
-    source = read_source(source_path.read_bytes())[0]
+    """Tune every ``tunable`` of the file at ``path``; see docs/autotune.md.
+
+    Once per kind of device this machine has (``environment.device_kinds``: name,
+    capability, memory, link), each on its own devices, into a record keyed by that kind;
+    the outcome is the first kind's, the others' in ``others``. A world size more than a
+    kind has devices for is tuned once, on every device, keyed by the first kind."""
     _check_request(entry, world_size, max_trials)
     if target is None:
         import torch
 
         target = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        device = environment.device(target)
+        kinds = environment.device_kinds(target)
     except RuntimeError as e:
         raise AutotuneError(str(e)) from None
+    options: dict[str, Any] = dict(
+        entry=entry,
+        world_size=world_size,
+        target=target,
+        tuning=tuning,
+        budget=budget,
+        max_trials=max_trials,
+        timing=timing,
+        retry_failed=retry_failed,
+        reporter=reporter,
+        memory_per_rank=memory_per_rank,
+        noise=noise,
+    )
+    if len(kinds) == 1 or any(len(indices) < world_size for _, indices in kinds):
+        return _autotune_on(kinds[0][0], path, **options)
+    outcomes = []
+    for kind, indices in kinds:
+        with _visible(indices):
+            outcomes.append(_autotune_on(kind, path, **options))
+    return replace(outcomes[0], others=tuple(outcomes[1:]))
+
+
+@contextlib.contextmanager
+def _visible(indices: list[int]) -> Iterator[None]:
+    """The measurement processes see only these CUDA devices (indices as this process sees
+    them: within its own CUDA_VISIBLE_DEVICES, if set)."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = saved.split(",") if saved else [str(i) for i in range(max(indices) + 1)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] for i in indices)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def _autotune_on(
+    device: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    entry: str,
+    world_size: int,
+    target: str,
+    tuning: str | os.PathLike[str] | None,
+    budget: float | None,
+    max_trials: int,
+    timing: Timing | None,
+    retry_failed: bool,
+    reporter: Reporter | None,
+    memory_per_rank: float | None,
+    noise: float,
+) -> Outcome:
+    """``autotune`` on one kind of device (its tuning key's ``device``)."""
+    started = time.monotonic()
+    deadline = None if budget is None else started + budget
+    source_path = Path(path)
+    source = read_source(source_path.read_bytes())[0]
     expansion = expand_source(source, path=source_path.name, target=target)
     params = space.parameters(expansion)
     if not params:
@@ -241,6 +304,7 @@ def autotune(
         world_size,
         tuple(database.canonical(c) for c in finalists),
         verdict(finalists, book),
+        device=device,
     )
     reporter.summary(outcome, time.monotonic() - started)
     return outcome
