@@ -342,3 +342,35 @@ def test_one_noisy_first_run_does_not_decide_the_search(tmp_path: Path, monkeypa
 
 
 KEY_LAYOUT = "build.parallelize.layout"
+
+
+def test_the_residual_stream_stays_whole_when_a_projection_is_as_wide_as_it() -> None:
+    """An attention's projections are as wide as the residual stream: a rule on widths alone
+    counted the residual (and the norm's input) as split by tp, and tensor parallelism's
+    memory came out up to 31% under what ranks hold. Only a colwise output or a rowwise
+    input (or views of them) is split here."""
+    d = 16
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.q = nn.Linear(d, d)
+            self.o = nn.Linear(d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.o(torch.relu(self.q(self.norm(x))))
+
+    model = nn.ModuleList([Block(), Block()])
+    plan = {"*.q": "colwise", "*.o": "rowwise"}
+    _, divisible, planned = probe._plan_sizes(model, plan)
+    saved = probe._SavedActivations(model, divisible, list(model), planned)
+    x = torch.randn(4, 8, d, requires_grad=True)
+    with saved.hooks():
+        y = x
+        for block in model:
+            y = block(y)
+    # per block: the norm's input, mean, rstd and the q layer's input are whole; the relu's
+    # output (o's input) is split
+    wide = 4 * 8 * d * 4
+    assert saved.sharded_fraction() == pytest.approx(wide / (3 * wide + 2 * 4 * 8 * 4))

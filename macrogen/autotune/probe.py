@@ -114,7 +114,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
         for _, b in blocks
         for p in {id(q): q for q in b.parameters()}.values()
     )
-    sharded, divisible = _plan_sizes(model, job.get("plan"))
+    sharded, divisible, planned = _plan_sizes(model, job.get("plan"))
     message: list[int] = []
     # CUDA runs a step's kernels after the host has queued them: the clocks read CUDA events,
     # which time the kernels without stalling the queue (host clocks time the queueing, 2 ms
@@ -147,7 +147,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     optimizers = _optimizers(model, torch)
     state = _optimizer_bytes(optimizers, torch)  # None: no optimizer found over the model
     hooks += _mark_steps(optimizers, torch)
-    saved = _SavedActivations(model, divisible, [b for _, b in blocks])
+    saved = _SavedActivations(model, divisible, [b for _, b in blocks], planned)
     # one step: the gradients it frees first were made before the window (they don't count)
     with TensorPeak(cuda=cuda) as one_step, saved.hooks():
         step()
@@ -345,23 +345,36 @@ def _block_call_s(
 class _SavedActivations:
     """The bytes autograd saves for backward, and the share a tensor-parallel plan shards.
 
-    A saved tensor is sharded when its last dim is a width the plan cuts (a
-    colwise layer's out features, a rowwise one's in features: the MLP's hidden
-    side) or, 4-d, its dim 1 is a head count the plan divides ((B, heads, T, .):
-    attention). The residual stream, norms and the model's own width are whole
-    on every tensor rank: Megatron's activations are only partly sharded.
+    A saved tensor is sharded when it is a colwise layer's output or a rowwise layer's
+    input (or a view of one: the attention's q, k, v and its output before the
+    projection), when its last dim is a width the plan cuts other than the residual
+    stream's (the MLP's hidden side), or, 4-d, when its dim 1 is a head count the plan
+    divides ((B, heads, T, .): attention). The residual stream, the norms and what feeds
+    a colwise layer are whole on every tensor rank: Megatron's activations are only partly
+    sharded. (A width rule alone counted the residual as split when an attention's
+    projections are as wide as it: tensor parallelism's memory was 31% under.)
     """
 
-    def __init__(self, model: Any, divisible: Mapping[str, int], blocks: list[Any]):
+    def __init__(
+        self,
+        model: Any,
+        divisible: Mapping[str, int],
+        blocks: list[Any],
+        planned: Mapping[str, list[Any]] | None = None,
+    ):
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.blocks = blocks
+        self.planned = planned or {"colwise": [], "rowwise": []}
         self.depth = 0  # > 0 while a block's forward runs
         self.in_blocks = 0  # the saved bytes made inside the blocks
         self.widths = {v for k, v in divisible.items() if k.endswith(" features")}
         self.heads = {v for k, v in divisible.items() if not k.endswith((" features", " rows"))}
-        self.total = 0
-        self.sharded = 0
-        self.seen: set[tuple[int, tuple[int, ...]]] = set()  # saved twice counts once
+        self.split: set[int] = set()  # storages of colwise outputs and rowwise inputs
+        self.residual = 0  # the blocks' output width: the residual stream's
+        # (storage, shape, bytes) of each storage saved, classified at the end: a tensor saved
+        # again, or a view of it saved (a Linear saves its input flattened to 2-d), counts once
+        self.saved: list[tuple[int, tuple[int, ...], int]] = []
+        self.seen: set[int] = set()
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
@@ -370,23 +383,35 @@ class _SavedActivations:
         def enter(*_: Any) -> None:
             self.depth += 1
 
-        def leave(*_: Any) -> None:
+        def leave(module: Any, args: Any, output: Any) -> None:
             self.depth -= 1
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(out, torch.Tensor) and out.dim() and not self.residual:
+                self.residual = int(out.shape[-1])
+
+        def storage(t: Any) -> int:
+            return int(t.untyped_storage().data_ptr())
+
+        def colwise(module: Any, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                self.split.add(storage(output))
+
+        def rowwise(module: Any, args: Any) -> None:
+            if args and isinstance(args[0], torch.Tensor):
+                self.split.add(storage(args[0]))
 
         handles = [b.register_forward_pre_hook(enter) for b in self.blocks]
         handles += [b.register_forward_hook(leave) for b in self.blocks]
+        handles += [m.register_forward_hook(colwise) for m in self.planned["colwise"]]
+        handles += [m.register_forward_pre_hook(rowwise) for m in self.planned["rowwise"]]
 
         def pack(t: Any) -> Any:
-            key = (t.data_ptr(), tuple(t.shape)) if isinstance(t, torch.Tensor) else None
-            if key and key not in self.seen and t.untyped_storage().data_ptr() not in self.params:
+            key = storage(t) if isinstance(t, torch.Tensor) else None
+            if key is not None and key not in self.seen and key not in self.params:
                 self.seen.add(key)
                 n = t.numel() * t.element_size()
-                self.total += n
+                self.saved.append((storage(t), tuple(t.shape), n))
                 self.in_blocks += n if self.depth else 0
-                if t.dim() and (
-                    t.shape[-1] in self.widths or (t.dim() == 4 and t.shape[1] in self.heads)
-                ):
-                    self.sharded += n
             return t
 
         try:
@@ -396,6 +421,17 @@ class _SavedActivations:
             for h in handles:
                 h.remove()
 
+    @property
+    def total(self) -> int:
+        return sum(n for _, _, n in self.saved)
+
+    def _sharded(self, where: int, shape: tuple[int, ...]) -> bool:
+        if where in self.split:
+            return True
+        if len(shape) == 4 and shape[1] in self.heads:
+            return True
+        return bool(shape) and shape[-1] in self.widths and shape[-1] != self.residual
+
     def block_fraction(self) -> float | None:
         """The share of the saved bytes the blocks make (what recomputing them frees)."""
         return self.in_blocks / self.total if self.total and self.blocks else None
@@ -404,7 +440,8 @@ class _SavedActivations:
         """None: nothing saved, or no plan (the parameters' fraction stands in)."""
         if not self.total or not (self.widths or self.heads):
             return None
-        return self.sharded / self.total
+        sharded = sum(n for where, shape, n in self.saved if self._sharded(where, shape))
+        return sharded / self.total
 
 
 def _optimizers(model: Any, torch: Any) -> list[Any]:
@@ -452,12 +489,17 @@ def _mark_steps(optimizers: list[Any], torch: Any) -> list[Any]:
     return hooks
 
 
-def _plan_sizes(model: Any, plan: Any) -> tuple[int, dict[str, int]]:
-    """The bytes of the planned (sharded) layers, and each size tp must divide (first of each path)."""
+def _plan_sizes(model: Any, plan: Any) -> tuple[int, dict[str, int], dict[str, list[Any]]]:
+    """The bytes of the planned (sharded) layers, each size tp must divide (first of each
+    path), and the planned layers by how they split ("colwise": out features, "rowwise":
+    in features)."""
+    import torch
+
     from macrogen.runtime import parallelize as rt
 
+    layers: dict[str, list[Any]] = {"colwise": [], "rowwise": []}
     if plan is None:
-        return 0, {}
+        return 0, {}, layers
     if plan == "hf":
         plan = rt.hf_plan(model)
     plan = {k: tuple(v) if isinstance(v, list) else v for k, v in plan.items()}
@@ -469,12 +511,16 @@ def _plan_sizes(model: Any, plan: Any) -> tuple[int, dict[str, int]]:
             what, size = _size(name, target, style)
             if what is None:
                 continue
-            if isinstance(target, __import__("torch").nn.Module):
+            if isinstance(target, torch.nn.Module):
                 sharded += sum(p.numel() * p.element_size() for p in target.parameters())
+                if what.endswith(" out features"):
+                    layers["colwise"].append(target)
+                elif what.endswith(" in features"):
+                    layers["rowwise"].append(target)
             if path not in seen:
                 seen.add(path)
                 divisible[what] = size
-    return sharded, divisible
+    return sharded, divisible, layers
 
 
 def _size(name: str, target: Any, style: Any) -> tuple[str | None, int]:
