@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from macrogen.autotune import cost, database, layout_search, memory, tuner
+from macrogen.autotune import cost, database, finals, layout_search, memory
 from macrogen.autotune.measure import Timing
 from macrogen.autotune.report import Reporter
 from macrogen.autotune.tuner import autotune
@@ -160,9 +160,9 @@ def tune(src: Path, world: int, db: Path, exhaustive: bool, timing: Timing):
     reporter = Reporter(Console(file=io.StringIO(), width=200), Console(file=io.StringIO()))
     # the sweep's SWEEP_FINALISTS fastest are timed again side by side, as the search's
     # leaders are: the measured order of the top three is then a median's, not one run's
-    saved = (tuner.FINALISTS, tuner.CLOSE, tuner.MIN_RUNS, tuner.MAX_RUNS)
+    saved = (finals.FINALISTS, finals.CLOSE, finals.MIN_RUNS, finals.MAX_RUNS)
     if exhaustive:
-        tuner.FINALISTS, tuner.CLOSE, tuner.MAX_RUNS = SWEEP_FINALISTS, math.inf, tuner.MIN_RUNS
+        finals.FINALISTS, finals.CLOSE, finals.MAX_RUNS = SWEEP_FINALISTS, math.inf, finals.MIN_RUNS
     try:
         return autotune(
             src,
@@ -174,7 +174,7 @@ def tune(src: Path, world: int, db: Path, exhaustive: bool, timing: Timing):
             noise=-math.inf if exhaustive else 0.05,
         )
     finally:
-        tuner.FINALISTS, tuner.CLOSE, tuner.MIN_RUNS, tuner.MAX_RUNS = saved
+        finals.FINALISTS, finals.CLOSE, finals.MIN_RUNS, finals.MAX_RUNS = saved
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from macrogen.autotune import cost, database, probe, space, tuner
+from macrogen.autotune import cost, database, finals, probe, space, tuner
 from macrogen.autotune.layouts import Layout
 from macrogen.autotune.measure import Measurement
 from macrogen.autotune.memory import Profile
@@ -40,16 +40,16 @@ def test_the_leaders_are_the_closest_and_the_runner_up(tmp_path: Path) -> None:
     for x, t in ((1, 1.05), (2, 1.0), (3, 1.3), (4, 1.09)):
         book.record(Measurement({"X": x}, time_s=t, samples=3))
     order = [{"X": x} for x in (1, 2, 3, 4)]
-    leaders = tuner.leaders(order, book)
+    leaders = finals.leaders(order, book)
     assert leaders == [{"X": 2}, {"X": 1}, {"X": 4}]  # within 10% of 1.0; 1.3 is not
     # each is measured MIN_RUNS times before anything is decided, in turns: load that drifts
     # hits each alike
-    assert tuner.next_round(leaders, book) == leaders * (tuner.MIN_RUNS - 1)
+    assert finals.next_round(leaders, book) == leaders * (finals.MIN_RUNS - 1)
     # a clear winner still has its runner-up timed again (one run decided nothing before)
     lone = _book(tmp_path / "lone")
     lone.record(Measurement({"X": 1}, time_s=1.0, samples=3))
     lone.record(Measurement({"X": 2}, time_s=2.0, samples=3))
-    assert tuner.leaders([{"X": 1}, {"X": 2}], lone) == [{"X": 1}, {"X": 2}]
+    assert finals.leaders([{"X": 1}, {"X": 2}], lone) == [{"X": 1}, {"X": 2}]
 
 
 def test_rounds_go_on_until_the_lead_exceeds_the_spread(tmp_path: Path) -> None:
@@ -62,18 +62,18 @@ def test_rounds_go_on_until_the_lead_exceeds_the_spread(tmp_path: Path) -> None:
     order = [{"X": 1}, {"X": 2}]
     for x, t in ((1, 1.30), (2, 1.06), (1, 1.20), (2, 1.07)):
         book.record(Measurement({"X": x}, time_s=t, samples=3), again=True)
-    leaders = tuner.leaders(order, book)
+    leaders = finals.leaders(order, book)
     assert leaders == [{"X": 2}, {"X": 1}]  # medians 1.07 and 1.20
     # 1.20 - 1.07 = 0.13 < X=1's spread (1.30 - 1.00) / 2: not decided, one more run each
-    assert tuner.next_round(leaders, book) == leaders
-    assert "within their spread" in tuner.verdict(leaders, book)
+    assert finals.next_round(leaders, book) == leaders
+    assert "within their spread" in finals.verdict(leaders, book)
     for x, t in ((2, 1.07), (1, 1.25)):
         book.record(Measurement({"X": x}, time_s=t, samples=3), again=True)
     for x, t in ((2, 1.06), (1, 1.25)):
         book.record(Measurement({"X": x}, time_s=t, samples=3), again=True)
     # MAX_RUNS each: decided, a tie or not
-    assert len(tuner.runs_of(book.known({"X": 1}))) == tuner.MAX_RUNS
-    assert tuner.next_round(leaders, book) == []
+    assert len(finals.runs_of(book.known({"X": 1}))) == finals.MAX_RUNS
+    assert finals.next_round(leaders, book) == []
     assert book.winner() == {"X": 2}
     # separated runs stop at MIN_RUNS
     clear = _book(tmp_path / "clear")
@@ -81,9 +81,9 @@ def test_rounds_go_on_until_the_lead_exceeds_the_spread(tmp_path: Path) -> None:
         clear.record(Measurement({"X": x}, time_s=runs[0], samples=3))
         for t in runs[1:]:
             clear.record(Measurement({"X": x}, time_s=t, samples=3), again=True)
-    assert tuner.next_round(tuner.leaders(order, clear), clear) == []
-    assert "beyond their spread" in tuner.verdict(tuner.leaders(order, clear), clear)
-    best, spread = tuner.settled(tuner.leaders(order, clear), clear)
+    assert finals.next_round(finals.leaders(order, clear), clear) == []
+    assert "beyond their spread" in finals.verdict(finals.leaders(order, clear), clear)
+    best, spread = finals.settled(finals.leaders(order, clear), clear)
     assert best == 1.01 and spread == pytest.approx(0.01 / 1.01)
 
 
@@ -101,9 +101,9 @@ def test_a_repeat_is_kept_beside_the_first_and_the_median_decides(tmp_path: Path
     assert book.winner() == {"X": 2}
     # the search sees first measurements; the finals, medians (a lead of 0.10 is not beyond
     # X=1's spread of 0.10: one more round each, the same on a rerun over this database)
-    assert tuner.first_time(one) == 1.0
-    leaders = tuner.leaders([{"X": 1}, {"X": 2}], book)
-    assert leaders == [{"X": 2}, {"X": 1}] and tuner.next_round(leaders, book) == leaders
+    assert finals.first_time(one) == 1.0
+    leaders = finals.leaders([{"X": 1}, {"X": 2}], book)
+    assert leaders == [{"X": 2}, {"X": 1}] and finals.next_round(leaders, book) == leaders
     # a failed repeat keeps what was measured
     book.record(Measurement({"X": 2}, error="rank 1 died"), again=True)
     assert book.known({"X": 2})["time_s"] == 1.05 and "error" not in book.known({"X": 2})
@@ -333,7 +333,7 @@ def test_one_noisy_first_run_does_not_decide_the_search(tmp_path: Path, monkeypa
     assert outcome.winner == {KEY_LAYOUT: "tp1 pp1 replicate mb1"}
     best = outcome.record["candidates"]
     spiked = next(c for c in best if c["values"][KEY_LAYOUT] == "tp1 pp1 replicate mb1")
-    assert len(spiked["times"]) >= tuner.MIN_RUNS and spiked["time_s"] == 1.0
+    assert len(spiked["times"]) >= finals.MIN_RUNS and spiked["time_s"] == 1.0
     leaders = [database.decode_values(c["values"])[KEY_LAYOUT] for c in best if "times" in c]
     assert len(leaders) >= 2  # the runner-up was timed again too
     # the repeats alternate between the leaders (A B A B), not one after another
