@@ -7,8 +7,8 @@ The model (default ``unseen``: 8 blocks of causal attention and a SwiGLU MLP wit
 norms, written here and in none of the project's tests or examples; ``example``:
 examples/layout_auto.py's MLP blocks), with ``layout="auto"``, is tuned on gloo ranks
 (CPU; NCCL when CUDA is present) once exhaustively (every feasible layout measured;
-its five fastest then timed twice more in turns, each keeping the median of its three
-runs, so that the measured order is not one run's) and ``--runs`` times as
+its five fastest then timed four times more in turns, each keeping the median of its
+five runs, so that the measured order is not one run's) and ``--runs`` times as
 ``macrogen autotune`` searches (the cost model's best first, early stopping, the
 leaders timed at least three times in turns until the winner's lead exceeds their
 spread), each search from an empty database. It prints, per layout, the measured
@@ -48,7 +48,7 @@ from macrogen.autotune.tuner import autotune
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "layout_auto.py"
 KEY = "build.parallelize.layout"
 TIE = 0.05  # measured step times this close are not ordered by one run each
-SWEEP_FINALISTS = 5  # the sweep's fastest, each timed 3 times in turns
+SWEEP_FINALISTS, SWEEP_RUNS = 5, 5  # the sweep's fastest, each timed 5 times in turns
 
 # A model the project has not seen: causal attention (heads divided by tp) and SwiGLU.
 UNSEEN = """\
@@ -162,7 +162,8 @@ def tune(src: Path, world: int, db: Path, exhaustive: bool, timing: Timing):
     # leaders are: the measured order of the top three is then a median's, not one run's
     saved = (finals.FINALISTS, finals.CLOSE, finals.MIN_RUNS, finals.MAX_RUNS)
     if exhaustive:
-        finals.FINALISTS, finals.CLOSE, finals.MAX_RUNS = SWEEP_FINALISTS, math.inf, finals.MIN_RUNS
+        finals.FINALISTS, finals.CLOSE = SWEEP_FINALISTS, math.inf
+        finals.MIN_RUNS = finals.MAX_RUNS = SWEEP_RUNS
     try:
         return autotune(
             src,

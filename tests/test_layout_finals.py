@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from macrogen.autotune import cost, database, finals, probe, space, tuner
+from macrogen.autotune import cost, database, finals, probe, saved_tensors, space, tuner
 from macrogen.autotune.layouts import Layout
 from macrogen.autotune.measure import Measurement
 from macrogen.autotune.memory import Profile
@@ -364,7 +364,7 @@ def test_the_residual_stream_stays_whole_when_a_projection_is_as_wide_as_it() ->
     model = nn.ModuleList([Block(), Block()])
     plan = {"*.q": "colwise", "*.o": "rowwise"}
     _, divisible, planned = probe._plan_sizes(model, plan)
-    saved = probe._SavedActivations(model, divisible, list(model), planned)
+    saved = saved_tensors.SavedActivations(model, divisible, list(model), planned)
     x = torch.randn(4, 8, d, requires_grad=True)
     with saved.hooks():
         y = x
