@@ -387,6 +387,30 @@ def test_the_search_stops_when_nothing_left_is_predicted_faster():
     assert exhaustive.done and exhaustive.stop_reason == "complete"
 
 
+def test_the_winners_measured_spread_widens_the_search():
+    """The finals found the winner's runs 15% apart: a layout predicted 10% slower than it
+    can't be ruled out by the model, so it is measured before the search stops."""
+    from macrogen.autotune import database
+    from macrogen.autotune.layout_search import MAX_REACH, LayoutSearch, Prediction
+
+    order = [{"k": name} for name in ("a", "b", "c")]
+    raw = {"a": 1.0, "b": 1.0, "c": 1.1}
+    predictions = {
+        database.canonical(c): Prediction(
+            Layout(), cost.Step(raw[c["k"]], 0, 0, 0), memory.Breakdown(0, 0, 0, 0)
+        )
+        for c in order
+    }
+    search = LayoutSearch(order, predictions, noise=0.05)
+    search.observe(0.1)
+    search.observe(0.1)
+    assert search.done  # c is predicted 10% slower: nothing left beats the best
+    search.settle(0.1, 0.15)
+    assert not search.done  # within the winner's spread: measure it
+    search.settle(0.1, 5.0)
+    assert search.reach == MAX_REACH  # a spike is no reason to measure everything
+
+
 def test_the_search_ranks_what_is_left_by_the_fit():
     from macrogen.autotune import database
     from macrogen.autotune.layout_search import LayoutSearch, Prediction

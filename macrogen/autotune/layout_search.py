@@ -23,8 +23,9 @@ from macrogen.autotune.space import Parameter, Space
 from macrogen.expand.context import SiteArguments
 
 ARGUMENTS = ("tp", "pp", "dp", "microbatches", "layout")
-# the most the finals' measured spread widens the search's stop by
-MAX_NOISE = 0.5
+# the most the finals' measured spread widens the search by: a layout predicted up to this
+# much slower than the winner is still measured
+MAX_REACH = 0.2
 
 
 def site_of(params: tuple[Parameter, ...]) -> SiteArguments | None:
@@ -125,6 +126,9 @@ class LayoutSearch:
     order: list[dict[str, Any]]
     predictions: dict[str, Prediction]
     noise: float = 0.05  # a layout must be predicted this much faster than the best to be measured
+    # ... or, once the finals measured the winner's spread, predicted within it (slower by up to
+    # this share): the winner's own runs say how far one measurement may be from another
+    reach: float = 0.0
     strategy: str = "cost model"
     patience: int | None = None
     best: float | None = None
@@ -150,7 +154,7 @@ class LayoutSearch:
         self.best = best
         # a layout predicted within the noise of the winner can't be ruled out by the model:
         # on a loaded machine (runs of one layout 20-30% apart) the search measures more
-        self.noise = max(self.noise, min(spread, MAX_NOISE))
+        self.reach = max(self.reach, min(spread, MAX_REACH))
 
     def rank(self, pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``pending`` in the search's order as it stands (the worker measures the first next)."""
@@ -168,7 +172,7 @@ class LayoutSearch:
         if len(measured) < 2 or self.best is None:
             return False  # one point fits one scale: the ranking is still the raw model's
         rest = min(self.predicted(c) for c in self.order[len(self.seen) :])
-        return rest >= self.best * (1 - self.noise)
+        return rest >= self.best * max(1 - self.noise, 1 + self.reach)
 
     @property
     def stop_reason(self) -> str:
