@@ -24,16 +24,21 @@ step time and peak memory per rank beside the predictions:
 
 then, per world size, whether the fitted model orders the three fastest as
 measured, and for each search run its winner against the sweep's best and how many
-layouts it measured, with the load average while it ran (the machine is shared).
+layouts it measured, with the load average while it ran (the machine is shared); then
+the sweep's best and each search's winner timed again side by side, ``--paired`` turns
+each in one launch (on a loaded machine one run of a layout lands 20-400% from another:
+the sweep's single runs are no yardstick for 5%, medians of runs taken in turns are).
 ``--plot`` draws measured and predicted step time per layout (matplotlib, if installed).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import math
 import os
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -41,7 +46,7 @@ import torch
 from rich.console import Console
 
 from macrogen.autotune import cost, database, finals, layout_search, memory
-from macrogen.autotune.measure import Timing
+from macrogen.autotune.measure import Measurement, Program, Timing, measure
 from macrogen.autotune.report import Reporter
 from macrogen.autotune.tuner import autotune
 
@@ -184,6 +189,9 @@ def main() -> None:
     p.add_argument("--model", choices=("unseen", "example"), default="unseen")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--runs", type=int, default=3, help="searches per world size")
+    p.add_argument(
+        "--paired", type=int, default=5, help="turns of the sweep's best beside each winner"
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--plot")
@@ -193,6 +201,7 @@ def main() -> None:
     rows = []  # (world, prediction, measured candidate)
     searches = []  # (world, run, winner, its sweep candidate, sweep best, measured, all, load)
     leaders = []  # (world, run, the search's leaders: timed again side by side)
+    paired = []  # (world, [sweep's best, winners...], their runs side by side)
     profiles = {}  # world size -> the probe's profile the predictions were made from
     with tempfile.TemporaryDirectory(prefix="layout-bench-") as tmp:
         src = Path(tmp) / "layout_bench.py"
@@ -227,6 +236,18 @@ def main() -> None:
                     f"{world} rank(s), search {run + 1}: winner x{ratio:.3f} of the sweep's best,"
                     f" {n_found} of {len(measured)} measured, load {load:.1f}",
                     flush=True,
+                )
+            # the sweep's best and each search's winner timed again side by side, in turns:
+            # one run of a layout here is 20-400% from another, so the sweep's single runs
+            # (all but its five fastest) are no yardstick for 5%
+            top = min(measured.values(), key=lambda c: c["time_s"])
+            chosen = [database.decode_values(top["values"])]
+            for _, _, found_winner, *_ in [x for x in searches if x[0] == world]:
+                if found_winner and found_winner not in chosen:
+                    chosen.append(found_winner)
+            if len(chosen) > 1:
+                paired.append(
+                    (world, chosen, side_by_side(src, world, chosen, timing, args.paired))
                 )
     worlds = sorted({w for w, _, _ in rows})
     fits = {w: cost.fit([(p.step, c["time_s"]) for x, p, c in rows if x == w]) for w in worlds}
@@ -264,6 +285,16 @@ def main() -> None:
             f"{world} rank(s), search {run + 1}: measured {n_found} of {n_all}; winner {shown}:"
             f" x{ratio:.3f} of the sweep's best (measured in the sweep); load average {load:.1f}"
         )
+    for world, chosen, runs in paired:
+        medians = [statistics.median(r) if r else float("nan") for r in runs]
+        names = [layout_search.layouts.parse(c[KEY]).describe(world) for c in chosen]
+        for name, r, m in zip(names[1:], runs[1:], medians[1:]):
+            print(
+                f"{world} rank(s), side by side ({len(r)} turns): winner {name} median"
+                f" {m * 1e3:.1f} ms = x{m / medians[0]:.3f} of the sweep's best {names[0]}"
+                f" ({medians[0] * 1e3:.1f} ms); runs {' '.join(f'{t * 1e3:.0f}' for t in r)}"
+                f" vs {' '.join(f'{t * 1e3:.0f}' for t in runs[0])} ms"
+            )
     for world, run, timed in leaders:
         shown = "; ".join(
             f"{layout_search.layouts.parse(database.decode_values(c['values'])[KEY]).describe(world)}"
@@ -293,6 +324,23 @@ def main() -> None:
         )
     if args.plot:
         plot(plot_rows, args.plot)
+
+
+def side_by_side(src: Path, world: int, chosen: list, timing: Timing, turns: int) -> list:
+    """Each layout of ``chosen`` timed ``turns`` times, in turns (A B C A B C), in one launch."""
+    timing = dataclasses.replace(timing, group=1)  # a layout at a time: each its own mesh
+    program = Program(src, src.read_text(), ":build", True, world, "cpu", timing, layout=True)
+    if torch.cuda.is_available():
+        program = dataclasses.replace(program, target="cuda")
+    runs: dict[str, list[float]] = {database.canonical(c): [] for c in chosen}
+
+    def on_result(m: Measurement) -> bool:
+        if m.time_s is not None:
+            runs[database.canonical(m.values)].append(m.time_s)
+        return True
+
+    measure(program, chosen * turns, on_result)
+    return [runs[database.canonical(c)] for c in chosen]
 
 
 def held_out(rows: list, world: int, pred) -> cost.Fit:
