@@ -202,6 +202,7 @@ def main() -> None:
     searches = []  # (world, run, winner, its sweep candidate, sweep best, measured, all, load)
     leaders = []  # (world, run, the search's leaders: timed again side by side)
     paired = []  # (world, [sweep's best, winners...], their runs side by side)
+    plot_rows: list = []  # (name, measured, fitted) per layout, for --plot
     profiles = {}  # world size -> the probe's profile the predictions were made from
     with tempfile.TemporaryDirectory(prefix="layout-bench-") as tmp:
         src = Path(tmp) / "layout_bench.py"
@@ -249,6 +250,36 @@ def main() -> None:
                 paired.append(
                     (world, chosen, side_by_side(src, world, chosen, timing, args.paired))
                 )
+            # reported as soon as the world size is done: a run stopped later keeps it
+            plot_rows += report(
+                *[[x for x in xs if x[0] == world] for xs in (rows, searches, paired, leaders)]
+            )
+    if args.json:
+        import json
+
+        Path(args.json).write_text(
+            json.dumps(
+                [
+                    {
+                        "world": w,
+                        "layout": pred.layout.name(),
+                        "time_s": c["time_s"],
+                        "peak_bytes": c.get("peak_bytes"),
+                        "step": pred.step.__dict__,
+                        "memory": {**pred.memory.__dict__, "total": pred.memory.total},
+                        "profile": profiles.get(w),
+                    }
+                    for w, pred, c in rows
+                ],
+                indent=1,
+            )
+        )
+    if args.plot:
+        plot(plot_rows, args.plot)
+
+
+def report(rows: list, searches: list, paired: list, leaders: list) -> list:
+    """What was measured and predicted, for the world sizes of ``rows``; the plot's rows."""
     worlds = sorted({w for w, _, _ in rows})
     fits = {w: cost.fit([(p.step, c["time_s"]) for x, p, c in rows if x == w]) for w in worlds}
 
@@ -302,28 +333,7 @@ def main() -> None:
             for c in sorted(timed, key=lambda c: c["time_s"])
         )
         print(f"{world} rank(s), search {run + 1}: leaders {shown or 'none'}")
-    if args.json:
-        import json
-
-        Path(args.json).write_text(
-            json.dumps(
-                [
-                    {
-                        "world": w,
-                        "layout": pred.layout.name(),
-                        "time_s": c["time_s"],
-                        "peak_bytes": c.get("peak_bytes"),
-                        "step": pred.step.__dict__,
-                        "memory": {**pred.memory.__dict__, "total": pred.memory.total},
-                        "profile": profiles.get(w),
-                    }
-                    for w, pred, c in rows
-                ],
-                indent=1,
-            )
-        )
-    if args.plot:
-        plot(plot_rows, args.plot)
+    return plot_rows
 
 
 def side_by_side(src: Path, world: int, chosen: list, timing: Timing, turns: int) -> list:
