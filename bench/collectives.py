@@ -24,9 +24,9 @@ SIZES = "4KB,64KB,1MB,4MB,16MB"
 
 
 def _bytes(text: str) -> int:
-    from macrogen.autotune.memory import parse_bytes
+    from macrogen.autotune import units
 
-    return int(parse_bytes(text))
+    return int(units.size("--sizes", text))
 
 
 def rank_main(args: argparse.Namespace) -> None:

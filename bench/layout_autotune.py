@@ -1,14 +1,18 @@
-"""Layout autotuning against an exhaustive sweep, and the models' honesty, on 1, 2 and 4 ranks.
+"""Layout autotuning against an exhaustive sweep, and the models' honesty, on gloo ranks.
 
-    python bench/layout_autotune.py [--world-sizes 1,2,4] [--dim 128] [--plot docs/layout_autotune.png]
+    python bench/layout_autotune.py [--world-sizes 2,4] [--runs 3] [--model unseen|example]
+                                    [--dim 128] [--plot FILE] [--json FILE]
 
-For each world size, examples/layout_auto.py (8 blocks, ``layout="auto"``) is
-tuned twice on gloo ranks (CPU; NCCL when CUDA is present): once exhaustively
-(every feasible layout measured; its five fastest then timed twice more side by
-side, each keeping the median of its three runs, so that the measured order of
-the top three is not one run's) and once as ``macrogen autotune`` searches
-(the cost model's best first, early stopping). It prints, per layout, the
-measured step time and peak memory per rank beside the predictions:
+The model (default ``unseen``: 8 blocks of causal attention and a SwiGLU MLP with RMS
+norms, written here and in none of the project's tests or examples; ``example``:
+examples/layout_auto.py's MLP blocks), with ``layout="auto"``, is tuned on gloo ranks
+(CPU; NCCL when CUDA is present) once exhaustively (every feasible layout measured;
+its five fastest then timed four times more in turns, each keeping the median of its
+five runs, so that the measured order is not one run's) and ``--runs`` times as
+``macrogen autotune`` searches (the cost model's best first, early stopping, the
+leaders timed at least three times in turns until the winner's lead exceeds their
+spread), each search from an empty database. It prints, per layout, the measured
+step time and peak memory per rank beside the predictions:
 
 - raw: the cost model as the probe and bench/collectives.py's link make it;
 - fitted: the compute and communication scales and the fixed costs of an FSDP
@@ -19,42 +23,152 @@ measured step time and peak memory per rank beside the predictions:
 - memory: the model alone (no fitted constant);
 
 then, per world size, whether the fitted model orders the three fastest as
-measured ("kept"; "kept up to measured ties" when each of the model's three is
-measured within 5% of the measured one in its place), the search's winner
-against the sweep's best, how many layouts each measured, and the search's
-finals (each finalist's runs). ``--plot`` draws measured and predicted step
-time per layout (matplotlib, if installed).
+measured, and for each search run its winner against the sweep's best and how many
+layouts it measured, with the load average while it ran (the machine is shared); then
+the sweep's best and each search's winner timed again side by side, ``--paired`` turns
+each in one launch (on a loaded machine one run of a layout lands 20-400% from another:
+the sweep's single runs are no yardstick for 5%, medians of runs taken in turns are).
+``--plot`` draws measured and predicted step time per layout (matplotlib, if installed).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import math
+import os
+import statistics
 import tempfile
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from macrogen.autotune import cost, database, layout_search, memory, tuner
-from macrogen.autotune.measure import Timing
+from macrogen.autotune import cost, database, finals, layout_search, memory
+from macrogen.autotune.measure import Measurement, Program, Timing, measure
 from macrogen.autotune.report import Reporter
 from macrogen.autotune.tuner import autotune
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "layout_auto.py"
 KEY = "build.parallelize.layout"
 TIE = 0.05  # measured step times this close are not ordered by one run each
-SWEEP_FINALISTS = 5  # the sweep's fastest, each timed 1 + tuner.REPEATS times in turns
+SWEEP_FINALISTS, SWEEP_RUNS = 5, 5  # the sweep's fastest, each timed 5 times in turns
+
+# A model the project has not seen: causal attention (heads divided by tp) and SwiGLU.
+UNSEEN = """\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import macrogen as mg
+
+DIM, HIDDEN, HEADS, BLOCKS, BATCH, SEQ = {dim}, {hidden}, 4, 8, 16, 32
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n_head = HEADS
+        self.q = nn.Linear(DIM, DIM, bias=False)
+        self.k = nn.Linear(DIM, DIM, bias=False)
+        self.v = nn.Linear(DIM, DIM, bias=False)
+        self.o = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, self.n_head, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(DIM, HIDDEN, bias=False)
+        self.up = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(DIM)
+        self.attn = Attention()
+        self.norm2 = nn.RMSNorm(DIM)
+        self.mlp = SwiGLU()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+PLAN = mg.define({{
+    "layers.*.attn.q": "colwise",
+    "layers.*.attn.k": "colwise",
+    "layers.*.attn.v": "colwise",
+    "layers.*.attn.o": "rowwise",
+    "layers.*.attn.n_head": "divide",
+    "layers.*.mlp.gate": "colwise",
+    "layers.*.mlp.up": "colwise",
+    "layers.*.mlp.down": "rowwise",
+}})
+
+
+def build():
+    run = mg.launch()
+    model = mg.parallelize(Net().to(run.device), layout="auto", tp_plan=PLAN)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mesh = mg.mesh()
+    share = BATCH // mesh.data_size
+    data = torch.Generator().manual_seed(0)
+    x, y = (
+        torch.randn(BATCH, SEQ, DIM, generator=data).to(run.device),
+        torch.randn(BATCH, SEQ, DIM, generator=data).to(run.device),
+    )
+    rows = slice(mesh.data_rank * share, (mesh.data_rank + 1) * share)
+
+    def step():
+        opt.zero_grad()
+        mg.pipeline_step(model, x[rows], y[rows], F.mse_loss)
+        opt.step()
+
+    return model, step, {{"tokens": BATCH * SEQ}}
+"""
+
+
+def source(model: str, dim: int) -> str:
+    if model == "unseen":
+        return UNSEEN.format(dim=dim, hidden=8 * dim // 3 // 16 * 16)  # SwiGLU's 8/3, by 16
+    return EXAMPLE.read_text().replace(
+        "DIM, HIDDEN, BLOCKS, BATCH, SEQ = 64, 256,",
+        f"DIM, HIDDEN, BLOCKS, BATCH, SEQ = {dim}, {4 * dim},",
+    )
 
 
 def tune(src: Path, world: int, db: Path, exhaustive: bool, timing: Timing):
     reporter = Reporter(Console(file=io.StringIO(), width=200), Console(file=io.StringIO()))
-    # the sweep's SWEEP_FINALISTS fastest are timed again side by side, as the search's finals
-    # are: the measured order of the top three is then a median's, not one run's
-    finals = (tuner.FINALISTS, tuner.CLOSE)
+    # the sweep's SWEEP_FINALISTS fastest are timed again side by side, as the search's
+    # leaders are: the measured order of the top three is then a median's, not one run's
+    saved = (finals.FINALISTS, finals.CLOSE, finals.MIN_RUNS, finals.MAX_RUNS)
     if exhaustive:
-        tuner.FINALISTS, tuner.CLOSE = SWEEP_FINALISTS, math.inf
+        finals.FINALISTS, finals.CLOSE = SWEEP_FINALISTS, math.inf
+        finals.MIN_RUNS = finals.MAX_RUNS = SWEEP_RUNS
     try:
         return autotune(
             src,
@@ -66,33 +180,35 @@ def tune(src: Path, world: int, db: Path, exhaustive: bool, timing: Timing):
             noise=-math.inf if exhaustive else 0.05,
         )
     finally:
-        tuner.FINALISTS, tuner.CLOSE = finals
+        finals.FINALISTS, finals.CLOSE, finals.MIN_RUNS, finals.MAX_RUNS = saved
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-sizes", default="1,2,4")
+    p.add_argument("--world-sizes", default="2,4")
+    p.add_argument("--model", choices=("unseen", "example"), default="unseen")
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3, help="searches per world size")
+    p.add_argument(
+        "--paired", type=int, default=5, help="turns of the sweep's best beside each winner"
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--plot")
     p.add_argument("--json", help="write the measured and predicted rows here")
     args = p.parse_args()
     timing = Timing(warmup=2, steps=args.steps, rounds=args.rounds, timeout=120)
-    rows = []  # (world, layout name, prediction, measured candidate)
-    searches = []
-    finals = []  # (world, the search's finalists: timed again side by side)
+    rows = []  # (world, prediction, measured candidate)
+    searches = []  # (world, run, winner, its sweep candidate, sweep best, measured, all, load)
+    leaders = []  # (world, run, the search's leaders: timed again side by side)
+    paired = []  # (world, [sweep's best, winners...], their runs side by side)
+    plot_rows: list = []  # (name, measured, fitted) per layout, for --plot
     profiles = {}  # world size -> the probe's profile the predictions were made from
     with tempfile.TemporaryDirectory(prefix="layout-bench-") as tmp:
-        src = Path(tmp) / "layout_auto.py"
-        text = EXAMPLE.read_text().replace(
-            "DIM, HIDDEN, BLOCKS, BATCH, SEQ = 64, 256,",
-            f"DIM, HIDDEN, BLOCKS, BATCH, SEQ = {args.dim}, {4 * args.dim},",
-        )
-        src.write_text(text)
+        src = Path(tmp) / "layout_bench.py"
+        src.write_text(source(args.model, args.dim))
         for world in [int(w) for w in args.world_sizes.split(",")]:
             full = tune(src, world, Path(tmp) / f"x{world}.json", True, timing)
-            found = tune(src, world, Path(tmp) / f"s{world}.json", False, timing)
             preds = full.predictions or {}
             measured = {
                 database.canonical(database.decode_values(c["values"])): c
@@ -104,53 +220,40 @@ def main() -> None:
                 if ident in measured:
                     rows.append((world, pred, measured[ident]))
             best = min(c["time_s"] for c in measured.values())
-            winner = measured.get(database.canonical(found.winner or {}))
-            n_found = sum(1 for c in found.record["candidates"] if "time_s" in c)
-            searches.append((world, found.winner, winner, best, n_found, len(measured)))
-            finals.append((world, [c for c in found.record["candidates"] if "times" in c]))
-    worlds = sorted({w for w, _, _ in rows})
-    fits = {w: cost.fit([(p.step, c["time_s"]) for x, p, c in rows if x == w]) for w in worlds}
-
-    def ms(v: float | None) -> str:
-        return "the link's prior" if v is None else f"{v * 1e3:.2f} ms"
-
-    for w, f in fits.items():
-        print(
-            f"fit on {w} rank(s) (as the search fits its own runs): compute x{f.compute:.3f},"
-            f" communication x{f.communication:.3f}, {ms(f.per_unit)} per FSDP unit,"
-            f" {ms(f.per_call)} per other collective call"
-        )
-    print(
-        f"{'ranks':>5}  {'layout':<40} {'measured':>10} {'raw':>10} {'fitted':>10} {'err':>6}"
-        f" {'held out':>10} {'err':>6} {'peak (max rank)':>16} {'predicted':>10} {'err':>6}"
-    )
-    plot_rows = []
-    for world, pred, c in sorted(rows, key=lambda r: (r[0], r[2]["time_s"])):
-        t, f, h = c["time_s"], fits[world](pred.step), held_out(rows, world, pred)(pred.step)
-        peak = max(c.get("peak_bytes") or [0])
-        mem = pred.memory.total
-        print(
-            f"{world:>5}  {pred.layout.describe(world):<40} {t * 1e3:>8.1f}ms"
-            f" {pred.step.total * 1e3:>8.1f}ms {f * 1e3:>8.1f}ms {f / t - 1:>+6.0%}"
-            f" {h * 1e3:>8.1f}ms {h / t - 1:>+6.0%} {memory.format_bytes(peak):>16}"
-            f" {memory.format_bytes(mem):>10} {mem / peak - 1 if peak else 0:>+6.0%}"
-        )
-        plot_rows.append((f"{world}: {pred.layout.describe(world)}", t, f))
-    summarize(rows, fits)
-    for world, choice, winner, best, n_found, n_all in searches:
-        ratio = winner["time_s"] / best if winner else float("nan")
-        shown = layout_search.layouts.parse(choice[KEY]).describe(world) if choice else "-"
-        print(
-            f"{world} rank(s): search measured {n_found} of {n_all}; winner {shown}:"
-            f" x{ratio:.3f} of the sweep's best (measured in the sweep)"
-        )
-    for world, finalists in finals:
-        shown = "; ".join(
-            f"{layout_search.layouts.parse(database.decode_values(c['values'])[KEY]).describe(world)}"
-            f" {' '.join(f'{t * 1e3:.1f}' for t in c['times'])} ms (median {c['time_s'] * 1e3:.1f})"
-            for c in sorted(finalists, key=lambda c: c["time_s"])
-        )
-        print(f"{world} rank(s): the search's finals: {shown or 'none (one layout close)'}")
+            print(f"{world} rank(s): sweep measured {len(measured)} layouts", flush=True)
+            for run in range(args.runs):
+                found = tune(src, world, Path(tmp) / f"s{world}-{run}.json", False, timing)
+                load = os.getloadavg()[0]
+                winner = measured.get(database.canonical(found.winner or {}))
+                n_found = sum(1 for c in found.record["candidates"] if "time_s" in c)
+                searches.append(
+                    (world, run, found.winner, winner, best, n_found, len(measured), load)
+                )
+                leaders.append(
+                    (world, run, [c for c in found.record["candidates"] if "times" in c])
+                )
+                ratio = winner["time_s"] / best if winner else float("nan")
+                print(
+                    f"{world} rank(s), search {run + 1}: winner x{ratio:.3f} of the sweep's best,"
+                    f" {n_found} of {len(measured)} measured, load {load:.1f}",
+                    flush=True,
+                )
+            # the sweep's best and each search's winner timed again side by side, in turns:
+            # one run of a layout here is 20-400% from another, so the sweep's single runs
+            # (all but its five fastest) are no yardstick for 5%
+            top = min(measured.values(), key=lambda c: c["time_s"])
+            chosen = [database.decode_values(top["values"])]
+            for _, _, found_winner, *_ in [x for x in searches if x[0] == world]:
+                if found_winner and found_winner not in chosen:
+                    chosen.append(found_winner)
+            if len(chosen) > 1:
+                paired.append(
+                    (world, chosen, side_by_side(src, world, chosen, timing, args.paired))
+                )
+            # reported as soon as the world size is done: a run stopped later keeps it
+            plot_rows += report(
+                *[[x for x in xs if x[0] == world] for xs in (rows, searches, paired, leaders)]
+            )
     if args.json:
         import json
 
@@ -173,6 +276,81 @@ def main() -> None:
         )
     if args.plot:
         plot(plot_rows, args.plot)
+
+
+def report(rows: list, searches: list, paired: list, leaders: list) -> list:
+    """What was measured and predicted, for the world sizes of ``rows``; the plot's rows."""
+    worlds = sorted({w for w, _, _ in rows})
+    fits = {w: cost.fit([(p.step, c["time_s"]) for x, p, c in rows if x == w]) for w in worlds}
+
+    def ms(v: float | None) -> str:
+        return "the link's prior" if v is None else f"{v * 1e3:.2f} ms"
+
+    for w, f in fits.items():
+        print(
+            f"fit on {w} rank(s) (as the search fits its own runs): compute x{f.compute:.3f},"
+            f" communication x{f.communication:.3f}, {ms(f.per_unit)} per FSDP unit,"
+            f" {ms(f.per_call)} per other collective call"
+        )
+    print(
+        f"{'ranks':>5}  {'layout':<50} {'measured':>10} {'raw':>10} {'fitted':>10} {'err':>6}"
+        f" {'held out':>10} {'err':>6} {'peak (max rank)':>16} {'predicted':>10} {'err':>6}"
+    )
+    plot_rows = []
+    for world, pred, c in sorted(rows, key=lambda r: (r[0], r[2]["time_s"])):
+        t, f, h = c["time_s"], fits[world](pred.step), held_out(rows, world, pred)(pred.step)
+        peak = max(c.get("peak_bytes") or [0])
+        mem = pred.memory.total
+        print(
+            f"{world:>5}  {pred.layout.describe(world):<50} {t * 1e3:>8.1f}ms"
+            f" {pred.step.total * 1e3:>8.1f}ms {f * 1e3:>8.1f}ms {f / t - 1:>+6.0%}"
+            f" {h * 1e3:>8.1f}ms {h / t - 1:>+6.0%} {memory.format_bytes(peak):>16}"
+            f" {memory.format_bytes(mem):>10} {mem / peak - 1 if peak else 0:>+6.0%}"
+        )
+        plot_rows.append((f"{world}: {pred.layout.describe(world)}", t, f))
+    summarize(rows, fits)
+    for world, run, choice, winner, best, n_found, n_all, load in searches:
+        ratio = winner["time_s"] / best if winner else float("nan")
+        shown = layout_search.layouts.parse(choice[KEY]).describe(world) if choice else "-"
+        print(
+            f"{world} rank(s), search {run + 1}: measured {n_found} of {n_all}; winner {shown}:"
+            f" x{ratio:.3f} of the sweep's best (measured in the sweep); load average {load:.1f}"
+        )
+    for world, chosen, runs in paired:
+        medians = [statistics.median(r) if r else float("nan") for r in runs]
+        names = [layout_search.layouts.parse(c[KEY]).describe(world) for c in chosen]
+        for name, r, m in zip(names[1:], runs[1:], medians[1:]):
+            print(
+                f"{world} rank(s), side by side ({len(r)} turns): winner {name} median"
+                f" {m * 1e3:.1f} ms = x{m / medians[0]:.3f} of the sweep's best {names[0]}"
+                f" ({medians[0] * 1e3:.1f} ms); runs {' '.join(f'{t * 1e3:.0f}' for t in r)}"
+                f" vs {' '.join(f'{t * 1e3:.0f}' for t in runs[0])} ms"
+            )
+    for world, run, timed in leaders:
+        shown = "; ".join(
+            f"{layout_search.layouts.parse(database.decode_values(c['values'])[KEY]).describe(world)}"
+            f" {' '.join(f'{t * 1e3:.1f}' for t in c['times'])} ms (median {c['time_s'] * 1e3:.1f})"
+            for c in sorted(timed, key=lambda c: c["time_s"])
+        )
+        print(f"{world} rank(s), search {run + 1}: leaders {shown or 'none'}")
+    return plot_rows
+
+
+def side_by_side(src: Path, world: int, chosen: list, timing: Timing, turns: int) -> list:
+    """Each layout of ``chosen`` timed ``turns`` times, in turns (A B C A B C), in one launch."""
+    timing = dataclasses.replace(timing, group=1)  # a layout at a time: each its own mesh
+    program = Program(src, src.read_text(), ":build", True, world, "cpu", timing, layout=True)
+    if torch.cuda.is_available():
+        program = dataclasses.replace(program, target="cuda")
+    runs: dict[str, list[float]] = {database.canonical(c): [] for c in chosen}
+
+    def on_result(m: Measurement) -> bool:
+        if m.time_s is not None:
+            runs[database.canonical(m.values)].append(m.time_s)
+        return True
+
+    measure(program, chosen * turns, on_result)
+    return [runs[database.canonical(c)] for c in chosen]
 
 
 def held_out(rows: list, world: int, pred) -> cost.Fit:
@@ -228,7 +406,7 @@ def plot(rows: list, path: str) -> None:
     ax.set_xticks(list(xs), [r[0] for r in rows], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("step time (ms)")
     where = f"{torch.cuda.get_device_name()} (NCCL)" if torch.cuda.is_available() else "gloo ranks"
-    ax.set_title(f"examples/layout_auto.py on {where}: measured vs predicted")
+    ax.set_title(f"the layout bench's model on {where}: measured vs predicted")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

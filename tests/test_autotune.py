@@ -152,7 +152,8 @@ def test_bad_requests_are_one_line_errors(tmp_path: Path, capsys) -> None:
     assert capsys.readouterr().err.strip() == (
         f"macrogen autotune: error: {src}: no tunable(...) to tune"
     )
-    assert cli.main(["autotune", str(src), "--entry", "make_step", "--target", "cpu"]) == 1
+    bad_entry = ["autotune", str(src), "--entry", "make_step", "--target", "cpu"]
+    assert cli.main(bad_entry) == 2  # bad usage, as plan
     assert "--entry must be module:factory" in capsys.readouterr().err
     bad = _write(tmp_path, "bad.py", "import macrogen as mg\n\nX = mg.tunable(1, choices=[2])\n")
     assert cli.main(["autotune", str(bad), "--entry", ":f", "--target", "cpu"]) == 1

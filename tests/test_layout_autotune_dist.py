@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from macrogen.autotune import database, tuner
+from macrogen.autotune import database, finals
 from macrogen.autotune.measure import Timing
 from macrogen.autotune.report import Reporter
 from macrogen.autotune.tuner import autotune
@@ -41,8 +41,9 @@ def _run(src: Path) -> tuple[object, str]:
 
 def test_layout_auto_on_four_gloo_ranks(tmp_path: Path, monkeypatch) -> None:
     # every measured layout is a finalist: timed again side by side, in the same launch
-    monkeypatch.setattr(tuner, "CLOSE", 10.0)
-    monkeypatch.setattr(tuner, "REPEATS", 1)  # (CI's time)
+    monkeypatch.setattr(finals, "CLOSE", 10.0)
+    monkeypatch.setattr(finals, "MIN_RUNS", 2)  # (CI's time)
+    monkeypatch.setattr(finals, "MAX_RUNS", 2)
     src = tmp_path / "layout_auto.py"
     shutil.copy(EXAMPLE, src)
     started = time.monotonic()
@@ -73,10 +74,11 @@ def test_layout_auto_on_four_gloo_ranks(tmp_path: Path, monkeypatch) -> None:
     assert f"measured {len(measured)} of {n} feasible layouts (exhaustive: {n})" in text
     assert outcome.winner is not None and outcome.stopped == "early stop"
     finalists = [c for c in measured if "times" in c]
-    assert len(finalists) == min(tuner.FINALISTS, len(measured)) == len(outcome.finalists)
-    assert all(len(c["times"]) == 1 + tuner.REPEATS for c in finalists)
-    assert outcome.new_measurements == len(measured) + tuner.REPEATS * len(finalists)
-    assert "closest timed side by side, each the median of its runs" in text
+    assert len(finalists) == min(finals.FINALISTS, len(measured)) == len(outcome.finalists)
+    assert all(len(c["times"]) == finals.MIN_RUNS for c in finalists)
+    assert outcome.new_measurements == len(measured) + (finals.MIN_RUNS - 1) * len(finalists)
+    assert "timed side by side, each the median of its runs" in text
+    assert "ahead of the runner-up" in text
     for c in measured:  # per rank: peak memory; and the throughput
         assert len(c["peak_bytes"]) == 4 and all(b > 0 for b in c["peak_bytes"])
         assert c["tokens_s"] > 0

@@ -44,6 +44,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from macrogen.autotune import units
 from macrogen.autotune.layouts import Layout
 from macrogen.autotune.memory import Profile, pp_share, tp_share
 
@@ -73,25 +74,25 @@ class Machine:
 GLOO_LOCAL = Link("gloo", bandwidth=0.7e9, latency=3.7e-4, call_s=3e-4, unit_s=5e-3)
 
 
-_LINK = re.compile(r"\s*([A-Za-z][\w-]*)\s*:\s*([\d.eE+]+)\s*([KMGT]?)(B|b)/s\s*")
-
-
-def parse_links(text: str) -> tuple[Link, Link]:
-    """``nvlink:900GB/s,ib:50GB/s`` -> (within a node, across nodes); one link: both."""
-    scale = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+def parse_links(text: str, option: str = "--link") -> tuple[Link, Link]:
+    """``nvlink:900GB/s,ib:50GB/s`` -> (within a node, across nodes); one link: both.
+    ``units.UsageError`` naming ``option`` for anything else."""
     links = []
     for part in text.split(","):
-        m = _LINK.fullmatch(part)
-        if m is None:
-            raise ValueError(
-                f"--link {part.strip()!r}: expected NAME:BANDWIDTH such as nvlink:900GB/s"
-            )
-        bandwidth = float(m.group(2)) * scale[m.group(3)] / (8 if m.group(4) == "b" else 1)
-        if bandwidth <= 0:
-            raise ValueError(f"--link {part.strip()!r}: the bandwidth must be positive")
-        links.append(Link(m.group(1), bandwidth))
+        name, colon, rate = part.strip().partition(":")
+        wrong = units.UsageError(
+            f"{option} {part.strip()!r}: expected NAME:BANDWIDTH such as nvlink:900GB/s"
+        )
+        if not colon or re.fullmatch(r"[A-Za-z][\w-]*", name.strip(), re.ASCII) is None:
+            raise wrong
+        try:
+            links.append(Link(name.strip(), units.bandwidth(option, rate)))
+        except units.UsageError:
+            raise wrong from None
     if len(links) > 2:
-        raise ValueError(f"--link {text!r}: at most two links (within a node, across nodes)")
+        raise units.UsageError(
+            f"{option} {text!r}: at most two links (within a node, across nodes)"
+        )
     return links[0], links[-1]
 
 

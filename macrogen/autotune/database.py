@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -279,6 +280,55 @@ def _record_problem(record: Any) -> str | None:
             decode_values(values)
         except ValueError as e:
             return str(e)
+    return _layout_problem(record)
+
+
+# the mg.parallelize arguments a layout is made of (a tuning key ``<site>.<argument>``)
+_LAYOUT_ARGUMENTS = ("layout", "tp", "pp", "dp", "microbatches", "recompute")
+
+
+def _layout_problem(record: Mapping[str, Any]) -> str | None:
+    """A winner that is a parallel layout the layout rules refuse (``layouts.problem``) on the
+    record's world size, for its model as probed (``layout_probe``): a record edited by hand
+    to name one is an error here, at expansion, not a failure at run time on every rank."""
+    from macrogen.autotune import layouts
+
+    winner = decode_values(record.get("winner") or {})
+    sites: dict[str, dict[str, Any]] = {}
+    for key, value in winner.items():
+        site, _, argument = key.rpartition(".")
+        if site and argument in _LAYOUT_ARGUMENTS:
+            sites.setdefault(site, {})[argument] = value
+    probe = record.get("layout_probe")
+    if not sites or (probe is None and not any("layout" in v for v in sites.values())):
+        return None  # no layout: a layout record is one autotune probed, or a layout="auto"
+    world = record["key"].get("world_size", 1)
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        return f'"key"."world_size" must be a whole number of ranks, not {world!r}'
+    shape, written = None, None
+    if probe is not None:
+        try:
+            shape = layouts.ModelShape(**probe["shape"])
+            written = decode_values(probe.get("arguments", {}))
+        except (TypeError, KeyError, ValueError):
+            return '"layout_probe" is not a probe macrogen autotune wrote'
+        if not isinstance(shape.divisible, dict) or not all(
+            isinstance(v, int) and v > 0 for v in shape.divisible.values()
+        ):
+            return '"layout_probe"."shape" is not a probe macrogen autotune wrote'
+    for site, chosen in sorted(sites.items()):
+        arguments = {**(written or {}), **chosen}
+        layout = layouts.from_arguments(arguments)
+        shown = ", ".join(f"{k}={v!r}" for k, v in sorted(chosen.items()))
+        if layout is None:
+            if "layout" in chosen:
+                return f"the winner {shown} for {site} is not a layout"
+            continue  # dp="none" and the like: no layout the rules model
+        if layout.pp == 1:
+            layout = dataclasses.replace(layout, microbatches=1)
+        reason = layouts.problem(layout, world, shape, arguments if written else None)
+        if reason is not None:
+            return f"the winner {shown} for {site} cannot run on {world} ranks: {reason}"
     return None
 
 
@@ -366,12 +416,20 @@ class Database:
 
 # -- what expand reads --------------------------------------------------------------------
 def winners(
-    path: Path, source: str, *, file: str, target: str | None = None
+    path: Path,
+    source: str,
+    *,
+    file: str,
+    target: str | None = None,
+    device: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The winning value per tunable key of ``file`` (its name as recorded); and the stale keys skipped.
 
     Several records may tune the same file (other devices, world sizes): the one
-    tuned most recently wins. A record for another source text is stale.
+    tuned most recently wins. A record for another source text is stale. Given
+    ``device`` (a rank's device kind, as ``environment.device_kinds`` names it), a
+    rank of a mixed job resolves its own kind's records first: those keyed by that kind
+    (name, capability, memory, link), then those of a device of its name, then any.
     """
     digest = source_hash(source)
     values: dict[str, Any] = {}
@@ -383,10 +441,21 @@ def winners(
         and r.get("winner") is not None
         and (target is None or r["key"].get("target") in (None, target))
     ]
-    for record in sorted(records, key=lambda r: -r.get("generation", 0)):
+    records.sort(key=lambda r: (_distance(r["key"].get("device"), device), -r.get("generation", 0)))
+    for record in records:
         if record.get("source_hash") != digest:
             stale.update(record["winner"])
             continue
         for key, value in decode_values(record["winner"]).items():
             values.setdefault(key, value)
     return values, sorted(stale - set(values))
+
+
+def _distance(recorded: Any, device: Mapping[str, Any] | None) -> int:
+    """How far a record's device is from the rank's: 0 its kind, 1 its name, 2 another."""
+    if device is None or not isinstance(recorded, dict):
+        return 0 if device is None else 2
+    if all(recorded.get(k) == v for k, v in device.items()) and set(recorded) == set(device):
+        return 0
+    same = ("kind", "name")
+    return 1 if all(recorded.get(k) == device.get(k) for k in same) else 2

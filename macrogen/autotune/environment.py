@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -12,15 +13,65 @@ from pathlib import Path
 from typing import Any
 
 
-def device(target: str) -> dict[str, str]:
-    """``{"kind": "cpu"|"cuda", "name": ...}``; raises RuntimeError for a CUDA target without a GPU."""
-    if target == "cuda":
-        import torch
+def device(target: str) -> dict[str, Any]:
+    """The device kind of this machine's first device (``device_kinds``' first)."""
+    return device_kinds(target)[0][0]
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("--target cuda needs a CUDA device, and this machine has none")
-        return {"kind": "cuda", "name": torch.cuda.get_device_name(0)}
-    return {"kind": "cpu", "name": cpu_name()}
+
+def device_kinds(target: str) -> list[tuple[dict[str, Any], list[int]]]:
+    """Each kind of device this machine has, with the indices of its devices (CUDA), as the
+    tuning key names it: ``{"kind": "cuda", "name": "NVIDIA H100 80GB HBM3", "capability":
+    "9.0", "memory": 79, "link": "nvlink x18"}`` (memory in GiB, link: active NVLinks, else
+    PCIe, when NVML can tell); a CPU machine is one kind. A mixed machine (an H100 and an
+    A100) is tuned once per kind, each on its own devices. RuntimeError for a CUDA target
+    without a GPU."""
+    if target != "cuda":
+        memory = 0
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30
+        kind = {
+            "kind": "cpu",
+            "name": cpu_name(),
+            "capability": platform.machine() or "unknown",
+            "memory": memory,
+            "link": "loopback",  # gloo ranks on one host
+        }
+        return [(kind, [])]
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("--target cuda needs a CUDA device, and this machine has none")
+    found: dict[str, tuple[dict[str, Any], list[int]]] = {}
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        kind = {
+            "kind": "cuda",
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "memory": props.total_memory // 2**30,
+            "link": _link(index),
+        }
+        found.setdefault(repr(sorted(kind.items())), (kind, []))[1].append(index)
+    return list(found.values())
+
+
+def _link(index: int) -> str:
+    """How GPU ``index`` reaches its peers: its active NVLinks (NVML), else PCIe; "unknown"
+    without NVML."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return "unknown"
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        active = 0
+        for link in range(18):  # NVML_NVLINK_MAX_LINKS on Hopper
+            with contextlib.suppress(pynvml.NVMLError):
+                active += bool(pynvml.nvmlDeviceGetNvLinkState(handle, link))
+        return f"nvlink x{active}" if active else "pcie"
+    except Exception:  # NVML present but unusable (no driver access): say so, don't fail
+        return "unknown"
 
 
 def cpu_name() -> str:

@@ -23,6 +23,9 @@ from macrogen.autotune.space import Parameter, Space
 from macrogen.expand.context import SiteArguments
 
 ARGUMENTS = ("tp", "pp", "dp", "microbatches", "layout")
+# the most the finals' measured spread widens the search by: a layout predicted up to this
+# much slower than the winner is still measured
+MAX_REACH = 0.2
 
 
 def site_of(params: tuple[Parameter, ...]) -> SiteArguments | None:
@@ -33,12 +36,17 @@ def site_of(params: tuple[Parameter, ...]) -> SiteArguments | None:
     return None
 
 
-def layout_of(site: SiteArguments, candidate: Mapping[str, Any]) -> Layout | None:
+def arguments_of(site: SiteArguments, candidate: Mapping[str, Any]) -> dict[str, Any]:
+    """The site's arguments with the candidate's values in place of its tunables."""
     arguments = dict(site.values)
     for argument, key in site.tunables.items():
         if key in candidate:
             arguments[argument] = candidate[key]
-    layout = layouts.from_arguments(arguments)
+    return arguments
+
+
+def layout_of(site: SiteArguments, candidate: Mapping[str, Any]) -> Layout | None:
+    layout = layouts.from_arguments(arguments_of(site, candidate))
     if layout is not None and layout.pp == 1:
         layout = replace(layout, microbatches=1)  # micro-batches change nothing without stages
     return layout
@@ -89,7 +97,7 @@ def prepare(
             excluded.append((candidate, f"the same layout as {seen[layout]}"))
             continue
         seen[layout] = layout.name()
-        reason = layouts.infeasible(layout, world, shape)
+        reason = layouts.problem(layout, world, shape, arguments_of(site, candidate))
         mem = memory.predict(profile, layout, world)
         if reason is None and memory_limit is not None and mem.total > memory_limit:
             reason = (
@@ -118,6 +126,9 @@ class LayoutSearch:
     order: list[dict[str, Any]]
     predictions: dict[str, Prediction]
     noise: float = 0.05  # a layout must be predicted this much faster than the best to be measured
+    # ... or, once the finals measured the winner's spread, predicted within it (slower by up to
+    # this share): the winner's own runs say how far one measurement may be from another
+    reach: float = 0.0
     strategy: str = "cost model"
     patience: int | None = None
     best: float | None = None
@@ -137,6 +148,14 @@ class LayoutSearch:
         if len(points) >= 2:  # the fit ranks what is left (one point only scales the raw model)
             self.order[len(self.seen) :] = sorted(self.order[len(self.seen) :], key=self.predicted)
 
+    def settle(self, best: float, spread: float) -> None:
+        """The finals' word: the winner's median, and its runs' spread relative to it; a layout
+        predicted within that spread of the winner is measured before the search stops."""
+        self.best = best
+        # a layout predicted within the noise of the winner can't be ruled out by the model:
+        # on a loaded machine (runs of one layout 20-30% apart) the search measures more
+        self.reach = max(self.reach, min(spread, MAX_REACH))
+
     def rank(self, pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``pending`` in the search's order as it stands (the worker measures the first next)."""
         position = {database.canonical(c): i for i, c in enumerate(self.order)}
@@ -153,7 +172,7 @@ class LayoutSearch:
         if len(measured) < 2 or self.best is None:
             return False  # one point fits one scale: the ranking is still the raw model's
         rest = min(self.predicted(c) for c in self.order[len(self.seen) :])
-        return rest >= self.best * (1 - self.noise)
+        return rest >= self.best * max(1 - self.noise, 1 + self.reach)
 
     @property
     def stop_reason(self) -> str:

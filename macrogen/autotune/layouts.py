@@ -9,6 +9,10 @@ the autotuner, ``macrogen plan`` and the macro's feasibility rule share it.
     Layout(dp="fsdp", recompute=1).name()         -> "tp1 pp1 fsdp mb1 recompute"
     Layout(dp="fsdp", recompute=2).name()         -> "tp1 pp1 fsdp mb1 recompute/2"
     infeasible(Layout(tp=4), world=4, shape)      -> "layers.0.attn.n_head = 6 is not divisible by tp=4"
+
+``problem`` is the one feasibility rule: ``macrogen plan``, the autotuner's search and the
+``mg.parallelize`` macro's tuning constraint (``site_problem``) all ask it, so a layout one of
+them offers is one the others run.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from macrogen.vocabulary import LAYOUT_DP_MODES
+from macrogen.pipelining import units
+from macrogen.vocabulary import DEFAULT_SCHEDULE, LAYOUT_DP_MODES
 
 # What layout="auto" offers at expansion time, before the world size is known (it prunes).
 AUTO_TP = (1, 2, 4, 8)
@@ -127,6 +133,64 @@ def infeasible(layout: Layout, world: int, shape: ModelShape | None = None) -> s
     return None
 
 
+def problem(
+    layout: Layout,
+    world: int,
+    shape: ModelShape | None = None,
+    arguments: Mapping[str, object] | None = None,
+) -> str | None:
+    """Why ``layout`` cannot train here, or None: the model's rules (``infeasible``) and, given
+    the ``mg.parallelize`` site's ``arguments`` (what the program writes beside the degrees),
+    what that site can run. Without ``arguments`` (a plan from a model's config, no program),
+    the model's rules alone: ``unsupported`` then says what mg.parallelize can't run yet."""
+    reason = infeasible(layout, world, shape)
+    if reason is not None or arguments is None:
+        return reason
+    reason = unsupported(layout)
+    if reason is None and layout.dp == "zero1" and "layout" in arguments:
+        # the program's optimizer is sharded by hand (mg.shard_optimizer), never for a search
+        reason = 'dp="zero1" under layout="auto": mg.shard_optimizer is not applied for it'
+    if reason is None and layout.tp > 1 and arguments.get("tp_plan") is None:
+        reason = f"tp={layout.tp} needs a tp_plan"
+    if reason is None and layout.pp > 1:  # what the expansion would refuse
+        values = {**arguments, "pp": layout.pp, "microbatches": layout.microbatches}
+        reason = pipeline_problem(values)[0]
+    return reason
+
+
+def site_problem(arguments: Mapping[str, object], world: int) -> str | None:
+    """``problem`` for an ``mg.parallelize`` site's arguments with a candidate's values in place
+    (the macro's tuning constraint); None for arguments that are no layout this module models."""
+    layout = from_arguments(arguments)
+    if layout is None:
+        return None
+    if layout.pp == 1:  # micro-batches change nothing without a pipeline
+        layout = replace(layout, microbatches=1)
+    return problem(layout, world, arguments=arguments)
+
+
+def pipeline_problem(values: Mapping[str, Any]) -> tuple[str | None, tuple[str, ...]]:
+    """Why ``pp > 1`` can't go with these ``mg.parallelize`` arguments (and the arguments to
+    blame), or None; the expansion refuses it, the searches prune it."""
+    pp, m = values["pp"], values["microbatches"]
+    schedule = values.get("schedule", DEFAULT_SCHEDULE)
+    if values.get("servers", 0):
+        return f"pp={pp} with servers=S is not supported", ("servers",)
+    if values.get("accumulate", 1) != 1:
+        return (
+            f"pp={pp} takes accumulate=1: the pipeline's micro-batches accumulate already"
+            " (microbatches=M)"
+        ), ("accumulate",)
+    per_rank = 2 if schedule == "interleaved" else 1
+    problem = units.interleaving_problem(pp * per_rank, m, schedule, per_rank)
+    if problem is None and schedule == "1f1b" and m < pp:
+        problem = (
+            f"pp={pp} with schedule 1f1b needs at least as many micro-batches as stages:"
+            f" microbatches={m} (pass microbatches={pp} or more)"
+        )
+    return problem, ("microbatches", "schedule")
+
+
 def unsupported(layout: Layout) -> str | None:
     """Why ``mg.parallelize`` cannot run a feasible layout yet (it is predicted, not measured)."""
     if layout.dp == "zero1" and layout.tp > 1:
@@ -134,22 +198,73 @@ def unsupported(layout: Layout) -> str | None:
     return None
 
 
+# The largest world size the planner enumerates: its divisors come from trial division up to
+# the square root (2^20 steps at most: well under a second)
+MAX_WORLD = 2**40
+
+
+def prime_factors(n: int) -> dict[int, int]:
+    """``n``'s prime factors and their powers: 360 -> {2: 3, 3: 2, 5: 1}."""
+    if n < 1:
+        raise ValueError(f"not a positive whole number: {n}")
+    factors: dict[int, int] = {}
+    for p in (2, 3):
+        while n % p == 0:
+            factors[p] = factors.get(p, 0) + 1
+            n //= p
+    p = 5
+    while p * p <= n:  # 6k - 1 and 6k + 1: every prime above 3 is one of them
+        for q in (p, p + 2):
+            while n % q == 0:
+                factors[q] = factors.get(q, 0) + 1
+                n //= q
+        p += 6
+    if n > 1:
+        factors[n] = factors.get(n, 0) + 1
+    return factors
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of ``n``, ascending, from its prime factors (not a scan of 1..n)."""
+    found = [1]
+    for p, power in prime_factors(n).items():
+        found = [d * p**k for d in found for k in range(power + 1)]
+    return sorted(found)
+
+
+def microbatch_splits(pp: int, rows: int) -> tuple[int, ...]:
+    """Micro-batches for ``pp`` stages when a data rank trains ``rows`` rows: every divisor of
+    the rows from ``pp`` up (1F1B keeps each stage busy only with at least one per stage);
+    without a pipeline, one."""
+    if pp == 1:
+        return (1,)
+    return tuple(m for m in divisors(rows) if m >= pp)
 
 
 def enumerate_layouts(
-    world: int, *, max_tp: int = 8, max_pp: int | None = None
+    world: int, *, max_tp: int = 8, max_pp: int | None = None, rows: int = 0
 ) -> Iterator[Layout]:
-    """Every layout whose degrees multiply to ``world`` (tp <= max_tp: one node's links)."""
-    for tp in divisors(world):
+    """Every layout whose degrees multiply to ``world`` (tp <= max_tp: one node's links).
+
+    The degrees are the divisors of ``world`` (from its prime factors: a world of 2^40 ranks
+    has 41). Micro-batches: with ``rows`` (the global batch) known, every split of a data
+    rank's rows (``microbatch_splits``); else (or when they do not split) 2x and 4x the stages.
+    """
+    sizes = divisors(world)
+    for tp in sizes:
         if tp > max_tp:
-            continue
-        for pp in divisors(world // tp):
-            if max_pp is not None and pp > max_pp:
+            break
+        for pp in sizes:  # the divisors of world // tp are divisors of world
+            if (max_pp is not None and pp > max_pp) or pp > world // tp:
+                break
+            if (world // tp) % pp:
                 continue
+            d = world // (tp * pp)
+            splits = microbatch_splits(pp, rows // d) if rows and rows % d == 0 else ()
+            # rows that do not split: the usual choices, each then infeasible with its reason
+            splits = splits or microbatch_choices(pp)
             for dp in LAYOUT_DP_MODES:
-                for mb in microbatch_choices(pp):
+                for mb in splits:
                     for recompute in AUTO_RECOMPUTE:
                         yield Layout(tp, pp, dp, mb, recompute)
 

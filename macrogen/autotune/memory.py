@@ -196,30 +196,8 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
     return Breakdown(params, state, grads, activations, build, profile.data_bytes, buffers)
 
 
-UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
-UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
-def parse_bytes(text: str) -> float:
-    """``80GB``, ``512MiB``, ``1e9`` -> bytes; ValueError naming the text otherwise."""
-    t = text.strip().upper()
-    for unit in sorted(UNITS, key=len, reverse=True):
-        if t.endswith(unit):
-            number, scale = t[: -len(unit)], UNITS[unit]
-            break
-    else:
-        number, scale = t, 1
-    try:
-        value = float(number) * scale
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (expected e.g. 80GB or 512MiB)") from None
-    if value <= 0:
-        raise ValueError(f"not a size: {text!r} (must be positive)")
-    return value
-
-
 def format_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if abs(n) >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"

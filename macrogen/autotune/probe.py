@@ -12,30 +12,40 @@ Memory is measured as ``macrogen.autotune.process_memory`` says.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from macrogen.autotune.layouts import ModelShape
 from macrogen.autotune.memory import Profile
 from macrogen.autotune.process_memory import TensorPeak, warm_process
+from macrogen.autotune.saved_tensors import SavedActivations
 
 # what a stored probe measured: a probe of other measures is not reused (memory was the
 # resident set before, and carried no optimizer or activation shares; a CUDA probe's times
 # were the host's before 9)
-MEASURES = "tensor-bytes-9"
+MEASURES = "tensor-bytes-10"
 
 
 class ProbeError(Exception):
     """The serial run failed: the message says where."""
+
+
+# a line the probe writes to stderr for the parent to show (the probe takes a minute: a user
+# is told what it is doing, not left with silence)
+PROGRESS = "macrogen-probe: "
+
+
+def _say(text: str) -> None:
+    print(f"{PROGRESS}{text}", file=sys.stderr, flush=True)
 
 
 # -- the probe itself ------------------------------------------------------------------------
@@ -72,6 +82,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
         factory = getattr(module, job["entry"].split(":", 1)[1], None)
         if not callable(factory):
             raise ProbeError(f"the tuned file defines no callable {job['entry']!r} (--entry)")
+    _say("building the model through the entry (serially, one process)")
     warm_process()
     torch.manual_seed(0)
     cuda = job.get("target") == "cuda"
@@ -88,6 +99,14 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
         )
     model, step = models[0], steps[0]
     params = {id(p): p for p in model.parameters()}
+    if any(p.is_meta for p in params.values()):
+        # a step on meta tensors allocates nothing and takes the time of dispatch alone: every
+        # figure the probe measures would be wrong, silently
+        raise ProbeError(
+            "the entry's model is on the meta device, where a step allocates and times nothing:"
+            " plan it from its shapes instead (macrogen plan --model MODULE:NAME, a function"
+            " returning the meta model or its config)"
+        )
     param_bytes = sum(p.numel() * p.element_size() for p in params.values())
     blocks = repeated_layers(model)
     block_bytes = sum(
@@ -95,7 +114,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
         for _, b in blocks
         for p in {id(q): q for q in b.parameters()}.values()
     )
-    sharded, divisible = _plan_sizes(model, job.get("plan"))
+    sharded, divisible, planned = _plan_sizes(model, job.get("plan"))
     message: list[int] = []
     # CUDA runs a step's kernels after the host has queued them: the clocks read CUDA events,
     # which time the kernels without stalling the queue (host clocks time the queueing, 2 ms
@@ -121,13 +140,14 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     for _, b in blocks:
         hooks.append(b.register_forward_pre_hook(in_blocks.start))
         hooks.append(b.register_forward_hook(after))
+    _say("2 warm-up steps, then one step's memory")
     for _ in range(2):  # warm-up: optimizer state, allocator
         step()
     built.__exit__()
     optimizers = _optimizers(model, torch)
     state = _optimizer_bytes(optimizers, torch)  # None: no optimizer found over the model
     hooks += _mark_steps(optimizers, torch)
-    saved = _SavedActivations(model, divisible, [b for _, b in blocks])
+    saved = SavedActivations(model, divisible, [b for _, b in blocks], planned)
     # one step: the gradients it frees first were made before the window (they don't count)
     with TensorPeak(cuda=cuda) as one_step, saved.hooks():
         step()
@@ -149,6 +169,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     hooks.append(model.register_forward_pre_hook(batch, with_kwargs=True))
     hooks.append(model.register_forward_hook(forward.stop))
     steps = [_Clock(event) for _ in range(job.get("steps", 3))]
+    _say(f"timing {len(steps)} steps")
     for clock in steps:
         clock.start()
         step()
@@ -172,6 +193,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             one_thread = statistics.median(single)
         finally:
             torch.set_num_threads(threads)
+    _say("timing one block alone, plain and recomputed, in turns")
     call_s, again_s = (
         _block_call_s(blocks[0][1], *inputs[-1], torch, cuda) if inputs else (0.0, None)
     )
@@ -250,6 +272,10 @@ class _Clock:
         return float(sum(a.elapsed_time(b) for a, b in pairs)) / 1000.0  # (ms)
 
 
+# the block's fixed cost per call is taken this many times, in turns with its recomputed cost
+ROUNDS = 3
+
+
 def _block_call_s(
     block: Any, args: Any, kwargs: Any, torch: Any, cuda: bool
 ) -> tuple[float, float | None]:
@@ -257,7 +283,8 @@ def _block_call_s(
     kernel launches): each micro-batch pays it again; and what recomputing it adds to that
     (torch's non-reentrant checkpoint, as ``mg.parallelize(recompute=...)`` runs it: saving
     the RNG state, the forward again). The block is timed alone at its whole batch and at one
-    row, t(rows) = fixed + rows x per row, plain and checkpointed; (0, None) when the batch
+    row, t(rows) = fixed + rows x per row, plain and checkpointed, in ROUNDS rounds; each is
+    the median of its rounds; (0, None) when the batch
     can't be cut (its first argument no tensor of 2 or more rows) or the block fails alone."""
     from torch.utils.checkpoint import checkpoint
 
@@ -272,18 +299,18 @@ def _block_call_s(
             return v.requires_grad_() if v.is_floating_point() else v
         return v
 
-    def timed(n: int, again: bool = False) -> float:
+    def timed(n: int, again: bool = False, calls: int = 5) -> float:
         a = [cut(v, n) for v in args]
         k = {key: cut(v, n) for key, v in kwargs.items()}
         times = []
-        for i in range(13):  # 3 warm-up calls
+        for i in range(calls + 1):  # 1 warm-up call
             start = time.perf_counter()
             out = checkpoint(block, *a, use_reentrant=False, **k) if again else block(*a, **k)
             out = out[0] if isinstance(out, (tuple, list)) else out
             out.float().sum().backward()
             if cuda:
                 torch.cuda.synchronize()
-            if i >= 3:
+            if i >= 1:
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
 
@@ -293,84 +320,26 @@ def _block_call_s(
     grads = [(p, p.grad) for p in block.parameters()]
     for p, _ in grads:  # backward would add to the step's gradients in place
         p.grad = None
+    plains: list[float] = []
+    agains: list[float] = []
     try:
-        try:
-            plain = fixed(timed(rows), timed(1))
-        except Exception:  # a block that needs its model around it: no estimate, no harm
-            return 0.0, None
-        try:
-            again: float | None = max(0.0, fixed(timed(rows, True), timed(1, True)) - plain)
-        except Exception:  # one that checkpoint can't run: the cost model's estimate stands
-            again = None
+        # ROUNDS rounds in turns (plain, then checkpointed), each figure the median of its
+        # rounds: load that comes and goes while one is timed does not fix it for the search
+        for _ in range(ROUNDS):
+            try:
+                plain = fixed(timed(rows), timed(1))
+            except Exception:  # a block that needs its model around it: no estimate, no harm
+                return 0.0, None
+            plains.append(plain)
+            try:
+                agains.append(max(0.0, fixed(timed(rows, True), timed(1, True)) - plain))
+            except Exception:  # one that checkpoint can't run: the cost model's estimate stands
+                break
     finally:
         for p, g in grads:  # the timing's gradients are not the step's
             p.grad = g
-    return plain, again
-
-
-class _SavedActivations:
-    """The bytes autograd saves for backward, and the share a tensor-parallel plan shards.
-
-    A saved tensor is sharded when its last dim is a width the plan cuts (a
-    colwise layer's out features, a rowwise one's in features: the MLP's hidden
-    side) or, 4-d, its dim 1 is a head count the plan divides ((B, heads, T, .):
-    attention). The residual stream, norms and the model's own width are whole
-    on every tensor rank: Megatron's activations are only partly sharded.
-    """
-
-    def __init__(self, model: Any, divisible: Mapping[str, int], blocks: list[Any]):
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.blocks = blocks
-        self.depth = 0  # > 0 while a block's forward runs
-        self.in_blocks = 0  # the saved bytes made inside the blocks
-        self.widths = {v for k, v in divisible.items() if k.endswith(" features")}
-        self.heads = {v for k, v in divisible.items() if not k.endswith((" features", " rows"))}
-        self.total = 0
-        self.sharded = 0
-        self.seen: set[tuple[int, tuple[int, ...]]] = set()  # saved twice counts once
-
-    @contextlib.contextmanager
-    def hooks(self) -> Iterator[None]:
-        import torch
-
-        def enter(*_: Any) -> None:
-            self.depth += 1
-
-        def leave(*_: Any) -> None:
-            self.depth -= 1
-
-        handles = [b.register_forward_pre_hook(enter) for b in self.blocks]
-        handles += [b.register_forward_hook(leave) for b in self.blocks]
-
-        def pack(t: Any) -> Any:
-            key = (t.data_ptr(), tuple(t.shape)) if isinstance(t, torch.Tensor) else None
-            if key and key not in self.seen and t.untyped_storage().data_ptr() not in self.params:
-                self.seen.add(key)
-                n = t.numel() * t.element_size()
-                self.total += n
-                self.in_blocks += n if self.depth else 0
-                if t.dim() and (
-                    t.shape[-1] in self.widths or (t.dim() == 4 and t.shape[1] in self.heads)
-                ):
-                    self.sharded += n
-            return t
-
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                yield
-        finally:
-            for h in handles:
-                h.remove()
-
-    def block_fraction(self) -> float | None:
-        """The share of the saved bytes the blocks make (what recomputing them frees)."""
-        return self.in_blocks / self.total if self.total and self.blocks else None
-
-    def sharded_fraction(self) -> float | None:
-        """None: nothing saved, or no plan (the parameters' fraction stands in)."""
-        if not self.total or not (self.widths or self.heads):
-            return None
-        return self.sharded / self.total
+    again = statistics.median(agains) if len(agains) == len(plains) else None
+    return statistics.median(plains), again
 
 
 def _optimizers(model: Any, torch: Any) -> list[Any]:
@@ -418,12 +387,17 @@ def _mark_steps(optimizers: list[Any], torch: Any) -> list[Any]:
     return hooks
 
 
-def _plan_sizes(model: Any, plan: Any) -> tuple[int, dict[str, int]]:
-    """The bytes of the planned (sharded) layers, and each size tp must divide (first of each path)."""
+def _plan_sizes(model: Any, plan: Any) -> tuple[int, dict[str, int], dict[str, list[Any]]]:
+    """The bytes of the planned (sharded) layers, each size tp must divide (first of each
+    path), and the planned layers by how they split ("colwise": out features, "rowwise":
+    in features)."""
+    import torch
+
     from macrogen.runtime import parallelize
 
+    layers: dict[str, list[Any]] = {"colwise": [], "rowwise": []}
     if plan is None:
-        return 0, {}
+        return 0, {}, layers
     if plan == "hf":
         plan = parallelize.hf_plan(model)
     plan = {k: tuple(v) if isinstance(v, list) else v for k, v in plan.items()}
@@ -435,12 +409,16 @@ def _plan_sizes(model: Any, plan: Any) -> tuple[int, dict[str, int]]:
             what, size = _size(name, target, style)
             if what is None:
                 continue
-            if isinstance(target, __import__("torch").nn.Module):
+            if isinstance(target, torch.nn.Module):
                 sharded += sum(p.numel() * p.element_size() for p in target.parameters())
+                if what.endswith(" out features"):
+                    layers["colwise"].append(target)
+                elif what.endswith(" in features"):
+                    layers["rowwise"].append(target)
             if path not in seen:
                 seen.add(path)
                 divisible[what] = size
-    return sharded, divisible
+    return sharded, divisible, layers
 
 
 def _size(name: str, target: Any, style: Any) -> tuple[str | None, int]:
@@ -474,8 +452,10 @@ def run(
     *,
     target: str = "cpu",
     timeout: float = 300.0,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Profile, ModelShape]:
-    """Probe the expanded ``code`` (the file's default layout) in a process of its own."""
+    """Probe the expanded ``code`` (the file's default layout) in a process of its own;
+    ``progress`` is told each phase the probe starts."""
     with tempfile.TemporaryDirectory(prefix="macrogen-probe-") as tmp:
         work = Path(tmp)
         file = work / name
@@ -492,27 +472,47 @@ def run(
         (work / "job.json").write_text(json.dumps(job))
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
         env.setdefault("KINETO_LOG_LEVEL", "5")  # the memory window's profiler: no start/stop lines
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "macrogen.autotune.probe", "job.json", "out.json"],
+            cwd=work,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        tail: list[str] = []
+        reader = threading.Thread(target=_relay, args=(proc, tail, progress), daemon=True)
+        reader.start()
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "macrogen.autotune.probe", "job.json", "out.json"],
-                cwd=work,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                stdin=subprocess.DEVNULL,
-            )
+            returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
             raise ProbeError(f"the serial run took over {timeout:g} s") from None
+        finally:
+            reader.join(timeout=5)
         out = work / "out.json"
         if not out.exists():
-            tail = " | ".join(proc.stderr.strip().splitlines()[-4:]) or "no output"
-            raise ProbeError(f"the serial run exited with status {proc.returncode}: {tail}")
+            last = " | ".join(tail[-4:]) or "no output"
+            raise ProbeError(f"the serial run exited with status {returncode}: {last}")
         result = json.loads(out.read_text())
     if "error" in result:
         raise ProbeError(result["error"])
     shape = result["shape"]
     return Profile(**result["profile"]), ModelShape(**shape)
+
+
+def _relay(proc: Any, tail: list[str], progress: Callable[[str], None] | None) -> None:
+    """The probe's stderr: its progress lines to ``progress``, the rest kept for an error."""
+    for line in proc.stderr:
+        line = line.rstrip("\n")
+        if line.startswith(PROGRESS):
+            if progress is not None:
+                progress(f"probe: {line[len(PROGRESS) :]}")
+        elif line.strip():
+            tail.append(line)
+            del tail[:-20]
 
 
 def _jsonable(plan: Any) -> Any:

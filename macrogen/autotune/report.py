@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -42,15 +43,49 @@ class _Bar:
         )
 
 
+class _Lines:
+    """Progress as one line per candidate: what a pipe or a log file can show (rich's bar
+    redraws itself in place, which only a terminal shows while it runs)."""
+
+    def __init__(self, console: Console, total: int):
+        self.console, self.total, self.done = console, total, 0
+        self.started = time.monotonic()
+
+    def advance(self, candidate: Mapping[str, Any], *, cached: bool, best: float | None) -> None:
+        self.done += 1
+        values = database.decode_values(candidate.get("values", {}))
+        shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        how = "cached" if cached else ("failed" if "error" in candidate else "measured")
+        took = time.monotonic() - self.started
+        self.console.print(
+            escape(
+                f"autotune {self.done}/{self.total} ({took:.0f} s): {how} {shown}"
+                f" {format_time(candidate.get('time_s'))}; best {format_time(best)}"
+            ),
+            soft_wrap=True,
+        )
+
+
+def wide(console: Console) -> Console:
+    """``console``, or, when it is no terminal (a pipe, a file), one as wide as a table needs:
+    rich fits tables to 80 columns there, which cut the layout table to 6-character cells."""
+    if console.is_terminal:
+        return console
+    return Console(file=console.file, width=max(console.width, 400), soft_wrap=True)
+
+
 class Reporter:
     """Progress on stderr (``progress_console``), the final table on ``console``."""
 
     def __init__(self, console: Console | None = None, progress_console: Console | None = None):
-        self.console = console or Console()
+        self.console = console or wide(Console())
         self.progress_console = progress_console or Console(stderr=True)
 
     @contextlib.contextmanager
-    def progress(self, total: int) -> Iterator[_Bar]:
+    def progress(self, total: int) -> Iterator[_Bar | _Lines]:
+        if not self.progress_console.is_terminal:
+            yield _Lines(self.progress_console, total)
+            return
         columns = (
             TextColumn("autotune"),
             BarColumn(),
@@ -62,7 +97,7 @@ class Reporter:
             yield _Bar(progress, progress.add_task("starting the workers", total=total))
 
     def note(self, text: str) -> None:
-        self.progress_console.print(escape(text))
+        self.progress_console.print(escape(text), soft_wrap=True)
 
     def summary(self, outcome: Outcome, elapsed: float) -> None:
         if outcome.predictions is not None:
@@ -90,20 +125,25 @@ class Reporter:
                 ]
                 self.console.print(
                     escape(
-                        f"the {len(names)} closest timed side by side, each the median of its"
-                        f" runs: {', '.join(names)}"
+                        f"the {len(names)} leading layouts timed side by side, each the median"
+                        f" of its runs: {', '.join(names)}; the winner {outcome.verdict}"
                     )
                 )
         else:
             self.console.print(table(outcome))
         winner = outcome.winner
-        chosen = (
-            ", ".join(f"{k}={v!r}" for k, v in winner.items())
-            if winner
-            else "none (every candidate failed; expand uses the defaults)"
-        )
+        measured_any = any("time_s" in c for c in (outcome.record or {}).get("candidates", []))
+        if winner:
+            chosen = ", ".join(f"{k}={v!r}" for k, v in winner.items())
+        elif outcome.stopped == "budget" and not measured_any:
+            chosen = (
+                "none (the budget ran out before the first measurement; expand uses the defaults)"
+            )
+        else:
+            chosen = "none (every candidate failed; expand uses the defaults)"
+        on = f" on {outcome.device.get('name')}" if outcome.device else ""
         self.console.print(
-            f"winner: {chosen}; {outcome.new_measurements} new measurement(s),"
+            f"winner{on}: {chosen}; {outcome.new_measurements} new measurement(s),"
             f" {outcome.strategy} search ({outcome.stopped}), {elapsed:.1f} s;"
             f" tuning database: {outcome.database}"
         )

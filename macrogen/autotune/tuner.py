@@ -10,16 +10,17 @@ file and entry measures nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from macrogen import __version__
-from macrogen.autotune import database, environment, layout_search, memory, search, space
+from macrogen.autotune import database, environment, finals, layout_search, memory, search, space
 from macrogen.autotune.layouts import ModelShape
 from macrogen.autotune.measure import Measurement, Program, Timing, measure
 from macrogen.autotune.report import Reporter
@@ -47,14 +48,11 @@ class Outcome:
     # layouts: canonical values -> the cost and memory models' prediction; None otherwise
     predictions: dict[str, Any] | None = None
     world_size: int = 1
-    # layouts: the closest measured, timed again side by side (canonical values); see FINALS
+    # layouts: the leaders, timed again side by side (canonical values); see FINALISTS
     finalists: tuple[str, ...] = ()
-
-
-# layouts: the measured layouts within CLOSE of the best first measurement (FINALISTS at most)
-# are timed REPEATS more times, alternating, and each keeps the median: the winner is decided
-# side by side, not by one measurement that a load spike made slow or a quiet moment fast
-FINALISTS, CLOSE, REPEATS = 3, 0.10, 2
+    verdict: str = ""  # layouts: how far the winner leads the runner-up, against their spread
+    others: tuple[Outcome, ...] = ()  # a machine with several kinds of device: the others'
+    device: Mapping[str, Any] = field(default_factory=dict)  # the kind measured on (its key)
 
 
 def autotune(
@@ -72,20 +70,80 @@ def autotune(
     memory_per_rank: float | None = None,
     noise: float = 0.05,
 ) -> Outcome:
-    """Tune every ``tunable`` of the file at ``path``; see docs/autotune.md."""
-    started = time.monotonic()
-    deadline = None if budget is None else started + budget
-    source_path = Path(path)
-    source = read_source(source_path.read_bytes())[0]
+    """Tune every ``tunable`` of the file at ``path``; see docs/autotune.md.
+
+    Once per kind of device this machine has (``environment.device_kinds``: name,
+    capability, memory, link), each on its own devices, into a record keyed by that kind;
+    the outcome is the first kind's, the others' in ``others``. A world size more than a
+    kind has devices for is tuned once, on every device, keyed by the first kind."""
     _check_request(entry, world_size, max_trials)
     if target is None:
         import torch
 
         target = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        device = environment.device(target)
+        kinds = environment.device_kinds(target)
     except RuntimeError as e:
         raise AutotuneError(str(e)) from None
+    options: dict[str, Any] = dict(
+        entry=entry,
+        world_size=world_size,
+        target=target,
+        tuning=tuning,
+        budget=budget,
+        max_trials=max_trials,
+        timing=timing,
+        retry_failed=retry_failed,
+        reporter=reporter,
+        memory_per_rank=memory_per_rank,
+        noise=noise,
+    )
+    if len(kinds) == 1 or any(len(indices) < world_size for _, indices in kinds):
+        return _autotune_on(kinds[0][0], path, **options)
+    outcomes = []
+    for kind, indices in kinds:
+        with _visible(indices):
+            outcomes.append(_autotune_on(kind, path, **options))
+    return replace(outcomes[0], others=tuple(outcomes[1:]))
+
+
+@contextlib.contextmanager
+def _visible(indices: list[int]) -> Iterator[None]:
+    """The measurement processes see only these CUDA devices (indices as this process sees
+    them: within its own CUDA_VISIBLE_DEVICES, if set)."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = saved.split(",") if saved else [str(i) for i in range(max(indices) + 1)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] for i in indices)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def _autotune_on(
+    device: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    entry: str,
+    world_size: int,
+    target: str,
+    tuning: str | os.PathLike[str] | None,
+    budget: float | None,
+    max_trials: int,
+    timing: Timing | None,
+    retry_failed: bool,
+    reporter: Reporter | None,
+    memory_per_rank: float | None,
+    noise: float,
+) -> Outcome:
+    """``autotune`` on one kind of device (its tuning key's ``device``)."""
+    started = time.monotonic()
+    deadline = None if budget is None else started + budget
+    source_path = Path(path)
+    source = read_source(source_path.read_bytes())[0]
     expansion = expand_source(source, path=source_path.name, target=target)
     params = space.parameters(expansion)
     if not params:
@@ -117,9 +175,21 @@ def autotune(
     if layout_site is not None:  # a layout: one candidate at a time, each its own mesh
         timing = replace(timing, group=1)
         plan = layout_site.values.get("tp_plan")
+        reporter = reporter or Reporter()
         probed = _probe(
-            db, source, expansion.code, source_path, entry, in_source, search_path, plan, target
+            db,
+            source,
+            expansion.code,
+            source_path,
+            entry,
+            in_source,
+            search_path,
+            plan,
+            target,
+            reporter.note,
         )
+        # the site's written arguments: what a record's layout is checked with when read
+        probed = {**probed, "arguments": database.encode_values(layout_site.values)}
         profile = memory.Profile(**probed["profile"])
         shape = ModelShape(**probed["shape"])
         machine = layout_search.machine_for(target, world_size)
@@ -158,7 +228,9 @@ def autotune(
                 known = book.known(searcher.order[index])
                 if known is None:
                     return
-                searcher.observe(first_time(known))  # the finals' repeats don't move the search
+                searcher.observe(
+                    finals.first_time(known)
+                )  # the finals' repeats don't move the search
                 now = database.canonical(searcher.order[index]) in book.measured_now
                 progress.advance(known, cached=not now, best=searcher.best)
                 index += 1
@@ -168,26 +240,47 @@ def autotune(
             observe_known()
             return not searcher.done
 
-        observe_known()
+        def on_repeat(m: Measurement) -> bool:
+            book.record(m, again=True)
+            return True
+
         stopped = "complete"
-        if not searcher.done:
-            todo = [c for c in searcher.order[index:] if book.known(c) is None]
-            # layouts: what is left is measured in the fitted model's order as it changes
-            reorder = searcher.rank if layout_site is not None else None
-            stopped = measure(program, todo, on_result, deadline=deadline, reorder=reorder)
-    finalists: list[dict[str, Any]] = []
-    if layout_site is not None and stopped != "budget":
-        finalists = finals(searcher.order, book)
-        again = alternating(finalists, book)
-        if again:
-            reporter.note(f"timing the {len(finalists)} closest layouts again, side by side")
-
-            def on_repeat(m: Measurement) -> bool:
-                book.record(m, again=True)
-                return True
-
-            if measure(program, again, on_repeat, deadline=deadline) == "budget":
-                stopped = "budget"
+        finalists: list[dict[str, Any]] = []
+        for _ in range(
+            finals.FINALISTS * finals.MAX_RUNS + 2
+        ):  # every pass adds a run, or ends the loop
+            observe_known()
+            if not searcher.done:
+                todo = [c for c in searcher.order[index:] if book.known(c) is None]
+                # layouts: what is left is measured in the fitted model's order as it changes
+                reorder = searcher.rank if layout_site is not None else None
+                if measure(program, todo, on_result, deadline=deadline, reorder=reorder) == (
+                    "budget"
+                ):
+                    stopped = "budget"
+                    break
+            if layout_site is None:
+                break
+            finalists = finals.leaders(searcher.order, book)
+            again = finals.next_round(finalists, book)
+            if again:
+                assert predictions is not None  # a layout's search
+                names = ", ".join(f"{predictions[database.canonical(c)].layout.name()}"
+                                  for c in finalists)  # fmt: skip
+                reporter.note(
+                    f"timing the {len(finalists)} leading layouts again, in turns: {names}"
+                )
+                if measure(program, again, on_repeat, deadline=deadline) == "budget":
+                    stopped = "budget"
+                    break
+                continue  # the leaders may change with their medians
+            best, spread = finals.settled(finalists, book)
+            if best is None:
+                break
+            searcher.settle(best, spread)  # a layout predicted within the spread is measured
+            observe_known()
+            if searcher.done:
+                break
     if stopped != "budget":
         stopped = searcher.stop_reason
     book.finish()
@@ -205,40 +298,11 @@ def autotune(
         predictions,
         world_size,
         tuple(database.canonical(c) for c in finalists),
+        finals.verdict(finalists, book),
+        device=device,
     )
     reporter.summary(outcome, time.monotonic() - started)
     return outcome
-
-
-def first_time(known: Mapping[str, Any]) -> float | None:
-    """A candidate's first measurement (the search's), whatever the finals added since."""
-    times = known.get("times")
-    return times[0] if times else known.get("time_s")
-
-
-def finals(order: list[dict[str, Any]], book: _Book) -> list[dict[str, Any]]:
-    """The measured layouts within CLOSE of the best, by first measurements (so a rerun picks
-    the same ones), best first; none when fewer than two."""
-    timed = []
-    for c in order:
-        known = book.known(c)
-        t = first_time(known) if known is not None else None
-        if t is not None:
-            timed.append((t, c))
-    if not timed:
-        return []
-    best = min(t for t, _ in timed)
-    close = sorted((x for x in timed if x[0] <= best * (1 + CLOSE)), key=lambda x: x[0])
-    return [c for _, c in close[:FINALISTS]] if len(close) > 1 else []
-
-
-def alternating(finalists: list[dict[str, Any]], book: _Book) -> list[dict[str, Any]]:
-    """Each finalist's missing repeats, in turns (A B C A B C): drifting load hits each alike."""
-    need = []
-    for c in finalists:
-        runs = len((book.known(c) or {}).get("times", ())) or 1  # no ``times``: the first run
-        need.append(1 + REPEATS - runs)
-    return [c for turn in range(max(need, default=0)) for c, n in zip(finalists, need) if n > turn]
 
 
 def _probe(
@@ -251,6 +315,7 @@ def _probe(
     search_path: list[str],
     plan: Any,
     target: str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """The serial probe of the model: from the database when this source was probed on this
     target (None: any, ``macrogen plan``) by this probe's measures (``probe.MEASURES``), else
@@ -267,7 +332,14 @@ def _probe(
         target = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         profile, shape = probe.run(
-            code, source_path.name, entry, in_source, search_path, plan, target=target
+            code,
+            source_path.name,
+            entry,
+            in_source,
+            search_path,
+            plan,
+            target=target,
+            progress=progress,
         )
     except probe.ProbeError as e:
         raise AutotuneError(
@@ -341,12 +413,17 @@ def _tuning_key(
     }
 
 
-def _check_request(entry: str, world_size: int, max_trials: int) -> None:
+def check_entry(entry: str) -> None:
+    """AutotuneError unless ``entry`` reads ``module:factory`` (or ``:factory``)."""
     module, sep, factory = entry.partition(":")
     if not sep or not factory.isidentifier() or (module and not _dotted(module)):
         raise AutotuneError(
             f"--entry must be module:factory (e.g. bench_gpt:make_step, or :make_step for a factory in the tuned file), not {entry!r}"
         )
+
+
+def _check_request(entry: str, world_size: int, max_trials: int) -> None:
+    check_entry(entry)
     if world_size < 1:
         raise AutotuneError(f"--world-size must be at least 1, not {world_size}")
     if max_trials < 1:

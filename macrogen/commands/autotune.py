@@ -30,9 +30,7 @@ def add_parser(
         help="factory(module) -> step: builds one training step from the expanded module"
         " (:FACTORY for a factory in FILE itself)",
     )
-    p.add_argument(
-        "--world-size", type=int, default=1, metavar="N", help="ranks per run (torchrun)"
-    )
+    p.add_argument("--world-size", default="1", metavar="N", help="ranks per run (torchrun)")
     p.add_argument(
         "--target",
         choices=("cpu", "cuda"),
@@ -45,38 +43,36 @@ def add_parser(
     )
     p.add_argument(
         "--budget",
-        type=float,
         metavar="SECONDS",
         help="stop measuring after this long (default: no limit)",
     )
-    p.add_argument("--max-trials", type=int, default=32, metavar="N", help="candidates to look at")
+    p.add_argument("--max-trials", default="32", metavar="N", help="candidates to look at")
     p.add_argument(
-        "--steps", type=int, default=3, help="timed steps per candidate and round on several ranks"
+        "--steps",
+        default="3",
+        metavar="N",
+        help="timed steps per candidate and round on several ranks",
     )
     p.add_argument(
         "--rounds",
-        type=int,
-        default=4,
+        default="4",
+        metavar="N",
         help="interleaved timing rounds over each group of candidates",
     )
     p.add_argument(
         "--group",
-        type=int,
-        default=8,
+        default="8",
         metavar="N",
         help="candidates timed together, interleaved (1: one after another, each saved as it ends)",
     )
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
+    p.add_argument("--warmup", default="2", metavar="N", help="untimed steps before timing")
     p.add_argument(
         "--min-time",
-        type=float,
-        default=0.2,
+        default="0.2",
         metavar="SECONDS",
         help="timing per candidate on one rank (torch.utils.benchmark / do_bench)",
     )
-    p.add_argument(
-        "--timeout", type=float, default=180.0, metavar="SECONDS", help="limit per candidate"
-    )
+    p.add_argument("--timeout", default="180.0", metavar="SECONDS", help="limit per candidate")
     p.add_argument(
         "--retry-failed", action="store_true", help="measure again candidates that failed before"
     )
@@ -88,8 +84,7 @@ def add_parser(
     )
     layout.add_argument(
         "--noise",
-        type=float,
-        default=0.05,
+        default="0.05",
         metavar="FRACTION",
         help="stop when no layout left is predicted faster than the best by this much",
     )
@@ -100,35 +95,45 @@ def add_parser(
 
 
 def run(args: argparse.Namespace) -> int:
+    from macrogen.autotune import units
     from macrogen.autotune.measure import Timing
-    from macrogen.autotune.memory import parse_bytes
-    from macrogen.autotune.tuner import AutotuneError, autotune
+    from macrogen.autotune.tuner import AutotuneError, autotune, check_entry
 
     try:
-        memory = None if args.memory_per_rank is None else parse_bytes(args.memory_per_rank)
-    except ValueError as e:
-        print(f"macrogen autotune: error: --memory-per-rank: {e}", file=sys.stderr)
+        check_entry(args.entry)
+        world_size = units.count("--world-size", args.world_size)
+        budget = None if args.budget is None else units.number("--budget", args.budget)
+        max_trials = units.count("--max-trials", args.max_trials)
+        timing = Timing(
+            warmup=units.count("--warmup", args.warmup, minimum=0),
+            steps=units.count("--steps", args.steps),
+            rounds=units.count("--rounds", args.rounds),
+            group=units.count("--group", args.group),
+            min_time=units.number("--min-time", args.min_time),
+            timeout=units.number("--timeout", args.timeout),
+        )
+        memory = (
+            None
+            if args.memory_per_rank is None
+            else units.size("--memory-per-rank", args.memory_per_rank)
+        )
+        noise = units.number("--noise", args.noise, inclusive=True)
+    except (units.UsageError, AutotuneError) as e:  # bad usage: one line, exit 2 (as plan)
+        print(f"macrogen autotune: error: {e}", file=sys.stderr)
         return 2
     try:
         outcome = autotune(
             args.file,
             entry=args.entry,
-            world_size=args.world_size,
+            world_size=world_size,
             target=args.target,
             tuning=args.tuning,
-            budget=args.budget,
-            max_trials=args.max_trials,
-            timing=Timing(
-                warmup=args.warmup,
-                steps=args.steps,
-                rounds=args.rounds,
-                group=args.group,
-                min_time=args.min_time,
-                timeout=args.timeout,
-            ),
+            budget=budget,
+            max_trials=max_trials,
+            timing=timing,
             retry_failed=args.retry_failed,
             memory_per_rank=memory,
-            noise=float("-inf") if args.exhaustive else args.noise,
+            noise=float("-inf") if args.exhaustive else noise,
         )
     except ExpansionError as e:
         print(e.report(), file=sys.stderr)

@@ -50,9 +50,9 @@ from typing import Any, cast
 import libcst as cst
 
 from macrogen.autotune import layouts
+from macrogen.autotune.layouts import pipeline_problem
 from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, TuningEnv, render
 from macrogen.macros import redundant
-from macrogen.pipelining.units import interleaving_problem
 from macrogen.vocabulary import DEFAULT_SCHEDULE, DP_MODES, SCHEDULES, SERVER, STYLES, one_of
 
 NAME = "parallelize"
@@ -286,22 +286,9 @@ def _auto_layout(site: Site, args: dict[str, Arg], ctx: Context) -> dict[str, An
 
 
 def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
-    """A layout that can't run on env's world size, or that mg.parallelize can't run yet."""
-    layout = layouts.from_arguments(arguments)
-    if layout is None:
-        return None
-    if layout.pp == 1:  # micro-batches change nothing without a pipeline
-        layout = replace(layout, microbatches=1)
-    reason = layouts.infeasible(layout, env.world_size) or layouts.unsupported(layout)
-    if reason is None and layout.dp == "zero1" and "layout" in arguments:
-        # the program's optimizer is sharded by hand (mg.shard_optimizer), never for fsdp
-        reason = 'dp="zero1" under layout="auto": mg.shard_optimizer is not applied for it'
-    if reason is None and layout.tp > 1 and arguments.get("tp_plan") is None:
-        reason = f"tp={layout.tp} needs a tp_plan"
-    if reason is None and layout.pp > 1:  # what the expansion would refuse, pruned with it
-        values = {**DEFAULTS, **arguments, "tp": layout.tp, "pp": layout.pp}
-        reason = pipeline_problem({**values, "microbatches": layout.microbatches})[0]
-    return reason
+    """A layout that can't run on env's world size, or that mg.parallelize can't run yet
+    (autotune's one feasibility rule, which ``macrogen plan`` asks too)."""
+    return layouts.site_problem(arguments, env.world_size)
 
 
 def _check_pipeline(args: dict[str, Arg], values: dict[str, Any]) -> None:
@@ -310,26 +297,6 @@ def _check_pipeline(args: dict[str, Arg], values: dict[str, Any]) -> None:
     if problem is not None:
         at = next((args[n] for n in (*blame, "layout", "pp") if n in args), args["model"])
         raise MacroError(problem, at.node)
-
-
-def pipeline_problem(values: Mapping[str, Any]) -> tuple[str | None, tuple[str, ...]]:
-    """Why ``pp > 1`` can't go with these arguments (and the arguments to blame), or None."""
-    pp, m, schedule = values["pp"], values["microbatches"], values.get("schedule", "1f1b")
-    if values.get("servers", 0):
-        return f"pp={pp} with servers=S is not supported", ("servers",)
-    if values.get("accumulate", 1) != 1:
-        return (
-            f"pp={pp} takes accumulate=1: the pipeline's micro-batches accumulate already"
-            " (microbatches=M)"
-        ), ("accumulate",)
-    per_rank = 2 if schedule == "interleaved" else 1
-    problem = interleaving_problem(pp * per_rank, m, schedule, per_rank)
-    if problem is None and schedule == "1f1b" and m < pp:
-        problem = (
-            f"pp={pp} with schedule 1f1b needs at least as many micro-batches as stages:"
-            f" microbatches={m} (pass microbatches={pp} or more)"
-        )
-    return problem, ("microbatches", "schedule")
 
 
 def _check_servers(
