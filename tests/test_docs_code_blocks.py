@@ -98,8 +98,6 @@ def test_every_block_says_what_it_is():
 # it (issue 43, item 11). A page listed here that no longer needs it fails the test below:
 # take it off the list.
 AWAITING = {
-    "docs/data_parallel.md": "flock on a developer's lock file",
-    "docs/gpu.md": "the machine notes' path",
     "docs/tensor_parallel.md": "../shared/GPU.md",
 }
 OUTSIDE = re.compile(r"\.\./shared|/work/(?:shared|wt|main)\b|/root/|\bflock\b")
