@@ -20,6 +20,7 @@ commands:
   macrogen run train.py [ARGS...]             run it, expanding on import (also under torchrun)
   macrogen autotune train.py --entry :build   measure tunable(...) choices, record the winners
   macrogen plan train.py --world-size 64      rank mg.parallelize layouts by predicted time, memory
+  macrogen verify train.py --entry :build     one parallel step against the serial one, per gradient
   macrogen cache info|clear                   the import hook's cache
 
 exit status:
