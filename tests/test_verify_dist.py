@@ -56,6 +56,7 @@ def test_an_undivided_head_count_fails_naming_the_attention(tmp_path):
     verdict = report.verdict()
     assert verdict.startswith(f"{path}:24:13: error: the step on 2 ranks differs")
     assert "(planned colwise at 0." in verdict or "(planned rowwise at 0." in verdict
+    assert verdict.endswith("the plan does not divide 0.n_head (4): add '0.n_head': 'divide'?")
 
 
 def _verify_and_recompute(rank: int, world_size: int, job_path: str) -> dict[str, torch.Tensor]:

@@ -47,6 +47,7 @@ class Report:
     world_size: int
     rows: list[Row]  # the loss, then every parameter's gradient
     weights_differ: list[Row]  # weights that differed before the step (the factory's doing)
+    undivided: list[tuple[str, int]]  # head counts beside sharded layers the plan leaves whole
 
     @property
     def ok(self) -> bool:
@@ -76,9 +77,13 @@ class Report:
         of = worst.planned.split()
         layer = f" (planned {of[0]} at {of[-1]})" if of else ""
         numbers = worst.note or f"max abs {worst.abs_diff:.2e}, rel {worst.rel_diff:.2e}"
+        hint = "".join(
+            f"; the plan does not divide {path} ({value}): add {path!r}: 'divide'?"
+            for path, value in self.undivided
+        )
         return (
             f"{self.where}: error: the step on {ranks} differs from the serial step in"
-            f" {len(bad)} of {len(self.rows)} rows; worst {worst.name}{layer}: {numbers}"
+            f" {len(bad)} of {len(self.rows)} rows; worst {worst.name}{layer}: {numbers}{hint}"
         )
 
 
@@ -138,7 +143,9 @@ def verify(
         # the ranks start (import torch, expand FILE) while the serial step runs here
         ranks = (launch or torchrun)(job, world_size, timeout)
         try:
-            serial, where, plan = _serial(str(path), source_path, source, expansion, entry, seed)
+            serial, where, plan, undivided = _serial(
+                str(path), source_path, source, expansion, entry, seed
+            )
         except BaseException:
             ranks.stop()
             raise
@@ -155,14 +162,16 @@ def verify(
             raise VerifyError(f"{path}: {failure or 'rank 0 wrote no result'}")
         parallel = _read_snapshot(out)
     rows, weights_differ = compare.compare(serial, parallel, plan, rtol=rtol, atol=atol)
-    return Report(where, world_size, rows, weights_differ)
+    return Report(where, world_size, rows, weights_differ, undivided)
 
 
 def _serial(
     path: str, source_path: Path, source: str, expansion: Any, entry: str, seed: int
-) -> tuple[Snapshot, str, Sequence[tuple[str, str]]]:
-    """The serial step (FILE unexpanded, here), where its mg.parallelize is, and its plan."""
+) -> tuple[Snapshot, str, Sequence[tuple[str, str]], list[tuple[str, int]]]:
+    """The serial step (FILE unexpanded, here), where its mg.parallelize is, its plan, and
+    the head counts it leaves undivided."""
     from macrogen.verify import program
+    from macrogen.verify.hints import undivided_head_counts
 
     saved = sys.modules.get(source_path.stem)
     try:
@@ -179,7 +188,10 @@ def _serial(
                     f" with {name}={1 if name == 'pp' else 0}"
                 )
         serial = program.step(model, batch, loss_fn, seed=seed)
-        return serial, where, _plan(arguments.get("tp_plan"), model)
+        plan = _plan(arguments.get("tp_plan"), model)
+        tp = arguments.get("tp")
+        undivided = undivided_head_counts(model, plan, tp) if isinstance(tp, int) else []
+        return serial, where, plan, undivided
     except program.EntryError as e:
         raise UsageError(str(e)) from e
     except program.ProgramError as e:

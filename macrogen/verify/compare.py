@@ -100,12 +100,13 @@ def planned_as(name: str, plan: Sequence[tuple[str, str]]) -> str:
     """The plan entry whose layer holds parameter ``name`` (``*`` is one path component)."""
     owner = name.rpartition(".")[0]
     for path, style in plan:
-        if re.fullmatch(_pattern(path), owner):
+        if re.fullmatch(path_pattern(path), owner):
             return f"{style}  {path}"
     return ""
 
 
-def _pattern(path: str) -> str:
+def path_pattern(path: str) -> str:
+    """A plan path as a regular expression over dotted names (``*``: one component)."""
     return r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in path.split("."))
 
 
