@@ -13,7 +13,10 @@ must be refused check the one-line message instead.
 - per-head q/k norms (Qwen3's): serial-equal with ``replicate_grad_allreduce``, and without it
   the first backward's check names the parameters and the style;
 - ``replicate_grad_allreduce`` on a parameter whose gradient is whole: named too;
+- ``sequence_parallel`` (a layer norm on sequence slices), ``all_reduce`` (an MLP of bare
+  parameters planned by parameter entries), ``embedding_colwise``;
 - an unused parameter keeps no gradient (as serially: AdamW's decay must not step it);
+- dropout in training: refused (each rank would draw its own shard's mask);
 - a module whose code reads a whole width: its first forward's failure names it.
 """
 
@@ -92,6 +95,30 @@ class WholeWidth(nn.Module):
         return self.q(x).view(*x.shape[:2], HEADS, DIM // HEADS).sum()
 
 
+class ParameterMLP(nn.Module):
+    """An MLP of bare parameters (transformers' shared experts): planned by parameter entries,
+    the module all_reduce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_up = nn.Parameter(torch.randn(32, DIM) * 0.2)
+        self.w_down = nn.Parameter(torch.randn(DIM, 32) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.gelu(F.linear(x, self.w_up)), self.w_down)
+
+
+class NormedMixer(nn.Module):
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up, self.down = nn.Linear(DIM, 32), nn.Linear(32, DIM)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
 class Model(nn.Module):
     def __init__(self, embedding: nn.Module, mixer: nn.Module) -> None:
         super().__init__()
@@ -155,6 +182,33 @@ def _over_summed() -> tuple[nn.Module, dict]:
     return model, {**plan, "head": "replicate_grad_allreduce"}
 
 
+def _sequence_parallel() -> tuple[nn.Module, dict]:
+    return Model(nn.Embedding(VOCAB, DIM), NormedMixer()), {
+        "mixer.norm": "sequence_parallel",
+        "mixer.up": "colwise",
+        "mixer.down": "rowwise",
+    }
+
+
+def _all_reduce() -> tuple[nn.Module, dict]:
+    return Model(nn.Embedding(VOCAB, DIM), ParameterMLP()), {
+        "mixer": "all_reduce",
+        "mixer.w_up": "colwise",
+        "mixer.w_down": "rowwise",
+    }
+
+
+def _embedding_colwise() -> tuple[nn.Module, dict]:
+    return Model(ScaledEmbedding(VOCAB, DIM), ParameterMLP()), {"embed": "embedding_colwise"}
+
+
+def _dropout() -> tuple[nn.Module, dict]:
+    return Model(nn.Embedding(VOCAB, DIM), NormedMixer(0.1)), {
+        "mixer.up": "colwise",
+        "mixer.down": "rowwise",
+    }
+
+
 def _whole_width() -> tuple[nn.Module, dict]:
     return WholeWidth(), {"q": "colwise"}
 
@@ -164,6 +218,10 @@ CASES = {
     "own rowwise forward": (_own_rowwise, None),
     "lora": (_lora, None),
     "q/k norms summed": (lambda: _attention("replicate_grad_allreduce"), None),
+    "sequence parallel": (_sequence_parallel, None),
+    "all_reduce": (_all_reduce, None),
+    "embedding colwise": (_embedding_colwise, None),
+    "dropout": (_dropout, r"applies dropout in training \(dropout, p=0.1\)"),
     "lora alone": (_lora_alone, r"mixer.up: colwise on LoRALinear: its forward"),
     "q/k norms kept whole": (
         lambda: _attention(None),

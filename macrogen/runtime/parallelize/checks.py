@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from macrogen.runtime.parallelize.layout import EMBEDDING_STYLES, LINEAR_STYLES, Wrap
 from macrogen.runtime.parallelize.plan import PlanError
@@ -318,9 +320,10 @@ FAILURES = (RuntimeError, ValueError, IndexError, TypeError)  # shapes that do n
 
 
 def guard_first_forward(model: nn.Module, names: Mapping[int, str], where: str) -> None:
-    """Until the model's first forward succeeds, a failure in it is a ``PlanError`` naming the
-    module whose code failed on the shards (a width it reads whole, a shard mixed with a whole
-    tensor), instead of a traceback deep inside the model. Eager forwards only."""
+    """Until the model's first training forward succeeds, a failure in it is a ``PlanError``
+    naming the module whose code failed on the shards (a width it reads whole, a shard mixed
+    with a whole tensor), instead of a traceback deep inside the model, and dropout is refused
+    (``NoDropout``). Eager forwards only."""
     own = model.__dict__.get("forward")
     bound = model.forward
 
@@ -329,11 +332,14 @@ def guard_first_forward(model: nn.Module, names: Mapping[int, str], where: str) 
         if torch.compiler.is_compiling():
             return bound(*args, **kwargs)
         try:
-            out = bound(*args, **kwargs)
+            with NoDropout(where):
+                out = bound(*args, **kwargs)
         except FAILURES as e:
             if isinstance(e, (PlanError, torch.OutOfMemoryError)):
                 raise
             raise PlanError(_failure(e, names, where)) from e
+        if not model.training:  # an evaluation: dropout is off, the training forward is to come
+            return out
         if own is None:  # passed: the model's own forward again (and no cycle through this one)
             model.__dict__.pop("forward", None)
         else:
@@ -341,6 +347,46 @@ def guard_first_forward(model: nn.Module, names: Mapping[int, str], where: str) 
         return out
 
     model.__dict__["forward"] = first
+
+
+DROPOUTS = {
+    F.dropout: 0.5,
+    F.dropout1d: 0.5,
+    F.dropout2d: 0.5,
+    F.dropout3d: 0.5,
+    F.alpha_dropout: 0.5,
+    F.feature_alpha_dropout: 0.5,
+}
+
+
+class NoDropout(TorchFunctionMode):
+    """Dropout in training draws its mask from the generator: under tensor parallelism each rank
+    draws the mask of its own shard (its heads, its features) where the serial program draws
+    one mask for all, and everything drawn after differs too: a silent difference, refused."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        p = 0.0
+        if func in DROPOUTS:
+            training = args[2] if len(args) > 2 else kwargs.get("training", True)
+            p = float(args[1] if len(args) > 1 else kwargs.get("p", DROPOUTS[func])) * bool(
+                training
+            )
+        elif func is F.scaled_dot_product_attention:
+            p = float(args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0))
+        if p > 0:
+            raise PlanError(
+                f"mg.parallelize at {self.where}: the model applies dropout in training"
+                f" ({func.__name__}, p={p:g}): under tensor parallelism each rank draws the mask of"
+                " its own shard, which is not the serial program's mask; set the model's dropout"
+                " to 0 for tensor-parallel training (a transformers config: attention_dropout=0.0"
+                " and its other *dropout fields)"
+            )
+        return func(*args, **kwargs)
 
 
 def _failure(e: BaseException, names: Mapping[int, str], where: str) -> str:
