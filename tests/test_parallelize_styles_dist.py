@@ -17,6 +17,7 @@ must be refused check the one-line message instead.
   parameters planned by parameter entries), ``embedding_colwise``;
 - an unused parameter keeps no gradient (as serially: AdamW's decay must not step it);
 - dropout in training: refused (each rank would draw its own shard's mask);
+- a parameter cut by its own entry while its module is not planned: refused;
 - a module whose code reads a whole width: its first forward's failure names it.
 """
 
@@ -198,6 +199,12 @@ def _all_reduce() -> tuple[nn.Module, dict]:
     }
 
 
+def _module_unplanned() -> tuple[nn.Module, dict]:
+    model, plan = _all_reduce()
+    del plan["mixer"]
+    return model, plan
+
+
 def _embedding_colwise() -> tuple[nn.Module, dict]:
     return Model(ScaledEmbedding(VOCAB, DIM), ParameterMLP()), {"embed": "embedding_colwise"}
 
@@ -222,6 +229,10 @@ CASES = {
     "all_reduce": (_all_reduce, None),
     "embedding colwise": (_embedding_colwise, None),
     "dropout": (_dropout, r"applies dropout in training \(dropout, p=0.1\)"),
+    "module unplanned": (
+        _module_unplanned,
+        r"mixer.w_up: colwise cuts a parameter of mixer \(ParameterMLP\), which the plan does not",
+    ),
     "lora alone": (_lora_alone, r"mixer.up: colwise on LoRALinear: its forward"),
     "q/k norms kept whole": (
         lambda: _attention(None),

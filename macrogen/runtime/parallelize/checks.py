@@ -322,8 +322,7 @@ FAILURES = (RuntimeError, ValueError, IndexError, TypeError)  # shapes that do n
 def guard_first_forward(model: nn.Module, names: Mapping[int, str], where: str) -> None:
     """Until the model's first training forward succeeds, a failure in it is a ``PlanError``
     naming the module whose code failed on the shards (a width it reads whole, a shard mixed
-    with a whole tensor), instead of a traceback deep inside the model, and dropout is refused
-    (``NoDropout``). Eager forwards only."""
+    with a whole tensor), instead of a traceback deep inside the model. Eager forwards only."""
     own = model.__dict__.get("forward")
     bound = model.forward
 
@@ -332,8 +331,7 @@ def guard_first_forward(model: nn.Module, names: Mapping[int, str], where: str) 
         if torch.compiler.is_compiling():
             return bound(*args, **kwargs)
         try:
-            with NoDropout(where):
-                out = bound(*args, **kwargs)
+            out = bound(*args, **kwargs)
         except FAILURES as e:
             if isinstance(e, (PlanError, torch.OutOfMemoryError)):
                 raise

@@ -34,6 +34,7 @@ from macrogen.runtime.agreement import Fingerprint, check_agreement
 from macrogen.runtime.class_plans import APPLIED
 from macrogen.runtime.parallelize.checks import (
     GradientCheck,
+    NoDropout,
     check_probes,
     guard_first_forward,
     needs_probe,
@@ -86,7 +87,8 @@ def apply_tensor_parallel(
     _shard(model, layout, group, tensor_mesh)
     names = {id(m): n for n, m in model.named_modules()}
     check = GradientCheck(group, names, where) if check_gradients else None
-    attach(model, list(model.modules()), check)
+    # dropout in the first training forward of the model (or of each FSDP unit, pipeline stage)
+    attach(model, list(model.modules()), check, functools.partial(NoDropout, where))
     guard_first_forward(model, names, where)
     model.__dict__[TENSOR_PARALLEL] = True
     with quietly([w.module for w in probed]):

@@ -97,6 +97,7 @@ def resolve(model: nn.Module, plan: Mapping[str, Any], tp: int) -> Layout:
     parameters = {(id(owner), attr) for found in hits.values() for _, owner, attr in found
                   if owner._parameters.get(attr) is not None}  # fmt: skip
     seen: dict[int, str] = {}
+    cut_parameters: list[tuple[str, nn.Module, Style]] = []
     for path in plan:  # in the plan's order: the problems too
         if path not in styles:
             problems += [p for p in unparsed if p.startswith(f"{path}: ")][:1]
@@ -118,10 +119,21 @@ def resolve(model: nn.Module, plan: Mapping[str, Any], tp: int) -> Layout:
                 problem = _module(name, target, style, tp, own, layout)
             elif (id(owner), attr) in parameters:
                 problem = _parameter(name, owner, attr, style, tp, layout)
+                if problem is None and style.kind not in ("replicate", "replicate_grad_allreduce"):
+                    cut_parameters.append((name, owner, style))
             else:
                 problem = _attribute(name, owner, attr, target, style, tp, layout)
             if problem:
                 problems.append(problem)
+    for name, owner, style in cut_parameters:  # its module runs as it is: on the shard
+        if id(owner) not in seen:
+            path = name.rpartition(".")[0]
+            problems.append(
+                f"{name}: {style.kind} cuts a parameter of {path} ({type(owner).__name__}), which"
+                " the plan does not name, so its forward would use this rank's shard as if it were"
+                f" whole: plan {path} too ('moe_experts', 'all_reduce', or 'replicate' for a"
+                " module that works on this rank's heads)"
+            )
     layout.wraps = [  # experts cut whole per rank: how many in all (their parameters' entries)
         replace(w, experts=layout.expert_owners.get(id(w.module), (w.module, 0))[1])
         for w in layout.wraps

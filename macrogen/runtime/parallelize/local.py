@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 LOCAL = "_mg_local_forward"  # on a swap owner: its LocalForward
 SWAPPED = "_mg_swapped_parameters"  # (owner, name, DTensor parameter) while a forward runs
+WATCHING = "_mg_watching"  # the first training forward's context while it runs
 SUMMED = "_mg_summed_gradients"  # on a module: {parameter name: tensor group} summed in backward
 TENSOR_PARALLEL = "_mg_tensor_parallel"  # on the model: apply_tensor_parallel sharded it
 COLWISE = "_mg_colwise_layers"  # on the model: (name, layer) of each colwise layer (a slice out)
@@ -48,6 +49,8 @@ class LocalForward:
 
     scope: list[nn.Module]  # the modules whose parameters it swaps (found once, not per forward)
     check: GradientCheck | None  # the replicated-gradient check, while it is pending
+    # a context around the first training forward (checks.NoDropout), until one passes
+    watch: Callable[[], Any] | None = None
     hooks: tuple[Any, ...] = ()
 
 
@@ -138,6 +141,10 @@ def _to_local(owner: nn.Module, args: Any) -> None:
     for module, key, p in slots:
         module._parameters[key] = tensors[index[id(p)]]
     owner.__dict__[SWAPPED] = slots
+    if local.watch is not None and owner.training:
+        watching = local.watch()
+        watching.__enter__()
+        owner.__dict__[WATCHING] = watching
 
 
 @eager
@@ -146,14 +153,30 @@ def _restore(owner: nn.Module, *_: Any) -> None:
         module._parameters[key] = p
 
 
-def attach(owner: nn.Module, scope: list[nn.Module], check: GradientCheck | None) -> None:
+@eager
+def _after(owner: nn.Module, args: Any, output: Any) -> None:
+    """The forward's end (``output`` None: it raised): parameters back, the watch ended."""
+    _restore(owner)
+    watching = owner.__dict__.pop(WATCHING, None)
+    if watching is not None:
+        watching.__exit__(None, None, None)
+        if output is not None:  # the first training forward passed
+            owner.__dict__[LOCAL].watch = None
+
+
+def attach(
+    owner: nn.Module,
+    scope: list[nn.Module],
+    check: GradientCheck | None,
+    watch: Callable[[], Any] | None = None,
+) -> None:
     """``owner``'s forward runs on the local tensors of ``scope``'s DTensor parameters."""
     detach(owner)
-    local = LocalForward(scope, check)
+    local = LocalForward(scope, check, watch)
     owner.__dict__[LOCAL] = local
     local.hooks = (
         owner.register_forward_pre_hook(_to_local, prepend=False),
-        owner.register_forward_hook(_restore, prepend=True, always_call=True),
+        owner.register_forward_hook(_after, prepend=True, always_call=True),
     )
 
 
@@ -188,6 +211,7 @@ def local_forward_per_unit(
     unit, and ``owners`` adds the modules holding its bare parameters (their own tables only)."""
     whole = detach(model)
     check = whole.check if whole is not None else None
+    watch = whole.watch if whole is not None else None
     # the model's list of its colwise layers: a pipeline cut dropped some, and the list would
     # keep them (another stage's shards) alive (in place: the output checks' hooks hold it)
     if COLWISE in model.__dict__:
@@ -197,7 +221,7 @@ def local_forward_per_unit(
     for unit in units:  # a unit set up before (FSDP after a pipeline cut) had the check
         previous = unit.__dict__.get(LOCAL)
         if previous is not None and check is None:
-            check = previous.check
+            check, watch = previous.check, previous.watch
     boundaries = {id(u) for u in units}
 
     def scope(unit: nn.Module) -> list[nn.Module]:
@@ -210,7 +234,7 @@ def local_forward_per_unit(
 
     for unit in units:  # each its own check: one small collective per unit, once
         fresh = check.fresh() if check is not None else None
-        attach(unit, scope(unit) + list((owners or {}).get(unit, ())), fresh)
+        attach(unit, scope(unit) + list((owners or {}).get(unit, ())), fresh, watch)
 
 
 @contextlib.contextmanager
