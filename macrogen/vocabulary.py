@@ -12,23 +12,72 @@ from typing import Any
 
 # -- tensor parallel ---------------------------------------------------------------------------
 
-# A plan entry's style, as mg.parallelize(tp_plan={path: style}) takes it; ("colwise", k) is k
-# packed blocks (a fused qkv), each block's out features sharded.
-STYLES = ("colwise", "colwise_gather_output", "rowwise", "vocab", "divide", "replicate")
+# A plan entry's style, as mg.parallelize(tp_plan={path: style}) takes it. A path names a module,
+# a parameter (sharded only: its module runs as it is) or an int attribute (divide).
+STYLES = (
+    "colwise",  # out features sharded; the output is this rank's slice of the last dim
+    "colwise_gather_output",  # the same, the output gathered whole
+    "rowwise",  # in features sharded (a whole input is split); the output all-reduced
+    "vocab",  # an embedding's rows (the vocabulary) sharded; lookups all-reduced
+    "embedding_colwise",  # an embedding's columns sharded; the output gathered
+    "divide",  # an int attribute (a head count) divided by tp
+    "replicate",  # kept whole on every rank
+    "replicate_grad_allreduce",  # kept whole, its gradients summed (it sees this rank's heads only)
+    "all_reduce",  # a module computing a partial sum: its output all-reduced, its inputs' gradients too
+    "sequence_parallel",  # a per-token module run on this rank's slice of the sequence (dim 1)
+    "mla_kv_a_proj",  # an MLA kv_a projection: the rope part's gradient summed
+    "moe_experts",  # a mixture of experts' experts: all_reduce over their sharded 3-D weights
+    "moe_identity_expert",  # an identity expert inside moe_experts: counted on one rank
+    "shard_experts",  # a 3-D experts parameter: whole experts per rank (dim 0)
+)
+# (style, k): k packed blocks along the sharded dim, each block sharded (a fused qkv, gate_up)
+PACKED = ("colwise", "rowwise")
+# (style, n): the rope part's width
+SIZED = ("mla_kv_a_proj",)
 # a table held by parameter-server ranks (a plan entry of mg.parallelize, not a TP style)
 SERVER = "server"
 
-# transformers' style names (``model._tp_plan``, ``config.base_model_tp_plan``) -> ours
+# transformers' style names (``model._tp_plan``, ``config.base_model_tp_plan``) -> ours;
+# "mla_kv_a_proj" takes its rope width from the model's config (``qk_rope_head_dim``)
 HF_STYLES: dict[str, Any] = {
     "colwise": "colwise",
     "rowwise": "rowwise",
     "colwise_rep": "colwise_gather_output",
     "colwise_gather_output": "colwise_gather_output",
     "rowwise_rep": "rowwise",
+    "rowwise_split_input": "rowwise",
     "embedding_rowwise": "vocab",
+    "embedding_colwise": "embedding_colwise",
     "packed_colwise": ("colwise", 2),
+    "packed_rowwise": ("rowwise", 2),
     "replicate": "replicate",
+    "replicated_with_grad_allreduce": "replicate_grad_allreduce",
+    "local_params": "replicate",  # every planned module runs on its local tensors already
+    "all_reduce": "all_reduce",
+    "sequence_parallel": "sequence_parallel",
+    "mla_kv_a_proj": "mla_kv_a_proj",
+    "moe_tp_experts": "moe_experts",
+    "moe_identity_expert": "moe_identity_expert",
+    "grouped_gemm": "shard_experts",
 }
+
+
+def style_problem(value: Any) -> str | None:
+    """Why ``value`` is no style of STYLES (``"colwise"``, ``("colwise", 3)``), or None."""
+    if isinstance(value, (tuple, list)):
+        if len(value) == 2 and value[0] in PACKED + SIZED:
+            n = value[1]
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+                return None
+            return f"({value[0]!r}, n) takes an int n >= 1, not {n!r}"
+        return (
+            f"a style with a number is (style, n) for style {', '.join(PACKED + SIZED)}, not"
+            f" {value!r}"
+        )
+    if isinstance(value, str) and value in STYLES:
+        return None
+    return f"unknown style {value!r}"
+
 
 # -- data parallel -----------------------------------------------------------------------------
 

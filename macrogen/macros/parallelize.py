@@ -53,7 +53,15 @@ from macrogen.autotune import layouts
 from macrogen.autotune.layouts import pipeline_problem
 from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, TuningEnv, render
 from macrogen.macros import redundant
-from macrogen.vocabulary import DEFAULT_SCHEDULE, DP_MODES, SCHEDULES, SERVER, STYLES, one_of
+from macrogen.vocabulary import (
+    DEFAULT_SCHEDULE,
+    DP_MODES,
+    SCHEDULES,
+    SERVER,
+    STYLES,
+    one_of,
+    style_problem,
+)
 
 NAME = "parallelize"
 FORMS: frozenset[Form] = frozenset({"call"})
@@ -369,17 +377,16 @@ def _plan(arg: Arg | None) -> tuple[tuple[tuple[str, str | tuple[str, int]], ...
 def _entry(path: Any, style: Any) -> str | None:
     if not isinstance(path, str) or not path or any(not p for p in path.split(".")):
         return f"tp_plan key {path!r} is not a dotted path (use '*' for every child)"
-    if isinstance(style, (tuple, list)):
-        if len(style) == 2 and style[0] == "colwise" and _degree(style[1]) is None:
-            return None
-        return f"{path}: a packed style is ('colwise', k) with k >= 1, not {style!r}"
-    if style in STYLES or style == SERVER:
+    problem = style_problem(style)
+    if problem is None or style == SERVER:
         return None
+    if isinstance(style, (tuple, list)):
+        return f"{path}: {problem}"
     near = difflib.get_close_matches(str(style), (*STYLES, SERVER), n=1)
     hint = f"; did you mean {near[0]!r}?" if near else ""
     return (
-        f"{path}: unknown style {style!r}{hint} (styles: {', '.join(STYLES)}, ('colwise', k),"
-        f" {SERVER})"
+        f"{path}: {problem}{hint} (styles: {', '.join(STYLES)}; ('colwise', k) for k packed"
+        f" blocks; {SERVER})"
     )
 
 
@@ -422,7 +429,10 @@ def expand(site: Site, ctx: Context) -> Expanded:
     call = site.node
     assert isinstance(call, cst.Call)
     runtime = "macrogen.runtime"
-    imports = [ctx.import_from(runtime, "device_mesh")]
+    imports = [
+        ctx.import_from(runtime, "parallelize_once"),
+        ctx.import_from(runtime, "device_mesh"),
+    ]
     if spec.plan is not None or spec.hf:
         imports.append(ctx.import_from(runtime, "apply_tensor_parallel"))
         if spec.hf:
@@ -441,6 +451,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
         if not spec.servers:  # with servers, apply_server_tables runs the workers' part
             imports.append(ctx.import_from(runtime, "apply_data_parallel"))
         imports.append(ctx.import_from("macrogen.runtime", "DataParallelConfig"))
+    elif not spec.servers:
+        imports.append(ctx.import_from(runtime, "no_data_parallel"))
     names = {imp.name: imp for imp in imports}
     fn = ctx.names.fresh(f"_parallelize_l{site.line}")
     helper = render(
@@ -468,6 +480,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
         apply_fully_sharded=names.get("apply_fully_sharded", ""),
         fsdp_config=names.get("FullyShardedConfig", ""),
         device_mesh=names["device_mesh"],
+        parallelize_once=names["parallelize_once"],
+        no_data_parallel=names.get("no_data_parallel", ""),
         apply_tensor_parallel=names.get("apply_tensor_parallel", ""),
         hf_plan=names.get("hf_plan", ""),
         apply_data_parallel=names.get("apply_data_parallel", ""),

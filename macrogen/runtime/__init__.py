@@ -41,10 +41,12 @@ EXPORTS: dict[str, str] = {
     "as_sharded_dtensor": "collectives",
     "vocab_parallel_cross_entropy": "collectives",
     # mg.parallelize: the steps its generated function takes
+    "parallelize_once": "parallelize",
     "device_mesh": "parallelize",
     "apply_tensor_parallel": "parallelize",
     "hf_plan": "parallelize",
     "apply_data_parallel": "parallelize",
+    "no_data_parallel": "parallelize",
     "apply_recompute": "recompute",
     "apply_pipeline": "parallelize_pipeline",
     "apply_fully_sharded": "fully_sharded",
@@ -95,6 +97,8 @@ if TYPE_CHECKING:  # what the names are, for a type checker reading an expanded 
     from macrogen.runtime.parallelize import apply_tensor_parallel as apply_tensor_parallel
     from macrogen.runtime.parallelize import device_mesh as device_mesh
     from macrogen.runtime.parallelize import hf_plan as hf_plan
+    from macrogen.runtime.parallelize import no_data_parallel as no_data_parallel
+    from macrogen.runtime.parallelize import parallelize_once as parallelize_once
     from macrogen.runtime.parallelize_pipeline import apply_pipeline as apply_pipeline
     from macrogen.runtime.param_server import ServerConfig as ServerConfig
     from macrogen.runtime.param_server import apply_server_tables as apply_server_tables

@@ -125,6 +125,28 @@ def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return x if group_size(group) == 1 else _GatherLastDim.apply(x, group)  # type: ignore[no-untyped-call]
 
 
+class _CountedOnce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, keep: bool) -> torch.Tensor:
+        return x.view_as(x) if keep else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def counted_once(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``x`` on the group's first rank, zeros on the others; backward: the identity on every rank.
+
+    A replicated bias added inside a layer whose output is then summed over the group (a
+    rowwise layer running its own forward): the sum counts it once, and each rank's copy gets
+    the whole gradient (the output's gradient is the same on every rank), as serially.
+    """
+    if group_size(group) == 1:
+        return x
+    return cast(torch.Tensor, _CountedOnce.apply(x, group_rank(group) == 0))  # type: ignore[no-untyped-call]
+
+
 # -- linear layers with their collective fused in -----------------------------------------
 #
 # Same results as F.linear(f(x), W, b) and g(F.linear(x, W)) in one autograd node
@@ -456,9 +478,11 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, what: st
     return out
 
 
-def _my_sequence_slice(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _my_sequence_slice(
+    x: torch.Tensor, group: dist.ProcessGroup, what: str = "gather_sequence's gradient"
+) -> torch.Tensor:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_sequence(x.shape[SEQUENCE_DIM], size, "gather_sequence's gradient")
+    _check_sequence(x.shape[SEQUENCE_DIM], size, what)
     return x.chunk(size, dim=SEQUENCE_DIM)[rank]
 
 
@@ -478,6 +502,22 @@ class _GatherSequence(torch.autograd.Function):
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The whole sequence from every rank's slice (dim 1); backward keeps my slice."""
     return x if group_size(group) == 1 else _GatherSequence.apply(x, group)  # type: ignore[no-untyped-call]
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _my_sequence_slice(x, group, "a sequence_parallel module's input").contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_sequence(grad, ctx.group), None
+
+
+def scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's slice of a whole sequence (dim 1); backward all-gathers the slices' gradients."""
+    return x if group_size(group) == 1 else _ScatterSequence.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 class _ColwiseFromSequence(torch.autograd.Function):

@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from macrogen.runtime.fully_sharded import repeated_layers
-from macrogen.runtime.parallelize import local_parameters, weakly_bound
+from macrogen.runtime.parallelize.local import local_parameters, weakly_bound
 
 
 def every(which: object) -> int | None:

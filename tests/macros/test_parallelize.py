@@ -67,7 +67,10 @@ def test_degrees_may_be_defined_or_tunable():
         ),
         ("mg.parallelize(m, dp='ddp')", 'dp must be "replicate", "zero1", "fsdp" or "none"'),
         ("mg.parallelize(m, tp=2, tp_plan={'a': 'rowise'})", "did you mean 'rowwise'?"),
-        ("mg.parallelize(m, tp=2, tp_plan={'a': ('colwise', 0)})", "('colwise', k) with k >= 1"),
+        (
+            "mg.parallelize(m, tp=2, tp_plan={'a': ('colwise', 0)})",
+            "('colwise', n) takes an int n >= 1",
+        ),
         ("mg.parallelize(m, tp=2, tp_plan={'a..b': 'colwise'})", "is not a dotted path"),
         ("mg.parallelize(m, tp=2, tp_plan='auto')", 'tp_plan must be "hf" or a non-empty dict'),
         ("mg.parallelize(m, tp=n, tp_plan='hf')", "'n' is not known at expansion time"),

@@ -195,6 +195,7 @@ def attention_launches(name: str, config: dict | None, dtype: str, head: int, tm
     return module, forward, backward
 
 
+@pytest.mark.timeout(900)  # (about 20 s of CPU each with a cold cache: minutes under load)
 @pytest.mark.parametrize(
     "name, dtype, head, target",
     [("attention", "fp16", 128, TARGET), ("attention_causal", "bf16", 64, A100)],

@@ -10,6 +10,7 @@ from macrogen.runtime import apply_data_parallel
 from macrogen.runtime import apply_tensor_parallel
 from macrogen.runtime import device_mesh
 from macrogen.runtime import hf_plan
+from macrogen.runtime import parallelize_once
 
 
 def _parallelize_l9(model):
@@ -17,6 +18,7 @@ def _parallelize_l9(model):
 
     The model object is kept; each step below changes it in place, in torchtitan's order.
     """
+    parallelize_once(model, where='input.py:9')  # a second mg.parallelize of it is an error
     mesh = device_mesh(tp=2, pp=1, planned=True, where='input.py:9')
     # 1. tensor parallel over the mesh's tensor dim: shards as DTensors, forward on local shards
     apply_tensor_parallel(model, mesh, hf_plan(model), where='input.py:9')

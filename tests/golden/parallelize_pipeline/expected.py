@@ -13,6 +13,7 @@ from macrogen.runtime import apply_pipeline
 from macrogen.runtime import apply_recompute
 from macrogen.runtime import apply_tensor_parallel
 from macrogen.runtime import device_mesh
+from macrogen.runtime import parallelize_once
 
 
 def _parallelize_l20(model):
@@ -20,6 +21,7 @@ def _parallelize_l20(model):
 
     The model object is kept; each step below changes it in place, in torchtitan's order.
     """
+    parallelize_once(model, where='input.py:20')  # a second mg.parallelize of it is an error
     mesh = device_mesh(tp=1, pp=2, planned=False, where='input.py:20')
     # 1. pipeline: forward cut into 2 stages (1f1b, 4 micro-batches), as @mg.pipeline would cut
     # its class; this rank keeps its stage, and mg.pipeline_step(model, x, y, loss_fn) runs the schedule
@@ -38,6 +40,7 @@ def _parallelize_l21(model):
 
     The model object is kept; each step below changes it in place, in torchtitan's order.
     """
+    parallelize_once(model, where='input.py:21')  # a second mg.parallelize of it is an error
     mesh = device_mesh(tp=1, pp=2, planned=False, where='input.py:21')
     # 1. pipeline: forward cut into 2 stages (interleaved, 8 micro-batches), as @mg.pipeline would cut
     # its class; this rank keeps its stage, and mg.pipeline_step(model, x, y, loss_fn) runs the schedule
@@ -59,6 +62,7 @@ def _parallelize_l22(model):
 
     The model object is kept; each step below changes it in place, in torchtitan's order.
     """
+    parallelize_once(model, where='input.py:22')  # a second mg.parallelize of it is an error
     mesh = device_mesh(tp=2, pp=2, planned=True, where='input.py:22')
     # 1. tensor parallel over the mesh's tensor dim: shards as DTensors, forward on local shards
     apply_tensor_parallel(model, mesh, {

@@ -10,6 +10,7 @@ from macrogen.runtime import DataParallelConfig
 from macrogen.runtime import apply_data_parallel
 from macrogen.runtime import apply_tensor_parallel
 from macrogen.runtime import device_mesh
+from macrogen.runtime import parallelize_once
 
 
 def _parallelize_l9(model):
@@ -17,6 +18,7 @@ def _parallelize_l9(model):
 
     The model object is kept; each step below changes it in place, in torchtitan's order.
     """
+    parallelize_once(model, where='input.py:9')  # a second mg.parallelize of it is an error
     mesh = device_mesh(tp=2, pp=1, planned=True, where='input.py:9')
     # 1. tensor parallel over the mesh's tensor dim: shards as DTensors, forward on local shards
     apply_tensor_parallel(model, mesh, {
@@ -41,6 +43,7 @@ def _parallelize_l26(model):
 
     The model object is kept; each step below changes it in place, in torchtitan's order.
     """
+    parallelize_once(model, where='input.py:26')  # a second mg.parallelize of it is an error
     mesh = device_mesh(tp=1, pp=1, planned=False, where='input.py:26')
     # 1. data parallel (replicate): gradients averaged over the mesh's data dim
     apply_data_parallel(model, mesh, 'replicate', where='input.py:26', config=DataParallelConfig(

@@ -1,0 +1,204 @@
+"""``apply_tensor_parallel``: a plan ``{path: style}`` applied to a built model on one DeviceMesh.
+
+The one entry point every front end lowers onto (``mg.parallelize`` today; the class
+decorators' plans next). In order:
+
+1. the plan is resolved against the model (``layout.resolve``: every problem at once) and
+   every rank shows the others what it plans (the same plan, the same serial shapes);
+2. each layer whose forward is not a known one answers a small random input serially
+   (``checks.serial_probe``), before anything is cut;
+3. each cut parameter becomes this rank's shard as a DTensor (``Shard(d)``, or
+   ``_StridedShard(d, k)`` for k packed blocks) in every module holding it, and every other
+   parameter a replicated DTensor, so that whole-model tools (``numel``, ``state_dict``,
+   ``save_pretrained``, DCP, ``clip_grad_norm_``) see the serial model;
+4. divided attributes are divided, summed gradients marked, planned forwards wrapped
+   (``styles``) and the model's forward set to run on local tensors (``local``), with the
+   replicated-gradient check on its first backwards (``checks.GradientCheck``);
+5. the probed layers answer again on their shards; any difference refuses the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from macrogen.runtime.agreement import Fingerprint, check_agreement
+from macrogen.runtime.class_plans import APPLIED
+from macrogen.runtime.mesh import Mesh
+from macrogen.runtime.parallelize.checks import (
+    GradientCheck,
+    NoDropout,
+    check_probes,
+    guard_first_forward,
+    needs_probe,
+    no_sharded_outputs,
+    parallel_problem,
+    quietly,
+    serial_probe,
+)
+from macrogen.runtime.parallelize.layout import Cut, Layout, resolve
+from macrogen.runtime.parallelize.local import (
+    COLWISE,
+    TENSOR_PARALLEL,
+    attach,
+    is_tensor_parallel,
+    mark_summed,
+)
+from macrogen.runtime.parallelize.styles import install
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    mesh: Mesh,
+    plan: Mapping[str, Any],
+    *,
+    where: str,
+    check_gradients: bool = True,
+) -> nn.Module:
+    """Shard ``model``'s planned layers over the mesh's tensor dim (in place; returns ``model``)."""
+    tp = mesh.tensor_size
+    layout = resolve(model, plan, tp)  # the checks run serially too: a plan that can't fit
+    _check_ranks(model, layout, mesh, where)
+    if tp == 1:
+        return model
+    if is_tensor_parallel(model):
+        raise RuntimeError(f"mg.parallelize at {where}: this model is tensor-parallel already")
+    cut = next((n for n, m in model.named_modules() if APPLIED in m.__dict__
+                and "tp_size" in m.__dict__ and m.__dict__["tp_size"] > 1), None)  # fmt: skip
+    if cut is not None:  # its layers are @tensor_parallel shards already (plain tensors)
+        raise RuntimeError(
+            f"mg.parallelize at {where}: {cut or type(model).__name__} is a @tensor_parallel class"
+            " whose shards were cut when it was built: give the tensor-parallel plan in one place"
+            " (the decorators, or tp_plan= on a model of undecorated classes)"
+        )
+    group, tensor_mesh = mesh.tensor_group, mesh.device_mesh["tensor"]
+    assert group is not None  # tp > 1
+    probed = [w for w in layout.wraps if needs_probe(w)]
+    generator = torch.Generator().manual_seed(0)
+    with quietly([w.module for w in probed]):
+        probes = [serial_probe(w, generator) for w in probed]
+    _shard(model, layout, group, tensor_mesh)
+    names = {id(m): n for n, m in model.named_modules()}
+    check = GradientCheck(group, names, where) if check_gradients else None
+    # dropout in the first training forward of the model (or of each FSDP unit, pipeline stage)
+    attach(model, list(model.modules()), check, functools.partial(NoDropout, where))
+    guard_first_forward(model, names, where)
+    model.__dict__[TENSOR_PARALLEL] = True
+    with quietly([w.module for w in probed]):
+        check_probes(probes, group, where, lambda: [p for p in (parallel_problem(probe, group)
+                                                                for probe in probes) if p])  # fmt: skip
+    colwise = [(w.name, w.module) for w in layout.wraps if w.style.kind == "colwise"]
+    if colwise:
+        model.__dict__[COLWISE] = colwise  # (a pipeline's last stage checks its output too)
+        model.register_forward_hook(functools.partial(no_sharded_outputs, colwise, where))
+    _tell_transformers(model, tp)
+    return model
+
+
+def _shard(model: nn.Module, layout: Layout, group: dist.ProcessGroup, tensor_mesh: Any) -> None:
+    tp = dist.get_world_size(group)
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in model.modules():
+        for key, p in owner._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((owner, key))
+    for cut in layout.cuts:
+        _cut(cut, group, tensor_mesh, holders)
+    _replicate_the_rest(model, tensor_mesh)
+    for module, key, _ in layout.summed:
+        mark_summed(module, key, group)
+    for owner, attr, _ in layout.divides:
+        object.__setattr__(owner, attr, getattr(owner, attr) // tp)
+    for owner, experts in layout.expert_owners.values():
+        if isinstance(getattr(owner, "num_experts", None), int):  # its forward: its experts
+            object.__setattr__(owner, "num_experts", experts // tp)
+        object.__setattr__(
+            owner, "_is_expert_parallel", True
+        )  # transformers' experts: masked routes
+    for wrap in layout.wraps:
+        install(wrap, group)
+
+
+def _cut(cut: Cut, group: dist.ProcessGroup, tensor_mesh: Any, holders: dict[int, Any]) -> None:
+    """``module.key`` becomes this rank's shard, as a DTensor parameter, in every module holding it."""
+    full = cut.module._parameters[cut.key]
+    assert full is not None
+    if isinstance(full, DTensor):  # tied to a parameter cut already (the same way: layout._ties)
+        return
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    data = full.detach()
+    local = torch.cat([b.chunk(size, dim=cut.dim)[rank]
+                       for b in data.chunk(cut.blocks, dim=cut.dim)], dim=cut.dim)  # fmt: skip
+    placement: Any = (
+        Shard(cut.dim) if cut.blocks == 1 else _StridedShard(cut.dim, split_factor=cut.blocks)
+    )
+    param = _parameter(full, local.contiguous(), placement, tensor_mesh)
+    for owner, held in holders.get(id(full), [(cut.module, cut.key)]):
+        owner._parameters[held] = param
+
+
+def _parameter(
+    full: torch.Tensor, local: torch.Tensor, placement: Any, tensor_mesh: Any
+) -> nn.Parameter:
+    if local.device.type != tensor_mesh.device_type:
+        raise RuntimeError(
+            f"the model's parameters are on {local.device.type} and the mesh on"
+            f" {tensor_mesh.device_type}: move the model to its device (model.to(run.device))"
+            " before mg.parallelize"
+        )
+    dt = DTensor.from_local(
+        local, tensor_mesh, [placement], run_check=False, shape=full.shape, stride=full.stride()
+    )
+    return nn.Parameter(dt, requires_grad=full.requires_grad)
+
+
+def _replicate_the_rest(model: nn.Module, tensor_mesh: Any) -> None:
+    """Every parameter not sharded becomes a replicated DTensor (one kind for whole-model tools)."""
+    made: dict[int, nn.Parameter] = {}
+    for owner in model.modules():
+        for key, p in list(owner._parameters.items()):
+            if p is None or isinstance(p, DTensor):
+                continue
+            if id(p) not in made:
+                made[id(p)] = _parameter(p, p.detach(), Replicate(), tensor_mesh)
+            owner._parameters[key] = made[id(p)]
+
+
+def _check_ranks(model: nn.Module, layout: Layout, mesh: Mesh, where: str) -> None:
+    """Every rank must plan the same: the plan, the serial shapes, and divided attributes' serial
+    values (``n_head`` 8 on one rank and 4 on another gives equal shapes, different attention)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    params = tuple(f"{n} {tuple(p.shape)} {p.dtype}" for n, p in model.named_parameters())
+    check_agreement(
+        Fingerprint(params + tuple(layout.entries), f"tp={mesh.tensor_size}"), group=None,
+        where=where,
+    )  # fmt: skip
+
+
+def check_outputs(model: nn.Module, module: nn.Module, *, where: str) -> None:
+    """``module`` (a pipeline's last stage) must not send on a colwise layer's sharded output."""
+    colwise = model.__dict__.get(COLWISE)
+    if colwise:
+        module.register_forward_hook(functools.partial(no_sharded_outputs, colwise, where))
+
+
+def _tell_transformers(model: nn.Module, tp: int) -> None:
+    """A transformers model's ``save_pretrained`` gathers DTensor shards into the serial weights
+    when its config says it is tensor-parallel (called on every rank, as for HF's own TP)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "save_pretrained"):
+        return
+    try:
+        from transformers.distributed.configuration_utils import DistributedConfig
+    except ImportError:  # transformers < 5 has no such config: save with state_dict=
+        return
+    if getattr(config, "distributed_config", None) is None:
+        config.distributed_config = DistributedConfig(tp_size=tp)

@@ -1,0 +1,273 @@
+"""Local tensors in the parameters' places while a forward runs.
+
+Tensor-parallel parameters are DTensors, so that whole-model tools see the serial
+model; the forward computes on plain local tensors all the same. A forward
+pre-hook on the model (under FSDP: on each unit, after FSDP gathered it;
+pipelined: on each stage module) puts every DTensor parameter's local tensor in
+its place (``to_local()``, through one autograd node for all of them) and a
+forward hook puts the DTensors back. That node's backward, which runs once every
+gradient of its parameters is computed:
+
+1. sums over the tensor group, in one all-reduce, the gradients of the
+   parameters an entry marked (``replicate_grad_allreduce``, ``sequence_parallel``:
+   each rank's copy saw only its heads or its tokens);
+2. hands the gradients to the replicated-gradient check, while it is pending;
+3. wraps each gradient in its parameter's placements, as ``to_local()``'s own
+   backward does (with the parameter's spec: ``DTensor.from_local`` builds and
+   verifies a new spec per call, ~10x slower per parameter, measured).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from macrogen.runtime.eager import eager
+
+if TYPE_CHECKING:
+    from macrogen.runtime.parallelize.checks import GradientCheck
+
+LOCAL = "_mg_local_forward"  # on a swap owner: its LocalForward
+SWAPPED = "_mg_swapped_parameters"  # (owner, name, DTensor parameter) while a forward runs
+WATCHING = "_mg_watching"  # the first training forward's context while it runs
+SUMMED = "_mg_summed_gradients"  # on a module: {parameter name: tensor group} summed in backward
+TENSOR_PARALLEL = "_mg_tensor_parallel"  # on the model: apply_tensor_parallel sharded it
+COLWISE = "_mg_colwise_layers"  # on the model: (name, layer) of each colwise layer (a slice out)
+
+
+@dataclass
+class LocalForward:
+    """One swap owner's (the model's, an FSDP unit's, a pipeline stage's) swap."""
+
+    scope: list[nn.Module]  # the modules whose parameters it swaps (found once, not per forward)
+    check: GradientCheck | None  # the replicated-gradient check, while it is pending
+    # a context around the first training forward (checks.NoDropout), until one passes
+    watch: Callable[[], Any] | None = None
+    hooks: tuple[Any, ...] = ()
+
+
+@dataclass
+class _Backward:
+    """What one forward's local tensors need in backward."""
+
+    summed: dict[int, dist.ProcessGroup]  # index of a parameter -> the group summing its gradient
+    slots: list[tuple[nn.Module, str]]  # (module, name) of each parameter, by index
+    check: GradientCheck | None
+    specs: list[Any] = field(default_factory=list)
+
+
+class LocalParameters(torch.autograd.Function):
+    """Every DTensor parameter's local tensor, in one autograd node."""
+
+    @staticmethod
+    def forward(ctx: Any, job: _Backward, *params: Any) -> tuple[torch.Tensor, ...]:
+        ctx.job = job
+        # a parameter the forward did not use gets no gradient (None), as serially: a zero
+        # gradient would make the optimizer step it (weight decay, momentum)
+        ctx.set_materialize_grads(False)
+        job.specs = [p._spec for p in params]
+        # views: the DTensor's own local tensor must not take this node as its grad_fn
+        return tuple(_view(p.to_local()) for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        job: _Backward = ctx.job
+        out = list(grads)
+        if job.check is not None and job.check.pending:
+            job.check.run(job.slots, job.specs, job.summed, out, lambda: _sum(out, job.summed))
+        else:
+            _sum(out, job.summed)
+        return (
+            None,
+            *(None if g is None else DTensor(g, spec, requires_grad=False)
+              for g, spec in zip(out, job.specs)),
+        )  # fmt: skip
+
+
+def _view(t: torch.Tensor) -> torch.Tensor:
+    return t.view_as(t)
+
+
+def _sum(grads: list[torch.Tensor | None], summed: Mapping[int, dist.ProcessGroup]) -> None:
+    """The marked gradients summed over their group: one all-reduce per group (in place)."""
+    by_group: dict[dist.ProcessGroup, list[int]] = {}
+    for i, group in summed.items():
+        if grads[i] is not None:
+            by_group.setdefault(group, []).append(i)
+    for group, indices in by_group.items():
+        parts = [g for g in (grads[i] for i in indices) if g is not None]
+        flat = torch.cat([g.reshape(-1) for g in parts])
+        dist.all_reduce(flat, group=group)
+        for i, g, piece in zip(indices, parts, flat.split([g.numel() for g in parts])):
+            grads[i] = piece.view_as(g)
+
+
+@eager  # swaps entries of the modules' parameter tables: eager, outside a graph
+def _to_local(owner: nn.Module, args: Any) -> None:
+    _restore(owner)  # a forward that raised may have left local tensors in place
+    local: LocalForward = owner.__dict__[LOCAL]
+    slots: list[tuple[nn.Module, str, Any]] = []
+    index: dict[int, int] = {}  # a parameter under two names (tied) gets one local tensor
+    params: list[Any] = []
+    summed: dict[int, dist.ProcessGroup] = {}
+    names: list[tuple[nn.Module, str]] = []
+    for module in local.scope:
+        marked = module.__dict__.get(SUMMED)
+        for key, p in module._parameters.items():
+            if isinstance(p, DTensor):
+                if id(p) not in index:
+                    index[id(p)] = len(params)
+                    params.append(p)
+                    names.append((module, key))
+                    if marked is not None and key in marked:
+                        summed[index[id(p)]] = marked[key]
+                slots.append((module, key, p))
+    if not params:
+        return
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        check = local.check if local.check is not None and local.check.pending else None
+        job = _Backward(summed, names, check)
+        tensors = LocalParameters.apply(job, *params)  # type: ignore[no-untyped-call]
+    else:
+        tensors = [p.to_local() for p in params]
+    for module, key, p in slots:
+        module._parameters[key] = tensors[index[id(p)]]
+    owner.__dict__[SWAPPED] = slots
+    if local.watch is not None and owner.training:
+        watching = local.watch()
+        watching.__enter__()
+        owner.__dict__[WATCHING] = watching
+
+
+@eager
+def _restore(owner: nn.Module, *_: Any) -> None:
+    for module, key, p in owner.__dict__.pop(SWAPPED, ()):
+        module._parameters[key] = p
+
+
+@eager
+def _after(owner: nn.Module, args: Any, output: Any) -> None:
+    """The forward's end (``output`` None: it raised): parameters back, the watch ended."""
+    _restore(owner)
+    watching = owner.__dict__.pop(WATCHING, None)
+    if watching is not None:
+        watching.__exit__(None, None, None)
+        if output is not None:  # the first training forward passed
+            owner.__dict__[LOCAL].watch = None
+
+
+def attach(
+    owner: nn.Module,
+    scope: list[nn.Module],
+    check: GradientCheck | None,
+    watch: Callable[[], Any] | None = None,
+) -> None:
+    """``owner``'s forward runs on the local tensors of ``scope``'s DTensor parameters."""
+    detach(owner)
+    local = LocalForward(scope, check, watch)
+    owner.__dict__[LOCAL] = local
+    local.hooks = (
+        owner.register_forward_pre_hook(_to_local, prepend=False),
+        owner.register_forward_hook(_after, prepend=True, always_call=True),
+    )
+
+
+def detach(owner: nn.Module) -> LocalForward | None:
+    """``owner``'s swap removed (FSDP moves it into each unit); what it was."""
+    local: LocalForward | None = owner.__dict__.pop(LOCAL, None)
+    for handle in local.hooks if local is not None else ():
+        handle.remove()
+    return local
+
+
+def mark_summed(module: nn.Module, name: str, group: dist.ProcessGroup) -> None:
+    """``module.name``'s gradient is summed over ``group`` in the backward of every swap."""
+    module.__dict__.setdefault(SUMMED, {})[name] = group
+
+
+def is_tensor_parallel(model: nn.Module) -> bool:
+    """``apply_tensor_parallel`` sharded ``model`` (its forward runs on local shards)."""
+    return bool(model.__dict__.get(TENSOR_PARALLEL, False))
+
+
+def local_forward_per_unit(
+    model: nn.Module,
+    units: list[nn.Module],
+    owners: Mapping[nn.Module, list[nn.Module]] | None = None,
+) -> None:
+    """Under FSDP, each unit's parameters are gathered (as tensor-parallel DTensors) only while
+    the unit runs: swap them to local tensors there, after FSDP's gathering pre-hook and
+    before its resharding post-hook, instead of once for the whole model.
+
+    A pipeline's schedule runs its stages' modules, never the model's forward: each stage is a
+    unit, and ``owners`` adds the modules holding its bare parameters (their own tables only)."""
+    whole = detach(model)
+    check = whole.check if whole is not None else None
+    watch = whole.watch if whole is not None else None
+    # the model's list of its colwise layers: a pipeline cut dropped some, and the list would
+    # keep them (another stage's shards) alive (in place: the output checks' hooks hold it)
+    if COLWISE in model.__dict__:
+        kept = {id(m) for m in model.modules()}
+        colwise = model.__dict__[COLWISE]
+        colwise[:] = [(n, m) for n, m in colwise if id(m) in kept]
+    for unit in units:  # a unit set up before (FSDP after a pipeline cut) had the check
+        previous = unit.__dict__.get(LOCAL)
+        if previous is not None and check is None:
+            check, watch = previous.check, previous.watch
+    boundaries = {id(u) for u in units}
+
+    def scope(unit: nn.Module) -> list[nn.Module]:
+        found, stack = [], [unit]
+        while stack:
+            module = stack.pop()
+            found.append(module)
+            stack += [c for c in module.children() if id(c) not in boundaries]
+        return found
+
+    for unit in units:  # each its own check: one small collective per unit, once
+        fresh = check.fresh() if check is not None else None
+        attach(unit, scope(unit) + list((owners or {}).get(unit, ())), fresh, watch)
+
+
+@contextlib.contextmanager
+def local_parameters(module: nn.Module) -> Iterator[None]:
+    """``module``'s tensor-parallel parameters as local tensors while it runs on its own,
+    outside its model's forward (a block's forward recomputed in backward, a planned layer
+    called by hand). Inside the model's forward they are local already, and nothing changes."""
+    if not any(isinstance(p, DTensor) for m in module.modules() for p in m._parameters.values()):
+        yield
+        return
+    if LOCAL in module.__dict__:
+        _to_local(module, ())
+    else:
+        module.__dict__[LOCAL] = LocalForward(list(module.modules()), None)
+        try:
+            _to_local(module, ())
+        finally:
+            del module.__dict__[LOCAL]
+    try:
+        yield
+    finally:
+        _restore(module)
+
+
+def weakly_bound(fn: Callable[..., Any], module: nn.Module, *args: Any) -> Callable[..., Any]:
+    """``fn(module, *args, ...)`` for ``module`` to hold (its own forward). It reaches the module
+    weakly: a strong reference is a cycle, which keeps a layer that a pipeline cut dropped
+    (another stage's, with its shards) alive until a gc pass."""
+    ref = weakref.ref(module)
+
+    def forward(*more: Any, **kwargs: Any) -> Any:
+        me = ref()
+        assert me is not None, "a module's forward outlived its module"
+        return fn(me, *args, *more, **kwargs)
+
+    return forward
