@@ -110,3 +110,13 @@ def test_an_entry_module_elsewhere_gets_the_file_s_module(tmp_path, monkeypatch,
     assert main(["verify", str(path), "--entry", "factories:build"]) == 1
     assert "RuntimeError: got plain_plan" in capsys.readouterr().err
     assert not Path(tmp_path / "__pycache__" / "nothing").exists()
+
+
+def test_verify_true_refuses_a_pipeline():
+    from macrogen.expand import ExpansionError, expand_source
+
+    source = (
+        "import macrogen as mg\nmodel = mg.parallelize(model, pp=2, microbatches=2, verify=True)\n"
+    )
+    with pytest.raises(ExpansionError, match="verify=True checks a model that is not cut"):
+        expand_source(source, path="p.py")

@@ -28,7 +28,8 @@ plan's ``"server"`` tables live on the last S ranks, ``macrogen.runtime.param_se
 ``staleness`` (0), ``server_optimizer`` ("sgd" or "adagrad") and ``server_lr`` (0.01);
 ``recompute`` (None; "blocks": the repeated blocks keep only their inputs and run their
 forward again in backward, ``macrogen.runtime.recompute``; an int N: every N-th block, from
-the first, 1 being "blocks").
+the first, 1 being "blocks"); ``verify`` (False; True: a serial copy of the model is made
+first and the first forward's output is compared with its own, ``macrogen.runtime.first_forward``).
 
 ``pp=N`` cuts the built model into N pipeline stages at run time, as ``@mg.pipeline``
 would cut its class (``macrogen.runtime.parallelize_pipeline``): the training step is
@@ -95,6 +96,7 @@ DEFAULTS: dict[str, Any] = {
     "server_optimizer": "sgd",
     "server_lr": 0.01,
     "recompute": None,
+    "verify": False,
 }
 LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches", "recompute")
 FSDP_ONLY = (
@@ -131,6 +133,7 @@ class Spec:
     server_lr: float = 0.01
     # "blocks": the repeated blocks are recomputed in backward; an int N: every N-th of them
     recompute: str | int | None = None
+    verify: bool = False  # the first forward compared with a serial copy's (then dropped)
 
 
 def _degree(v: Any) -> str | None:
@@ -201,6 +204,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "server_optimizer": _server_optimizer,
     "server_lr": _mib,
     "recompute": _recompute,
+    "verify": _bool,
 }
 
 
@@ -239,6 +243,12 @@ def validate(site: Site, ctx: Context) -> Spec:
             ' tp_plan="hf" (the plan a transformers model ships)',
             tp_arg.node,
         )
+    if values["verify"] and (values["pp"] > 1 or values["servers"]):
+        raise MacroError(
+            "verify=True checks a model that is not cut into pipeline stages or served by"
+            " parameter servers; check the plan at pp=1 (macrogen verify, docs/verify.md)",
+            args["verify"].node,
+        )
     return Spec(
         tp=values["tp"],
         pp=values["pp"],
@@ -261,6 +271,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         server_optimizer=values["server_optimizer"],
         server_lr=values["server_lr"],
         recompute=None if values["recompute"] in (None, "none") else values["recompute"],
+        verify=values["verify"],
     )
 
 
@@ -439,6 +450,9 @@ def expand(site: Site, ctx: Context) -> Expanded:
             imports.append(ctx.import_from(runtime, "hf_plan"))
     if spec.recompute:
         imports.append(ctx.import_from("macrogen.runtime", "apply_recompute"))
+    if spec.verify:
+        imports.append(ctx.import_from(runtime, "serial_copy"))
+        imports.append(ctx.import_from(runtime, "check_first_forward"))
     if spec.servers:
         imports.append(ctx.import_from("macrogen.runtime", "apply_server_tables"))
         imports.append(ctx.import_from("macrogen.runtime", "ServerConfig"))
@@ -496,6 +510,9 @@ def expand(site: Site, ctx: Context) -> Expanded:
         recompute=spec.recompute,
         recompute_nth="" if spec.recompute in (None, "blocks", 1) else _nth(spec.recompute),
         apply_recompute=names.get("apply_recompute", ""),
+        verify=spec.verify,
+        serial_copy=names.get("serial_copy", ""),
+        check_first_forward=names.get("check_first_forward", ""),
     )
     model = cst.Arg(call.args[0].value)  # the rest were expansion-time values, now in the helper
     replacement = call.with_changes(

@@ -48,6 +48,8 @@ EXPORTS: dict[str, str] = {
     "apply_data_parallel": "parallelize",
     "no_data_parallel": "parallelize",
     "apply_recompute": "recompute",
+    "serial_copy": "first_forward",
+    "check_first_forward": "first_forward",
     "apply_pipeline": "parallelize_pipeline",
     "apply_fully_sharded": "fully_sharded",
     "apply_server_tables": "param_server",
@@ -89,6 +91,8 @@ if TYPE_CHECKING:  # what the names are, for a type checker reading an expanded 
         vocab_parallel_cross_entropy as vocab_parallel_cross_entropy,
     )
     from macrogen.runtime.data_parallel import DataParallelConfig as DataParallelConfig
+    from macrogen.runtime.first_forward import check_first_forward as check_first_forward
+    from macrogen.runtime.first_forward import serial_copy as serial_copy
     from macrogen.runtime.fully_sharded import FullyShardedConfig as FullyShardedConfig
     from macrogen.runtime.fully_sharded import apply_fully_sharded as apply_fully_sharded
     from macrogen.runtime.fused import FusedAllReduce as FusedAllReduce
