@@ -13,9 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from macrogen.verify import verify
+from macrogen.verify import VerifyError, verify
 from macrogen.verify.rank import run_rank
 from tests import verify_programs
 from tests.distributed import run_ranks
@@ -119,3 +120,45 @@ def test_the_command_runs_the_ranks_under_torchrun(tmp_path):
     assert lines[0].split() == ["parameter", "planned", "max", "abs", "max", "rel"]
     assert lines[-1].startswith(f"{path}:31:13: ok: the step on 2 ranks matches")
     assert done.stderr == ""
+
+
+UNSEEDED = """\
+import os
+import pytest
+import torch
+import torch.nn as nn
+import torch.distributed as dist
+import macrogen as mg
+
+
+def build():
+    model = nn.Linear(4, 4)
+    with torch.no_grad():  # weights from the process, not from torch's seed
+        model.weight.add_(torch.randn(4, 4, generator=torch.Generator().manual_seed(os.getpid())))
+    model = mg.parallelize(model, dp="replicate")
+    return model, torch.randn(2, 4)
+
+
+def fails_in_parallel():
+    if dist.is_initialized():
+        raise RuntimeError("no data on this rank")
+    return nn.Linear(4, 4), torch.randn(2, 4)
+"""
+
+
+def test_weights_that_differ_before_the_step_are_said_to(tmp_path):
+    path = verify_programs.write(tmp_path, "unseeded_plan", UNSEEDED)
+    report = verify(path, entry=":build", world_size=2, launch=_Forked, timeout=120)
+    assert not report.ok
+    assert report.weights_differ[0].name == "weight"
+    assert "error: the weights differ before the step (weight, max abs" in report.verdict()
+
+
+def test_a_program_failing_on_the_ranks_is_one_line(tmp_path):
+    path = verify_programs.write(tmp_path, "failing_ranks", UNSEEDED)
+    with pytest.raises(VerifyError) as caught:
+        verify(path, entry=":fails_in_parallel", world_size=2, launch=_Forked, timeout=120)
+    assert str(caught.value) == (
+        f"{path}: on rank 0 of 2, the entry :fails_in_parallel raised RuntimeError:"
+        " no data on this rank"
+    )
