@@ -309,7 +309,7 @@ def test_plan_widens_its_layout_column_for_every_2nd(capsys):
     import argparse
 
     from macrogen.autotune import planner
-    from macrogen.commands.plan import _print
+    from macrogen.commands.plan import _print_probed
 
     machine = cost.Machine(8, cost.GLOO_LOCAL, cost.GLOO_LOCAL)
     rows = [
@@ -322,7 +322,9 @@ def test_plan_widens_its_layout_column_for_every_2nd(capsys):
         )
         for layout in (Layout(pp=2, microbatches=4, recompute=2), Layout())
     ]
-    _print(rows, argparse.Namespace(world_size=64, gpus_per_node=8, link="gloo:1GB/s", top=10))
+    _print_probed(
+        rows, argparse.Namespace(world_size=64, gpus_per_node=8, link="gloo:1GB/s", top=10)
+    )
     header, *lines = capsys.readouterr().out.splitlines()[1:]
     assert "pp2 (mb4) x dp32 (replicate) + recompute 1/2 " in lines[0]
     # every row's step column ends where the header's does

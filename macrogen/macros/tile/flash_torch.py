@@ -83,7 +83,7 @@ class TorchOutput:
                 {
                     "name": str(g["local"]),
                     "of": g["of"],
-                    "slices": parse(Code(self._slices(role))),
+                    "target": parse(Code(f"{g['local']}[{self._slices(role)}]")),
                     "value": parse(value),
                 }
             )
@@ -119,7 +119,7 @@ class TorchOutput:
             # the arguments that are no tensors, read by the nest or not: the backward gets them
             "others": [p for p in self.nest.params if p not in dict(self.nest.tensors)],
             "out_index": self.nest.params.index(self.tensor["out"]),
-            "out_slices": parse(Code(self._slices("out"))),
+            "d_out_target": parse(Code(f"{n['d_out']}[{self._slices('out')}]")),
             "returned": returned,
         }
         return render("tile_flash_autograd.py.j2", **params)
@@ -179,7 +179,7 @@ class TorchOutput:
             "views": self._views(n, []),
             "logit": parse(logit),
             "causal": parse(causal) if causal is not None else None,
-            "out_slices": parse(Code(self._slices("out"))),
+            "out_target": parse(Code(f"{self.tensor['out']}[{self._slices('out')}]")),
             "value": parse(method(value, "to", f"{self.tensor['out']}.dtype")),
         }
         return render("tile_flash_torch.py.j2", **params)
