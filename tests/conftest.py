@@ -16,12 +16,42 @@ _SLOW_NAMES = ("test_wheel.py", "test_tile_compile.py")
 # A test whose own code starts processes is slow wherever it lives.
 _SPAWNS = re.compile(r"\b(run_ranks|run_interpreted|subprocess\.\w+|mp\.spawn)\(")
 
+# The extended tier: slow tests whose ground a cheaper test of the default run covers, kept
+# out of plain `pytest` (and CI, which must stay under 20 minutes on 2 cores) and run with
+# `pytest --extended`. Each entry says what covers it in the default run.
+EXTENDED = {
+    # 4 ranks (data x tensor) compiled: tp-2 and test_compile_kinds_dist's data x tensor cover it
+    "tests/test_compile_dist.py::test_compiled_training_equals_eager[tp-4-aot_eager]",
+    # Inductor's CPU codegen (~60 s): the aot_eager cases capture the same graphs
+    "tests/test_compile_dist.py::test_compiled_training_equals_eager[dp-2-inductor]",
+    # a rank of 4 killed: test_kill_one_of_2_ranks[seed0] kills and resumes the same way
+    "tests/test_checkpoint_elastic.py::test_kill_one_of_4_ranks",
+    # killed mid-save: the half-written folder is skipped as in test_checkpoint.py's truncated
+    # and unmarked checkpoints, and the parameter server's kill-and-resume run
+    "tests/test_checkpoint_elastic.py::test_kill_one_of_2_ranks[during-save]",
+    # FSDP killed and resumed: test_checkpoint_fsdp_dist resumes FSDP exactly, the elastic
+    # test kills and resumes
+    "tests/test_fsdp_rest_dist.py::test_fsdp_killed_rank_resumes_bit_identical",
+    # 8 ranks (pipeline x data x tensor): the 4-rank pp x tp and pp x dp tests cover each pair
+    "tests/test_parallelize_pipeline_tp_dist.py::"
+    "test_pp2_by_dp2_by_tp2_on_eight_ranks_equals_the_serial_program",
+    # the GPU bench's every row on CPU: test_the_gpu_sessions_script_runs_its_steps_and_logs_each
+    # runs its steps, tests/test_parallelize_dist.py trains with the foreach step
+    "tests/test_bench_gpu.py::test_dry_run_checks_every_row_and_exits_zero",
+    "tests/test_bench_gpu.py::test_training_rows_run_with_cudas_foreach_optimizer_step",
+}
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--update-goldens",
         action="store_true",
         help="rewrite tests/golden/*/expected.* from the current output",
+    )
+    parser.addoption(
+        "--extended",
+        action="store_true",
+        help="also run the extended tier (tests/conftest.py's EXTENDED: slow, covered elsewhere)",
     )
 
 
@@ -30,6 +60,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = Path(str(item.fspath)).name
         if name.endswith(_SLOW_FILES) or name in _SLOW_NAMES or _spawns(item):
             item.add_marker(pytest.mark.slow)
+    if not config.getoption("--extended"):
+        extended = [item for item in items if item.nodeid in EXTENDED]
+        if extended:
+            config.hook.pytest_deselected(items=extended)
+            items[:] = [item for item in items if item.nodeid not in EXTENDED]
 
 
 def _spawns(item: pytest.Item) -> bool:
