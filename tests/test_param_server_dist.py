@@ -324,3 +324,38 @@ def test_a_worker_that_leaves_early_is_named_at_once():
         "needs worker 1's push for its step 1, but worker 1 said it was done after 1 step"
         in (results[0])
     )
+
+
+def _readers_left(rank: int, world: int) -> list[str] | None:
+    """1 worker + 1 server; the server's readers linger a moment after their last request."""
+    import threading
+    import time
+
+    from macrogen.runtime import param_server_wire
+
+    read = param_server_wire.Server._read
+
+    def slow_read(self: param_server_wire.Server, worker: int) -> None:
+        read(self, worker)
+        time.sleep(0.5)  # (the thread still holds the server, and its process group)
+
+    param_server_wire.Server._read = slow_read  # type: ignore[method-assign]
+    model = build(SMALL)
+    config = param_server.ServerConfig(1, 0, "sgd", 0.5, timeout_s=60)
+    try:
+        param_server.apply_param_server(model, [("emb", model.emb), ("bag", model.bag)], config,
+                                        where="test")  # fmt: skip
+    except SystemExit:  # the server: none of its readers may outlive serve()
+        return [t.name for t in threading.enumerate() if t.name.startswith("mg-ps-read")]
+    ids, tags, y = batch(0, 1, 0, SMALL)
+    ((model(ids, tags) - y) ** 2).mean().backward()
+    param_server.shutdown()
+    return None
+
+
+def test_no_server_reader_outlives_serve():
+    """A reader thread left running past serve() holds the last reference to the process
+    group once it is destroyed at exit, and drops it while the interpreter finalizes: the
+    server then aborts (SIGABRT, "terminate called without an active exception")."""
+    results = run_ranks(_readers_left, world_size=2, timeout=60)
+    assert results == [None, []]

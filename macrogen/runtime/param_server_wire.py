@@ -100,15 +100,27 @@ class Server:
     def serve(self) -> None:
         """Answer until every worker said BYE; ProtocolError when a worker's connection ends
         without it, or carries what is no request."""
-        for w in range(len(self.worker_ranks)):
-            name = f"mg-ps-read-{w}"
-            threading.Thread(target=self._read, args=(w,), daemon=True, name=name).start()
+        readers = [
+            threading.Thread(target=self._read, args=(w,), daemon=True, name=f"mg-ps-read-{w}")
+            for w in range(len(self.worker_ranks))
+        ]
+        for reader in readers:
+            reader.start()
         for _ in self.worker_ranks:
             worker, why = self.ended.get()
             if why is not None:
                 raise ProtocolError(
                     f"parameter server: worker {worker} (rank {self.worker_ranks[worker]}): {why}"
                 )
+        # Every reader has returned from _read, but a thread still holds this server (its
+        # target, a bound method) until it has ended: joined, so that no reader outlives
+        # serve(). A reader left running would drop the last reference to the process group
+        # (after destroy_process_group at exit) while the interpreter finalizes: the group's
+        # destructor releases the GIL, the daemon thread is ended when it asks for it back,
+        # and that unwinds a noexcept destructor: SIGABRT, "terminate called without an
+        # active exception".
+        for reader in readers:
+            reader.join()
         with self.lock:
             sending, self.sending = self.sending, []
         for work, _ in sending:
