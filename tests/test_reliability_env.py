@@ -322,6 +322,7 @@ COMMANDS = {
     "autotune": ["autotune", "x.py", "--entry", ":f"],
     "checkpoint": ["checkpoint", "list", "x"],
     "plan": ["plan", "x.py", "--world-size", "2"],
+    "verify": ["verify", "x.py", "--entry", ":f", "--world-size", "2"],
 }
 
 
