@@ -48,6 +48,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -336,7 +338,12 @@ def _serve(
     try:
         Server(tables, group, list(range(W))).serve()
     except ProtocolError as e:  # a worker stopped, or bytes that are no request: one line
-        raise SystemExit(f"rank {rank}: {e}") from None
+        # and out at once: the other workers' readers are still blocked in recv, and an
+        # interpreter finalizing around them aborts ("terminate called without an active
+        # exception", SIGABRT) instead of exiting 1. The job is over (torchrun restarts it).
+        print(f"rank {rank}: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     raise SystemExit(0)
 
 
