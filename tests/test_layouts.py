@@ -167,7 +167,7 @@ def test_sizes_parse_with_units_bytes_and_bits_as_for_links():
 
     assert units.size("--m", "80GB") == 80e9
     assert units.size("--m", "512MiB") == 512 * 2**20
-    assert units.size("--m", "1e9") == 1e9
+    assert units.size("--m", "1e9B") == 1e9
     assert units.size("--m", "80Gb") == 10e9  # bits, as --link reads them
     for bad in ("lots", "nan", "inf", "-80GB", "0GB", "80 GB/s", "٨٠GB"):
         with pytest.raises(units.UsageError, match="--m"):

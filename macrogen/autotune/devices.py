@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from macrogen.autotune import units
+from macrogen.autotune.layouts import MAX_WORLD
 
 # NCCL src/graph/tuning.cc: ring/Simple latency per step (us) over NVLink, PCI and the network,
 # and the fixed latency of a ring collective (baseLat)
@@ -231,7 +232,7 @@ def parse_devices(
             raise units.UsageError(
                 f"{option} {part.strip()!r}: expected COUNTxKIND[:MEMORY] such as 8xH100:80GB"
             )
-        count = units.count(option, m.group(1)) if m.group(1) else 1
+        count = units.count(option, m.group(1), maximum=MAX_WORLD) if m.group(1) else 1
         memory = units.size(option, m.group(3)) if m.group(3) else None
         try:
             groups.append((count, kind(m.group(2), memory, table)))

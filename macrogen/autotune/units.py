@@ -2,7 +2,7 @@
 
     count("--world-size", "64")         -> 64          (ASCII digits; 1e9 is a whole number too)
     size("--gpu-memory", "80GB")        -> 80e9        (B: bytes; b: bits, 80Gb = 10 GB)
-    size("--gpu-memory", "512MiB")      -> 536870912
+    size("--gpu-memory", "512MiB")      -> 536870912   (a unit is needed: 80 alone is refused)
     bandwidth("--link", "400Gb/s")      -> 50e9        (bytes per second)
     number("--speedup", "2.5")          -> 2.5         (finite; nan and inf are no numbers here)
 
@@ -21,6 +21,9 @@ _NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 _PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
 _PREFIXES.update({"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40, "pi": 2.0**50})
 _SIZE = re.compile(rf"({_NUMBER})\s*(?:([kKmMgGtTpP][iI]?)?(B|b))?", re.ASCII)
+# more than any machine has of anything counted here (ranks, rows, tokens): a bound checked
+# before the power of ten is computed, so that 1e999999999 is an error, not an hour of work
+LARGEST = 2**62
 _COUNT = re.compile(r"([0-9]+)(?:[eE]([0-9]+))?", re.ASCII)
 
 
@@ -34,20 +37,26 @@ def count(option: str, text: str, *, minimum: int = 1, maximum: int | None = Non
     m = _COUNT.fullmatch(text.strip())
     if m is None:
         raise UsageError(f"{option} {text!r}: expected a whole number such as 64")
-    value: int = int(m.group(1)) * 10 ** int(m.group(2) or 0)
+    top = LARGEST if maximum is None else min(maximum, LARGEST)
+    digits, exponent = m.group(1).lstrip("0"), int(m.group(2) or 0)
+    if len(digits) + exponent > len(str(top)):  # too many digits to be at most ``top``
+        raise UsageError(f"{option} must be at most {top}, not {text}")
+    value: int = int(m.group(1)) * 10**exponent
     if value < minimum:
         raise UsageError(f"{option} must be at least {minimum}, not {text}")
-    if maximum is not None and value > maximum:
-        raise UsageError(f"{option} must be at most {maximum}, not {text}")
+    if value > top:
+        raise UsageError(f"{option} must be at most {top}, not {text}")
     return value
 
 
 def size(option: str, text: str) -> float:
-    """A positive size in bytes: ``80GB``, ``512MiB``, ``1e9`` (bytes), ``80Gb`` (bits)."""
+    """A positive size in bytes: ``80GB``, ``512MiB``, ``1e9B`` (bytes), ``80Gb`` (bits). A
+    number without its unit is refused: ``--gpu-memory 80`` means 80 GB to whoever typed it."""
     m = _SIZE.fullmatch(text.strip())
-    if m is None:
+    if m is None or m.group(3) is None:
         raise UsageError(
-            f"{option} {text!r}: expected a size such as 80GB or 512MiB (B: bytes, b: bits)"
+            f"{option} {text!r}: expected a size with its unit, such as 80GB or 512MiB"
+            " (B: bytes, b: bits)"
         )
     return _positive(option, text, float(m.group(1)) * _scale(m.group(2), m.group(3)))
 

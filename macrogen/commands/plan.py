@@ -106,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
             raise units.UsageError("name FILE (a program) or --model SOURCE (a model), one of them")
         args.top = units.count("--top", args.top)
         args.global_batch = (
-            None if args.global_batch is None else units.count("--global-batch", args.global_batch)
+            None
+            if args.global_batch is None
+            else units.count("--global-batch", args.global_batch, maximum=2**40)
         )
         memory = None if args.gpu_memory is None else units.size("--gpu-memory", args.gpu_memory)
         if args.model is not None:
@@ -131,7 +133,8 @@ def _run_shapes(args: argparse.Namespace, memory: float | None) -> int:
             raise units.UsageError(f"{option} goes with FILE; --model plans for --devices")
     if args.devices is None or args.global_batch is None or args.seq_len is None:
         raise units.UsageError("--model needs --devices, --global-batch and --seq-len")
-    seqs = tuple(units.count("--seq-len", part) for part in args.seq_len.split(","))
+    # (2**31 tokens: past what any attention kernel indexes)
+    seqs = tuple(units.count("--seq-len", p, maximum=2**31) for p in args.seq_len.split(","))
     table = devices.TABLE
     if args.device_table is not None:
         try:
@@ -140,7 +143,7 @@ def _run_shapes(args: argparse.Namespace, memory: float | None) -> int:
             raise units.UsageError(f"--device-table {e}") from None
     found = devices.parse_devices(args.devices, table=table)
     if args.link is not None or memory is not None:  # the options override every kind's figures
-        intra, inter = cost.parse_links(args.link) if args.link else (None, None)
+        intra, inter = cost.parse_links(args.link) if args.link is not None else (None, None)
         groups = tuple(
             (
                 n,
