@@ -14,6 +14,7 @@ states: tokens x top_k x hidden x 8 bytes each way, forward, and again in backwa
 from __future__ import annotations
 
 import copy
+import re
 import textwrap
 import time
 from pathlib import Path
@@ -141,7 +142,38 @@ def _cases(rank, world, tmp):
             "local experts": sorted({m.num_experts for _, m in state.experts}),
             "bytes": _bytes(model, state, mine, kind),
         }
+    if world == 2:
+        out["transformers' own ep"] = _against_transformers(module, mine)
     return out
+
+
+def _against_transformers(module, rows):
+    """transformers' own expert parallelism (``apply_expert_parallelism`` with the config's
+    ``base_model_ep_plan``, its ``AllToAllEP``) on the same rows: the same loss and, once its
+    summed expert gradients are divided by the ranks, the same expert gradients."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    from tests.expert_models import batches
+
+    ours = module.ep2(_build("qwen2_moe", SKEWED))
+    theirs = _build("qwen2_moe", SKEWED)
+    grid = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "tp"))
+    names = [n for n, _ in theirs.named_modules()] + [n for n, _ in theirs.named_parameters()]
+    plan = {n: style for pattern, style in theirs.config.base_model_ep_plan.items()
+            for n in names if re.fullmatch(r"model\." + re.escape(pattern).replace(r"\*", r"\d+"), n)}  # fmt: skip
+    apply_expert_parallelism(theirs, grid["ep"], grid["tp"], plan)
+    ids = batches(1, ROWS)[0][rows]
+    losses = [_loss(m, ids) for m in (ours, theirs)]
+    for loss in losses:
+        loss.backward()
+    gaps = [abs(float(losses[0]) - float(losses[1]))]
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        if ".experts." in name:
+            mine, other = p.grad.to_local(), q.grad.to_local() / dist.get_world_size()
+            gaps.append(float((mine - other).abs().max()))
+    return {"gap": max(gaps), "experts compared": len(gaps) - 1}
 
 
 def _bytes(model, state, rows, kind):
@@ -161,7 +193,7 @@ def _bytes(model, state, rows, kind):
 
 
 def _check(results):
-    for name, gaps in [(n, g) for r in results for n, g in r.items()]:
+    for name, gaps in [(n, g) for r in results for n, g in r.items() if "gap" not in g]:
         # (transformers computes its loss in float32, on purpose: its rounding, in another order)
         assert gaps["losses"] < (1e-5 if gaps["float32 loss"] else 1e-10), (name, gaps)
         assert gaps["norms"] < 1e-10, (name, gaps)
@@ -171,7 +203,9 @@ def _check(results):
         b = gaps["bytes"]  # this rank: its pairs out, the rows its experts ran back
         assert b["dispatched"] == b["routed"], (name, b)
         assert b["backward"] == b["dispatched"] + b["combined"], (name, b)
-    for name in results[0]:  # over the ranks, each way: every routed pair once
+    for name in [
+        n for n, g in results[0].items() if "gap" not in g
+    ]:  # over the ranks, each way: every routed pair once
         routed = sum(r[name]["bytes"]["routed"] for r in results)
         assert sum(r[name]["bytes"]["combined"] for r in results) == routed, name
 
@@ -179,10 +213,14 @@ def _check(results):
 @pytest.mark.timeout(300)
 def test_expert_parallel_equals_serial_on_2_ranks(tmp_path):
     results = run_ranks(_cases, 2, args=(str(tmp_path),), timeout=280)
-    print({name: round(r["seconds"], 2) for name, r in results[0].items()})
+    print({name: round(r.get("seconds", 0), 2) for name, r in results[0].items()})
+    print(results[0]["transformers' own ep"])
     _check(results)
     assert results[0]["qwen2_moe"]["local experts"] == [2]
     assert results[1]["qwen2_moe one rank"]["bytes"]["combined"] == 0  # its experts got nothing
+    for rank_results in results:
+        theirs = rank_results["transformers' own ep"]
+        assert theirs["gap"] < 1e-10 and theirs["experts compared"] == 4, theirs
 
 
 @pytest.mark.timeout(300)
