@@ -77,3 +77,9 @@ def test_experts_that_apply_the_weights_inside_are_refused():
     assert weighted_output_problem(StackedExperts(4, 8, 16)) is None
     problem = weighted_output_problem(WeightsInside(4, 8, 16))
     assert problem is not None and "weights are applied inside the experts" in problem
+
+
+def test_a_bfloat16_model_is_probed_in_float64():
+    torch.manual_seed(0)
+    assert weighted_output_problem(StackedExperts(4, 8, 16).to(torch.bfloat16)) is None
+    assert weighted_output_problem(WeightsInside(4, 8, 16).to(torch.bfloat16)) is not None

@@ -1,7 +1,7 @@
 """``mg.parallelize(model, ep=E)`` against the serial model on the global batch.
 
 Float64, one spawn of 2 gloo ranks (ep=2) and one of 4 (ep=2 x data parallel 2, and ep=4),
-each looping over its cases: transformers' Qwen2-MoE and Mixtral from shrunk configs, and a
+each looping over its cases: transformers' Qwen2-MoE, Mixtral and OLMoE from shrunk configs, and a
 plain MoE of our own (``tests.expert_models.PlainMoE``). Each rank trains on its rows of the
 global batch, the serial copy on all of them, 3 AdamW steps: the losses (averaged over the
 ranks), ``clip_grad_norm_``'s norm, the gradients of the first step and the parameters after
@@ -51,6 +51,7 @@ CASES = {  # name: (model, router bias, parallelize function, ranks)
     "qwen2_moe skewed": ("qwen2_moe", SKEWED, "ep2", (2,)),
     "qwen2_moe one rank": ("qwen2_moe", ONE_RANK, "ep2", (2,)),
     "mixtral": ("mixtral", None, "ep2", (2,)),
+    "olmoe": ("olmoe", None, "ep2", (2,)),
     "plain": ("plain", None, "ep2", (2, 4)),
     "plain ep4": ("plain", None, "ep4", (4,)),
 }
@@ -193,6 +194,8 @@ def _bytes(model, state, rows, kind):
 
 
 def _check(results):
+    measured = [g for r in results for g in r.values() if "gap" not in g]
+    print({k: max(g[k] for g in measured) for k in ("losses", "norms", "gradients", "parameters")})
     for name, gaps in [(n, g) for r in results for n, g in r.items() if "gap" not in g]:
         # (transformers computes its loss in float32, on purpose: its rounding, in another order)
         assert gaps["losses"] < (1e-5 if gaps["float32 loss"] else 1e-10), (name, gaps)
