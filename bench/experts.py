@@ -9,8 +9,9 @@ global batch of ``rows`` x ``seq`` tokens per step, AdamW: under ep=2 each rank 
 rows (the other dim is data parallel); under tp=2 both ranks take all rows, each computing its
 half of every expert; serially rank 0 takes all rows while rank 1 waits. Steps alternate
 between the three in one run (the same machine load), each after a barrier; the figures are
-median step times on rank 0's clock and their ratios. Before timing, the three give the same
-loss on a first batch.
+median step times on rank 0's clock and their ratios, in wall time and in rank 0's process
+CPU time (gloo's threads included: less moved by other jobs on the machine). Before timing,
+the three give the same loss on a first batch.
 
 Bytes: the routing all-to-alls' bytes per step, as counted by the router (forward: the pairs'
 hidden states out, the experts' outputs back; backward: their gradients), beside the routed
@@ -110,19 +111,22 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> dict:
     state = expert_parallel_of(ep_model)
     assert state is not None
     times: dict[str, list[float]] = {name: [] for name in runs}
+    cpus: dict[str, list[float]] = {name: [] for name in runs}
     state.traffic.reset()
     for ids in batches[1:]:
         for name in runs:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             step(name, ids)
             times[name].append(time.perf_counter() - start)
+            cpus[name].append(time.process_time() - cpu)
     traffic = state.traffic
     layers = len(state.experts)
     tokens = half * args.seq
     return {
         "first losses": first,
         "median s": {name: statistics.median(t) for name, t in times.items()},
+        "cpu s": {name: statistics.median(t) for name, t in cpus.items()},
         "optimizer s": {name: statistics.median(t or [0.0]) for name, t in stepping.items()},
         "a2a bytes per step": (traffic.dispatched + traffic.combined + traffic.backward)
         / args.steps,
@@ -155,10 +159,13 @@ def main() -> None:
     print("first losses:", {k: round(v, 6) for k, v in r0["first losses"].items()})
     medians = r0["median s"]
     for name, seconds in medians.items():
-        print(f"  {name:24s} {seconds * 1e3:8.1f} ms/step"
+        print(f"  {name:24s} {seconds * 1e3:8.1f} ms/step, CPU {r0['cpu s'][name] * 1e3:8.1f} ms"
               f" (of which AdamW {r0['optimizer s'][name] * 1e3:6.1f} ms)")  # fmt: skip
-    print(f"ep / tp: {medians['ep=2'] / medians['tp=2 (moe_tp_experts)']:.2f};"
-          f" ep / serial: {medians['ep=2'] / medians['serial']:.2f}")  # fmt: skip
+    cpu = r0["cpu s"]
+    print(f"ep / tp: {medians['ep=2'] / medians['tp=2 (moe_tp_experts)']:.2f}"
+          f" (CPU {cpu['ep=2'] / cpu['tp=2 (moe_tp_experts)']:.2f});"
+          f" ep / serial: {medians['ep=2'] / medians['serial']:.2f}"
+          f" (CPU {cpu['ep=2'] / cpu['serial']:.2f})")  # fmt: skip
     for rank, r in enumerate(results):
         print(
             f"rank {rank}: all-to-all {r['a2a bytes per step']:.0f} B/step (dispatched"
