@@ -7,7 +7,8 @@ global batch, the serial copy on all of them, 3 AdamW steps: the losses (average
 ranks), ``clip_grad_norm_``'s norm, the gradients of the first step and the parameters after
 the last (gathered whole) equal the serial model's within 1e-10. Uneven loads: a router
 biased so one expert takes most pairs and one none; and one where every pair goes to rank
-0's experts (rank 1 computes nothing). The all-to-alls move exactly the routed pairs' hidden
+0's experts (rank 1 computes nothing). ``save_pretrained`` on every rank writes the serial
+weights. The all-to-alls move exactly the routed pairs' hidden
 states: tokens x top_k x hidden x 8 bytes each way, forward, and again in backward.
 """
 
@@ -145,7 +146,20 @@ def _cases(rank, world, tmp):
         }
     if world == 2:
         out["transformers' own ep"] = _against_transformers(module, mine)
+        out["save_pretrained"] = _saved(module, Path(tmp), rank)
     return out
+
+
+def _saved(module, tmp, rank):
+    """``save_pretrained`` on every rank writes the serial weights; ``from_pretrained`` reads them."""
+    import torch.distributed as dist
+
+    reference = _build("qwen2_moe", None)
+    model = module.ep2(copy.deepcopy(reference))
+    model.save_pretrained(tmp / "saved", is_main_process=rank == 0)
+    dist.barrier()
+    loaded = type(reference).from_pretrained(tmp / "saved", dtype=torch.float64)
+    return {"gap": _gap(loaded.state_dict(), reference.state_dict())}
 
 
 def _against_transformers(module, rows):
@@ -222,6 +236,7 @@ def test_expert_parallel_equals_serial_on_2_ranks(tmp_path):
     assert results[0]["qwen2_moe"]["local experts"] == [2]
     assert results[1]["qwen2_moe one rank"]["bytes"]["combined"] == 0  # its experts got nothing
     for rank_results in results:
+        assert rank_results["save_pretrained"]["gap"] == 0, rank_results["save_pretrained"]
         theirs = rank_results["transformers' own ep"]
         assert theirs["gap"] < 1e-10 and theirs["experts compared"] == 4, theirs
 

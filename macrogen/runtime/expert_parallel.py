@@ -106,7 +106,24 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, *, ep: int, where: str) 
     scope = [m for m in model.modules() if id(m) not in expert_ids]
     attach(model, scope, None)  # the rest of the model runs on local tensors
     model.__dict__[EXPERT_PARALLEL] = state
+    _tell_transformers(model, ep)
     return model
+
+
+def _tell_transformers(model: nn.Module, ep: int) -> None:
+    """A transformers model's ``save_pretrained`` (called on every rank) gathers its DTensor
+    parameters (``full_tensor``) into the serial weights when its config says it is sharded;
+    transformers reads that from a ``DistributedConfig`` with a tensor-parallel size above 1
+    (its ``ep_size`` asks for an FSDP mesh we do not use). The config never saves it."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "save_pretrained"):
+        return
+    try:
+        from transformers.distributed.configuration_utils import DistributedConfig
+    except ImportError:  # transformers < 5: save with state_dict=
+        return
+    if getattr(config, "distributed_config", None) is None:
+        config.distributed_config = DistributedConfig(tp_size=ep)
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
