@@ -143,6 +143,7 @@ def _cases(rank, world, tmp):
             == {k: tuple(v.shape) for k, v in reference.state_dict().items()},
             "local experts": sorted({m.num_experts for _, m in state.experts}),
             "bytes": _bytes(model, state, mine, kind),
+            "evaluation": _evaluation(model, reference, mine),
         }
     if world == 2:
         out["transformers' own ep"] = _against_transformers(module, mine)
@@ -191,6 +192,15 @@ def _against_transformers(module, rows):
     return {"gap": max(gaps), "experts compared": len(gaps) - 1}
 
 
+def _evaluation(model, reference, rows):
+    """Under no_grad (routing without its backward), the trained models' losses on the rows."""
+    from tests.expert_models import batches
+
+    ids = batches(2, ROWS)[1][rows]
+    with torch.no_grad():
+        return abs(float(_loss(model, ids)) - float(_loss(reference, ids)))
+
+
 def _bytes(model, state, rows, kind):
     """One forward and backward's routing bytes beside the routed pairs' size."""
     from tests.expert_models import batches
@@ -216,6 +226,7 @@ def _check(results):
         assert gaps["norms"] < 1e-10, (name, gaps)
         assert gaps["gradients"] < 1e-10, (name, gaps)
         assert gaps["parameters"] < 1e-10, (name, gaps)
+        assert gaps["evaluation"] < (1e-5 if gaps["float32 loss"] else 1e-10), (name, gaps)
         assert gaps["numel"] and gaps["state_dict"], (name, gaps)
         b = gaps["bytes"]  # this rank: its pairs out, the rows its experts ran back
         assert b["dispatched"] == b["routed"], (name, b)
