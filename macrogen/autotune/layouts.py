@@ -8,6 +8,7 @@ the autotuner, ``macrogen plan`` and the macro's feasibility rule share it.
     Layout(tp=2, pp=1, dp="fsdp").name()          -> "tp2 pp1 fsdp mb1"
     Layout(dp="fsdp", recompute=1).name()         -> "tp1 pp1 fsdp mb1 recompute"
     Layout(dp="fsdp", recompute=2).name()         -> "tp1 pp1 fsdp mb1 recompute/2"
+    Layout(ep=2).name()                           -> "tp1 pp1 replicate mb1 ep2"
     infeasible(Layout(tp=4), world=4, shape)      -> "layers.0.attn.n_head = 6 is not divisible by tp=4"
 
 ``problem`` is the one feasibility rule: ``macrogen plan``, the autotuner's search and the
@@ -42,6 +43,8 @@ class Layout:
     # every how many repeated blocks one runs its forward again in backward, from the first:
     # 0 none, 1 all, 2 every 2nd (mg.parallelize's recompute=: None, "blocks", 2)
     recompute: int = 0
+    # expert-parallel ways (a mixture of experts' experts dealt over ep of the data ranks)
+    ep: int = 1
 
     def dp_size(self, world: int) -> int:
         return world // (self.tp * self.pp)
@@ -49,15 +52,18 @@ class Layout:
     def name(self) -> str:
         name = f"tp{self.tp} pp{self.pp} {self.dp} mb{self.microbatches}"
         if self.recompute > 1:
-            return f"{name} recompute/{self.recompute}"
-        return f"{name} recompute" if self.recompute else name
+            name = f"{name} recompute/{self.recompute}"
+        elif self.recompute:
+            name = f"{name} recompute"
+        return f"{name} ep{self.ep}" if self.ep > 1 else name
 
     def describe(self, world: int) -> str:
         """``tp2 x dp2 (fsdp)``: the degrees as they multiply to the world size."""
         parts = [f"tp{self.tp}"] if self.tp > 1 else []
         if self.pp > 1:
             parts.append(f"pp{self.pp} (mb{self.microbatches})")
-        parts.append(f"dp{self.dp_size(world)} ({self.dp})")
+        experts = f", experts over ep{self.ep}" if self.ep > 1 else ""
+        parts.append(f"dp{self.dp_size(world)} ({self.dp}{experts})")
         again = f" + recompute 1/{self.recompute}" if self.recompute > 1 else " + recompute"
         return " x ".join(parts) + (again if self.recompute else "")
 
@@ -68,7 +74,7 @@ class Layout:
         return -(-blocks // self.recompute) / blocks
 
 
-_NAME = re.compile(r"tp(\d+) pp(\d+) (\w+) mb(\d+)( recompute(?:/(\d+))?)?")
+_NAME = re.compile(r"tp(\d+) pp(\d+) (\w+) mb(\d+)( recompute(?:/(\d+))?)?(?: ep(\d+))?")
 
 
 def parse(text: str) -> Layout:
@@ -78,9 +84,10 @@ def parse(text: str) -> Layout:
         raise ValueError(f"not a layout: {text!r} (expected e.g. 'tp2 pp1 fsdp mb1')")
     tp, pp, mb = int(m.group(1)), int(m.group(2)), int(m.group(4))
     every = 0 if m.group(5) is None else int(m.group(6) or 1)
-    if min(tp, pp, mb) < 1 or (m.group(6) is not None and every < 2):
+    ep = int(m.group(7) or 1)
+    if min(tp, pp, mb, ep) < 1 or (m.group(6) is not None and every < 2):
         raise ValueError(f"not a layout: {text!r} (degrees are >= 1, recompute/N has N >= 2)")
-    return Layout(tp, pp, m.group(3), mb, recompute=every)
+    return Layout(tp, pp, m.group(3), mb, recompute=every, ep=ep)
 
 
 def microbatch_choices(pp: int) -> tuple[int, ...]:
@@ -107,6 +114,7 @@ class ModelShape:
     # every size tp must divide: "layers.0.attn.n_head" -> 6, "layers.0.mlp.fc out features" -> 256
     divisible: Mapping[str, int] = field(default_factory=dict)
     rows: int = 0  # the global batch's rows (the model's input's first dim); 0: not known
+    experts: int = 0  # experts per mixture-of-experts layer (ep must divide it); 0: none
 
 
 def infeasible(layout: Layout, world: int, shape: ModelShape | None = None) -> str | None:
@@ -119,6 +127,10 @@ def infeasible(layout: Layout, world: int, shape: ModelShape | None = None) -> s
     if layout.dp != "replicate" and layout.dp_size(world) == 1:
         return f"one data-parallel rank: {layout.dp} is the same layout as replicate"
     shape = shape or ModelShape()
+    if layout.ep > 1:
+        reason = _experts_problem(layout, world, shape.experts)
+        if reason is not None:
+            return reason
     for what, size in shape.divisible.items():
         if size % layout.tp:
             return f"{what} = {size} is not divisible by tp={layout.tp}"
@@ -130,6 +142,16 @@ def infeasible(layout: Layout, world: int, shape: ModelShape | None = None) -> s
         return "no repeated blocks to recompute"
     if shape.blocks is not None and shape.blocks < layout.pp:
         return f"{shape.blocks} blocks cannot fill {layout.pp} pipeline stages"
+    return None
+
+
+def _experts_problem(layout: Layout, world: int, experts: int) -> str | None:
+    if not experts:
+        return f"ep={layout.ep} needs experts: the model is no mixture of experts"
+    if experts % layout.ep:
+        return f"ep={layout.ep} does not divide the {experts} experts"
+    if layout.dp_size(world) % layout.ep:
+        return f"ep={layout.ep} does not divide the {layout.dp_size(world)} data ranks"
     return None
 
 
@@ -195,6 +217,10 @@ def unsupported(layout: Layout) -> str | None:
     """Why ``mg.parallelize`` cannot run a feasible layout yet (it is predicted, not measured)."""
     if layout.dp == "zero1" and layout.tp > 1:
         return 'dp="zero1" with tp > 1 is not supported by mg.parallelize yet'
+    if layout.ep > 1 and (layout.tp > 1 or layout.pp > 1 or layout.dp != "replicate"):
+        return (
+            'ep > 1 with tp, pp or dp other than "replicate" is not supported by mg.parallelize yet'
+        )
     return None
 
 
@@ -242,13 +268,15 @@ def microbatch_splits(pp: int, rows: int) -> tuple[int, ...]:
 
 
 def enumerate_layouts(
-    world: int, *, max_tp: int = 8, max_pp: int | None = None, rows: int = 0
+    world: int, *, max_tp: int = 8, max_pp: int | None = None, rows: int = 0, experts: int = 0
 ) -> Iterator[Layout]:
     """Every layout whose degrees multiply to ``world`` (tp <= max_tp: one node's links).
 
     The degrees are the divisors of ``world`` (from its prime factors: a world of 2^40 ranks
     has 41). Micro-batches: with ``rows`` (the global batch) known, every split of a data
     rank's rows (``microbatch_splits``); else (or when they do not split) 2x and 4x the stages.
+    With ``experts`` (a mixture of experts), each also with every ep > 1 dividing both the data
+    ranks and the experts.
     """
     sizes = divisors(world)
     for tp in sizes:
@@ -263,10 +291,12 @@ def enumerate_layouts(
             splits = microbatch_splits(pp, rows // d) if rows and rows % d == 0 else ()
             # rows that do not split: the usual choices, each then infeasible with its reason
             splits = splits or microbatch_choices(pp)
+            eps = [1] + [e for e in divisors(d) if e > 1 and experts and experts % e == 0]
             for dp in LAYOUT_DP_MODES:
                 for mb in splits:
                     for recompute in AUTO_RECOMPUTE:
-                        yield Layout(tp, pp, dp, mb, recompute)
+                        for ep in eps:
+                            yield Layout(tp, pp, dp, mb, recompute, ep)
 
 
 def from_arguments(arguments: Mapping[str, object]) -> Layout | None:
@@ -286,10 +316,12 @@ def from_arguments(arguments: Mapping[str, object]) -> Layout | None:
     tp, pp = arguments.get("tp", 1), arguments.get("pp", 1)
     dp, mb = arguments.get("dp", "replicate"), arguments.get("microbatches", 1)
     recompute = recompute_every(arguments.get("recompute"))
-    ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (tp, pp, mb))
+    ep = arguments.get("ep", 1)
+    degrees = (tp, pp, mb, ep)
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in degrees)
     if not ints or dp not in LAYOUT_DP_MODES or recompute is None:
         return None
-    return Layout(tp, pp, dp, mb, recompute)  # type: ignore[arg-type]
+    return Layout(tp, pp, dp, mb, recompute, ep)  # type: ignore[arg-type]
 
 
 def recompute_every(value: object) -> int | None:

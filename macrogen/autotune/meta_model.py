@@ -157,6 +157,7 @@ def _measure(
     per_block = sum(p.numel() for p in block_params.values())
     rest = sum(p.numel() for p in params.values()) - per_block
     sharded, divisible = _plan_sizes(model, block)
+    experts, expert_params = _experts(block)
     return ModelSpec(
         name=str(getattr(config, "name_or_path", "") or getattr(config, "model_type", "model")),
         layers=layers,
@@ -178,7 +179,22 @@ def _measure(
         divisible=divisible,
         param_bytes=next(iter(params.values())).element_size(),
         source=source,
+        experts=experts,
+        block_expert_params=expert_params,
+        top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
     )
+
+
+def _experts(block: Any) -> tuple[int, int]:
+    """A mixture of experts' experts per block (what ep divides) and their parameters: the
+    modules ``mg.parallelize(ep=)`` deals out (stacked ``(experts, ...)`` parameters)."""
+    from macrogen.runtime.expert_parallel import experts_modules
+
+    found = experts_modules(block)
+    counts = {m.__dict__["num_experts"] for _, m in found}
+    if len(counts) != 1:
+        return 0, 0
+    return counts.pop(), sum(p.numel() for _, m in found for p in m.parameters())
 
 
 def _split(ops: Any) -> list[float]:

@@ -49,6 +49,10 @@ class ModelSpec:
     causal: bool = True
     param_bytes: int = 2  # the compute dtype's bytes (bf16): parameters gathered, activations
     source: str = ""  # where the shapes came from (a config file, a meta model)
+    # a mixture of experts: experts per MoE block, of block_params the experts', pairs per token
+    experts: int = 0
+    block_expert_params: int = 0
+    top_k: int = 0
 
     @property
     def block_flops(self) -> float:

@@ -199,11 +199,13 @@ def rank_model(
     "replicate"). On a heterogeneous set each layout is predicted with rows and blocks in
     proportion to the devices' speed (``scale.adapted_split``) beside the even split."""
     world = devices.world
-    shape = ModelShape(blocks=spec.layers, divisible=dict(spec.divisible), rows=global_batch)
+    shape = ModelShape(blocks=spec.layers, divisible=dict(spec.divisible), rows=global_batch,
+                       experts=spec.experts)  # fmt: skip
     out = []
     every = layouts.enumerate_layouts(
-        world, max_tp=devices.per_node, max_pp=spec.layers, rows=global_batch
-    )
+        world, max_tp=devices.per_node, max_pp=spec.layers, rows=global_batch,
+        experts=spec.experts,
+    )  # fmt: skip
     for layout in every:
         if modes is not None and layout.dp not in modes and layout.dp_size(world) > 1:
             continue

@@ -24,7 +24,9 @@ m micro-batches and T tokens per micro-batch and data rank:
   efficiency (lower for the narrow matrices a large tp leaves), plus the element-wise
   traffic (twice the activations) at its memory bandwidth; tensor parallelism's 4
   collectives per block and micro-batch (2 more per recomputed block) of T x hidden
-  bf16 values, on the critical path; 1F1B's (m + pp - 1) micro-batch slots; sends of
+  bf16 values, on the critical path; with ``ep``, each MoE block's 4 all-to-alls (tokens
+  to their experts and back, forward and backward) of T x top_k x hidden bf16 values, the
+  experts' parameters / ep in memory; 1F1B's (m + pp - 1) micro-batch slots; sends of
   one micro-batch's activations between stages; data parallelism's collectives in
   bf16, overlapped with the compute they can hide behind: the gradients' all-reduce
   (replicate; zero1's reduce-scatter + all-gather moves the same bytes) behind the
@@ -88,7 +90,9 @@ class Step:
     """Seconds of one step on the slowest data rank, by what they are spent on."""
 
     compute: float  # the stages' FLOPs and element-wise traffic, with the pipeline's bubble
-    tensor: float  # tensor parallelism's collectives (not overlapped)
+    tensor: (
+        float  # tensor parallelism's collectives, expert parallelism's all-to-alls (not overlapped)
+    )
     pipeline: float  # sends between stages
     data: float  # data parallelism's collectives, what compute did not hide
     optimizer: float
@@ -190,7 +194,7 @@ def _data_rank(
     stage_time, memories, states = [], [], []
     for s, kind in enumerate(chain):
         blocks = split.blocks[s]
-        weights = _stage_params(spec, tp, s, pp, blocks)
+        weights = _stage_params(spec, tp, s, pp, blocks, layout.ep)
         flops = tokens * blocks * spec.block_time_flops(recomputed) / tp
         if s == pp - 1:
             flops += tokens * spec.rest_flops / tp
@@ -200,6 +204,7 @@ def _data_rank(
         )
         collectives = (4 + 2 * recomputed) * blocks
         tensor = collectives * _ring(kind, tokens * spec.hidden * 2, tp, 1, all_reduce=True)
+        tensor += blocks * _all_to_all_s(spec, layout, devices, kind, tokens)
         stage_time.append((compute, tensor))
         states.append(weights)
         memories.append(_memory(spec, layout, d, s, blocks, weights, tokens))
@@ -269,6 +274,9 @@ def _memory(
     tokens: float,
 ) -> Memory:
     tp, pp, m = layout.tp, layout.pp, layout.microbatches
+    # zero1 and fsdp shard the experts over their replicas only (d / ep ranks hold each one):
+    # as if the rank's experts were ep times larger, sharded over all d
+    sharded = weights + blocks * spec.block_expert_params / layout.ep / tp * (layout.ep - 1)
     if layout.dp == "replicate":
         w, g, o, buffers = (
             weights * WEIGHT_BYTES,
@@ -280,14 +288,14 @@ def _memory(
         w, g, o, buffers = (
             weights * WEIGHT_BYTES,
             weights * GRAD_BYTES,
-            weights * OPTIMIZER_BYTES / d,
+            sharded * OPTIMIZER_BYTES / d,
             0.0,
         )
     else:
         w, g, o = (
-            weights * WEIGHT_BYTES / d,
-            weights * GRAD_BYTES / d,
-            weights * OPTIMIZER_BYTES / d,
+            sharded * WEIGHT_BYTES / d,
+            sharded * GRAD_BYTES / d,
+            sharded * OPTIMIZER_BYTES / d,
         )
         if pp > 1:  # the stage stays gathered, its gradients whole until the last micro-batch
             buffers = weights * (WEIGHT_BYTES + GRAD_BYTES)
@@ -304,11 +312,28 @@ def _memory(
     return Memory(w, g, o, buffers, activations)
 
 
-def _stage_params(spec: ModelSpec, tp: int, stage: int, pp: int, blocks: int) -> float:
-    """Parameters on one rank of ``stage``: its blocks (the plan's layers / tp), the embedding
-    on the first stage and the head on the last (vocabulary-split / tp)."""
+def _all_to_all_s(
+    spec: ModelSpec, layout: Layout, devices: DeviceSet, kind: DeviceKind, tokens: float
+) -> float:
+    """One MoE block's expert-parallel routing per micro-batch: 4 all-to-alls (tokens to their
+    experts and back, forward and backward) of tokens x top_k x hidden bf16 values, of which
+    (ep - 1) / ep leave the rank, one message per peer (an expert group is consecutive data
+    ranks: within a node while tp x ep fits one)."""
+    ep = layout.ep
+    if ep == 1 or not spec.experts:
+        return 0.0
+    cross = layout.tp * ep > devices.per_node
+    link, step = (kind.inter, kind.inter_step_s) if cross else (kind.intra, kind.intra_step_s)
+    out = tokens * max(spec.top_k, 1) * spec.hidden * 2 * (ep - 1) / ep
+    return 4 * (COLLECTIVE_S + (ep - 1) * step + out / link)
+
+
+def _stage_params(spec: ModelSpec, tp: int, stage: int, pp: int, blocks: int, ep: int = 1) -> float:
+    """Parameters on one rank of ``stage``: its blocks (the plan's layers / tp, the experts
+    / ep), the embedding on the first stage and the head on the last (vocabulary-split / tp)."""
     sharded = spec.block_sharded_params
     per_block = sharded / tp + (spec.block_params - sharded)
+    per_block -= spec.block_expert_params * (1 - 1 / ep) / tp
     rest = spec.params - spec.layers * spec.block_params - spec.embed_params - spec.head_params
     out = blocks * per_block
     if stage == 0:

@@ -29,7 +29,9 @@ plan's ``"server"`` tables live on the last S ranks, ``macrogen.runtime.param_se
 ``recompute`` (None; "blocks": the repeated blocks keep only their inputs and run their
 forward again in backward, ``macrogen.runtime.recompute``; an int N: every N-th block, from
 the first, 1 being "blocks"); ``verify`` (False; True: a serial copy of the model is made
-first and the first forward's output is compared with its own, ``macrogen.runtime.first_forward``).
+first and the first forward's output is compared with its own, ``macrogen.runtime.first_forward``);
+``ep`` (1; E > 1: a mixture of experts' experts dealt whole over E data ranks, tokens routed
+to them by all-to-all, ``macrogen.runtime.expert_parallel``).
 
 ``pp=N`` cuts the built model into N pipeline stages at run time, as ``@mg.pipeline``
 would cut its class (``macrogen.runtime.parallelize_pipeline``): the training step is
@@ -97,6 +99,7 @@ DEFAULTS: dict[str, Any] = {
     "server_lr": 0.01,
     "recompute": None,
     "verify": False,
+    "ep": 1,
 }
 LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches", "recompute")
 FSDP_ONLY = (
@@ -134,6 +137,7 @@ class Spec:
     # "blocks": the repeated blocks are recomputed in backward; an int N: every N-th of them
     recompute: str | int | None = None
     verify: bool = False  # the first forward compared with a serial copy's (then dropped)
+    ep: int = 1  # expert-parallel ways: whole experts dealt over ep data ranks, tokens routed
 
 
 def _degree(v: Any) -> str | None:
@@ -205,6 +209,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "server_lr": _mib,
     "recompute": _recompute,
     "verify": _bool,
+    "ep": _degree,
 }
 
 
@@ -249,7 +254,9 @@ def validate(site: Site, ctx: Context) -> Spec:
             " parameter servers; check the plan at pp=1 (macrogen verify, docs/verify.md)",
             args["verify"].node,
         )
+    _check_experts(args, values)
     return Spec(
+        ep=values["ep"],
         tp=values["tp"],
         pp=values["pp"],
         dp=values["dp"],
@@ -358,6 +365,29 @@ def _check_servers(
         )
 
 
+def _check_experts(args: dict[str, Arg], values: dict[str, Any]) -> None:
+    """``ep=E > 1``: expert parallelism over the data ranks, averaged data parallel for the rest."""
+    if values["ep"] == 1:
+        return
+    others = {
+        "tp": values["tp"] != 1,
+        "pp": values["pp"] != 1,
+        "dp": values["dp"] != "replicate",
+        "servers": values["servers"] != 0,
+        "recompute": values["recompute"] not in (None, "none"),
+        "verify": values["verify"],
+        "layout": "layout" in args,
+    }
+    clash = next((name for name, set_ in others.items() if set_), None)
+    if clash is not None:
+        raise MacroError(
+            f"ep={values['ep']} with {clash}={values.get(clash, 'auto')!r} is not supported yet:"
+            ' expert parallelism runs with tp=1, pp=1, dp="replicate" (tp inside the experts:'
+            ' tp_plan="hf" without ep)',
+            (args.get(clash) or args["ep"]).node,
+        )
+
+
 def _check(name: str, arg: Arg, ctx: Context) -> None:
     ctx.check_each_choice(name, arg, CHECKS[name])
 
@@ -418,6 +448,8 @@ def _summary(spec: Spec) -> str:
         steps.append(
             f"{spec.pp} pipeline stages ({spec.schedule}, {spec.microbatches} micro-batches)"
         )
+    if spec.ep > 1:
+        steps.append(f"experts dealt over {spec.ep} ranks (tokens routed by all-to-all)")
     if spec.dp == "fsdp":
         steps.append(
             "fully sharded data parallel (FSDP2)"
@@ -450,6 +482,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
             imports.append(ctx.import_from(runtime, "hf_plan"))
     if spec.recompute:
         imports.append(ctx.import_from("macrogen.runtime", "apply_recompute"))
+    if spec.ep > 1:
+        imports.append(ctx.import_from("macrogen.runtime", "apply_expert_parallel"))
     if spec.verify:
         imports.append(ctx.import_from(runtime, "serial_copy"))
         imports.append(ctx.import_from(runtime, "check_first_forward"))
@@ -513,6 +547,8 @@ def expand(site: Site, ctx: Context) -> Expanded:
         verify=spec.verify,
         serial_copy=names.get("serial_copy", ""),
         check_first_forward=names.get("check_first_forward", ""),
+        ep=spec.ep,
+        apply_expert_parallel=names.get("apply_expert_parallel", ""),
     )
     model = cst.Arg(call.args[0].value)  # the rest were expansion-time values, now in the helper
     replacement = call.with_changes(

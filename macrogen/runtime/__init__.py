@@ -53,6 +53,7 @@ EXPORTS: dict[str, str] = {
     "apply_pipeline": "parallelize_pipeline",
     "apply_fully_sharded": "fully_sharded",
     "apply_server_tables": "param_server",
+    "apply_expert_parallel": "expert_parallel",
     # fused_allreduce, shard_optimizer, resumable
     "FusedAllReduce": "fused",
     "shard_optimizer": "zero",
@@ -91,6 +92,7 @@ if TYPE_CHECKING:  # what the names are, for a type checker reading an expanded 
         vocab_parallel_cross_entropy as vocab_parallel_cross_entropy,
     )
     from macrogen.runtime.data_parallel import DataParallelConfig as DataParallelConfig
+    from macrogen.runtime.expert_parallel import apply_expert_parallel as apply_expert_parallel
     from macrogen.runtime.first_forward import check_first_forward as check_first_forward
     from macrogen.runtime.first_forward import serial_copy as serial_copy
     from macrogen.runtime.fully_sharded import FullyShardedConfig as FullyShardedConfig

@@ -128,7 +128,9 @@ class GradientSync:
     def _collect(self) -> None:
         """The module's parameters that need gradients, each with a gradient hook."""
         self.plan_id += 1
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        # (expert-parallel experts are averaged over their replica group by expert_parallel)
+        named = [(n, p) for n, p in self.module.named_parameters()
+                 if p.requires_grad and not getattr(p, "_mg_averaged_by_experts", False)]  # fmt: skip
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.param_ids = {id(p) for p in self.params}

@@ -1,0 +1,347 @@
+"""``mg.parallelize(model, ep=E)``: whole experts dealt over E ranks, tokens routed to them.
+
+The data ranks form a (replica x expert) grid: with D data ranks and ``ep=E``, expert groups
+are E contiguous data ranks ([0, 1], [2, 3] for D = 4, E = 2) and replica groups the ranks
+holding the same experts ([0, 2], [1, 3]). Every rank trains on its own tokens, as data
+parallel does; what changes is where the experts live:
+
+- each experts module (transformers 5's MoE experts: stacked ``(experts, ...)`` parameters,
+  called as ``experts(hidden, top_k_index, top_k_weights)`` with global expert ids) keeps the
+  experts of its rank of the expert group: its parameters become DTensors ``Shard(0)`` over
+  the expert dim (``(Replicate(), Shard(0))`` on the grid), so ``numel``, ``state_dict`` and
+  ``clip_grad_norm_`` see the serial model; its forward routes each (token, slot) pair to its
+  expert's rank and back (``expert_routing``);
+- every other parameter is a replicated DTensor on the same grid (one kind of tensor for
+  whole-model tools) and the model's forward runs on local tensors (``parallelize.local``);
+  data parallel averages those gradients over all D data ranks, as without ``ep``.
+
+Gradients: a rank's loss is the mean over its own tokens, the serial loss the mean over the D
+ranks' tokens. An expert's gradient on its rank is already the sum over its expert group's
+tokens (the reverse all-to-all brings every token's gradient to it), so it is summed over the
+replica group and divided by D: the serial model's gradient on the global batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.func import functional_call
+
+from macrogen.runtime import groups
+from macrogen.runtime.eager import eager
+from macrogen.runtime.expert_routing import ExpertRouter, Traffic
+from macrogen.runtime.mesh import Mesh
+from macrogen.runtime.parallelize.local import attach, weakly_bound
+
+EXPERT_PARALLEL = "_mg_expert_parallel"  # on the model: its ExpertParallel
+AVERAGED_HERE = "_mg_averaged_by_experts"  # on an expert parameter: data parallel leaves it
+SWAPPED = "_mg_expert_swap"  # on an experts module: (name, DTensor) while its forward runs
+
+
+@dataclass
+class ExpertParallel:
+    """What ``apply_expert_parallel`` did to a model: its groups, experts and routing traffic."""
+
+    size: int  # E: ranks of an expert group
+    replicas: int  # D / E: copies of each expert
+    rank: int  # this rank's place in its expert group
+    group: dist.ProcessGroup
+    replica_group: dist.ProcessGroup
+    device_mesh: Any  # ("ep_replicate", "ep")
+    experts: list[tuple[str, nn.Module]] = field(default_factory=list)
+    traffic: Traffic = field(default_factory=Traffic)
+
+
+def expert_parallel_of(model: nn.Module) -> ExpertParallel | None:
+    """The model's expert parallelism (its groups and routing traffic), None without ``ep``."""
+    found: ExpertParallel | None = model.__dict__.get(EXPERT_PARALLEL)
+    return found
+
+
+def apply_expert_parallel(model: nn.Module, mesh: Mesh, *, ep: int, where: str) -> nn.Module:
+    """Deal ``model``'s experts over ``ep`` ranks of the mesh's data dim (in place; returns it)."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"mg.parallelize at {where}: ep={ep!r}: expected an int >= 1")
+    if expert_parallel_of(model) is not None:
+        raise RuntimeError(f"mg.parallelize at {where}: this model is expert-parallel already")
+    found = experts_modules(model)
+    if not found:
+        raise ValueError(f"mg.parallelize at {where}: ep={ep}: {_no_experts(model)}")
+    for name, module in found:
+        n = module.__dict__["num_experts"]
+        if n % ep:
+            raise ValueError(
+                f"mg.parallelize at {where}: ep={ep} does not divide the {n} experts of {name}:"
+                " pass an ep that divides the expert count"
+            )
+        problem = weighted_output_problem(module)
+        if problem is not None:
+            raise ValueError(f"mg.parallelize at {where}: ep={ep}: {name}: {problem}")
+    if ep == 1 or not groups.ensure_initialized() or dist.get_world_size() == 1:
+        return model
+    if mesh.tensor_size > 1 or mesh.pipeline_size > 1:
+        raise ValueError(
+            f"mg.parallelize at {where}: ep={ep} with tp={mesh.tensor_size}, pp="
+            f"{mesh.pipeline_size} is not supported yet: expert parallelism runs over the data"
+            " ranks with tp=1, pp=1 (tp inside the experts: tp_plan='hf' without ep)"
+        )
+    if mesh.data_size % ep:
+        raise ValueError(
+            f"mg.parallelize at {where}: ep={ep} does not divide the {mesh.data_size} data ranks:"
+            f" launch a multiple of {ep} processes"
+        )
+    state = _groups(ep, mesh.data_size)
+    state.experts = found
+    for _, module in found:
+        _shard_experts(module, state)
+    _replicate_the_rest(model, state.device_mesh)
+    expert_ids = {id(m) for _, m in found}
+    scope = [m for m in model.modules() if id(m) not in expert_ids]
+    attach(model, scope, None)  # the rest of the model runs on local tensors
+    model.__dict__[EXPERT_PARALLEL] = state
+    _tell_transformers(model, ep)
+    return model
+
+
+def _tell_transformers(model: nn.Module, ep: int) -> None:
+    """A transformers model's ``save_pretrained`` (called on every rank) gathers its DTensor
+    parameters (``full_tensor``) into the serial weights when its config says it is sharded;
+    transformers reads that from a ``DistributedConfig`` with a tensor-parallel size above 1
+    (its ``ep_size`` asks for an FSDP mesh we do not use). The config never saves it."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "save_pretrained"):
+        return
+    try:
+        from transformers.distributed.configuration_utils import DistributedConfig
+    except ImportError:  # transformers < 5: save with state_dict=
+        return
+    if getattr(config, "distributed_config", None) is None:
+        config.distributed_config = DistributedConfig(tp_size=ep)
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules holding stacked experts: an int ``num_experts``, every parameter of their
+    own ``(num_experts, ...)``, a forward taking ``(hidden, top_k_index, top_k_weights)``."""
+    found = []
+    for name, module in model.named_modules():
+        n = module.__dict__.get("num_experts")
+        params = [p for p in module._parameters.values() if p is not None]
+        if not (isinstance(n, int) and not isinstance(n, bool) and n > 0 and params):
+            continue
+        if all(p.dim() >= 3 and p.shape[0] == n for p in params) and _routed_call(module):
+            found.append((name, module))
+    return found
+
+
+def _routed_call(module: nn.Module) -> bool:
+    try:
+        signature = inspect.signature(type(module).forward)
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in signature.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+    return len(positional) >= 4  # self, hidden, top_k_index, top_k_weights
+
+
+def _no_experts(model: nn.Module) -> str:
+    lists = [n for n, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and n.rsplit(".", 1)[-1] == "experts"]  # fmt: skip
+    if lists:
+        return (
+            f"{lists[0]} is an nn.ModuleList of experts: ep= takes experts with stacked"
+            " (experts, ...) parameters called as experts(hidden, top_k_index, top_k_weights)"
+            " (transformers 5's MoE experts); stack the list into one such module"
+        )
+    return (
+        "the model has no experts module (stacked (experts, ...) parameters, an int num_experts,"
+        " called as experts(hidden, top_k_index, top_k_weights)): ep applies to mixture-of-"
+        "experts models"
+    )
+
+
+def weighted_output_problem(module: nn.Module) -> str | None:
+    """Why ``module``'s output is not the router-weighted sum of its experts' unit-weight
+    outputs (routing applies the weights on the tokens' ranks), or None: checked serially, in
+    float64 on a copy of its first two experts (a bf16 model's rounding would hide nothing),
+    on a small random input, before anything is cut."""
+    hidden = _hidden_size(module)
+    device = next(p for p in module.parameters()).device
+    if hidden is None or device.type == "meta":
+        return None  # nothing to probe with; the parity tests cover the known families
+    k, generator = min(2, module.__dict__["num_experts"]), torch.Generator().manual_seed(0)
+    params = {key: p.detach()[:k].to(torch.float64)
+              for key, p in module.named_parameters(recurse=False)}  # fmt: skip
+    x = torch.randn(5, hidden, generator=generator, dtype=torch.float64).to(device)
+    index = torch.stack([torch.randperm(k, generator=generator) for _ in range(5)]).to(device)
+    weights = torch.rand(5, k, generator=generator, dtype=torch.float64).to(device)
+    n = module.__dict__["num_experts"]
+    object.__setattr__(module, "num_experts", k)  # the copy's experts
+    try:
+        with torch.no_grad():
+            whole = functional_call(module, params, (x, index, weights))
+            parts = [functional_call(module, params, (x, index[:, j : j + 1], weights[:, :1] * 0 + 1))
+                     * weights[:, j : j + 1] for j in range(k)]  # fmt: skip
+    finally:
+        object.__setattr__(module, "num_experts", n)
+    gap = (whole - sum(parts)).abs().max().item()
+    if gap > 1e-9 * (whole.abs().max().item() + 1e-30):
+        return (
+            "its output is not the router-weighted sum of its experts' outputs (the weights"
+            " are applied inside the experts), which expert parallelism needs"
+        )
+    return None
+
+
+def _hidden_size(module: nn.Module) -> int | None:
+    for owner in (module, getattr(module, "config", None)):
+        for attr in ("hidden_dim", "hidden_size"):
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _groups(ep: int, data_size: int) -> ExpertParallel:
+    """The (replica x expert) grid's groups, made in the same order on every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank = dist.get_rank()
+    grid = torch.arange(data_size).view(data_size // ep, ep)
+    expert_group = replica_group = None
+    for line in grid.tolist():
+        g = dist.new_group(line, timeout=groups.timeout())
+        if rank in line:
+            expert_group = g
+    for line in grid.t().tolist():
+        g = dist.new_group(line, timeout=groups.timeout())
+        if rank in line:
+            replica_group = g
+    assert expert_group is not None and replica_group is not None
+    device_type = torch.device(groups.placement().device).type
+    device_mesh = DeviceMesh.from_group(
+        [replica_group, expert_group], device_type, mesh=grid,
+        mesh_dim_names=("ep_replicate", "ep"),
+    )  # fmt: skip
+    return ExpertParallel(ep, data_size // ep, rank % ep, expert_group, replica_group, device_mesh)
+
+
+def _parameter(full: torch.Tensor, local: torch.Tensor, placements: Any, device_mesh: Any) -> Any:
+    if local.device.type != device_mesh.device_type:
+        raise RuntimeError(
+            f"the model's parameters are on {local.device.type} and the mesh on"
+            f" {device_mesh.device_type}: move the model to its device (model.to(run.device))"
+            " before mg.parallelize"
+        )
+    dt = DTensor.from_local(
+        local, device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+    )
+    return nn.Parameter(dt, requires_grad=full.requires_grad)
+
+
+def _shard_experts(module: nn.Module, state: ExpertParallel) -> None:
+    """The module's stacked parameters become this rank's experts, ``Shard(0)`` over ``ep``;
+    its forward routes tokens to them."""
+    for key, p in list(module._parameters.items()):
+        assert p is not None
+        local = p.detach().chunk(state.size, dim=0)[state.rank].contiguous()
+        param = _parameter(p, local, [Replicate(), Shard(0)], state.device_mesh)
+        setattr(param, AVERAGED_HERE, True)
+        module._parameters[key] = param
+    local_experts = module.__dict__["num_experts"] // state.size
+    object.__setattr__(module, "num_experts", local_experts)  # its own forward: local ids
+    router = ExpertRouter(state.group, state.rank, state.size, local_experts, state.traffic)
+    forward = type(module).forward
+    module.forward = weakly_bound(_routed_forward, module, router, forward)
+    module.register_forward_pre_hook(functools.partial(_to_local, state))
+    module.register_forward_hook(_restore, always_call=True)
+
+
+def _routed_forward(
+    me: nn.Module,
+    router: ExpertRouter,
+    forward: Any,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    recv, routes = router.dispatch(hidden, top_k_index)
+    ones = torch.ones((recv.shape[0], 1), dtype=top_k_weights.dtype, device=recv.device)
+    if recv.shape[0]:
+        out = forward(me, recv, routes.recv_experts, ones)
+    else:  # no tokens here: one row of zeros keeps the experts in backward (zero gradients,
+        # as serially) and the reverse all-to-all in step with the other ranks'
+        row = routes.recv_experts.new_zeros((1, 1))
+        out = forward(me, recv.sum(dim=0, keepdim=True), row, ones.new_ones((1, 1)))[:0]
+    return router.combine(out, routes, top_k_index, top_k_weights, hidden)
+
+
+class ExpertParameters(torch.autograd.Function):
+    """The experts' local tensors; backward: the gradient summed over the replica group and
+    divided by the data ranks (the serial gradient on the global batch), as a DTensor."""
+
+    @staticmethod
+    def forward(ctx: Any, state: ExpertParallel, *params: Any) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        ctx.specs = [p._spec for p in params]
+        ctx.set_materialize_grads(False)
+        return tuple(p.to_local().view_as(p.to_local()) for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        state: ExpertParallel = ctx.state
+        out: list[Any] = [None]
+        present = [g for g in grads if g is not None]
+        if present and state.replicas > 1:
+            flat = torch.cat([g.reshape(-1) for g in present])
+            dist.all_reduce(flat, group=state.replica_group)
+            present = [p.view_as(g) for p, g in zip(flat.split([g.numel() for g in present]),
+                                                    present)]  # fmt: skip
+        scale = 1.0 / (state.size * state.replicas)
+        summed = iter(present)
+        for g, spec in zip(grads, ctx.specs):
+            out.append(None if g is None else DTensor(next(summed) * scale, spec,
+                                                      requires_grad=False))  # fmt: skip
+        return tuple(out)
+
+
+@eager
+def _to_local(state: ExpertParallel, module: nn.Module, args: Any) -> None:
+    _restore(module)
+    held: list[tuple[str, Any]] = [
+        (k, p) for k, p in module._parameters.items() if isinstance(p, DTensor)
+    ]
+    if not held:
+        return
+    params = [p for _, p in held]
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        tensors = ExpertParameters.apply(state, *params)  # type: ignore[no-untyped-call]
+    else:
+        tensors = [p.to_local() for p in params]
+    for (key, _), t in zip(held, tensors):
+        module._parameters[key] = t
+    module.__dict__[SWAPPED] = held
+
+
+@eager
+def _restore(module: nn.Module, *_: Any) -> None:
+    for key, p in module.__dict__.pop(SWAPPED, ()):
+        module._parameters[key] = p
+
+
+def _replicate_the_rest(model: nn.Module, device_mesh: Any) -> None:
+    """Every other parameter a replicated DTensor on the grid (whole-model tools see one kind)."""
+    made: dict[int, nn.Parameter] = {}
+    for owner in model.modules():
+        for key, p in list(owner._parameters.items()):
+            if p is None or isinstance(p, DTensor):
+                continue
+            if id(p) not in made:
+                made[id(p)] = _parameter(p, p.detach(), [Replicate(), Replicate()], device_mesh)
+            owner._parameters[key] = made[id(p)]

@@ -1,0 +1,85 @@
+"""``ep=`` at expansion and before any group: the generated step, and what is refused and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from macrogen.runtime.expert_parallel import (
+    apply_expert_parallel,
+    experts_modules,
+    weighted_output_problem,
+)
+from macrogen.runtime.mesh import SERIAL
+from tests.expert_models import ListMoE, PlainMoE, StackedExperts
+from tests.helpers import expand, expansion_errors
+
+
+def test_the_expansion_deals_experts_before_data_parallel():
+    code = expand("import macrogen as mg\nmodel = mg.parallelize(model, ep=2)\n")
+    ep = code.index("apply_expert_parallel(model, mesh, ep=2, where='test.py:2')")
+    assert ep < code.index("apply_data_parallel(model")
+    assert "apply_expert_parallel" not in expand("import macrogen as mg\nm = mg.parallelize(m)\n")
+
+
+@pytest.mark.parametrize(
+    "arguments, named",
+    [
+        ("tp=2, tp_plan='hf'", "tp"),
+        ("pp=2, microbatches=2", "pp"),
+        ("dp='fsdp'", "dp"),
+        ("recompute='blocks'", "recompute"),
+    ],
+)
+def test_what_ep_does_not_compose_with_yet_is_an_expansion_error(arguments, named):
+    (error,) = expansion_errors(
+        f"import macrogen as mg\nm = mg.parallelize(m, ep=2, {arguments})\n"
+    )
+    assert f"ep=2 with {named}=" in error and "not supported yet" in error, error
+
+
+def test_a_bad_degree_is_an_expansion_error():
+    (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, ep=0)\n")
+    assert "ep" in error and "an int >= 1" in error
+
+
+def test_experts_are_found_by_their_stacked_parameters_and_routed_call():
+    model = PlainMoE()
+    assert [n for n, _ in experts_modules(model)] == ["blocks.0.experts", "blocks.1.experts"]
+    assert apply_expert_parallel(model, SERIAL, ep=2, where="t.py:1") is model  # serial: as is
+
+
+def test_a_module_list_of_experts_an_uneven_split_or_no_experts_are_refused():
+    with pytest.raises(ValueError, match=r"t.py:1: ep=2: experts is an nn.ModuleList of experts"):
+        apply_expert_parallel(ListMoE(), SERIAL, ep=2, where="t.py:1")
+    with pytest.raises(ValueError, match="ep=3 does not divide the 4 experts of blocks.0.experts"):
+        apply_expert_parallel(PlainMoE(), SERIAL, ep=3, where="t.py:1")
+    with pytest.raises(ValueError, match="the model has no experts module"):
+        apply_expert_parallel(nn.Linear(2, 2), SERIAL, ep=2, where="t.py:1")
+
+
+class WeightsInside(StackedExperts):
+    """Llama 4's way: the router's weights scale the expert's input, not its output."""
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            x = hidden[token] * top_k_weights[token, slot, None]
+            out.index_add_(0, token, torch.nn.functional.linear(torch.tanh(
+                torch.nn.functional.linear(x, self.w_in[e])), self.w_out[e]))  # fmt: skip
+        return out
+
+
+def test_experts_that_apply_the_weights_inside_are_refused():
+    torch.manual_seed(0)
+    assert weighted_output_problem(StackedExperts(4, 8, 16)) is None
+    problem = weighted_output_problem(WeightsInside(4, 8, 16))
+    assert problem is not None and "weights are applied inside the experts" in problem
+
+
+def test_a_bfloat16_model_is_probed_in_float64():
+    torch.manual_seed(0)
+    assert weighted_output_problem(StackedExperts(4, 8, 16).to(torch.bfloat16)) is None
+    assert weighted_output_problem(WeightsInside(4, 8, 16).to(torch.bfloat16)) is not None

@@ -1,0 +1,259 @@
+"""``mg.parallelize(model, ep=E)`` against the serial model on the global batch.
+
+Float64, one spawn of 2 gloo ranks (ep=2) and one of 4 (ep=2 x data parallel 2, and ep=4),
+each looping over its cases: transformers' Qwen2-MoE, Mixtral and OLMoE from shrunk configs, and a
+plain MoE of our own (``tests.expert_models.PlainMoE``). Each rank trains on its rows of the
+global batch, the serial copy on all of them, 3 AdamW steps: the losses (averaged over the
+ranks), ``clip_grad_norm_``'s norm, the gradients of the first step and the parameters after
+the last (gathered whole) equal the serial model's within 1e-10. Uneven loads: a router
+biased so one expert takes most pairs and one none; and one where every pair goes to rank
+0's experts (rank 1 computes nothing). ``save_pretrained`` on every rank writes the serial
+weights. The all-to-alls move exactly the routed pairs' hidden
+states: tokens x top_k x hidden x 8 bytes each way, forward, and again in backward.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.helpers import expand, load_module
+
+pytest.importorskip("transformers")
+
+SOURCE = textwrap.dedent(
+    """
+    import macrogen as mg
+
+
+    def ep2(model):
+        return mg.parallelize(model, ep=2)
+
+
+    def ep4(model):
+        return mg.parallelize(model, ep=4)
+    """
+)
+
+SKEWED = [6.0, 3.0, 0.0, -1e4]  # expert 0 takes most pairs, expert 3 none
+ONE_RANK = [4.0, 4.0, -1e4, -1e4]  # every pair to experts 0 and 1: rank 0 of ep=2 does all
+ROWS = 4  # rows of the global batch per step
+STEPS = 3
+
+CASES = {  # name: (model, router bias, parallelize function, ranks)
+    "qwen2_moe": ("qwen2_moe", None, "ep2", (2, 4)),
+    "qwen2_moe skewed": ("qwen2_moe", SKEWED, "ep2", (2,)),
+    "qwen2_moe one rank": ("qwen2_moe", ONE_RANK, "ep2", (2,)),
+    "mixtral": ("mixtral", None, "ep2", (2,)),
+    "olmoe": ("olmoe", None, "ep2", (2,)),
+    "plain": ("plain", None, "ep2", (2, 4)),
+    "plain ep4": ("plain", None, "ep4", (4,)),
+}
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _build(kind, bias):
+    from tests.expert_models import PlainMoE, bias_routers, transformers_model
+
+    torch.manual_seed(0)
+    model = PlainMoE() if kind == "plain" else transformers_model(kind)
+    if bias is not None:
+        bias_routers(model, bias)
+    return model
+
+
+def _loss(model, ids):
+    if hasattr(model, "config"):
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+    return model(ids, ids)
+
+
+def _train(model, rows):
+    """3 AdamW steps on ``rows`` of each global batch: losses, norms, first gradients, params."""
+    from tests.expert_models import batches
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, norms, first = [], [], None
+    for ids in batches(STEPS, ROWS):
+        loss = _loss(model, ids[rows])
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+        if first is None:
+            first = {n: _full(p.grad).clone() for n, p in model.named_parameters()
+                     if p.grad is not None}  # fmt: skip
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, norms, first, {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _gap(ours, theirs):
+    assert ours.keys() == theirs.keys(), sorted(set(ours) ^ set(theirs))
+    return max(float((ours[k] - v).abs().max()) for k, v in theirs.items())
+
+
+def _cases(rank, world, tmp):
+    import warnings
+
+    import torch.distributed as dist
+    import transformers
+
+    from macrogen.runtime.expert_parallel import expert_parallel_of
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    torch.set_default_dtype(torch.float64)
+    module = load_module(expand(SOURCE), f"ep_parity_{rank}", Path(tmp))
+    per_rank = ROWS // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    out = {}
+    for name, (kind, bias, how, worlds) in CASES.items():
+        if world not in worlds:
+            continue
+        start = time.perf_counter()
+        serial = _build(kind, bias)
+        reference = copy.deepcopy(serial)
+        model = getattr(module, how)(serial)
+        want = _train(reference, slice(None))
+        got = _train(model, mine)
+        losses = [loss.clone() for loss in got[0]]
+        for loss in losses:
+            dist.all_reduce(loss)
+        state = expert_parallel_of(model)
+        out[name] = {
+            "seconds": time.perf_counter() - start,
+            "float32 loss": got[0][0].dtype == torch.float32,
+            "losses": max(abs(float(a) / world - float(b)) for a, b in zip(losses, want[0])),
+            "norms": max(abs(a - b) for a, b in zip(got[1], want[1])),
+            "gradients": _gap(got[2], want[2]),
+            "parameters": _gap(got[3], want[3]),
+            "numel": sum(p.numel() for p in model.parameters())
+            == sum(p.numel() for p in reference.parameters()),
+            "state_dict": {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            == {k: tuple(v.shape) for k, v in reference.state_dict().items()},
+            "local experts": sorted({m.num_experts for _, m in state.experts}),
+            "bytes": _bytes(model, state, mine, kind),
+            "evaluation": _evaluation(model, reference, mine),
+        }
+    if world == 2:
+        out["transformers' own ep"] = _against_transformers(module, mine)
+        out["save_pretrained"] = _saved(module, Path(tmp), rank)
+    return out
+
+
+def _saved(module, tmp, rank):
+    """``save_pretrained`` on every rank writes the serial weights; ``from_pretrained`` reads them."""
+    import torch.distributed as dist
+
+    reference = _build("qwen2_moe", None)
+    model = module.ep2(copy.deepcopy(reference))
+    model.save_pretrained(tmp / "saved", is_main_process=rank == 0)
+    dist.barrier()
+    loaded = type(reference).from_pretrained(tmp / "saved", dtype=torch.float64)
+    return {"gap": _gap(loaded.state_dict(), reference.state_dict())}
+
+
+def _against_transformers(module, rows):
+    """transformers' own expert parallelism (``apply_expert_parallelism`` with the config's
+    ``base_model_ep_plan``, its ``AllToAllEP``) on the same rows: the same loss and, once its
+    summed expert gradients are divided by the ranks, the same expert gradients."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    from tests.expert_models import batches
+
+    ours = module.ep2(_build("qwen2_moe", SKEWED))
+    theirs = _build("qwen2_moe", SKEWED)
+    grid = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "tp"))
+    names = [n for n, _ in theirs.named_modules()] + [n for n, _ in theirs.named_parameters()]
+    plan = {n: style for pattern, style in theirs.config.base_model_ep_plan.items()
+            for n in names if re.fullmatch(r"model\." + re.escape(pattern).replace(r"\*", r"\d+"), n)}  # fmt: skip
+    apply_expert_parallelism(theirs, grid["ep"], grid["tp"], plan)
+    ids = batches(1, ROWS)[0][rows]
+    losses = [_loss(m, ids) for m in (ours, theirs)]
+    for loss in losses:
+        loss.backward()
+    gaps = [abs(float(losses[0]) - float(losses[1]))]
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        if ".experts." in name:
+            mine, other = p.grad.to_local(), q.grad.to_local() / dist.get_world_size()
+            gaps.append(float((mine - other).abs().max()))
+    return {"gap": max(gaps), "experts compared": len(gaps) - 1}
+
+
+def _evaluation(model, reference, rows):
+    """Under no_grad (routing without its backward), the trained models' losses on the rows."""
+    from tests.expert_models import batches
+
+    ids = batches(2, ROWS)[1][rows]
+    with torch.no_grad():
+        return abs(float(_loss(model, ids)) - float(_loss(reference, ids)))
+
+
+def _bytes(model, state, rows, kind):
+    """One forward and backward's routing bytes beside the routed pairs' size."""
+    from tests.expert_models import batches
+
+    ids = batches(1, ROWS)[0][rows]
+    state.traffic.reset()
+    _loss(model, ids).backward()
+    model.zero_grad()
+    k = 2
+    hidden = 32 if kind != "plain" else 16
+    routed = len(state.experts) * ids.numel() * k * hidden * 8
+    t = state.traffic
+    return {"routed": routed, "dispatched": t.dispatched, "combined": t.combined,
+            "backward": t.backward, "pairs": t.pairs}  # fmt: skip
+
+
+def _check(results):
+    measured = [g for r in results for g in r.values() if "gap" not in g]
+    print({k: max(g[k] for g in measured) for k in ("losses", "norms", "gradients", "parameters")})
+    for name, gaps in [(n, g) for r in results for n, g in r.items() if "gap" not in g]:
+        # (transformers computes its loss in float32, on purpose: its rounding, in another order)
+        assert gaps["losses"] < (1e-5 if gaps["float32 loss"] else 1e-10), (name, gaps)
+        assert gaps["norms"] < 1e-10, (name, gaps)
+        assert gaps["gradients"] < 1e-10, (name, gaps)
+        assert gaps["parameters"] < 1e-10, (name, gaps)
+        assert gaps["evaluation"] < (1e-5 if gaps["float32 loss"] else 1e-10), (name, gaps)
+        assert gaps["numel"] and gaps["state_dict"], (name, gaps)
+        b = gaps["bytes"]  # this rank: its pairs out, the rows its experts ran back
+        assert b["dispatched"] == b["routed"], (name, b)
+        assert b["backward"] == b["dispatched"] + b["combined"], (name, b)
+    for name in [
+        n for n, g in results[0].items() if "gap" not in g
+    ]:  # over the ranks, each way: every routed pair once
+        routed = sum(r[name]["bytes"]["routed"] for r in results)
+        assert sum(r[name]["bytes"]["combined"] for r in results) == routed, name
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallel_equals_serial_on_2_ranks(tmp_path):
+    results = run_ranks(_cases, 2, args=(str(tmp_path),), timeout=280)
+    print({name: round(r.get("seconds", 0), 2) for name, r in results[0].items()})
+    print(results[0]["transformers' own ep"])
+    _check(results)
+    assert results[0]["qwen2_moe"]["local experts"] == [2]
+    assert results[1]["qwen2_moe one rank"]["bytes"]["combined"] == 0  # its experts got nothing
+    for rank_results in results:
+        assert rank_results["save_pretrained"]["gap"] == 0, rank_results["save_pretrained"]
+        theirs = rank_results["transformers' own ep"]
+        assert theirs["gap"] < 1e-10 and theirs["experts compared"] == 4, theirs
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallel_with_data_parallel_equals_serial_on_4_ranks(tmp_path):
+    results = run_ranks(_cases, 4, args=(str(tmp_path),), timeout=280)
+    _check(results)
+    assert results[0]["plain ep4"]["local experts"] == [1]
