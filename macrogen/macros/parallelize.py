@@ -29,7 +29,10 @@ plan's ``"server"`` tables live on the last S ranks, ``macrogen.runtime.param_se
 ``recompute`` (None; "blocks": the repeated blocks keep only their inputs and run their
 forward again in backward, ``macrogen.runtime.recompute``; an int N: every N-th block, from
 the first, 1 being "blocks"); ``verify`` (False; True: a serial copy of the model is made
-first and the first forward's output is compared with its own, ``macrogen.runtime.first_forward``).
+first and the first forward's output is compared with its own, ``macrogen.runtime.first_forward``);
+``init`` (None; ``mg.load(path)`` or ``"model"``: a model built on the meta device gets storage
+for this rank's shards after tensor parallel and FSDP, and its values from the checkpoint folder
+or its own initializer, ``macrogen.runtime.materialize``; program code, kept in the call).
 
 ``pp=N`` cuts the built model into N pipeline stages at run time, as ``@mg.pipeline``
 would cut its class (``macrogen.runtime.parallelize_pipeline``): the training step is
@@ -70,7 +73,8 @@ USAGE = (
     'model = parallelize(model, tp=2, tp_plan={"layers.*.attn.q": "colwise", ...} or "hf",'
     ' dp="replicate")'
 )
-CODE_ARGUMENTS = frozenset({"0"})  # the model expression runs in the program
+# the model expression and init= (mg.load(path) or "model") run in the program
+CODE_ARGUMENTS = frozenset({"0", "init"})
 
 SERVER_ONLY = ("staleness", "server_optimizer", "server_lr")
 
@@ -97,6 +101,7 @@ DEFAULTS: dict[str, Any] = {
     "server_lr": 0.01,
     "recompute": None,
     "verify": False,
+    "init": None,
 }
 LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches", "recompute")
 FSDP_ONLY = (
@@ -134,6 +139,7 @@ class Spec:
     # "blocks": the repeated blocks are recomputed in backward; an int N: every N-th of them
     recompute: str | int | None = None
     verify: bool = False  # the first forward compared with a serial copy's (then dropped)
+    init: bool = False  # init= given: a meta-device model materialized with its values
 
 
 def _degree(v: Any) -> str | None:
@@ -249,6 +255,8 @@ def validate(site: Site, ctx: Context) -> Spec:
             " parameter servers; check the plan at pp=1 (macrogen verify, docs/verify.md)",
             args["verify"].node,
         )
+    if "init" in args:
+        _check_init(args, values)
     return Spec(
         tp=values["tp"],
         pp=values["pp"],
@@ -272,6 +280,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         server_lr=values["server_lr"],
         recompute=None if values["recompute"] in (None, "none") else values["recompute"],
         verify=values["verify"],
+        init="init" in args,
     )
 
 
@@ -355,6 +364,20 @@ def _check_servers(
             f'servers=S takes dp="replicate" or "none" (the dense rest of the model among the'
             f" workers), not {values['dp']!r}",
             node,
+        )
+
+
+def _check_init(args: dict[str, Arg], values: dict[str, Any]) -> None:
+    """``init=`` materializes a meta-device model after tensor parallel and FSDP (not yet
+    with a pipeline's cut, parameter servers or verify's serial copy)."""
+    blocked = [(n, w) for n, w in (("pp", values["pp"] > 1), ("servers", values["servers"] > 0),
+                                   ("verify", values["verify"])) if w]  # fmt: skip
+    if blocked:
+        name = blocked[0][0]
+        raise MacroError(
+            f"init= (a meta-device model's values) goes with tp, dp and recompute; not yet with"
+            f" {name}=: build the model with its values for {name}=",
+            args["init"].node,
         )
 
 
@@ -458,6 +481,9 @@ def expand(site: Site, ctx: Context) -> Expanded:
         imports.append(ctx.import_from("macrogen.runtime", "ServerConfig"))
     if spec.pp > 1:
         imports.append(ctx.import_from("macrogen.runtime", "apply_pipeline"))
+    if spec.init:
+        imports.append(ctx.import_from("macrogen.runtime", "check_init"))
+        imports.append(ctx.import_from("macrogen.runtime", "apply_init"))
     if spec.dp == "fsdp":
         imports.append(ctx.import_from("macrogen.runtime", "apply_fully_sharded"))
         imports.append(ctx.import_from("macrogen.runtime", "FullyShardedConfig"))
@@ -513,9 +539,17 @@ def expand(site: Site, ctx: Context) -> Expanded:
         verify=spec.verify,
         serial_copy=names.get("serial_copy", ""),
         check_first_forward=names.get("check_first_forward", ""),
+        init=spec.init,
+        check_init=names.get("check_init", ""),
+        apply_init=names.get("apply_init", ""),
     )
     model = cst.Arg(call.args[0].value)  # the rest were expansion-time values, now in the helper
+    kept = [model]
+    if spec.init:  # init= is the program's own expression, run where it was written
+        given = next(a for a in call.args if a.keyword is not None and a.keyword.value == "init")
+        equal = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))
+        kept.append(cst.Arg(given.value, keyword=cst.Name("init"), equal=equal))
     replacement = call.with_changes(
-        func=cst.Name(fn), args=[model], whitespace_before_args=cst.SimpleWhitespace("")
+        func=cst.Name(fn), args=kept, whitespace_before_args=cst.SimpleWhitespace("")
     )
     return Expanded(replacement, helpers=(helper,))
