@@ -36,6 +36,10 @@ LAYOUTS = textwrap.dedent(
 
     def tp2_fsdp(model, init):
         return mg.parallelize(model, tp=2, tp_plan="hf", dp="fsdp", init=init)
+
+
+    def fsdp_built(model):
+        return mg.parallelize(model, dp="fsdp")
     """
 )
 
@@ -164,3 +168,71 @@ def run_cases(
         final, _ = gap(whole(model), whole(reference))
         results.append((f"{family} {layout} {init}", initial, losses, final))
     return results
+
+
+# -- peak memory of build-and-load ---------------------------------------------------------------
+
+
+def memory_config(scale: int) -> Any:
+    """A Llama of ``scale`` x 9 M fp32 parameters (8 layers at scale 4: ~36 M, 144 MB)."""
+    from transformers import LlamaConfig
+
+    width = 128 * scale
+    return LlamaConfig(vocab_size=2048 * scale, hidden_size=width, intermediate_size=3 * width,
+                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                       max_position_embeddings=64)  # fmt: skip
+
+
+def save_memory_folder(directory: Path, scale: int) -> str:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    folder = directory / f"memory{scale}"
+    LlamaForCausalLM(memory_config(scale)).save_pretrained(folder, max_shard_size="20MB")
+    return str(folder)
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def measure_memory(
+    rank: int, world: int, code: str, folder: str, scale: int, how: str
+) -> dict[str, int]:
+    """Peak RSS over the build and load of the memory model, beyond this rank's RSS before it
+    (the imports done, the high-water mark reset): ``how`` is "meta" (built on meta,
+    ``init=mg.load``, FSDP) or "built" (built with values on every rank, then FSDP: today)."""
+    import gc
+
+    import safetensors.torch  # noqa: F401  (everything the build imports, imported before)
+    import torch.distributed.fsdp  # noqa: F401
+    import transformers.conversion_mapping  # noqa: F401
+    import transformers.initialization  # noqa: F401
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    import macrogen.runtime.fully_sharded  # noqa: F401
+    import macrogen.runtime.materialize  # noqa: F401
+
+    layouts = _module(code)
+    config = memory_config(scale)
+    gc.collect()
+    baseline = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again here
+    if how == "meta":
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        model = layouts.fsdp(model, mg.load(folder))
+    else:
+        torch.manual_seed(0)
+        model = layouts.fsdp_built(LlamaForCausalLM(config))
+    gc.collect()
+    peak = _status("VmHWM") - baseline
+    sizes = [sum(p.numel() * 4 for p in m.parameters()) for m in model.model.layers]
+    largest = max([*sizes, config.vocab_size * config.hidden_size * 4])
+    total = sum(p.numel() * 4 for p in model.parameters())
+    return {"peak": peak, "share": total // world, "largest": largest, "total": total}

@@ -67,18 +67,26 @@ def load_into(model: nn.Module, init: Load, where: str) -> None:
     folder = _Safetensors(Path(init.path))
     converters = _converters(model)
     missing = []
+    direct, converted = [], []
+    for names, tensor in _tensors(model):
+        key = next((n for n in names if n in folder.keys), None)
+        if key is not None:
+            direct.append((key, tensor))
+        else:
+            converted.append((names, tensor))
+    # file by file: a file's pages this rank touched leave its memory when the file is closed
+    direct.sort(key=lambda item: str(folder.files[item[0]]))
     with torch.no_grad():
-        for names, tensor in _tensors(model):
-            key = next((n for n in names if n in folder.keys), None)
-            if key is not None:
-                _read(folder, key, tensor)
-                continue
+        for key, tensor in direct:
+            _read(folder, key, tensor)
+        for names, tensor in converted:
             whole = next((c.assemble(folder, n) for c in converters for n in names
                           if c.matches(n)), None)  # fmt: skip
             if whole is None:
                 missing.append(names[0])
             else:
                 _copy_whole(whole, tensor)
+    folder.close()
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise KeyError(
@@ -129,8 +137,14 @@ class _Safetensors:
 
         file = self.files[key]
         if file not in self.handles:
+            self.close()  # one file mapped at a time
             self.handles[file] = safe_open(str(file), framework="pt")
         return self.handles[file].get_slice(key)
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.__exit__(None, None, None)
+        self.handles.clear()
 
     def whole(self, key: str) -> torch.Tensor:
         return self.slice(key)[:]  # type: ignore[no-any-return]
