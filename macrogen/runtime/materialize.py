@@ -38,6 +38,10 @@ MODEL = "model"  # init="model": the model's own initializer
 PENDING = "_mg_pending_init"  # on a meta model mg.parallelize took: the init it will run
 
 
+class MetaModelError(ValueError):
+    """A model built on the meta device handed to ``mg.parallelize`` without ``init=``."""
+
+
 def meta_parameters(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.is_meta]
 
@@ -52,7 +56,7 @@ def check_init(model: nn.Module, init: object, *, where: str) -> None:
         kind(init.path)  # the folder's problem now, before any group or cut
     meta = meta_parameters(model)
     if meta and init is None:
-        raise ValueError(
+        raise MetaModelError(
             f"mg.parallelize at {where}: {len(meta)} parameters are on the meta device"
             f" ({meta[0]}, ...): pass init=mg.load(path) (a save_pretrained or DCP folder) or"
             " init=\"model\" (the model's own initializer) to give each rank's shards values"
