@@ -38,6 +38,10 @@ LAYOUTS = textwrap.dedent(
         return mg.parallelize(model, tp=2, tp_plan="hf", dp="fsdp", init=init)
 
 
+    def replicate(model, init):
+        return mg.parallelize(model, init=init)
+
+
     def fsdp_built(model):
         return mg.parallelize(model, dp="fsdp")
     """
