@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,12 @@ def save_folders(directory: Path) -> dict[str, str]:
         folder = directory / family
         model.save_pretrained(folder, max_shard_size="20KB")
         folders[family] = str(folder)
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():  # (one process, no group: DCP says it assumes so)
+            warnings.simplefilter("ignore")
+            dcp.save(model.state_dict(), checkpoint_id=str(directory / f"{family}_dcp"))
+        folders[f"{family}_dcp"] = str(directory / f"{family}_dcp")
     return folders
 
 
@@ -131,7 +138,7 @@ def train(model: torch.nn.Module) -> list[float]:
 
 
 def serial_reference(family: str, init: str, folder: str) -> torch.nn.Module:
-    if init == "load":
+    if init in ("load", "dcp"):
         return model_class(family).from_pretrained(folder, config=config(family),
                                                    dtype=torch.float64)  # fmt: skip
     torch.manual_seed(7)
@@ -164,7 +171,8 @@ def run_cases(
         reference = serial_reference(family, init, folders[family])
         start = whole(reference)
         torch.manual_seed(7)
-        given = mg.load(folders[family]) if init == "load" else "model"
+        folder = folders[family] if init == "load" else folders[f"{family}_dcp"]
+        given = "model" if init == "model" else mg.load(folder)
         model = getattr(layouts, layout)(meta_model(family), given)
         initial, _ = gap(whole(model), start)
         ours, theirs = train(model), train(reference)

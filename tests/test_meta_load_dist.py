@@ -2,8 +2,8 @@
 (``tests/meta_models.py``).
 
 A transformers Llama and Qwen2-MoE, built under ``torch.device("meta")`` and filled with
-``init=mg.load(folder)`` (a ``save_pretrained`` folder in shards: the index path) or
-``init="model"``, start from exactly the serial weights (``from_pretrained`` of the folder; the
+``init=mg.load(folder)`` (a ``save_pretrained`` folder in shards: the index path; a DCP folder
+of the same weights) or ``init="model"``, start from exactly the serial weights (``from_pretrained`` of the folder; the
 unexpanded program's initializer) and train 3 AdamW steps within 1e-10 of the serial model, in
 float64: tp=2, FSDP and replicated data parallel on 2 ranks, tp=2 x FSDP 2 on 4. One spawn
 per rank count.
@@ -19,9 +19,10 @@ from tests.distributed import run_ranks
 pytest.importorskip("transformers")
 
 TWO = [(f, layout, init) for f in ("llama", "qwen2_moe") for layout in ("tp2", "fsdp")
-       for init in ("load", "model")] + [("llama", "replicate", "load")]  # fmt: skip
+       for init in ("load", "model")] + [("llama", "replicate", "load"), ("llama", "tp2", "dcp"),
+                                       ("qwen2_moe", "fsdp", "dcp")]  # fmt: skip
 FOUR = [("llama", "tp2_fsdp", "load"), ("qwen2_moe", "tp2_fsdp", "load"),
-        ("llama", "tp2_fsdp", "model")]  # fmt: skip
+        ("llama", "tp2_fsdp", "model"), ("qwen2_moe", "tp2_fsdp", "dcp")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

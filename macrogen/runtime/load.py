@@ -231,8 +231,20 @@ def _converters(model: nn.Module) -> list[_Converter]:
 
 
 def _load_dcp(model: nn.Module, path: str) -> None:
-    """DCP reshards the saved tensors into this layout's DTensors (its ``load`` reads in place)."""
+    """DCP reshards the saved tensors into this layout's DTensors (its ``load`` reads in place).
+    A strided shard (a packed layer's, FSDP over TP's) is read whole and cut, one at a time:
+    DCP's own resharding into two nested strided shards permutes the rows (torch 2.13)."""
     import torch.distributed.checkpoint as dcp
 
     state = {_plain(k): v for k, v in model.state_dict().items()}
-    dcp.load(state, checkpoint_id=path)
+    strided = {k: v for k, v in state.items() if isinstance(v, DTensor) and _is_strided(v)}
+    dcp.load({k: v for k, v in state.items() if k not in strided}, checkpoint_id=path)
+    for key, value in strided.items():  # the same keys in the same order on every rank
+        whole = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+        dcp.load({key: whole}, checkpoint_id=path)
+        with torch.no_grad():
+            _copy_whole(whole, value)
+
+
+def _is_strided(value: DTensor) -> bool:
+    return not all(type(p) in (Shard, Replicate) for p in value.placements)
