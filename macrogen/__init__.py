@@ -34,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from macrogen.runtime.launch import launch
 
         return launch
+    if name == "load":  # init=mg.load(path) of mg.parallelize: a checkpoint folder's values
+        from macrogen.runtime.load import load
+
+        return load
     if name == "mesh":  # the program's one mesh: mg.mesh().data_rank / .data_size / .device_mesh
         from macrogen.runtime.mesh import mesh
 
@@ -54,6 +58,7 @@ __all__ = [
     "expand_source",
     "fused_allreduce",
     "launch",
+    "load",
     "mesh",
     "outer_sgd",
     "parallelize",

@@ -27,6 +27,7 @@ NON_MACRO_NAMES = frozenset(
         "hook",
         "kernels",
         "launch",
+        "load",
         "markers",
         "mesh",
         "pipeline_step",
@@ -118,7 +119,12 @@ def shard_optimizer(optimizer: T) -> T:
 
 def parallelize(model: T, **options: Any) -> T:
     """``model = parallelize(model, tp=2, tp_plan=..., dp="replicate")``: the model itself until
-    expanded (then it is sharded and its gradients averaged, in place: docs/parallelize.md)."""
+    expanded (then it is sharded and its gradients averaged, in place: docs/parallelize.md).
+    With ``init=`` (a model built on the meta device) it gives the model its serial values."""
+    if options.get("init") is not None:
+        from macrogen.runtime.materialize import serial
+
+        return serial(model, options["init"])  # type: ignore[arg-type, return-value]
     return model
 
 

@@ -22,7 +22,9 @@ measures on each rank:
 
 The peak is the larger of a step's and the build's: ``mg.parallelize`` takes a
 built model, so every rank holds the whole serial model while it cuts its
-shards (P, plus the shards made before the whole is freed).
+shards (P, plus the shards made before the whole is freed). A model built on the
+meta device (``init=``) has no build term: each rank allocates only its shards
+and holds one layer whole beside them, less than a step's peak.
 
 S is the optimizer's state (the probe counts the tensors of the optimizer over
 the model); A is a step's peak outside the optimizer step, above the parameters
@@ -140,8 +142,9 @@ class Breakdown:
         return max(self.step, self.build)
 
 
-def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
-    """Predicted peak bytes on the busiest rank (the first pipeline stage)."""
+def predict(profile: Profile, layout: Layout, world: int, *, meta: bool = False) -> Breakdown:
+    """Predicted peak bytes on the busiest rank (the first pipeline stage); ``meta``: the model
+    is built on the meta device and each rank materializes its shards (no build term)."""
     d = layout.dp_size(world)
     share = tp_share(profile, layout.tp) * pp_share(profile, layout.pp)
     params = profile.param_bytes * share
@@ -188,7 +191,7 @@ def predict(profile: Profile, layout: Layout, world: int) -> Breakdown:
     if layout.dp in ("replicate", "zero1") and d > 1:
         activations += grads  # a bucket's gradients, scaled into a fresh buffer as it is reduced
     sharded = layout.tp > 1 or layout.pp > 1 or layout.dp == "fsdp"
-    build = profile.param_bytes + (params if sharded else 0.0)
+    build = 0.0 if meta else profile.param_bytes + (params if sharded else 0.0)
     # torch's pipeline stage allocates a receive buffer for every micro-batch up front and
     # keeps them: the first stage's for the gradients (the last's for the activations)
     buffers = profile.message_bytes / d if layout.pp > 1 else 0.0

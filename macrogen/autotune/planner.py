@@ -52,9 +52,11 @@ def plan(
     speedup: float = 1.0,
     tuning: str | os.PathLike[str] | None = None,
     global_batch: int | None = None,
+    meta: bool = False,
 ) -> tuple[list[Row], memory.Profile]:
     """Every layout of ``world_size``: the feasible ones by predicted step time, then the rest;
-    at ``global_batch`` rows per step (None: the entry's, as probed)."""
+    at ``global_batch`` rows per step (None: the entry's, as probed); ``meta``: the program
+    builds its model on the meta device (``mg.parallelize(..., init=...)``): no build term."""
     from macrogen.autotune.tuner import AutotuneError, _probe
 
     source_path = Path(path)
@@ -102,7 +104,7 @@ def plan(
         profile = memory.with_batch(profile, global_batch / shape.rows)
         shape = replace(shape, rows=global_batch)
     arguments = dict(sites[0].values)
-    return rank(profile, shape, world_size, machine, device_memory, arguments), profile
+    return rank(profile, shape, world_size, machine, device_memory, arguments, meta=meta), profile
 
 
 def rank(
@@ -112,6 +114,8 @@ def rank(
     machine: cost.Machine,
     device_memory: float | None = None,
     arguments: dict[str, object] | None = None,
+    *,
+    meta: bool = False,
 ) -> list[Row]:
     """Every layout of ``world`` ranks, the feasible by predicted step time first; feasible as
     ``layouts.problem`` decides for the site's ``arguments`` (None: the model's rules alone,
@@ -121,7 +125,7 @@ def rank(
         world, max_tp=machine.per_node, max_pp=shape.blocks or None, rows=shape.rows
     )
     for layout in every:
-        mem = memory.predict(profile, layout, world)
+        mem = memory.predict(profile, layout, world, meta=meta)
         reason = layouts.problem(layout, world, shape, arguments)
         if reason is None and device_memory is not None and mem.total > device_memory:
             reason = (

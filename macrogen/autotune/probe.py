@@ -88,7 +88,15 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     cuda = job.get("target") == "cuda"
     built = TensorPeak(cuda=cuda)
     built.__enter__()  # closed after the warm-up steps: its end is the memory between steps
-    made = factory(module) if worker._takes_an_argument(factory) else factory()
+    from macrogen.runtime.materialize import MetaModelError
+
+    try:
+        made = factory(module) if worker._takes_an_argument(factory) else factory()
+    except MetaModelError as e:  # the program's own error; the planner can plan its shapes
+        raise ProbeError(
+            f"{e}; or plan it from its shapes (macrogen plan --model MODULE:NAME, a function"
+            " returning the meta model or its config)"
+        ) from None
     parts = made if isinstance(made, tuple) else (made,)
     models = [p for p in parts if isinstance(p, torch.nn.Module)]
     steps = [p for p in parts if callable(p) and not isinstance(p, torch.nn.Module)]

@@ -80,6 +80,12 @@ def add_parser(
         help="how much faster a device runs the serial step than this machine's probe",
     )
     probed.add_argument("--tuning", metavar="DB", help="tuning database holding autotune's probe")
+    probed.add_argument(
+        "--meta",
+        action="store_true",
+        help="the program builds its model on the meta device (mg.parallelize's init=): each"
+        " rank holds only its shards, no whole-model build",
+    )
     p.add_argument(
         "--gpu-memory", metavar="SIZE", help="memory per device (80GB, 512MiB; B bytes, b bits)"
     )
@@ -272,6 +278,7 @@ def _run_probed(args: argparse.Namespace, memory: float | None) -> int:
             speedup=speedup,
             tuning=args.tuning,
             global_batch=args.global_batch,
+            meta=args.meta,
         )
     except ExpansionError as e:
         print(e.report(), file=sys.stderr)
@@ -299,6 +306,10 @@ def _print_probed(rows: list[Row], args: argparse.Namespace) -> None:
     # the layout column as wide as its longest ("pp2 (mb4) x dp32 (replicate) + recompute 1/2")
     width = max([28] + [len(r.layout.describe(args.world_size)) for r in shown])
     header = f"{'#':>3}  {'layout':<{width}} {'step':>10} {'compute':>10} {'tp':>10} {'dp':>10} {'pp':>10} {'memory/rank':>12}"
+    # what each rank holds at the step's peak: parameters, gradients, optimizer state, activations
+    header += f" {'params':>10} {'grads':>10} {'state':>10} {'activ.':>10}"
+    if args.meta:
+        print("memory: the model built on the meta device, each rank materializing its shards")
     print(header)
     for i, r in enumerate(shown, 1):
         s = r.step
@@ -308,7 +319,9 @@ def _print_probed(rows: list[Row], args: argparse.Namespace) -> None:
             f"{i:>3}  {r.layout.describe(args.world_size):<{width}} {format_time(s.total):>10}"
             f" {format_time(s.compute):>10} {format_time(s.tensor):>10}"
             f" {format_time(s.data):>10} {format_time(s.pipeline):>10}"
-            f" {format_bytes(r.memory.total):>12}{note}"
+            f" {format_bytes(r.memory.total):>12} {format_bytes(r.memory.params):>10}"
+            f" {format_bytes(r.memory.grads):>10} {format_bytes(r.memory.state):>10}"
+            f" {format_bytes(r.memory.activations):>10}{note}"
         )
     _reasons(r.reason for r in rows)
 

@@ -32,6 +32,9 @@ the first, 1 being "blocks"); ``verify`` (False; True: a serial copy of the mode
 first and the first forward's output is compared with its own, ``macrogen.runtime.first_forward``);
 ``ep`` (1; E > 1: a mixture of experts' experts dealt whole over E data ranks, tokens routed
 to them by all-to-all, ``macrogen.runtime.expert_parallel``).
+``init`` (None; ``mg.load(path)`` or ``"model"``: a model built on the meta device gets storage
+for this rank's shards after tensor parallel and FSDP, and its values from the checkpoint folder
+or its own initializer, ``macrogen.runtime.materialize``; program code, kept in the call).
 
 ``pp=N`` cuts the built model into N pipeline stages at run time, as ``@mg.pipeline``
 would cut its class (``macrogen.runtime.parallelize_pipeline``): the training step is
@@ -72,7 +75,8 @@ USAGE = (
     'model = parallelize(model, tp=2, tp_plan={"layers.*.attn.q": "colwise", ...} or "hf",'
     ' dp="replicate")'
 )
-CODE_ARGUMENTS = frozenset({"0"})  # the model expression runs in the program
+# the model expression and init= (mg.load(path) or "model") run in the program
+CODE_ARGUMENTS = frozenset({"0", "init"})
 
 SERVER_ONLY = ("staleness", "server_optimizer", "server_lr")
 
@@ -100,6 +104,7 @@ DEFAULTS: dict[str, Any] = {
     "recompute": None,
     "verify": False,
     "ep": 1,
+    "init": None,
 }
 LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches", "recompute")
 FSDP_ONLY = (
@@ -138,6 +143,7 @@ class Spec:
     recompute: str | int | None = None
     verify: bool = False  # the first forward compared with a serial copy's (then dropped)
     ep: int = 1  # expert-parallel ways: whole experts dealt over ep data ranks, tokens routed
+    init: bool = False  # init= given: a meta-device model materialized with its values
 
 
 def _degree(v: Any) -> str | None:
@@ -255,6 +261,8 @@ def validate(site: Site, ctx: Context) -> Spec:
             args["verify"].node,
         )
     _check_experts(args, values)
+    if "init" in args:
+        _check_init(args, values)
     return Spec(
         ep=values["ep"],
         tp=values["tp"],
@@ -279,6 +287,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         server_lr=values["server_lr"],
         recompute=None if values["recompute"] in (None, "none") else values["recompute"],
         verify=values["verify"],
+        init="init" in args,
     )
 
 
@@ -377,6 +386,7 @@ def _check_experts(args: dict[str, Arg], values: dict[str, Any]) -> None:
         "recompute": values["recompute"] not in (None, "none"),
         "verify": values["verify"],
         "layout": "layout" in args,
+        "init": "init" in args,  # (a meta-device model: not yet with ep)
     }
     clash = next((name for name, set_ in others.items() if set_), None)
     if clash is not None:
@@ -385,6 +395,20 @@ def _check_experts(args: dict[str, Arg], values: dict[str, Any]) -> None:
             ' expert parallelism runs with tp=1, pp=1, dp="replicate" (tp inside the experts:'
             ' tp_plan="hf" without ep)',
             (args.get(clash) or args["ep"]).node,
+        )
+
+
+def _check_init(args: dict[str, Arg], values: dict[str, Any]) -> None:
+    """``init=`` materializes a meta-device model after tensor parallel and FSDP (not yet
+    with a pipeline's cut, parameter servers or verify's serial copy)."""
+    blocked = [(n, w) for n, w in (("pp", values["pp"] > 1), ("servers", values["servers"] > 0),
+                                   ("verify", values["verify"])) if w]  # fmt: skip
+    if blocked:
+        name = blocked[0][0]
+        raise MacroError(
+            f"init= (a meta-device model's values) goes with tp, dp and recompute; not yet with"
+            f" {name}=: build the model with its values for {name}=",
+            args["init"].node,
         )
 
 
@@ -492,6 +516,9 @@ def expand(site: Site, ctx: Context) -> Expanded:
         imports.append(ctx.import_from("macrogen.runtime", "ServerConfig"))
     if spec.pp > 1:
         imports.append(ctx.import_from("macrogen.runtime", "apply_pipeline"))
+    if spec.init:
+        imports.append(ctx.import_from("macrogen.runtime", "check_init"))
+        imports.append(ctx.import_from("macrogen.runtime", "apply_init"))
     if spec.dp == "fsdp":
         imports.append(ctx.import_from("macrogen.runtime", "apply_fully_sharded"))
         imports.append(ctx.import_from("macrogen.runtime", "FullyShardedConfig"))
@@ -549,9 +576,17 @@ def expand(site: Site, ctx: Context) -> Expanded:
         check_first_forward=names.get("check_first_forward", ""),
         ep=spec.ep,
         apply_expert_parallel=names.get("apply_expert_parallel", ""),
+        init=spec.init,
+        check_init=names.get("check_init", ""),
+        apply_init=names.get("apply_init", ""),
     )
     model = cst.Arg(call.args[0].value)  # the rest were expansion-time values, now in the helper
+    kept = [model]
+    if spec.init:  # init= is the program's own expression, run where it was written
+        given = next(a for a in call.args if a.keyword is not None and a.keyword.value == "init")
+        equal = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))
+        kept.append(cst.Arg(given.value, keyword=cst.Name("init"), equal=equal))
     replacement = call.with_changes(
-        func=cst.Name(fn), args=[model], whitespace_before_args=cst.SimpleWhitespace("")
+        func=cst.Name(fn), args=kept, whitespace_before_args=cst.SimpleWhitespace("")
     )
     return Expanded(replacement, helpers=(helper,))

@@ -54,6 +54,8 @@ EXPORTS: dict[str, str] = {
     "apply_fully_sharded": "fully_sharded",
     "apply_server_tables": "param_server",
     "apply_expert_parallel": "expert_parallel",
+    "check_init": "materialize",  # init=: a meta-device model's values
+    "apply_init": "materialize",
     # fused_allreduce, shard_optimizer, resumable
     "FusedAllReduce": "fused",
     "shard_optimizer": "zero",
@@ -99,6 +101,8 @@ if TYPE_CHECKING:  # what the names are, for a type checker reading an expanded 
     from macrogen.runtime.fully_sharded import apply_fully_sharded as apply_fully_sharded
     from macrogen.runtime.fused import FusedAllReduce as FusedAllReduce
     from macrogen.runtime.local_sgd import OuterSGD as OuterSGD
+    from macrogen.runtime.materialize import apply_init as apply_init
+    from macrogen.runtime.materialize import check_init as check_init
     from macrogen.runtime.parallelize import apply_data_parallel as apply_data_parallel
     from macrogen.runtime.parallelize import apply_tensor_parallel as apply_tensor_parallel
     from macrogen.runtime.parallelize import device_mesh as device_mesh

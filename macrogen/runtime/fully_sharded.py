@@ -153,12 +153,15 @@ def apply_fully_sharded(
         fully_shard,
     )
 
+    from macrogen.runtime.materialize import PENDING
+
     meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if meta:
+    if meta and PENDING not in model.__dict__:  # (mg.parallelize's init= materializes after)
         raise ValueError(
             f"{where}: {len(meta)} parameters are on the meta device ({meta[0]},"
             " ...): build the model on a device, or materialize it first (model.to_empty(device=...)"
-            " and the model's own init, as torchtitan does), then parallelize it"
+            " and the model's own init, as torchtitan does), then parallelize it; or give"
+            ' mg.parallelize init=mg.load(path) or init="model"'
         )
     from macrogen.runtime.pipeline import pipeline_of
 

@@ -80,7 +80,9 @@ def apply_tensor_parallel(
         )
     group, tensor_mesh = mesh.tensor_group, mesh.device_mesh["tensor"]
     assert group is not None  # tp > 1
-    probed = [w for w in layout.wraps if needs_probe(w)]
+    # a model built on the meta device has no values to probe with (docs/parallelize.md, init=)
+    meta = any(p.is_meta for p in model.parameters())
+    probed = [w for w in layout.wraps if needs_probe(w) and not meta]
     generator = torch.Generator().manual_seed(0)
     with quietly([w.module for w in probed]):
         probes = [serial_probe(w, generator) for w in probed]
@@ -147,7 +149,7 @@ def _cut(cut: Cut, group: dist.ProcessGroup, tensor_mesh: Any, holders: dict[int
 def _parameter(
     full: torch.Tensor, local: torch.Tensor, placement: Any, tensor_mesh: Any
 ) -> nn.Parameter:
-    if local.device.type != tensor_mesh.device_type:
+    if local.device.type not in (tensor_mesh.device_type, "meta"):  # meta: materialized after
         raise RuntimeError(
             f"the model's parameters are on {local.device.type} and the mesh on"
             f" {tensor_mesh.device_type}: move the model to its device (model.to(run.device))"

@@ -27,6 +27,9 @@ def parallelize_once(model: nn.Module, *, where: str) -> None:
                 f"mg.parallelize at {where}: {what} was parallelized already, at {first}: apply"
                 " mg.parallelize once, with every degree and the whole plan in one call"
             )
+    from macrogen.runtime.materialize import PENDING, check_init
+
+    check_init(model, model.__dict__.get(PENDING), where=where)  # a meta model without init=
     model.__dict__[APPLIED_AT] = where
 
 

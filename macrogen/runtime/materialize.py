@@ -1,0 +1,194 @@
+"""A model built on the meta device, given storage for this rank's shards and values.
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)                  # no storage, no values
+    model = mg.parallelize(model, tp=2, dp="fsdp", init=mg.load(folder))   # or init="model"
+
+``mg.parallelize``'s generated function cuts the meta model as it would a built one (tensor
+parallel, then FSDP), then ``apply_init``: ``to_empty`` on the rank's device (CPU under gloo,
+``cuda:LOCAL_RANK`` under NCCL: ``groups.placement``), so each rank allocates its shards only,
+and the values come from
+
+- ``init=mg.load(path)``: a checkpoint folder, each rank reading its slices (``runtime.load``);
+- ``init="model"``: the model's own initializer, one module at a time: transformers'
+  ``_init_weights`` (in ``initialize_weights``' order) or each module's ``reset_parameters()``.
+  Each module's parameters are made whole for its initializer (one module at a time: the
+  largest layer is the most a rank holds beyond its shards), drawn from the global generator
+  as the serial program draws them, and this rank keeps its shard: the values are exactly the
+  serial program's (the unexpanded file, whose ``mg.parallelize`` runs the same initializer on
+  the whole model), for every layout.
+
+Buffers the meta build left without values (a rotary embedding's ``inv_freq``) are computed
+by their module's initializer in both cases; a checkpoint's saved buffers are then read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from macrogen.runtime import groups
+from macrogen.runtime.load import Load, kind, load_into
+
+MODEL = "model"  # init="model": the model's own initializer
+PENDING = "_mg_pending_init"  # on a meta model mg.parallelize took: the init it will run
+
+
+class MetaModelError(ValueError):
+    """A model built on the meta device handed to ``mg.parallelize`` without ``init=``."""
+
+
+def meta_parameters(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.is_meta]
+
+
+def check_init(model: nn.Module, init: object, *, where: str) -> None:
+    """The first step: a meta model needs ``init=``; ``init="model"`` needs a meta model."""
+    if init is not None and init != MODEL and not isinstance(init, Load):
+        raise ValueError(
+            f'mg.parallelize at {where}: init={init!r}: expected mg.load(path) or "model"'
+        )
+    if isinstance(init, Load):
+        kind(init.path)  # the folder's problem now, before any group or cut
+    meta = meta_parameters(model)
+    if meta and init is None:
+        raise MetaModelError(
+            f"mg.parallelize at {where}: {len(meta)} parameters are on the meta device"
+            f" ({meta[0]}, ...): pass init=mg.load(path) (a save_pretrained or DCP folder) or"
+            " init=\"model\" (the model's own initializer) to give each rank's shards values"
+        )
+    if init == MODEL and not meta:
+        raise ValueError(
+            f'mg.parallelize at {where}: init="model" initializes a model built on the meta'
+            " device, and this one has its values already: drop init= (each rank cuts its"
+            " shards of them), or build it under torch.device('meta')"
+        )
+    if meta:
+        model.__dict__[PENDING] = init
+
+
+def apply_init(model: nn.Module, init: Any, *, where: str) -> nn.Module:
+    """Storage for this rank's shards on its device, and their values (see the module doc)."""
+    if init is None:
+        return model
+    if not meta_parameters(model):  # built with values: mg.load reads over them
+        load_into(model, init, where)
+        return model
+    device = torch.device(groups.placement().device)
+    empty = {id(m) for m in model.modules() if any(b.is_meta for b in m.buffers(recurse=False))}
+    ties = _ties(model)
+    model.to_empty(device=device)
+    for holders in ties:  # to_empty makes each module's parameter anew: a tie is kept by hand
+        first = holders[0][0]._parameters[holders[0][1]]
+        for owner, key in holders[1:]:
+            owner._parameters[key] = first
+    model.__dict__.pop(PENDING, None)
+    init_fn = _initializer(model, where)
+    with _init_context(model):
+        if init == MODEL:
+            for module, fn in init_fn:
+                _whole_for(module, fn)
+        else:
+            for module, fn in init_fn:
+                if id(module) in empty:
+                    _whole_for(module, fn)
+            load_into(model, init, where)
+    return model
+
+
+def serial(model: nn.Module, init: Any) -> nn.Module:
+    """The unexpanded ``mg.parallelize(model, init=...)``: the serial program's values, on this
+    process's device (the reference a parallel run is compared with)."""
+    if init is None:
+        return model
+    check_init(model, init, where="mg.parallelize")
+    return apply_init(model, init, where="mg.parallelize")
+
+
+def _ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, name) places of each parameter held in more than one (tied weights)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in model.modules():
+        for key, p in owner._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((owner, key))
+    return [held for held in places.values() if len(held) > 1]
+
+
+def _initializer(
+    model: nn.Module, where: str
+) -> list[tuple[nn.Module, Callable[[nn.Module], Any]]]:
+    """Each module with the initializer the serial program runs on it, in its order."""
+    pretrained = _pretrained_class()
+    if pretrained is not None and isinstance(model, pretrained):
+        return list(_hf_order(model, model, pretrained))
+    if callable(getattr(model, "init_weights", None)) and not hasattr(model, "reset_parameters"):
+        raise ValueError(
+            f'mg.parallelize at {where}: init="model" runs transformers\' _init_weights or each'
+            f" module's reset_parameters(), one module at a time; {type(model).__name__}"
+            ".init_weights() initializes the whole model at once: give the values with"
+            " init=mg.load(path) (a checkpoint of the initialized model)"
+        )
+    return [(m, _reset) for m in model.modules() if callable(getattr(m, "reset_parameters", None))]
+
+
+def _pretrained_class() -> type | None:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    return PreTrainedModel
+
+
+def _reset(module: nn.Module) -> None:
+    module.reset_parameters()  # type: ignore[operator]
+
+
+def _hf_order(
+    module: nn.Module, owner: Any, pretrained: type
+) -> Iterator[tuple[nn.Module, Callable[[nn.Module], Any]]]:
+    """transformers' ``initialize_weights`` order: children first, each module by the nearest
+    ``PreTrainedModel`` holding it (``smart_apply``)."""
+    for child in module.children():
+        yield from _hf_order(child, child if isinstance(child, pretrained) else owner, pretrained)
+    yield module, owner._initialize_weights
+
+
+def _init_context(model: nn.Module) -> Any:
+    """``torch.no_grad``, and transformers' guard of torch's init functions for its models."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    if hasattr(model, "_initialize_weights"):
+        from transformers import initialization
+
+        stack.enter_context(initialization.guard_torch_init_functions())
+    return stack
+
+
+def _whole_for(module: nn.Module, fn: Callable[[nn.Module], Any]) -> None:
+    """``fn(module)`` on whole parameters; this rank keeps its shard of each."""
+    held = {k: p for k, p in module._parameters.items() if p is not None}
+    whole = {k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device),
+                             requires_grad=p.requires_grad) for k, p in held.items()}  # fmt: skip
+    module._parameters.update(whole)
+    try:
+        fn(module)
+    finally:
+        module._parameters.update(held)
+    for k, p in held.items():
+        _keep_shard(whole[k].detach(), p)
+
+
+def _keep_shard(whole: torch.Tensor, param: torch.Tensor) -> None:
+    if not isinstance(param, DTensor):
+        param.detach().copy_(whole)
+        return
+    from macrogen.runtime.dtensor_whole import restride
+
+    param.to_local().copy_(restride(whole, param).to_local())

@@ -1,0 +1,250 @@
+"""Models built on the meta device and filled by ``init=``: the transformers models, their
+checkpoint folders, the layouts (one expanded file) and the per-rank checks the meta tests run.
+
+A case is (family, layout, init): the model is built under ``torch.device("meta")``, handed to
+``mg.parallelize(..., init=...)``, and compared with the serial program: ``from_pretrained`` of
+the same folder for ``mg.load``, the unexpanded ``mg.parallelize(model, init="model")`` (the
+marker initializes the whole model serially) for ``"model"``. Then 3 AdamW steps, the same
+batch on every rank, compared with the serial model's 3 steps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import macrogen as mg
+
+VOCAB, BATCH, SEQ, STEPS = 64, 2, 8, 3
+
+LAYOUTS = textwrap.dedent(
+    """
+    import macrogen as mg
+
+
+    def tp2(model, init):
+        return mg.parallelize(model, tp=2, tp_plan="hf", dp="none", init=init)
+
+
+    def fsdp(model, init):
+        return mg.parallelize(model, dp="fsdp", init=init)
+
+
+    def tp2_fsdp(model, init):
+        return mg.parallelize(model, tp=2, tp_plan="hf", dp="fsdp", init=init)
+
+
+    def replicate(model, init):
+        return mg.parallelize(model, init=init)
+
+
+    def fsdp_built(model):
+        return mg.parallelize(model, dp="fsdp")
+    """
+)
+
+
+def config(family: str) -> Any:
+    from transformers import LlamaConfig, Qwen2MoeConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    if family == "llama":
+        return LlamaConfig(intermediate_size=32, **common)
+    return Qwen2MoeConfig(
+        intermediate_size=32, moe_intermediate_size=8, shared_expert_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, **common,
+        experts_implementation="eager",  # (float64 on CPU: grouped_mm takes no doubles)
+    )  # fmt: skip
+
+
+def model_class(family: str) -> Any:
+    from transformers import LlamaForCausalLM, Qwen2MoeForCausalLM
+
+    return LlamaForCausalLM if family == "llama" else Qwen2MoeForCausalLM
+
+
+def save_folders(directory: Path) -> dict[str, str]:
+    """Each family's serial model (float64, seed 0) saved with ``save_pretrained``, in shards of
+    a few KB: the index file's path is the one read."""
+    folders = {}
+    for family in ("llama", "qwen2_moe"):
+        torch.manual_seed(0)
+        model = model_class(family)(config(family)).double()
+        folder = directory / family
+        model.save_pretrained(folder, max_shard_size="20KB")
+        folders[family] = str(folder)
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():  # (one process, no group: DCP says it assumes so)
+            warnings.simplefilter("ignore")
+            dcp.save(model.state_dict(), checkpoint_id=str(directory / f"{family}_dcp"))
+        folders[f"{family}_dcp"] = str(directory / f"{family}_dcp")
+    return folders
+
+
+def expanded(directory: Path) -> str:
+    from tests.helpers import expand
+
+    path = directory / "meta_layouts.py"
+    path.write_text(expand(LAYOUTS))
+    return str(path)
+
+
+def _module(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("meta_layouts", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def meta_model(family: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = model_class(family)(config(family))
+    return model.to(torch.float64)
+
+
+def whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    from macrogen.runtime.dtensor_whole import full_tensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        value = full_tensor(p) if isinstance(p, DTensor) else p
+        out[name] = value.detach().clone()
+    return out
+
+
+def train(model: torch.nn.Module) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def serial_reference(family: str, init: str, folder: str) -> torch.nn.Module:
+    if init in ("load", "dcp"):
+        return model_class(family).from_pretrained(folder, config=config(family),
+                                                   dtype=torch.float64)  # fmt: skip
+    torch.manual_seed(7)
+    return mg.parallelize(meta_model(family), init="model")  # the unexpanded marker: serial
+
+
+def gap(ours: dict[str, torch.Tensor], serial: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest difference, and where (inf: a parameter missing or misshapen)."""
+    worst, where = 0.0, ""
+    for name, want in serial.items():
+        got = ours.get(name)
+        if got is None or got.shape != want.shape:
+            return float("inf"), name
+        diff = float((got - want).abs().max())
+        if diff > worst:
+            worst, where = diff, name
+    return worst, where
+
+
+def run_cases(
+    rank: int, world: int, code: str, folders: dict[str, str], cases: list[tuple[str, str, str]]
+) -> list[tuple[str, float, float, float]]:
+    """Each case on every rank: (case, initial gap, loss gap, final parameters' gap)."""
+    from macrogen.runtime import mesh
+
+    layouts = _module(code)
+    results = []
+    for family, layout, init in cases:
+        mesh.reset()  # (one mesh per program: each case is a program of its own)
+        reference = serial_reference(family, init, folders[family])
+        start = whole(reference)
+        torch.manual_seed(7)
+        folder = folders[family] if init == "load" else folders[f"{family}_dcp"]
+        given = "model" if init == "model" else mg.load(folder)
+        model = getattr(layouts, layout)(meta_model(family), given)
+        initial, _ = gap(whole(model), start)
+        ours, theirs = train(model), train(reference)
+        losses = max(abs(a - b) for a, b in zip(ours, theirs))
+        final, _ = gap(whole(model), whole(reference))
+        results.append((f"{family} {layout} {init}", initial, losses, final))
+    return results
+
+
+# -- peak memory of build-and-load ---------------------------------------------------------------
+
+
+def memory_config(scale: int) -> Any:
+    """A Llama of ``scale`` x 9 M fp32 parameters (8 layers at scale 4: ~36 M, 144 MB)."""
+    from transformers import LlamaConfig
+
+    width = 128 * scale
+    return LlamaConfig(vocab_size=2048 * scale, hidden_size=width, intermediate_size=3 * width,
+                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                       max_position_embeddings=64)  # fmt: skip
+
+
+def save_memory_folder(directory: Path, scale: int) -> str:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    folder = directory / f"memory{scale}"
+    LlamaForCausalLM(memory_config(scale)).save_pretrained(folder, max_shard_size="20MB")
+    return str(folder)
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def measure_memory(
+    rank: int, world: int, code: str, folder: str, scale: int, how: str
+) -> dict[str, int]:
+    """Peak RSS over the build and load of the memory model, beyond this rank's RSS before it
+    (the imports done, the high-water mark reset): ``how`` is "meta" (built on meta,
+    ``init=mg.load``, FSDP) or "built" (built with values on every rank, then FSDP: today)."""
+    import gc
+
+    import safetensors.torch  # noqa: F401  (everything the build imports, imported before)
+    import torch.distributed.fsdp  # noqa: F401
+    import transformers.conversion_mapping  # noqa: F401
+    import transformers.initialization  # noqa: F401
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    import macrogen.runtime.fully_sharded  # noqa: F401
+    import macrogen.runtime.materialize  # noqa: F401
+
+    layouts = _module(code)
+    config = memory_config(scale)
+    gc.collect()
+    baseline = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again here
+    if how == "meta":
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        model = layouts.fsdp(model, mg.load(folder))
+    else:
+        torch.manual_seed(0)
+        model = layouts.fsdp_built(LlamaForCausalLM(config))
+    gc.collect()
+    peak = _status("VmHWM") - baseline
+    sizes = [sum(p.numel() * 4 for p in m.parameters()) for m in model.model.layers]
+    largest = max([*sizes, config.vocab_size * config.hidden_size * 4])
+    total = sum(p.numel() * 4 for p in model.parameters())
+    return {"peak": peak, "share": total // world, "largest": largest, "total": total}

@@ -1,0 +1,53 @@
+"""Models built on the meta device through ``mg.parallelize(..., init=...)``
+(``tests/meta_models.py``).
+
+A transformers Llama and Qwen2-MoE, built under ``torch.device("meta")`` and filled with
+``init=mg.load(folder)`` (a ``save_pretrained`` folder in shards: the index path; a DCP folder
+of the same weights) or ``init="model"``, start from exactly the serial weights (``from_pretrained`` of the folder; the
+unexpanded program's initializer) and train 3 AdamW steps within 1e-10 of the serial model, in
+float64: tp=2, FSDP and replicated data parallel on 2 ranks, tp=2 x FSDP 2 on 4. One spawn
+per rank count.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import meta_models
+from tests.distributed import run_ranks
+
+pytest.importorskip("transformers")
+
+TWO = [(f, layout, init) for f in ("llama", "qwen2_moe") for layout in ("tp2", "fsdp")
+       for init in ("load", "model")] + [("llama", "replicate", "load"), ("llama", "tp2", "dcp"),
+                                       ("qwen2_moe", "fsdp", "dcp")]  # fmt: skip
+FOUR = [("llama", "tp2_fsdp", "load"), ("qwen2_moe", "tp2_fsdp", "load"),
+        ("llama", "tp2_fsdp", "model"), ("qwen2_moe", "tp2_fsdp", "dcp")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("meta")
+    return meta_models.expanded(directory), meta_models.save_folders(directory)
+
+
+def _check(results):
+    for case, initial, losses, final in results:
+        assert initial == 0.0, (case, "initial weights differ from the serial program's", initial)
+        assert losses <= 1e-10, (case, "losses", losses)
+        assert final <= 1e-10, (case, "parameters after 3 AdamW steps", final)
+
+
+@pytest.mark.timeout(300)
+def test_meta_models_on_2_ranks_equal_the_serial_program(prepared):
+    code, folders = prepared
+    results = run_ranks(meta_models.run_cases, 2, args=(code, folders, TWO), timeout=280)
+    assert len(results[0]) == len(TWO)
+    _check(results[0])
+
+
+@pytest.mark.timeout(300)
+def test_meta_models_tp2_by_fsdp2_on_4_ranks_equal_the_serial_program(prepared):
+    code, folders = prepared
+    results = run_ranks(meta_models.run_cases, 4, args=(code, folders, FOUR), timeout=280)
+    _check(results[0])
