@@ -83,3 +83,16 @@ def test_a_bfloat16_model_is_probed_in_float64():
     torch.manual_seed(0)
     assert weighted_output_problem(StackedExperts(4, 8, 16).to(torch.bfloat16)) is None
     assert weighted_output_problem(WeightsInside(4, 8, 16).to(torch.bfloat16)) is not None
+
+
+class BatchDependent(StackedExperts):
+    """Experts whose output depends on the call's other tokens (a batch mean)."""
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        return super().forward(hidden - hidden.mean(dim=0), top_k_index, top_k_weights)
+
+
+def test_experts_whose_tokens_depend_on_each_other_are_refused():
+    torch.manual_seed(0)
+    problem = weighted_output_problem(BatchDependent(4, 8, 16))
+    assert problem is not None and "depends on the other tokens" in problem

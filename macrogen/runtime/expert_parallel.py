@@ -188,13 +188,20 @@ def weighted_output_problem(module: nn.Module) -> str | None:
             whole = functional_call(module, params, (x, index, weights))
             parts = [functional_call(module, params, (x, index[:, j : j + 1], weights[:, :1] * 0 + 1))
                      * weights[:, j : j + 1] for j in range(k)]  # fmt: skip
+            some = functional_call(module, params, (x[:3], index[:3], weights[:3]))
     finally:
         object.__setattr__(module, "num_experts", n)
-    gap = (whole - sum(parts)).abs().max().item()
-    if gap > 1e-9 * (whole.abs().max().item() + 1e-30):
+    scale = whole.abs().max().item() + 1e-30
+    if (whole - sum(parts)).abs().max().item() > 1e-9 * scale:
         return (
             "its output is not the router-weighted sum of its experts' outputs (the weights"
             " are applied inside the experts), which expert parallelism needs"
+        )
+    if (whole[:3] - some).abs().max().item() > 1e-9 * scale:
+        return (
+            "a token's output depends on the other tokens of the call (a capacity or batch"
+            " statistics inside the experts): expert parallelism runs each rank's experts on"
+            " the tokens routed to them, from every rank"
         )
     return None
 
