@@ -308,7 +308,7 @@ def _print_probed(rows: list[Row], args: argparse.Namespace) -> None:
     header = f"{'#':>3}  {'layout':<{width}} {'step':>10} {'compute':>10} {'tp':>10} {'dp':>10} {'pp':>10} {'memory/rank':>12}"
     # what each rank holds at the step's peak: parameters, gradients, optimizer state, activations
     header += f" {'params':>10} {'grads':>10} {'state':>10} {'activ.':>10}"
-    if args.meta:
+    if getattr(args, "meta", False):  # (--meta; a caller's own namespace may not have it)
         print("memory: the model built on the meta device, each rank materializing its shards")
     print(header)
     for i, r in enumerate(shown, 1):

@@ -59,7 +59,8 @@ def check_init(model: nn.Module, init: object, *, where: str) -> None:
         raise MetaModelError(
             f"mg.parallelize at {where}: {len(meta)} parameters are on the meta device"
             f" ({meta[0]}, ...): pass init=mg.load(path) (a save_pretrained or DCP folder) or"
-            " init=\"model\" (the model's own initializer) to give each rank's shards values"
+            " init=\"model\" (the model's own initializer) to give each rank's shards values,"
+            " or materialize it whole first (model.to_empty(device=...) and its own init)"
         )
     if init == MODEL and not meta:
         raise ValueError(
