@@ -97,6 +97,9 @@ DEFAULTS: dict[str, Any] = {
     "server_lr": 0.01,
     "recompute": None,
     "verify": False,
+    "dp_shares": None,
+    "dp_rebalance_every": 10,
+    "dp_max_rows": None,
 }
 LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches", "recompute")
 FSDP_ONLY = (
@@ -134,6 +137,11 @@ class Spec:
     # "blocks": the repeated blocks are recomputed in backward; an int N: every N-th of them
     recompute: str | int | None = None
     verify: bool = False  # the first forward compared with a serial copy's (then dropped)
+    # uneven rows of one global batch per data rank (mg.shard): "even", "measured" or
+    # proportions; None: each rank its own batch (macrogen.runtime.shares)
+    dp_shares: str | tuple[float, ...] | None = None
+    dp_rebalance_every: int = 10  # dp_shares="measured": steps between two measurements
+    dp_max_rows: int | tuple[int, ...] | None = None  # each data rank's cap in rows
 
 
 def _degree(v: Any) -> str | None:
@@ -185,6 +193,24 @@ def _server_optimizer(v: Any) -> str | None:
     return None if v in ("sgd", "adagrad") else '"sgd" or "adagrad"'
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+def _shares(v: Any) -> str | None:
+    fixed = isinstance(v, (list, tuple)) and len(v) > 1 and all(_number(w) for w in v)
+    ok = v is None or v in ("even", "measured") or fixed
+    return None if ok else '"even", "measured" or one positive share per data rank ([3, 1])'
+
+
+def _max_rows(v: Any) -> str | None:
+    def rows(n: Any) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+    ok = v is None or rows(v) or (isinstance(v, (list, tuple)) and v and all(map(rows, v)))
+    return None if ok else "None, an int >= 1 or one int >= 1 per data rank"
+
+
 CHECKS: dict[str, Callable[[Any], str | None]] = {
     "tp": _degree,
     "pp": _degree,
@@ -205,6 +231,9 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "server_lr": _mib,
     "recompute": _recompute,
     "verify": _bool,
+    "dp_shares": _shares,
+    "dp_rebalance_every": _degree,
+    "dp_max_rows": _max_rows,
 }
 
 
@@ -236,6 +265,7 @@ def validate(site: Site, ctx: Context) -> Spec:
     served = tuple(path for path, style in plan or () if style == SERVER)
     plan = tuple((p, s) for p, s in plan or () if s != SERVER) or None  # the tensor-parallel rest
     _check_servers(args, values, served, plan)
+    _check_shares(args, values)
     tp_arg = args.get("tp") or args.get("layout")
     if (plan is None and not hf) and tp_arg is not None and values["tp"] != 1:
         raise MacroError(
@@ -272,7 +302,14 @@ def validate(site: Site, ctx: Context) -> Spec:
         server_lr=values["server_lr"],
         recompute=None if values["recompute"] in (None, "none") else values["recompute"],
         verify=values["verify"],
+        dp_shares=_tuple(values["dp_shares"]),
+        dp_rebalance_every=values["dp_rebalance_every"],
+        dp_max_rows=_tuple(values["dp_max_rows"]),
     )
+
+
+def _tuple(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
 
 
 def _auto_layout(site: Site, args: dict[str, Arg], ctx: Context) -> dict[str, Any]:
@@ -358,6 +395,39 @@ def _check_servers(
         )
 
 
+def _check_shares(args: dict[str, Arg], values: dict[str, Any]) -> None:
+    """``dp_shares`` splits one global batch per step over the data ranks of a replicated model
+    (or a sharded optimizer's), weighting each rank's gradient by its rows."""
+    if values["dp_shares"] is None:
+        for name in ("dp_rebalance_every", "dp_max_rows"):
+            if name in args:
+                raise MacroError(
+                    f'{name} applies with dp_shares="measured" (or fixed shares)', args[name].node
+                )
+        return
+    node = args["dp_shares"].node
+    if values["dp"] not in ("replicate", "zero1"):
+        raise MacroError(f'dp_shares takes dp="replicate" or "zero1", not {values["dp"]!r}', node)
+    blockers = (
+        ("pp", values["pp"] != 1, "pipeline micro-batches"),
+        ("accumulate", values["accumulate"] != 1, "gradient accumulation"),
+        ("servers", values["servers"] != 0, "parameter servers"),
+    )
+    for name, bad, what in blockers:
+        if bad:
+            raise MacroError(
+                f"dp_shares with {what} ({name}={values[name]}) is not supported: it weights one"
+                " backward per step by its rows",
+                node,
+            )
+    if values["dp_shares"] == "measured" and values["tp"] != 1:
+        raise MacroError(
+            f'dp_shares="measured" with tp={values["tp"]} is not supported: the ranks of one'
+            " tensor-parallel group would measure apart; give fixed shares ([3, 1])",
+            node,
+        )
+
+
 def _check(name: str, arg: Arg, ctx: Context) -> None:
     ctx.check_each_choice(name, arg, CHECKS[name])
 
@@ -424,7 +494,11 @@ def _summary(spec: Spec) -> str:
             + (f", {spec.dp_replicate} replicas (HSDP)" if spec.dp_replicate > 1 else "")
         )
     elif spec.dp != "none":
-        steps.append(f"data parallel ({spec.dp})")
+        shares = spec.dp_shares
+        uneven = (
+            "" if shares is None else f", {shares if isinstance(shares, str) else 'fixed'} shares"
+        )
+        steps.append(f"data parallel ({spec.dp}{uneven})")
     return ", then ".join(steps) or "the mesh only"
 
 
@@ -513,6 +587,9 @@ def expand(site: Site, ctx: Context) -> Expanded:
         verify=spec.verify,
         serial_copy=names.get("serial_copy", ""),
         check_first_forward=names.get("check_first_forward", ""),
+        dp_shares=spec.dp_shares,
+        dp_rebalance_every=spec.dp_rebalance_every,
+        dp_max_rows=spec.dp_max_rows,
     )
     model = cst.Arg(call.args[0].value)  # the rest were expansion-time values, now in the helper
     replacement = call.with_changes(
