@@ -177,6 +177,8 @@ class Shares:
         self.window_rows = 0  # rows computed since the last measurement
         self.window_seconds = 0.0  # and the seconds they took (forward and backward)
         self.history: list[tuple[int, list[float]]] = []  # (step, weights) at each rebalance
+        self.total_rows = 0  # rows this rank computed since the start
+        self.total_seconds = 0.0  # and their seconds (its rate so far: one over the other)
 
     def take(self, batch: Any, device: torch.device) -> Any:
         """This rank's rows of the global ``batch``; re-measures first every N steps."""
@@ -201,8 +203,11 @@ class Shares:
         self.taken = False
         if self.started is None:
             return
-        self.window_seconds += time.perf_counter() - self.started
+        seconds = time.perf_counter() - self.started
+        self.window_seconds += seconds
         self.window_rows += self.rows[self.rank]
+        self.total_seconds += seconds
+        self.total_rows += self.rows[self.rank]
         self.started = None
 
     def rate(self) -> float:
