@@ -16,8 +16,9 @@ even split and to the ideal, the global batch over the sum of the ranks' measure
 (rows per second of forward and backward, the runtime's own measurement). The issue
 asks for <= 0.75x the even split and within 10% of the ideal.
 
-The plan's prediction (``macrogen.autotune.scale.data_parallel_gain``, the rule ``macrogen
-plan --devices`` ranks heterogeneous sets with) is fed the even split's measured rates and
+The prediction (``macrogen.runtime.shares.split_gain``: a step lasts as long as its slowest
+rank, rows over rate, plus what every rank pays; the rule ``macrogen plan --devices``
+predicts data ranks of different speeds with) is fed the even split's measured rates and
 fixed cost per step (the step time beyond the slowest rank's compute: the all-reduce's
 tail and the optimizer step), and its predicted gain is printed beside the measured one.
 
@@ -181,7 +182,7 @@ def vars_of(run: Run) -> dict[str, Any]:
 
 
 def report(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    from macrogen.autotune.scale import data_parallel_gain
+    from macrogen.runtime.shares import split_gain, split_rows
 
     b, warm = args.batch, min(2 * args.rebalance_every, args.steps // 2)
 
@@ -211,13 +212,12 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f" {measured / ideal:.3f}  (asked: within 10%)")  # fmt: skip
     # the plan's model, fed what the even split measured
     even_rates = rates("even")
-    slowest = [
-        max(r["even"]["compute"][i] for r in ranks) for i in range(warm, args.steps)
-    ]
+    slowest = [max(r["even"]["compute"][i] for r in ranks) for i in range(warm, args.steps)]
     fixed = max(0.0, even - statistics.median(slowest))
-    p_even, p_adapted, split = data_parallel_gain(even_rates, b, fixed)
+    p_even, p_adapted = split_gain(even_rates, b, None, fixed)
+    split = split_rows(b, even_rates, [None, None])
     predicted, got = p_even / p_adapted, even / measured
-    print(f"plan's model on the even split's rates {[round(r) for r in even_rates]} rows/s and"
+    print(f"prediction from the even split's rates {[round(r) for r in even_rates]} rows/s and"
           f" {fixed * 1e3:.1f} ms fixed per step: even {p_even * 1e3:.1f} ms, adapted"
           f" {p_adapted * 1e3:.1f} ms (rows {split})")  # fmt: skip
     print(f"speed-up over the even split: predicted {predicted:.3f}, measured {got:.3f},"

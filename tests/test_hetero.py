@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from macrogen.runtime.shares import ShareConfig, Shares, count_rows, slice_rows, split_rows
+from macrogen.runtime.shares import (
+    ShareConfig,
+    Shares,
+    count_rows,
+    slice_rows,
+    split_gain,
+    split_rows,
+)
 from tests.helpers import expand, expansion_errors
 
 
@@ -64,6 +71,14 @@ def test_a_rank_that_slows_down_gets_fewer_rows_at_the_next_measurement():
     other, other_rows = _measured(1, rates)
     assert other_rows == rows  # every rank computes the same split from the same rates
     assert shares.weight == pytest.approx(20 / 30) and other.weight == pytest.approx(10 / 30)
+    assert shares.gain == pytest.approx(1.5)  # even: 15 rows at 50/s; now 20 at 100/s
+
+
+def test_the_predicted_gain_is_the_slowest_ranks_time_even_and_uneven():
+    assert split_gain([100.0, 50.0], 30) == pytest.approx((0.3, 0.2))
+    assert split_gain([100.0, 50.0], 30, fixed_s=0.1) == pytest.approx((0.4, 0.3))
+    # a cap keeps the fast rank at 16 rows: 14 go to the slow one
+    assert split_gain([100.0, 50.0], 30, [16, None]) == pytest.approx((0.3, 0.28))
 
 
 def test_a_window_without_a_measurement_keeps_the_shares():
@@ -111,6 +126,13 @@ def test_parallelize_renders_the_shares_into_the_data_parallel_config():
             'dp_shares="measured" with tp=2 is not supported',
         ),
         ('dp_shares="even", dp_max_rows=0', "an int >= 1 or one int >= 1 per data rank"),
+        ("pp_split=[2, 1]", "pp_split applies with pp=N > 1"),
+        ("pp=2, microbatches=2, pp_split=[2, 1, 1]", "pp_split gives 3 speeds for pp=2"),
+        (
+            'pp=2, microbatches=4, schedule="interleaved", pp_split="measured"',
+            "pp_split takes one stage per rank",
+        ),
+        ('pp=2, microbatches=2, pp_split="fast"', '"measured" or one positive speed per stage'),
     ],
 )
 def test_parallelize_refuses_what_shares_cannot_weight(call, message):
@@ -121,6 +143,15 @@ def test_parallelize_refuses_what_shares_cannot_weight(call, message):
         """
     )
     assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_stage_speeds_weigh_the_cut():
+    from macrogen.pipelining.units import balanced
+
+    weights = [1, 10, 10, 10, 10, 1]  # the embedding, 4 blocks, the head
+    assert balanced(weights, [2, 3, 4], 2) == [3]  # even: 2 blocks each
+    assert balanced(weights, [2, 3, 4], 2, [3.0, 1.0]) == [4]  # 3x as fast: 3 blocks
+    assert balanced(weights, [2, 3, 4], 2, [1.0, 3.0]) == [2]
 
 
 def test_data_parallel_class_takes_the_same_shares_and_refusals():

@@ -174,21 +174,6 @@ def adapted_split(spec: ModelSpec, layout: Layout, devices: DeviceSet, rows: int
     return split if fits else even_split(spec, layout, devices.world, rows)
 
 
-def data_parallel_gain(
-    rates: list[float], rows: int, fixed_s: float = 0.0
-) -> tuple[float, float, list[int]]:
-    """One data-parallel step of ``rows`` over ranks computing ``rates`` rows per second, each
-    step also paying ``fixed_s`` (its collectives and optimizer step, the same on every rank):
-    (the even split's seconds, the adapted split's, the adapted rows). The step lasts as long
-    as its slowest rank; the adapted split is ``adapted_split``'s, rows in proportion to speed.
-    """
-    d = len(rates)
-    even = max(rows / d / r for r in rates) + fixed_s
-    split = _proportional(rows, rates, minimum=1)
-    adapted = max(n / r for n, r in zip(split, rates)) + fixed_s
-    return even, adapted, split
-
-
 def _data_rank(
     spec: ModelSpec,
     layout: Layout,

@@ -100,6 +100,7 @@ DEFAULTS: dict[str, Any] = {
     "dp_shares": None,
     "dp_rebalance_every": 10,
     "dp_max_rows": None,
+    "pp_split": None,
 }
 LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches", "recompute")
 FSDP_ONLY = (
@@ -142,6 +143,8 @@ class Spec:
     dp_shares: str | tuple[float, ...] | None = None
     dp_rebalance_every: int = 10  # dp_shares="measured": steps between two measurements
     dp_max_rows: int | tuple[int, ...] | None = None  # each data rank's cap in rows
+    # the stages' relative speeds, "measured" or given: uneven blocks per stage (None: even)
+    pp_split: str | tuple[float, ...] | None = None
 
 
 def _degree(v: Any) -> str | None:
@@ -203,6 +206,12 @@ def _shares(v: Any) -> str | None:
     return None if ok else '"even", "measured" or one positive share per data rank ([3, 1])'
 
 
+def _pp_split(v: Any) -> str | None:
+    fixed = isinstance(v, (list, tuple)) and len(v) > 1 and all(_number(w) for w in v)
+    ok = v is None or v == "measured" or fixed
+    return None if ok else '"measured" or one positive speed per stage ([2, 1])'
+
+
 def _max_rows(v: Any) -> str | None:
     def rows(n: Any) -> bool:
         return isinstance(n, int) and not isinstance(n, bool) and n >= 1
@@ -234,6 +243,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "dp_shares": _shares,
     "dp_rebalance_every": _degree,
     "dp_max_rows": _max_rows,
+    "pp_split": _pp_split,
 }
 
 
@@ -266,6 +276,7 @@ def validate(site: Site, ctx: Context) -> Spec:
     plan = tuple((p, s) for p, s in plan or () if s != SERVER) or None  # the tensor-parallel rest
     _check_servers(args, values, served, plan)
     _check_shares(args, values)
+    _check_pp_split(args, values)
     tp_arg = args.get("tp") or args.get("layout")
     if (plan is None and not hf) and tp_arg is not None and values["tp"] != 1:
         raise MacroError(
@@ -305,6 +316,7 @@ def validate(site: Site, ctx: Context) -> Spec:
         dp_shares=_tuple(values["dp_shares"]),
         dp_rebalance_every=values["dp_rebalance_every"],
         dp_max_rows=_tuple(values["dp_max_rows"]),
+        pp_split=_tuple(values["pp_split"]),
     )
 
 
@@ -424,6 +436,26 @@ def _check_shares(args: dict[str, Arg], values: dict[str, Any]) -> None:
         raise MacroError(
             f'dp_shares="measured" with tp={values["tp"]} is not supported: the ranks of one'
             " tensor-parallel group would measure apart; give fixed shares ([3, 1])",
+            node,
+        )
+
+
+def _check_pp_split(args: dict[str, Arg], values: dict[str, Any]) -> None:
+    """``pp_split`` cuts the stages unevenly: one stage per rank, one speed per stage."""
+    split = values["pp_split"]
+    if split is None:
+        return
+    node = args["pp_split"].node
+    if values["pp"] == 1:
+        raise MacroError("pp_split applies with pp=N > 1: it cuts the pipeline's stages", node)
+    if values["schedule"] == "interleaved":
+        raise MacroError(
+            'pp_split takes one stage per rank: schedule="1f1b" or "gpipe", not "interleaved"',
+            node,
+        )
+    if not isinstance(split, str) and len(split) != values["pp"]:
+        raise MacroError(
+            f"pp_split gives {len(split)} speeds for pp={values['pp']} stages: one per stage",
             node,
         )
 
@@ -590,6 +622,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
         dp_shares=spec.dp_shares,
         dp_rebalance_every=spec.dp_rebalance_every,
         dp_max_rows=spec.dp_max_rows,
+        pp_split=spec.pp_split,
     )
     model = cst.Arg(call.args[0].value)  # the rest were expansion-time values, now in the helper
     replacement = call.with_changes(

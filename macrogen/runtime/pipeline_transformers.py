@@ -190,8 +190,11 @@ class TransformersCut:
         return StepInputs((ids,), given, {self.targets: y}, microbatches)
 
 
-def transformers_cut(model: nn.Module, stages: int, *, where: str) -> TransformersCut:
-    """Cut ``model`` at its shipped pipeline plan into ``stages`` stages (checked; see above)."""
+def transformers_cut(
+    model: nn.Module, stages: int, *, where: str, speeds: list[float] | None = None
+) -> TransformersCut:
+    """Cut ``model`` at its shipped pipeline plan into ``stages`` stages (checked; see above);
+    ``speeds``: each stage's device's relative speed, its share of the parameters."""
     name = type(model).__name__
     at = f"{where}: pp={stages} cuts {name} at its pipeline plan"
     plan = shipped_plan(model)
@@ -216,7 +219,7 @@ def transformers_cut(model: nn.Module, stages: int, *, where: str) -> Transforme
         raise ValueError(f"{at}: {stages} stages, and {layers} has {count} layers")
     k = plan.index(layers)
     cut = TransformersCut(name, plan[:k], layers, count, plan[k + 1 :], [])
-    cut.starts = _balance(model, cut, stages)
+    cut.starts = _balance(model, cut, stages, speeds)
     _place(model, cut)
     cut.call = _call_keywords(model)
     cut.counts_items = _counts_items(model)
@@ -225,12 +228,14 @@ def transformers_cut(model: nn.Module, stages: int, *, where: str) -> Transforme
     return cut
 
 
-def _balance(model: nn.Module, cut: TransformersCut, stages: int) -> list[int]:
+def _balance(
+    model: nn.Module, cut: TransformersCut, stages: int, speeds: list[float] | None = None
+) -> list[int]:
     """Where stages 1.. start, most even by parameter count (the ends weigh on the end stages)."""
     layers = [f"{cut.layers}.{k}" for k in range(cut.count)]
     weights = [numel(model, cut.before), *(numel(model, [p]) for p in layers)]
     weights.append(numel(model, cut.after))
-    starts = balanced(weights, list(range(2, cut.count + 1)), stages)
+    starts = balanced(weights, list(range(2, cut.count + 1)), stages, speeds)
     return [s - 1 for s in starts]  # units -> layers (the first unit is what comes before)
 
 

@@ -89,6 +89,26 @@ def split_rows(total: int, weights: Sequence[float], caps: Sequence[int | None])
     return rows
 
 
+def split_gain(
+    rates: Sequence[float],
+    total: int,
+    caps: Sequence[int | None] | None = None,
+    fixed_s: float = 0.0,
+) -> tuple[float, float]:
+    """Predicted seconds of one step of ``total`` rows over ranks computing ``rates`` rows per
+    second, (even split, split in proportion to the rates): a step lasts as long as its
+    slowest rank, plus ``fixed_s`` that every rank pays (its collectives, its optimizer step).
+    ``macrogen plan``'s rule for data ranks of different speeds, on this split's rows."""
+    n = len(rates)
+    caps = caps if caps is not None else [None] * n
+    even = split_rows(total, [1.0] * n, caps)
+    uneven = split_rows(total, list(rates), caps)
+    return (
+        max(r / v for r, v in zip(even, rates)) + fixed_s,
+        max(r / v for r, v in zip(uneven, rates)) + fixed_s,
+    )
+
+
 def slice_rows(batch: Any, lo: int, hi: int) -> Any:
     """``batch`` (a tensor, or a tuple / list / dict of them) with rows ``lo:hi`` of each
     tensor; anything else is kept as it is."""
@@ -177,8 +197,8 @@ class Shares:
         self.window_rows = 0  # rows computed since the last measurement
         self.window_seconds = 0.0  # and the seconds they took (forward and backward)
         self.history: list[tuple[int, list[float]]] = []  # (step, weights) at each rebalance
-        self.total_rows = 0  # rows this rank computed since the start
-        self.total_seconds = 0.0  # and their seconds (its rate so far: one over the other)
+        self.total_seconds = 0.0  # this rank's compute seconds since the start
+        self.gain = 1.0  # the last rebalance's predicted step speed-up over the even split
 
     def take(self, batch: Any, device: torch.device) -> Any:
         """This rank's rows of the global ``batch``; re-measures first every N steps."""
@@ -207,7 +227,6 @@ class Shares:
         self.window_seconds += seconds
         self.window_rows += self.rows[self.rank]
         self.total_seconds += seconds
-        self.total_rows += self.rows[self.rank]
         self.started = None
 
     def rate(self) -> float:
@@ -229,4 +248,7 @@ class Shares:
             return
         mass = sum(rates)
         self.weights = [r / mass for r in rates]
+        if self.rows:
+            even, uneven = split_gain(rates, sum(self.rows), self.caps)
+            self.gain = even / uneven
         self.history.append((self.steps, list(self.weights)))
