@@ -26,6 +26,12 @@ Mid-run: a fresh "measured" model without the busy process; rank 1 starts it at 
 ``--busy-at``; the rows per rank are printed for every step, and the step at which rank
 1's share has moved halfway to where it settles.
 
+``--pipeline``: the same two pinned ranks and busy process, a model of ``--blocks`` residual
+MLP blocks cut into 2 pipeline stages (rank 1 holds stage 1), 1F1B over 4 micro-batches:
+``mg.parallelize(model, pp=2, microbatches=4)`` (cut evenly by parameters) and
+``pp_split="measured"`` (each rank's matmul probe before the cut: the slow rank's stage gets
+fewer blocks), side by side; printed: each cut, the median step times and their ratio.
+
 CPU-time figures (other jobs on this machine make wall times noisy): each rank's CPU
 seconds per row and the share of its core it got (CPU time / wall time of its compute);
 a rank's rate is its CPU rate times its core share, so the CPU figures say how much of a
@@ -80,15 +86,49 @@ def measured(model):
 """
 
 
-def expanded(out_dir: Path, rebalance_every: int) -> Any:
+PIPELINE_SOURCE = """
+import torch.nn as nn
+import torch.nn.functional as F
+import macrogen as mg
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, 2 * width)
+        self.out = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.out(F.gelu(self.fc(x)))
+
+
+class Deep(nn.Module):
+    def __init__(self, width, blocks, classes=16):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def even(model):
+    return mg.parallelize(model, pp=2, microbatches=4, dp="none")
+
+
+def measured(model):
+    return mg.parallelize(model, pp=2, microbatches=4, dp="none", pp_split="measured")
+"""
+
+
+def expanded(out_dir: Path, text: str, name: str) -> Any:
     from macrogen.expand import expand_source
 
-    text = SOURCE.replace("REBALANCE_EVERY", str(rebalance_every))
-    (out_dir / "bench_hetero_models.py").write_text(
-        expand_source(text, path="bench/hetero.py").code
-    )
+    (out_dir / f"{name}.py").write_text(expand_source(text, path="bench/hetero.py").code)
     sys.path.insert(0, str(out_dir))
-    return __import__("bench_hetero_models")
+    return __import__(name)
 
 
 def start_busy(core: int) -> subprocess.Popen[bytes]:
@@ -142,10 +182,14 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str)
     core = cores[rank]
     os.sched_setaffinity(0, {core})
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    module = expanded(Path(tmp), args.rebalance_every) if rank == 0 else None
+    if args.pipeline:
+        pipeline_worker(rank, core, args, tmp)
+        return
+    text = SOURCE.replace("REBALANCE_EVERY", str(args.rebalance_every))
+    module = expanded(Path(tmp), text, "bench_hetero_models") if rank == 0 else None
     dist.barrier()
     if module is None:
-        module = expanded(Path(tmp), args.rebalance_every)
+        module = expanded(Path(tmp), text, "bench_hetero_models")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, args.width, generator=gen)
     y = torch.randint(0, 16, (args.batch,), generator=gen)
@@ -174,6 +218,50 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str)
     dist.all_gather_object(every, mine)
     if rank == 0:
         report(every, args)
+    dist.destroy_process_group()
+
+
+def pipeline_worker(rank: int, core: int, args: argparse.Namespace, tmp: str) -> None:
+    import macrogen as mg
+    from macrogen.runtime import pipeline
+
+    module = expanded(Path(tmp), PIPELINE_SOURCE, "bench_hetero_pipeline") if rank == 0 else None
+    dist.barrier()
+    if module is None:
+        module = expanded(Path(tmp), PIPELINE_SOURCE, "bench_hetero_pipeline")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randint(0, 16, (args.batch,), generator=gen)
+    busy = start_busy(core) if rank == 1 else None
+    walls: dict[str, list[float]] = {"even": [], "measured": []}
+    try:
+        time.sleep(0.5)  # (the busy process is spinning before the probe)
+        models = {}
+        for kind in walls:
+            torch.manual_seed(0)
+            models[kind] = getattr(module, kind)(module.Deep(args.width, args.blocks))
+        opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+        for step in range(args.steps):
+            order = ("even", "measured") if step % 2 == 0 else ("measured", "even")
+            for kind in order:
+                dist.barrier()
+                start = time.perf_counter()
+                mg.pipeline_step(models[kind], x, y, F.cross_entropy)
+                opts[kind].step()
+                opts[kind].zero_grad()
+                dist.barrier()
+                walls[kind].append(time.perf_counter() - start)
+    finally:
+        stop_busy(busy)
+    if rank == 0:
+        warm = min(5, args.steps // 2)
+        even = statistics.median(walls["even"][warm:])
+        measured = statistics.median(walls["measured"][warm:])
+        for kind, t in (("even", even), ("measured", measured)):
+            cut = pipeline.pipeline_of(models[kind])
+            assert cut is not None
+            print(f"{kind:<9} {t * 1e3:7.1f}ms  {cut.describe()}")
+        print(f"measured / even cut: {measured / even:.3f}")
     dist.destroy_process_group()
 
 
@@ -257,6 +345,8 @@ def main() -> None:
     parser.add_argument("--rebalance-every", type=int, default=10)
     parser.add_argument("--midrun-steps", type=int, default=70)
     parser.add_argument("--busy-at", type=int, default=30)
+    parser.add_argument("--pipeline", action="store_true", help="uneven pipeline stages instead")
+    parser.add_argument("--blocks", type=int, default=8, help="with --pipeline: the model's")
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("bench/hetero.py needs two cores (one per rank)")
