@@ -317,6 +317,18 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
             rows = sum(step[r] for step in run[kind]["rows"][warm:])
             print(f"CPU {kind:<9} rank {r}: {cpu / rows * 1e6:6.1f} CPU us/row,"
                   f" {cpu / wall:.2f} of its core while computing")  # fmt: skip
+    # The CPU-time model: each rank's CPU cost per row (its own work, whatever else runs) on
+    # a machine where rank 0 has its core and rank 1 shares its core with the busy process
+    per_row = []
+    for r, run in enumerate(ranks):
+        rows = sum(step[r] for kind in ("even", "measured") for step in run[kind]["rows"][warm:])
+        cpu = sum(sum(run[kind]["cpu"][warm:]) for kind in ("even", "measured"))
+        per_row.append(cpu / rows)
+    quiet = [1.0 / per_row[0], 0.5 / per_row[1]]
+    q_even, q_adapted = split_gain(quiet, b, None, 0.0)
+    print(f"CPU-time model (rank 0 a whole core, rank 1 half of one; {per_row[0] * 1e6:.1f} and"
+          f" {per_row[1] * 1e6:.1f} CPU us/row): even {q_even * 1e3:.1f} ms, measured shares"
+          f" {q_adapted * 1e3:.1f} ms, ratio {q_adapted / q_even:.3f} (compute only)")  # fmt: skip
     mid = [r["mid"] for r in ranks]
     print(f"\nmid-run: the busy process starts on rank 1's core at step {args.busy_at}")
     print(f"{'step':>4} {'rows 0':>6} {'rows 1':>6} {'step':>9}")

@@ -30,6 +30,11 @@ plan's ``"server"`` tables live on the last S ranks, ``macrogen.runtime.param_se
 forward again in backward, ``macrogen.runtime.recompute``; an int N: every N-th block, from
 the first, 1 being "blocks"); ``verify`` (False; True: a serial copy of the model is made
 first and the first forward's output is compared with its own, ``macrogen.runtime.first_forward``).
+``dp_shares`` (None; "measured", "even" or one share per data rank, with dp "replicate" or
+"zero1": each step's global batch is cut unevenly by ``mg.shard(model, batch)`` and each
+rank's gradient weighted by its rows, ``macrogen.runtime.shares``) with ``dp_rebalance_every``
+(10) and ``dp_max_rows`` (None); ``pp_split`` (None; "measured" or one speed per stage, with
+pp > 1: stages of uneven blocks, ``macrogen.runtime.pipeline_speeds``).
 
 ``pp=N`` cuts the built model into N pipeline stages at run time, as ``@mg.pipeline``
 would cut its class (``macrogen.runtime.parallelize_pipeline``): the training step is
