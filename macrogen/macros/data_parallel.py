@@ -62,7 +62,7 @@ from macrogen.macro import (
     Site,
     TuningEnv,
 )
-from macrogen.macros import parallelize, redundant
+from macrogen.macros import parallelize, redundant, uneven
 from macrogen.macros.class_decorator import decorated, rendered_decorator
 from macrogen.macros.outer_sgd import Outer
 
@@ -221,7 +221,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "staleness": _steps(0),
     "server_optimizer": _server_optimizer,
     "server_lr": _positive_number,
-    **{name: parallelize.CHECKS[name] for name in SHARE_ARGS},
+    **{name: uneven.CHECKS[name] for name in SHARE_ARGS},
 }
 
 

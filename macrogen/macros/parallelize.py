@@ -58,7 +58,7 @@ import libcst as cst
 from macrogen.autotune import layouts
 from macrogen.autotune.layouts import pipeline_problem
 from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, TuningEnv, render
-from macrogen.macros import redundant
+from macrogen.macros import redundant, uneven
 from macrogen.vocabulary import (
     DEFAULT_SCHEDULE,
     DP_MODES,
@@ -201,30 +201,6 @@ def _server_optimizer(v: Any) -> str | None:
     return None if v in ("sgd", "adagrad") else '"sgd" or "adagrad"'
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-
-
-def _shares(v: Any) -> str | None:
-    fixed = isinstance(v, (list, tuple)) and len(v) > 1 and all(_number(w) for w in v)
-    ok = v is None or v in ("even", "measured") or fixed
-    return None if ok else '"even", "measured" or one positive share per data rank ([3, 1])'
-
-
-def _pp_split(v: Any) -> str | None:
-    fixed = isinstance(v, (list, tuple)) and len(v) > 1 and all(_number(w) for w in v)
-    ok = v is None or v == "measured" or fixed
-    return None if ok else '"measured" or one positive speed per stage ([2, 1])'
-
-
-def _max_rows(v: Any) -> str | None:
-    def rows(n: Any) -> bool:
-        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
-
-    ok = v is None or rows(v) or (isinstance(v, (list, tuple)) and v and all(map(rows, v)))
-    return None if ok else "None, an int >= 1 or one int >= 1 per data rank"
-
-
 CHECKS: dict[str, Callable[[Any], str | None]] = {
     "tp": _degree,
     "pp": _degree,
@@ -245,10 +221,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "server_lr": _mib,
     "recompute": _recompute,
     "verify": _bool,
-    "dp_shares": _shares,
-    "dp_rebalance_every": _degree,
-    "dp_max_rows": _max_rows,
-    "pp_split": _pp_split,
+    **uneven.CHECKS,  # dp_shares, dp_rebalance_every, dp_max_rows, pp_split
 }
 
 
@@ -280,8 +253,8 @@ def validate(site: Site, ctx: Context) -> Spec:
     served = tuple(path for path, style in plan or () if style == SERVER)
     plan = tuple((p, s) for p, s in plan or () if s != SERVER) or None  # the tensor-parallel rest
     _check_servers(args, values, served, plan)
-    _check_shares(args, values)
-    _check_pp_split(args, values)
+    uneven.check_shares(args, values)
+    uneven.check_pp_split(args, values)
     tp_arg = args.get("tp") or args.get("layout")
     if (plan is None and not hf) and tp_arg is not None and values["tp"] != 1:
         raise MacroError(
@@ -408,59 +381,6 @@ def _check_servers(
         raise MacroError(
             f'servers=S takes dp="replicate" or "none" (the dense rest of the model among the'
             f" workers), not {values['dp']!r}",
-            node,
-        )
-
-
-def _check_shares(args: dict[str, Arg], values: dict[str, Any]) -> None:
-    """``dp_shares`` splits one global batch per step over the data ranks of a replicated model
-    (or a sharded optimizer's), weighting each rank's gradient by its rows."""
-    if values["dp_shares"] is None:
-        for name in ("dp_rebalance_every", "dp_max_rows"):
-            if name in args:
-                raise MacroError(
-                    f'{name} applies with dp_shares="measured" (or fixed shares)', args[name].node
-                )
-        return
-    node = args["dp_shares"].node
-    if values["dp"] not in ("replicate", "zero1"):
-        raise MacroError(f'dp_shares takes dp="replicate" or "zero1", not {values["dp"]!r}', node)
-    blockers = (
-        ("pp", values["pp"] != 1, "pipeline micro-batches"),
-        ("accumulate", values["accumulate"] != 1, "gradient accumulation"),
-        ("servers", values["servers"] != 0, "parameter servers"),
-    )
-    for name, bad, what in blockers:
-        if bad:
-            raise MacroError(
-                f"dp_shares with {what} ({name}={values[name]}) is not supported: it weights one"
-                " backward per step by its rows",
-                node,
-            )
-    if values["dp_shares"] == "measured" and values["tp"] != 1:
-        raise MacroError(
-            f'dp_shares="measured" with tp={values["tp"]} is not supported: the ranks of one'
-            " tensor-parallel group would measure apart; give fixed shares ([3, 1])",
-            node,
-        )
-
-
-def _check_pp_split(args: dict[str, Arg], values: dict[str, Any]) -> None:
-    """``pp_split`` cuts the stages unevenly: one stage per rank, one speed per stage."""
-    split = values["pp_split"]
-    if split is None:
-        return
-    node = args["pp_split"].node
-    if values["pp"] == 1:
-        raise MacroError("pp_split applies with pp=N > 1: it cuts the pipeline's stages", node)
-    if values["schedule"] == "interleaved":
-        raise MacroError(
-            'pp_split takes one stage per rank: schedule="1f1b" or "gpipe", not "interleaved"',
-            node,
-        )
-    if not isinstance(split, str) and len(split) != values["pp"]:
-        raise MacroError(
-            f"pp_split gives {len(split)} speeds for pp={values['pp']} stages: one per stage",
             node,
         )
 
