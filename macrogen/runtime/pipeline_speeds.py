@@ -19,25 +19,30 @@ import torch
 import torch.distributed as dist
 
 PROBE_SIZE = 256  # a square matrix multiply's side: large enough to run at the device's pace
-PROBE_REPEATS = 8  # multiplies per timing; the best of PROBE_TIMINGS timings counts
-PROBE_TIMINGS = 3
+PROBE_REPEATS = 8  # multiplies between two looks at the clock
+# Seconds of multiplies timed: long enough that a device (a core) shared with another
+# process shows the share it gets, not the few milliseconds a scheduler favours a process
+# that just woke up with.
+PROBE_SECONDS = 0.2
 
 
 def probe_speed(device: torch.device) -> float:
-    """Multiply-add FLOP per second of a float32 matrix multiply on ``device`` (best of a few)."""
+    """Multiply-add FLOP per second of float32 matrix multiplies on ``device``, sustained over
+    ``PROBE_SECONDS`` (after a quarter of that to warm up)."""
     a = torch.randn(PROBE_SIZE, PROBE_SIZE, device=device)
     b = torch.randn(PROBE_SIZE, PROBE_SIZE, device=device)
-    best = math.inf
-    for _ in range(PROBE_TIMINGS + 1):  # (the first warms up)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(PROBE_REPEATS):
-            a = a @ b / PROBE_SIZE  # (scaled: the values stay finite)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * PROBE_SIZE**3 * PROBE_REPEATS / best
+    rate = 0.0
+    for seconds in (PROBE_SECONDS / 4, PROBE_SECONDS):
+        done, start, elapsed = 0, time.perf_counter(), 0.0
+        while elapsed < seconds:
+            for _ in range(PROBE_REPEATS):
+                a = a @ b / PROBE_SIZE  # (scaled: the values stay finite)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            done += PROBE_REPEATS
+            elapsed = time.perf_counter() - start
+        rate = 2 * PROBE_SIZE**3 * done / elapsed
+    return rate
 
 
 def stage_speeds(
