@@ -152,6 +152,10 @@ def test_stage_speeds_weigh_the_cut():
     assert balanced(weights, [2, 3, 4], 2) == [3]  # even: 2 blocks each
     assert balanced(weights, [2, 3, 4], 2, [3.0, 1.0]) == [4]  # 3x as fast: 3 blocks
     assert balanced(weights, [2, 3, 4], 2, [1.0, 3.0]) == [2]
+    # stage 0's memory holds 25 parameters: 2 blocks, however fast it is
+    assert balanced(weights, [2, 3, 4], 2, [3.0, 1.0], [25.0, 100.0]) == [3]
+    with pytest.raises(ValueError, match="no cut into 2 stages fits their memory"):
+        balanced(weights, [2, 3, 4], 2, None, [15.0, 15.0])
 
 
 def test_data_parallel_class_takes_the_same_shares_and_refusals():

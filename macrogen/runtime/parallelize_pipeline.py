@@ -49,7 +49,7 @@ from macrogen.runtime import parallelize, pipeline
 from macrogen.runtime.mesh import Mesh
 from macrogen.runtime.pipeline_parts import part_at
 from macrogen.runtime.pipeline_plan import forward_cut
-from macrogen.runtime.pipeline_speeds import stage_speeds
+from macrogen.runtime.pipeline_speeds import stage_devices
 from macrogen.runtime.pipeline_transformers import shipped_plan, transformers_cut
 from macrogen.vocabulary import SCHEDULES
 
@@ -138,13 +138,18 @@ def apply_pipeline(
     if pp_split is not None and per_rank != 1:
         raise ValueError(f"{at}: pp_split takes one stage per rank, not schedule={schedule!r}")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    speeds = stage_speeds(pp_split, pp, mesh.pipeline_rank, device, where=where)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    speeds, limits = stage_devices(
+        pp_split, pp, mesh.pipeline_rank, model_bytes, device, where=where
+    )
     if shipped_plan(model):  # a transformers model: its own plan (pipeline_transformers.py)
-        cut: pipeline.Cut = transformers_cut(model, config.stages, where=at, speeds=speeds)
+        cut: pipeline.Cut = transformers_cut(
+            model, config.stages, where=at, speeds=speeds, limits=limits
+        )
     else:
         forward = forward_of(type(model), where=where)
         try:
-            cut = forward_cut(model, config.stages, None, forward, speeds)
+            cut = forward_cut(model, config.stages, None, forward, speeds, limits)
         except ValueError as e:
             raise ValueError(f"{at}: {e}") from None
     pipe = pipeline.attach(model, config, cut, mesh, where=where)

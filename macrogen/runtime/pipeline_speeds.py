@@ -6,7 +6,10 @@ load is its parameters over its speed). ``pp_split="measured"``: before the cut 
 rank times the same matrix multiplies on its device, the ranks all-gather the rates
 (one collective of two numbers each), and a stage runs at its slowest rank's rate (its
 data replicas and tensor peers wait for each other). Every rank cuts from the same
-numbers, so all cut alike.
+numbers, so all cut alike. On a GPU each rank also reports the parameters its memory
+holds (free memory plus the whole model's parameters it frees after the cut, over 16
+bytes per parameter: weight, gradient, Adam's moments), and no stage takes more than its
+smallest rank's (activations are not counted); a CPU's memory is not measured.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ PROBE_REPEATS = 8  # multiplies between two looks at the clock
 # process shows the share it gets, not the few milliseconds a scheduler favours a process
 # that just woke up with.
 PROBE_SECONDS = 0.2
+# A parameter's bytes in training: fp32 weight and gradient, Adam's two moments (activations
+# are not counted: the limit is an upper bound, checked by the cut)
+BYTES_PER_PARAMETER = 16
 
 
 def probe_speed(device: torch.device) -> float:
@@ -45,18 +51,21 @@ def probe_speed(device: torch.device) -> float:
     return rate
 
 
-def stage_speeds(
+def stage_devices(
     split: str | Sequence[float] | None,
     stages: int,
     stage: int,
+    model_bytes: int,
     device: torch.device,
     *,
     where: str,
-) -> list[float] | None:
-    """The stages' relative speeds (None: cut by parameters alone, evenly). ``stage``: this
-    rank's; "measured" all-gathers every rank's probe (serially: nothing to measure)."""
+) -> tuple[list[float] | None, list[float] | None]:
+    """The stages' relative speeds (None: cut by parameters alone, evenly) and the most
+    parameters each stage's memory holds (None: no limit known). ``stage``: this rank's;
+    ``model_bytes``: the whole model's parameters on this device (freed but for its stage's
+    after the cut). "measured" all-gathers every rank's probe (serially: nothing to measure)."""
     if split is None:
-        return None
+        return None, None
     if not isinstance(split, str):
         speeds = [float(s) for s in split]
         if len(speeds) != stages or not all(s > 0 and math.isfinite(s) for s in speeds):
@@ -64,15 +73,22 @@ def stage_speeds(
                 f"mg.parallelize at {where}: pp_split={list(split)}: one positive speed per"
                 f" stage ({stages})"
             )
-        return speeds
+        return speeds, None
     if split != "measured":
         raise ValueError(f"mg.parallelize at {where}: pp_split={split!r}: expected 'measured'")
     if not dist.is_initialized():
-        return None
-    mine = torch.tensor([probe_speed(device), float(stage)], dtype=torch.float64, device=device)
+        return None, None
+    held = math.inf  # a CPU's memory is not measured: no limit
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        held = (free + model_bytes) / BYTES_PER_PARAMETER
+    mine = torch.tensor(
+        [probe_speed(device), float(stage), held], dtype=torch.float64, device=device
+    )
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    speeds = [math.inf] * stages
-    for rate, at in (t.tolist() for t in every):
+    speeds, limits = [math.inf] * stages, [math.inf] * stages
+    for rate, at, most in (t.tolist() for t in every):
         speeds[int(at)] = min(speeds[int(at)], rate)
-    return speeds
+        limits[int(at)] = min(limits[int(at)], most)
+    return speeds, (limits if any(math.isfinite(x) for x in limits) else None)
