@@ -32,6 +32,7 @@ NON_MACRO_NAMES = frozenset(
         "mesh",
         "pipeline_step",
         "runtime",
+        "shard",
     }
 )
 
@@ -95,6 +96,22 @@ def pipeline_step(model: Any, x: Any, y: Any, loss_fn: Callable[..., Any] | None
     from macrogen.runtime.pipeline import pipeline_step as step  # torch only when used
 
     return step(model, x, y, loss_fn)
+
+
+def shard(model: Any, batch: T) -> T:
+    """``x, y = shard(model, (x, y))``: this rank's rows of the global batch.
+
+    Serially (and for a model without ``dp_shares``, on one rank) the batch as it is.
+    Under ``dp_shares`` every rank loads the same global batch and gets its own
+    slice of its rows, uneven by the ranks' speed; the gradients are weighted by
+    rows, so the step equals the serial step on the whole batch
+    (``macrogen.runtime.shares``). Not a macro: the same function runs in the
+    unexpanded and the expanded program.
+    """
+    from macrogen.runtime.data_parallel import shard as cut  # torch only when used
+
+    part: T = cut(model, batch)
+    return part
 
 
 @contextlib.contextmanager

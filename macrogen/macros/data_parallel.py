@@ -22,6 +22,9 @@ gradients every step; k > 1: local SGD, average parameters every k optimizer
 steps), ``sync_warmup`` (0: synchronous steps before local SGD starts), ``overlap``
 (False: the synchronization's all-reduce runs during the next ``delay`` steps),
 ``delay`` (1, with ``overlap``: 0 <= delay <= sync_every).
+``dp_shares`` (None; "even", "measured" or one share per rank: each step's global batch
+cut unevenly by ``mg.shard(model, batch)``, gradients weighted by rows, as
+``mg.parallelize``'s), ``dp_rebalance_every`` (10) and ``dp_max_rows`` (None).
 
 ``outer=outer_sgd(lr=0.7, momentum=0.9, nesterov=True)`` (None: average the
 parameters) is local SGD's outer optimizer (DiLoCo, docs/async.md), evaluated at
@@ -59,7 +62,7 @@ from macrogen.macro import (
     Site,
     TuningEnv,
 )
-from macrogen.macros import parallelize, redundant
+from macrogen.macros import parallelize, redundant, uneven
 from macrogen.macros.class_decorator import decorated, rendered_decorator
 from macrogen.macros.outer_sgd import Outer
 
@@ -96,7 +99,11 @@ DEFAULTS: dict[str, Any] = {
     "staleness": 0,
     "server_optimizer": "sgd",
     "server_lr": 0.01,
+    "dp_shares": None,
+    "dp_rebalance_every": 10,
+    "dp_max_rows": None,
 }
+SHARE_ARGS = ("dp_shares", "dp_rebalance_every", "dp_max_rows")  # as mg.parallelize's
 SHARD_MODES = (None, "full")
 FSDP_ONLY = parallelize.FSDP_ONLY  # reshard_after_forward, ..., dp_replicate
 REPLICATED_ONLY = (
@@ -109,6 +116,7 @@ REPLICATED_ONLY = (
     "outer",
     "overlap",
     "delay",
+    *SHARE_ARGS,
 )
 SERVER_ARGS = ("server_plan", "staleness", "server_optimizer", "server_lr")
 
@@ -137,6 +145,9 @@ class Spec:
     staleness: int = 0
     server_optimizer: str = "sgd"
     server_lr: float = 0.01
+    dp_shares: Any = None  # uneven rows of one global batch per rank (macrogen.runtime.shares)
+    dp_rebalance_every: int = 10  # dp_shares="measured": steps between two measurements
+    dp_max_rows: Any = None  # each rank's cap in rows
 
 
 def _positive_number(v: Any) -> str | None:
@@ -210,6 +221,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "staleness": _steps(0),
     "server_optimizer": _server_optimizer,
     "server_lr": _positive_number,
+    **{name: uneven.CHECKS[name] for name in SHARE_ARGS},
 }
 
 
@@ -252,6 +264,10 @@ def validate(site: Site, ctx: Context) -> Spec:
             at.node,
         )
     _check_servers(args, values)
+    _check_shares(args, values)
+    for name in ("dp_shares", "dp_max_rows"):
+        if isinstance(values[name], list):
+            values[name] = tuple(values[name])
     if values["server_plan"] is not None:
         values["server_plan"] = tuple(values["server_plan"])
     units = values.pop("shard_units")
@@ -278,6 +294,25 @@ def _check_servers(args: Mapping[str, Arg], values: dict[str, Any]) -> None:
             "servers=S takes neither local SGD (sync_every, outer, overlap) nor accumulate:"
             " a server table takes one forward per step",
             at,
+        )
+
+
+def _check_shares(args: Mapping[str, Arg], values: dict[str, Any]) -> None:
+    """``dp_shares`` weights one backward per step by its rows: no accumulation, local SGD or
+    parameter servers; its two companions need it."""
+    if values["dp_shares"] is None:
+        for name in SHARE_ARGS[1:]:
+            if name in args:
+                raise MacroError(
+                    f'{name} applies with dp_shares="measured" (or fixed shares)', args[name].node
+                )
+        return
+    local = values["sync_every"] != 1 or values["outer"] is not None or values["overlap"]
+    if local or values["accumulate"] != 1 or values["servers"]:
+        raise MacroError(
+            "dp_shares weights one backward per step by its rows: it takes neither accumulate,"
+            " local SGD (sync_every, outer, overlap) nor servers",
+            args["dp_shares"].node,
         )
 
 
@@ -334,6 +369,9 @@ def expand(site: Site, ctx: Context) -> Expanded:
         staleness=spec.staleness,
         server_optimizer=spec.server_optimizer,
         server_lr=spec.server_lr,
+        dp_shares=spec.dp_shares,
+        dp_rebalance_every=spec.dp_rebalance_every,
+        dp_max_rows=spec.dp_max_rows,
         **servers,
     )
     return _decorated(ctx, site, plan)

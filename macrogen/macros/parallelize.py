@@ -31,10 +31,15 @@ forward again in backward, ``macrogen.runtime.recompute``; an int N: every N-th 
 the first, 1 being "blocks"); ``verify`` (False; True: a serial copy of the model is made
 first and the first forward's output is compared with its own, ``macrogen.runtime.first_forward``);
 ``ep`` (1; E > 1: a mixture of experts' experts dealt whole over E data ranks, tokens routed
-to them by all-to-all, ``macrogen.runtime.expert_parallel``).
+to them by all-to-all, ``macrogen.runtime.expert_parallel``);
 ``init`` (None; ``mg.load(path)`` or ``"model"``: a model built on the meta device gets storage
 for this rank's shards after tensor parallel and FSDP, and its values from the checkpoint folder
-or its own initializer, ``macrogen.runtime.materialize``; program code, kept in the call).
+or its own initializer, ``macrogen.runtime.materialize``; program code, kept in the call);
+``dp_shares`` (None; "measured", "even" or one share per data rank, with dp "replicate" or
+"zero1": each step's global batch is cut unevenly by ``mg.shard(model, batch)`` and each
+rank's gradient weighted by its rows, ``macrogen.runtime.shares``) with ``dp_rebalance_every``
+(10) and ``dp_max_rows`` (None); ``pp_split`` (None; "measured" or one speed per stage, with
+pp > 1: stages of uneven blocks, ``macrogen.runtime.pipeline_speeds``).
 
 ``pp=N`` cuts the built model into N pipeline stages at run time, as ``@mg.pipeline``
 would cut its class (``macrogen.runtime.parallelize_pipeline``): the training step is
@@ -58,7 +63,7 @@ import libcst as cst
 from macrogen.autotune import layouts
 from macrogen.autotune.layouts import pipeline_problem
 from macrogen.macro import Arg, Context, Expanded, Form, MacroError, Site, TuningEnv, render
-from macrogen.macros import redundant
+from macrogen.macros import redundant, uneven
 from macrogen.vocabulary import (
     DEFAULT_SCHEDULE,
     DP_MODES,
@@ -105,6 +110,10 @@ DEFAULTS: dict[str, Any] = {
     "verify": False,
     "ep": 1,
     "init": None,
+    "dp_shares": None,
+    "dp_rebalance_every": 10,
+    "dp_max_rows": None,
+    "pp_split": None,
 }
 LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches", "recompute")
 FSDP_ONLY = (
@@ -144,6 +153,13 @@ class Spec:
     verify: bool = False  # the first forward compared with a serial copy's (then dropped)
     ep: int = 1  # expert-parallel ways: whole experts dealt over ep data ranks, tokens routed
     init: bool = False  # init= given: a meta-device model materialized with its values
+    # uneven rows of one global batch per data rank (mg.shard): "even", "measured" or
+    # proportions; None: each rank its own batch (macrogen.runtime.shares)
+    dp_shares: str | tuple[float, ...] | None = None
+    dp_rebalance_every: int = 10  # dp_shares="measured": steps between two measurements
+    dp_max_rows: int | tuple[int, ...] | None = None  # each data rank's cap in rows
+    # the stages' relative speeds, "measured" or given: uneven blocks per stage (None: even)
+    pp_split: str | tuple[float, ...] | None = None
 
 
 def _degree(v: Any) -> str | None:
@@ -216,6 +232,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "recompute": _recompute,
     "verify": _bool,
     "ep": _degree,
+    **uneven.CHECKS,  # dp_shares, dp_rebalance_every, dp_max_rows, pp_split
 }
 
 
@@ -247,6 +264,8 @@ def validate(site: Site, ctx: Context) -> Spec:
     served = tuple(path for path, style in plan or () if style == SERVER)
     plan = tuple((p, s) for p, s in plan or () if s != SERVER) or None  # the tensor-parallel rest
     _check_servers(args, values, served, plan)
+    uneven.check_shares(args, values)
+    uneven.check_pp_split(args, values)
     tp_arg = args.get("tp") or args.get("layout")
     if (plan is None and not hf) and tp_arg is not None and values["tp"] != 1:
         raise MacroError(
@@ -288,7 +307,15 @@ def validate(site: Site, ctx: Context) -> Spec:
         recompute=None if values["recompute"] in (None, "none") else values["recompute"],
         verify=values["verify"],
         init="init" in args,
+        dp_shares=_tuple(values["dp_shares"]),
+        dp_rebalance_every=values["dp_rebalance_every"],
+        dp_max_rows=_tuple(values["dp_max_rows"]),
+        pp_split=_tuple(values["pp_split"]),
     )
+
+
+def _tuple(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
 
 
 def _auto_layout(site: Site, args: dict[str, Arg], ctx: Context) -> dict[str, Any]:
@@ -387,6 +414,8 @@ def _check_experts(args: dict[str, Arg], values: dict[str, Any]) -> None:
         "verify": values["verify"],
         "layout": "layout" in args,
         "init": "init" in args,  # (a meta-device model: not yet with ep)
+        # the experts' gradients are divided by the data ranks: even shares only
+        "dp_shares": values["dp_shares"] is not None,
     }
     clash = next((name for name, set_ in others.items() if set_), None)
     if clash is not None:
@@ -480,7 +509,11 @@ def _summary(spec: Spec) -> str:
             + (f", {spec.dp_replicate} replicas (HSDP)" if spec.dp_replicate > 1 else "")
         )
     elif spec.dp != "none":
-        steps.append(f"data parallel ({spec.dp})")
+        shares = spec.dp_shares
+        uneven = (
+            "" if shares is None else f", {shares if isinstance(shares, str) else 'fixed'} shares"
+        )
+        steps.append(f"data parallel ({spec.dp}{uneven})")
     return ", then ".join(steps) or "the mesh only"
 
 
@@ -579,6 +612,10 @@ def expand(site: Site, ctx: Context) -> Expanded:
         init=spec.init,
         check_init=names.get("check_init", ""),
         apply_init=names.get("apply_init", ""),
+        dp_shares=spec.dp_shares,
+        dp_rebalance_every=spec.dp_rebalance_every,
+        dp_max_rows=spec.dp_max_rows,
+        pp_split=spec.pp_split,
     )
     model = cst.Arg(call.args[0].value)  # the rest were expansion-time values, now in the helper
     kept = [model]

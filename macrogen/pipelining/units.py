@@ -252,10 +252,20 @@ def _targets_last(forward: Forward, units: list[Unit], last: int) -> None:
             )
 
 
-def balanced(weights: list[int], candidates: list[int], stages: int) -> list[int]:
+def balanced(
+    weights: list[int],
+    candidates: list[int],
+    stages: int,
+    speeds: list[float] | None = None,
+    limits: list[float] | None = None,
+) -> list[int]:
     """Stage starts among ``candidates`` (unit indices) that best balance the units' weights.
 
-    Minimizes the heaviest stage (exact: dynamic programming over the candidates).
+    Minimizes the heaviest stage (exact: dynamic programming over the candidates). With
+    ``speeds`` (one per stage: its device's relative speed), a stage's load is its weight
+    over its speed: a device twice as fast takes twice the weight (uneven stages). With
+    ``limits`` (one per stage: the most weight its memory holds), no stage takes more; a
+    SplitError when no cut fits.
     """
     n = len(weights)
     prefix = [0]
@@ -264,7 +274,7 @@ def balanced(weights: list[int], candidates: list[int], stages: int) -> list[int
     cuts = [0, *candidates, n]
     # best[k][j]: the lightest heaviest-stage for units[:cuts[j]] in k stages
     inf = float("inf")
-    best = [[inf] * len(cuts) for _ in range(stages + 1)]
+    best: list[list[float]] = [[inf] * len(cuts) for _ in range(stages + 1)]
     back = [[0] * len(cuts) for _ in range(stages + 1)]
     best[0][0] = 0
     for k in range(1, stages + 1):
@@ -272,10 +282,19 @@ def balanced(weights: list[int], candidates: list[int], stages: int) -> list[int
             for i in range(j):
                 if best[k - 1][i] == inf:
                     continue
-                cost = max(best[k - 1][i], prefix[cuts[j]] - prefix[cuts[i]])
+                load = prefix[cuts[j]] - prefix[cuts[i]]
+                if limits is not None and load > limits[k - 1]:
+                    continue  # over this stage's memory
+                cost = max(best[k - 1][i], load if speeds is None else load / speeds[k - 1])
                 if cost < best[k][j]:
                     best[k][j], back[k][j] = cost, i
     j, starts = len(cuts) - 1, []
+    if best[stages][j] == inf:
+        held = ", ".join(f"{x:.3g}" for x in limits or ())
+        raise SplitError(
+            f"no cut into {stages} stages fits their memory: the stages hold at most {held}"
+            f" parameters, and the model's parts weigh {prefix[-1]} in all"
+        )
     for k in range(stages, 0, -1):
         i = back[k][j]
         starts.append(cuts[i])

@@ -48,6 +48,7 @@ from macrogen.runtime.buckets import Bucket, local, plan_buckets
 from macrogen.runtime.eager import eager
 from macrogen.runtime.local_sgd import LocalSGD, OuterSGD
 from macrogen.runtime.mesh import data_parallel_group
+from macrogen.runtime.shares import ShareConfig, Shares
 
 MB = 2**20
 LINK = "_mg_gradient_sync"  # a parameter's attribute: the SyncLink to its model's GradientSync
@@ -65,8 +66,19 @@ class DataParallelConfig:
     outer: OuterSGD | None = None  # local SGD's outer optimizer (DiLoCo); None: average
     overlap: bool = False  # the synchronization's all-reduce runs during the next steps
     delay: int = 1  # with overlap: inner steps between its start and its use (<= sync_every)
+    # uneven rows of one global batch per rank (mg.shard): "even", "measured" or proportions;
+    # None: each rank trains on its own batch, gradients averaged evenly
+    shares: str | tuple[float, ...] | None = None
+    rebalance_every: int = 10  # shares="measured": steps between two measurements
+    max_rows: int | tuple[int, ...] | None = None  # with shares: each rank's cap in rows
 
     def describe(self) -> str:
+        shares = (
+            ""
+            if self.shares is None
+            else f", shares={self.shares!r}, rebalance_every={self.rebalance_every!r},"
+            f" max_rows={self.max_rows!r}"
+        )
         return (
             f"bucket_mb={self.bucket_mb!r}, first_bucket_mb={self.first_bucket_mb!r},"
             f" compress={self.compress!r}, accumulate={self.accumulate!r},"
@@ -77,6 +89,7 @@ class DataParallelConfig:
                 if self.outer is not None or self.overlap
                 else ""
             )
+            + shares
         )
 
 
@@ -118,12 +131,41 @@ class GradientSync:
         local = config.sync_every > 1 or config.outer is not None or config.overlap
         self.local_sgd = LocalSGD(self) if local else None
         self.buffers = BufferBroadcast(self.group)
+        self.shares = self._shares() if config.shares is not None else None
         self._collect()
         self._reset_window()
         if self.world_size == 1:
             return  # serial: plain autograd gradients, nothing to average
         # first, before other hooks (mg.parallelize's swap to local tensors) change the parameters
         module.register_forward_pre_hook(self._before_forward, prepend=True)
+
+    def _shares(self) -> Shares | None:
+        """The split of each global batch over the data ranks (None: serial, nothing to split)."""
+        if self.config.accumulate != 1 or self.local_sgd is not None:
+            raise ValueError(
+                f"{self.where}: dp_shares weights each step's gradients by its rows, and takes"
+                " accumulate=1 and no local SGD (sync_every, outer, overlap)"
+            )
+        if self.world_size == 1:
+            return None
+        assert self.config.shares is not None
+        config = ShareConfig(self.config.shares, self.config.rebalance_every, self.config.max_rows)
+        return Shares(config, self.group, self.world_size, groups.rank(self.group), self.where)
+
+    def shard(self, batch: Any) -> Any:
+        """This rank's rows of the global ``batch`` (``mg.shard``); its gradients are weighted
+        by its rows from now until the next call."""
+        if self.shares is None:
+            if self.world_size == 1:
+                return batch
+            raise RuntimeError(
+                f"mg.shard: the model of {self.where} splits no global batch: give it"
+                ' dp_shares="measured" (or "even", or one share per data rank)'
+            )
+        device = local(self.params[0]).device if self.params else torch.device("cpu")
+        part = self.shares.take(batch, device)
+        self.scale = self.shares.weight
+        return part
 
     def _collect(self) -> None:
         """The module's parameters that need gradients, each with a gradient hook."""
@@ -249,6 +291,11 @@ class GradientSync:
                 f"data_parallel at {self.where}: a gradient reached a parameter before the model's"
                 " first forward; call the model itself (not only its submodules) before backward"
             )
+        if self.shares is not None and not self.shares.taken:
+            raise RuntimeError(
+                f"data_parallel at {self.where}: with dp_shares each step's batch is the global"
+                " one, cut by mg.shard(model, batch) before the forward; this backward's was not"
+            )
         self.in_backward = True
         k = self.config.accumulate
         self.syncing = self.backwards % k == k - 1  # this backward communicates
@@ -292,6 +339,8 @@ class GradientSync:
 
     def _after_backward(self) -> None:
         self.in_backward = False
+        if self.shares is not None:  # (before any wait: the rank's own compute time)
+            self.shares.computed()
         if self.held:
             return  # one of averaged_once's: it counts them as one, and averages at its end
         self.backwards += 1
@@ -437,6 +486,17 @@ def gradient_sync(model: nn.Module) -> GradientSync:
         if isinstance(value, GradientSync):
             return value
     raise ValueError(f"{type(model).__name__} is not a @data_parallel model")
+
+
+def shard(model: nn.Module, batch: Any) -> Any:
+    """``mg.shard(model, batch)``: this rank's rows of the global batch under the model's
+    ``dp_shares``; the batch whole when nothing averages the model's gradients (serial)."""
+    syncs = syncs_of(list(model.parameters()))
+    if not syncs:
+        return batch
+    if len(syncs) > 1:
+        raise RuntimeError("mg.shard: the model holds several data-parallel models; shard by one")
+    return syncs[0].shard(batch)
 
 
 # -- local SGD's model-level calls (here: they find the model's GradientSync) ----------

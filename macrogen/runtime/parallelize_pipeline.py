@@ -36,8 +36,10 @@ import functools
 import inspect
 import textwrap
 import types
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from macrogen.pipelining.analysis import parse
@@ -47,6 +49,7 @@ from macrogen.runtime import parallelize, pipeline
 from macrogen.runtime.mesh import Mesh
 from macrogen.runtime.pipeline_parts import part_at
 from macrogen.runtime.pipeline_plan import forward_cut
+from macrogen.runtime.pipeline_speeds import stage_devices
 from macrogen.runtime.pipeline_transformers import shipped_plan, transformers_cut
 from macrogen.vocabulary import SCHEDULES
 
@@ -105,11 +108,19 @@ def forward_of(cls: type, *, where: str) -> Forward:
 
 
 def apply_pipeline(
-    model: nn.Module, mesh: Mesh, *, pp: int, microbatches: int, schedule: str, where: str
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    pp: int,
+    microbatches: int,
+    schedule: str,
+    where: str,
+    pp_split: str | Sequence[float] | None = None,
 ) -> nn.Module:
     """Cut ``model`` into the mesh's pipeline stages (in place; returns ``model``): this rank
     keeps its stage, and ``mg.pipeline_step`` runs the schedule. Serially (no process
-    group) the model stays whole and ``pipeline_step`` is the serial step."""
+    group) the model stays whole and ``pipeline_step`` is the serial step. ``pp_split``:
+    the stages' relative speeds, given or "measured" (``pipeline_speeds``): uneven stages."""
     at = f"mg.parallelize at {where}"
     if schedule not in SCHEDULES:
         raise ValueError(f"{at}: schedule={schedule!r}: expected one of {SCHEDULES}")
@@ -124,12 +135,21 @@ def apply_pipeline(
         stages_per_rank=per_rank,
     )
     pipeline.check_config(config, where=where)
+    if pp_split is not None and per_rank != 1:
+        raise ValueError(f"{at}: pp_split takes one stage per rank, not schedule={schedule!r}")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    speeds, limits = stage_devices(
+        pp_split, pp, mesh.pipeline_rank, model_bytes, device, where=where
+    )
     if shipped_plan(model):  # a transformers model: its own plan (pipeline_transformers.py)
-        cut: pipeline.Cut = transformers_cut(model, config.stages, where=at)
+        cut: pipeline.Cut = transformers_cut(
+            model, config.stages, where=at, speeds=speeds, limits=limits
+        )
     else:
         forward = forward_of(type(model), where=where)
         try:
-            cut = forward_cut(model, config.stages, None, forward)
+            cut = forward_cut(model, config.stages, None, forward, speeds, limits)
         except ValueError as e:
             raise ValueError(f"{at}: {e}") from None
     pipe = pipeline.attach(model, config, cut, mesh, where=where)

@@ -122,9 +122,16 @@ class ForwardCut:
 
 
 def forward_cut(
-    model: nn.Module, stages: int, split: tuple[str, ...] | None, forward: Forward
+    model: nn.Module,
+    stages: int,
+    split: tuple[str, ...] | None,
+    forward: Forward,
+    speeds: list[float] | None = None,
+    limits: list[float] | None = None,
 ) -> ForwardCut:
-    """Cut ``model``'s forward into ``stages`` stages (pure: the model is not changed)."""
+    """Cut ``model``'s forward into ``stages`` stages (pure: the model is not changed);
+    ``speeds``: each stage's device's relative speed, its share of the parameters;
+    ``limits``: the most parameters each stage's memory holds."""
     name = type(model).__name__
     blocks: dict[str, int] = {}
     for loop in forward.loops:
@@ -142,7 +149,7 @@ def forward_cut(
                 raise SplitError(split_count_message(stages, len(split)))
             starts = resolve_split(forward, units, list(split))
         else:
-            starts = _balance(model, forward, units, stages)
+            starts = _balance(model, forward, units, stages, speeds, limits)
         carried = check_cuts(forward, units, starts, list(split) if split else None)
     except SplitError as e:
         raise ValueError(f"{name}: {e.message}") from None
@@ -154,7 +161,14 @@ def forward_cut(
     return cut
 
 
-def _balance(model: nn.Module, forward: Forward, units: list[Unit], stages: int) -> list[int]:
+def _balance(
+    model: nn.Module,
+    forward: Forward,
+    units: list[Unit],
+    stages: int,
+    speeds: list[float] | None = None,
+    limits: list[float] | None = None,
+) -> list[int]:
     loops = forward.loops
     if not loops:
         raise SplitError(
@@ -172,7 +186,7 @@ def _balance(model: nn.Module, forward: Forward, units: list[Unit], stages: int)
         )
     # per unit: a tied tensor weighs on each stage that holds it
     weights = [numel(model, _parts(model, forward, u)) for u in units]
-    return balanced(weights, candidates, stages)
+    return balanced(weights, candidates, stages, speeds, limits)
 
 
 def _parts(model: nn.Module, forward: Forward, unit: Unit) -> list[str]:

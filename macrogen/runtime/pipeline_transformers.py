@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macrogen.pipelining.units import balanced, runs
+from macrogen.pipelining.units import SplitError, balanced, runs
 from macrogen.runtime.pipeline_check import check_stages
 from macrogen.runtime.pipeline_parts import Elsewhere, numel, part_at, tied, unplaced
 from macrogen.runtime.pipeline_plan import StepInputs
@@ -190,8 +190,17 @@ class TransformersCut:
         return StepInputs((ids,), given, {self.targets: y}, microbatches)
 
 
-def transformers_cut(model: nn.Module, stages: int, *, where: str) -> TransformersCut:
-    """Cut ``model`` at its shipped pipeline plan into ``stages`` stages (checked; see above)."""
+def transformers_cut(
+    model: nn.Module,
+    stages: int,
+    *,
+    where: str,
+    speeds: list[float] | None = None,
+    limits: list[float] | None = None,
+) -> TransformersCut:
+    """Cut ``model`` at its shipped pipeline plan into ``stages`` stages (checked; see above);
+    ``speeds``: each stage's device's relative speed, its share of the parameters;
+    ``limits``: the most parameters each stage's memory holds."""
     name = type(model).__name__
     at = f"{where}: pp={stages} cuts {name} at its pipeline plan"
     plan = shipped_plan(model)
@@ -216,7 +225,10 @@ def transformers_cut(model: nn.Module, stages: int, *, where: str) -> Transforme
         raise ValueError(f"{at}: {stages} stages, and {layers} has {count} layers")
     k = plan.index(layers)
     cut = TransformersCut(name, plan[:k], layers, count, plan[k + 1 :], [])
-    cut.starts = _balance(model, cut, stages)
+    try:
+        cut.starts = _balance(model, cut, stages, speeds, limits)
+    except SplitError as e:
+        raise ValueError(f"{at}: {e.message}") from None
     _place(model, cut)
     cut.call = _call_keywords(model)
     cut.counts_items = _counts_items(model)
@@ -225,12 +237,18 @@ def transformers_cut(model: nn.Module, stages: int, *, where: str) -> Transforme
     return cut
 
 
-def _balance(model: nn.Module, cut: TransformersCut, stages: int) -> list[int]:
+def _balance(
+    model: nn.Module,
+    cut: TransformersCut,
+    stages: int,
+    speeds: list[float] | None = None,
+    limits: list[float] | None = None,
+) -> list[int]:
     """Where stages 1.. start, most even by parameter count (the ends weigh on the end stages)."""
     layers = [f"{cut.layers}.{k}" for k in range(cut.count)]
     weights = [numel(model, cut.before), *(numel(model, [p]) for p in layers)]
     weights.append(numel(model, cut.after))
-    starts = balanced(weights, list(range(2, cut.count + 1)), stages)
+    starts = balanced(weights, list(range(2, cut.count + 1)), stages, speeds, limits)
     return [s - 1 for s in starts]  # units -> layers (the first unit is what comes before)
 
 

@@ -307,6 +307,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._eager = False
 
     def _launch_reduce(self, b: int) -> None:
+        self.buckets[b].weight = None if self.sync.shares is None else self.sync.shares.weight
         with UNWATCHED():  # (runs in backward, under the guard: its checks are not needed)
             self.buckets[b].launch_reduce(self.group, tag=2 * b)
         self._launched = b + 1
@@ -363,6 +364,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if flag.item():
             self.resends += 1
             for b, bucket in enumerate(self.buckets):
+                bucket.weight = None if self.sync.shares is None else self.sync.shares.weight
                 bucket.launch_reduce(self.group, tag=2 * b)
         self._launched, self._stale = 0, False
         unused: set[int] = set()

@@ -112,6 +112,7 @@ class ShardBucket:
         self.reducing: list[Any] = []  # the reduce-scatter in flight (dist.Work)
         self.gathering: list[Any] = []  # the all-gather in flight
         self.taken: list[tuple[torch.Tensor | None, int]] = []  # each .grad sent, and its version
+        self.weight: float | None = None  # this rank's gradient weight (dp_shares); None: 1/world
 
     # -- reduce-scatter ------------------------------------------------------------------------
     def launch_reduce(self, group: dist.ProcessGroup | None, tag: int) -> None:
@@ -128,6 +129,8 @@ class ShardBucket:
                 dst.append(view)
         if dst:
             torch._foreach_copy_(dst, src)
+            if self.weight is not None:  # uneven shares: rows, not ranks, are averaged
+                torch._foreach_mul_(dst, self.weight)
         if empty:
             torch._foreach_zero_(empty)
         used = torch.tensor([g is not None for g in grads], dtype=self.send.dtype)
@@ -163,7 +166,8 @@ class ShardBucket:
             torch.add(rows[0], rows[1], out=self.grad)
             for row in rows[2:]:
                 self.grad.add_(row)
-        self.grad[: self.chunk].mul_(1.0 / self.world)
+        if self.weight is None:  # (weighted: the sum is the average already)
+            self.grad[: self.chunk].mul_(1.0 / self.world)
         return self.grad[self.chunk :]
 
     def wait_reduce(self) -> None:
