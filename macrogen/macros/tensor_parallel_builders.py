@@ -41,8 +41,11 @@ _ROOTS = ("tensor_parallel", "data_parallel", "pipeline")
 def builders(decorated: str, classes: Mapping[str, cst.ClassDef]) -> list[str]:
     """The top-level classes that build ``decorated`` and re-initialize it, in file order."""
     found = []
+    roots = {name for name, cls in classes.items() if _is_root(cls)}
     for name, cls in classes.items():
-        if name == decorated or _is_root(cls):
+        # (a class derived from a decorated one is a root already: its __init__ is wrapped)
+        bases = {(dotted(b.value) or "").rsplit(".", 1)[-1] for b in cls.bases}
+        if name == decorated or name in roots or bases & roots:
             continue
         init = _init(cls)
         if init is None or not _reinitializes(init):

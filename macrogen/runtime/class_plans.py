@@ -1,6 +1,8 @@
 """The class decorators' plans: ``@tensor_parallel``'s plan as data on the user's class, applied
 where the outermost decorated model's construction ends (a construction record in a context
-variable: no profiler hook, no frame walking). ``@data_parallel`` and ``@pipeline`` classes
+variable: no profiler hook, no frame walking) by the engine ``mg.parallelize`` uses
+(``macrogen.runtime.parallelize.apply_tensor_parallel``: DTensor parameters, each planned layer
+running its own forward). ``@data_parallel`` and ``@pipeline`` classes
 (``macrogen.runtime.class_macros``) enter the same record.
 """
 

@@ -391,3 +391,51 @@ def test_sequence_styles_render_their_runtime_styles():
     assert "'fc': ('colwise_from_sequence', 2)," in code
     assert "'proj': 'rowwise_to_sequence'," in code
     assert "'ln': 'sequence_slice'," in code
+
+
+def test_only_an_undecorated_builder_that_re_initializes_gets_the_plan_less_decorator():
+    code = expand(
+        """\
+        import torch.nn as nn
+        import macrogen as mg
+
+
+        @mg.tensor_parallel(plan={"fc": "colwise"})
+        class MLP(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 8)
+
+
+        class Block(nn.Module):  # builds it, re-initializes nothing
+            def __init__(self):
+                super().__init__()
+                self.mlp = MLP()
+
+
+        class Model(nn.Module):  # builds it (through Block) and re-initializes
+            def __init__(self):
+                super().__init__()
+                self.block = Block()
+                self.apply(lambda m: None)
+
+
+        @mg.tensor_parallel(plan={})
+        class Decorated(nn.Module):  # a root already
+            def __init__(self):
+                super().__init__()
+                self.mlp = MLP()
+                self.apply(lambda m: None)
+
+
+        class Derived(Decorated):  # derived from a root: its __init__ is wrapped already
+            def __init__(self):
+                super().__init__()
+                self.more = MLP()
+                self.apply(lambda m: None)
+        """
+    )
+    assert "@tensor_parallel_class('Model', None, {})\nclass Model(nn.Module):" in code
+    for name in ("Block", "Derived"):
+        assert f"tensor_parallel_class('{name}'" not in code, name
+    assert code.count("tensor_parallel_class('Decorated'") == 1
