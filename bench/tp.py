@@ -324,6 +324,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         with torch.no_grad():
             torch.testing.assert_close(built(x), theirs(x), rtol=1e-5, atol=1e-5)
         sgd = torch.optim.SGD(ours.parameters(), lr=1e-3)
+        _step(ours, sgd, x)  # a first step with its collectives: its first-backward checks pass
         floor = copy.deepcopy(ours)  # its own weights: it runs with every all-reduce skipped
         runs = {  # name: (model, optimizer, collectives.OVERLAP, input[, collectives.dist])
             "macrogen": (ours, sgd, True, x),  # the default: collectives overlap compute

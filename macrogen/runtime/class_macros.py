@@ -80,7 +80,7 @@ def pipeline_class(config: Any, forward: Any, *, ranks: int, where: str) -> Call
     and this rank's stage kept (``attach``, given the mesh). The class object itself is
     returned, under its name."""
     from macrogen.runtime import pipeline
-    from macrogen.runtime.parallelize import is_tensor_parallel
+    from macrogen.runtime.parallelize.local import is_tensor_parallel
     from macrogen.runtime.parallelize_pipeline import local_forward_per_stage
     from macrogen.runtime.pipeline_plan import forward_cut
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from macrogen.runtime import environment
 from macrogen.runtime.eager import eager
 from macrogen.runtime.mesh import SIZE_ENV, Mesh, mesh, tensor_parallel_group
-from macrogen.runtime.parallelize import apply_tensor_parallel
+from macrogen.runtime.parallelize.engine import apply_tensor_parallel
 from macrogen.runtime.tensor_parallel import (
     load_serial_state_dict,
     serial_state_dict,
