@@ -16,10 +16,9 @@ jobs on the machine than wall time). Before timing, both outputs are checked
 equal. Other processes on the machine add noise: the load average is
 printed with the results.
 
-"no collectives" is the floor: a copy of macrogen's block with every
-sharded layer's group removed, so each rank runs the same per-rank matmuls,
-attention and layer norms with no communication at all (its results are not
-the model's). No tensor-parallel implementation on this machine's two ranks
+"no collectives" is the floor: a copy of macrogen's block run with every
+all-reduce skipped, so each rank runs the same per-rank matmuls, attention and
+layer norms with no communication at all (its results are not the model's). No tensor-parallel implementation on this machine's two ranks
 can beat it; its ratio says how far below DTensor free communication would
 get. Per phase (forward, backward, optimizer step) medians follow, then the CPU
 of a step split between the Python thread and the others (gloo's transport).
@@ -254,18 +253,6 @@ class _NoReductions(_FourByteReductions):
         return _Done() if async_op else None
 
 
-def _without_collectives(block: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``block`` whose sharded layers have no group: the same per-rank work, no
-    communication (the floor of any tensor-parallel step on these shapes)."""
-    from macrogen.runtime.tensor_parallel import SHARDED
-
-    local = copy.deepcopy(block)
-    for module in local.modules():
-        if isinstance(module, SHARDED):
-            module.group = None
-    return local
-
-
 def _logit_memory(serial_mod, ours_mod, args, world):
     """Bytes of logits one rank holds for the loss: serial vs vocab-parallel (the loss equal)."""
     d_model, vocab = args.d_model[0], args.vocab
@@ -337,11 +324,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         with torch.no_grad():
             torch.testing.assert_close(built(x), theirs(x), rtol=1e-5, atol=1e-5)
         sgd = torch.optim.SGD(ours.parameters(), lr=1e-3)
-        floor = _without_collectives(ours)
+        _step(ours, sgd, x)  # a first step with its collectives: its first-backward checks pass
+        floor = copy.deepcopy(ours)  # its own weights: it runs with every all-reduce skipped
         runs = {  # name: (model, optimizer, collectives.OVERLAP, input[, collectives.dist])
             "macrogen": (ours, sgd, True, x),  # the default: collectives overlap compute
             "no overlap": (ours, sgd, False, x),  # macrogen with collectives.OVERLAP = False
-            "no collectives": (floor, torch.optim.SGD(floor.parameters(), lr=1e-3), True, x),
+            "no collectives": (
+                floor,
+                torch.optim.SGD(floor.parameters(), lr=1e-3),
+                True,
+                x,
+                _NoReductions(),
+            ),
             "torch DTensor": (theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3), True, x),
             "mg.parallelize": (built, torch.optim.SGD(built.parameters(), lr=1e-3), True, x),
             "macrogen SP": (ours_sp, torch.optim.SGD(ours_sp.parameters(), lr=1e-3), True, mine),

@@ -29,9 +29,15 @@ STYLES = (
     "moe_experts",  # a mixture of experts' experts: all_reduce over their sharded 3-D weights
     "moe_identity_expert",  # an identity expert inside moe_experts: counted on one rank
     "shard_experts",  # a 3-D experts parameter: whole experts per rank (dim 0)
+    # sequence parallelism (Megatron-SP): between them each rank holds its slice of the
+    # sequence (dim 1), (B, T / tp, C)
+    "colwise_from_sequence",  # colwise, its input (a sequence slice) all-gathered along T first
+    "rowwise_to_sequence",  # rowwise, its partial outputs reduce-scattered along T
+    "sequence_slice",  # a per-token module run on the slice it receives; its gradients summed
+    "from_sequence",  # a module whose first input (a sequence slice) is gathered whole on entry
 )
 # (style, k): k packed blocks along the sharded dim, each block sharded (a fused qkv, gate_up)
-PACKED = ("colwise", "rowwise")
+PACKED = ("colwise", "rowwise", "colwise_from_sequence")
 # (style, n): the rope part's width
 SIZED = ("mla_kv_a_proj",)
 # a table held by parameter-server ranks (a plan entry of mg.parallelize, not a TP style)

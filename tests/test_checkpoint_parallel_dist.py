@@ -1,6 +1,7 @@
-"""``resumable`` with macrogen's parallel kinds: @tensor_parallel shards, ZeRO, both with DP.
+"""``resumable`` with macrogen's parallel kinds: tensor-parallel DTensors, ZeRO, TP with DP.
 
-TP=2 and ZeRO on 2 gloo ranks, DP=2 x TP=2 with ZeRO on 4. For each: a run
+TP=2 and ZeRO on 2 gloo ranks, DP=2 x TP=2 on 4 (ZeRO-1 over DTensor shards is refused,
+as mg.parallelize's dp='zero1' with tp > 1 is). For each: a run
 stopped at step 5 (checkpoint at 4) and resumed in fresh objects ends
 bit-identical to the uninterrupted 8-step run; the step-4
 checkpoint resumed in one process on the serial model with the serial AdamW
@@ -46,31 +47,32 @@ class Net(nn.Module):
 
 
 def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """kind: "tp" (TP=2), "zero" (DP=2, ZeRO-1), "dptp" (DP=2 x TP=2, ZeRO-1), "serial"."""
+    """kind: "tp" (TP=2), "zero" (DP=2, ZeRO-1), "dptp" (DP=2 x TP=2), "serial"."""
     torch.manual_seed(0)
     model = Net()
     if kind in ("tp", "dptp"):
-        from macrogen.runtime.mesh import tensor_parallel_group
-        from macrogen.runtime.tensor_parallel_plan import Colwise, Rowwise, Vocab, parallelize
+        from macrogen.runtime.mesh import mesh
+        from macrogen.runtime.parallelize import apply_tensor_parallel
 
         plan = {
-            "emb": Vocab(),
-            "qkv": Colwise(3),
-            "proj": Rowwise(),
-            "fc": Colwise(),
-            "out": Rowwise(),
+            "emb": "vocab",
+            "qkv": ("colwise", 3),
+            "proj": "rowwise",
+            "fc": "colwise",
+            "out": "rowwise",
         }
-        parallelize(model, "Net", tensor_parallel_group(2), plan)
+        apply_tensor_parallel(model, mesh(2), plan, where="test_checkpoint_parallel_dist.py")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if kind in ("zero", "dptp"):
         from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync
-        from macrogen.runtime.zero import shard_optimizer
 
-        # data parallel over the data group (as dp="zero1" does), whose averaging the sharded
-        # optimizer takes over: it reduce-scatters the gradients
+        # data parallel over the data group (as dp="zero1" and dp="replicate" do)
         sync = GradientSync(model, DataParallelConfig(), where="test_checkpoint_parallel_dist.py")
         model.__dict__["_mg_gradient_sync"] = sync
-        opt = shard_optimizer(opt)
+        if kind == "zero":  # the sharded optimizer takes over the averaging: reduce-scatters
+            from macrogen.runtime.zero import shard_optimizer
+
+            opt = shard_optimizer(opt)
     return model, opt
 
 
@@ -148,7 +150,7 @@ def test_zero_checkpoint_resumes_exactly_and_with_the_serial_optimizer(tmp_path:
     check("zero", tmp_path)
 
 
-def test_data_x_tensor_parallel_with_zero_checkpoint_resumes_exactly_and_serially(
+def test_data_x_tensor_parallel_checkpoint_resumes_exactly_and_serially(
     tmp_path: Path,
 ) -> None:
-    check("dptp", tmp_path, world=4)  # tensor shards, ZeRO pieces and data replicas at once
+    check("dptp", tmp_path, world=4)  # tensor shards and data replicas at once

@@ -136,7 +136,7 @@ def _worker(rank, world, expanded, directory):
     block = model.blocks[0 if stage == 0 else 3]
     shapes = (
         type(block).__name__,
-        tuple(block.attn.qkv.weight.shape),
+        tuple(block.attn.qkv.weight.to_local().shape),
         type(model.blocks[3 - 3 * stage]).__name__,
     )
     # a serial checkpoint loads back into the sharded stages
@@ -161,7 +161,9 @@ def _check(results, ref_losses, ref_state):
         assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
         assert list(state) == list(ref_state)
         for k, v in ref_state.items():
-            torch.testing.assert_close(state[k], v, rtol=RTOL, atol=ATOL, msg=k)
+            torch.testing.assert_close(
+                state[k], v, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}"
+            )
 
 
 def _run(tmp_path, source, world):

@@ -44,7 +44,7 @@ def _checks(rank, world, tmp):
     ].filename  # the line that built it, not contextlib
     meshes.reset()
     os.environ[meshes.SIZE_ENV] = "2"
-    with pytest.raises(RuntimeError, match=r"divided attributes \(serial values\): \(\('Attn.n_head', 8\),\) on rank 0 but \(\('Attn.n_head', 4\),\)"):  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"n_head: 'divide' = 8 on rank 0 but n_head: 'divide' = 4"):  # fmt: skip
         module.Attn(8 if rank == 0 else 4)
     return True
 

@@ -1,7 +1,7 @@
 """@tensor_parallel on Hugging Face's ``Conv1D`` (GPT-2's layers: an nn.Linear stored ``(in, out)``).
 
-A GPT-2-shaped attention (a fused, packed ``c_attn``) and MLP written with an
-in-file copy of HF's ``Conv1D``, on 2 gloo ranks in float64: the shards keep
+A GPT-2-shaped attention (a fused, packed ``c_attn``) and MLP written with
+transformers' own ``Conv1D``, on 2 gloo ranks in float64: the shards keep
 Conv1D's ``(in, out)`` layout (so ``full_state_dict()`` is the serial state
 dict, keys and shapes), and the losses, gradients and parameters after 3 AdamW
 steps equal serial within 1e-10.
@@ -19,28 +19,14 @@ from tests.distributed import run_ranks
 from tests.helpers import expand, load_module
 
 SOURCE = textwrap.dedent(
-    '''
+    """
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
+    from transformers.pytorch_utils import Conv1D
+
     import macrogen as mg
-
-
-    class Conv1D(nn.Module):
-        """Hugging Face's Conv1D: a linear layer whose weight is stored (in, out)."""
-
-        def __init__(self, nf, nx):
-            super().__init__()
-            self.nf = nf
-            self.weight = nn.Parameter(torch.empty(nx, nf))
-            self.bias = nn.Parameter(torch.zeros(nf))
-            nn.init.normal_(self.weight, std=0.2)
-
-        def forward(self, x):
-            size_out = x.size()[:-1] + (self.nf,)
-            x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
-            return x.view(size_out)
 
 
     @mg.tensor_parallel(plan={"c_attn": ("colwise", 3), "c_proj": "rowwise", "n_head": "divide"})
@@ -80,19 +66,16 @@ SOURCE = textwrap.dedent(
         def forward(self, x):
             x = x + self.attn(self.ln(x))
             return (x + self.mlp(x)).square().mean()
-    '''
+    """
 )
 
 STEPS, TOL = 3, dict(rtol=1e-10, atol=1e-10)
 
 
 def _parity(rank, world, tmp):
-    from macrogen.runtime.tensor_parallel import (
-        ColwiseLinear,
-        RowwiseLinear,
-        full_gradients,
-        full_state_dict,
-    )
+    from torch.distributed.tensor import DTensor
+
+    from macrogen.runtime.tensor_parallel import full_gradients, full_state_dict
 
     os.environ["MACROGEN_TP_SIZE"] = str(world)
     torch.set_default_dtype(torch.float64)
@@ -119,10 +102,10 @@ def _parity(rank, world, tmp):
         results.append((model, initial, torch.stack(losses), grads, full_state_dict(model)))
     (serial, s_init, s_losses, s_grads, s_final), (ours, init, losses, grads, final) = results
     attn = ours.attn
-    assert isinstance(attn.c_attn, ColwiseLinear) and isinstance(attn.c_proj, RowwiseLinear)
-    assert attn.c_attn.weight.shape == (16, 48 // world)  # Conv1D's (in, out / T)
-    assert attn.c_proj.weight.shape == (16 // world, 16)  # (in / T, out)
-    assert ours.mlp.c_fc.weight.shape == (16, 64 // world)
+    assert isinstance(attn.c_attn.weight, DTensor) and attn.c_attn.weight.shape == (16, 48)
+    assert attn.c_attn.weight.to_local().shape == (16, 48 // world)  # Conv1D's (in, out / T)
+    assert attn.c_proj.weight.to_local().shape == (16 // world, 16)  # (in / T, out)
+    assert ours.mlp.c_fc.weight.to_local().shape == (16, 64 // world)
     for key, value in s_init.items():  # the serial state dict: keys, (in, out) shapes, values
         torch.testing.assert_close(init[key], value, rtol=0, atol=0, msg=f"initial {key}")
     torch.testing.assert_close(losses, s_losses, **TOL)

@@ -163,8 +163,9 @@ MODELS = textwrap.dedent(
 
     @mg.tensor_parallel(plan={"wte": "vocab", "head": "colwise"})
     class TiedLM(Tied):
-        pass  # vocab rows and colwise rows are one shard, shared; logits sharded (the
-        # inherited forward is not rewritten: only the decorated class's own is)
+        # vocab rows and colwise rows are one shard, shared; the logits it returns gathered
+        def forward(self, ids):
+            return self.head(torch.tanh(self.wte(ids)))
 
 
     @mg.tensor_parallel(plan={"wte": "vocab", "head": "rowwise"})
@@ -309,7 +310,7 @@ BLOCKS = {
     "LMColwiseHead": ("LMColwiseHead", ("vocab", "d"), "ids", False),
     "Dotted": ("Dotted", ("d",), "x", False),
     "Containers": ("Containers", ("d",), "x", False),
-    "TiedLM": ("TiedLM", ("vocab", "d"), "ids", True),
+    "TiedLM": ("TiedLM", ("vocab", "d"), "ids", False),
     # big rowwise outputs are reduced in row chunks, each while the next is computed;
     # without overlap, every collective runs alone
     "MLP chunked": ("MLP", ("d",), "x", False),
@@ -381,18 +382,25 @@ def _cross_entropy(rank, world, reduction):
 
 
 def _mlp_shards(P, x, world):
-    """Shards are plain tensors of the local shape, under the serial names."""
+    """Parameters are DTensors of the serial shape (local shards), under the serial names."""
+    from torch.distributed.tensor import DTensor
+
     mlp = P.MLP(D_MODEL)
     twin = copy.deepcopy(mlp)  # an EMA copy: same group, own tensors
+    out = mlp(x)
+    with torch.no_grad():  # the copy runs on its own parameters
+        twin.fc.bias.to_local().add_(1.0)
     return {
         "shapes": {k: tuple(v.shape) for k, v in mlp.state_dict().items()},
+        "local shapes": {k: tuple(v.to_local().shape) for k, v in mlp.state_dict().items()},
         "fc.weight type": type(mlp.fc.weight).__name__,
-        "exactly Parameter": type(mlp.fc.weight) is torch.nn.Parameter,
+        "DTensor parameters": all(isinstance(p, DTensor) for p in mlp.parameters()),
         # a rowwise layer with one reduction is torch's linear + bias add: no Python autograd node
-        "output grad_fn": type(mlp(x).grad_fn).__name__,
-        "copy shares the group": twin.fc.group is mlp.fc.group,
+        "output grad_fn": type(out.grad_fn).__name__,
+        "copy shares the group": twin.tp_group is mlp.tp_group,
         "copy has its own tensors": twin.fc.weight is not mlp.fc.weight,
-        "copy's output": tensor_closeness(twin(x), mlp(x), **DEFAULT_TOL),
+        "copy's output": tensor_closeness(twin(x), out, **DEFAULT_TOL),
+        "original unchanged": tensor_closeness(mlp(x), out, **DEFAULT_TOL),
         "Attention.n_head": P.Attention(D_MODEL, N_HEAD).n_head,
     }
 
@@ -499,7 +507,7 @@ COLLECTIVES = {
     # the head's output, so it is gathered (one all-gather forward, none backward)
     "LMColwiseHead": ({"all_reduce": 1, "all_gather": 1}, _ONE_EACH),
     "Containers": ({"all_reduce": 4, "all_gather": 0}, {"all_reduce": 4, "all_gather": 0}),
-    "TiedLM": (_ONE_EACH, _ONE_EACH),
+    "TiedLM": ({"all_reduce": 1, "all_gather": 1}, _ONE_EACH),
 }
 
 
@@ -534,16 +542,22 @@ def test_vocab_parallel_cross_entropy_collectives(two_ranks):
     assert counts == {"all_reduce": 2, "all_gather": 0}
 
 
-def test_shards_are_plain_parameters_of_the_local_shape(two_ranks):
+def test_parameters_are_dtensors_of_the_serial_shape_holding_local_shards(two_ranks):
     world = len(two_ranks)
     for rank, r in enumerate(each_rank(two_ranks, "MLP shards")):
         assert r["shapes"] == {
+            "fc.weight": (4 * D_MODEL, D_MODEL),
+            "fc.bias": (4 * D_MODEL,),
+            "proj.weight": (D_MODEL, 4 * D_MODEL),
+            "proj.bias": (D_MODEL,),
+        }, (rank, r["shapes"])
+        assert r["local shapes"] == {
             "fc.weight": (4 * D_MODEL // world, D_MODEL),
             "fc.bias": (4 * D_MODEL // world,),
             "proj.weight": (D_MODEL, 4 * D_MODEL // world),
             "proj.bias": (D_MODEL,),
-        }, (rank, r["shapes"])
-        assert r["exactly Parameter"], (rank, r["fc.weight type"])
+        }, (rank, r["local shapes"])
+        assert r["DTensor parameters"], (rank, r["fc.weight type"])
         assert r["Attention.n_head"] == N_HEAD // world, rank
 
 
@@ -555,23 +569,23 @@ def test_rowwise_with_one_reduction_has_no_python_autograd_node(two_ranks):
 def test_deepcopy_shares_the_group_with_its_own_tensors(two_ranks):
     for rank, r in enumerate(each_rank(two_ranks, "MLP shards")):
         assert r["copy shares the group"] and r["copy has its own tensors"], rank
-        assert_within(r["copy's output"], f"rank {rank}: the copy's output")
+        # the copy's fc bias moved by 1: its output differs, the original's does not
+        assert r["copy's output"] > 1, (rank, r["copy's output"])
+        assert_within(r["original unchanged"], f"rank {rank}: the original's output")
 
 
 CONSTRUCTION_ERRORS = {
-    "indivisible vocab": "LMRowwiseHead.wte.num_embeddings = 25 is not divisible by the"
-    " tensor-parallel size 2; choose a size that divides it",
-    "indivisible heads": "Attention.n_head = 3 is not divisible by the tensor-parallel size 2;"
-    " choose a size that divides it",
-    "tie split differently": "TiedRowwise.head.weight is tied to TiedRowwise.wte.weight, but"
-    " the plan splits them differently (dim 1 vs 0): a tie keeps one shard, so plan both with"
-    " the same split (a vocab embedding and a colwise head share rows) or untie them",
-    "tie half planned": "TiedHalfPlanned.wte.weight is tied to TiedHalfPlanned.head.weight,"
-    " which the plan shards; plan both with the same split (a vocab embedding and a colwise"
-    " head share rows) or untie them",
-    "divided attribute differs between ranks": "tensor_parallel: rank 1 built a different"
-    " model than rank 0: Attention's divided attributes (serial values):"
-    " (('Attention.n_head', 4),) on rank 0 but (('Attention.n_head', 8),)",
+    "indivisible vocab": "wte: 25 rows are not divisible by tp=2",
+    "indivisible heads": "n_head = 3 is not divisible by tp=2",
+    "tie split differently": "head.weight is tied to wte.weight, and the plan cuts them"
+    " differently (dim 1 and dim 0): plan both with the same split or untie them\nwte.weight is"
+    " tied to head.weight, and the plan cuts them differently (dim 0 and dim 1): plan both with"
+    " the same split or untie them",
+    "tie half planned": "head.weight is tied to wte.weight, which the plan leaves whole: plan"
+    " both with the same split (a vocab embedding and a colwise head share rows) or untie them",
+    "divided attribute differs between ranks": "data_parallel at Attention (@tensor_parallel):"
+    " rank 1 built a different model than rank 0: parameter 8 is n_head: 'divide' = 4 on rank"
+    " 0 but n_head: 'divide' = 8 on rank 1",
 }
 
 
@@ -627,7 +641,7 @@ def _dp_tp_training(rank, world, source, tmp):
     m = mesh()
     report = {
         "mesh": (m.data_size, m.tensor_size, m.data_rank),
-        "qkv shard shape": tuple(model.blocks[0].attn.qkv.weight.shape),
+        "qkv shard shape": tuple(model.blocks[0].attn.qkv.weight.to_local().shape),
         # shards cut from the serial initialization
         "initial": dict_closeness(full_state_dict(model), initial, rtol=0, atol=0),
     }

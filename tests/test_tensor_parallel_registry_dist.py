@@ -143,7 +143,8 @@ SOURCE = textwrap.dedent(
 
 
     class PreTrained(nn.Module):
-        """Hugging Face's post_init(), on a parent that is not decorated."""
+        """Hugging Face's post_init(), on a parent that is not decorated (but builds a decorated
+        class and re-initializes it: the expansion decorates it)."""
 
         def __init__(self):
             super().__init__()
@@ -151,7 +152,7 @@ SOURCE = textwrap.dedent(
             self.apply(self._init)
 
         def _init(self, module):
-            if isinstance(module, nn.Linear) or hasattr(module, "group"):
+            if isinstance(module, nn.Linear):
                 module.weight.data.normal_(std=0.5)
 
         def forward(self, x):
@@ -171,23 +172,28 @@ def _load(tmp: Path, rank: int):
 
 
 def _train(model, idx, targets):
+    """Losses, first gradients and the norms ``clip_grad_norm_`` returned (it clips: max 0.5)."""
     from macrogen.runtime.tensor_parallel import full_gradients
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, grads = [], None
+    losses, norms, grads = [], [], None
     for step in range(STEPS):
         optimizer.zero_grad()
         loss = model(idx, targets)
         loss.backward()
         if step == 0:
             grads = full_gradients(model)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         optimizer.step()
         losses.append(loss.detach())
-    return torch.stack(losses), grads
+    return torch.stack(losses), torch.stack(norms), grads
 
 
 def _parity(rank, world, tmp):
-    from macrogen.runtime.tensor_parallel import ColwiseLinear, full_state_dict
+    from torch.distributed.tensor import DTensor, Shard
+
+    from macrogen.runtime.tensor_parallel import full_state_dict
 
     os.environ["MACROGEN_TP_SIZE"] = str(world)
     torch.set_default_dtype(torch.float64)
@@ -201,31 +207,60 @@ def _parity(rank, world, tmp):
     torch.manual_seed(0)
     serial = S.Model()
     initial = {k: v.clone() for k, v in serial.state_dict().items()}
-    serial_losses, serial_grads = _train(serial, idx, targets)
+    serial_numel = sum(p.numel() for p in serial.parameters())
+    serial_losses, serial_norms, serial_grads = _train(serial, idx, targets)
 
     torch.manual_seed(0)
     model = P.Model()
     block = model.blocks[0]
-    assert isinstance(block.ffn.w1, ColwiseLinear) and isinstance(block.attn.qkv, ColwiseLinear)
-    assert block.ffn.w1.weight.shape == (64 // world, 16) and block.attn.n_head == 4 // world
+    # the engine's DTensor parameters: whole-model tools see the serial model
+    w1 = block.ffn.w1.weight
+    assert isinstance(w1, DTensor) and w1.placements == (Shard(0),) and w1.shape == (64, 16)
+    assert w1.to_local().shape == (64 // world, 16) and block.attn.n_head == 4 // world
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == serial_numel
     for key, value in full_state_dict(model).items():  # the parent's re-init saw serial layers
         torch.testing.assert_close(value, initial[key], rtol=0, atol=0, msg=f"initial {key}")
-    losses, grads = _train(model, idx, targets)
+    losses, norms, grads = _train(model, idx, targets)
     torch.testing.assert_close(losses, serial_losses, **TOL)
+    torch.testing.assert_close(norms, serial_norms, **TOL, msg="clip_grad_norm_'s norms")
     for key, grad in grads.items():
-        torch.testing.assert_close(grad, serial_grads[key], **TOL, msg=f"gradient {key}")
+        torch.testing.assert_close(
+            grad, serial_grads[key], **TOL, msg=lambda m, key=key: f"gradient {key}: {m}"
+        )
     final = full_state_dict(model)
     for key, value in serial.state_dict().items():
         torch.testing.assert_close(final[key], value, **TOL, msg=f"{key} after {STEPS} steps")
 
-    # an undecorated parent re-initializing cut shards: an error at the first forward, never a
-    # silently different start; a checkpoint loaded after it replaces the values: no error
+    # an undecorated parent of the same file that re-initializes what it builds: the expansion
+    # makes its construction the one that applies the plans, so it starts from the serial draws
     x = torch.randn(2, 8)
+    torch.manual_seed(3)
+    want = S.PreTrained()
+    torch.manual_seed(3)
+    got = P.PreTrained()
+    assert isinstance(got.ffn.w1.weight, DTensor)
+    for key, value in full_state_dict(got).items():
+        torch.testing.assert_close(value, want.state_dict()[key], rtol=0, atol=0, msg=key)
+    torch.testing.assert_close(got(x), want(x), **TOL)
+
+    # one in another file (here: this test's), which the expansion does not see: an error at the
+    # first forward, never a silently different start; a checkpoint loaded after it replaces the
+    # values: no error
+    class Elsewhere(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ffn = P.FeedForward(8, 16)
+            self.apply(lambda m: P.PreTrained._init(self, m))
+
+        def forward(self, x):
+            return self.ffn(x)
+
     with pytest.raises(
         RuntimeError, match=r"FeedForward's shards \(w1.weight, w2.weight\) changed"
     ):
-        P.PreTrained()(x)
-    reloaded = P.PreTrained()
+        Elsewhere()(x)
+    reloaded = Elsewhere()
     reloaded.ffn.load_full_state_dict(S.FeedForward(8, 16).state_dict())
     reloaded(x)
 
@@ -233,7 +268,7 @@ def _parity(rank, world, tmp):
     from macrogen.runtime.parallelize import apply_tensor_parallel, device_mesh
 
     mesh = device_mesh(tp=world, where="test")
-    with pytest.raises(RuntimeError, match=r"whose shards were cut when it was built"):
+    with pytest.raises(RuntimeError, match=r"tensor-parallel already"):
         apply_tensor_parallel(model, mesh, {"head": "colwise"}, where="test")
     return True
 

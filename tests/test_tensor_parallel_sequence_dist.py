@@ -209,24 +209,24 @@ def _collectives_of_a_pass(ours, x, w, grads):
 
 def _nested_sequence_modules(x, w, mine):
     """A "sequence" module inside another: its parameters' gradients are summed once."""
-    from macrogen.runtime.mesh import tensor_parallel_group
-    from macrogen.runtime.tensor_parallel_plan import Sequence
+    from torch.distributed.tensor import DTensor
+
+    from macrogen.runtime.mesh import mesh
+    from macrogen.runtime.parallelize import apply_tensor_parallel
+    from macrogen.runtime.tensor_parallel import full_gradients
 
     torch.manual_seed(0)
     serial = torch.nn.Sequential(torch.nn.LayerNorm(SHAPE[2]), torch.nn.LayerNorm(SHAPE[2]))
-    holder = torch.nn.Module()
-    holder.outer = copy.deepcopy(serial)
-    group = tensor_parallel_group(None)
-    Sequence().apply(holder, "outer", "outer", group, None)
-    Sequence().apply(holder.outer, "1", "outer.1", group, None)
+    holder = torch.nn.Sequential(copy.deepcopy(serial))
+    plan = {"0": "sequence_slice", "0.1": "sequence_slice"}
+    apply_tensor_parallel(holder, mesh(None), plan, where="test")
     (serial(x) * w).sum().backward()
-    (holder.outer(x[:, mine]) * w[:, mine]).sum().backward()
-    keys = [key for key, _ in serial.named_parameters()]
+    (holder(x[:, mine]) * w[:, mine]).sum().backward()
     return {
         # put back after the forward
-        "plain Parameters": all(type(q) is torch.nn.Parameter for q in holder.outer.parameters()),
+        "DTensor parameters": all(isinstance(q, DTensor) for q in holder.parameters()),
         "gradients": dict_closeness(
-            {k: q.grad for k, q in zip(keys, holder.outer.parameters())},
+            {k.removeprefix("0."): g for k, g in full_gradients(holder).items()},
             {k: p.grad for k, p in serial.named_parameters()},
             **TIGHT,
         ),
@@ -294,15 +294,15 @@ def _full(block, world, grad=False):
 
 def _indivisible(world):
     """A whole sequence of 7 tokens reaching a 'rowwise to sequence' layer can't be split in 2."""
-    from macrogen.runtime.mesh import tensor_parallel_group
-    from macrogen.runtime.tensor_parallel import RowwiseLinear
+    from macrogen.runtime.mesh import mesh
+    from macrogen.runtime.parallelize import apply_tensor_parallel
 
-    layer = RowwiseLinear(
-        torch.nn.Linear(8, 4), tensor_parallel_group(None), "MLP.c_proj", sequence=True
-    )
+    mlp = torch.nn.Sequential()
+    mlp.add_module("c_proj", torch.nn.Linear(8, 4))
+    apply_tensor_parallel(mlp, mesh(None), {"c_proj": "rowwise_to_sequence"}, where="test")
     try:
-        layer(torch.randn(2, 7, 8))
-    except ValueError as e:
+        mlp(torch.randn(2, 7, 8))
+    except Exception as e:  # (the first forward's guard names the layer: a PlanError)
         return str(e)
     return "no error"
 
@@ -414,9 +414,10 @@ def test_sequence_parallel_layer_norm_activations_halved(two_ranks):
 def test_sequence_parallel_collectives_per_pass(two_ranks):
     for rank, r in enumerate(each_rank(two_ranks, "collectives")):
         # all-reduces: 2 rowwise-to-sequence outputs and 1 colwise-from-sequence input gradient
-        # (as reduce-scatters, or not), the attention's colwise input gradient, 1 per layer norm
-        assert r["by all-reduce"] == {"all_reduce": 3 + 1 + 2, "reduce_scatter_single": 0}, rank
-        assert r["by reduce-scatter"] == {"all_reduce": 1 + 2, "reduce_scatter_single": 3}, rank
+        # (as reduce-scatters, or not), the attention's colwise input gradient, and 1 for the
+        # layer norms' weights and biases together
+        assert r["by all-reduce"] == {"all_reduce": 3 + 1 + 1, "reduce_scatter_single": 0}, rank
+        assert r["by reduce-scatter"] == {"all_reduce": 1 + 1, "reduce_scatter_single": 3}, rank
 
 
 def test_reduce_scatter_by_all_reduce_is_bit_identical(two_ranks):
@@ -429,15 +430,15 @@ def test_reduce_scatter_by_all_reduce_is_bit_identical(two_ranks):
 
 def test_nested_sequence_modules_sum_gradients_once(two_ranks):
     for rank, r in enumerate(each_rank(two_ranks, "nested")):
-        assert r["plain Parameters"], rank
+        assert r["DTensor parameters"], rank
         assert_within(r["gradients"], f"rank {rank}: nested gradients")
 
 
 def test_indivisible_sequence_is_a_clear_error(two_ranks):
-    assert each_rank(two_ranks, "indivisible")[0] == (
-        "MLP.c_proj: the sequence length (dim 1) 7 is not divisible by the tensor-parallel size 2;"
+    assert (
+        "c_proj: the sequence length (dim 1) 7 is not divisible by the tensor-parallel size 2;"
         " pad the sequence or choose a size that divides it"
-    )
+    ) in each_rank(two_ranks, "indivisible")[0]
 
 
 def test_sequence_parallel_under_data_x_tensor_mesh(four_ranks):

@@ -127,7 +127,7 @@ def _generate_and_train(rank, world, tmp):
     os.environ["MACROGEN_TP_SIZE"] = str(world)
     S, P = _load(Path(tmp), rank)
     serial, model = _models(S, P)
-    assert model.lm_head.weight.shape[0] == S.VOCAB // world  # the head is split
+    assert model.lm_head.weight.to_local().shape[0] == S.VOCAB // world  # the head is split
     prompt = torch.randint(0, S.VOCAB, (3, 2), generator=torch.Generator().manual_seed(1))
 
     # generate(): forward without targets, sampling from the last position (top-k and not)
@@ -218,12 +218,8 @@ def test_vocab_parallel_cross_entropy_keeps_the_logits_dtype():
 
 def test_returned_logits_are_gathered_and_the_loss_logits_stay_sharded():
     code = expand(SOURCE)
-    assert (
-        "logits = gather_last_dim(self.lm_head(x[:, [-1], :]), getattr(self.lm_head, 'group', None))"
-    ) in code
-    assert (
-        "logits = as_sharded_dtensor(self.lm_head(x), getattr(self.lm_head, 'group', None))" in code
-    )
+    assert ("logits = gather_last_dim(self.lm_head(x[:, [-1], :]), self.tp_group)") in code
+    assert "logits = as_sharded_dtensor(self.lm_head(x), self.tp_group)" in code
     assert "loss = vocab_parallel_cross_entropy(" in code
     assert "return self.c_proj(F.gelu(self.c_fc(x)))" in code  # into a rowwise layer: as it was
 
@@ -253,7 +249,7 @@ def _head(body: str, style: str = '"colwise"') -> str:
     [
         (
             "return self.head(x)",
-            "return gather_last_dim(self.head(x), getattr(self.head, 'group', None))",
+            "return gather_last_dim(self.head(x), self.tp_group)",
         ),
         (
             """\
@@ -262,7 +258,7 @@ def _head(body: str, style: str = '"colwise"') -> str:
                 return logits
             return F.cross_entropy(logits, targets)
             """,
-            "logits = as_sharded_dtensor(self.head(x), getattr(self.head, 'group', None))",
+            "logits = as_sharded_dtensor(self.head(x), self.tp_group)",
         ),
         (
             """\

@@ -126,6 +126,7 @@ class Context:
         self.constants: dict[str, Any] = {}  # define()d and tunable module constants
         self.tunables: dict[str, Tunable] = {}
         self.prelude: list[str] = []  # the sites' helpers, in the order they expanded
+        self.class_decorators: dict[str, str] = {}  # Expanded.decorates: class name -> text
         self._module_imports = dict(module_imports)  # local name -> module it binds
         self._names: dict[str, str] = {}  # generated import statement -> the name it binds
         self._imports: set[str] = set()  # the statements of the imports the sites returned

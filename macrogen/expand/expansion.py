@@ -161,6 +161,7 @@ class _FileExpansion:
         self._flush_errors()
         if self.diagnostics:
             raise ExpansionError(self.diagnostics)
+        self._decorate_classes(new_body)
         if not expanded:
             return Expansion(self.source, False, dict(self.ctx.tunables))
         code = self._output(new_body)
@@ -171,6 +172,26 @@ class _FileExpansion:
             tuple(expanded),
             tuple(arguments),
         )
+
+    def _decorate_classes(self, new_body: dict[int, list[cst.BaseStatement]]) -> None:
+        """The decorators sites asked for on other top-level classes (``Expanded.decorates``),
+        each put first in its class's decorator list (it wraps what the others made)."""
+        wanted = self.ctx.class_decorators
+        if not wanted:
+            return
+        for i in self._mentioning(set(wanted)):
+            body = new_body.get(i) or [self.statements.node(i)]
+            for k, stmt in enumerate(body):
+                if isinstance(stmt, cst.ClassDef) and stmt.name.value in wanted:
+                    text = wanted[stmt.name.value]
+                    # (after a statement, the comments are the class's lines, not the header)
+                    placeholder = cst.parse_module(f"pass\n{text}\nclass _:\n    pass\n").body[-1]
+                    assert isinstance(placeholder, cst.ClassDef) and placeholder.decorators
+                    body[k] = stmt.with_changes(  # (its comments above the user's decorators)
+                        leading_lines=[*stmt.leading_lines, *placeholder.leading_lines],
+                        decorators=[placeholder.decorators[0], *stmt.decorators],
+                    )
+                    new_body[i] = body
 
     def _mentioning(self, names: set[str]) -> list[int]:
         """The top-level statements whose text has one of ``names`` as a word."""

@@ -125,6 +125,10 @@ class Expanded:
 
     replacement: Replacement
     helpers: tuple[str, ...] = ()
+    # (the name of a top-level class of the file, a decorator's text with its comment lines):
+    # put above that class (``@tensor_parallel``'s plan-less decorator on a class that builds
+    # and re-initializes a decorated one); once per class, the first site's
+    decorates: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

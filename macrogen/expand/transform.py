@@ -503,6 +503,8 @@ class Expander(cst.CSTTransformer):
         _check_result(name, form, result)
         self.ctx.add_imports(view.requested)
         self.ctx.prelude.extend(result.helpers)
+        for cls, decorator in result.decorates:
+            self.ctx.class_decorators.setdefault(cls, decorator)
         self.expanded.append((name, pos.line))
         self.arguments.append(SiteArguments.of(name, qualname, args))
         return result

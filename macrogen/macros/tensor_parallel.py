@@ -3,8 +3,8 @@
     @mg.tensor_parallel(plan={"fc": "colwise", "proj": "rowwise"})
     class MLP(nn.Module):                          # macrogen: tensor_parallel at model.py:7
         def __init__(self, d):                     @tensor_parallel_class('MLP', None, {
-            super().__init__()              ->         'fc': Colwise(),  # output features split ...
-            self.fc = nn.Linear(d, 4 * d)              'proj': Rowwise(),  # input features split ...
+            super().__init__()              ->         'fc': 'colwise',  # output features split ...
+            self.fc = nn.Linear(d, 4 * d)              'proj': 'rowwise',  # input features split ...
             self.proj = nn.Linear(4 * d, d)        })
         ...                                        class MLP(nn.Module):
                                                        ... (the user's class: forward's widths local)
@@ -14,10 +14,12 @@ torchtitan's ``Config.build()`` and ``isinstance`` that captured it see the
 tensor-parallel class); the plan is data on it. ``macrogen.runtime.parallelize``
 applies it where the outermost decorated model's construction ends: the serial
 module is built first (same layers, same random initialization, a decorated
-parent's re-initialization included), then each planned layer is replaced by
-this rank's shard (a module from ``macrogen.runtime.tensor_parallel`` holding
-plain tensors under the serial parameter names, calling the autograd
-collectives of ``macrogen.runtime.collectives``). ``forward`` is the user's,
+parent's re-initialization included), then the plan (in the engine's styles,
+``macrogen.vocabulary``) is applied by the engine ``mg.parallelize`` uses: each
+planned parameter becomes this rank's shard as a DTensor, so whole-model tools
+(``numel``, ``state_dict``, DCP, ``clip_grad_norm_``) see the serial model, and
+each planned layer runs its own forward on its local shard with its style's
+collectives around it. ``forward`` is the user's,
 with its full widths made local where they meet a shard
 (``tensor_parallel_width``), the cross-entropy of a vocab-split head made
 vocab-parallel, and a colwise output it returns gathered
@@ -63,6 +65,7 @@ from macrogen.macro import (
     walk,
 )
 from macrogen.macros.class_decorator import decorated, rendered_decorator
+from macrogen.macros.tensor_parallel_builders import builders
 from macrogen.macros.tensor_parallel_width import feeding, rewrite_forward
 
 NAME = "tensor_parallel"
@@ -80,11 +83,10 @@ BUILT = 'parallelize(model, tp=2, tp_plan={"path.to.layer": "colwise", ...})'
 
 @dataclass(frozen=True)
 class Style:
-    """The expansion side of one parallel style; ``runtime`` names its class in
-    ``macrogen.runtime.tensor_parallel_plan``, which owns the layer and its layouts."""
+    """The expansion side of one parallel style; ``engine`` is the style it is in the one
+    vocabulary (``macrogen.vocabulary``), which ``macrogen.runtime.parallelize`` applies."""
 
     name = ""
-    runtime = ""
     needs: ClassVar[str | None] = None  # "Linear", "Embedding", "int"; None: anything
     comment = ""
 
@@ -106,16 +108,15 @@ class Style:
                 key_node,
             )
 
-    def arguments(self) -> tuple[tuple[str, int], ...]:
-        """Keyword arguments of the runtime style's constructor."""
-        return ()
+    @property
+    def engine(self) -> str | tuple[str, int]:
+        return self.name
 
 
 @dataclass(frozen=True)
 class Colwise(Style):
     blocks: int = 1  # packed output blocks, each split on its own (3 for a fused qkv)
     sequence: bool = False  # "colwise from sequence": the input is a sequence slice, gathered
-    runtime = "Colwise"
     needs = "Linear"
 
     @property
@@ -129,16 +130,15 @@ class Colwise(Style):
             return f"{gathered}output features split in each of {self.blocks} packed blocks; output sharded"
         return f"{gathered}output features split; its output is sharded on the last dim"
 
-    def arguments(self) -> tuple[tuple[str, int], ...]:
-        return (("blocks", self.blocks),) * (self.blocks > 1) + (
-            ("sequence", True),
-        ) * self.sequence
+    @property
+    def engine(self) -> str | tuple[str, int]:
+        kind = "colwise_from_sequence" if self.sequence else "colwise"
+        return (kind, self.blocks) if self.blocks > 1 else kind
 
 
 @dataclass(frozen=True)
 class Rowwise(Style):
     sequence: bool = False  # "rowwise to sequence": partial outputs reduce-scattered along T
-    runtime = "Rowwise"
     needs = "Linear"
 
     @property
@@ -151,14 +151,14 @@ class Rowwise(Style):
             return "input features split; partial outputs reduce-scattered along the sequence"
         return "input features split; partial outputs all-reduced, bias added once"
 
-    def arguments(self) -> tuple[tuple[str, int], ...]:
-        return (("sequence", True),) if self.sequence else ()
+    @property
+    def engine(self) -> str | tuple[str, int]:
+        return "rowwise_to_sequence" if self.sequence else "rowwise"
 
 
 @dataclass(frozen=True)
 class Vocab(Style):
     name = "vocab"
-    runtime = "Vocab"
     needs = "Embedding"
     comment = "vocabulary split; other ranks' tokens masked, output all-reduced"
 
@@ -166,7 +166,6 @@ class Vocab(Style):
 @dataclass(frozen=True)
 class Divide(Style):
     name = "divide"
-    runtime = "Divide"
     needs = "int"
     comment = "divided by the tensor-parallel size: forward sees the local count"
 
@@ -174,7 +173,6 @@ class Divide(Style):
 @dataclass(frozen=True)
 class Replicate(Style):
     name = "replicate"
-    runtime = "Replicate"
     comment = "replicated (every rank holds all of it)"
 
 
@@ -185,7 +183,7 @@ PER_TOKEN = ("LayerNorm", "RMSNorm", "Dropout")
 @dataclass(frozen=True)
 class Sequence(Style):
     name = "sequence"
-    runtime = "Sequence"
+    engine = "sequence_slice"
     comment = "runs on this rank's slice of the sequence; parameter gradients summed over ranks"
 
     def check(self, value: cst.BaseExpression, attr: str, key_node: cst.CSTNode) -> None:
@@ -204,7 +202,7 @@ class Sequence(Style):
 @dataclass(frozen=True)
 class FromSequence(Style):
     name = "from sequence"
-    runtime = "FromSequence"
+    engine = "from_sequence"
     comment = "its input arrives as a sequence slice: gathered whole on entry"
 
     def check(self, value: cst.BaseExpression, attr: str, key_node: cst.CSTNode) -> None:
@@ -339,11 +337,7 @@ def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | 
 def expand(site: Site, ctx: Context) -> Expanded:
     spec = validate(site, ctx)
     assert isinstance(site.node, cst.ClassDef) and isinstance(site.original, cst.ClassDef)
-    plan_module = "macrogen.runtime"
-    styles = {s: ctx.import_from(plan_module, s) for s in _styles(spec)}
-    entries = [
-        (e.key, styles[e.style.runtime], e.style.arguments(), e.style.comment) for e in spec.entries
-    ]
+    entries = [(e.key, e.style.engine, e.style.comment) for e in spec.entries]
     decorator = ctx.import_from("macrogen.runtime", "tensor_parallel_class")
     plan = rendered_decorator(
         "tensor_parallel_class.py.j2",
@@ -370,12 +364,13 @@ def expand(site: Site, ctx: Context) -> Expanded:
         cls = rewrite_widths(site.node, spec, collective)
     # the class object itself keeps its name and identity
     cls = decorated(ctx, cls, plan)
-    return Expanded([cls])
-
-
-def _styles(spec: Spec) -> list[str]:
-    """The runtime styles of the plan, in order of first use (imports are asked for in order)."""
-    return list(dict.fromkeys(e.style.runtime for e in spec.entries))
+    # a class of the file that builds this one and re-initializes it is where the plans apply
+    outer = tuple(
+        (name, f"# macrogen: {name} builds tensor-parallel classes and re-initializes them:"
+               f" their plans apply where its construction ends\n@{decorator}({name!r}, None, {{}})")
+        for name in builders(spec.name, _module_classes(ctx))
+    )  # fmt: skip
+    return Expanded([cls], decorates=outer)
 
 
 # -- what __init__ assigns ------------------------------------------------------------

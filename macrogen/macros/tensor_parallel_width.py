@@ -216,8 +216,8 @@ class _Widths(cst.CSTTransformer):
         return updated
 
     def _group(self, layer: str) -> cst.BaseExpression:
-        """The layer's group: None serially (the layer is then the full nn.Linear)."""
-        return cst.parse_expression(f"getattr({self.me}.{layer}, 'group', None)")
+        """The tensor group the decorated module carries (``tp_group``: None serially)."""
+        return cst.parse_expression(f"{self.me}.tp_group")
 
     def _cross_entropy(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         """``F.cross_entropy(logits, target)`` of vocabulary-sharded logits: vocab-parallel."""

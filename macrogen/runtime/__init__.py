@@ -28,15 +28,8 @@ EXPORTS: dict[str, str] = {
     "PipelineConfig": "pipeline",
     "Forward": "pipeline",
     "Statement": "pipeline",
-    # @tensor_parallel: its plan's styles, the class decorator, forward's collectives
+    # @tensor_parallel: the class decorator (its plan in the engine's styles), forward's collectives
     "tensor_parallel_class": "class_plans",
-    "Colwise": "tensor_parallel_plan",
-    "Rowwise": "tensor_parallel_plan",
-    "Vocab": "tensor_parallel_plan",
-    "Divide": "tensor_parallel_plan",
-    "Replicate": "tensor_parallel_plan",
-    "Sequence": "tensor_parallel_plan",
-    "FromSequence": "tensor_parallel_plan",
     "gather_last_dim": "collectives",
     "as_sharded_dtensor": "collectives",
     "vocab_parallel_cross_entropy": "collectives",
@@ -116,13 +109,6 @@ if TYPE_CHECKING:  # what the names are, for a type checker reading an expanded 
     from macrogen.runtime.pipeline import PipelineConfig as PipelineConfig
     from macrogen.runtime.pipeline import Statement as Statement
     from macrogen.runtime.recompute import apply_recompute as apply_recompute
-    from macrogen.runtime.tensor_parallel_plan import Colwise as Colwise
-    from macrogen.runtime.tensor_parallel_plan import Divide as Divide
-    from macrogen.runtime.tensor_parallel_plan import FromSequence as FromSequence
-    from macrogen.runtime.tensor_parallel_plan import Replicate as Replicate
-    from macrogen.runtime.tensor_parallel_plan import Rowwise as Rowwise
-    from macrogen.runtime.tensor_parallel_plan import Sequence as Sequence
-    from macrogen.runtime.tensor_parallel_plan import Vocab as Vocab
     from macrogen.runtime.triton_support import int64_offsets as int64_offsets
     from macrogen.runtime.triton_support import interpreting as interpreting
     from macrogen.runtime.triton_support import use_triton as use_triton

@@ -4,16 +4,8 @@ The model and optimizers go to DCP as ``get_state_dict`` gives them (keys: the
 serial parameter names), with two changes, because DCP takes plain tensors that
 have the same key on every rank for copies of one tensor and stores one of them:
 
-- ``@tensor_parallel`` layers hold plain local shards. Each shard, and each
-  optimizer state tensor shaped like it, is handed to DCP as a DTensor over the
-  layer's tensor-parallel group, ``DTensor.from_local(shard, mesh, [Shard(dim)])``
-  (colwise: dim 0 of weight and bias, rowwise: dim 1 of weight, vocab: dim 0), so
-  DCP stores every rank's piece at its offset in the serial tensor and reshards
-  on load (to 1 process, to another TP size). A fused colwise layer (``blocks=k``,
-  this rank's rows ``[q_r | k_r | v_r]``) is k separate pieces of the serial
-  tensor, which no DTensor placement describes: it is gathered to the serial
-  tensor for the save (stored once) and split again on load.
-- ``mg.parallelize``'s tensor-parallel parameters are DTensors already, and DCP
+- Tensor-parallel parameters (``mg.parallelize``'s and ``@tensor_parallel``'s) are
+  DTensors, and DCP
   saves and reshards them as they are (FSDP's too), with one exception: a packed
   colwise layer (``("colwise", k)``) is a ``_StridedShard`` DTensor, whose pieces
   DCP's planner takes for contiguous chunks (it reports them overlapping). Such a
@@ -46,7 +38,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -54,12 +45,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from macrogen.runtime.collectives import group_size
 from macrogen.runtime.data_parallel import outer_states
 from macrogen.runtime.dtensor_whole import full_tensor, restride
-from macrogen.runtime.tensor_parallel import _gather, _sharded_keys, split
 from macrogen.runtime.zero import ShardedOptimizer
 
 Optimizers = Sequence[torch.optim.Optimizer]
@@ -103,8 +92,7 @@ def get_state(
             osd = get_optimizer_state_dict(model, opt)
         optim_sd["state"].update(osd["state"])
         optim_sd["param_groups"].extend(osd["param_groups"])
-    globalized = _globalize(model, model_sd, optim_sd, load)
-    globalized += _unstride(model_sd, optim_sd, load)
+    globalized = _unstride(model_sd, optim_sd, load)
     for i, local in enumerate(outer_states(model)):
         optim_sd[f"_mg_local_sgd.{i}"] = local.state_dict(load=load)
     return model_sd, optim_sd, globalized
@@ -118,14 +106,8 @@ def set_state(
     globalized: Globalized,
 ) -> None:
     """Load what DCP read into the model's shards and the optimizers."""
-    for box, key, dim, blocks, group in globalized:
-        value = box[key]
-        if blocks == 0:  # a strided DTensor, loaded whole: back to its placements
-            box[key] = restride(value, group)
-        else:
-            box[key] = (
-                value.to_local() if isinstance(value, DTensor) else split(value, dim, group, blocks)
-            )
+    for box, key, _, _, template in globalized:  # strided DTensors, loaded whole
+        box[key] = restride(box[key], template)
     for i, local in enumerate(outer_states(model)):
         outer = optim_sd.pop(f"_mg_local_sgd.{i}", None)  # (None: saved without an optimizer)
         if outer is not None:
@@ -137,59 +119,6 @@ def set_state(
     for opt in optimizers:
         if isinstance(opt, ShardedOptimizer):
             opt.load_state_dict(_zero_from(model, opt, optim_sd))
-
-
-# ---- @tensor_parallel ---------------------------------------------------------------------
-
-
-def _globalize(
-    model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any], load: bool
-) -> Globalized:
-    done: Globalized = []
-    meshes: dict[int, Any] = {}
-    for key, dim, blocks, group in _sharded_keys(model):
-        if group is None or group_size(group) == 1 or key not in model_sd:
-            continue
-        shape = model_sd[key].shape
-        boxes = [(model_sd, key)]
-        if key in optim_sd["state"]:
-            # a copy: optimizer.state_dict()'s entries are the optimizer's own dicts
-            entry = optim_sd["state"][key] = dict(optim_sd["state"][key])
-            for name, value in entry.items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape:
-                    boxes.append((entry, name))
-        for box, name in boxes:
-            box[name] = _serial_form(box[name], dim, blocks, group, load, meshes)
-            done.append((box, name, dim, blocks, group))
-    return done
-
-
-def _serial_form(
-    t: torch.Tensor,
-    dim: int,
-    blocks: int,
-    group: dist.ProcessGroup,
-    load: bool,
-    meshes: dict[Any, Any],
-) -> torch.Tensor:
-    """This rank's shard as part of the serial tensor: a DTensor, or the gathered tensor."""
-    if blocks > 1:  # k interleaved pieces: no DTensor placement; the whole serial tensor
-        if not load:
-            return _gather(t, dim, blocks, group)
-        shape = list(t.shape)
-        shape[dim] *= group_size(group)
-        return torch.empty(shape, dtype=t.dtype, device=t.device)
-    mesh = meshes.get(id(group))
-    if mesh is None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        mesh = meshes[id(group)] = DeviceMesh.from_group(group, t.device.type)
-    local = t.detach()
-    if not load and local.storage_offset():
-        # a parameter that is a view of a ZeRO-1 bucket: DCP's staging copies the storage
-        # of a DTensor whose data_ptr is not 0, and this wrapper has none (torch 2.13)
-        local = local.clone()
-    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
 
 
 # ---- mg.parallelize's packed colwise layers (_StridedShard DTensors) ----------------------

@@ -80,6 +80,8 @@ def pipeline_class(config: Any, forward: Any, *, ranks: int, where: str) -> Call
     and this rank's stage kept (``attach``, given the mesh). The class object itself is
     returned, under its name."""
     from macrogen.runtime import pipeline
+    from macrogen.runtime.parallelize.local import is_tensor_parallel
+    from macrogen.runtime.parallelize_pipeline import local_forward_per_stage
     from macrogen.runtime.pipeline_plan import forward_cut
 
     def decorate(cls: type) -> type:
@@ -99,7 +101,11 @@ def pipeline_class(config: Any, forward: Any, *, ranks: int, where: str) -> Call
                 # the stage cut must see the tensor-parallel shards, cut now (every rank still
                 # holds every layer: their rank-agreement check runs on the same modules)
                 materialize(self)
-                pipeline.attach(self, config, cut, mesh, where=where)
+                pipe = pipeline.attach(self, config, cut, mesh, where=where)
+                if is_tensor_parallel(self) and pipe.layout is not None:
+                    # the schedule runs this rank's stage modules, never the model's forward:
+                    # each stage swaps its own DTensor parameters for their local shards
+                    local_forward_per_stage(self, pipe)
 
         def full_state_dict(self: nn.Module) -> dict[str, torch.Tensor]:
             """The serial module's state dict (same keys, same order), gathered from every stage."""

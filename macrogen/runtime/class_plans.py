@@ -1,6 +1,8 @@
 """The class decorators' plans: ``@tensor_parallel``'s plan as data on the user's class, applied
 where the outermost decorated model's construction ends (a construction record in a context
-variable: no profiler hook, no frame walking). ``@data_parallel`` and ``@pipeline`` classes
+variable: no profiler hook, no frame walking) by the engine ``mg.parallelize`` uses
+(``macrogen.runtime.parallelize.apply_tensor_parallel``: DTensor parameters, each planned layer
+running its own forward). ``@data_parallel`` and ``@pipeline`` classes
 (``macrogen.runtime.class_macros``) enter the same record.
 """
 
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -16,10 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from macrogen.runtime import tensor_parallel_plan
+from macrogen.runtime import environment
 from macrogen.runtime.eager import eager
-from macrogen.runtime.mesh import Mesh, mesh, tensor_parallel_group
+from macrogen.runtime.mesh import SIZE_ENV, Mesh, mesh, tensor_parallel_group
+from macrogen.runtime.parallelize.engine import apply_tensor_parallel
 from macrogen.runtime.tensor_parallel import (
     load_serial_state_dict,
     serial_state_dict,
@@ -45,7 +51,7 @@ class ClassPlan:
 
     name: str
     size: int | None  # the tensor-parallel degree; None: the program's mesh, or $MACROGEN_TP_SIZE
-    plan: dict[str, Any]  # path -> a macrogen.runtime.tensor_parallel_plan style
+    plan: dict[str, Any]  # path -> a style of macrogen.vocabulary.STYLES (the engine's)
 
 
 def class_plan(cls: type) -> ClassPlan | None:
@@ -71,7 +77,10 @@ def tensor_parallel_class(
                 " plan on one of them, or derive both from an undecorated base class"
             )
         setattr(cls, PLAN, ClassPlan(name, size, dict(plan)))
-        cls.tp_size = 1  # type: ignore[attr-defined]  # forward's local widths: set when cut
+        # what forward's rewritten code reads (set on the instance when cut): its local
+        # widths (``C // self.tp_size``) and its collectives' group (``self.tp_group``)
+        for attr, serial in (("tp_size", 1), ("tp_group", None)):
+            setattr(cls, attr, serial)
         init = cls.__init__  # type: ignore[misc]  # its own or inherited: the one it runs
 
         @functools.wraps(init)
@@ -177,25 +186,68 @@ def _never_applied(root: str, module: nn.Module, args: Any) -> None:
 
 
 def apply_class_plans(root: nn.Module, modules: list[nn.Module]) -> None:
-    """Tensor parallel for the decorated ``modules`` under ``root`` (children first), on the
-    program's mesh: every shard cut at once, every problem of the plans reported together."""
-    planned = []
-    for module in modules:
-        plan = class_plan(type(module))
-        assert plan is not None
-        group = tensor_parallel_group(plan.size)
-        if group is None and plan.size is None and dist.is_initialized():
+    """Tensor parallel for the decorated ``modules`` under ``root`` (children first): their
+    plans, under their paths in ``root``, applied at once by the engine
+    (``macrogen.runtime.parallelize.apply_tensor_parallel``) on the program's mesh, so the
+    parameters are DTensors as under ``mg.parallelize``; every problem reported together."""
+    plans = [(m, class_plan(type(m))) for m in modules]
+    sizes = sorted({p.size for _, p in plans if p is not None and p.size is not None})
+    if len(sizes) > 1:
+        raise ValueError(
+            f"tensor_parallel: the plans under {type(root).__name__} ask for sizes"
+            f" {', '.join(map(str, sizes))}: one tensor-parallel size per model"
+        )
+    if not plans:
+        return
+    size = sizes[0] if sizes else None
+    program = mesh(size)
+    paths = {id(m): n for n, m in root.named_modules()}
+    plan: dict[str, Any] = {}
+    for module, p in plans:
+        assert p is not None
+        if program.tensor_size == 1 and p.size is None and dist.is_initialized():
             if dist.get_world_size() > 1:  # (size=1 in the plan is a choice: no warning)
-                tensor_parallel_plan.warn_whole(plan.name)
-        planned.append(tensor_parallel_plan.Planned(module, plan.name, group, plan.plan))
-    for module in modules:  # applied or failed: never again (a failure raises out of __init__)
+                warn_whole(p.name)
+        prefix = paths[id(module)]
+        plan.update({f"{prefix}.{k}" if prefix else k: style for k, style in p.plan.items()})
+    for module, _ in plans:  # applied or failed: never again (a failure raises out of __init__)
         module.__dict__[APPLIED] = True
+        object.__setattr__(module, "tp_size", program.tensor_size)  # forward's local widths
+        object.__setattr__(module, "tp_group", program.tensor_group)  # forward's collectives
         guard = module.__dict__.pop(_GUARD, None)
         if guard is not None:
             guard.remove()
-    if planned:
-        tensor_parallel_plan.apply(planned, root)
+    if plan:
+        where = f"{type(root).__name__} (@tensor_parallel)"
+        apply_tensor_parallel(root, program, plan, where=where)
         _watch(root)
+
+
+@functools.cache
+def warn_whole(name: str) -> None:
+    """Once per plan: a plan in a job of several ranks at tensor-parallel size 1 shards nothing
+    (said only where nothing asked for a size: a launch's MACROGEN_TP_SIZE=1 is a choice)."""
+    if environment.text(SIZE_ENV) is not None:
+        return
+    warnings.warn(
+        f"tensor_parallel plan {name}: the tensor-parallel size is 1 in a job of"
+        f" {dist.get_world_size()} ranks (no size= in the plan, $MACROGEN_TP_SIZE unset), so every"
+        " rank holds the full layers; set size= or MACROGEN_TP_SIZE, or use"
+        " mg.parallelize(model, tp=N, ...)",
+        stacklevel=_user_frame(),
+    )
+
+
+def _user_frame() -> int:
+    """warn_whole's stacklevel for the first frame outside macrogen and contextlib: the
+    user's line that built the model (a fixed level lands in contextlib's ``__exit__``)."""
+    import sys
+
+    inside = (os.path.dirname(os.path.dirname(__file__)), contextlib.__file__)
+    frame, level = sys._getframe(2), 2  # (0: here, 1: warn_whole)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # A parent that is not decorated and re-initializes its children after building them (HF's
@@ -207,13 +259,10 @@ _WATCH = "_mg_shards_at_cut"
 
 
 def _watch(root: nn.Module) -> None:
-    from macrogen.runtime.tensor_parallel import SHARDED
-
-    shards = [
-        (f"{name}.{key}" if name else key, p)
-        for name, sub in root.named_modules()
-        if isinstance(sub, SHARDED)
-        for key, p in sub.named_parameters(recurse=False)
+    shards = [  # this rank's pieces of the sharded parameters (a replicated one is whole)
+        (name, p.to_local().detach())  # (a leaf: a copy.deepcopy of the model copies it)
+        for name, p in root.named_parameters()
+        if isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)
     ]
     if not shards:
         return
@@ -259,5 +308,5 @@ def _watch(root: nn.Module) -> None:
             " mg.parallelize(model, ...)"
         )
 
-    hooks.append(root.register_forward_pre_hook(check))
+    hooks.append(root.register_forward_pre_hook(check, prepend=True))
     hooks.append(root.register_load_state_dict_post_hook(loaded))

@@ -610,32 +610,3 @@ def rowwise_to_sequence(
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
     return cast(torch.Tensor, _RowwiseToSequence.apply(x, weight, bias, group, what))  # type: ignore[no-untyped-call]
-
-
-class _SumGradients(torch.autograd.Function):
-    """Identity on some parameters; backward sums all their gradients over the group in one
-    all-reduce (a layer norm's weight and bias: one collective, not one each)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, group: dist.ProcessGroup, *params: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
-        return tuple(p.view_as(p) for p in params)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=ctx.group)
-        parts = flat.split([g.numel() for g in grads])
-        return (None, *(part.view_as(g) for part, g in zip(parts, grads)))
-
-
-def sum_gradients(
-    params: list[torch.Tensor], group: dist.ProcessGroup | None
-) -> list[torch.Tensor]:
-    """The parameters themselves (as views) whose gradients are summed over the group, all in
-    one all-reduce: a replicated layer norm on a sequence slice sees only this rank's tokens."""
-    if group_size(group) == 1 or not params:
-        return list(params)
-    return list(_SumGradients.apply(group, *params))  # type: ignore[no-untyped-call]

@@ -4,8 +4,6 @@ import textwrap
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from tests.helpers import assert_expands, expand, expansion_errors, load_module
 
@@ -53,16 +51,14 @@ def test_class_keeps_its_name_and_carries_its_plan_as_data():
         import macrogen as mg
 
         # ---- macrogen: generated from test.py; edit the source, not this block ----
-        from macrogen.runtime import Colwise
-        from macrogen.runtime import Rowwise
         from macrogen.runtime import tensor_parallel_class
 
 
         # macrogen: tensor_parallel at test.py:5
         # the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
         @tensor_parallel_class('MLP', 2, {
-            'fc': Colwise(),  # output features split; its output is sharded on the last dim
-            'proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+            'fc': 'colwise',  # output features split; its output is sharded on the last dim
+            'proj': 'rowwise',  # input features split; partial outputs all-reduced, bias added once
         })
         class MLP(nn.Module):
             def __init__(self, d):
@@ -79,17 +75,17 @@ def test_every_style_renders_one_line_and_divide_names_the_attribute():
             '{"fc": "colwise", "proj": "rowwise", "wte": "vocab", "n_head": "divide", "ln": "replicate"}'
         )
     )
-    assert "'fc': Colwise(),  # output features split" in code
-    assert "'proj': Rowwise(),  # input features split" in code
-    assert "'wte': Vocab(),  # vocabulary split" in code
-    assert "'n_head': Divide(),  # divided by the tensor-parallel size" in code
-    assert "'ln': Replicate(),  # replicated (every rank holds all of it)" in code
+    assert "'fc': 'colwise',  # output features split" in code
+    assert "'proj': 'rowwise',  # input features split" in code
+    assert "'wte': 'vocab',  # vocabulary split" in code
+    assert "'n_head': 'divide',  # divided by the tensor-parallel size" in code
+    assert "'ln': 'replicate',  # replicated (every rank holds all of it)" in code
     assert "@tensor_parallel_class('MLP', None, {" in code  # size from the launch
 
 
 def test_packed_colwise_passes_its_block_count():
     code = expand(mlp('{"fc": ("colwise", 4), "proj": "rowwise"}'))
-    assert "'fc': Colwise(blocks=4),  # output features split in each of 4 packed blocks" in code
+    assert "'fc': ('colwise', 4),  # output features split in each of 4 packed blocks" in code
 
 
 def test_size_may_be_tunable_and_the_tuning_database_picks_it():
@@ -116,7 +112,7 @@ def test_dotted_paths_into_a_submodule_of_this_file():
                 self.inner = Inner()
         """
     )
-    assert "'inner.up': Colwise()," in code
+    assert "'inner.up': 'colwise'," in code
 
 
 def test_generated_names_are_hygienic():
@@ -125,7 +121,7 @@ def test_generated_names_are_hygienic():
         import torch.nn as nn
         import macrogen as mg
 
-        Colwise = tensor_parallel_class = None
+        tensor_parallel_class = None
 
         @mg.tensor_parallel(plan={"fc": "colwise"})
         class MLP(nn.Module):
@@ -136,8 +132,7 @@ def test_generated_names_are_hygienic():
     )
     assert "@_mg_tensor_parallel_class('MLP', None, {" in code
     assert "class MLP(nn.Module):" in code
-    assert "from macrogen.runtime import Colwise as _mg_Colwise" in code
-    assert "'fc': _mg_Colwise()," in code
+    assert "'fc': 'colwise'," in code  # the plan in the engine's style names: data
 
 
 def test_serial_run_of_the_expanded_class_is_the_serial_module(tmp_path):
@@ -329,20 +324,25 @@ def test_error_cases_of_the_class_itself():
 def test_run_time_errors_name_the_layer_and_what_is_supported(monkeypatch):
     import torch.nn as nn
 
-    from macrogen.runtime.mesh import SIZE_ENV, tensor_parallel_size
-    from macrogen.runtime.tensor_parallel import ColwiseLinear, VocabEmbedding, local_count
+    from macrogen.runtime.mesh import SERIAL, SIZE_ENV, tensor_parallel_size
+    from macrogen.runtime.parallelize import PlanError, apply_tensor_parallel
 
-    with pytest.raises(
-        TypeError, match=r"Block.mlp.fc: colwise needs an nn.Linear \(or a subclass\), not Conv1d"
-    ):
-        ColwiseLinear(nn.Conv1d(2, 2, 1), None, "Block.mlp.fc")
-    with pytest.raises(ValueError, match=r"LM.wte: vocab supports nn.Embedding\(num_embeddings"):
-        VocabEmbedding(nn.Embedding(8, 4, max_norm=1.0), None, "LM.wte")
-    with pytest.raises(ValueError, match=r"Attention.qkv.out_features = 10 is not 3 equal blocks"):
-        ColwiseLinear(nn.Linear(4, 10), None, "Attention.qkv", blocks=3)
-    with pytest.raises(TypeError, match=r"divide needs an int attribute, but MLP.ratio is float"):
-        local_count(0.5, None, "MLP.ratio")
-    assert local_count(6, None, "Attention.n_head") == 6  # serial: nothing divided
+    # the class path's plan is the engine's: every problem at once, each naming its layer
+    model = nn.Module()
+    model.fc, model.wte = nn.Conv1d(2, 2, 1), nn.Embedding(8, 4, max_norm=1.0)
+    model.qkv, model.ratio, model.n_head = nn.Linear(4, 10), 0.5, 6
+    plan = {"fc": "colwise", "wte": "vocab", "qkv": ("colwise", 3), "ratio": "divide"}
+    with pytest.raises(PlanError) as e:
+        apply_tensor_parallel(model, SERIAL, plan, where="test")
+    assert str(e.value).splitlines() == [
+        "fc: colwise needs an nn.Linear (or a subclass) or an HF Conv1D, not Conv1d (vocab:"
+        " nn.Embedding; divide: an int attribute)",
+        "wte: vocab supports nn.Embedding without max_norm, scale_grad_by_freq, sparse",
+        "qkv: 10 out features in 3 blocks are not divisible by tp=1",
+        "ratio: divide needs an int attribute, not float",
+    ]
+    apply_tensor_parallel(model, SERIAL, {"n_head": "divide"}, where="test")
+    assert model.n_head == 6  # serial: nothing divided
 
     monkeypatch.delenv(SIZE_ENV, raising=False)
     assert tensor_parallel_size(None, 4) == 1  # asked for, never implied by the world size
@@ -356,38 +356,6 @@ def test_run_time_errors_name_the_layer_and_what_is_supported(monkeypatch):
     monkeypatch.setenv(SIZE_ENV, "two")
     with pytest.raises(ValueError, match=r"MACROGEN_TP_SIZE='two': expected a whole number >= 1"):
         tensor_parallel_size(None, 2)
-
-
-@settings(max_examples=40, deadline=None, derandomize=True)
-@given(
-    size=st.sampled_from([1, 2, 3, 4]),
-    blocks=st.sampled_from([1, 2, 3]),
-    per_shard=st.integers(1, 3),
-    other=st.integers(1, 3),
-    dim=st.sampled_from([0, 1]),
-)
-def test_checkpoint_split_and_join_are_inverse(size, blocks, per_shard, other, dim):
-    """Every rank's shard of a full tensor, joined, gives it back (packed blocks too)."""
-    from unittest import mock
-
-    import macrogen.runtime.tensor_parallel as tp
-
-    shape = [other, other]
-    shape[dim] = size * blocks * per_shard
-    full = torch.arange(shape[0] * shape[1], dtype=torch.float32).view(shape)
-    parts = []
-    for rank in range(size):
-        with (
-            mock.patch.object(tp, "group_size", lambda g: size),
-            mock.patch.object(tp, "group_rank", lambda g, r=rank: r),
-        ):
-            parts.append(tp.split(full, dim, object(), blocks))
-    assert all(p.shape[dim] == blocks * per_shard for p in parts)
-    torch.testing.assert_close(tp.join(parts, dim, blocks), full, rtol=0, atol=0)
-    if blocks > 1:  # rank r holds its slice of every block: [q_r | k_r | v_r]
-        block = full.chunk(blocks, dim=dim)[-1]
-        mine = block.chunk(size, dim=dim)[-1]
-        torch.testing.assert_close(parts[-1].chunk(blocks, dim=dim)[-1], mine)
 
 
 def test_sizes_of_a_sequence_slice_fed_to_colwise_from_sequence_are_an_error():
@@ -420,6 +388,54 @@ def test_sequence_styles_render_their_runtime_styles():
     code = expand(
         mlp('{"fc": ("colwise from sequence", 2), "proj": "rowwise to sequence", "ln": "sequence"}')
     )
-    assert "'fc': Colwise(blocks=2, sequence=True)," in code
-    assert "'proj': Rowwise(sequence=True)," in code
-    assert "'ln': Sequence()," in code
+    assert "'fc': ('colwise_from_sequence', 2)," in code
+    assert "'proj': 'rowwise_to_sequence'," in code
+    assert "'ln': 'sequence_slice'," in code
+
+
+def test_only_an_undecorated_builder_that_re_initializes_gets_the_plan_less_decorator():
+    code = expand(
+        """\
+        import torch.nn as nn
+        import macrogen as mg
+
+
+        @mg.tensor_parallel(plan={"fc": "colwise"})
+        class MLP(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 8)
+
+
+        class Block(nn.Module):  # builds it, re-initializes nothing
+            def __init__(self):
+                super().__init__()
+                self.mlp = MLP()
+
+
+        class Model(nn.Module):  # builds it (through Block) and re-initializes
+            def __init__(self):
+                super().__init__()
+                self.block = Block()
+                self.apply(lambda m: None)
+
+
+        @mg.tensor_parallel(plan={})
+        class Decorated(nn.Module):  # a root already
+            def __init__(self):
+                super().__init__()
+                self.mlp = MLP()
+                self.apply(lambda m: None)
+
+
+        class Derived(Decorated):  # derived from a root: its __init__ is wrapped already
+            def __init__(self):
+                super().__init__()
+                self.more = MLP()
+                self.apply(lambda m: None)
+        """
+    )
+    assert "@tensor_parallel_class('Model', None, {})\nclass Model(nn.Module):" in code
+    for name in ("Block", "Derived"):
+        assert f"tensor_parallel_class('{name}'" not in code, name
+    assert code.count("tensor_parallel_class('Decorated'") == 1

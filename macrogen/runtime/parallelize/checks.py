@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from macrogen.runtime.parallelize.layout import EMBEDDING_STYLES, LINEAR_STYLES, Wrap
+from macrogen.runtime.parallelize.local import stands_for, weakly_bound
 from macrogen.runtime.parallelize.plan import PlanError
 from macrogen.runtime.parallelize.styles import LAST_OUTPUT, is_fast
 
@@ -324,27 +325,30 @@ def guard_first_forward(model: nn.Module, names: Mapping[int, str], where: str) 
     naming the module whose code failed on the shards (a width it reads whole, a shard mixed
     with a whole tensor), instead of a traceback deep inside the model. Eager forwards only."""
     own = model.__dict__.get("forward")
-    bound = model.forward
-
-    @functools.wraps(bound)
-    def first(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return bound(*args, **kwargs)
-        try:
-            out = bound(*args, **kwargs)
-        except FAILURES as e:
-            if isinstance(e, (PlanError, torch.OutOfMemoryError)):
-                raise
-            raise PlanError(_failure(e, names, where)) from e
-        if not model.training:  # an evaluation: dropout is off, the training forward is to come
-            return out
-        if own is None:  # passed: the model's own forward again (and no cycle through this one)
-            model.__dict__.pop("forward", None)
-        else:
-            model.__dict__["forward"] = own
-        return out
-
+    first = weakly_bound(_first_forward, model, own, names, where)
+    stands_for(first, model)  # (until the first training forward passes)
     model.__dict__["forward"] = first
+
+
+def _first_forward(
+    model: nn.Module, own: Any, names: Mapping[int, str], where: str, *args: Any, **kwargs: Any
+) -> Any:
+    bound = own if own is not None else functools.partial(type(model).forward, model)
+    if torch.compiler.is_compiling():
+        return bound(*args, **kwargs)
+    try:
+        out = bound(*args, **kwargs)
+    except FAILURES as e:
+        if isinstance(e, (PlanError, torch.OutOfMemoryError)):
+            raise
+        raise PlanError(_failure(e, names, where)) from e
+    if not model.training:  # an evaluation: dropout is off, the training forward is to come
+        return out
+    if own is None:  # passed: the model's own forward again (and no cycle through this one)
+        model.__dict__.pop("forward", None)
+    else:
+        model.__dict__["forward"] = own
+    return out
 
 
 DROPOUTS = {

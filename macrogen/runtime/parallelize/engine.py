@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from macrogen.runtime.agreement import Fingerprint, check_agreement
-from macrogen.runtime.class_plans import APPLIED
 from macrogen.runtime.mesh import Mesh
 from macrogen.runtime.parallelize.checks import (
     GradientCheck,
@@ -70,13 +69,12 @@ def apply_tensor_parallel(
         return model
     if is_tensor_parallel(model):
         raise RuntimeError(f"mg.parallelize at {where}: this model is tensor-parallel already")
-    cut = next((n for n, m in model.named_modules() if APPLIED in m.__dict__
-                and "tp_size" in m.__dict__ and m.__dict__["tp_size"] > 1), None)  # fmt: skip
-    if cut is not None:  # its layers are @tensor_parallel shards already (plain tensors)
+    cut = next((n for n, m in model.named_modules() if is_tensor_parallel(m)), None)
+    if cut is not None:  # a @tensor_parallel class's model, sharded when it was built
         raise RuntimeError(
-            f"mg.parallelize at {where}: {cut or type(model).__name__} is a @tensor_parallel class"
-            " whose shards were cut when it was built: give the tensor-parallel plan in one place"
-            " (the decorators, or tp_plan= on a model of undecorated classes)"
+            f"mg.parallelize at {where}: {cut} is a @tensor_parallel class whose shards were cut"
+            " when it was built: give the tensor-parallel plan in one place (the decorators, or"
+            " tp_plan= on a model of undecorated classes)"
         )
     group, tensor_mesh = mesh.tensor_group, mesh.device_mesh["tensor"]
     assert group is not None  # tp > 1

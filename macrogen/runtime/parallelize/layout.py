@@ -35,6 +35,9 @@ from macrogen.runtime.parallelize.plan import (
     near,
     plan_styles,
 )
+from macrogen.runtime.parallelize.sequence import LINEAR as SEQUENCE_LINEAR
+from macrogen.runtime.parallelize.sequence import WRAPPED as SEQUENCE_WRAPPED
+from macrogen.runtime.parallelize.sequence import linear_problem, slice_problem
 
 LINEAR_STYLES = ("colwise", "colwise_gather_output", "rowwise")
 EMBEDDING_STYLES = ("vocab", "embedding_colwise")
@@ -47,11 +50,16 @@ WRAPPED = (
     "mla_kv_a_proj",
     "moe_experts",
     "moe_identity_expert",
+    *SEQUENCE_WRAPPED,
 )
 # styles a parameter entry may take
 PARAMETER_STYLES = ("colwise", "rowwise", *EMBEDDING_STYLES, "shard_experts", "replicate",
                     "replicate_grad_allreduce")  # fmt: skip
-SUMS = ("replicate_grad_allreduce", "sequence_parallel")  # the module's own gradients summed
+SUMS = (
+    "replicate_grad_allreduce",
+    "sequence_parallel",
+    "sequence_slice",
+)  # the module's own gradients summed
 
 
 @dataclass(frozen=True)
@@ -211,6 +219,10 @@ def _module(
     problem = _fits(name, module, kind, what, style, tp)
     if problem:
         return problem
+    if style.kind == "sequence_slice":  # its submodules' parameters see my tokens only too
+        layout.summed += [(sub, key, f"{name}.{prefix}.{key}")
+                          for prefix, sub in module.named_modules() if sub is not module
+                          for key, p in sub._parameters.items() if p is not None]  # fmt: skip
     for key, p in module._parameters.items():
         if p is None or key in own:
             continue
@@ -235,6 +247,10 @@ def _fits(name: str, module: nn.Module, kind: str | None, what: str, style: Styl
         return f"{name}: divide needs an int attribute, not {what}"
     if style.kind == "shard_experts":
         return f"{name}: shard_experts takes a stacked experts parameter, not the module {what}"
+    if style.kind in SEQUENCE_LINEAR:
+        return linear_problem(name, module, kind, style.kind)
+    if style.kind == "sequence_slice":
+        return slice_problem(name, module, kind)
     if style.kind in LINEAR_STYLES and kind not in ("linear", "conv1d"):
         return (
             f"{name}: {style.kind} needs an nn.Linear (or a subclass) or an HF Conv1D, not {what}"
@@ -262,6 +278,7 @@ def _fits(name: str, module: nn.Module, kind: str | None, what: str, style: Styl
 
 def _own_dim(style: Style, kind: str | None, key: str, ndim: int) -> int | None:
     """The dim a module entry cuts one of the module's own parameters along (None: whole)."""
+    style = replace(style, kind=SEQUENCE_LINEAR.get(style.kind, style.kind))
     if style.kind in ("colwise", "colwise_gather_output"):
         if key == "weight" and kind == "conv1d":
             return 1
@@ -279,7 +296,7 @@ def _own_dim(style: Style, kind: str | None, key: str, ndim: int) -> int | None:
 
 def _what(style: Style, kind: str | None, key: str, size: int, dim: int, name: str) -> str:
     if key == "weight" and kind in ("linear", "conv1d"):
-        what = "in features" if style.kind == "rowwise" else "out features"
+        what = "in features" if style.kind.startswith("rowwise") else "out features"
         return f"{size} {what}" + (f" in {style.blocks} blocks" if style.blocks > 1 else "")
     if key == "weight" and style.kind == "vocab":
         return f"{size} rows"

@@ -20,6 +20,7 @@ gradient of its parameters is computed:
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -263,11 +264,40 @@ def weakly_bound(fn: Callable[..., Any], module: nn.Module, *args: Any) -> Calla
     """``fn(module, *args, ...)`` for ``module`` to hold (its own forward). It reaches the module
     weakly: a strong reference is a cycle, which keeps a layer that a pipeline cut dropped
     (another stage's, with its shards) alive until a gc pass."""
-    ref = weakref.ref(module)
+    return _WeaklyBound(fn, weakref.ref(module), args)
 
-    def forward(*more: Any, **kwargs: Any) -> Any:
-        me = ref()
+
+@dataclass(frozen=True)
+class _WeaklyBound:
+    fn: Callable[..., Any]
+    ref: weakref.ref[nn.Module]
+    args: tuple[Any, ...]
+
+    def __call__(self, *more: Any, **kwargs: Any) -> Any:
+        me = self.ref()
         assert me is not None, "a module's forward outlived its module"
-        return fn(me, *args, *more, **kwargs)
+        return self.fn(me, *self.args, *more, **kwargs)
 
-    return forward
+    def __deepcopy__(self, memo: dict[int, Any]) -> _WeaklyBound:
+        """A copy of the model (an EMA twin) runs its own module: the copy in ``memo``."""
+        copied = memo.get(id(self.ref()))
+        if copied is None:
+            return self
+        new = _WeaklyBound(self.fn, weakref.ref(copied), copy.deepcopy(self.args, memo))
+        if WRAPPED in vars(self):
+            stands_for(new, copied)
+        return new
+
+
+WRAPPED = "__wrapped__"
+
+
+def stands_for(bound: Callable[..., Any], module: nn.Module) -> None:
+    """``bound`` (the module's forward) reads as its class's forward to ``inspect.signature``
+    (transformers' ``generate`` asks the forward's parameters), as ``functools.wraps`` does."""
+    object.__setattr__(bound, WRAPPED, type(module).forward.__get__(module))
+
+
+# A process group can't be copied: a deep copy of a model (its planned layers' specs, its
+# tensor group) shares its groups, as copies of torch's DDP and TP modules do.
+copy._deepcopy_dispatch[dist.ProcessGroup] = copy._deepcopy_atomic  # type: ignore[attr-defined]

@@ -53,6 +53,7 @@ from macrogen.runtime.collectives import (
 from macrogen.runtime.parallelize.layout import Wrap
 from macrogen.runtime.parallelize.local import local_parameters, weakly_bound
 from macrogen.runtime.parallelize.plan import Style
+from macrogen.runtime.parallelize.sequence import FORWARDS as SEQUENCE_FORWARDS
 
 LAST_OUTPUT = "_mg_last_output"  # a colwise layer's last output (weakly): may the model return it?
 
@@ -69,6 +70,7 @@ class Wrapped:
     kind: str | None  # plan.layer_kind
     fast: bool  # F.linear / F.embedding of its parameters: the fused layer computes it
     width: int  # rowwise: the whole input width; vocab: this rank's rows; moe: all experts
+    name: str = ""  # its path in the model (for errors)
 
 
 def install(wrap: Wrap, group: dist.ProcessGroup) -> None:
@@ -76,13 +78,13 @@ def install(wrap: Wrap, group: dist.ProcessGroup) -> None:
     module, style = wrap.module, wrap.style
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     width = wrap.experts  # (the weights are DTensors already: their shapes are the serial ones)
-    if style.kind == "rowwise":
+    if style.kind in ("rowwise", "rowwise_to_sequence"):
         weight: Any = module.weight
         width = int(weight.shape[1] if wrap.kind == "linear" else weight.shape[0])
     elif style.kind == "vocab":
         width = int(module.weight.shape[0]) // size  # type: ignore[index]
     spec = Wrapped(_own(module), group, rank, size, style, wrap.kind, is_fast(module, wrap.kind),
-                   width)  # fmt: skip
+                   width, wrap.name)  # fmt: skip
     forward = FORWARDS[style.kind]
     module.__dict__["forward"] = weakly_bound(forward, module, spec)
 
@@ -282,4 +284,5 @@ FORWARDS: dict[str, Callable[..., Any]] = {
     "moe_identity_expert": _identity_expert,
     "mla_kv_a_proj": _mla_kv_a_proj,
     "sequence_parallel": _sequence,
+    **SEQUENCE_FORWARDS,
 }

@@ -10,19 +10,15 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime import Colwise
-from macrogen.runtime import Divide
-from macrogen.runtime import Replicate
-from macrogen.runtime import Rowwise
 from macrogen.runtime import tensor_parallel_class
 
 
 # macrogen: tensor_parallel at input.py:10
 # the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
 @tensor_parallel_class('Attention', None, {
-    'qkv': Colwise(),  # output features split; its output is sharded on the last dim
-    'proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
-    'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
+    'qkv': 'colwise',  # output features split; its output is sharded on the last dim
+    'proj': 'rowwise',  # input features split; partial outputs all-reduced, bias added once
+    'n_head': 'divide',  # divided by the tensor-parallel size: forward sees the local count
 })
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_head: int):
@@ -44,9 +40,9 @@ class Attention(nn.Module):
 # macrogen: tensor_parallel at input.py:28
 # the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
 @tensor_parallel_class('MLP', 2, {
-    'fc': Colwise(),  # output features split; its output is sharded on the last dim
-    'proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
-    'ln': Replicate(),  # replicated (every rank holds all of it)
+    'fc': 'colwise',  # output features split; its output is sharded on the last dim
+    'proj': 'rowwise',  # input features split; partial outputs all-reduced, bias added once
+    'ln': 'replicate',  # replicated (every rank holds all of it)
 })
 class MLP(nn.Module):
     def __init__(self, d_model: int):

@@ -5,8 +5,6 @@ import torch.nn as nn
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime import Rowwise
-from macrogen.runtime import Vocab
 from macrogen.runtime import tensor_parallel_class
 
 
@@ -20,8 +18,8 @@ class Head(nn.Module):
 # macrogen: tensor_parallel at input.py:13
 # the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
 @tensor_parallel_class('TinyLM', None, {
-    'wte': Vocab(),  # vocabulary split; other ranks' tokens masked, output all-reduced
-    'head.out': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
+    'wte': 'vocab',  # vocabulary split; other ranks' tokens masked, output all-reduced
+    'head.out': 'rowwise',  # input features split; partial outputs all-reduced, bias added once
 })
 class TinyLM(nn.Module):
     def __init__(self, vocab: int = 50304, d_model: int = 768):

@@ -6,10 +6,6 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime import Colwise
-from macrogen.runtime import Divide
-from macrogen.runtime import Rowwise
-from macrogen.runtime import Vocab
 from macrogen.runtime import tensor_parallel_class
 from macrogen.runtime import vocab_parallel_cross_entropy
 
@@ -19,10 +15,10 @@ from macrogen.runtime import vocab_parallel_cross_entropy
 # macrogen: tensor_parallel at input.py:9
 # the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
 @tensor_parallel_class('CausalSelfAttention', None, {
-    'c_attn': Colwise(blocks=3),  # output features split in each of 3 packed blocks; output sharded
-    'c_proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
-    'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
-    'n_embd': Divide(),  # divided by the tensor-parallel size: forward sees the local count
+    'c_attn': ('colwise', 3),  # output features split in each of 3 packed blocks; output sharded
+    'c_proj': 'rowwise',  # input features split; partial outputs all-reduced, bias added once
+    'n_head': 'divide',  # divided by the tensor-parallel size: forward sees the local count
+    'n_embd': 'divide',  # divided by the tensor-parallel size: forward sees the local count
 })
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head):
@@ -48,8 +44,8 @@ class CausalSelfAttention(nn.Module):
 # macrogen: tensor_parallel at input.py:33
 # the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
 @tensor_parallel_class('GPT', None, {
-    'transformer.wte': Vocab(),  # vocabulary split; other ranks' tokens masked, output all-reduced
-    'lm_head': Colwise(),  # output features split; its output is sharded on the last dim
+    'transformer.wte': 'vocab',  # vocabulary split; other ranks' tokens masked, output all-reduced
+    'lm_head': 'colwise',  # output features split; its output is sharded on the last dim
 })
 class GPT(nn.Module):
     def __init__(self, vocab_size, n_embd, n_head, n_layer):
@@ -68,4 +64,4 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = x + block(x)
         logits = self.lm_head(x)
-        return vocab_parallel_cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), getattr(self.lm_head, 'group', None), ignore_index=-1)
+        return vocab_parallel_cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), self.tp_group, ignore_index=-1)

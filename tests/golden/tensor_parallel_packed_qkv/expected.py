@@ -6,9 +6,6 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime import Colwise
-from macrogen.runtime import Divide
-from macrogen.runtime import Rowwise
 from macrogen.runtime import tensor_parallel_class
 
 
@@ -16,9 +13,9 @@ from macrogen.runtime import tensor_parallel_class
 # macrogen: tensor_parallel at input.py:8
 # the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
 @tensor_parallel_class('CausalSelfAttention', None, {
-    'c_attn': Colwise(blocks=3),  # output features split in each of 3 packed blocks; output sharded
-    'c_proj': Rowwise(),  # input features split; partial outputs all-reduced, bias added once
-    'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
+    'c_attn': ('colwise', 3),  # output features split in each of 3 packed blocks; output sharded
+    'c_proj': 'rowwise',  # input features split; partial outputs all-reduced, bias added once
+    'n_head': 'divide',  # divided by the tensor-parallel size: forward sees the local count
 })
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head):

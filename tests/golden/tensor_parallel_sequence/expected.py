@@ -9,11 +9,6 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime import Colwise
-from macrogen.runtime import Divide
-from macrogen.runtime import FromSequence
-from macrogen.runtime import Rowwise
-from macrogen.runtime import Sequence
 from macrogen.runtime import tensor_parallel_class
 
 
@@ -40,10 +35,10 @@ class LayerNorm(nn.Module):
 # macrogen: tensor_parallel at input.py:30
 # the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
 @tensor_parallel_class('CausalSelfAttention', None, {
-    'c_attn': Colwise(blocks=3),  # output features split in each of 3 packed blocks; output sharded
-    'c_proj': Rowwise(sequence=True),  # input features split; partial outputs reduce-scattered along the sequence
-    'n_head': Divide(),  # divided by the tensor-parallel size: forward sees the local count
-    'n_embd': Divide(),  # divided by the tensor-parallel size: forward sees the local count
+    'c_attn': ('colwise', 3),  # output features split in each of 3 packed blocks; output sharded
+    'c_proj': 'rowwise_to_sequence',  # input features split; partial outputs reduce-scattered along the sequence
+    'n_head': 'divide',  # divided by the tensor-parallel size: forward sees the local count
+    'n_embd': 'divide',  # divided by the tensor-parallel size: forward sees the local count
 })
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
@@ -67,9 +62,9 @@ class CausalSelfAttention(nn.Module):
 # macrogen: tensor_parallel at input.py:57
 # the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
 @tensor_parallel_class('MLP', None, {
-    'c_fc': Colwise(sequence=True),  # input gathered along the sequence; output features split; its output is sharded on the last dim
-    'c_proj': Rowwise(sequence=True),  # input features split; partial outputs reduce-scattered along the sequence
-    'dropout': Sequence(),  # runs on this rank's slice of the sequence; parameter gradients summed over ranks
+    'c_fc': 'colwise_from_sequence',  # input gathered along the sequence; output features split; its output is sharded on the last dim
+    'c_proj': 'rowwise_to_sequence',  # input features split; partial outputs reduce-scattered along the sequence
+    'dropout': 'sequence_slice',  # runs on this rank's slice of the sequence; parameter gradients summed over ranks
 })
 class MLP(nn.Module):
     def __init__(self, config):
@@ -86,9 +81,9 @@ class MLP(nn.Module):
 # macrogen: tensor_parallel at input.py:72
 # the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
 @tensor_parallel_class('Block', None, {
-    'ln_1': Sequence(),  # runs on this rank's slice of the sequence; parameter gradients summed over ranks
-    'attn': FromSequence(),  # its input arrives as a sequence slice: gathered whole on entry
-    'ln_2': Sequence(),  # runs on this rank's slice of the sequence; parameter gradients summed over ranks
+    'ln_1': 'sequence_slice',  # runs on this rank's slice of the sequence; parameter gradients summed over ranks
+    'attn': 'from_sequence',  # its input arrives as a sequence slice: gathered whole on entry
+    'ln_2': 'sequence_slice',  # runs on this rank's slice of the sequence; parameter gradients summed over ranks
 })
 class Block(nn.Module):
     def __init__(self, config):

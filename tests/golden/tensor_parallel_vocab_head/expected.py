@@ -7,8 +7,6 @@ import torch.nn.functional as F
 import macrogen as mg
 
 # ---- macrogen: generated from input.py; edit the source, not this block ----
-from macrogen.runtime import Colwise
-from macrogen.runtime import Vocab
 from macrogen.runtime import as_sharded_dtensor
 from macrogen.runtime import gather_last_dim
 from macrogen.runtime import tensor_parallel_class
@@ -20,8 +18,8 @@ from macrogen.runtime import vocab_parallel_cross_entropy
 # macrogen: tensor_parallel at input.py:10
 # the plan, as data on the class: this rank's shards are cut once the outermost decorated model is built
 @tensor_parallel_class('GPT', None, {
-    'transformer.wte': Vocab(),  # vocabulary split; other ranks' tokens masked, output all-reduced
-    'lm_head': Colwise(),  # output features split; its output is sharded on the last dim
+    'transformer.wte': 'vocab',  # vocabulary split; other ranks' tokens masked, output all-reduced
+    'lm_head': 'colwise',  # output features split; its output is sharded on the last dim
 })
 class GPT(nn.Module):
     def __init__(self, vocab_size: int = 50304, n_embd: int = 768):
@@ -36,11 +34,11 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(self.transformer.wte(idx))
         if targets is not None:
             # if we are given some desired targets also calculate the loss
-            logits = as_sharded_dtensor(self.lm_head(x), getattr(self.lm_head, 'group', None))
-            loss = vocab_parallel_cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), getattr(self.lm_head, 'group', None), ignore_index=-1)
+            logits = as_sharded_dtensor(self.lm_head(x), self.tp_group)
+            loss = vocab_parallel_cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), self.tp_group, ignore_index=-1)
         else:
             # inference-time mini-optimization: only forward the lm_head on the very last position
-            logits = gather_last_dim(self.lm_head(x[:, [-1], :]), getattr(self.lm_head, 'group', None))  # note: using list [-1] to preserve the time dim
+            logits = gather_last_dim(self.lm_head(x[:, [-1], :]), self.tp_group)  # note: using list [-1] to preserve the time dim
             loss = None
         return logits, loss
 
