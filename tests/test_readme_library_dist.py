@@ -22,7 +22,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def examples() -> list[str]:
     text = README.read_text()
-    section = text[text.index("## Your model from a library") : text.index("## The macros")]
+    start = text.index("## Your model from a library")
+    section = text[start : text.index("\n## ", start)]  # to the next section
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
