@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import background
+
 # Generated code must not depend on the hash seed; tests also run under others.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -68,6 +70,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if extended:
             config.hook.pytest_deselected(items=extended)
             items[:] = [item for item in items if item.nodeid not in EXTENDED]
+    # the interpreter runs these files read start now, on the core the tests leave idle
+    background.start_for({Path(str(item.fspath)).name for item in items})
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    background.stop_all()
 
 
 def _spawns(item: pytest.Item) -> bool:

@@ -13,27 +13,16 @@ its tiles' ideal bytes per FLOP.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests import background
 
 
 @pytest.fixture(scope="module")
 def rows() -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("TRITON_INTERPRET", None)  # bench/tile.py --traffic sets it itself
-    proc = subprocess.run(
-        [sys.executable, "bench/tile.py", "--traffic", "--json"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # started in the background when the session began (tests/background.py)
+    proc = background.result("tile_traffic", timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

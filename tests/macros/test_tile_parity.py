@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_interpreted
+from tests import background
 from tests.macros.tile_cases import (
     ATTENTION_GRADS,
     CASES,
@@ -36,23 +36,24 @@ LOOPED = [f"{name}@looped" for name in NAMES]  # _<name>_persistent_max = 0: row
 GRADS = [f"{attention_name(*case)}@grad" for case in ATTENTION_GRADS]
 
 
-def _interpret(directory: Path, part: str) -> dict:
-    # (wall time: on a shared machine under load it is several times the CPU time)
-    proc = run_interpreted("tests.macros.tile_interpret", str(directory), part, timeout=840)
+def _interpret(part: str) -> dict:
+    # started in the background when the session began (tests/background.py); wall time on
+    # a shared machine under load is several times the CPU time
+    proc = background.result(f"tile_{part}", timeout=840)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
 
 
 @pytest.fixture(scope="module")
-def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def interpreted() -> dict:
     """Each case's result from the Triton interpreter: None when it matches the loop."""
-    return _interpret(tmp_path_factory.mktemp("tile_interpret"), "cases")
+    return _interpret("cases")
 
 
 @pytest.fixture(scope="module")
-def gradients(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def gradients() -> dict:
     """The attention kernels' forward and backward from the interpreter: None when they match."""
-    return _interpret(tmp_path_factory.mktemp("tile_attention"), "attention")
+    return _interpret("attention")
 
 
 @pytest.mark.parametrize("name", NAMES + WIDE + LOOPED)
