@@ -1,6 +1,6 @@
 """A slow rank: uneven shares from measured speed (``dp_shares="measured"``) against the even split.
 
-    python bench/hetero.py [--steps 40] [--batch 1024] [--width 256] [--layers 4]
+    python bench/hetero.py [--steps 40] [--batch 4096] [--width 256] [--layers 4]
                            [--rebalance-every 10] [--midrun-steps 70] [--busy-at 30]
 
 Two gloo ranks, each pinned to a core of its own (``os.sched_setaffinity``); a busy
@@ -351,7 +351,7 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rebalance-every", type=int, default=10)
