@@ -68,6 +68,11 @@ def start_for(files: set[str]) -> None:
             start(key)
 
 
+def reader_files() -> set[str]:
+    """The test files that read a run's output."""
+    return {run.key for run in RUNS.values()}
+
+
 def result(key: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """Run ``key``'s exit status and output (started now if it was not)."""
     start(key)

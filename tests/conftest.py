@@ -24,6 +24,12 @@ _SPAWNS = re.compile(r"\b(run_ranks|run_interpreted|subprocess\.\w+|mp\.spawn)\(
 EXTENDED = {
     # 4 ranks (data x tensor) compiled: tp-2 and test_compile_kinds_dist's data x tensor cover it
     "tests/test_compile_dist.py::test_compiled_training_equals_eager[tp-4-aot_eager]",
+    # blocks compiled under tensor parallelism: tp-2 compiles the same tensor-parallel model
+    # whole, dp_blocks and fsdp_blocks compile each block
+    "tests/test_compile_dist.py::test_compiled_training_equals_eager[tp_blocks-2-aot_eager]",
+    # sequence parallelism compiled per sublayer: the whole model compiled traces the same
+    # collectives, and the *_blocks cases of test_compile_dist compile per block
+    "tests/test_compile_kinds_dist.py::test_sequence_parallel_compiled_equals_eager[per_sublayer]",
     # Inductor's CPU codegen (~60 s): the aot_eager cases capture the same graphs
     "tests/test_compile_dist.py::test_compiled_training_equals_eager[dp-2-inductor]",
     # a rank of 4 killed: test_kill_one_of_2_ranks[seed0] kills and resumes the same way
@@ -41,6 +47,10 @@ EXTENDED = {
     # runs its steps, tests/test_parallelize_dist.py trains with the foreach step
     "tests/test_bench_gpu.py::test_dry_run_checks_every_row_and_exits_zero",
     "tests/test_bench_gpu.py::test_training_rows_run_with_cudas_foreach_optimizer_step",
+    # the session script's attention step, dry (~10 s): the session script's own test runs
+    # the script, tests/macros/test_tile_parity.py the attention kernels (run it before a
+    # GPU session: `pytest --extended tests/test_bench_gpu.py`)
+    "tests/test_bench_gpu.py::test_the_gpu_sessions_attention_step_runs_the_sdpa_comparison",
     # peak RSS of a 306 MB model built on meta and loaded on 4 ranks: bench/meta_memory.py
     # measures it (docs/parallelize.md's table); test_meta_load_dist loads the same way
     "tests/test_meta_memory_dist.py::test_meta_build_and_load_peaks_at_the_share_plus_one_layer",
@@ -70,8 +80,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if extended:
             config.hook.pytest_deselected(items=extended)
             items[:] = [item for item in items if item.nodeid not in EXTENDED]
-    # the interpreter runs these files read start now, on the core the tests leave idle
-    background.start_for({Path(str(item.fspath)).name for item in items})
+    # the interpreter runs these files read start now, on the core the tests leave idle, and
+    # the files run last: by then the runs are done and no test waits for one (a file that ran
+    # first waited ~50 s with one core idle)
+    if not config.option.collectonly:
+        background.start_for({Path(str(item.fspath)).name for item in items})
+    readers = background.reader_files()
+    items.sort(key=lambda item: Path(str(item.fspath)).name in readers)  # stable: order kept
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

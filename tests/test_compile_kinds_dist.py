@@ -22,6 +22,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 import macrogen as mg
 from tests.distributed import run_ranks
 from tests.helpers import expand, load_module
@@ -77,17 +79,17 @@ def _sequence_parallel(rank, world, tmp, whole):
     return counts
 
 
-def test_sequence_parallel_compiled_equals_eager(tmp_path):
-    for whole in (True, False):
-        results = run_ranks(_sequence_parallel, 2, args=(str(tmp_path), whole), timeout=300)
-        after_two, after_all, breaks = results[0]
-        print(
-            f"sequence parallel, compiled {'whole' if whole else 'per sublayer'}:"
-            f" {after_all} graphs, {breaks} graph breaks"
-        )
-        assert after_two > 0  # it did compile
-        assert after_all == after_two  # nothing recompiled after step 2
-        assert breaks == 0  # the collectives trace: no async all-reduce in a compiled region
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "per_sublayer"])
+def test_sequence_parallel_compiled_equals_eager(tmp_path, whole):
+    results = run_ranks(_sequence_parallel, 2, args=(str(tmp_path), whole), timeout=300)
+    after_two, after_all, breaks = results[0]
+    print(
+        f"sequence parallel, compiled {'whole' if whole else 'per sublayer'}:"
+        f" {after_all} graphs, {breaks} graph breaks"
+    )
+    assert after_two > 0  # it did compile
+    assert after_all == after_two  # nothing recompiled after step 2
+    assert breaks == 0  # the collectives trace: no async all-reduce in a compiled region
 
 
 def _pipeline(rank, world, tmp, expanded):

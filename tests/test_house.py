@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -423,3 +424,16 @@ def test_no_dead_code():
     planted = vulture.Vulture()
     planted.scan("def used():\n    pass\n\ndef dead():\n    pass\n\nused()\n")
     assert [item.name for item in planted.get_unused_code(min_confidence=60)] == ["dead"]
+
+
+def test_readme_counts_the_extended_tier():
+    """README's test paragraph says how many tests `--extended` adds: tests/conftest.py's
+    EXTENDED, each a test id of its file (a renamed test would silently rejoin CI)."""
+    from tests.conftest import EXTENDED
+
+    said = re.search(r"adds it \((\d+) slow tests", (ROOT / "README.md").read_text())
+    assert said is not None and int(said.group(1)) == len(EXTENDED), said
+    for node in EXTENDED:
+        path, name = node.split("::")
+        test = name.split("[")[0]
+        assert f"def {test}(" in (ROOT / path).read_text(), node

@@ -197,14 +197,15 @@ def test_lazy_positions_are_the_codegens():
             module = cst.parse_module(text)
             _, sure, _ = code_and_positions(module)
             every = list(sure)
-            for first in every[::11]:
+            # a few first nodes spread over the file (each costs a codegen up to it)
+            for first in every[:: max(11, len(every) // 6)]:
                 lazy = LazyPositions(module)
                 assert lazy[first] == sure[first]
                 for node in every[::5]:
                     assert lazy.get(node) == sure[node]
                     compared += 1
                 assert lazy.get(cst.Name("elsewhere")) is None
-    assert compared > 10_000
+    assert compared > 3_000
 
 
 def test_a_statements_source_text_is_what_it_prints():
