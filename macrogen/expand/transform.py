@@ -13,8 +13,8 @@ carries the user's name in the statements the previous one returned.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import libcst as cst
 
@@ -22,35 +22,19 @@ from macrogen import macros
 from macrogen.expand import protocol
 from macrogen.expand.args import ArgumentHook, Evaluator
 from macrogen.expand.context import Context, Position, SiteArguments
+from macrogen.expand.dispatch import dispatch
 from macrogen.expand.errors import InternalError, MacroError
 from macrogen.expand.fast.rendered import materialized
 from macrogen.expand.protocol import Expanded, Form, Macro, Site
-from macrogen.expand.sites import (
-    Comprehension,
-    Scope,
-    ScopeStack,
-    collect_scope,
-    comprehension_scope,
-    nfkc,
-)
-from macrogen.expand.walk import children, leaf, nodes
-
-
-class HotLines(Protocol):
-    """Which statements mention a name that may mean macrogen (``expand/__init__.py``)."""
-
-    names: set[str]
-
-    def __call__(self, node: cst.CSTNode) -> bool: ...
-
-    def add(self, names: Iterable[str]) -> None: ...
-
+from macrogen.expand.scoping import HotLines, ScopeTracking, live_nodes
+from macrogen.expand.sites import Scope, ScopeStack
+from macrogen.expand.walk import nodes
 
 Result = cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement] | cst.RemovalSentinel
 _STATEMENT_FORMS: tuple[Form, ...] = ("decorator", "with", "loop", "assign", "if", "elif")
 
 
-class Expander(cst.CSTTransformer):
+class Expander(ScopeTracking):
     def __init__(
         self,
         ctx: Context,
@@ -88,123 +72,8 @@ class Expander(cst.CSTTransformer):
         self.outermost: set[cst.CompFor] = set()  # the comprehensions' first for, being visited
         self.suspended: list[Scope] = []  # comprehension scopes left while their first iterable is
 
-    # -- scopes ----------------------------------------------------------------
-    def _push(self, scope: Scope) -> None:
-        self.scopes.push(scope)
-        if self.hot is not None and scope.macros:
-            self.hot.add(scope.macros)  # a local import of macrogen: its names are hot below
-            self.live = None  # (found with the names before: visit everything from here)
-
-    def _scope(
-        self, kind: str, node: cst.FunctionDef | cst.ClassDef, parts: list[cst.CSTNode]
-    ) -> Scope:
-        """The names a def or class binds. Only worth collecting when a statement of its
-        block mentions a name that may mean macrogen: no other is visited, so nothing in
-        the block asks (a @tile kernel's loops, a @tensor_parallel class's methods)."""
-        body = node.body
-        if (
-            self.hot is not None
-            and isinstance(body, cst.IndentedBlock)
-            and not any(map(self.hot, body.body))
-        ):
-            return Scope(kind, node.name.value)
-        return collect_scope(kind, node.name.value, parts, self.errors)
-
-    def visit_FunctionDef_body(self, node: cst.FunctionDef) -> None:
-        self._push(self._scope("function", node, [node.params, node.body]))
-
-    def leave_FunctionDef_body(self, node: cst.FunctionDef) -> None:
-        self.scopes.pop()
-
-    def visit_ClassDef_body(self, node: cst.ClassDef) -> None:
-        self._push(self._scope("class", node, [node.body]))
-
-    def leave_ClassDef_body(self, node: cst.ClassDef) -> None:
-        self.scopes.pop()
-
-    def visit_Lambda_body(self, node: cst.Lambda) -> None:
-        self._push(collect_scope("function", "<lambda>", [node.params], self.errors))
-
-    def leave_Lambda_body(self, node: cst.Lambda) -> None:
-        self.scopes.pop()
-
-    # A comprehension's for names are its own scope's, around all of it but the
-    # outermost iterable, which Python evaluates outside (``[mg for mg in mg.x]``).
-    def _enter_comprehension(self, node: Comprehension, whole: bool) -> None:
-        if whole:
-            self.outermost.add(node.for_in)
-        self._push(comprehension_scope(node))
-
-    def _leave_comprehension(self, node: Comprehension, whole: bool) -> None:
-        if whole:
-            self.outermost.discard(node.for_in)
-        self.scopes.pop()
-
-    def visit_CompFor_iter(self, node: cst.CompFor) -> None:
-        if node in self.outermost:
-            self.suspended.append(self.scopes.stack.pop())
-
-    def leave_CompFor_iter(self, node: cst.CompFor) -> None:
-        if node in self.outermost:
-            self.scopes.push(self.suspended.pop())
-
-    def visit_ListComp_elt(self, node: cst.ListComp) -> None:
-        self._enter_comprehension(node, False)
-
-    def leave_ListComp_elt(self, node: cst.ListComp) -> None:
-        self._leave_comprehension(node, False)
-
-    def visit_ListComp_for_in(self, node: cst.ListComp) -> None:
-        self._enter_comprehension(node, True)
-
-    def leave_ListComp_for_in(self, node: cst.ListComp) -> None:
-        self._leave_comprehension(node, True)
-
-    def visit_SetComp_elt(self, node: cst.SetComp) -> None:
-        self._enter_comprehension(node, False)
-
-    def leave_SetComp_elt(self, node: cst.SetComp) -> None:
-        self._leave_comprehension(node, False)
-
-    def visit_SetComp_for_in(self, node: cst.SetComp) -> None:
-        self._enter_comprehension(node, True)
-
-    def leave_SetComp_for_in(self, node: cst.SetComp) -> None:
-        self._leave_comprehension(node, True)
-
-    def visit_GeneratorExp_elt(self, node: cst.GeneratorExp) -> None:
-        self._enter_comprehension(node, False)
-
-    def leave_GeneratorExp_elt(self, node: cst.GeneratorExp) -> None:
-        self._leave_comprehension(node, False)
-
-    def visit_GeneratorExp_for_in(self, node: cst.GeneratorExp) -> None:
-        self._enter_comprehension(node, True)
-
-    def leave_GeneratorExp_for_in(self, node: cst.GeneratorExp) -> None:
-        self._leave_comprehension(node, True)
-
-    def visit_DictComp_key(self, node: cst.DictComp) -> None:
-        self._enter_comprehension(node, False)
-
-    def leave_DictComp_key(self, node: cst.DictComp) -> None:
-        self._leave_comprehension(node, False)
-
-    def visit_DictComp_value(self, node: cst.DictComp) -> None:
-        self._enter_comprehension(node, False)
-
-    def leave_DictComp_value(self, node: cst.DictComp) -> None:
-        self._leave_comprehension(node, False)
-
-    def visit_DictComp_for_in(self, node: cst.DictComp) -> None:
-        self._enter_comprehension(node, True)
-
-    def leave_DictComp_for_in(self, node: cst.DictComp) -> None:
-        self._leave_comprehension(node, True)
-
-    # -- statements: where a call-form site's comment goes -------------------------
     def on_visit(self, node: cst.CSTNode) -> bool:
-        statement, leaf, visit, _ = _dispatch(type(self), type(node))
+        statement, leaf, visit, _ = dispatch(type(self), type(node))
         if leaf:
             return False  # whitespace, a comma, an operator: nothing inside (nor to rebuild)
         if statement:
@@ -213,13 +82,13 @@ class Expander(cst.CSTTransformer):
                 if not self.hot(node):
                     return False  # no macro name in its lines: nothing to find (on_leave runs)
                 if len(self.statements) == 1:  # the top-level statement
-                    self.live = _live_nodes(node, self.hot)
+                    self.live = live_nodes(node, self.hot)
         elif self.live is not None and id(node) not in self.live:
             return False  # no name that may mean macrogen below: no site, nothing to check
         return visit is None or visit(self, node) is not False
 
     def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> Any:
-        statement, _, _, leave = _dispatch(type(self), type(original))
+        statement, _, _, leave = dispatch(type(self), type(original))
         result = updated if leave is None else leave(self, original, updated)
         if statement:
             comments = self.statements.pop()
@@ -227,26 +96,6 @@ class Expander(cst.CSTTransformer):
                 result = _with_comments(result, comments)
         return result
 
-    def hooked_attributes(self) -> frozenset[str]:
-        """The attributes of this class's ``visit_<Node>_<attribute>`` hooks (``drive.py``)."""
-        return _hooked_attributes(type(self))
-
-    # libcst's own dispatch formats a method name and looks it up for every node and
-    # every attribute of every node; these look each up once per node type, and only
-    # for the attributes this class has hooks for (``_FunctionDef_body``...).
-    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
-        if attribute in _hooked_attributes(type(self)):
-            visit = _method(type(self), "visit_", type(node), attribute)
-            if visit is not None:
-                visit(self, node)
-
-    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
-        if attribute in _hooked_attributes(type(self)):
-            leave = _method(type(self), "leave_", type(original_node), attribute)
-            if leave is not None:
-                leave(self, original_node)
-
-    # -- finding macro references and deciding their form ----------------------------
     def _claim(self, node: cst.CSTNode, *forms: Form) -> None:
         """``node`` (a macro call) is a site of the first of ``forms`` its macro declares."""
         name = self.scopes.macro_of(node)
@@ -603,89 +452,6 @@ class Expander(cst.CSTTransformer):
 
     def _error(self, e: MacroError) -> None:
         self.errors.append(e)
-
-
-_METHODS: dict[tuple[type, str, type, str], Callable[..., Any] | None] = {}
-
-
-def _live_nodes(root: cst.CSTNode, hot: HotLines) -> set[int]:
-    """The ids of the nodes at or below ``root`` that hold a ``Name`` in ``hot.names``,
-    not looking into the statements ``hot`` rules out (they are not visited)."""
-    live: set[int] = set()
-    _mark(root, root, hot, live)
-    return live
-
-
-def _mark(node: cst.CSTNode, root: cst.CSTNode, hot: HotLines, live: set[int]) -> bool:
-    # (a function of its own, not a closure: a closure that calls itself is a reference
-    # cycle, which would keep the tree alive until the cycle collector runs)
-    kind = type(node)
-    statement = _STATEMENTS.get(kind)
-    if statement is None:
-        statement = _STATEMENTS[kind] = _dispatch(Expander, kind)[0]
-    if statement and node is not root and not hot(node):
-        return False
-    found = kind is cst.Name and nfkc(node.value) in hot.names  # type: ignore[attr-defined]
-    for child in children(node):
-        if _mark(child, root, hot, live):
-            found = True
-    if found:
-        live.add(id(node))
-    return found
-
-
-_STATEMENTS: dict[type, bool] = {}  # node type -> whether a statement (_dispatch's first)
-
-
-_ATTRIBUTES: dict[type, frozenset[str]] = {}
-
-
-def _hooked_attributes(owner: type) -> frozenset[str]:
-    """The attributes of ``owner``'s own ``visit_<Node>_<attribute>``/``leave_...`` hooks."""
-    found = _ATTRIBUTES.get(owner)
-    if found is None:
-        found = _ATTRIBUTES[owner] = frozenset(
-            name.split("_", 2)[2]
-            for name in dir(owner)
-            if name.startswith(("visit_", "leave_"))
-            and name.count("_") >= 2
-            and getattr(owner, name) is not getattr(cst.CSTTransformer, name, None)
-        )
-    return found
-
-
-_Dispatch = tuple[bool, bool, Callable[..., Any] | None, Callable[..., Any] | None]
-_DISPATCH: dict[tuple[type, type], _Dispatch] = {}
-
-
-def _dispatch(owner: type, kind: type) -> _Dispatch:
-    """For a node type: whether it is a statement, whether a leaf (``walk.leaf``), and
-    ``owner``'s visit and leave methods for it; worked out once per type."""
-    try:
-        return _DISPATCH[owner, kind]
-    except KeyError:
-        found = _DISPATCH[owner, kind] = (
-            issubclass(kind, cst.BaseStatement),
-            leaf(kind),
-            _method(owner, "visit_", kind),
-            _method(owner, "leave_", kind),
-        )
-        return found
-
-
-def _method(owner: type, prefix: str, kind: type, attribute: str = "") -> Callable[..., Any] | None:
-    """``owner``'s ``visit_If``, ``leave_FunctionDef_body``...: what libcst's dispatch finds;
-    None where that is libcst's default (a visit that goes on, a leave that keeps the node)."""
-    key = (owner, prefix, kind, attribute)
-    try:
-        return _METHODS[key]
-    except KeyError:
-        name = f"{prefix}{kind.__name__}" + (f"_{attribute}" if attribute else "")
-        found = getattr(owner, name, None)
-        if found is not None and found is getattr(cst.CSTTransformer, name, None):
-            found = None
-        _METHODS[key] = found
-        return found
 
 
 def _code(node: cst.CSTNode) -> str:
