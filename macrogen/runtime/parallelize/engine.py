@@ -50,6 +50,7 @@ from macrogen.runtime.parallelize.local import (
     is_tensor_parallel,
     mark_summed,
 )
+from macrogen.runtime.parallelize.local_step import mark
 from macrogen.runtime.parallelize.styles import install
 
 
@@ -156,7 +157,9 @@ def _parameter(
     dt = DTensor.from_local(
         local, tensor_mesh, [placement], run_check=False, shape=full.shape, stride=full.stride()
     )
-    return nn.Parameter(dt, requires_grad=full.requires_grad)
+    param = nn.Parameter(dt, requires_grad=full.requires_grad)
+    mark(param)  # its optimizer step runs on the local tensor (local_step)
+    return param
 
 
 def _replicate_the_rest(model: nn.Module, tensor_mesh: Any) -> None:
