@@ -50,7 +50,6 @@ from macrogen.runtime.parallelize.local import (
     is_tensor_parallel,
     mark_summed,
 )
-from macrogen.runtime.parallelize.local_step import mark
 from macrogen.runtime.parallelize.styles import install
 
 
@@ -157,9 +156,7 @@ def _parameter(
     dt = DTensor.from_local(
         local, tensor_mesh, [placement], run_check=False, shape=full.shape, stride=full.stride()
     )
-    param = nn.Parameter(dt, requires_grad=full.requires_grad)
-    mark(param)  # its optimizer step runs on the local tensor (local_step)
-    return param
+    return nn.Parameter(dt, requires_grad=full.requires_grad)
 
 
 def _replicate_the_rest(model: nn.Module, tensor_mesh: Any) -> None:
