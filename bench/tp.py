@@ -1,7 +1,7 @@
 """Train-step time of @tensor_parallel vs torch's DTensor tensor parallelism, 2 gloo ranks.
 
     python bench/tp.py [--d-model 128 256 512] [--n-head 8] [--batch 8] [--seq 64] [--steps 40]
-                       [--vocab 8192] [--breakdown]
+                       [--vocab 8192] [--breakdown] [--profile]
 
 Both sides train the same transformer block (attention: qkv colwise, proj
 rowwise, n_head divided; MLP: fc colwise, proj rowwise) from the same weights:
@@ -15,6 +15,13 @@ CPU time (rank 0's process, gloo's threads included: less moved by other
 jobs on the machine than wall time). Before timing, both outputs are checked
 equal. Other processes on the machine add noise: the load average is
 printed with the results.
+
+"plain shards" is what the tensor-parallel parameters cost: a copy of macrogen's block whose
+DTensor parameters are replaced by plain parameters holding the same local shards, with the
+engine's per-forward swap to local tensors removed (the planned layers' forwards and
+collectives as they are; its results are the model's). The `@tensor_parallel / plain shards`
+line is the engine's price for DTensor parameters (goal <= 1.02: the decorator no slower than
+it was on plain shards); ``--profile`` adds where rank 0's CPU goes in one step of each.
 
 "no collectives" is the floor: a copy of macrogen's block run with every
 all-reduce skipped, so each rank runs the same per-rank matmuls, attention and
@@ -226,6 +233,33 @@ def _step(model, opt, x) -> list[tuple[float, float, float]]:
     return [tuple(b[i] - a[i] for i in range(3)) for a, b in zip(clocks, clocks[1:])]
 
 
+def _plain_shards(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the engine's ``model`` on plain parameters (its DTensors' local shards) and
+    without the per-forward swap: the planned layers' forwards and collectives unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    from macrogen.runtime.parallelize.local import detach
+
+    plain = copy.deepcopy(model)
+    for module in plain.modules():
+        detach(module)
+        for key, p in list(module._parameters.items()):
+            if isinstance(p, DTensor):
+                module._parameters[key] = torch.nn.Parameter(p.to_local().detach().clone())
+    return plain
+
+
+def _profile(model, opt, x, steps: int = 10) -> str:
+    """rank 0's CPU by operator over ``steps`` steps (torch.profiler), the top rows (the
+    profiler's CPU is the thread's wall time: run it with the all-reduces skipped)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            _step(model, opt, x)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+
+
 class _FourByteReductions:
     """torch.distributed for macrogen's collectives, except that each all-reduce reduces 4 bytes:
     what a collective costs without its data (waking gloo's threads, waiting, the round trip).
@@ -303,7 +337,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     with tempfile.TemporaryDirectory() as tmp:
         serial_mod = _load(BLOCK, "tp_bench_serial", tmp)
         ours_mod = _load(expand_source(BLOCK, path="block.py").code, "tp_bench_ours", tmp)
-    results, memory = [], []
+    results, memory, profiles = [], [], []
     for d_model in args.d_model:
         torch.manual_seed(0)
         serial = serial_mod.Block(d_model, args.n_head)
@@ -326,6 +360,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         sgd = torch.optim.SGD(ours.parameters(), lr=1e-3)
         _step(ours, sgd, x)  # a first step with its collectives: its first-backward checks pass
         floor = copy.deepcopy(ours)  # its own weights: it runs with every all-reduce skipped
+        plain = _plain_shards(ours)  # its own weights, on plain parameters
+        with torch.no_grad():
+            torch.testing.assert_close(plain(x), ours(x), rtol=0, atol=0)
         runs = {  # name: (model, optimizer, collectives.OVERLAP, input[, collectives.dist])
             "macrogen": (ours, sgd, True, x),  # the default: collectives overlap compute
             "no overlap": (ours, sgd, False, x),  # macrogen with collectives.OVERLAP = False
@@ -336,6 +373,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
                 x,
                 _NoReductions(),
             ),
+            "plain shards": (plain, torch.optim.SGD(plain.parameters(), lr=1e-3), True, x),
             "torch DTensor": (theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3), True, x),
             "mg.parallelize": (built, torch.optim.SGD(built.parameters(), lr=1e-3), True, x),
             "macrogen SP": (ours_sp, torch.optim.SGD(ours_sp.parameters(), lr=1e-3), True, mine),
@@ -359,10 +397,17 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
                 if i >= args.warmup:
                     times[name].append(phases)
         collectives.OVERLAP, collectives.dist = True, dist
+        if args.profile:  # with the all-reduces skipped: compute and the engine, no waits
+            collectives.dist = _NoReductions()
+            for name in ("macrogen", "plain shards", "mg.parallelize"):
+                model, opt, _, x, *_ = runs[name]
+                table = _profile(model, opt, x)
+                profiles.append(f"{d_model}  {name}\n{table}")
+            collectives.dist = dist
         results.append((d_model, times))
     logits = _logit_memory(serial_mod, ours_mod, args, world)
     if rank == 0:
-        out.put((results, logits, memory))
+        out.put((results, logits, memory, profiles))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -383,6 +428,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary of the loss check")
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print rank 0's CPU by operator for macrogen, plain shards and mg.parallelize",
+    )
+    parser.add_argument(
         "--breakdown",
         action="store_true",
         help="also time macrogen with 4-byte all-reduces and with none (what the reductions cost)",
@@ -397,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
     for p in procs:
         p.start()
-    results, (serial_bytes, ours_bytes, vocab), memory = out.get(timeout=1800)
+    results, (serial_bytes, ours_bytes, vocab), memory, profiles = out.get(timeout=1800)
     for p in procs:
         p.join()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -437,6 +487,14 @@ def main(argv: list[str] | None = None) -> int:
             f" forward vs plain shards): {statistics.median(mine) / statistics.median(ours):.3f}"
             f" (paired {statistics.median(a / b for a, b in zip(mine, ours)):.3f}; goal <= 1.05)"
         )
+    for d_model, times in results:
+        mine, plain = times["macrogen"], times["plain shards"]
+        cpu = statistics.median(_totals(mine, 1)) / statistics.median(_totals(plain, 1))
+        wall = statistics.median(_totals(mine, 0)) / statistics.median(_totals(plain, 0))
+        print(
+            f"  {d_model:>7}  @tensor_parallel / plain shards (what DTensor parameters cost): CPU"
+            f" {cpu:.3f}, wall {wall:.3f} (goal <= 1.02)"
+        )
     print("  per phase, median wall / CPU ms:")
     for d_model, times in results:
         for name, steps in times.items():
@@ -460,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
             f" {sp_ln / 2**10:.1f} KiB vs serial {serial_ln / 2**10:.1f} KiB"
             f" (/ {serial_ln / sp_ln:.2f}; tp = {world})"
         )
+    for table in profiles:
+        print(f"rank 0's CPU by operator, 10 steps with the all-reduces skipped, d_model {table}")
     print(
         f"vocab-parallel cross-entropy, vocab {vocab}, batch {args.batch}x{args.seq}: logits per"
         f" rank {ours_bytes / 2**20:.2f} MiB vs serial {serial_bytes / 2**20:.2f} MiB"
