@@ -7,6 +7,13 @@ element-wise entry (Adam's moments) whole and in its parameter's shape, each
 per-tensor entry (Adam's ``step``) as the pieces hold it; ``load`` gives each
 rank its pieces' slices of such a state_dict. So checkpoints move between
 serial, data-parallel and sharded runs.
+
+Over a tensor-parallel model each rank's pieces are of its tensor rank's local
+tensor: an element-wise entry of a DTensor parameter is gathered over the data
+ranks into that local tensor and handed out as a DTensor with the parameter's
+mesh and placements, as torch's own optimizer over the DTensor parameter holds
+it (so DCP saves every tensor rank's part once); ``load`` takes such a DTensor
+by its local tensor.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from macrogen.runtime import zero_runs
+from macrogen.runtime.zero_buckets import elements
 
 if TYPE_CHECKING:
     from macrogen.runtime.zero_buckets import Piece
@@ -42,7 +51,8 @@ def consolidated(
     if local is not None:
         for pc, piece in _piece_states(runs, local):
             if piece:
-                mine.append((pc.index, pc.start, pc.stop, pc.param.numel(), _to_cpu(piece)))
+                numel = elements(pc.param).numel()
+                mine.append((pc.index, pc.start, pc.stop, numel, _to_cpu(piece)))
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine, group=group)
     params = [p for g in param_groups for p in g["params"]]
@@ -61,8 +71,10 @@ def consolidated(
                     full[key] = value  # replicated in every piece (e.g. Adam's "step")
     for index, keys in flat_keys.items():
         p = params[index]
+        held = elements(p)
         for key in keys:  # back to the parameter's shape and device, as serially
-            state[index][key] = state[index][key].view(p.shape).to(p.device)
+            value = state[index][key].view(held.shape).to(held.device)
+            state[index][key] = _like(value, p)
     groups_out = []
     at = 0
     for g in param_groups:
@@ -85,9 +97,11 @@ def load(
             if entry is None:
                 states.append(None)
                 continue
-            shape = pc.param.shape
+            shape = elements(pc.param).shape  # (a DTensor's: its local tensor's)
             piece_state = {}
             for key, value in entry.items():
+                if isinstance(value, DTensor):
+                    value = value.to_local()
                 if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape:
                     flat = value.reshape(-1)[pc.start : pc.stop]
                     piece_state[key] = flat.to(pc.tensor.device, copy=True)
@@ -116,6 +130,15 @@ def _piece_states(
 def _is_elementwise(value: Any, piece_numel: int) -> bool:
     """A state entry with one value per element of the piece (not a replicated scalar)."""
     return torch.is_tensor(value) and value.dim() > 0 and value.numel() == piece_numel
+
+
+def _like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``value`` (the local tensor's state) as a DTensor like ``p`` when ``p`` is one."""
+    if not isinstance(p, DTensor):
+        return value
+    return DTensor.from_local(
+        value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
