@@ -17,7 +17,9 @@ the clips return and the final parameters equal serial within 1e-10; each rank h
 the optimizer state of 1/2 of its tensor shard (the bytes, and the data ranks'
 parts adding up to the shard exactly); the sharded optimizer's ``state_dict()`` is
 the serial AdamW's (DTensor entries with the parameters' placements, the moments
-equal to serial's within 1e-10).
+equal to serial's within 1e-10). Each model carries the mesh it was parallelized on
+(its averaging reads the data group from it); a second model asking for another
+tensor size is a one-line error naming its site (one mesh per program).
 """
 
 from __future__ import annotations
@@ -110,6 +112,13 @@ SOURCE = textwrap.dedent(
             return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+    def llama_tp4():
+        return mg.parallelize(LlamaForCausalLM(LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)),
+            tp=4, dp="zero1", tp_plan="hf")
+
+
     def optimizer(model):
         return mg.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
     """
@@ -170,7 +179,7 @@ def _cases(rank, world, tmp):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from macrogen.runtime.mesh import mesh
+    from macrogen.runtime.mesh import carried, mesh
     from macrogen.runtime.zero import ShardedOptimizer
     from macrogen.runtime.zero_buckets import elements
 
@@ -218,7 +227,14 @@ def _cases(rank, world, tmp):
                 _whole(got), want_state[i]["exp_avg_sq"], rtol=1e-10, atol=1e-16, msg=name
             )
         assert opt.resends == 0, case
+        # the model carries the mesh it was parallelized on; its averaging (which the sharded
+        # optimizer takes over) read the data dim from it
+        assert carried(model) is m and opt.sync.group is m.data_group, case
         report[case] = {"state": opt.state_bytes(), "shard": shard}
+    # a second model asking for another tensor size: one line, on every rank, before any group
+    with pytest.raises(ValueError, match=r"test\.py:\d+: this program already uses tensor-parallel"
+                       r" size 2; a module asks for 4: one mesh per program"):  # fmt: skip
+        module.llama_tp4()
     return report
 
 

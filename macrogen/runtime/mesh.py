@@ -60,6 +60,11 @@ class Mesh:
     device_mesh: Any = None
     pipeline_rank: int = 0  # this rank's stage: rank // (D * T)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Mesh:
+        """A copy of a model that carries its mesh (an EMA twin) runs on the same mesh: process
+        groups are the job's, not copied."""
+        return self
+
     @property
     def shape(self) -> tuple[int, int, int]:
         """(pipeline, data, tensor) sizes."""
@@ -67,6 +72,20 @@ class Mesh:
 
 
 SERIAL = Mesh(1, 1, None, None)
+
+CARRIED = "_mg_mesh"  # on a model: the mesh its plan was applied on (mg.parallelize, the classes)
+
+
+def carry(model: Any, mesh: Mesh) -> None:
+    """``model`` holds the mesh it was parallelized on: what it runs with reads it from there."""
+    model.__dict__[CARRIED] = mesh
+
+
+def carried(model: Any) -> Mesh | None:
+    """The mesh ``model`` was parallelized on (None: no plan applied to it yet)."""
+    found = model.__dict__.get(CARRIED)
+    return found if isinstance(found, Mesh) else None
+
 
 _mesh: Mesh | None = None  # the program's mesh, once made (like torch's own mesh registry)
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from macrogen.runtime import groups
-from macrogen.runtime.mesh import SERIAL, Mesh, mesh
+from macrogen.runtime.mesh import SERIAL, Mesh, carry, mesh
 from macrogen.vocabulary import DP_MODES
 
 APPLIED_AT = "_mg_parallelized_at"  # on a model mg.parallelize took: the site that took it
@@ -92,6 +92,7 @@ def apply_data_parallel(
     if mode == "none":
         no_data_parallel(mesh, where=where)
         return model
-    sync = GradientSync(model, config or DataParallelConfig(), where=where)
+    carry(model, mesh)
+    sync = GradientSync(model, config or DataParallelConfig(), where=where, mesh=mesh)
     model.__dict__["_mg_gradient_sync"] = sync
     return model
