@@ -11,7 +11,8 @@ serial program on the global batch:
 - the class path: a nanoGPT-shaped model with ``@tensor_parallel`` on its attention
   and MLP, ``@data_parallel`` on the model and ``mg.shard_optimizer``, clipped with
   ``mg.clip_grad_norm_(opt, c)`` (both clips take every parameter's part of the norm
-  the same way: ``SentGradients.averaged_parts``).
+  the same way: ``SentGradients.averaged_parts``), through a ``GradScaler`` (its
+  ``unscale_`` of the DTensor gradients acts on the shares).
 
 3 AdamW steps (weight decay, a clip that changes every step): the losses, the norms
 the clips return and the final parameters equal serial within 1e-10; each rank holds
@@ -132,22 +133,27 @@ def _loss(model, ids):
     return out if torch.is_tensor(out) else out.loss
 
 
-def _train(module, model, opt, rows, *, clip):
-    """3 steps on ``rows`` of each global batch; (the losses, the norms the clips returned)."""
+def _train(module, model, opt, rows, *, clip, amp):
+    """3 steps on ``rows`` of each global batch; (the losses, the norms the clips returned).
+    ``amp``: through a GradScaler (a power-of-two scale: exact in float64), clipped after its
+    ``unscale_``, as torch's AMP recipe puts it."""
     gen = torch.Generator().manual_seed(1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=amp)
     losses, norms = [], []
     for _ in range(STEPS):
         ids = torch.randint(0, module.VOCAB, (BATCH, SEQ), generator=gen)
         if rows is None:  # serial: the global batch; the loss of each data rank's rows
             with torch.no_grad():
                 losses.append([float(_loss(model, part)) for part in ids.chunk(DATA)])
-            _loss(model, ids).backward()
+            scaler.scale(_loss(model, ids)).backward()
         else:
             loss = _loss(model, ids[rows])
             losses.append(float(loss))
-            loss.backward()
+            scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         norms.append(float(clip(model, opt)))
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad()
     return losses, norms
 
@@ -163,9 +169,9 @@ def _mg_clip(model, opt):
 
 
 # each front end, each with one clip: torch's where DDP users put it, and macrogen's
-CASES = {
-    "llama, torch's clip": ("llama", _torch_clip),
-    "class path, mg.clip_grad_norm_": ("GPT", _mg_clip),
+CASES = {  # (builder, clip, through a GradScaler)
+    "llama, torch's clip": ("llama", _torch_clip, False),
+    "class path, mg.clip_grad_norm_, GradScaler": ("GPT", _mg_clip, True),
 }
 
 
@@ -188,11 +194,13 @@ def _cases(rank, world, tmp):
     serial_module = load_module(SOURCE, f"zero_tensor_serial_{rank}", Path(tmp))
     module = load_module(expand(SOURCE), f"zero_tensor_{rank}", Path(tmp))
     report = {}
-    for case, (build, clip) in CASES.items():
+    for case, (build, clip, amp) in CASES.items():
         torch.manual_seed(0)
         serial = getattr(serial_module, build)()
         serial_opt = serial_module.optimizer(serial)
-        want_losses, want_norms = _train(serial_module, serial, serial_opt, None, clip=_torch_clip)
+        want_losses, want_norms = _train(
+            serial_module, serial, serial_opt, None, clip=_torch_clip, amp=amp
+        )
         assert min(want_norms) > MAX_NORM, case  # the clip changes every step
         torch.manual_seed(0)
         model = getattr(module, build)()
@@ -201,7 +209,7 @@ def _cases(rank, world, tmp):
         m = mesh()
         assert m.shape == (1, DATA, 2), case
         rows = slice(m.data_rank * BATCH // DATA, (m.data_rank + 1) * BATCH // DATA)
-        losses, norms = _train(module, model, opt, rows, clip=clip)
+        losses, norms = _train(module, model, opt, rows, clip=clip, amp=amp)
         want = [step[m.data_rank] for step in want_losses]
         torch.testing.assert_close(losses, want, rtol=0, atol=1e-10, msg=case)
         torch.testing.assert_close(norms, want_norms, rtol=1e-10, atol=0, msg=case)
