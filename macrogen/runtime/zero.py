@@ -67,6 +67,13 @@ rides in the same reduce-scatter). ``state_dict()`` is the serial optimizer's
 (consolidated: every rank gathers all pieces), and ``load_state_dict`` takes
 it, so checkpoints move between serial, data-parallel and sharded runs.
 
+Tensor-parallel parameters (DTensors: ``mg.parallelize(tp=..., dp="zero1")``, a
+``@tensor_parallel`` model) are held by their local tensors (``to_local()``): each tensor
+rank's shards are what its data ranks divide, over the model's data group. They are copied
+into the buckets and out (never views), all gathered before the model's forward (which
+reads the local tensors, out of the guard's sight), and a norm's parts of a parameter the
+tensor ranks split are summed over the tensor group too (``zero_tensor``).
+
 The optimizer's parameters are those of one data-parallel model (``@data_parallel``,
 ``mg.parallelize(dp="zero1")``), whose averaging it takes over: the model's
 ``GradientSync`` stands down, the reduce-scatter here averages.
