@@ -20,8 +20,12 @@ groups are [0, 1] and [2, 3] (one per stage), pipeline groups [0, 2] and
 [1, 3] (the peers that send each other activations). The pipeline receives
 that mesh; nothing declares stages ahead of it.
 
-The mesh is made once per program, on first use, and kept (``mg.mesh()``, and
-the data-parallel modules that read their group from it). Before any group is
+The mesh is made once per program, on first use, and kept for whoever makes a
+model's layout (``mg.parallelize``'s ``device_mesh``, the class plans) and for the
+user's ``mg.mesh()``; a second model asking for another shape is an error. What
+runs a model does not look it up: the apply step hands the mesh on, and the model
+carries it (``carry``, set where its plan is applied), so its data-parallel
+averaging and sharded optimizer read their groups from the model they hold. Before any group is
 made, every rank shows the others what it asks for (``size=``,
 ``$MACROGEN_TP_SIZE`` and the pipeline stages): ranks that disagree get the
 same clear error, instead of some waiting in ``new_group`` while others wait in
