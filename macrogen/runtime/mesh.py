@@ -7,8 +7,8 @@ With world size W and tensor-parallel size T, ranks form a (W/T) x T grid:
 
 Contiguous tensor groups keep the chatty tensor-parallel collectives on
 neighbouring ranks (the same node, under torchrun). Every runtime piece takes
-its group from the dimension it needs: tensor-parallel layers from
-``mesh().tensor_group``, data-parallel modules from ``mesh().data_group``
+its group from the dimension it needs: tensor-parallel layers from the
+mesh's ``tensor_group``, data-parallel modules from its ``data_group``
 (different tensor-parallel ranks hold different shards, never to be averaged).
 
 A pipelined program asks for its mesh with its pipeline stages
