@@ -19,7 +19,8 @@ the clips return and the final parameters equal serial within 1e-10; each rank h
 the optimizer state of 1/2 of its tensor shard (the bytes, and the data ranks'
 parts adding up to the shard exactly); the sharded optimizer's ``state_dict()`` is
 the serial AdamW's (DTensor entries with the parameters' placements, the moments
-equal to serial's within 1e-10). Each model carries the mesh it was parallelized on
+equal to serial's within 1e-10), and it loads the serial AdamW's (whole tensors,
+each rank taking its part). Each model carries the mesh it was parallelized on
 (its averaging reads the data group from it); a second model asking for another
 tensor size is a one-line error naming its site (one mesh per program).
 """
@@ -225,15 +226,19 @@ def _cases(rank, world, tmp):
         dist.all_reduce(owned, group=m.data_group)
         padding = sum(b.chunk * DATA - b.numel for b in opt.buckets)
         assert int(owned) == shard + padding, (case, int(owned), shard, padding)
-        # the serial optimizer's state_dict, each entry a DTensor like its parameter
-        state = opt.state_dict()["state"]
+        # the serial optimizer's state_dict, each entry a DTensor like its parameter; and
+        # back: the serial AdamW's own state_dict (whole tensors) loads, each rank its part
         want_state = serial_opt.state_dict()["state"]
-        for i, (name, p) in enumerate(params.items()):
-            got = state[i]["exp_avg_sq"]
-            assert type(got) is type(p), (case, name)
-            torch.testing.assert_close(
-                _whole(got), want_state[i]["exp_avg_sq"], rtol=1e-10, atol=1e-16, msg=name
-            )
+        for loaded in (False, True):
+            if loaded:
+                opt.load_state_dict(serial_opt.state_dict())
+            state = opt.state_dict()["state"]
+            for i, (name, p) in enumerate(params.items()):
+                got = state[i]["exp_avg_sq"]
+                assert type(got) is type(p), (case, name)
+                torch.testing.assert_close(
+                    _whole(got), want_state[i]["exp_avg_sq"], rtol=1e-10, atol=1e-16, msg=name
+                )
         assert opt.resends == 0, case
         # the model carries the mesh it was parallelized on; its averaging (which the sharded
         # optimizer takes over) read the data dim from it

@@ -13,7 +13,8 @@ tensor: an element-wise entry of a DTensor parameter is gathered over the data
 ranks into that local tensor and handed out as a DTensor with the parameter's
 mesh and placements, as torch's own optimizer over the DTensor parameter holds
 it (so DCP saves every tensor rank's part once); ``load`` takes such a DTensor
-by its local tensor.
+by its local tensor, and a serial (whole) tensor by the part the parameter's
+placements give this rank.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from macrogen.runtime import zero_runs
 from macrogen.runtime.zero_buckets import elements
@@ -100,8 +101,7 @@ def load(
             shape = elements(pc.param).shape  # (a DTensor's: its local tensor's)
             piece_state = {}
             for key, value in entry.items():
-                if isinstance(value, DTensor):
-                    value = value.to_local()
+                value = _held_part(value, pc.param)
                 if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape:
                     flat = value.reshape(-1)[pc.start : pc.stop]
                     piece_state[key] = flat.to(pc.tensor.device, copy=True)
@@ -130,6 +130,19 @@ def _piece_states(
 def _is_elementwise(value: Any, piece_numel: int) -> bool:
     """A state entry with one value per element of the piece (not a replicated scalar)."""
     return torch.is_tensor(value) and value.dim() > 0 and value.numel() == piece_numel
+
+
+def _held_part(value: Any, p: torch.Tensor) -> Any:
+    """The part of a state entry this rank's pieces of ``p`` come from: a DTensor's local
+    tensor; for a DTensor parameter, a whole (serial) tensor of its shape cut as ``p`` is
+    (each rank its own part, no communication); anything else as it is."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(p, DTensor) and torch.is_tensor(value) and value.shape == p.shape:
+        local = elements(p)
+        whole = value.to(device=local.device, dtype=value.dtype)
+        return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    return value
 
 
 def _like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
