@@ -1,7 +1,7 @@
 """``resumable`` with macrogen's parallel kinds: tensor-parallel DTensors, ZeRO, TP with DP.
 
-TP=2 and ZeRO on 2 gloo ranks, DP=2 x TP=2 on 4 (ZeRO-1 over DTensor shards is refused,
-as mg.parallelize's dp='zero1' with tp > 1 is). For each: a run
+TP=2 and ZeRO on 2 gloo ranks, DP=2 x TP=2 on 4, averaged and with ZeRO-1 over the
+DTensor shards (mg.parallelize's dp='zero1' with tp > 1; one spawn). For each: a run
 stopped at step 5 (checkpoint at 4) and resumed in fresh objects ends
 bit-identical to the uninterrupted 8-step run; the step-4
 checkpoint resumed in one process on the serial model with the serial AdamW
@@ -47,10 +47,11 @@ class Net(nn.Module):
 
 
 def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """kind: "tp" (TP=2), "zero" (DP=2, ZeRO-1), "dptp" (DP=2 x TP=2), "serial"."""
+    """kind: "tp" (TP=2), "zero" (DP=2, ZeRO-1), "dptp" (DP=2 x TP=2), "dptpzero" (DP=2 x TP=2,
+    ZeRO-1 over the tensor shards), "serial"."""
     torch.manual_seed(0)
     model = Net()
-    if kind in ("tp", "dptp"):
+    if kind in ("tp", "dptp", "dptpzero"):
         from macrogen.runtime.mesh import mesh
         from macrogen.runtime.parallelize import apply_tensor_parallel
 
@@ -63,13 +64,13 @@ def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         }
         apply_tensor_parallel(model, mesh(2), plan, where="test_checkpoint_parallel_dist.py")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    if kind in ("zero", "dptp"):
+    if kind in ("zero", "dptp", "dptpzero"):
         from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync
 
         # data parallel over the data group (as dp="zero1" and dp="replicate" do)
         sync = GradientSync(model, DataParallelConfig(), where="test_checkpoint_parallel_dist.py")
         model.__dict__["_mg_gradient_sync"] = sync
-        if kind == "zero":  # the sharded optimizer takes over the averaging: reduce-scatters
+        if kind in ("zero", "dptpzero"):  # the sharded optimizer takes over: reduce-scatters
             from macrogen.runtime.zero import shard_optimizer
 
             opt = shard_optimizer(opt)
@@ -78,7 +79,7 @@ def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def batch(kind: str) -> torch.Tensor:
     ids = torch.randint(0, 16, (4, 5))  # the global batch, drawn alike on every rank
-    if kind in ("zero", "dptp"):  # data parallel: this rank's share
+    if kind in ("zero", "dptp", "dptpzero"):  # data parallel: this rank's share
         from macrogen.runtime.mesh import mesh
 
         return ids.chunk(mesh().data_size)[mesh().data_rank]
@@ -105,11 +106,14 @@ def full(model: nn.Module) -> dict[str, torch.Tensor]:
     return full_state_dict(model)
 
 
-def worker(rank: int, world: int, kind: str, root: str) -> tuple[dict, dict]:
-    whole = full(train(kind, Path(root) / "whole", rank, world))
-    train(kind, Path(root) / "resumed", rank, world, stop=STOP)
-    resumed = full(train(kind, Path(root) / "resumed", rank, world, seed=2))
-    return whole, resumed
+def worker(rank: int, world: int, kinds: list[str], root: str) -> dict[str, tuple[dict, dict]]:
+    out = {}
+    for kind in kinds:  # (several kinds: one spawn)
+        whole = full(train(kind, Path(root) / kind / "whole", rank, world))
+        train(kind, Path(root) / kind / "resumed", rank, world, stop=STOP)
+        resumed = full(train(kind, Path(root) / kind / "resumed", rank, world, seed=2))
+        out[kind] = whole, resumed
+    return out
 
 
 def serial_resume(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -122,8 +126,13 @@ def serial_resume(ckpt: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def check(kind: str, tmp_path: Path, world: int = 2) -> None:
-    results = run_ranks(worker, world_size=world, args=(kind, str(tmp_path)), timeout=400)
+def check(kinds: list[str], tmp_path: Path, world: int = 2) -> None:
+    results = run_ranks(worker, world_size=world, args=(kinds, str(tmp_path)), timeout=400)
+    for kind in kinds:
+        _check(kind, [r[kind] for r in results], tmp_path / kind)
+
+
+def _check(kind: str, results: list[tuple[dict, dict]], tmp_path: Path) -> None:
     whole, resumed = results[0]
     for key, value in whole.items():
         assert torch.equal(resumed[key], value), f"{kind}: {key} differs after stop and resume"
@@ -143,14 +152,15 @@ def check(kind: str, tmp_path: Path, world: int = 2) -> None:
 
 
 def test_tensor_parallel_checkpoint_resumes_exactly_and_serially(tmp_path: Path) -> None:
-    check("tp", tmp_path)
+    check(["tp"], tmp_path)
 
 
 def test_zero_checkpoint_resumes_exactly_and_with_the_serial_optimizer(tmp_path: Path) -> None:
-    check("zero", tmp_path)
+    check(["zero"], tmp_path)
 
 
 def test_data_x_tensor_parallel_checkpoint_resumes_exactly_and_serially(
     tmp_path: Path,
 ) -> None:
-    check("dptp", tmp_path, world=4)  # tensor shards and data replicas at once
+    # tensor shards and data replicas at once: averaged, and with ZeRO-1 over the shards
+    check(["dptp", "dptpzero"], tmp_path, world=4)

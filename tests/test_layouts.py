@@ -65,7 +65,7 @@ def test_the_feasible_layouts_of_four_ranks():
     assert layouts.unsupported(Layout(pp=2, microbatches=4)) is None  # a run-time cut
     assert layouts.unsupported(Layout(tp=2, pp=2, microbatches=4)) is None  # stages sharded
     assert layouts.unsupported(Layout(tp=2, pp=2, dp="fsdp", microbatches=4)) is None
-    assert layouts.unsupported(Layout(tp=2, dp="zero1")) is not None
+    assert layouts.unsupported(Layout(tp=2, dp="zero1")) is None  # ZeRO-1 over DTensor shards
     assert layouts.unsupported(Layout(tp=2, dp="fsdp")) is None
 
 

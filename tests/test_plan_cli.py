@@ -44,7 +44,7 @@ def test_memory_prunes_replication_of_a_big_model():
 def test_unsupported_layouts_are_predicted_and_marked():
     rows = planner.rank(BIG, ModelShape(32, {}), 64, NODES, None)
     zero1 = next(r for r in rows if r.layout.dp == "zero1" and r.layout.tp > 1 and r.step)
-    assert zero1.note is not None and "zero1" in zero1.note
+    assert zero1.note is None  # ZeRO-1 over tensor-parallel shards runs
     alone = next(r for r in rows if r.layout.pp == 2 and r.layout.tp == 1 and r.step is not None)
     assert alone.note is None  # mg.parallelize cuts a built model's stages
     piped = next(r for r in rows if r.layout.pp == 2 and r.layout.tp > 1 and r.layout.dp == "fsdp")

@@ -47,7 +47,7 @@ from macrogen.runtime.agreement import Fingerprint, check_agreement, fingerprint
 from macrogen.runtime.buckets import Bucket, local, plan_buckets
 from macrogen.runtime.eager import eager
 from macrogen.runtime.local_sgd import LocalSGD, OuterSGD
-from macrogen.runtime.mesh import data_parallel_group
+from macrogen.runtime.mesh import Mesh, carried, data_parallel_group
 from macrogen.runtime.shares import ShareConfig, Shares
 
 MB = 2**20
@@ -96,7 +96,14 @@ class DataParallelConfig:
 class GradientSync:
     """Averages ``module``'s gradients over the data-parallel group; see the module docstring."""
 
-    def __init__(self, module: nn.Module, config: DataParallelConfig, *, where: str):
+    def __init__(
+        self,
+        module: nn.Module,
+        config: DataParallelConfig,
+        *,
+        where: str,
+        mesh: Mesh | None = None,
+    ):
         if not isinstance(module, nn.Module):
             raise TypeError(f"@data_parallel at {where} needs an nn.Module subclass")
         for name, sub in module.named_modules():
@@ -111,8 +118,12 @@ class GradientSync:
         # Tensor-parallel shards wait for the outermost decorated model's construction to end;
         # this one's may still be running, so cut them now, before the parameters are collected.
         class_plans.materialize(module)
-        # Read now, after the user's __init__: a tensor-parallel mesh built there sets the group.
-        self.group = data_parallel_group()
+        # The data dim of the mesh the model is parallelized on: given (mg.parallelize's apply
+        # step), or carried by the model (its tensor-parallel plan, applied just now); else, a
+        # data-parallel model alone, the program's (data-only) mesh.
+        if mesh is None:
+            mesh = carried(module)
+        self.group = mesh.data_group if mesh is not None else data_parallel_group()
         self.world_size = groups.world_size(self.group)
         self.scale = 1.0 / self.world_size  # gradients are averaged: scaled, then summed
         self.names: list[str] = []

@@ -7,8 +7,8 @@ With world size W and tensor-parallel size T, ranks form a (W/T) x T grid:
 
 Contiguous tensor groups keep the chatty tensor-parallel collectives on
 neighbouring ranks (the same node, under torchrun). Every runtime piece takes
-its group from the dimension it needs: tensor-parallel layers from
-``mesh().tensor_group``, data-parallel modules from ``mesh().data_group``
+its group from the dimension it needs: tensor-parallel layers from the
+mesh's ``tensor_group``, data-parallel modules from its ``data_group``
 (different tensor-parallel ranks hold different shards, never to be averaged).
 
 A pipelined program asks for its mesh with its pipeline stages
@@ -20,8 +20,12 @@ groups are [0, 1] and [2, 3] (one per stage), pipeline groups [0, 2] and
 [1, 3] (the peers that send each other activations). The pipeline receives
 that mesh; nothing declares stages ahead of it.
 
-The mesh is made once per program, on first use, and kept (``mg.mesh()``, and
-the data-parallel modules that read their group from it). Before any group is
+The mesh is made once per program, on first use, and kept for whoever makes a
+model's layout (``mg.parallelize``'s ``device_mesh``, the class plans) and for the
+user's ``mg.mesh()``; a second model asking for another shape is an error. What
+runs a model does not look it up: the apply step hands the mesh on, and the model
+carries it (``carry``, set where its plan is applied), so its data-parallel
+averaging and sharded optimizer read their groups from the model they hold. Before any group is
 made, every rank shows the others what it asks for (``size=``,
 ``$MACROGEN_TP_SIZE`` and the pipeline stages): ranks that disagree get the
 same clear error, instead of some waiting in ``new_group`` while others wait in
@@ -60,6 +64,11 @@ class Mesh:
     device_mesh: Any = None
     pipeline_rank: int = 0  # this rank's stage: rank // (D * T)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Mesh:
+        """A copy of a model that carries its mesh (an EMA twin) runs on the same mesh: process
+        groups are the job's, not copied."""
+        return self
+
     @property
     def shape(self) -> tuple[int, int, int]:
         """(pipeline, data, tensor) sizes."""
@@ -67,6 +76,20 @@ class Mesh:
 
 
 SERIAL = Mesh(1, 1, None, None)
+
+CARRIED = "_mg_mesh"  # on a model: the mesh its plan was applied on (mg.parallelize, the classes)
+
+
+def carry(model: Any, mesh: Mesh) -> None:
+    """``model`` holds the mesh it was parallelized on: what it runs with reads it from there."""
+    model.__dict__[CARRIED] = mesh
+
+
+def carried(model: Any) -> Mesh | None:
+    """The mesh ``model`` was parallelized on (None: no plan applied to it yet)."""
+    found = model.__dict__.get(CARRIED)
+    return found if isinstance(found, Mesh) else None
+
 
 _mesh: Mesh | None = None  # the program's mesh, once made (like torch's own mesh registry)
 

@@ -67,6 +67,13 @@ rides in the same reduce-scatter). ``state_dict()`` is the serial optimizer's
 (consolidated: every rank gathers all pieces), and ``load_state_dict`` takes
 it, so checkpoints move between serial, data-parallel and sharded runs.
 
+Tensor-parallel parameters (DTensors: ``mg.parallelize(tp=..., dp="zero1")``, a
+``@tensor_parallel`` model) are held by their local tensors (``to_local()``): each tensor
+rank's shards are what its data ranks divide, over the model's data group. They are copied
+into the buckets and out (never views), all gathered before the model's forward (which
+reads the local tensors, out of the guard's sight), and a norm's parts of a parameter the
+tensor ranks split are summed over the tensor group too (``zero_tensor``).
+
 The optimizer's parameters are those of one data-parallel model (``@data_parallel``,
 ``mg.parallelize(dp="zero1")``), whose averaging it takes over: the model's
 ``GradientSync`` stands down, the reduce-scatter here averages.
@@ -81,14 +88,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from macrogen.runtime import groups, zero_runs, zero_state
 from macrogen.runtime.buckets import plan_buckets
 from macrogen.runtime.eager import eager
-from macrogen.runtime.mesh import data_parallel_group
 from macrogen.runtime.zero_buckets import ShardBucket, point_to_point
-from macrogen.runtime.zero_grads import SentGradients, ShardedGradientError, clip_shares
+from macrogen.runtime.zero_grads import (
+    SentGradients,
+    ShardedGradientError,
+    clip_parts,
+    clip_shares,
+)
 from macrogen.runtime.zero_guard import UNWATCHED, Watch
+from macrogen.runtime.zero_tensor import TensorShards
 
 if TYPE_CHECKING:
     from macrogen.runtime.data_parallel import GradientSync
@@ -112,6 +125,13 @@ def _after_forward(ref: weakref.ref[ShardedOptimizer], *args: Any) -> None:
     opt = ref()
     if opt is not None:
         opt._after_forward()
+
+
+@eager
+def _before_forward(ref: weakref.ref[ShardedOptimizer], *args: Any) -> None:
+    opt = ref()
+    if opt is not None:
+        opt.finish_gather()
 
 
 def _model_sync(params: list[torch.Tensor], where: str) -> GradientSync:
@@ -231,7 +251,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # the .grads the reduce-scatter took: torch's clipping and AMP on them act on the shares
         named = {id(p): n for n, p in self.sync.module.named_parameters()}
         names = [named.get(id(p), f"parameter {i}") for i, p in enumerate(order)]
-        self.sent = SentGradients(self.buckets, names, group, self._ensure_reduced, where=where)
+        # tensor-parallel (DTensor) parameters: their norms' parts are summed over T too
+        self.shards = TensorShards(order)
+        self.sent = SentGradients(
+            self.buckets, names, group, self._ensure_reduced, where=where, shards=self.shards
+        )
         # the parameters in flight after a step, the gradients sent before it: the guard's
         self.watch = Watch(self.sent)
         self.resends = 0  # steps whose gradients were all sent again from step() (counted)
@@ -244,6 +268,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # the guard is not needed past the model's next forward
         after = functools.partial(_after_forward, weakref.ref(self))
         self._hooks.append(self.sync.module.register_forward_hook(after))
+        if any(isinstance(p, DTensor) for p in order):
+            # The forward reads a DTensor parameter through its local tensor (the tensor-
+            # parallel swap, out of the guard's sight): every gather is in before it starts.
+            # (Between step() and the forward the guard still sees reads of the DTensors.)
+            before = functools.partial(_before_forward, weakref.ref(self))
+            self._hooks.append(self.sync.module.register_forward_pre_hook(before, prepend=True))
         # a newer sharded optimizer over the model takes the gradients (and the hooks) over
         old = self.sync.sharded_by() if self.sync.sharded_by is not None else None
         if old is not None and old is not self:
@@ -416,7 +446,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         multi-tensor operation.)
         """
         self._ensure_reduced()
-        total = clip_shares(self.buckets, self.group, max_norm, norm_type, error_if_nonfinite)
+        if self.shards:  # tensor-parallel shards: the norm's parts summed over T per parameter
+            parts = self.sent.averaged_parts(float(norm_type))
+            total = clip_parts(self.buckets, parts, max_norm, norm_type, error_if_nonfinite)
+        else:
+            total = clip_shares(self.buckets, self.group, max_norm, norm_type, error_if_nonfinite)
         self.sent.written()
         return total
 
@@ -510,16 +544,28 @@ def clip_grad_norm_(
 def shard_optimizer(
     optimizer: torch.optim.Optimizer, *, where: str = "shard_optimizer"
 ) -> torch.optim.Optimizer:
-    """``optimizer`` sharded over the data-parallel group; itself when the world size is 1."""
-    from torch.distributed.tensor import DTensor
+    """``optimizer`` sharded over its model's data-parallel group; itself when that group (or
+    the job) has one rank.
 
-    sharded = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, DTensor)]
-    if sharded:  # FSDP's (or tensor-parallel) parameters: DTensors, not plain tensors
-        raise ValueError(
-            f"{where}: the optimizer's parameters are DTensors (mg.parallelize with dp='fsdp' or"
-            " tp > 1): FSDP already shards the optimizer state, so shard_optimizer is redundant;"
-            " use the optimizer as it is (with tp > 1, use dp='replicate')"
-        )
-    if groups.world_size(data_parallel_group()) == 1:
+    Tensor-parallel (DTensor) parameters are sharded by their local tensors: each tensor
+    rank's shard is what its data ranks divide. A parameter split over the data ranks
+    already (FSDP's) is refused: FSDP shards the optimizer state itself."""
+    from macrogen.runtime.data_parallel import syncs_of
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:
+        if isinstance(p, DTensor) and any(
+            not placement.is_replicate() and name != "tensor"
+            for placement, name in zip(p.placements, p.device_mesh.mesh_dim_names or ())
+        ):
+            raise ValueError(
+                f"{where}: the optimizer's parameters are sharded over the data ranks already"
+                " (mg.parallelize with dp='fsdp'): FSDP shards the optimizer state itself, so"
+                " shard_optimizer is redundant; use the optimizer as it is"
+            )
+    if groups.world_size() == 1:
+        return optimizer
+    syncs = syncs_of(params)
+    if len(syncs) == 1 and syncs[0].world_size == 1:  # one data rank (tp = world size)
         return optimizer
     return ShardedOptimizer(optimizer, where=where)  # over its model's data-parallel group

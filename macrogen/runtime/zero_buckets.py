@@ -18,6 +18,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def elements(t: torch.Tensor) -> torch.Tensor:
+    """The elements this rank holds of ``t``: a DTensor's local tensor (its tensor-parallel
+    shard, what the data ranks divide), else ``t`` itself; detached, sharing its storage."""
+    with torch.no_grad():
+        return t.to_local() if isinstance(t, DTensor) else t.detach()
 
 
 def point_to_point(group: dist.ProcessGroup | None, device: torch.device) -> tuple[bool, bool]:
@@ -67,16 +75,19 @@ class ShardBucket:
         p2p: tuple[bool, bool],
     ):
         self.params = [p for _, _, p in params]
+        # a DTensor parameter (tensor parallel) is its local shard here: the bucket holds,
+        # reduce-scatters and gathers the elements this tensor rank has, over the data ranks
+        self.sizes = [elements(p).numel() for p in self.params]
         self.offsets: list[int] = []
         at = 0
-        for _, _, p in params:
+        for n in self.sizes:
             self.offsets.append(at)
-            at += p.numel()
+            at += n
         self.numel = at
         self.world, self.rank = world, rank
         self.p2p, self.p2p_gather = p2p  # reduce-scatter, all-gather as sends and receives
         self.chunk = max(1, math.ceil(at / world))
-        p0 = self.params[0]
+        p0 = elements(self.params[0])
         kind: dict[str, Any] = dict(dtype=p0.dtype, device=p0.device)
         flags = len(params)  # one "used" flag per parameter after each chunk
         self.send = torch.zeros(world, self.chunk + flags, **kind)
@@ -88,24 +99,24 @@ class ShardBucket:
         self.mine = self.full[lo:hi]  # the share: the optimizer steps views of it
         self.pieces: list[Piece] = []
         self.piece_of: list[int] = []  # each piece's parameter: its position in the bucket
-        for j, ((index, group, p), off) in enumerate(zip(params, self.offsets)):
-            a, b = max(lo, off), min(hi, off + p.numel())
+        for j, ((index, group, p), off, n) in enumerate(zip(params, self.offsets, self.sizes)):
+            a, b = max(lo, off), min(hi, off + n)
             if a < b:
                 view = self.full[a:b]
                 self.pieces.append(Piece(p, index, group, a - off, b - off, a - lo, view))
                 self.piece_of.append(j)
         # where each parameter's elements go in the send buffer: (param, start, stop, dst view)
         self.spans: list[tuple[int, int, int, torch.Tensor]] = []
-        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+        for i, (off, n) in enumerate(zip(self.offsets, self.sizes)):
             at = off
-            while at < off + p.numel():
+            while at < off + n:
                 r, c = divmod(at, self.chunk)
-                stop = min(off + p.numel(), (r + 1) * self.chunk)
+                stop = min(off + n, (r + 1) * self.chunk)
                 self.spans.append((i, at - off, stop - off, self.send[r, c : c + stop - at]))
                 at = stop
         # Each parameter's elements in ``full``; a parameter that can be is made a view of
         # them (``bound``), so the step writes it and the all-gather fills it in place.
-        self.flats = [self.full[off : off + p.numel()] for p, off in zip(self.params, self.offsets)]
+        self.flats = [self.full[off : off + n] for off, n in zip(self.offsets, self.sizes)]
         self.ptrs = [f.data_ptr() for f in self.flats]
         self.bound = [False] * len(self.params)
         self.bind()
@@ -118,14 +129,15 @@ class ShardBucket:
     def launch_reduce(self, group: dist.ProcessGroup | None, tag: int) -> None:
         """Send the parameters' current gradients (asynchronously); remember which they were."""
         grads = [p.grad for p in self.params]
-        self.taken = [(g, -1 if g is None else g._version) for g in grads]
+        self.taken = [(g, version_of(g)) for g in grads]
+        mine = [None if g is None else elements(g).reshape(-1) for g in grads]
         src, dst, empty = [], [], []
         for i, a, b, view in self.spans:
-            g = grads[i]
+            g = mine[i]
             if g is None:
                 empty.append(view)
             else:
-                src.append(g.reshape(-1)[a:b])
+                src.append(g[a:b])
                 dst.append(view)
         if dst:
             torch._foreach_copy_(dst, src)
@@ -152,7 +164,7 @@ class ShardBucket:
     def changed(self) -> bool:
         """A gradient was replaced or written since it was sent (accumulated, clipped, unscaled)."""
         return any(
-            p.grad is not g or (g is not None and g._version != v)
+            p.grad is not g or (g is not None and version_of(g) != v)
             for p, (g, v) in zip(self.params, self.taken)
         )
 
@@ -211,7 +223,7 @@ class ShardBucket:
         if pieces:
             torch._foreach_copy_(
                 [pc.tensor for pc in pieces],
-                [pc.param.detach().reshape(-1)[pc.start : pc.stop] for pc in pieces],
+                [elements(pc.param).reshape(-1)[pc.start : pc.stop] for pc in pieces],
             )
 
     def launch_gather(self, group: dist.ProcessGroup | None, tag: int) -> None:
@@ -237,10 +249,17 @@ class ShardBucket:
         self.gathering = []
         unbound = [i for i, b in enumerate(self.bound) if not b]
         if unbound:
+            held = [elements(self.params[i]) for i in unbound]
             torch._foreach_copy_(  # (in the parameter's own layout: reshape(-1) may copy)
-                [self.params[i].detach() for i in unbound],
-                [self.flats[i].view(self.params[i].shape) for i in unbound],
+                held, [self.flats[i].view(t.shape) for i, t in zip(unbound, held)]
             )
+
+
+def version_of(g: torch.Tensor | None) -> int:
+    """A gradient's version counter (a DTensor's: its local tensor's, which in-place ops bump)."""
+    if g is None:
+        return -1
+    return elements(g)._version if isinstance(g, DTensor) else g._version
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:

@@ -37,8 +37,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from macrogen.runtime.zero_buckets import version_of
+
 if TYPE_CHECKING:
     from macrogen.runtime.zero_buckets import ShardBucket
+    from macrogen.runtime.zero_tensor import TensorShards
 
 
 class ShardedGradientError(RuntimeError):
@@ -95,8 +98,10 @@ class SentGradients:
         group: dist.ProcessGroup | None,
         reduce: Callable[[], None],
         where: str,
+        shards: TensorShards | None = None,
     ):
         self.buckets = buckets
+        self.shards = shards  # tensor-parallel parameters: their norms' parts summed over T
         self.names = names  # the optimizer's parameters (in its order: Piece.index), named
         self.group = group
         self.reduce = reduce
@@ -111,22 +116,22 @@ class SentGradients:
                 self.pieces[pc.index].append((bucket, pc.at, pc.tensor.numel()))
         self.grads: dict[int, tuple[torch.Tensor, int]] = {}  # id(.grad) -> (.grad, parameter)
         self.partial: list[str] = []  # parameters with a gradient on some ranks only
-        self._norms: dict[float, torch.Tensor] = {}  # order -> every parameter's averaged norm
+        self._parts: dict[float, torch.Tensor] = {}  # order -> every parameter's norm's part
         self._after_reduce: list[tuple[torch.Tensor | None, int]] = []  # (.grad, version)
 
     # -- what was sent -------------------------------------------------------------------
     def record(self, params: list[torch.Tensor]) -> None:
         """The .grads of ``params`` (the optimizer's order) as the backward left them."""
         self.grads = {id(p.grad): (p.grad, i) for i, p in enumerate(params) if p.grad is not None}
-        self._norms = {}
+        self._parts = {}
 
     def clear(self) -> None:
         self.grads = {}
-        self._norms = {}
+        self._parts = {}
 
     def written(self) -> None:
         """The shares were written (mg.clip_grad_norm_): norms taken before are out of date."""
-        self._norms = {}
+        self._parts = {}
 
     def _index(self, x: Any) -> int | None:
         entry = self.grads.get(id(x)) if isinstance(x, torch.Tensor) else None
@@ -143,14 +148,14 @@ class SentGradients:
     def reduced(self, params: list[torch.Tensor], used: list[int], world: int) -> None:
         """The shares now hold the averaged gradients: note each .grad's version (a write to one
         after this is not in them) and the parameters some ranks had no gradient for."""
-        self._after_reduce = [(p.grad, -1 if p.grad is None else p.grad._version) for p in params]
+        self._after_reduce = [(p.grad, version_of(p.grad)) for p in params]
         self.partial = [self.names[i] for i, n in enumerate(used) if 0 < n < world]
-        self._norms = {}
+        self._parts = {}
 
     def written_after_reduce(self, params: list[torch.Tensor]) -> str | None:
         """A parameter whose .grad was replaced or written since the shares were averaged."""
         for i, (p, (g, version)) in enumerate(zip(params, self._after_reduce)):
-            if p.grad is not g or (g is not None and g._version != version):
+            if p.grad is not g or (g is not None and version_of(g) != version):
                 return self.names[i]
         return None
 
@@ -217,9 +222,17 @@ class SentGradients:
         return out if func is torch._foreach_norm else out[0]
 
     def _averaged_norms(self, p: float) -> torch.Tensor:
-        """Every parameter's averaged-gradient norm of order ``p`` (float64; one all-reduce)."""
-        if p in self._norms:
-            return self._norms[p]
+        """Every parameter's averaged-gradient norm of order ``p`` (float64)."""
+        parts = self.averaged_parts(p)
+        return parts if p in (0.0, math.inf) else parts ** (1.0 / p)
+
+    def averaged_parts(self, p: float) -> torch.Tensor:
+        """Every parameter's part of a p-norm of the averaged gradients (float64): the sum of
+        |g|^p (of the nonzeros' count for p = 0; the largest |g| for p = inf) over the
+        serial parameter. One all-reduce over the data group; a tensor-parallel shard's then
+        summed over its tensor group (``TensorShards``)."""
+        if p in self._parts:
+            return self._parts[p]
         parts = torch.zeros(self.count, dtype=torch.float64, device=self.device)
         views, owners = [], []
         for i, pieces in enumerate(self.pieces):
@@ -236,9 +249,10 @@ class SentGradients:
                 parts.index_add_(0, index, piece if p == 0 else piece**p)
         op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
         dist.all_reduce(parts, op=op, group=self.group)
-        norms = parts if p in (0.0, math.inf) else parts ** (1.0 / p)
-        self._norms[p] = norms
-        return norms
+        if self.shards:
+            self.shards.sum_parts(parts, p)
+        self._parts[p] = parts
+        return parts
 
     # -- writes --------------------------------------------------------------------------
     def _shares(self, indices: list[int]) -> list[list[torch.Tensor]]:
@@ -325,8 +339,36 @@ def clip_shares(
     else:  # sum of |g|^p (of nonzeros for p = 0) over the ranks
         total, op = (norms.sum() if p == 0 else (norms**p).sum()), dist.ReduceOp.SUM
     dist.all_reduce(total, op=op, group=group)
-    if p not in (0.0, math.inf):
-        total = total ** (1.0 / p)
+    return scale_shares(buckets, _root(total, p), max_norm, norm_type, error_if_nonfinite)
+
+
+def clip_parts(
+    buckets: list[ShardBucket],
+    parts: torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """``clip_shares`` from every parameter's part of the norm (``averaged_parts``: over a
+    tensor-parallel model, where the tensor ranks' shares are parts of one parameter)."""
+    p = float(norm_type)
+    total = parts.max() if p == math.inf else parts.sum()
+    return scale_shares(buckets, _root(total, p), max_norm, norm_type, error_if_nonfinite)
+
+
+def _root(total: torch.Tensor, p: float) -> torch.Tensor:
+    return total if p in (0.0, math.inf) else total ** (1.0 / p)
+
+
+def scale_shares(
+    buckets: list[ShardBucket],
+    total: torch.Tensor,
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+) -> torch.Tensor:
+    """The shares scaled in place by torch's clip coefficient for the total norm ``total``."""
+    shares = [bucket.grad[: bucket.chunk] for bucket in buckets]
     total = total.to(shares[0].dtype)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(

@@ -7,6 +7,14 @@ element-wise entry (Adam's moments) whole and in its parameter's shape, each
 per-tensor entry (Adam's ``step``) as the pieces hold it; ``load`` gives each
 rank its pieces' slices of such a state_dict. So checkpoints move between
 serial, data-parallel and sharded runs.
+
+Over a tensor-parallel model each rank's pieces are of its tensor rank's local
+tensor: an element-wise entry of a DTensor parameter is gathered over the data
+ranks into that local tensor and handed out as a DTensor with the parameter's
+mesh and placements, as torch's own optimizer over the DTensor parameter holds
+it (so DCP saves every tensor rank's part once); ``load`` takes such a DTensor
+by its local tensor, and a serial (whole) tensor by the part the parameter's
+placements give this rank.
 """
 
 from __future__ import annotations
@@ -16,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from macrogen.runtime import zero_runs
+from macrogen.runtime.zero_buckets import elements
 
 if TYPE_CHECKING:
     from macrogen.runtime.zero_buckets import Piece
@@ -42,7 +52,8 @@ def consolidated(
     if local is not None:
         for pc, piece in _piece_states(runs, local):
             if piece:
-                mine.append((pc.index, pc.start, pc.stop, pc.param.numel(), _to_cpu(piece)))
+                numel = elements(pc.param).numel()
+                mine.append((pc.index, pc.start, pc.stop, numel, _to_cpu(piece)))
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine, group=group)
     params = [p for g in param_groups for p in g["params"]]
@@ -61,8 +72,10 @@ def consolidated(
                     full[key] = value  # replicated in every piece (e.g. Adam's "step")
     for index, keys in flat_keys.items():
         p = params[index]
+        held = elements(p)
         for key in keys:  # back to the parameter's shape and device, as serially
-            state[index][key] = state[index][key].view(p.shape).to(p.device)
+            value = state[index][key].view(held.shape).to(held.device)
+            state[index][key] = _like(value, p)
     groups_out = []
     at = 0
     for g in param_groups:
@@ -85,9 +98,10 @@ def load(
             if entry is None:
                 states.append(None)
                 continue
-            shape = pc.param.shape
+            shape = elements(pc.param).shape  # (a DTensor's: its local tensor's)
             piece_state = {}
             for key, value in entry.items():
+                value = _held_part(value, pc.param)
                 if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape:
                     flat = value.reshape(-1)[pc.start : pc.stop]
                     piece_state[key] = flat.to(pc.tensor.device, copy=True)
@@ -116,6 +130,28 @@ def _piece_states(
 def _is_elementwise(value: Any, piece_numel: int) -> bool:
     """A state entry with one value per element of the piece (not a replicated scalar)."""
     return torch.is_tensor(value) and value.dim() > 0 and value.numel() == piece_numel
+
+
+def _held_part(value: Any, p: torch.Tensor) -> Any:
+    """The part of a state entry this rank's pieces of ``p`` come from: a DTensor's local
+    tensor; for a DTensor parameter, a whole (serial) tensor of its shape cut as ``p`` is
+    (each rank its own part, no communication); anything else as it is."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(p, DTensor) and torch.is_tensor(value) and value.shape == p.shape:
+        local = elements(p)
+        whole = value.to(device=local.device, dtype=value.dtype)
+        return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    return value
+
+
+def _like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``value`` (the local tensor's state) as a DTensor like ``p`` when ``p`` is one."""
+    if not isinstance(p, DTensor):
+        return value
+    return DTensor.from_local(
+        value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:

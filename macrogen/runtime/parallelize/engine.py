@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from macrogen.runtime.agreement import Fingerprint, check_agreement
-from macrogen.runtime.mesh import Mesh
+from macrogen.runtime.mesh import Mesh, carry
 from macrogen.runtime.parallelize.checks import (
     GradientCheck,
     NoDropout,
@@ -65,6 +65,7 @@ def apply_tensor_parallel(
     tp = mesh.tensor_size
     layout = resolve(model, plan, tp)  # the checks run serially too: a plan that can't fit
     _check_ranks(model, layout, mesh, where)
+    carry(model, mesh)  # (what runs the model later reads its mesh from it)
     if tp == 1:
         return model
     if is_tensor_parallel(model):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from macrogen.runtime import groups
-from macrogen.runtime.mesh import SERIAL, Mesh, mesh
+from macrogen.runtime.mesh import SERIAL, Mesh, carry, mesh
 from macrogen.vocabulary import DP_MODES
 
 APPLIED_AT = "_mg_parallelized_at"  # on a model mg.parallelize took: the site that took it
@@ -82,7 +82,8 @@ def apply_data_parallel(
     model: nn.Module, mesh: Mesh, mode: str, *, where: str, config: Any = None
 ) -> nn.Module:
     """Average ``model``'s gradients over the mesh's data dim (``replicate``), or leave the
-    optimizer to (``zero1``: ``mg.shard_optimizer`` then reduce-scatters them)."""
+    optimizer to (``zero1``: ``mg.shard_optimizer`` then reduce-scatters them; with tp > 1,
+    each tensor rank's local shards over the data ranks)."""
     from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync
 
     if mode not in DP_MODES or mode == "fsdp":  # fsdp: macrogen.runtime.fully_sharded
@@ -91,11 +92,7 @@ def apply_data_parallel(
     if mode == "none":
         no_data_parallel(mesh, where=where)
         return model
-    if mode == "zero1" and mesh.tensor_size > 1:
-        raise ValueError(
-            f"mg.parallelize at {where}: dp='zero1' with tp={mesh.tensor_size} is not supported yet"
-            " (the sharded optimizer steps plain tensors, not DTensor shards): use dp='replicate'"
-        )
-    sync = GradientSync(model, config or DataParallelConfig(), where=where)
+    carry(model, mesh)
+    sync = GradientSync(model, config or DataParallelConfig(), where=where, mesh=mesh)
     model.__dict__["_mg_gradient_sync"] = sync
     return model
