@@ -5,8 +5,10 @@ A transformers Llama and Qwen2-MoE, built under ``torch.device("meta")`` and fil
 ``init=mg.load(folder)`` (a ``save_pretrained`` folder in shards: the index path; a DCP folder
 of the same weights) or ``init="model"``, start from exactly the serial weights (``from_pretrained`` of the folder; the
 unexpanded program's initializer) and train 3 AdamW steps within 1e-10 of the serial model, in
-float64: tp=2, FSDP and replicated data parallel on 2 ranks, tp=2 x FSDP 2 on 4. One spawn
-per rank count.
+float64: tp=2, FSDP and replicated data parallel on 2 ranks, tp=2 x FSDP 2 on 4; and the
+Qwen2-MoE under expert parallelism: ep=2 on 2 ranks, ep=2 x data parallel 2, ep=4 and ep=2 x
+FSDP over 4 on 4, each rank holding its experts' share only and reading only their keys from
+the folder (counted). One spawn per rank count.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ pytest.importorskip("transformers")
 TWO = [(f, layout, init) for f in ("llama", "qwen2_moe") for layout in ("tp2", "fsdp")
        for init in ("load", "model")] + [("llama", "replicate", "load"), ("llama", "tp2", "dcp"),
                                        ("qwen2_moe", "fsdp", "dcp"), ("qwen2_moe", "ep2", "load"),
-                                       ("qwen2_moe", "ep2", "model"), ("qwen2_moe", "ep2_fsdp", "load")]  # fmt: skip
+                                       ("qwen2_moe", "ep2", "model"), ("qwen2_moe", "ep2_fsdp", "load"),
+                                       ("qwen2_moe", "ep2", "dcp")]  # fmt: skip
 FOUR = [("llama", "tp2_fsdp", "load"), ("qwen2_moe", "tp2_fsdp", "load"),
         ("llama", "tp2_fsdp", "model"), ("qwen2_moe", "tp2_fsdp", "dcp"),
         ("qwen2_moe", "ep2", "load"), ("qwen2_moe", "ep4", "load"),
-        ("qwen2_moe", "ep2_fsdp", "load"), ("qwen2_moe", "ep2_fsdp", "model")]  # fmt: skip
+        ("qwen2_moe", "ep2_fsdp", "load"), ("qwen2_moe", "ep2_fsdp", "model"),
+        ("qwen2_moe", "ep2_fsdp", "dcp")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

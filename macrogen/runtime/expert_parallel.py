@@ -15,6 +15,11 @@ parallel does; what changes is where the experts live:
   whole-model tools) and the model's forward runs on local tensors (``parallelize.local``);
   data parallel averages those gradients over all D data ranks, as without ``ep``.
 
+With ``dp="fsdp"`` the experts are ``Shard(0)`` over ``ep`` alone and FSDP2 shards each experts
+module over its replica group, the rest of the model over every data rank (torchtitan's
+layout; ``ExpertParallel.fully_shard_experts``, called by ``apply_fully_sharded``). A model built
+on the meta device is dealt the same way, and ``init=`` then gives each rank's experts values.
+
 Gradients: a rank's loss is the mean over its own tokens, the serial loss the mean over the D
 ranks' tokens. An expert's gradient on its rank is already the sum over its expert group's
 tokens (the reverse all-to-all brings every token's gradient to it), so it is summed over the
@@ -39,6 +44,7 @@ from macrogen.runtime import groups
 from macrogen.runtime.eager import eager
 from macrogen.runtime.expert_routing import ExpertRouter, Traffic
 from macrogen.runtime.mesh import Mesh
+from macrogen.runtime.parallelize.engine import dtensor_parameter, replicate_the_rest
 from macrogen.runtime.parallelize.local import attach, weakly_bound
 
 EXPERT_PARALLEL = "_mg_expert_parallel"  # on the model: its ExpertParallel
@@ -128,7 +134,7 @@ def apply_expert_parallel(
     for _, module in found:
         _shard_experts(module, state)
     if not state.fully_sharded:  # (FSDP makes the rest DTensors over the data ranks)
-        _replicate_the_rest(model, state.device_mesh)
+        replicate_the_rest(model, state.device_mesh)
         expert_ids = {id(m) for _, m in found}
         scope = [m for m in model.modules() if id(m) not in expert_ids]
         attach(model, scope, None)  # the rest of the model runs on local tensors
@@ -279,19 +285,6 @@ def _groups(ep: int, data_size: int) -> ExpertParallel:
     return ExpertParallel(ep, data_size // ep, rank % ep, expert_group, replica_group, device_mesh)
 
 
-def _parameter(full: torch.Tensor, local: torch.Tensor, placements: Any, device_mesh: Any) -> Any:
-    if local.device.type not in (device_mesh.device_type, "meta"):  # meta: materialized after
-        raise RuntimeError(
-            f"the model's parameters are on {local.device.type} and the mesh on"
-            f" {device_mesh.device_type}: move the model to its device (model.to(run.device))"
-            " before mg.parallelize"
-        )
-    dt = DTensor.from_local(
-        local, device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
-    )
-    return nn.Parameter(dt, requires_grad=full.requires_grad)
-
-
 def _shard_experts(module: nn.Module, state: ExpertParallel) -> None:
     """The module's stacked parameters become this rank's experts, ``Shard(0)`` over ``ep``;
     its forward routes tokens to them."""
@@ -299,9 +292,9 @@ def _shard_experts(module: nn.Module, state: ExpertParallel) -> None:
         assert p is not None
         local = p.detach().chunk(state.size, dim=0)[state.rank].contiguous()
         if state.fully_sharded:  # FSDP adds the replica dim
-            param = _parameter(p, local, [Shard(0)], state.device_mesh["ep"])
+            param = dtensor_parameter(p, local, [Shard(0)], state.device_mesh["ep"])
         else:
-            param = _parameter(p, local, [Replicate(), Shard(0)], state.device_mesh)
+            param = dtensor_parameter(p, local, [Replicate(), Shard(0)], state.device_mesh)
         setattr(param, AVERAGED_HERE, True)
         module._parameters[key] = param
     local_experts = module.__dict__["num_experts"] // state.size
@@ -402,15 +395,3 @@ def _to_local(state: ExpertParallel, module: nn.Module, args: Any) -> None:
 def _restore(module: nn.Module, *_: Any) -> None:
     for key, p in module.__dict__.pop(SWAPPED, ()):
         module._parameters[key] = p
-
-
-def _replicate_the_rest(model: nn.Module, device_mesh: Any) -> None:
-    """Every other parameter a replicated DTensor on the grid (whole-model tools see one kind)."""
-    made: dict[int, nn.Parameter] = {}
-    for owner in model.modules():
-        for key, p in list(owner._parameters.items()):
-            if p is None or isinstance(p, DTensor):
-                continue
-            if id(p) not in made:
-                made[id(p)] = _parameter(p, p.detach(), [Replicate(), Replicate()], device_mesh)
-            owner._parameters[key] = made[id(p)]
