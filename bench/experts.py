@@ -7,8 +7,9 @@
 A transformers Qwen2-MoE (2 layers, top-2 routing, float32, eager experts) trains on the same
 global batch of ``rows`` x ``seq`` tokens per step, AdamW: under ep=2 each rank takes half the
 rows (the other dim is data parallel); under tp=2 both ranks take all rows, each computing its
-half of every expert; serially rank 0 takes all rows while rank 1 waits. Steps alternate
-between the three in one run (the same machine load), each after a barrier; the figures are
+half of every expert; serially rank 0 takes all rows while rank 1 waits. And ep=2 with
+``dp="fsdp"`` (experts over ep, FSDP over the rest) beside FSDP alone, each rank its half of
+the rows. Steps alternate between the five in one run (the same machine load), each after a barrier; the figures are
 median step times on rank 0's clock and their ratios, in wall time and in rank 0's process
 CPU time (gloo's threads included: less moved by other jobs on the machine). Before timing,
 the three give the same loss on a first batch.
@@ -42,6 +43,14 @@ def ep(model):
 
 def tp(model):
     return mg.parallelize(model, tp=2, tp_plan="hf", dp="none")
+
+
+def ep_fsdp(model):
+    return mg.parallelize(model, ep=2, dp="fsdp")
+
+
+def fsdp(model):
+    return mg.parallelize(model, dp="fsdp")
 """
 
 
@@ -75,6 +84,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> dict:
     ep_model = module.ep(copy.deepcopy(serial))
     mesh.reset()  # (one mesh per program: each model keeps the groups it was given)
     tp_model = module.tp(copy.deepcopy(serial))
+    mesh.reset()
+    ep_fsdp_model = module.ep_fsdp(copy.deepcopy(serial))
+    mesh.reset()
+    fsdp_model = module.fsdp(copy.deepcopy(serial))
     half = args.rows // world
     mine = slice(rank * half, (rank + 1) * half)
     gen = torch.Generator().manual_seed(1)
@@ -84,6 +97,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> dict:
         "ep=2": (ep_model, mine),
         "tp=2 (moe_tp_experts)": (tp_model, slice(None)),
         "serial": (serial, slice(None)),
+        "ep=2 x fsdp": (ep_fsdp_model, mine),
+        "fsdp (no ep)": (fsdp_model, mine),
     }
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, (m, _) in runs.items()}
 
@@ -105,9 +120,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> dict:
     for name in runs:
         dist.barrier()
         first[name] = step(name, batches[0])
-    ep_loss = torch.tensor(first["ep=2"])
-    dist.all_reduce(ep_loss)
-    first["ep=2"] = float(ep_loss) / world
+    for name in ("ep=2", "ep=2 x fsdp", "fsdp (no ep)"):  # each rank its rows: their mean
+        loss = torch.tensor(first[name])
+        dist.all_reduce(loss)
+        first[name] = float(loss) / world
     state = expert_parallel_of(ep_model)
     assert state is not None
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -166,6 +182,8 @@ def main() -> None:
           f" (CPU {cpu['ep=2'] / cpu['tp=2 (moe_tp_experts)']:.2f});"
           f" ep / serial: {medians['ep=2'] / medians['serial']:.2f}"
           f" (CPU {cpu['ep=2'] / cpu['serial']:.2f})")  # fmt: skip
+    print(f"ep x fsdp / fsdp: {medians['ep=2 x fsdp'] / medians['fsdp (no ep)']:.2f}"
+          f" (CPU {cpu['ep=2 x fsdp'] / cpu['fsdp (no ep)']:.2f})")  # fmt: skip
     for rank, r in enumerate(results):
         print(
             f"rank {rank}: all-to-all {r['a2a bytes per step']:.0f} B/step (dispatched"

@@ -43,6 +43,18 @@ LAYOUTS = textwrap.dedent(
         return mg.parallelize(model, init=init)
 
 
+    def ep2(model, init):
+        return mg.parallelize(model, ep=2, init=init)
+
+
+    def ep2_fsdp(model, init):
+        return mg.parallelize(model, ep=2, dp="fsdp", init=init)
+
+
+    def ep4(model, init):
+        return mg.parallelize(model, ep=4, init=init)
+
+
     def fsdp_built(model):
         return mg.parallelize(model, dp="fsdp")
     """
@@ -158,10 +170,25 @@ def gap(ours: dict[str, torch.Tensor], serial: dict[str, torch.Tensor]) -> tuple
     return worst, where
 
 
+def experts_read(model: torch.nn.Module) -> tuple[float, float]:
+    """What this rank of an ``ep`` model holds and read of the experts, as fractions of the
+    serial experts' bytes: (its experts' storage, the experts' keys it read from the folder)."""
+    from torch.distributed.tensor import DTensor
+
+    from macrogen.runtime.materialize import LOADED
+
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    total = sum(p.numel() * p.element_size() for p in experts)
+    held = sum(p.to_local().numel() * p.element_size() for p in experts if isinstance(p, DTensor))
+    read = sum(b for key, b in model.__dict__.get(LOADED, {}).items() if ".experts." in key)
+    return held / total, read / total
+
+
 def run_cases(
     rank: int, world: int, code: str, folders: dict[str, str], cases: list[tuple[str, str, str]]
 ) -> list[tuple[str, float, float, float]]:
-    """Each case on every rank: (case, initial gap, loss gap, final parameters' gap)."""
+    """Each case on every rank: (case, initial gap, loss gap, final parameters' gap); an ``ep``
+    case adds its ``experts_read`` fractions to its name."""
     from macrogen.runtime import mesh
 
     layouts = _module(code)
@@ -175,10 +202,13 @@ def run_cases(
         given = "model" if init == "model" else mg.load(folder)
         model = getattr(layouts, layout)(meta_model(family), given)
         initial, _ = gap(whole(model), start)
+        name = f"{family} {layout} {init}"
+        if layout.startswith("ep"):
+            name += " held {:.3f} read {:.3f}".format(*experts_read(model))
         ours, theirs = train(model), train(reference)
         losses = max(abs(a - b) for a, b in zip(ours, theirs))
         final, _ = gap(whole(model), whole(reference))
-        results.append((f"{family} {layout} {init}", initial, losses, final))
+        results.append((name, initial, losses, final))
     return results
 
 

@@ -28,7 +28,8 @@ def test_the_expansion_deals_experts_before_data_parallel():
     [
         ("tp=2, tp_plan='hf'", "tp"),
         ("pp=2, microbatches=2", "pp"),
-        ("dp='fsdp'", "dp"),
+        ("dp='zero1'", "dp"),
+        ("dp='fsdp', dp_replicate=2", "dp_replicate"),
         ("recompute='blocks'", "recompute"),
     ],
 )
@@ -96,3 +97,26 @@ def test_experts_whose_tokens_depend_on_each_other_are_refused():
     torch.manual_seed(0)
     problem = weighted_output_problem(BatchDependent(4, 8, 16))
     assert problem is not None and "depends on the other tokens" in problem
+
+
+def test_experts_built_on_meta_are_probed_with_random_experts_of_their_shapes():
+    with torch.device("meta"):
+        plain, inside = StackedExperts(4, 8, 16), WeightsInside(4, 8, 16)
+    assert weighted_output_problem(plain) is None
+    problem = weighted_output_problem(inside)
+    assert problem is not None and "weights are applied inside the experts" in problem
+
+
+def test_ep_with_init_materializes_after_the_experts_are_dealt():
+    code = expand(
+        "import macrogen as mg\nmodel = mg.parallelize(model, ep=2, init=mg.load('folder'))\n"
+    )
+    ep = code.index("apply_expert_parallel(model, mesh, ep=2")
+    assert ep < code.index("apply_init(model, init") < code.index("apply_data_parallel(model")
+
+
+def test_ep_with_fsdp_deals_the_experts_then_shards_over_the_data_ranks():
+    code = expand("import macrogen as mg\nmodel = mg.parallelize(model, ep=2, dp='fsdp')\n")
+    call = "\n    apply_expert_parallel(model, mesh, ep=2, where='test.py:2', dp=\"fsdp\")\n"
+    assert call in code  # a statement of its own, not inside the comment above it
+    assert code.index(call) < code.index("apply_fully_sharded(model")

@@ -39,6 +39,10 @@ SOURCE = textwrap.dedent(
 
     def ep4(model):
         return mg.parallelize(model, ep=4)
+
+
+    def ep2_fsdp(model):
+        return mg.parallelize(model, ep=2, dp="fsdp")
     """
 )
 
@@ -55,6 +59,8 @@ CASES = {  # name: (model, router bias, parallelize function, ranks)
     "olmoe": ("olmoe", None, "ep2", (2,)),
     "plain": ("plain", None, "ep2", (2, 4)),
     "plain ep4": ("plain", None, "ep4", (4,)),
+    "qwen2_moe fsdp": ("qwen2_moe", None, "ep2_fsdp", (2, 4)),
+    "plain fsdp": ("plain", None, "ep2_fsdp", (4,)),
 }
 
 
@@ -87,7 +93,7 @@ def _train(model, rows):
     for ids in batches(STEPS, ROWS):
         loss = _loss(model, ids[rows])
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+        norms.append(float(_clip(model, 1e9)))
         if first is None:
             first = {n: _full(p.grad).clone() for n, p in model.named_parameters()
                      if p.grad is not None}  # fmt: skip
@@ -95,6 +101,26 @@ def _train(model, rows):
         opt.zero_grad()
         losses.append(loss.detach())
     return losses, norms, first, {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _clip(model, max_norm):
+    """torch's ``clip_grad_norm_``; with ep x FSDP (gradients on two meshes, which its one
+    ``torch.stack`` refuses) the norm of each mesh's gradients, combined: docs/experts.md's way."""
+    from macrogen.runtime.expert_parallel import expert_parallel_of
+
+    state = expert_parallel_of(model)
+    if state is None or not state.fully_sharded:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    by_mesh = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()
+             for params in by_mesh.values()]  # fmt: skip
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def _gap(ours, theirs):

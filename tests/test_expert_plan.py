@@ -51,6 +51,8 @@ def test_ep_that_cannot_run_is_infeasible_with_its_reason():
     assert layouts.infeasible(Layout(tp=2, ep=3), 6, moe) is None
     assert "not supported by mg.parallelize yet" in (layouts.unsupported(Layout(tp=2, ep=2)) or "")
     assert layouts.unsupported(Layout(ep=2)) is None
+    assert layouts.unsupported(Layout(ep=2, dp="fsdp")) is None  # (mg.parallelize runs it)
+    assert "not supported" in (layouts.unsupported(Layout(ep=2, dp="zero1")) or "")
 
 
 def test_the_experts_memory_is_divided_by_ep_and_their_routing_costs_time():

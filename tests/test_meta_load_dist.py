@@ -5,11 +5,15 @@ A transformers Llama and Qwen2-MoE, built under ``torch.device("meta")`` and fil
 ``init=mg.load(folder)`` (a ``save_pretrained`` folder in shards: the index path; a DCP folder
 of the same weights) or ``init="model"``, start from exactly the serial weights (``from_pretrained`` of the folder; the
 unexpanded program's initializer) and train 3 AdamW steps within 1e-10 of the serial model, in
-float64: tp=2, FSDP and replicated data parallel on 2 ranks, tp=2 x FSDP 2 on 4. One spawn
-per rank count.
+float64: tp=2, FSDP and replicated data parallel on 2 ranks, tp=2 x FSDP 2 on 4; and the
+Qwen2-MoE under expert parallelism: ep=2 on 2 ranks, ep=2 x data parallel 2, ep=4 and ep=2 x
+FSDP over 4 on 4, each rank holding its experts' share only and reading only their keys from
+the folder (counted). One spawn per rank count.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -20,9 +24,14 @@ pytest.importorskip("transformers")
 
 TWO = [(f, layout, init) for f in ("llama", "qwen2_moe") for layout in ("tp2", "fsdp")
        for init in ("load", "model")] + [("llama", "replicate", "load"), ("llama", "tp2", "dcp"),
-                                       ("qwen2_moe", "fsdp", "dcp")]  # fmt: skip
+                                       ("qwen2_moe", "fsdp", "dcp"), ("qwen2_moe", "ep2", "load"),
+                                       ("qwen2_moe", "ep2", "model"), ("qwen2_moe", "ep2_fsdp", "load"),
+                                       ("qwen2_moe", "ep2", "dcp")]  # fmt: skip
 FOUR = [("llama", "tp2_fsdp", "load"), ("qwen2_moe", "tp2_fsdp", "load"),
-        ("llama", "tp2_fsdp", "model"), ("qwen2_moe", "tp2_fsdp", "dcp")]  # fmt: skip
+        ("llama", "tp2_fsdp", "model"), ("qwen2_moe", "tp2_fsdp", "dcp"),
+        ("qwen2_moe", "ep2", "load"), ("qwen2_moe", "ep4", "load"),
+        ("qwen2_moe", "ep2_fsdp", "load"), ("qwen2_moe", "ep2_fsdp", "model"),
+        ("qwen2_moe", "ep2_fsdp", "dcp")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +40,15 @@ def prepared(tmp_path_factory):
     return meta_models.expanded(directory), meta_models.save_folders(directory)
 
 
-def _check(results):
+def _check(results, world):
     for case, initial, losses, final in results:
         assert initial == 0.0, (case, "initial weights differ from the serial program's", initial)
+        ep = re.search(r" ep(\d)(_fsdp)? (\w+) held ([\d.]+) read ([\d.]+)", case)
+        if ep is not None:  # each rank holds its experts only (FSDP: its part of them), and
+            # reads only their keys
+            share = 1 / (world if ep.group(2) else int(ep.group(1)))
+            assert float(ep.group(4)) == share, (case, "experts held")
+            assert float(ep.group(5)) == (share if ep.group(3) == "load" else 0), (case, "read")
         assert losses <= 1e-10, (case, "losses", losses)
         assert final <= 1e-10, (case, "parameters after 3 AdamW steps", final)
 
@@ -43,11 +58,11 @@ def test_meta_models_on_2_ranks_equal_the_serial_program(prepared):
     code, folders = prepared
     results = run_ranks(meta_models.run_cases, 2, args=(code, folders, TWO), timeout=280)
     assert len(results[0]) == len(TWO)
-    _check(results[0])
+    _check(results[0], 2)
 
 
 @pytest.mark.timeout(300)
 def test_meta_models_tp2_by_fsdp2_on_4_ranks_equal_the_serial_program(prepared):
     code, folders = prepared
     results = run_ranks(meta_models.run_cases, 4, args=(code, folders, FOUR), timeout=280)
-    _check(results[0])
+    _check(results[0], 4)

@@ -215,10 +215,8 @@ def pipeline_problem(values: Mapping[str, Any]) -> tuple[str | None, tuple[str, 
 
 def unsupported(layout: Layout) -> str | None:
     """Why ``mg.parallelize`` cannot run a feasible layout yet (it is predicted, not measured)."""
-    if layout.ep > 1 and (layout.tp > 1 or layout.pp > 1 or layout.dp != "replicate"):
-        return (
-            'ep > 1 with tp, pp or dp other than "replicate" is not supported by mg.parallelize yet'
-        )
+    if layout.ep > 1 and (layout.tp > 1 or layout.pp > 1 or layout.dp not in ("replicate", "fsdp")):
+        return 'ep > 1 with tp, pp or dp "zero1" or "none" is not supported by mg.parallelize yet'
     return None
 
 

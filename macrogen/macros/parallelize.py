@@ -408,12 +408,12 @@ def _check_experts(args: dict[str, Arg], values: dict[str, Any]) -> None:
     others = {
         "tp": values["tp"] != 1,
         "pp": values["pp"] != 1,
-        "dp": values["dp"] != "replicate",
+        "dp": values["dp"] not in ("replicate", "fsdp"),
+        "dp_replicate": values["dp_replicate"] != 1,  # (HSDP: the experts' mesh has no room)
         "servers": values["servers"] != 0,
         "recompute": values["recompute"] not in (None, "none"),
         "verify": values["verify"],
         "layout": "layout" in args,
-        "init": "init" in args,  # (a meta-device model: not yet with ep)
         # the experts' gradients are divided by the data ranks: even shares only
         "dp_shares": values["dp_shares"] is not None,
     }
@@ -421,8 +421,8 @@ def _check_experts(args: dict[str, Arg], values: dict[str, Any]) -> None:
     if clash is not None:
         raise MacroError(
             f"ep={values['ep']} with {clash}={values.get(clash, 'auto')!r} is not supported yet:"
-            ' expert parallelism runs with tp=1, pp=1, dp="replicate" (tp inside the experts:'
-            ' tp_plan="hf" without ep)',
+            ' expert parallelism runs with tp=1, pp=1, dp="replicate" or "fsdp" (tp inside the'
+            ' experts: tp_plan="hf" without ep)',
             (args.get(clash) or args["ep"]).node,
         )
 

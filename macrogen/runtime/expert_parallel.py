@@ -15,6 +15,11 @@ parallel does; what changes is where the experts live:
   whole-model tools) and the model's forward runs on local tensors (``parallelize.local``);
   data parallel averages those gradients over all D data ranks, as without ``ep``.
 
+With ``dp="fsdp"`` the experts are ``Shard(0)`` over ``ep`` alone and FSDP2 shards each experts
+module over its replica group, the rest of the model over every data rank (torchtitan's
+layout; ``ExpertParallel.fully_shard_experts``, called by ``apply_fully_sharded``). A model built
+on the meta device is dealt the same way, and ``init=`` then gives each rank's experts values.
+
 Gradients: a rank's loss is the mean over its own tokens, the serial loss the mean over the D
 ranks' tokens. An expert's gradient on its rank is already the sum over its expert group's
 tokens (the reverse all-to-all brings every token's gradient to it), so it is summed over the
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +44,7 @@ from macrogen.runtime import groups
 from macrogen.runtime.eager import eager
 from macrogen.runtime.expert_routing import ExpertRouter, Traffic
 from macrogen.runtime.mesh import Mesh
+from macrogen.runtime.parallelize.engine import dtensor_parameter, replicate_the_rest
 from macrogen.runtime.parallelize.local import attach, weakly_bound
 
 EXPERT_PARALLEL = "_mg_expert_parallel"  # on the model: its ExpertParallel
@@ -57,6 +64,20 @@ class ExpertParallel:
     device_mesh: Any  # ("ep_replicate", "ep")
     experts: list[tuple[str, nn.Module]] = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)
+    fully_sharded: bool = False  # dp="fsdp": each experts module FSDP over its replica group
+
+    def fully_shard_experts(self, options: dict[str, Any]) -> None:
+        """``dp="fsdp"``: each experts module sharded by FSDP over the replica group (before the
+        blocks holding it, so theirs leave it out), as torchtitan shards experts over the data
+        ranks modulo ep. FSDP averages over the replicas; an expert's unsharded gradient is
+        already the sum over its expert group's tokens, so its forward divides the gradient by
+        E (``_to_local``): 1/D of the sum over every data rank's tokens, the serial gradient.
+        (Not FSDP's ``set_gradient_divide_factor``: torch 2.13 divides twice on one replica.)"""
+        from torch.distributed.fsdp import fully_shard
+
+        replicas = self.device_mesh["ep_replicate"]
+        for _, module in self.experts:
+            fully_shard(module, **{**options, "mesh": replicas})
 
 
 def expert_parallel_of(model: nn.Module) -> ExpertParallel | None:
@@ -65,8 +86,13 @@ def expert_parallel_of(model: nn.Module) -> ExpertParallel | None:
     return found
 
 
-def apply_expert_parallel(model: nn.Module, mesh: Mesh, *, ep: int, where: str) -> nn.Module:
-    """Deal ``model``'s experts over ``ep`` ranks of the mesh's data dim (in place; returns it)."""
+def apply_expert_parallel(
+    model: nn.Module, mesh: Mesh, *, ep: int, where: str, dp: str = "replicate"
+) -> nn.Module:
+    """Deal ``model``'s experts over ``ep`` ranks of the mesh's data dim (in place; returns it).
+    ``dp="fsdp"``: the experts are ``Shard(0)`` over ``ep`` alone, and FSDP (applied next, by
+    ``apply_fully_sharded``) shards them over the replica group and the rest over every data
+    rank; with "replicate" every other parameter is a replicated DTensor on the grid."""
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
         raise ValueError(f"mg.parallelize at {where}: ep={ep!r}: expected an int >= 1")
     if expert_parallel_of(model) is not None:
@@ -97,14 +123,21 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, *, ep: int, where: str) 
             f"mg.parallelize at {where}: ep={ep} does not divide the {mesh.data_size} data ranks:"
             f" launch a multiple of {ep} processes"
         )
+    if dp not in ("replicate", "fsdp"):
+        raise ValueError(
+            f"mg.parallelize at {where}: ep={ep} with dp={dp!r} is not supported yet: expert"
+            ' parallelism runs with dp="replicate" or "fsdp"'
+        )
     state = _groups(ep, mesh.data_size)
     state.experts = found
+    state.fully_sharded = dp == "fsdp"
     for _, module in found:
         _shard_experts(module, state)
-    _replicate_the_rest(model, state.device_mesh)
-    expert_ids = {id(m) for _, m in found}
-    scope = [m for m in model.modules() if id(m) not in expert_ids]
-    attach(model, scope, None)  # the rest of the model runs on local tensors
+    if not state.fully_sharded:  # (FSDP makes the rest DTensors over the data ranks)
+        replicate_the_rest(model, state.device_mesh)
+        expert_ids = {id(m) for _, m in found}
+        scope = [m for m in model.modules() if id(m) not in expert_ids]
+        attach(model, scope, None)  # the rest of the model runs on local tensors
     model.__dict__[EXPERT_PARALLEL] = state
     _tell_transformers(model, ep)
     return model
@@ -170,14 +203,19 @@ def weighted_output_problem(module: nn.Module) -> str | None:
     """Why ``module``'s output is not the router-weighted sum of its experts' unit-weight
     outputs (routing applies the weights on the tokens' ranks), or None: checked serially, in
     float64 on a copy of its first two experts (a bf16 model's rounding would hide nothing),
-    on a small random input, before anything is cut."""
+    on a small random input, before anything is cut. A model built on the meta device is probed
+    with random experts of its shapes (the two properties are the forward's, not its values')."""
     hidden = _hidden_size(module)
     device = next(p for p in module.parameters()).device
-    if hidden is None or device.type == "meta":
+    meta = device.type == "meta"
+    if hidden is None or (meta and any(b.is_meta for b in module.buffers())):
         return None  # nothing to probe with; the parity tests cover the known families
     k, generator = min(2, module.__dict__["num_experts"]), torch.Generator().manual_seed(0)
-    params = {key: p.detach()[:k].to(torch.float64)
-              for key, p in module.named_parameters(recurse=False)}  # fmt: skip
+    if meta:
+        device = torch.device("cpu")
+    params = {
+        key: _probe_value(p, k, generator) for key, p in module.named_parameters(recurse=False)
+    }
     x = torch.randn(5, hidden, generator=generator, dtype=torch.float64).to(device)
     index = torch.stack([torch.randperm(k, generator=generator) for _ in range(5)]).to(device)
     weights = torch.rand(5, k, generator=generator, dtype=torch.float64).to(device)
@@ -204,6 +242,14 @@ def weighted_output_problem(module: nn.Module) -> str | None:
             " the tokens routed to them, from every rank"
         )
     return None
+
+
+def _probe_value(p: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """The first ``k`` experts of ``p`` in float64; random ones of its shape when it has no values."""
+    if not p.is_meta:
+        return p.detach()[:k].to(torch.float64)
+    scale = 1.0 / math.sqrt(max(p.shape[-1], 1))
+    return torch.randn((k, *p.shape[1:]), generator=generator, dtype=torch.float64) * scale
 
 
 def _hidden_size(module: nn.Module) -> int | None:
@@ -239,26 +285,16 @@ def _groups(ep: int, data_size: int) -> ExpertParallel:
     return ExpertParallel(ep, data_size // ep, rank % ep, expert_group, replica_group, device_mesh)
 
 
-def _parameter(full: torch.Tensor, local: torch.Tensor, placements: Any, device_mesh: Any) -> Any:
-    if local.device.type != device_mesh.device_type:
-        raise RuntimeError(
-            f"the model's parameters are on {local.device.type} and the mesh on"
-            f" {device_mesh.device_type}: move the model to its device (model.to(run.device))"
-            " before mg.parallelize"
-        )
-    dt = DTensor.from_local(
-        local, device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
-    )
-    return nn.Parameter(dt, requires_grad=full.requires_grad)
-
-
 def _shard_experts(module: nn.Module, state: ExpertParallel) -> None:
     """The module's stacked parameters become this rank's experts, ``Shard(0)`` over ``ep``;
     its forward routes tokens to them."""
     for key, p in list(module._parameters.items()):
         assert p is not None
         local = p.detach().chunk(state.size, dim=0)[state.rank].contiguous()
-        param = _parameter(p, local, [Replicate(), Shard(0)], state.device_mesh)
+        if state.fully_sharded:  # FSDP adds the replica dim
+            param = dtensor_parameter(p, local, [Shard(0)], state.device_mesh["ep"])
+        else:
+            param = dtensor_parameter(p, local, [Replicate(), Shard(0)], state.device_mesh)
         setattr(param, AVERAGED_HERE, True)
         module._parameters[key] = param
     local_experts = module.__dict__["num_experts"] // state.size
@@ -318,6 +354,20 @@ class ExpertParameters(torch.autograd.Function):
         return tuple(out)
 
 
+class ScaledGradients(torch.autograd.Function):
+    """The tensors as they are; backward: their gradients times ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, scale: float, *tensors: Any) -> tuple[torch.Tensor, ...]:
+        ctx.scale = scale
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        return (None, *(None if g is None else g * ctx.scale for g in grads))
+
+
 @eager
 def _to_local(state: ExpertParallel, module: nn.Module, args: Any) -> None:
     _restore(module)
@@ -327,7 +377,12 @@ def _to_local(state: ExpertParallel, module: nn.Module, args: Any) -> None:
     if not held:
         return
     params = [p for _, p in held]
-    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+    if state.fully_sharded:  # FSDP's unsharded parameters; it averages over the replicas
+        scaled = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+        tensors = [p.to_local() for p in params]
+        if scaled:
+            tensors = ScaledGradients.apply(1.0 / state.size, *tensors)  # type: ignore[no-untyped-call]
+    elif torch.is_grad_enabled() and any(p.requires_grad for p in params):
         tensors = ExpertParameters.apply(state, *params)  # type: ignore[no-untyped-call]
     else:
         tensors = [p.to_local() for p in params]
@@ -340,15 +395,3 @@ def _to_local(state: ExpertParallel, module: nn.Module, args: Any) -> None:
 def _restore(module: nn.Module, *_: Any) -> None:
     for key, p in module.__dict__.pop(SWAPPED, ()):
         module._parameters[key] = p
-
-
-def _replicate_the_rest(model: nn.Module, device_mesh: Any) -> None:
-    """Every other parameter a replicated DTensor on the grid (whole-model tools see one kind)."""
-    made: dict[int, nn.Parameter] = {}
-    for owner in model.modules():
-        for key, p in list(owner._parameters.items()):
-            if p is None or isinstance(p, DTensor):
-                continue
-            if id(p) not in made:
-                made[id(p)] = _parameter(p, p.detach(), [Replicate(), Replicate()], device_mesh)
-            owner._parameters[key] = made[id(p)]

@@ -192,6 +192,13 @@ def apply_fully_sharded(
     options: dict[str, Any] = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload)
     if pipe is not None and pipe.layout is not None:
         return _shard_stages(model, pipe, config, options, where)
+    from macrogen.runtime.expert_parallel import expert_parallel_of
+
+    experts = expert_parallel_of(model)
+    if experts is not None:  # ep: the experts first, over their replica group
+        experts.fully_shard_experts(
+            {"reshard_after_forward": config.reshard_after_forward, **options}
+        )
     for _, unit in units:
         fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **options)

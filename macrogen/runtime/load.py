@@ -59,11 +59,12 @@ def kind(path: str) -> str:
     )
 
 
-def load_into(model: nn.Module, init: Load, where: str) -> None:
-    """Every parameter and saved buffer of ``model`` from ``init.path`` (see the module doc)."""
+def load_into(model: nn.Module, init: Load, where: str) -> dict[str, int]:
+    """Every parameter and saved buffer of ``model`` from ``init.path`` (see the module doc);
+    the bytes this rank read of each key of a safetensors folder ({} for DCP)."""
     if kind(init.path) == "dcp":
         _load_dcp(model, init.path)
-        return
+        return {}
     folder = _Safetensors(Path(init.path))
     converters = _converters(model)
     missing = []
@@ -80,12 +81,9 @@ def load_into(model: nn.Module, init: Load, where: str) -> None:
         for key, tensor in direct:
             _read(folder, key, tensor)
         for names, tensor in converted:
-            whole = next((c.assemble(folder, n) for c in converters for n in names
-                          if c.matches(n)), None)  # fmt: skip
-            if whole is None:
+            found = next(((c, n) for c in converters for n in names if c.matches(n)), None)
+            if found is None or not found[0].read_into(folder, found[1], tensor):
                 missing.append(names[0])
-            else:
-                _copy_whole(whole, tensor)
     folder.close()
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -93,6 +91,7 @@ def load_into(model: nn.Module, init: Load, where: str) -> None:
             f"mg.parallelize at {where}: mg.load({init.path!r}) has no {missing[0]}{more}:"
             " the folder must be a save_pretrained folder of this model's class and config"
         )
+    return folder.read
 
 
 def _tensors(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
@@ -131,6 +130,7 @@ class _Safetensors:
                 self.files = {key: folder / SINGLE for key in f.keys()}  # noqa: SIM118
         self.keys = set(self.files)
         self.handles: dict[Path, Any] = {}
+        self.read: dict[str, int] = {}  # bytes read of each key (what this rank materialized)
 
     def slice(self, key: str) -> Any:
         from safetensors import safe_open
@@ -146,8 +146,15 @@ class _Safetensors:
             handle.__exit__(None, None, None)
         self.handles.clear()
 
+    def take(self, key: str, rows: tuple[Any, ...] | None = None) -> torch.Tensor:
+        """The key's tensor, or its block ``rows``, read from the file (and counted)."""
+        part = self.slice(key)
+        got: torch.Tensor = part[:] if rows is None else part[rows]
+        self.read[key] = self.read.get(key, 0) + got.numel() * got.element_size()
+        return got
+
     def whole(self, key: str) -> torch.Tensor:
-        return self.slice(key)[:]  # type: ignore[no-any-return]
+        return self.take(key)
 
 
 def _read(folder: _Safetensors, key: str, tensor: torch.Tensor) -> None:
@@ -156,16 +163,13 @@ def _read(folder: _Safetensors, key: str, tensor: torch.Tensor) -> None:
     if not isinstance(tensor, DTensor):
         tensor.copy_(folder.whole(key).reshape(tensor.shape))
         return
-    if all(type(p) in (Shard, Replicate) for p in tensor.placements):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(
-            tensor.shape, tensor.device_mesh, tensor.placements
-        )
+    block = _block(tensor)
+    if block is not None:
+        offset, shape = block
         local = tensor.to_local()
         if local.numel():
             rows = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-            local.copy_(folder.slice(key)[rows])
+            local.copy_(folder.take(key, rows))
         return
     _copy_whole(folder.whole(key), tensor)
 
@@ -195,7 +199,44 @@ class _Converter:
     def matches(self, name: str) -> bool:
         return len(self.converter.target_patterns) == 1 and bool(self.pattern.search(name))
 
-    def assemble(self, folder: _Safetensors, name: str) -> torch.Tensor | None:
+    def read_into(self, folder: _Safetensors, name: str, tensor: torch.Tensor) -> bool:
+        """``tensor`` (a shard or a whole tensor) from the checkpoint's sources; False when the
+        folder lacks them. Experts dealt by blocks of dim 0 read their own keys only."""
+        block = self._expert_block(tensor)
+        if block is None:
+            whole = self.assemble(folder, name)
+            if whole is not None:
+                _copy_whole(whole, tensor)
+            return whole is not None
+        offset, shape = block
+        assert isinstance(tensor, DTensor)
+        mine = self.assemble(folder, name, range(offset[0], offset[0] + shape[0]))
+        if mine is None or mine.shape[0] != shape[0]:
+            return False
+        rest = (slice(None), *(slice(o, o + s) for o, s in zip(offset[1:], shape[1:])))
+        tensor.to_local().copy_(mine[rest])
+        return True
+
+    def _expert_block(self, tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(offset, shape) of this rank's block when it is one block of a tensor stacked on dim 0
+        from one key per index (``MergeModulelist(dim=0)``, nothing else touching dim 0)."""
+        from transformers.core_model_loading import Concatenate, MergeModulelist
+
+        ops = list(self.converter.operations)
+        stacked = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+        if not stacked or any(not isinstance(op, Concatenate) or op.dim == 0 for op in ops[1:]):
+            return None
+        if not isinstance(tensor, DTensor) or not tensor.to_local().numel():
+            return None
+        block = _block(tensor)
+        if block is None or block[1][0] == tensor.shape[0]:
+            return None  # whole on dim 0: nothing to skip
+        return block
+
+    def assemble(
+        self, folder: _Safetensors, name: str, indices: range | None = None
+    ) -> torch.Tensor | None:
+        """The target tensor from its sources (only those of ``indices`` when given)."""
         prefix = name[: len(name) - len(self.target)]
         collected: dict[str, list[torch.Tensor]] = {}
         for source in self.sources:
@@ -204,6 +245,8 @@ class _Converter:
                 ((int(m.group(1)) if m.groups() else 0, k) for k in folder.keys
                  if (m := found.match(k))),
             )  # fmt: skip
+            if indices is not None:
+                hits = [(i, k) for i, k in hits if i in indices]
             if not hits:
                 return None
             collected[source] = [folder.whole(k) for _, k in hits]
@@ -211,6 +254,39 @@ class _Converter:
         for op in self.converter.operations:
             out = op.convert(out, source_patterns=self.sources, target_patterns=[self.target])
         return next(iter(out.values()))  # type: ignore[no-any-return]
+
+
+def _block(tensor: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(offset, shape) of this rank's shard when it is one block of the serial tensor: Shard
+    and Replicate placements, or FSDP's chunk of a dim-0 shard (``(_StridedShard(0, n),
+    Shard(0))`` on a 2-D mesh: experts under ``ep`` and FSDP, a colwise layer under FSDP x TP);
+    None for any other."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh, placements, local = tensor.device_mesh, tensor.placements, tensor.to_local()
+    if all(type(p) in (Shard, Replicate) for p in placements):
+        shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+        return tuple(offset), tuple(shape)
+    strided = (
+        mesh.ndim == 2
+        and isinstance(placements[0], _StridedShard)
+        and placements[0].dim == 0
+        and placements[0].split_factor == mesh.size(1)
+        and type(placements[1]) is Shard
+        and placements[1].dim == 0
+        and tensor.shape[0] % mesh.size(1) == 0
+    )
+    if not strided:
+        return None
+    per_ep = tensor.shape[0] // mesh.size(1)
+    chunk = -(-per_ep // mesh.size(0))  # FSDP's torch.chunk of the ep rank's experts
+    start = mesh.get_local_rank(0) * chunk
+    rows = max(0, min(chunk, per_ep - start))
+    shape = (rows, *tensor.shape[1:])
+    if shape != tuple(local.shape):
+        return None
+    return (mesh.get_local_rank(1) * per_ep + start, *([0] * (tensor.dim() - 1))), shape
 
 
 def _converters(model: nn.Module) -> list[_Converter]:

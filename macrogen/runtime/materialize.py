@@ -36,6 +36,7 @@ from macrogen.runtime.load import Load, kind, load_into
 
 MODEL = "model"  # init="model": the model's own initializer
 PENDING = "_mg_pending_init"  # on a meta model mg.parallelize took: the init it will run
+LOADED = "_mg_loaded"  # on a model init=mg.load(path) filled: bytes read of each key, this rank
 
 
 class MetaModelError(ValueError):
@@ -77,16 +78,20 @@ def apply_init(model: nn.Module, init: Any, *, where: str) -> nn.Module:
     if init is None:
         return model
     if not meta_parameters(model):  # built with values: mg.load reads over them
-        load_into(model, init, where)
+        model.__dict__[LOADED] = load_into(model, init, where)
         return model
     device = torch.device(groups.placement().device)
     empty = {id(m) for m in model.modules() if any(b.is_meta for b in m.buffers(recurse=False))}
     ties = _ties(model)
+    marks = _marks(model)
     model.to_empty(device=device)
     for holders in ties:  # to_empty makes each module's parameter anew: a tie is kept by hand
         first = holders[0][0]._parameters[holders[0][1]]
         for owner, key in holders[1:]:
             owner._parameters[key] = first
+    for (owner, key), attributes in marks:  # (and so are the steps' marks on parameters)
+        for name, value in attributes.items():
+            setattr(owner._parameters[key], name, value)
     model.__dict__.pop(PENDING, None)
     init_fn = _initializer(model, where)
     with _init_context(model):
@@ -97,7 +102,7 @@ def apply_init(model: nn.Module, init: Any, *, where: str) -> nn.Module:
             for module, fn in init_fn:
                 if id(module) in empty:
                     _whole_for(module, fn)
-            load_into(model, init, where)
+            model.__dict__[LOADED] = load_into(model, init, where)
     return model
 
 
@@ -108,6 +113,20 @@ def serial(model: nn.Module, init: Any) -> nn.Module:
         return model
     check_init(model, init, where="mg.parallelize")
     return apply_init(model, init, where="mg.parallelize")
+
+
+def _marks(model: nn.Module) -> list[tuple[tuple[nn.Module, str], dict[str, Any]]]:
+    """macrogen's attributes on parameters (``_mg_...``: expert parallelism's): ``to_empty``
+    makes a plain parameter anew and swaps a DTensor one's contents, its ``__dict__`` too."""
+    found = []
+    for owner in model.modules():
+        for key, p in owner._parameters.items():
+            attributes = (
+                {k: v for k, v in vars(p).items() if k.startswith("_mg_")} if p is not None else {}
+            )
+            if attributes:
+                found.append(((owner, key), attributes))
+    return found
 
 
 def _ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

@@ -112,7 +112,7 @@ def _shard(model: nn.Module, layout: Layout, group: dist.ProcessGroup, tensor_me
                 holders.setdefault(id(p), []).append((owner, key))
     for cut in layout.cuts:
         _cut(cut, group, tensor_mesh, holders)
-    _replicate_the_rest(model, tensor_mesh)
+    replicate_the_rest(model, tensor_mesh)
     for module, key, _ in layout.summed:
         mark_summed(module, key, group)
     for owner, attr, _ in layout.divides:
@@ -140,35 +140,41 @@ def _cut(cut: Cut, group: dist.ProcessGroup, tensor_mesh: Any, holders: dict[int
     placement: Any = (
         Shard(cut.dim) if cut.blocks == 1 else _StridedShard(cut.dim, split_factor=cut.blocks)
     )
-    param = _parameter(full, local.contiguous(), placement, tensor_mesh)
+    param = dtensor_parameter(full, local.contiguous(), placement, tensor_mesh)
     for owner, held in holders.get(id(full), [(cut.module, cut.key)]):
         owner._parameters[held] = param
 
 
-def _parameter(
+def dtensor_parameter(
     full: torch.Tensor, local: torch.Tensor, placement: Any, tensor_mesh: Any
 ) -> nn.Parameter:
+    """``local`` as this rank's part of ``full``: a DTensor parameter with ``placement`` (one, or
+    a list of one per mesh dim) on ``tensor_mesh``."""
     if local.device.type not in (tensor_mesh.device_type, "meta"):  # meta: materialized after
         raise RuntimeError(
             f"the model's parameters are on {local.device.type} and the mesh on"
             f" {tensor_mesh.device_type}: move the model to its device (model.to(run.device))"
             " before mg.parallelize"
         )
+    placements = list(placement) if isinstance(placement, (list, tuple)) else [placement]
     dt = DTensor.from_local(
-        local, tensor_mesh, [placement], run_check=False, shape=full.shape, stride=full.stride()
+        local, tensor_mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
     )
     return nn.Parameter(dt, requires_grad=full.requires_grad)
 
 
-def _replicate_the_rest(model: nn.Module, tensor_mesh: Any) -> None:
-    """Every parameter not sharded becomes a replicated DTensor (one kind for whole-model tools)."""
+def replicate_the_rest(model: nn.Module, device_mesh: Any) -> None:
+    """Every parameter not sharded becomes a DTensor replicated on every dim of ``device_mesh``
+    (one kind for whole-model tools; tied parameters stay tied). Tensor parallelism's mesh,
+    and expert parallelism's (replica x expert) grid."""
     made: dict[int, nn.Parameter] = {}
+    replicated = [Replicate()] * device_mesh.ndim
     for owner in model.modules():
         for key, p in list(owner._parameters.items()):
             if p is None or isinstance(p, DTensor):
                 continue
             if id(p) not in made:
-                made[id(p)] = _parameter(p, p.detach(), Replicate(), tensor_mesh)
+                made[id(p)] = dtensor_parameter(p, p.detach(), replicated, device_mesh)
             owner._parameters[key] = made[id(p)]
 
 
