@@ -30,6 +30,9 @@ EXTENDED = {
     # sequence parallelism compiled per sublayer: the whole model compiled traces the same
     # collectives, and the *_blocks cases of test_compile_dist compile per block
     "tests/test_compile_kinds_dist.py::test_sequence_parallel_compiled_equals_eager[per_sublayer]",
+    # layout="auto" on 4 ranks (~50 s): the 2-rank run searches, stops early, times the
+    # finalists and remembers the same way; tests/test_layouts.py checks the 4-rank space
+    "tests/test_layout_autotune_dist.py::test_layout_auto_on_gloo_ranks[four]",
     # Inductor's CPU codegen (~60 s): the aot_eager cases capture the same graphs
     "tests/test_compile_dist.py::test_compiled_training_equals_eager[dp-2-inductor]",
     # a rank of 4 killed: test_kill_one_of_2_ranks[seed0] kills and resumes the same way

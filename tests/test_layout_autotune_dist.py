@@ -14,6 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from macrogen.autotune import database, finals
@@ -25,13 +26,13 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "layout_auto.py"
 KEY = "build.parallelize.layout"
 
 
-def _run(src: Path) -> tuple[object, str]:
+def _run(src: Path, world: int) -> tuple[object, str]:
     out = io.StringIO()
     reporter = Reporter(Console(file=out, width=240), Console(file=io.StringIO()))
     outcome = autotune(
         src,
         entry=":build",
-        world_size=4,
+        world_size=world,
         target="cpu",
         timing=Timing(warmup=1, steps=2, rounds=1, timeout=60),
         reporter=reporter,
@@ -39,7 +40,8 @@ def _run(src: Path) -> tuple[object, str]:
     return outcome, out.getvalue()
 
 
-def test_layout_auto_on_four_gloo_ranks(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("world", [2, 4], ids=["two", "four"])
+def test_layout_auto_on_gloo_ranks(tmp_path: Path, monkeypatch, world: int) -> None:
     # every measured layout is a finalist: timed again side by side, in the same launch
     monkeypatch.setattr(finals, "CLOSE", 10.0)
     monkeypatch.setattr(finals, "MIN_RUNS", 2)  # (CI's time)
@@ -47,9 +49,35 @@ def test_layout_auto_on_four_gloo_ranks(tmp_path: Path, monkeypatch) -> None:
     src = tmp_path / "layout_auto.py"
     shutil.copy(EXAMPLE, src)
     started = time.monotonic()
-    outcome, text = _run(src)
+    outcome, text = _run(src, world)
     elapsed = time.monotonic() - started
     feasible = [c[KEY] for c in outcome.space.candidates]
+    reasons = {c[KEY]: why for c, why in outcome.space.excluded}
+    if world == 4:
+        _the_four_rank_space(feasible, reasons, text)
+    else:
+        assert "tp2 pp2 replicate mb4" not in feasible and "tp2 pp1 replicate mb1" in feasible
+        assert "does not divide the world size 2" in reasons["tp4 pp1 replicate mb1"]
+    _the_search(outcome, text, feasible, world)
+    print(f"\nlayouts: measured in {elapsed:.1f} s\n{text}")
+
+    # a rerun measures nothing (nor probes again): the database remembers
+    again, _ = _run(src, world)
+    assert again.new_measurements == 0 and again.winner == outcome.winner
+
+    # expand uses the winner; an edit makes it stale
+    values, stale = database.winners(
+        database.default_path(src), src.read_text(), file=src.name, target="cpu"
+    )
+    assert values == outcome.winner and stale == []
+    edited = src.read_text().replace("HIDDEN, BLOCKS", "HIDDEN, BLOCKS ")
+    values, stale = database.winners(
+        database.default_path(src), edited, file=src.name, target="cpu"
+    )
+    assert values == {} and stale == [KEY]
+
+
+def _the_four_rank_space(feasible: list, reasons: dict, text: str) -> None:
     plain = [
         "tp1 pp1 fsdp mb1",
         "tp1 pp1 replicate mb1",
@@ -61,12 +89,13 @@ def test_layout_auto_on_four_gloo_ranks(tmp_path: Path, monkeypatch) -> None:
     plain += ["tp2 pp2 replicate mb4", "tp2 pp2 replicate mb8"]  # tensor parallel in the stages
     every = [f"{name} recompute{n}" for name in plain for n in ("", "/2")]  # all, every 2nd
     assert sorted(feasible) == sorted(plain + every)
-    reasons = {c[KEY]: why for c, why in outcome.space.excluded}
     assert reasons["tp4 pp1 replicate mb1"] == "layers.0.n_head = 6 is not divisible by tp=4"
     assert "does not divide the world size 4" in reasons["tp8 pp1 replicate mb1"]
     assert "one data-parallel rank" in reasons["tp2 pp2 fsdp mb4"]  # the same as replicate
     assert "infeasible: layers.0.n_head = 6 is not divisible by tp=4: tp4 pp1 replicate mb1" in text
 
+
+def _the_search(outcome, text: str, feasible: list, world: int) -> None:
     record = outcome.record
     measured = [c for c in record["candidates"] if "time_s" in c]
     assert 2 <= len(measured) < len(feasible), record["candidates"]
@@ -80,23 +109,7 @@ def test_layout_auto_on_four_gloo_ranks(tmp_path: Path, monkeypatch) -> None:
     assert "timed side by side, each the median of its runs" in text
     assert "ahead of the runner-up" in text
     for c in measured:  # per rank: peak memory; and the throughput
-        assert len(c["peak_bytes"]) == 4 and all(b > 0 for b in c["peak_bytes"])
+        assert len(c["peak_bytes"]) == world and all(b > 0 for b in c["peak_bytes"])
         assert c["tokens_s"] > 0
     assert record["layout_probe"]["shape"]["blocks"] == 8
     assert record["layout_probe"]["shape"]["rows"] == 16  # the batch: every layout splits it
-    print(f"\nlayouts: measured {len(measured)} of {len(feasible)} in {elapsed:.1f} s\n{text}")
-
-    # a rerun measures nothing (nor probes again): the database remembers
-    again, _ = _run(src)
-    assert again.new_measurements == 0 and again.winner == outcome.winner
-
-    # expand uses the winner; an edit makes it stale
-    values, stale = database.winners(
-        database.default_path(src), src.read_text(), file=src.name, target="cpu"
-    )
-    assert values == outcome.winner and stale == []
-    edited = src.read_text().replace("HIDDEN, BLOCKS", "HIDDEN, BLOCKS ")
-    values, stale = database.winners(
-        database.default_path(src), edited, file=src.name, target="cpu"
-    )
-    assert values == {} and stale == [KEY]
