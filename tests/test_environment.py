@@ -91,7 +91,7 @@ def _torchrun_env(monkeypatch, **values: str) -> None:
     [
         ("RANK", "abc", "whole number >= 0"),
         ("RANK", "", "whole number >= 0"),
-        ("WORLD_SIZE", "²", "whole number >= 1"),
+        ("WORLD_SIZE", "²", "whole number from 1 to 2147483647"),
         ("MASTER_PORT", "99999", "whole number from 1 to 65535"),
         ("MASTER_PORT", "0", "whole number from 1 to 65535"),
         ("TORCHELASTIC_RESTART_COUNT", "x", "whole number >= 0"),

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from macrogen.runtime import groups
 from macrogen.runtime.groups import Placement, choose_placement, timeout
 from tests.distributed import run_ranks
 
@@ -197,3 +198,21 @@ def test_a_stopped_peer_is_a_clear_error_within_the_timeout():
     assert "not every rank arrived within 3 s (MACROGEN_TIMEOUT)" in message
     assert "Ranks 1 failed to pass monitoredBarrier" in message  # torch names the missing rank
     assert elapsed < 60  # 3 s, plus process start-up on a loaded machine; not 30 minutes
+
+
+def test_a_world_size_past_a_c_int_or_a_local_world_above_the_world_is_refused(monkeypatch):
+    """WORLD_SIZE=99999999999999999999 reached torch's store as a pybind TypeError; a
+    LOCAL_WORLD_SIZE above WORLD_SIZE was taken (the probes of issue 43)."""
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "MACROGEN_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "9" * 20)
+    with pytest.raises(
+        ValueError, match=r"WORLD_SIZE='9+': expected a whole number from 1 to 2147483647"
+    ):
+        groups.placement()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=4 is above WORLD_SIZE=2"):
+        groups.placement()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert groups.placement().backend == "gloo"

@@ -247,6 +247,25 @@ def read_regular(path: Path) -> bytes | None:
         os.close(fd)
 
 
+def read_json(path: Path) -> Any:
+    """The JSON value of the regular file at ``path`` (a config, a spec, a device table);
+    ValueError naming the file for anything else: no such file, a FIFO or a directory (never
+    a wait for a writer), an unreadable file, bytes that are not UTF-8 JSON, nesting deeper
+    than the parser's recursion."""
+    try:
+        data = read_regular(path)
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    if data is None:
+        raise ValueError(f"{path}: no such file")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read") from None
+
+
 def _record_problem(record: Any) -> str | None:
     """What is wrong with one record's structure, or None."""
     if not isinstance(record, dict):

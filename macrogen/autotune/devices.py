@@ -14,7 +14,6 @@ added from a JSON file (``load_table``). Pure: no torch.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -245,10 +244,9 @@ def load_table(path: Path, table: tuple[DeviceKind, ...] = TABLE) -> tuple[Devic
     """The table with the rows of a JSON file (a list of objects with ``DeviceKind``'s fields;
     sizes as numbers of bytes or text such as "80GB" and "450GB/s") replacing those of the same
     name or added. ValueError naming the file and the row for anything else."""
-    try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: {e}") from None
+    from macrogen.autotune import database  # (its libcst only when a table is named)
+
+    rows = database.read_json(path)
     if not isinstance(rows, list):
         raise ValueError(f"{path}: expected a list of device kinds")
     out = list(table)

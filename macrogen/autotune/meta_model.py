@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from macrogen.autotune import database
 from macrogen.autotune.model_spec import ModelSpec, looks_like_spec
 
 
@@ -75,9 +76,9 @@ def load_config(path: Path) -> Any:
     transformers = _transformers()
     file = path / "config.json" if path.is_dir() else path
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ShapeError(f"{file}: can't read a config: {e}") from None
+        data = database.read_json(file)
+    except ValueError as e:
+        raise ShapeError(f"can't read a config: {e}") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ShapeError(f'{file}: a transformers config.json names its "model_type"')
     if looks_like_spec(data):
@@ -338,9 +339,9 @@ def load_spec(source: str, seq: int, *, search_path: tuple[str, ...] = ()) -> Mo
     if path.exists():
         file = path / "config.json" if path.is_dir() else path
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ShapeError(f"{file}: can't read it: {e}") from None
+            data = database.read_json(file)
+        except ValueError as e:
+            raise ShapeError(f"can't read it: {e}") from None
         if isinstance(data, dict) and looks_like_spec(data):
             try:
                 spec = ModelSpec.from_json(json.dumps(data))

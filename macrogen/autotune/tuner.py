@@ -143,7 +143,10 @@ def _autotune_on(
     started = time.monotonic()
     deadline = None if budget is None else started + budget
     source_path = Path(path)
-    source = read_source(source_path.read_bytes())[0]
+    data = database.read_regular(source_path)  # a FIFO is refused, never waited on
+    if data is None:
+        raise AutotuneError(f"{source_path}: no such file")
+    source = read_source(data)[0]
     expansion = expand_source(source, path=source_path.name, target=target)
     params = space.parameters(expansion)
     if not params:

@@ -44,6 +44,7 @@ from macrogen.runtime import environment
 BACKEND_ENV = "MACROGEN_BACKEND"  # e.g. "gloo", "nccl", "cpu:gloo,cuda:nccl"; unset: chosen here
 TIMEOUT_ENV = "MACROGEN_TIMEOUT"  # seconds a rank waits for the others; unset: torch's default
 GLOO_AND_NCCL = "cpu:gloo,cuda:nccl"
+MAX_WORLD_SIZE = 2**31 - 1  # torch's store and groups take a C int
 MAX_TIMEOUT_S = 365 * 24 * 3600  # a year: "forever" for a job, and within what timedelta holds
 
 
@@ -138,9 +139,17 @@ def placement() -> Placement:
     local_rank = environment.whole("LOCAL_RANK", 0, low=0)
     # Without LOCAL_WORLD_SIZE (another launcher), the world size: the same on every rank,
     # so every rank still picks the same backend.
-    local_world = environment.whole("LOCAL_WORLD_SIZE", None, low=1)
+    world = environment.whole("WORLD_SIZE", 1, low=1, high=MAX_WORLD_SIZE)
+    local_world = environment.whole("LOCAL_WORLD_SIZE", None, low=1, high=MAX_WORLD_SIZE)
     if local_world is None:
-        local_world = environment.whole("WORLD_SIZE", 1, low=1)
+        local_world = world
+    elif local_world > world and environment.is_set("WORLD_SIZE"):
+        # torchrun's invariant: "every rank is local" (the store's loopback binding) and the
+        # backend are chosen from it
+        raise environment.EnvironmentValueError(
+            f"LOCAL_WORLD_SIZE={local_world} is above WORLD_SIZE={world}: the ranks on this"
+            " machine are some of the job's"
+        )
     cuda = torch.cuda.is_available()
     return choose_placement(
         cuda_available=cuda,
@@ -210,7 +219,7 @@ def _attempt_store(where: Placement) -> dict[str, Any]:
     deadline = time.monotonic() + seconds
     try:
         rank = environment.whole("RANK", None, low=0)
-        world_size = environment.whole("WORLD_SIZE", None, low=1)
+        world_size = environment.whole("WORLD_SIZE", None, low=1, high=MAX_WORLD_SIZE)
         port = environment.whole("MASTER_PORT", None, low=1, high=65535)
         attempt = environment.whole("TORCHELASTIC_RESTART_COUNT", 0, low=0)
     except environment.EnvironmentValueError as e:

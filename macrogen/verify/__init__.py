@@ -87,6 +87,9 @@ class Report:
         )
 
 
+RANKS_PER_CPU = 4  # verify's ranks share this machine's CPUs
+
+
 def check_request(entry: str, world_size: int) -> None:
     """UsageError unless ``entry`` reads ``module:factory`` (or ``:factory``) and N >= 1."""
     module, sep, factory = entry.partition(":")
@@ -96,6 +99,12 @@ def check_request(entry: str, world_size: int) -> None:
         )
     if world_size < 1:
         raise UsageError(f"--world-size must be at least 1, not {world_size}")
+    most = max(8, RANKS_PER_CPU * (os.cpu_count() or 1))
+    if world_size > most:  # each rank is a process of this machine: 1e9 of them never end
+        raise UsageError(
+            f"--world-size {world_size}: verify starts that many processes on this machine;"
+            f" at most {most} here ({RANKS_PER_CPU} per CPU)"
+        )
 
 
 def verify(
@@ -113,15 +122,17 @@ def verify(
 
     Raises UsageError (a bad request), VerifyError (the program failed) or the pass's
     ExpansionError (FILE's macros are wrong)."""
+    from macrogen.autotune import database
     from macrogen.expand import expand_source
     from macrogen.files import read_source
     from macrogen.verify.launch import torchrun
 
     check_request(entry, world_size)
     source_path = Path(path).resolve()
-    try:
-        source = read_source(source_path.read_bytes())[0]
-    except (OSError, SyntaxError, UnicodeDecodeError) as e:
+    try:  # a FIFO is refused, never waited on (None: no such file, for read_bytes to say)
+        data = database.read_regular(source_path)
+        source = read_source(data if data is not None else source_path.read_bytes())[0]
+    except (OSError, SyntaxError, ValueError) as e:
         raise UsageError(f"cannot read {path}: {e}") from e
     expansion = expand_source(source, path=str(path))
     with tempfile.TemporaryDirectory(prefix="macrogen-verify-") as folder:

@@ -56,7 +56,10 @@ def load(source: Path, *, expanded: bool, seed: int) -> types.ModuleType:
         code = hook.load(source, name, hook.options())
         hook.install()
     else:
-        code = compile(source.read_bytes(), str(source), "exec", dont_inherit=True)
+        try:  # (a file without macros reaches here unparsed: the pass skips it)
+            code = compile(source.read_bytes(), str(source), "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as e:  # ValueError: NUL bytes
+            raise ProgramError(f"{source.name} is not valid Python: {_one_line(e)}") from None
     module = types.ModuleType(name)
     module.__file__ = str(source)
     sys.modules[name] = module
