@@ -59,6 +59,9 @@ def _tuned(tmp_path: Path, winner: str, *, world: int = 4, probe: bool = True) -
         ("tp1 pp1 zero1 mb1", 4, True, 'dp="zero1" under layout="auto"'),
         ("tp1 pp2 replicate mb1", 2, True, "needs at least as many micro-batches as stages"),
         ("tp9 pp1 nonsense", 4, False, "not a layout"),
+        # a record without its probe: the rules above could not be checked (zero1 expanded)
+        ("tp1 pp1 zero1 mb1", 4, False, 'comes without its "layout_probe"'),
+        ("tp1 pp1 replicate mb1", 2, False, 'comes without its "layout_probe"'),
     ],
 )
 def test_expand_refuses_a_record_naming_a_layout_the_rules_refuse(

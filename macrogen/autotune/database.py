@@ -348,6 +348,9 @@ def _layout_problem(record: Mapping[str, Any]) -> str | None:
         reason = layouts.problem(layout, world, shape, arguments if written else None)
         if reason is not None:
             return f"the winner {shown} for {site} cannot run on {world} ranks: {reason}"
+        if probe is None:  # autotune writes it with every layout="auto" winner; the rules
+            # of the model's shape and the site's arguments (zero1, the heads) need it
+            return f'the winner {shown} for {site} comes without its "layout_probe"'
     return None
 
 
