@@ -33,6 +33,9 @@ RUNS = {
     "tile_attention": Run("test_tile_parity.py",
                           ("-m", "tests.macros.tile_interpret", "{dir}", "attention"),
                           (("TRITON_INTERPRET", "1"),)),
+    # the torch paths against the loops (seconds of pure Python per attention case)
+    "tile_torch": Run("test_tile_parity.py", ("-m", "tests.macros.tile_torch_paths", "{dir}"),
+                      drop=("TRITON_INTERPRET",)),
     # bench/tile.py --traffic sets TRITON_INTERPRET itself, before triton is imported
     "tile_traffic": Run("test_tile_traffic.py", ("bench/tile.py", "--traffic", "--json"),
                         drop=("TRITON_INTERPRET",)),

@@ -11,7 +11,6 @@ is imported, and this session has imported it already).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -22,8 +21,6 @@ from tests.macros.tile_cases import (
     RANDOM_CASES,
     WIDE_CASES,
     attention_name,
-    compare,
-    modules,
 )
 
 # The interpreter's cases take about 65 s of CPU (the attention part 30 s), all in the first
@@ -80,14 +77,15 @@ def test_attention_kernels_forward_and_backward_match_float64(name: str, gradien
     assert gradients[name] is None, gradients[name]
 
 
+@pytest.fixture(scope="module")
+def torch_paths() -> dict:
+    """Each case's torch path, dispatcher and row blocks against the loop (tile_torch_paths.py,
+    in the background): None when all match."""
+    return _interpret("torch")
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_torch_path_matches_loop(name: str, tmp_path: Path) -> None:
-    case = next(c for c in CASES if c.name == name)
-    reference, expanded = modules(case, tmp_path)
-    assert compare(case, reference, getattr(expanded, f"_{name}_torch")) is None
-    # The expanded function itself dispatches CPU tensors to the torch path.
-    assert compare(case, reference, getattr(expanded, name)) is None
-    # Blocks of rows (here the fewest, 8 rows: several blocks, the last one ragged).
-    if hasattr(expanded, f"_{name}_torch_block"):
-        setattr(expanded, f"_{name}_torch_block", 1)
-        assert compare(case, reference, getattr(expanded, f"_{name}_torch")) is None
+def test_torch_path_matches_loop(name: str, torch_paths: dict) -> None:
+    """The torch path; the expanded function itself, which dispatches CPU tensors to it; and
+    blocks of rows (the fewest, one row: several blocks, the last one ragged)."""
+    assert torch_paths[name] is None, torch_paths[name]
