@@ -168,6 +168,7 @@ def _cases(rank, world, tmp):
             "state_dict": {k: tuple(v.shape) for k, v in model.state_dict().items()}
             == {k: tuple(v.shape) for k, v in reference.state_dict().items()},
             "local experts": sorted({m.num_experts for _, m in state.experts}),
+            "own storage": _own_storage(state),
             "bytes": _bytes(model, state, mine, kind),
             "evaluation": _evaluation(model, reference, mine),
         }
@@ -175,6 +176,15 @@ def _cases(rank, world, tmp):
         out["transformers' own ep"] = _against_transformers(module, mine)
         out["save_pretrained"] = _saved(module, Path(tmp), rank)
     return out
+
+
+def _own_storage(state):
+    """Each expert parameter's local tensor holds its own experts' bytes, not a view of the
+    serial tensor (which would keep every expert alive on every rank). FSDP: its own storage."""
+    if state.fully_sharded:
+        return True
+    locals_ = [p.to_local() for _, m in state.experts for p in m.parameters()]
+    return all(t.untyped_storage().nbytes() == t.nbytes for t in locals_)
 
 
 def _saved(module, tmp, rank):
@@ -254,6 +264,7 @@ def _check(results):
         assert gaps["parameters"] < 1e-10, (name, gaps)
         assert gaps["evaluation"] < (1e-5 if gaps["float32 loss"] else 1e-10), (name, gaps)
         assert gaps["numel"] and gaps["state_dict"], (name, gaps)
+        assert gaps["own storage"], name
         b = gaps["bytes"]  # this rank: its pairs out, the rows its experts ran back
         assert b["dispatched"] == b["routed"], (name, b)
         assert b["backward"] == b["dispatched"] + b["combined"], (name, b)

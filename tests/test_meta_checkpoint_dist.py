@@ -1,9 +1,15 @@
 """``resumable`` with a model built on the meta device and given its values by ``init="model"``
-(``tests/test_checkpoint_fsdp_dist.py``'s model, batches and checks).
+(``tests/test_checkpoint_fsdp_dist.py``'s model, batches and checks), and with an expert-parallel
+model (``tests.expert_models.PlainMoE`` in float64), in the same spawns.
 
 Under FSDP on 2 gloo ranks: a run stopped at step 5 (checkpoint at 4) and resumed in fresh
 objects (built on meta again) ends bit-identical to the uninterrupted run, and its step-4
 checkpoint resumes on 4 ranks (DCP reshards), within fp32 rounding.
+
+Under ep=2 on 2 ranks: the same stop and resume ends bit-identical (parameters and AdamW state),
+the uninterrupted run equals the serial model on the global batch within 1e-10, and its step-4
+checkpoint resumes on 4 ranks as ep=2 x data parallel 2, ep=4 and ep=2 x FSDP, each equal to the
+serial model within 1e-10 after the resumed steps.
 """
 
 from __future__ import annotations
@@ -57,23 +63,128 @@ def train(ckpt: Path, stop: int | None = None, seed: int = 1) -> nn.Module:
     return model
 
 
-def stop_and_resume(rank: int, world: int, root: str) -> tuple[dict, dict]:
+# ---- expert parallelism: the plain MoE in float64 --------------------------------------------
+
+EP_LAYOUTS = {"ep2": (2, "replicate"), "ep4": (4, "replicate"), "ep2_fsdp": (2, "fsdp")}
+ROWS = 4  # rows of each step's global batch
+
+
+def build_ep(layout: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``PlainMoE`` in float64, serial or under ``EP_LAYOUTS[layout]`` (mg.parallelize's steps)."""
+    from tests.expert_models import PlainMoE
+
+    torch.manual_seed(0)
+    model = PlainMoE().double()
+    if layout != "serial":
+        from macrogen.runtime import (
+            FullyShardedConfig,
+            apply_data_parallel,
+            apply_expert_parallel,
+            apply_fully_sharded,
+            device_mesh,
+            parallelize_once,
+        )
+
+        ep, dp = EP_LAYOUTS[layout]
+        parallelize_once(model, where="t.py:1")
+        mesh = device_mesh(where="t.py:1")
+        apply_expert_parallel(model, mesh, ep=ep, where="t.py:1", dp=dp)
+        if dp == "fsdp":
+            apply_fully_sharded(model, mesh, FullyShardedConfig(), where="t.py:1")
+        else:
+            apply_data_parallel(model, mesh, dp, where="t.py:1")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def ep_batch(step: int, serial: bool = False) -> torch.Tensor:
+    """The step's global batch (drawn from the step alone), or this data rank's rows of it."""
+    from macrogen.runtime.mesh import mesh
+    from tests.expert_models import batches
+
+    ids = batches(step + 1, ROWS)[step]
+    m = mesh()
+    return ids if serial else ids.chunk(m.data_size)[m.data_rank]
+
+
+def train_ep(
+    layout: str, ckpt: Path | None, stop: int | None = None, seed: int = 1
+) -> tuple[dict, int]:
+    """``STEPS`` AdamW steps under ``resumable`` (serially without ``ckpt``): parameters and
+    optimizer state, whole, and how many steps this run took (a resumed run: those after its
+    checkpoint)."""
+    model, opt = build_ep(layout)
+    torch.manual_seed(seed)  # (the batches do not draw from it)
+    steps = range(STEPS)
+    if ckpt is not None:
+        steps = resumable(steps, model=model, optimizer=opt, dir=ckpt, every=EVERY)
+    taken = 0
+    for step in steps:
+        taken += 1
+        ids = ep_batch(step, serial=ckpt is None)
+        model(ids, ids).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == stop:
+            break
+    return whole_state(model, opt), taken
+
+
+def whole_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {n: whole(p) for n, p in model.named_parameters()}
+    for p, state in opt.state.items():
+        out.update({f"{names[id(p)]}:{k}": whole(v) for k, v in state.items()})
+    return out
+
+
+def gap(ours: dict, theirs: dict) -> float:
+    assert ours.keys() == theirs.keys(), sorted(set(ours) ^ set(theirs))
+    return max(float((ours[k] - v).abs().max()) for k, v in theirs.items())
+
+
+# ---- the spawns ------------------------------------------------------------------------------
+
+
+def stop_and_resume(rank: int, world: int, root: str) -> tuple[dict, dict, tuple, tuple]:
     whole = full(train(Path(root) / "whole"))
     train(Path(root) / "resumed", stop=STOP)
     resumed = full(train(Path(root) / "resumed", seed=2))
-    return whole, resumed
+    ep_whole = train_ep("ep2", Path(root) / "ep")  # (its step-4 checkpoint: the 4-rank runs')
+    train_ep("ep2", Path(root) / "ep_resumed", stop=STOP)
+    ep_resumed = train_ep("ep2", Path(root) / "ep_resumed", seed=2)
+    return whole, resumed, ep_whole, ep_resumed
 
 
-def resume_elsewhere(rank: int, world: int, root: str) -> dict:
-    return full(train(Path(root), seed=3))
+def resume_elsewhere(rank: int, world: int, root: str) -> tuple[dict, dict[str, tuple]]:
+    ep = {layout: train_ep(layout, Path(root) / layout, seed=3) for layout in EP_LAYOUTS}
+    return full(train(Path(root) / "fsdp", seed=3)), ep
 
 
-def test_meta_built_fsdp_resumes_exactly_and_on_four_ranks(tmp_path: Path) -> None:
-    whole, resumed = run_ranks(stop_and_resume, 2, args=(str(tmp_path),), timeout=300)[0]
+def test_meta_built_fsdp_and_expert_parallel_resume_exactly_and_on_four_ranks(
+    tmp_path: Path,
+) -> None:
+    results = run_ranks(stop_and_resume, 2, args=(str(tmp_path),), timeout=300)
+    whole, resumed, (ep_whole, _), (ep_resumed, taken) = results[0]
     for key, value in whole.items():
         assert torch.equal(resumed[key], value), f"{key} differs after stop and resume"
+    assert taken == STEPS - EVERY  # resumed from the step-4 checkpoint
+    for key, value in ep_whole.items():
+        assert torch.equal(ep_resumed[key], value), f"ep2: {key} differs after stop and resume"
+        assert torch.equal(results[1][3][0][key], value), f"ep2: {key} differs between the ranks"
+    serial, _ = train_ep("serial", None)
+    gaps = {"ep2 on 2": gap(ep_whole, serial)}
     four = tmp_path / "four"
-    shutil.copytree(tmp_path / "whole" / "step_00000004", four / "step_00000004")
-    on_four = run_ranks(resume_elsewhere, 4, args=(str(four),), timeout=300)[0]
+    shutil.copytree(tmp_path / "whole" / "step_00000004", four / "fsdp" / "step_00000004")
+    for layout in EP_LAYOUTS:
+        shutil.copytree(tmp_path / "ep" / "step_00000004", four / layout / "step_00000004")
+    on_four, ep_on_four = run_ranks(resume_elsewhere, 4, args=(str(four),), timeout=300)[0]
     for key, value in whole.items():
         torch.testing.assert_close(on_four[key], value, **FP32, msg=key)
+    for layout, (state, taken) in ep_on_four.items():
+        assert taken == STEPS - EVERY, layout  # resumed from the 2-rank step-4 checkpoint
+        gaps[f"{layout} on 4"] = gap(state, serial)
+    print("gaps to the serial model:", gaps)
+    assert max(gaps.values()) < 1e-10, gaps

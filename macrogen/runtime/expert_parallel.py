@@ -290,7 +290,11 @@ def _shard_experts(module: nn.Module, state: ExpertParallel) -> None:
     its forward routes tokens to them."""
     for key, p in list(module._parameters.items()):
         assert p is not None
-        local = p.detach().chunk(state.size, dim=0)[state.rank].contiguous()
+        # a copy, not a view of the serial tensor: the rank keeps its experts' bytes only, and
+        # a DTensor over a view at an offset has a nonzero data_ptr() without storage, which
+        # DCP's async staging takes for a plain tensor's (resumable's save failed on rank 1)
+        chunk = p.detach().chunk(state.size, dim=0)[state.rank]
+        local = chunk.clone(memory_format=torch.contiguous_format)
         if state.fully_sharded:  # FSDP adds the replica dim
             param = dtensor_parameter(p, local, [Shard(0)], state.device_mesh["ep"])
         else:
