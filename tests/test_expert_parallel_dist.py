@@ -63,7 +63,7 @@ CASES = {  # name: (model, router bias, parallelize function, ranks)
     "plain ep4": ("plain", None, "ep4", (4,)),
     "qwen2_moe fsdp": ("qwen2_moe", None, "ep2_fsdp", (2, 4)),
     "plain fsdp": ("plain", None, "ep2_fsdp", (4,)),
-    "module list": ("list", None, "ep2", (2,)),  # experts in nn.ModuleLists, expert 3 starved
+    "module list": ("list", None, "ep2", (2, 4)),  # experts in nn.ModuleLists, expert 3 starved
     "module list hit": ("list hit", None, "ep2", (2,)),  # only the experts hit: none starved
 }
 
