@@ -3,8 +3,8 @@ shrunk configs, a router biased to load its experts unevenly, and a plain MoE of
 
 ``PlainMoE`` is the model a user writes (torchtitan's layout: a router, then experts stacked
 as ``(experts, ...)`` parameters, called as ``experts(hidden, top_k_index, top_k_weights)``);
-``ListMoE`` keeps its experts in an ``nn.ModuleList`` (Mixtral before transformers 5), which
-``ep=`` refuses with a message.
+``ListMoE`` keeps its experts in ``nn.ModuleList``s looped over in its blocks' forward (Mixtral
+before transformers 5, torchtitan-style and nanoGPT-MoE forks), in two forms of the loop.
 """
 
 from __future__ import annotations
@@ -64,21 +64,67 @@ class PlainMoE(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
-class ListMoE(nn.Module):
-    """Experts in a ModuleList, looped over in the block's own forward."""
-
-    def __init__(self, hidden: int = 16, experts: int = 4):
+class Expert(nn.Module):
+    def __init__(self, hidden: int, inner: int):
         super().__init__()
-        self.gate = nn.Linear(hidden, experts, bias=False)
-        self.experts = nn.ModuleList([nn.Linear(hidden, hidden) for _ in range(experts)])
+        self.fc1 = nn.Linear(hidden, inner)
+        self.fc2 = nn.Linear(inner, hidden)
 
     def forward(self, x):
-        weights, index = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token, slot = torch.where(index == e)
-            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
-        return out
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class ListBlock(nn.Module):
+    """A router (``gate``) and experts in an ``nn.ModuleList``, looped over in the block's own
+    forward: every expert in turn (``hit=False``), or only the experts hit (Mixtral's
+    ``expert_hit`` loop before transformers 5)."""
+
+    def __init__(self, hidden: int, experts: int, k: int, hit: bool, starved: int | None,
+                 dropout: float = 0.0):  # fmt: skip
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.drop = nn.Dropout(dropout)
+        self.gate = nn.Linear(hidden, experts)
+        self.experts = nn.ModuleList([Expert(hidden, 2 * hidden) for _ in range(experts)])
+        self.k, self.hit = k, hit
+        if starved is not None:  # a router that never picks this expert
+            with torch.no_grad():
+                self.gate.bias[starved] = -1e4
+
+    def forward(self, x):
+        h = self.drop(self.norm(x)).reshape(-1, x.shape[-1])
+        weights, index = torch.topk(self.gate(h).softmax(dim=-1), self.k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(h)
+        if self.hit:
+            mask = F.one_hot(index, len(self.experts)).permute(2, 1, 0)  # (experts, k, tokens)
+            for e in (mask.sum(dim=(-1, -2)) > 0).nonzero():
+                slot, token = torch.where(mask[e[0]])
+                out.index_add_(0, token, self.experts[e](h[token]) * weights[token, slot, None])
+        else:
+            for e, expert in enumerate(self.experts):
+                token, slot = torch.where(index == e)
+                out.index_add_(0, token, expert(h[token]) * weights[token, slot, None])
+        return x + out.view_as(x)
+
+
+class ListMoE(nn.Module):
+    """``PlainMoE`` with its experts in ``nn.ModuleList``s (``ListBlock``)."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16, experts: int = 4, k: int = 2,
+                 hit: bool = False, starved: int | None = None, dropout: float = 0.0):  # fmt: skip
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(
+            [ListBlock(hidden, experts, k, hit, starved, dropout) for _ in range(2)]
+        )
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
 def transformers_model(model_type: str) -> nn.Module:

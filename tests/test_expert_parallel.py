@@ -6,13 +6,14 @@ import pytest
 import torch
 import torch.nn as nn
 
+from macrogen.runtime.expert_modules import list_problem
 from macrogen.runtime.expert_parallel import (
     apply_expert_parallel,
     experts_modules,
     weighted_output_problem,
 )
 from macrogen.runtime.mesh import SERIAL
-from tests.expert_models import ListMoE, PlainMoE, StackedExperts
+from tests.expert_models import Expert, ListBlock, ListMoE, PlainMoE, StackedExperts
 from tests.helpers import expand, expansion_errors
 
 
@@ -51,9 +52,9 @@ def test_experts_are_found_by_their_stacked_parameters_and_routed_call():
     assert apply_expert_parallel(model, SERIAL, ep=2, where="t.py:1") is model  # serial: as is
 
 
-def test_a_module_list_of_experts_an_uneven_split_or_no_experts_are_refused():
-    with pytest.raises(ValueError, match=r"t.py:1: ep=2: experts is an nn.ModuleList of experts"):
-        apply_expert_parallel(ListMoE(), SERIAL, ep=2, where="t.py:1")
+def test_an_uneven_split_or_no_experts_are_refused():
+    with pytest.raises(ValueError, match=r"t.py:1: ep=2: blocks.0: ep=2 does not divide its 3"):
+        apply_expert_parallel(ListMoE(experts=3), SERIAL, ep=2, where="t.py:1")
     with pytest.raises(ValueError, match="ep=3 does not divide the 4 experts of blocks.0.experts"):
         apply_expert_parallel(PlainMoE(), SERIAL, ep=3, where="t.py:1")
     with pytest.raises(ValueError, match="the model has no experts module"):
@@ -120,3 +121,58 @@ def test_ep_with_fsdp_deals_the_experts_then_shards_over_the_data_ranks():
     call = "\n    apply_expert_parallel(model, mesh, ep=2, where='test.py:2', dp=\"fsdp\")\n"
     assert call in code  # a statement of its own, not inside the comment above it
     assert code.index(call) < code.index("apply_fully_sharded(model")
+
+
+@pytest.mark.parametrize("hit", [False, True])
+def test_a_module_list_of_experts_looped_over_in_the_block_is_taken(hit):
+    torch.manual_seed(0)
+    model = ListMoE(hit=hit, starved=3)
+    assert list_problem(model.blocks[0]) is None
+    assert apply_expert_parallel(model, SERIAL, ep=2, where="t.py:1") is model  # serial: as is
+
+
+class NoRouter(ListBlock):
+    """Experts in a ModuleList, every token to every expert, no gate."""
+
+    def __init__(self):
+        super().__init__(8, 4, 2, hit=False, starved=None)
+        del self.gate
+
+    def forward(self, x):
+        return sum(expert(x) for expert in self.experts)
+
+
+class Mixing(Expert):
+    """An expert whose output for a token depends on the call's other tokens."""
+
+    def forward(self, x):
+        return super().forward(x - x.mean(dim=0))
+
+
+class Reaching(ListBlock):
+    """A forward that reaches into its experts' layers instead of calling them."""
+
+    def forward(self, x):
+        return x + sum(expert.fc2(expert.fc1(x)) for expert in self.experts)
+
+
+def _list_refusal(block):
+    model = nn.Sequential(block)
+    with pytest.raises(ValueError) as caught:
+        apply_expert_parallel(model, SERIAL, ep=2, where="t.py:1")
+    message = str(caught.value)
+    assert message.startswith("mg.parallelize at t.py:1: ep=2: 0: ") and "\n" not in message
+    return message
+
+
+def test_a_module_list_the_engine_cannot_serve_is_refused_naming_the_block():
+    torch.manual_seed(0)
+    assert "no router" in _list_refusal(NoRouter())
+    mixing = ListBlock(8, 4, 2, hit=False, starved=None)
+    mixing.experts = nn.ModuleList([Mixing(8, 16) for _ in range(4)])
+    assert "depends on the call's other tokens" in _list_refusal(mixing)
+    reaching = _list_refusal(Reaching(8, 4, 2, hit=False, starved=None))
+    assert "other than by calling each on its tokens" in reaching
+    with torch.device("meta"):
+        meta = ListBlock(8, 4, 2, hit=False, starved=None)
+    assert "not on the meta device" in _list_refusal(meta)

@@ -2,7 +2,9 @@
 
 Float64, one spawn of 2 gloo ranks (ep=2) and one of 4 (ep=2 x data parallel 2, and ep=4),
 each looping over its cases: transformers' Qwen2-MoE, Mixtral and OLMoE from shrunk configs, and a
-plain MoE of our own (``tests.expert_models.PlainMoE``). Each rank trains on its rows of the
+plain MoE of our own (``tests.expert_models.PlainMoE``), and one with its experts in
+``nn.ModuleList``s in two forms of the loop (``ListMoE``, expert 3 never picked: its
+``state_dict`` values and a strict ``load_state_dict`` of the serial keys too). Each rank trains on its rows of the
 global batch, the serial copy on all of them, 3 AdamW steps: the losses (averaged over the
 ranks), ``clip_grad_norm_``'s norm, the gradients of the first step and the parameters after
 the last (gathered whole) equal the serial model's within 1e-10. Uneven loads: a router
@@ -61,6 +63,8 @@ CASES = {  # name: (model, router bias, parallelize function, ranks)
     "plain ep4": ("plain", None, "ep4", (4,)),
     "qwen2_moe fsdp": ("qwen2_moe", None, "ep2_fsdp", (2, 4)),
     "plain fsdp": ("plain", None, "ep2_fsdp", (4,)),
+    "module list": ("list", None, "ep2", (2, 4)),  # experts in nn.ModuleLists, expert 3 starved
+    "module list hit": ("list hit", None, "ep2", (2,)),  # only the experts hit: none starved
 }
 
 
@@ -69,9 +73,11 @@ def _full(t):
 
 
 def _build(kind, bias):
-    from tests.expert_models import PlainMoE, bias_routers, transformers_model
+    from tests.expert_models import ListMoE, PlainMoE, bias_routers, transformers_model
 
     torch.manual_seed(0)
+    if kind.startswith("list"):
+        return ListMoE(hit=kind == "list hit", starved=None if kind == "list hit" else 3)
     model = PlainMoE() if kind == "plain" else transformers_model(kind)
     if bias is not None:
         bias_routers(model, bias)
@@ -95,12 +101,27 @@ def _train(model, rows):
         loss.backward()
         norms.append(float(_clip(model, 1e9)))
         if first is None:
-            first = {n: _full(p.grad).clone() for n, p in model.named_parameters()
-                     if p.grad is not None}  # fmt: skip
+            first = _serial(model, {n: _full(p.grad).clone() for n, p in model.named_parameters()
+                                    if p.grad is not None})  # fmt: skip
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    return losses, norms, first, {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    return losses, norms, first, _serial(model, params)
+
+
+def _serial(model, named):
+    """``named`` under the serial model's names: an ``ExpertList``'s stacked ``experts.fc1.weight``
+    split into ``experts.0.fc1.weight``, ... (its ``state_dict``'s keys)."""
+    from macrogen.runtime.expert_modules import ExpertList
+
+    for prefix, module in model.named_modules():
+        if isinstance(module, ExpertList):
+            for name in module.names:
+                if f"{prefix}.{name}" in named:
+                    whole = named.pop(f"{prefix}.{name}")
+                    named.update({f"{prefix}.{i}.{name}": t for i, t in enumerate(whole)})
+    return named
 
 
 def _clip(model, max_norm):
@@ -167,6 +188,9 @@ def _cases(rank, world, tmp):
             == sum(p.numel() for p in reference.parameters()),
             "state_dict": {k: tuple(v.shape) for k, v in model.state_dict().items()}
             == {k: tuple(v.shape) for k, v in reference.state_dict().items()},
+            "state_dict values": _gap(
+                {k: _full(v) for k, v in model.state_dict().items()}, reference.state_dict()
+            ),
             "local experts": sorted({m.num_experts for _, m in state.experts}),
             "own storage": _own_storage(state),
             "bytes": _bytes(model, state, mine, kind),
@@ -175,6 +199,9 @@ def _cases(rank, world, tmp):
     if world == 2:
         out["transformers' own ep"] = _against_transformers(module, mine)
         out["save_pretrained"] = _saved(module, Path(tmp), rank)
+        out["module list load_state_dict"] = _reloaded(module)
+        out["module list dropout"] = _dropout(module, mine)
+        out["module list hit starved"] = _starved(module, mine)
     return out
 
 
@@ -185,6 +212,55 @@ def _own_storage(state):
         return True
     locals_ = [p.to_local() for _, m in state.experts for p in m.parameters()]
     return all(t.untyped_storage().nbytes() == t.nbytes for t in locals_)
+
+
+def _starved(module, rows):
+    """The ``expert_hit`` form with an expert no rank's tokens reach: refused in training (its
+    serial gradient is None, which the optimizer skips), answered in evaluation."""
+    from tests.expert_models import ListMoE, batches
+
+    torch.manual_seed(0)
+    model = module.ep2(ListMoE(hit=True, starved=3))
+    ids = batches(1, ROWS)[0][rows]
+    with torch.no_grad():
+        model(ids, ids)
+    try:
+        model(ids, ids)
+    except RuntimeError as error:
+        return {"gap": 0, "message": str(error)}
+    return {"gap": 1, "message": ""}
+
+
+def _dropout(module, rows):
+    """A block with dropout before its router: the second pass draws the first's masks, and the
+    next block the serial model's next ones (the serial model on this rank's rows, same seed)."""
+    from tests.expert_models import ListMoE, batches
+
+    torch.manual_seed(0)
+    reference = ListMoE(dropout=0.25)
+    model = module.ep2(copy.deepcopy(reference))
+    ids = batches(1, ROWS)[0][rows]
+    torch.manual_seed(5)
+    ours = model(ids, ids)
+    torch.manual_seed(5)
+    return {"gap": abs(float(ours) - float(reference(ids, ids)))}
+
+
+def _reloaded(module):
+    """A ModuleList model's ``load_state_dict`` takes the serial keys (strict): each rank keeps
+    its experts, and ``state_dict`` gives them back whole."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from tests.expert_models import ListMoE
+
+    torch.manual_seed(0)
+    reference = ListMoE()
+    model = module.ep2(copy.deepcopy(reference))
+    torch.manual_seed(1)
+    wanted = {k: torch.randn_like(v) for k, v in ListMoE().state_dict().items()}
+    with implicit_replication():  # (the rest of the model: replicated DTensors)
+        model.load_state_dict(wanted)
+    return {"gap": _gap({k: _full(v) for k, v in model.state_dict().items()}, wanted)}
 
 
 def _saved(module, tmp, rank):
@@ -246,7 +322,7 @@ def _bytes(model, state, rows, kind):
     _loss(model, ids).backward()
     model.zero_grad()
     k = 2
-    hidden = 32 if kind != "plain" else 16
+    hidden = 16 if kind == "plain" or kind.startswith("list") else 32
     routed = len(state.experts) * ids.numel() * k * hidden * 8
     t = state.traffic
     return {"routed": routed, "dispatched": t.dispatched, "combined": t.combined,
@@ -265,6 +341,7 @@ def _check(results):
         assert gaps["evaluation"] < (1e-5 if gaps["float32 loss"] else 1e-10), (name, gaps)
         assert gaps["numel"] and gaps["state_dict"], (name, gaps)
         assert gaps["own storage"], name
+        assert gaps["state_dict values"] < 1e-10, (name, gaps)
         b = gaps["bytes"]  # this rank: its pairs out, the rows its experts ran back
         assert b["dispatched"] == b["routed"], (name, b)
         assert b["backward"] == b["dispatched"] + b["combined"], (name, b)
@@ -285,6 +362,10 @@ def test_expert_parallel_equals_serial_on_2_ranks(tmp_path):
     assert results[1]["qwen2_moe one rank"]["bytes"]["combined"] == 0  # its experts got nothing
     for rank_results in results:
         assert rank_results["save_pretrained"]["gap"] == 0, rank_results["save_pretrained"]
+        assert rank_results["module list load_state_dict"]["gap"] == 0
+        assert rank_results["module list dropout"]["gap"] < 1e-10, rank_results
+        starved = rank_results["module list hit starved"]["message"]
+        assert starved.startswith("blocks.0.experts: expert 3 got no token on any rank"), starved
         theirs = rank_results["transformers' own ep"]
         assert theirs["gap"] < 1e-10 and theirs["experts compared"] == 4, theirs
 

@@ -10,7 +10,8 @@ parallel does; what changes is where the experts live:
   experts of its rank of the expert group: its parameters become DTensors ``Shard(0)`` over
   the expert dim (``(Replicate(), Shard(0))`` on the grid), so ``numel``, ``state_dict`` and
   ``clip_grad_norm_`` see the serial model; its forward routes each (token, slot) pair to its
-  expert's rank and back (``expert_routing``);
+  expert's rank and back (``expert_routing``); experts in an ``nn.ModuleList`` looped over
+  in their block's forward are stacked and routed by ``expert_modules``;
 - every other parameter is a replicated DTensor on the same grid (one kind of tensor for
   whole-model tools) and the model's forward runs on local tensors (``parallelize.local``);
   data parallel averages those gradients over all D data ranks, as without ``ep``.
@@ -42,13 +43,18 @@ from torch.func import functional_call
 
 from macrogen.runtime import groups
 from macrogen.runtime.eager import eager
+from macrogen.runtime.expert_modules import (
+    AVERAGED_HERE,
+    deal_expert_lists,
+    expert_lists,
+    list_problem,
+)
 from macrogen.runtime.expert_routing import ExpertRouter, Traffic
 from macrogen.runtime.mesh import Mesh
 from macrogen.runtime.parallelize.engine import dtensor_parameter, replicate_the_rest
 from macrogen.runtime.parallelize.local import attach, weakly_bound
 
 EXPERT_PARALLEL = "_mg_expert_parallel"  # on the model: its ExpertParallel
-AVERAGED_HERE = "_mg_averaged_by_experts"  # on an expert parameter: data parallel leaves it
 SWAPPED = "_mg_expert_swap"  # on an experts module: (name, DTensor) while its forward runs
 
 
@@ -98,8 +104,14 @@ def apply_expert_parallel(
     if expert_parallel_of(model) is not None:
         raise RuntimeError(f"mg.parallelize at {where}: this model is expert-parallel already")
     found = experts_modules(model)
-    if not found:
-        raise ValueError(f"mg.parallelize at {where}: ep={ep}: {_no_experts(model)}")
+    lists = expert_lists(model)  # experts in an nn.ModuleList: expert_modules
+    if not found and not lists:
+        raise ValueError(f"mg.parallelize at {where}: ep={ep}: {_no_experts()}")
+    for name, block in lists:
+        n = len(block._modules["experts"])  # type: ignore[arg-type]
+        problem = list_problem(block) if n % ep == 0 else f"ep={ep} does not divide its {n} experts"
+        if problem is not None:
+            raise ValueError(f"mg.parallelize at {where}: ep={ep}: {name}: {problem}")
     for name, module in found:
         n = module.__dict__["num_experts"]
         if n % ep:
@@ -128,14 +140,21 @@ def apply_expert_parallel(
             f"mg.parallelize at {where}: ep={ep} with dp={dp!r} is not supported yet: expert"
             ' parallelism runs with dp="replicate" or "fsdp"'
         )
+    if lists and dp == "fsdp":
+        raise ValueError(
+            f"mg.parallelize at {where}: ep={ep}: {lists[0][0]}: ep over an nn.ModuleList of"
+            ' experts runs with dp="replicate" (stack the experts into one experts module for'
+            ' dp="fsdp")'
+        )
     state = _groups(ep, mesh.data_size)
     state.experts = found
     state.fully_sharded = dp == "fsdp"
     for _, module in found:
         _shard_experts(module, state)
+    state.experts += deal_expert_lists(lists, state, ExpertParameters)
     if not state.fully_sharded:  # (FSDP makes the rest DTensors over the data ranks)
         replicate_the_rest(model, state.device_mesh)
-        expert_ids = {id(m) for _, m in found}
+        expert_ids = {id(sub) for _, m in state.experts for sub in m.modules()}
         scope = [m for m in model.modules() if id(m) not in expert_ids]
         attach(model, scope, None)  # the rest of the model runs on local tensors
     model.__dict__[EXPERT_PARALLEL] = state
@@ -183,19 +202,11 @@ def _routed_call(module: nn.Module) -> bool:
     return len(positional) >= 4  # self, hidden, top_k_index, top_k_weights
 
 
-def _no_experts(model: nn.Module) -> str:
-    lists = [n for n, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and n.rsplit(".", 1)[-1] == "experts"]  # fmt: skip
-    if lists:
-        return (
-            f"{lists[0]} is an nn.ModuleList of experts: ep= takes experts with stacked"
-            " (experts, ...) parameters called as experts(hidden, top_k_index, top_k_weights)"
-            " (transformers 5's MoE experts); stack the list into one such module"
-        )
+def _no_experts() -> str:
     return (
         "the model has no experts module (stacked (experts, ...) parameters, an int num_experts,"
-        " called as experts(hidden, top_k_index, top_k_weights)): ep applies to mixture-of-"
-        "experts models"
+        " called as experts(hidden, top_k_index, top_k_weights)) and no block with an"
+        " nn.ModuleList named experts: ep applies to mixture-of-experts models"
     )
 
 
