@@ -266,7 +266,11 @@ class ExpertList(ExpertCalls):
             whole = torch.stack([p.detach() for p in serial]).requires_grad_(
                 serial[0].requires_grad
             )
-            local = whole[first : first + self.num_experts].contiguous()
+            # a copy, not a view at an offset of the stack (as ``_shard_experts``: DCP's async
+            # save takes a DTensor over such a view for a plain tensor's storage)
+            local = whole[first : first + self.num_experts].clone(
+                memory_format=torch.contiguous_format
+            )
             param = dtensor_parameter(whole, local, [Replicate(), Shard(0)], state.device_mesh)
             setattr(param, AVERAGED_HERE, True)
             owner: nn.Module = self
