@@ -11,7 +11,6 @@ With the opt-in RPC transport, the listeners are on loopback, never every interf
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -19,60 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.probes.sockets import WILDCARDS, listeners, send_junk
 from tests.distributed import run_script
 from tests.param_server_probe_train import serial
 
 SCRIPT = str(Path(__file__).with_name("param_server_probe_train.py"))
-WILDCARDS = ("0.0.0.0", "::")
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/net"), reason="Linux's /proc")
-
-
-def _socket_inodes(pid: int) -> set[int]:
-    found = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            found.add(int(target[8:-1]))
-    return found
-
-
-def _address(hexaddr: str, v6: bool) -> tuple[str, int]:
-    ip, port = hexaddr.split(":")
-    raw = bytes.fromhex(ip)
-    if v6:  # four 32-bit words, each in host (little-endian) order
-        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
-        return socket.inet_ntop(socket.AF_INET6, raw), int(port, 16)
-    return socket.inet_ntop(socket.AF_INET, raw[::-1]), int(port, 16)
-
-
-def listeners(pids: list[int]) -> list[tuple[int, str, int]]:
-    """(pid, address, port) of every TCP socket in LISTEN state that these processes hold."""
-    found = []
-    for pid in pids:
-        inodes = _socket_inodes(pid)
-        for table, v6 in (("tcp", False), ("tcp6", True)):
-            with open(f"/proc/{pid}/net/{table}") as f:
-                next(f)
-                for line in f:
-                    fields = line.split()
-                    if fields[3] == "0A" and int(fields[9]) in inodes:  # 0A: LISTEN
-                        found.append((pid, *_address(fields[1], v6)))
-    return found
-
-
-def _junk(host: str, port: int) -> None:
-    host = "127.0.0.1" if host in WILDCARDS else host
-    payloads = [os.urandom(320), b"\xff" * 320, os.urandom(64 * 1024), b"\x00" * 8 + b"\xff" * 8]
-    for payload in payloads:
-        try:
-            with socket.create_connection((host, port), timeout=2) as s:
-                s.sendall(payload)
-                time.sleep(0.02)
-        except OSError:
-            pass  # refused or reset: the port did not take it, which is fine
 
 
 def _start(tmp: Path, transport: str) -> tuple[threading.Thread, dict]:
@@ -115,7 +66,7 @@ def test_junk_on_every_port_of_a_server_job_leaves_it_training_to_the_serial_res
         assert ports, "the job listens nowhere? (the probe would prove nothing)"
         assert not [p for p in ports if p[1] in WILDCARDS], f"a wildcard listener: {ports}"
         for _, host, port in ports:
-            _junk(host, port)
+            send_junk(host, port)
     finally:
         _finish(thread, outcome)
     got, want = torch.load(tmp_path / "state.pt"), serial(6)
