@@ -43,8 +43,8 @@ def __getattr__(name: str) -> Any:
         from macrogen.runtime.mesh import mesh
 
         return mesh
-    if name == "clip_grad_norm_":  # serial: torch's; shard_optimizer: the averaged gradients' norm
-        from macrogen.runtime.zero import clip_grad_norm_
+    if name == "clip_grad_norm_":  # the serial norm: sharded optimizers, several meshes
+        from macrogen.runtime.clip import clip_grad_norm_
 
         return clip_grad_norm_
     raise AttributeError(f"module 'macrogen' has no attribute {name!r}")

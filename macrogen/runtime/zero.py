@@ -523,24 +523,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )
 
 
-def clip_grad_norm_(
-    optimizer: torch.optim.Optimizer,
-    max_norm: float,
-    norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
-) -> torch.Tensor:
-    """Clip ``optimizer``'s gradients as the serial program would, sharded or not.
-
-    A ``ShardedOptimizer``'s own ``clip_grad_norm_`` (the averaged gradients' norm);
-    otherwise torch's over the optimizer's parameters (the unexpanded program, world size 1).
-    """
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-
-
 def shard_optimizer(
     optimizer: torch.optim.Optimizer, *, where: str = "shard_optimizer"
 ) -> torch.optim.Optimizer:
