@@ -49,7 +49,9 @@ def clip_grad_norm_(
         )
     norms = [_norm(ps, mesh, norm_type, foreach) for mesh, ps in groups.items()]
     device = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    total: torch.Tensor = torch.linalg.vector_norm(
+        torch.stack([n.to(device) for n in norms]), norm_type
+    )
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite,"
@@ -75,13 +77,14 @@ def _norm(
     ps: list[torch.Tensor], mesh: Any, norm_type: float, foreach: bool | None
 ) -> torch.Tensor:
     """The norm of ``ps``' gradients as a plain tensor, the same on every rank of ``mesh``."""
-    grads = [p.grad for p in ps]
+    grads = [p.grad for p in ps if p.grad is not None]
     if mesh is None:
         return torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
     if norm_type == float("inf"):  # torch's raises on a rank whose FSDP shard is empty
         return _max_norm(grads, mesh)
     norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    whole: torch.Tensor = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return whole
 
 
 def _max_norm(grads: list[Any], mesh: Any) -> torch.Tensor:
