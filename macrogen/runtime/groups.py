@@ -27,7 +27,6 @@ naming the rank and the setting that differ).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import errno
@@ -39,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from macrogen.runtime import environment
+from macrogen.runtime import environment, shutdown
 
 BACKEND_ENV = "MACROGEN_BACKEND"  # e.g. "gloo", "nccl", "cpu:gloo,cuda:nccl"; unset: chosen here
 TIMEOUT_ENV = "MACROGEN_TIMEOUT"  # seconds a rank waits for the others; unset: torch's default
@@ -190,16 +189,7 @@ def init(where: Placement, **kwargs: Any) -> None:
     if "store" not in kwargs and launched_by_torchrun():
         kwargs.update(_attempt_store(where))
     dist.init_process_group(backend=where.backend, timeout=timeout(), **kwargs)
-    # The group macrogen made, macrogen destroys at exit: a process left to tear down live
-    # gloo groups in its interpreter's shutdown was seen to abort ("terminate called without an
-    # active exception") after a program that never called destroy_process_group.
-    atexit.register(_destroy_at_exit)
-
-
-def _destroy_at_exit() -> None:
-    if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+    shutdown.at_exit()  # the group macrogen made, macrogen destroys at exit (see shutdown.py)
 
 
 def _attempt_store(where: Placement) -> dict[str, Any]:

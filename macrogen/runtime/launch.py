@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from macrogen.runtime import environment, groups
+from macrogen.runtime import environment, groups, shutdown
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ def launch() -> Launch:
     own_group = dist.is_available() and dist.is_initialized()
     if not groups.ensure_initialized():  # not under torchrun, no group of the program's own
         groups.init(where, store=dist.HashStore(), rank=0, world_size=1)
+    shutdown.at_exit()  # the program's own group too: gloo's threads put down before exit
     device = torch.device(where.device)
     if own_group and where.cuda_ordinal is not None:
         if torch.cuda.is_initialized():  # the program chose its GPU: keep it
