@@ -24,10 +24,18 @@ def test_the_expansion_deals_experts_before_data_parallel():
     assert "apply_expert_parallel" not in expand("import macrogen as mg\nm = mg.parallelize(m)\n")
 
 
+def test_ep_with_tp_deals_the_experts_after_tensor_parallel_cut_them():
+    code = expand("import macrogen as mg\nm = mg.parallelize(m, tp=2, ep=2, tp_plan='hf')\n")
+    tp = code.index("apply_tensor_parallel(model, mesh, hf_plan(model)")
+    ep = code.index("apply_expert_parallel(model, mesh, ep=2, where='test.py:2')")
+    assert tp < ep < code.index("apply_data_parallel(model, mesh, 'replicate'")
+
+
 @pytest.mark.parametrize(
     "arguments, named",
     [
-        ("tp=2, tp_plan='hf'", "tp"),
+        ("tp=2, tp_plan='hf', dp='fsdp'", "dp"),
+        ("tp=2, tp_plan='hf', dp='zero1'", "dp"),
         ("pp=2, microbatches=2", "pp"),
         ("dp='zero1'", "dp"),
         ("dp='fsdp', dp_replicate=2", "dp_replicate"),
@@ -39,6 +47,13 @@ def test_what_ep_does_not_compose_with_yet_is_an_expansion_error(arguments, name
         f"import macrogen as mg\nm = mg.parallelize(m, ep=2, {arguments})\n"
     )
     assert f"ep=2 with {named}=" in error and "not supported yet" in error, error
+
+
+def test_ep_with_tp_on_a_meta_model_is_an_expansion_error():
+    (error,) = expansion_errors(
+        "import macrogen as mg\nm = mg.parallelize(m, tp=2, ep=2, tp_plan='hf', init='model')\n"
+    )
+    assert "not yet with ep= and tp > 1: build the model with its values" in error, error
 
 
 def test_a_bad_degree_is_an_expansion_error():

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -87,6 +87,20 @@ def install(wrap: Wrap, group: dist.ProcessGroup) -> None:
                    width, wrap.name)  # fmt: skip
     forward = FORWARDS[style.kind]
     module.__dict__["forward"] = weakly_bound(forward, module, spec)
+
+
+def wrap_inside(
+    module: nn.Module, inner: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> bool:
+    """``module``'s style wrapper calls ``inner(own)`` where it called the module's own forward
+    ``own``, its collectives staying around it (expert parallelism routes inside a
+    tensor-parallel experts module). False: no style wraps ``module``."""
+    bound: Any = module.__dict__.get("forward")
+    spec = next(iter(getattr(bound, "args", ())), None)
+    if not isinstance(spec, Wrapped):
+        return False
+    module.__dict__["forward"] = weakly_bound(bound.fn, module, replace(spec, own=inner(spec.own)))
+    return True
 
 
 def _own(module: nn.Module) -> Callable[..., Any]:
