@@ -180,6 +180,7 @@ def _cases(rank, world, tmp):
     import torch.distributed as dist
     import transformers
 
+    from macrogen.runtime import mesh
     from macrogen.runtime.expert_parallel import expert_parallel_of
 
     transformers.logging.set_verbosity_error()
@@ -195,6 +196,7 @@ def _cases(rank, world, tmp):
         per_rank = ROWS // (world // tp)
         mine = slice(rank // tp * per_rank, (rank // tp + 1) * per_rank)
         start = time.perf_counter()
+        mesh.reset()  # (one mesh per program: each case is a program of its own)
         serial = _build(kind, bias)
         reference = copy.deepcopy(serial)
         model = getattr(module, how)(serial)
@@ -227,6 +229,7 @@ def _cases(rank, world, tmp):
             out[name].update(_on_the_grid(model, reference))
     per_rank = ROWS // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    mesh.reset()
     if world == 2 and not only:
         out["transformers' own ep"] = _against_transformers(module, mine)
         out["save_pretrained"] = _saved(module, Path(tmp), rank)
@@ -234,6 +237,7 @@ def _cases(rank, world, tmp):
         out["module list dropout"] = _dropout(module, mine)
         out["module list hit starved"] = _starved(module, mine)
     if world == 4 and not only:
+        mesh.reset()
         out["save_pretrained tp2"] = _saved(module, Path(tmp), rank, "tp2_ep2")
     return out
 
