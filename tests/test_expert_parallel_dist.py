@@ -239,7 +239,55 @@ def _cases(rank, world, tmp):
     if world == 4 and not only:
         mesh.reset()
         out["save_pretrained tp2"] = _saved(module, Path(tmp), rank, "tp2_ep2")
+        mesh.reset()
+        out["checkpoint tp2"] = _checkpointed(module, Path(tmp), rank)
     return out
+
+
+def _checkpointed(module, tmp, rank):
+    """tp x ep through ``resumable``'s DCP state (``checkpoint_state``: the packed experts saved
+    whole, cut again on load): saved after a step, loaded into another model's and AdamW's,
+    the parameters and the optimizer state come back exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    from macrogen.runtime import mesh
+    from macrogen.runtime.checkpoint_state import get_state, set_state
+    from tests.expert_models import batches
+
+    ids = batches(1, ROWS)[0][rank // 2 * 2 : rank // 2 * 2 + 2]  # (its data rank's rows)
+    trained = []
+    for seed in (0, 3):  # the saved model, and one to load into
+        mesh.reset()
+        model = module.tp2_ep2(_build("qwen2_moe", None) if seed == 0 else _shuffled(seed))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _loss(model, ids).backward()
+        opt.step()
+        opt.zero_grad()
+        trained.append((model, opt))
+    (model, opt), (other, other_opt) = trained
+    model_sd, optim_sd, _ = get_state(model, [opt], load=False)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "tp2_ep2_dcp"))
+    into = get_state(other, [other_opt], load=True)
+    dcp.load({"model": into[0], "optim": into[1]}, checkpoint_id=str(tmp / "tp2_ep2_dcp"))
+    set_state(other, [other_opt], *into)
+
+    def whole(m, o):
+        params = {n: _full(p.detach()) for n, p in m.named_parameters()}
+        states = {f"{n} {k}": _full(v) for n, p in m.named_parameters()
+                  for k, v in o.state[p].items() if k != "step"}  # fmt: skip
+        return {**params, **states}
+
+    return {"gap": _gap(whole(other, other_opt), whole(model, opt))}
+
+
+def _shuffled(seed):
+    """Qwen2-MoE with other values (normal draws from ``seed``)."""
+    torch.manual_seed(seed)
+    model = _build("qwen2_moe", None)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return model
 
 
 def _on_the_grid(model, reference):
@@ -430,6 +478,7 @@ def test_expert_parallel_with_data_parallel_equals_serial_on_4_ranks(tmp_path):
     grid = {("ep_replicate", "ep", "tensor")}
     for rank, rank_results in enumerate(results):
         assert rank_results["save_pretrained tp2"]["gap"] == 0, rank_results["save_pretrained tp2"]
+        assert rank_results["checkpoint tp2"]["gap"] == 0, rank_results["checkpoint tp2"]
         for name in ("qwen2_moe tp2", "plain tp2"):
             assert rank_results[name]["meshes"] == grid, rank_results[name]["meshes"]
             assert rank_results[name]["full state dict"] < 1e-10, rank_results[name]
