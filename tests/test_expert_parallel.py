@@ -56,6 +56,21 @@ def test_ep_with_tp_on_a_meta_model_is_an_expansion_error():
     assert "not yet with ep= and tp > 1: build the model with its values" in error, error
 
 
+def test_what_ep_with_tp_does_not_run_yet_is_refused_naming_it():
+    from macrogen.runtime.expert_modules import expert_lists
+    from macrogen.runtime.expert_tensor import tensor_problem
+
+    plain = experts_modules(PlainMoE())
+    assert tensor_problem(plain, [], "replicate") is None
+    assert "dp='fsdp' is not supported yet" in (tensor_problem(plain, [], "fsdp") or "")
+    listed = tensor_problem([], expert_lists(ListMoE()), "replicate") or ""
+    assert listed.startswith("blocks.0: ep over an nn.ModuleList of experts runs with tp=1"), listed
+    with torch.device("meta"):
+        meta = experts_modules(PlainMoE())
+    problem = tensor_problem(meta, [], "replicate") or ""
+    assert problem.startswith("blocks.0.experts.w_in: a model built on the meta device"), problem
+
+
 def test_a_bad_degree_is_an_expansion_error():
     (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, ep=0)\n")
     assert "ep" in error and "an int >= 1" in error

@@ -31,7 +31,8 @@ forward again in backward, ``macrogen.runtime.recompute``; an int N: every N-th 
 the first, 1 being "blocks"); ``verify`` (False; True: a serial copy of the model is made
 first and the first forward's output is compared with its own, ``macrogen.runtime.first_forward``);
 ``ep`` (1; E > 1: a mixture of experts' experts dealt whole over E data ranks, tokens routed
-to them by all-to-all, ``macrogen.runtime.expert_parallel``);
+to them by all-to-all, ``macrogen.runtime.expert_parallel``; with tp > 1 each expert is also
+cut by the tp plan inside, ``macrogen.runtime.expert_tensor``);
 ``init`` (None; ``mg.load(path)`` or ``"model"``: a model built on the meta device gets storage
 for this rank's shards after tensor parallel and FSDP, and its values from the checkpoint folder
 or its own initializer, ``macrogen.runtime.materialize``; program code, kept in the call);

@@ -16,6 +16,11 @@ parallel does; what changes is where the experts live:
   whole-model tools) and the model's forward runs on local tensors (``parallelize.local``);
   data parallel averages those gradients over all D data ranks, as without ``ep``.
 
+With tp > 1 (``expert_tensor``) the grid is made once per tensor rank, ("ep_replicate", "ep",
+"tensor"): the experts keep the tensor-parallel plan's cut inside each expert, their routing
+runs inside the plan's experts wrapper, and every other parameter keeps its tensor-parallel
+placement on the grid.
+
 With ``dp="fsdp"`` the experts are ``Shard(0)`` over ``ep`` alone and FSDP2 shards each experts
 module over its replica group, the rest of the model over every data rank (torchtitan's
 layout; ``ExpertParallel.fully_shard_experts``, called by ``apply_fully_sharded``). A model built
