@@ -59,6 +59,10 @@ SOURCE = textwrap.dedent(
             "blocks.*.experts": "moe_experts",
             "blocks.*.router": "replicate",
         })
+
+
+    def tp2_ep2_whole(model):  # the experts out of the plan: whole on each tensor rank
+        return mg.parallelize(model, tp=2, ep=2, tp_plan={"head": "colwise_gather_output"})
     """
 )
 
@@ -87,8 +91,13 @@ CASES = {  # name: (model, router bias, parallelize function, ranks)
     # rounding of the attention's tensor-parallel sum reaches the routing weights as float32's)
     "mixtral tp2": ("mixtral exact", None, "tp2_ep2", (4,)),
     "plain tp2": ("plain", None, "tp2_ep2_plain", (4,)),  # a hand plan
+    "plain tp2 whole experts": ("plain", None, "tp2_ep2_whole", (4,)),
 }
-TENSOR = {"tp2_ep2": 2, "tp2_ep2_plain": 2}  # the tensor-parallel ways of a parallelize function
+TENSOR = {
+    "tp2_ep2": 2,
+    "tp2_ep2_plain": 2,
+    "tp2_ep2_whole": 2,
+}  # the tensor-parallel ways of a parallelize function
 
 
 def _full(t):
@@ -479,12 +488,15 @@ def test_expert_parallel_with_data_parallel_equals_serial_on_4_ranks(tmp_path):
     for rank, rank_results in enumerate(results):
         assert rank_results["save_pretrained tp2"]["gap"] == 0, rank_results["save_pretrained tp2"]
         assert rank_results["checkpoint tp2"]["gap"] == 0, rank_results["checkpoint tp2"]
-        for name in ("qwen2_moe tp2", "plain tp2"):
+        for name in ("qwen2_moe tp2", "plain tp2", "plain tp2 whole experts"):
             assert rank_results[name]["meshes"] == grid, rank_results[name]["meshes"]
             assert rank_results[name]["full state dict"] < 1e-10, rank_results[name]
         assert rank_results["qwen2_moe tp2"]["expert placements"] == [
             "(Replicate(), Shard(dim=0), Shard(dim=2))",  # down_proj: rowwise
             "(Replicate(), Shard(dim=0), _StridedShard(dim=1, sf=2))",  # gate_up_proj: packed
         ], rank_results["qwen2_moe tp2"]["expert placements"]
+        assert rank_results["plain tp2 whole experts"]["expert placements"] == [
+            "(Replicate(), Shard(dim=0), Replicate())"
+        ]
         # every pair to data rank 0's experts: data rank 1's tensor ranks (2, 3) run none
         assert (rank_results["qwen2_moe tp2 one rank"]["bytes"]["combined"] == 0) == (rank >= 2)
