@@ -59,7 +59,7 @@ from macrogen.runtime.expert_tensor import rest_onto_grid, tensor_cut, tensor_pr
 from macrogen.runtime.mesh import Mesh
 from macrogen.runtime.parallelize.engine import dtensor_parameter, replicate_the_rest
 from macrogen.runtime.parallelize.local import attach, weakly_bound
-from macrogen.runtime.parallelize.styles import wrap_inside
+from macrogen.runtime.parallelize.styles import unstyled, wrap_inside
 
 EXPERT_PARALLEL = "_mg_expert_parallel"  # on the model: its ExpertParallel
 SWAPPED = "_mg_expert_swap"  # on an experts module: (name, DTensor) while its forward runs
@@ -247,17 +247,14 @@ def weighted_output_problem(module: nn.Module) -> str | None:
     weights = torch.rand(5, k, generator=generator, dtype=torch.float64).to(device)
     n = module.__dict__["num_experts"]
     object.__setattr__(module, "num_experts", k)  # the copy's experts
-    wrapped = module.__dict__.pop("forward", None)  # tp > 1: its class's forward, on whole experts
-    try:
-        with torch.no_grad():
+    try:  # (tp > 1: without the plan's collectives, on whole experts)
+        with torch.no_grad(), unstyled(module):
             whole = functional_call(module, params, (x, index, weights))
             parts = [functional_call(module, params, (x, index[:, j : j + 1], weights[:, :1] * 0 + 1))
                      * weights[:, j : j + 1] for j in range(k)]  # fmt: skip
             some = functional_call(module, params, (x[:3], index[:3], weights[:3]))
     finally:
         object.__setattr__(module, "num_experts", n)
-        if wrapped is not None:
-            module.__dict__["forward"] = wrapped
     scale = whole.abs().max().item() + 1e-30
     if (whole - sum(parts)).abs().max().item() > 1e-9 * scale:
         return (
