@@ -139,23 +139,28 @@ def transformers_model(model_type: str) -> nn.Module:
     return build(family, shrunk_config(family))
 
 
-def biased_forward(router: nn.Module, bias: torch.Tensor, hidden_states: torch.Tensor) -> Any:
-    """transformers' top-k router (Qwen2-MoE's, Mixtral's) with ``bias`` added to its logits."""
+def biased_forward(
+    router: nn.Module, bias: torch.Tensor, hidden_states: torch.Tensor, exact: bool = False
+) -> Any:
+    """transformers' top-k router (Qwen2-MoE's, Mixtral's) with ``bias`` added to its logits;
+    ``exact``: its softmax in the model's dtype, not float32 (whose rounding turns a float64
+    summation-order difference upstream, tensor parallelism's, into a float32-sized one)."""
     hidden_states = hidden_states.reshape(-1, router.hidden_dim)
     logits = F.linear(hidden_states, router.weight) + bias
-    probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+    probs = torch.softmax(logits, dtype=logits.dtype if exact else torch.float, dim=-1)
     top, index = torch.topk(probs, router.top_k, dim=-1)
     if getattr(router, "norm_topk_prob", True):
         top = top / top.sum(dim=-1, keepdim=True)
     return logits, top.to(logits.dtype), index
 
 
-def bias_routers(model: nn.Module, bias: list[float]) -> None:
-    """Every top-k router of ``model`` favours the experts ``bias`` favours (in place)."""
+def bias_routers(model: nn.Module, bias: list[float], exact: bool = False) -> None:
+    """Every top-k router of ``model`` favours the experts ``bias`` favours (in place);
+    ``exact``: with its softmax in the model's dtype (``biased_forward``)."""
     for module in model.modules():
         if type(module).__name__.endswith("TopKRouter"):
             b = torch.tensor(bias, dtype=module.weight.dtype)
-            module.forward = functools.partial(biased_forward, module, b)
+            module.forward = functools.partial(biased_forward, module, b, exact=exact)
 
 
 def batches(steps: int, rows: int, vocab: int = 64) -> list[torch.Tensor]:

@@ -24,10 +24,18 @@ def test_the_expansion_deals_experts_before_data_parallel():
     assert "apply_expert_parallel" not in expand("import macrogen as mg\nm = mg.parallelize(m)\n")
 
 
+def test_ep_with_tp_deals_the_experts_after_tensor_parallel_cut_them():
+    code = expand("import macrogen as mg\nm = mg.parallelize(m, tp=2, ep=2, tp_plan='hf')\n")
+    tp = code.index("apply_tensor_parallel(model, mesh, hf_plan(model)")
+    ep = code.index("apply_expert_parallel(model, mesh, ep=2, where='test.py:2')")
+    assert tp < ep < code.index("apply_data_parallel(model, mesh, 'replicate'")
+
+
 @pytest.mark.parametrize(
     "arguments, named",
     [
-        ("tp=2, tp_plan='hf'", "tp"),
+        ("tp=2, tp_plan='hf', dp='fsdp'", "dp"),
+        ("tp=2, tp_plan='hf', dp='zero1'", "dp"),
         ("pp=2, microbatches=2", "pp"),
         ("dp='zero1'", "dp"),
         ("dp='fsdp', dp_replicate=2", "dp_replicate"),
@@ -39,6 +47,28 @@ def test_what_ep_does_not_compose_with_yet_is_an_expansion_error(arguments, name
         f"import macrogen as mg\nm = mg.parallelize(m, ep=2, {arguments})\n"
     )
     assert f"ep=2 with {named}=" in error and "not supported yet" in error, error
+
+
+def test_ep_with_tp_on_a_meta_model_is_an_expansion_error():
+    (error,) = expansion_errors(
+        "import macrogen as mg\nm = mg.parallelize(m, tp=2, ep=2, tp_plan='hf', init='model')\n"
+    )
+    assert "not yet with ep= and tp > 1: build the model with its values" in error, error
+
+
+def test_what_ep_with_tp_does_not_run_yet_is_refused_naming_it():
+    from macrogen.runtime.expert_modules import expert_lists
+    from macrogen.runtime.expert_tensor import tensor_problem
+
+    plain = experts_modules(PlainMoE())
+    assert tensor_problem(plain, [], "replicate") is None
+    assert "dp='fsdp' is not supported yet" in (tensor_problem(plain, [], "fsdp") or "")
+    listed = tensor_problem([], expert_lists(ListMoE()), "replicate") or ""
+    assert listed.startswith("blocks.0: ep over an nn.ModuleList of experts runs with tp=1"), listed
+    with torch.device("meta"):
+        meta = experts_modules(PlainMoE())
+    problem = tensor_problem(meta, [], "replicate") or ""
+    assert problem.startswith("blocks.0.experts.w_in: a model built on the meta device"), problem
 
 
 def test_a_bad_degree_is_an_expansion_error():

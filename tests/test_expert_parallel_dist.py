@@ -17,6 +17,7 @@ states: tokens x top_k x hidden x 8 bytes each way, forward, and again in backwa
 from __future__ import annotations
 
 import copy
+import os
 import re
 import textwrap
 import time
@@ -46,6 +47,23 @@ SOURCE = textwrap.dedent(
 
     def ep2_fsdp(model):
         return mg.parallelize(model, ep=2, dp="fsdp")
+
+
+    def tp2_ep2(model):
+        return mg.parallelize(model, tp=2, ep=2, tp_plan="hf")
+
+
+    def tp2_ep2_plain(model):
+        return mg.parallelize(model, tp=2, ep=2, tp_plan={
+            "blocks.*.experts.w_in": "colwise",
+            "blocks.*.experts.w_out": "rowwise",
+            "blocks.*.experts": "moe_experts",
+            "blocks.*.router": "replicate",
+        })
+
+
+    def tp2_ep2_whole(model):  # the experts out of the plan: whole on each tensor rank
+        return mg.parallelize(model, tp=2, ep=2, tp_plan={"head": "colwise_gather_output"})
     """
 )
 
@@ -66,7 +84,21 @@ CASES = {  # name: (model, router bias, parallelize function, ranks)
     "plain fsdp": ("plain", None, "ep2_fsdp", (4,)),
     "module list": ("list", None, "ep2", (2, 4)),  # experts in nn.ModuleLists, expert 3 starved
     "module list hit": ("list hit", None, "ep2", (2,)),  # only the experts hit: none starved
+    # tp=2 inside the experts x ep=2 over the data ranks (4 ranks: 2 data x 2 tensor)
+    "qwen2_moe tp2": ("qwen2_moe", None, "tp2_ep2", (4,)),
+    "qwen2_moe tp2 skewed": ("qwen2_moe", SKEWED, "tp2_ep2", (4,)),
+    "qwen2_moe tp2 one rank": ("qwen2_moe", ONE_RANK, "tp2_ep2", (4,)),
+    # (its router's softmax in float64: in float32, as transformers computes it, the float64
+    # rounding of the attention's tensor-parallel sum reaches the routing weights as float32's)
+    "mixtral tp2": ("mixtral exact", None, "tp2_ep2", (4,)),
+    "plain tp2": ("plain", None, "tp2_ep2_plain", (4,)),  # a hand plan
+    "plain tp2 whole experts": ("plain", None, "tp2_ep2_whole", (4,)),
 }
+TENSOR = {
+    "tp2_ep2": 2,
+    "tp2_ep2_plain": 2,
+    "tp2_ep2_whole": 2,
+}  # the tensor-parallel ways of a parallelize function
 
 
 def _full(t):
@@ -79,9 +111,11 @@ def _build(kind, bias):
     torch.manual_seed(0)
     if kind.startswith("list"):
         return ListMoE(hit=kind == "list hit", starved=None if kind == "list hit" else 3)
+    exact = kind.endswith(" exact")  # routers' softmax in float64 (expert_models.biased_forward)
+    kind = kind.removesuffix(" exact")
     model = PlainMoE() if kind == "plain" else transformers_model(kind)
-    if bias is not None:
-        bias_routers(model, bias)
+    if bias is not None or exact:
+        bias_routers(model, bias or [0.0] * 4, exact=exact)
     return model
 
 
@@ -140,19 +174,23 @@ def _cases(rank, world, tmp):
     import torch.distributed as dist
     import transformers
 
+    from macrogen.runtime import mesh
     from macrogen.runtime.expert_parallel import expert_parallel_of
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     torch.set_default_dtype(torch.float64)
     module = load_module(expand(SOURCE), f"ep_parity_{rank}", Path(tmp))
-    per_rank = ROWS // world
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    only = os.environ.get("MG_EP_CASES")  # (a quick run of some cases: "qwen2_moe tp2,plain")
     out = {}
     for name, (kind, bias, how, worlds) in CASES.items():
-        if world not in worlds:
+        if world not in worlds or (only and name not in only.split(",")):
             continue
+        tp = TENSOR.get(how, 1)  # the tensor ranks of a data rank train on its rows
+        per_rank = ROWS // (world // tp)
+        mine = slice(rank // tp * per_rank, (rank // tp + 1) * per_rank)
         start = time.perf_counter()
+        mesh.reset()  # (one mesh per program: each case is a program of its own)
         serial = _build(kind, bias)
         reference = copy.deepcopy(serial)
         model = getattr(module, how)(serial)
@@ -183,13 +221,84 @@ def _cases(rank, world, tmp):
             "bytes": _bytes(model, state, mine, kind),
             "evaluation": _evaluation(model, reference, mine),
         }
-    if world == 2:
+        if tp > 1:
+            out[name].update(_on_the_grid(model, reference))
+    per_rank = ROWS // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    mesh.reset()
+    if world == 2 and not only:
         out["transformers' own ep"] = _against_transformers(module, mine)
         out["save_pretrained"] = _saved(module, Path(tmp), rank)
         out["module list load_state_dict"] = _reloaded(module)
         out["module list dropout"] = _dropout(module, mine)
         out["module list hit starved"] = _starved(module, mine)
+    if world == 4 and not only:
+        mesh.reset()
+        out["save_pretrained tp2"] = _saved(module, Path(tmp), rank, "tp2_ep2")
+        mesh.reset()
+        out["checkpoint tp2"] = _checkpointed(module, Path(tmp), rank)
     return out
+
+
+def _checkpointed(module, tmp, rank):
+    """tp x ep through ``resumable``'s DCP state (``checkpoint_state``: the packed experts saved
+    whole, cut again on load): saved after a step, loaded into another model's and AdamW's,
+    the parameters and the optimizer state come back exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    from macrogen.runtime import mesh
+    from macrogen.runtime.checkpoint_state import get_state, set_state
+    from tests.expert_models import batches
+
+    ids = batches(1, ROWS)[0][rank // 2 * 2 : rank // 2 * 2 + 2]  # (its data rank's rows)
+    trained = []
+    for seed in (0, 3):  # the saved model, and one to load into
+        mesh.reset()
+        model = module.tp2_ep2(_build("qwen2_moe", None) if seed == 0 else _shuffled(seed))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _loss(model, ids).backward()
+        opt.step()
+        opt.zero_grad()
+        trained.append((model, opt))
+    (model, opt), (other, other_opt) = trained
+    model_sd, optim_sd, _ = get_state(model, [opt], load=False)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "tp2_ep2_dcp"))
+    into = get_state(other, [other_opt], load=True)
+    dcp.load({"model": into[0], "optim": into[1]}, checkpoint_id=str(tmp / "tp2_ep2_dcp"))
+    set_state(other, [other_opt], *into)
+
+    def whole(m, o):
+        params = {n: _full(p.detach()) for n, p in m.named_parameters()}
+        states = {f"{n} {k}": _full(v) for n, p in m.named_parameters()
+                  for k, v in o.state[p].items() if k != "step"}  # fmt: skip
+        return {**params, **states}
+
+    return {"gap": _gap(whole(other, other_opt), whole(model, opt))}
+
+
+def _shuffled(seed):
+    """Qwen2-MoE with other values (normal draws from ``seed``)."""
+    torch.manual_seed(seed)
+    model = _build("qwen2_moe", None)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return model
+
+
+def _on_the_grid(model, reference):
+    """tp x ep: every parameter on the one (ep_replicate, ep, tensor) mesh, the experts' cut on
+    both, and torch's full state dict (DCP's ``get_model_state_dict``) the serial one."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {
+        "meshes": {p.device_mesh.mesh_dim_names for p in model.parameters()},
+        "expert placements": sorted(
+            {str(tuple(p.placements)) for n, p in model.named_parameters() if ".experts." in n}
+        ),  # fmt: skip
+        "full state dict": _gap(full, reference.state_dict()),
+    }
 
 
 def _own_storage(state):
@@ -250,15 +359,15 @@ def _reloaded(module):
     return {"gap": _gap({k: _full(v) for k, v in model.state_dict().items()}, wanted)}
 
 
-def _saved(module, tmp, rank):
+def _saved(module, tmp, rank, how="ep2"):
     """``save_pretrained`` on every rank writes the serial weights; ``from_pretrained`` reads them."""
     import torch.distributed as dist
 
     reference = _build("qwen2_moe", None)
-    model = module.ep2(copy.deepcopy(reference))
-    model.save_pretrained(tmp / "saved", is_main_process=rank == 0)
+    model = getattr(module, how)(copy.deepcopy(reference))
+    model.save_pretrained(tmp / how, is_main_process=rank == 0)
     dist.barrier()
-    loaded = type(reference).from_pretrained(tmp / "saved", dtype=torch.float64)
+    loaded = type(reference).from_pretrained(tmp / how, dtype=torch.float64)
     return {"gap": _gap(loaded.state_dict(), reference.state_dict())}
 
 
@@ -362,3 +471,19 @@ def test_expert_parallel_with_data_parallel_equals_serial_on_4_ranks(tmp_path):
     results = run_ranks(_cases, 4, args=(str(tmp_path),), timeout=280)
     _check(results)
     assert results[0]["plain ep4"]["local experts"] == [1]
+    grid = {("ep_replicate", "ep", "tensor")}
+    for rank, rank_results in enumerate(results):
+        assert rank_results["save_pretrained tp2"]["gap"] == 0, rank_results["save_pretrained tp2"]
+        assert rank_results["checkpoint tp2"]["gap"] == 0, rank_results["checkpoint tp2"]
+        for name in ("qwen2_moe tp2", "plain tp2", "plain tp2 whole experts"):
+            assert rank_results[name]["meshes"] == grid, rank_results[name]["meshes"]
+            assert rank_results[name]["full state dict"] < 1e-10, rank_results[name]
+        assert rank_results["qwen2_moe tp2"]["expert placements"] == [
+            "(Replicate(), Shard(dim=0), Shard(dim=2))",  # down_proj: rowwise
+            "(Replicate(), Shard(dim=0), _StridedShard(dim=1, sf=2))",  # gate_up_proj: packed
+        ], rank_results["qwen2_moe tp2"]["expert placements"]
+        assert rank_results["plain tp2 whole experts"]["expert placements"] == [
+            "(Replicate(), Shard(dim=0), Replicate())"
+        ]
+        # every pair to data rank 0's experts: data rank 1's tensor ranks (2, 3) run none
+        assert (rank_results["qwen2_moe tp2 one rank"]["bytes"]["combined"] == 0) == (rank >= 2)

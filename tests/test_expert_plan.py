@@ -49,7 +49,9 @@ def test_ep_that_cannot_run_is_infeasible_with_its_reason():
     )
     assert layouts.infeasible(Layout(tp=2, ep=2), 6, moe) == "ep=2 does not divide the 3 data ranks"
     assert layouts.infeasible(Layout(tp=2, ep=3), 6, moe) is None
-    assert "not supported by mg.parallelize yet" in (layouts.unsupported(Layout(tp=2, ep=2)) or "")
+    assert layouts.unsupported(Layout(tp=2, ep=2)) is None  # (the experts cut inside by tp)
+    assert "fsdp is not supported" in (layouts.unsupported(Layout(tp=2, ep=2, dp="fsdp")) or "")
+    assert "not supported" in (layouts.unsupported(Layout(pp=2, ep=2, microbatches=4)) or "")
     assert layouts.unsupported(Layout(ep=2)) is None
     assert layouts.unsupported(Layout(ep=2, dp="fsdp")) is None  # (mg.parallelize runs it)
     assert "not supported" in (layouts.unsupported(Layout(ep=2, dp="zero1")) or "")
@@ -74,9 +76,21 @@ def test_plan_ranks_ep_layouts_of_a_mixture_of_experts():
     names = {row.layout.name(): row for row in rows}
     ep4 = names["tp1 pp1 replicate mb1 ep4"]
     assert ep4.prediction is not None and ep4.note is None
-    assert names["tp2 pp1 replicate mb1 ep2"].note is not None  # predicted, not runnable yet
+    assert names["tp2 pp1 replicate mb1 ep2"].note is None  # tp inside the experts x ep
+    assert names["tp2 pp1 fsdp mb1 ep2"].note is not None  # predicted, not runnable yet
     # replicated, every rank holds all 60 experts' AdamW states: over memory; ep=4 fits
     assert names["tp1 pp1 replicate mb1"].prediction is None
+
+
+def test_under_tp_each_rank_holds_its_cut_of_its_experts():
+    h100 = devices.parse_devices("8xH100")
+    experts = MOE.layers * MOE.block_expert_params
+    ep2 = scale.predict(MOE, Layout(ep=2), h100, 16).memory
+    tp2_ep2 = scale.predict(MOE, Layout(tp=2, ep=2), h100, 16).memory
+    tp2 = scale.predict(MOE, Layout(tp=2), h100, 16).memory
+    # the experts: 1/2 of them per rank under ep=2, 1/4 under tp=2 x ep=2, 1/2 under tp=2
+    assert ep2.weights - tp2_ep2.weights > 2 * experts / 4 > 0
+    assert tp2.weights - tp2_ep2.weights == pytest.approx(2 * experts / 4)
 
 
 def test_fsdp_shards_each_expert_over_its_replicas_only():

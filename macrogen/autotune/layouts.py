@@ -215,8 +215,10 @@ def pipeline_problem(values: Mapping[str, Any]) -> tuple[str | None, tuple[str, 
 
 def unsupported(layout: Layout) -> str | None:
     """Why ``mg.parallelize`` cannot run a feasible layout yet (it is predicted, not measured)."""
-    if layout.ep > 1 and (layout.tp > 1 or layout.pp > 1 or layout.dp not in ("replicate", "fsdp")):
-        return 'ep > 1 with tp, pp or dp "zero1" or "none" is not supported by mg.parallelize yet'
+    if layout.ep > 1 and (layout.pp > 1 or layout.dp not in ("replicate", "fsdp")):
+        return 'ep > 1 with pp or dp "zero1" is not supported by mg.parallelize yet'
+    if layout.ep > 1 and layout.tp > 1 and layout.dp != "replicate":
+        return 'ep > 1 with tp > 1 runs with dp="replicate": fsdp is not supported by mg.parallelize yet'
     return None
 
 

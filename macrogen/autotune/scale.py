@@ -25,8 +25,10 @@ m micro-batches and T tokens per micro-batch and data rank:
   traffic (twice the activations) at its memory bandwidth; tensor parallelism's 4
   collectives per block and micro-batch (2 more per recomputed block) of T x hidden
   bf16 values, on the critical path; with ``ep``, each MoE block's 4 all-to-alls (tokens
-  to their experts and back, forward and backward) of T x top_k x hidden bf16 values, the
-  experts' parameters / ep in memory; 1F1B's (m + pp - 1) micro-batch slots; sends of
+  to their experts and back, forward and backward) of T x top_k x hidden bf16 values (each
+  tensor rank routes its data rank's tokens over its own expert group; the experts' partial
+  sums are all-reduced over the tensor group as the MLP's are), the experts' parameters
+  / (tp x ep) in memory; 1F1B's (m + pp - 1) micro-batch slots; sends of
   one micro-batch's activations between stages; data parallelism's collectives in
   bf16, overlapped with the compute they can hide behind: the gradients' all-reduce
   (replicate; zero1's reduce-scatter + all-gather moves the same bytes) behind the
@@ -330,10 +332,11 @@ def _all_to_all_s(
 
 def _stage_params(spec: ModelSpec, tp: int, stage: int, pp: int, blocks: int, ep: int = 1) -> float:
     """Parameters on one rank of ``stage``: its blocks (the plan's layers / tp, the experts
-    / ep), the embedding on the first stage and the head on the last (vocabulary-split / tp)."""
-    sharded = spec.block_sharded_params
-    per_block = sharded / tp + (spec.block_params - sharded)
-    per_block -= spec.block_expert_params * (1 - 1 / ep) / tp
+    / (tp x ep): the plan cuts each expert inside, transformers' moe_tp_experts, and ep deals
+    them), the embedding on the first stage and the head on the last (vocabulary-split / tp).
+    (``block_sharded_params`` counts the plan's 2-D layers, not the 3-D experts.)"""
+    sharded, experts = spec.block_sharded_params, spec.block_expert_params
+    per_block = sharded / tp + (spec.block_params - sharded - experts) + experts / (tp * ep)
     rest = spec.params - spec.layers * spec.block_params - spec.embed_params - spec.head_params
     out = blocks * per_block
     if stage == 0:

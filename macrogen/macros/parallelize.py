@@ -31,7 +31,8 @@ forward again in backward, ``macrogen.runtime.recompute``; an int N: every N-th 
 the first, 1 being "blocks"); ``verify`` (False; True: a serial copy of the model is made
 first and the first forward's output is compared with its own, ``macrogen.runtime.first_forward``);
 ``ep`` (1; E > 1: a mixture of experts' experts dealt whole over E data ranks, tokens routed
-to them by all-to-all, ``macrogen.runtime.expert_parallel``);
+to them by all-to-all, ``macrogen.runtime.expert_parallel``; with tp > 1 each expert is also
+cut by the tp plan inside, ``macrogen.runtime.expert_tensor``);
 ``init`` (None; ``mg.load(path)`` or ``"model"``: a model built on the meta device gets storage
 for this rank's shards after tensor parallel and FSDP, and its values from the checkpoint folder
 or its own initializer, ``macrogen.runtime.materialize``; program code, kept in the call);
@@ -402,13 +403,14 @@ def _check_servers(
 
 
 def _check_experts(args: dict[str, Arg], values: dict[str, Any]) -> None:
-    """``ep=E > 1``: expert parallelism over the data ranks, averaged data parallel for the rest."""
+    """``ep=E > 1``: expert parallelism over the data ranks, averaged data parallel (or FSDP)
+    for the rest; with tp > 1 (the experts cut inside, ``runtime.expert_tensor``) averaged."""
     if values["ep"] == 1:
         return
+    tensor = values["tp"] != 1
     others = {
-        "tp": values["tp"] != 1,
         "pp": values["pp"] != 1,
-        "dp": values["dp"] not in ("replicate", "fsdp"),
+        "dp": values["dp"] not in (("replicate",) if tensor else ("replicate", "fsdp")),
         "dp_replicate": values["dp_replicate"] != 1,  # (HSDP: the experts' mesh has no room)
         "servers": values["servers"] != 0,
         "recompute": values["recompute"] not in (None, "none"),
@@ -419,24 +421,27 @@ def _check_experts(args: dict[str, Arg], values: dict[str, Any]) -> None:
     }
     clash = next((name for name, set_ in others.items() if set_), None)
     if clash is not None:
+        with_tp = f" (tp={values['tp']})" if tensor else ""
         raise MacroError(
-            f"ep={values['ep']} with {clash}={values.get(clash, 'auto')!r} is not supported yet:"
-            ' expert parallelism runs with tp=1, pp=1, dp="replicate" or "fsdp" (tp inside the'
-            ' experts: tp_plan="hf" without ep)',
+            f"ep={values['ep']} with {clash}={values.get(clash, 'auto')!r}{with_tp} is not"
+            ' supported yet: expert parallelism runs with pp=1 and dp="replicate", "fsdp" (tp=1)'
+            ' or "replicate" (tp > 1, the experts cut inside by the tp_plan)',
             (args.get(clash) or args["ep"]).node,
         )
 
 
 def _check_init(args: dict[str, Arg], values: dict[str, Any]) -> None:
     """``init=`` materializes a meta-device model after tensor parallel and FSDP (not yet
-    with a pipeline's cut, parameter servers or verify's serial copy)."""
-    blocked = [(n, w) for n, w in (("pp", values["pp"] > 1), ("servers", values["servers"] > 0),
-                                   ("verify", values["verify"])) if w]  # fmt: skip
+    with a pipeline's cut, parameter servers, verify's serial copy or experts cut by tp)."""
+    blocked = [(n, w) for n, w in (("pp=", values["pp"] > 1), ("servers=", values["servers"] > 0),
+                                   ("verify=", values["verify"]),
+                                   ("ep= and tp > 1", values["ep"] > 1 and values["tp"] > 1))
+               if w]  # fmt: skip
     if blocked:
         name = blocked[0][0]
         raise MacroError(
             f"init= (a meta-device model's values) goes with tp, dp and recompute; not yet with"
-            f" {name}=: build the model with its values for {name}=",
+            f" {name}: build the model with its values for {name}",
             args["init"].node,
         )
 

@@ -16,6 +16,11 @@ parallel does; what changes is where the experts live:
   whole-model tools) and the model's forward runs on local tensors (``parallelize.local``);
   data parallel averages those gradients over all D data ranks, as without ``ep``.
 
+With tp > 1 (``expert_tensor``) the grid is made once per tensor rank, ("ep_replicate", "ep",
+"tensor"): the experts keep the tensor-parallel plan's cut inside each expert, their routing
+runs inside the plan's experts wrapper, and every other parameter keeps its tensor-parallel
+placement on the grid.
+
 With ``dp="fsdp"`` the experts are ``Shard(0)`` over ``ep`` alone and FSDP2 shards each experts
 module over its replica group, the rest of the model over every data rank (torchtitan's
 layout; ``ExpertParallel.fully_shard_experts``, called by ``apply_fully_sharded``). A model built
@@ -50,9 +55,11 @@ from macrogen.runtime.expert_modules import (
     list_problem,
 )
 from macrogen.runtime.expert_routing import ExpertRouter, Traffic
+from macrogen.runtime.expert_tensor import rest_onto_grid, tensor_cut, tensor_problem
 from macrogen.runtime.mesh import Mesh
 from macrogen.runtime.parallelize.engine import dtensor_parameter, replicate_the_rest
 from macrogen.runtime.parallelize.local import attach, weakly_bound
+from macrogen.runtime.parallelize.styles import unstyled, wrap_inside
 
 EXPERT_PARALLEL = "_mg_expert_parallel"  # on the model: its ExpertParallel
 SWAPPED = "_mg_expert_swap"  # on an experts module: (name, DTensor) while its forward runs
@@ -67,7 +74,7 @@ class ExpertParallel:
     rank: int  # this rank's place in its expert group
     group: dist.ProcessGroup
     replica_group: dist.ProcessGroup
-    device_mesh: Any  # ("ep_replicate", "ep")
+    device_mesh: Any  # ("ep_replicate", "ep"), with tp > 1 ("ep_replicate", "ep", "tensor")
     experts: list[tuple[str, nn.Module]] = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)
     fully_sharded: bool = False  # dp="fsdp": each experts module FSDP over its replica group
@@ -124,11 +131,10 @@ def apply_expert_parallel(
             raise ValueError(f"mg.parallelize at {where}: ep={ep}: {name}: {problem}")
     if ep == 1 or not groups.ensure_initialized() or dist.get_world_size() == 1:
         return model
-    if mesh.tensor_size > 1 or mesh.pipeline_size > 1:
+    if mesh.pipeline_size > 1:
         raise ValueError(
-            f"mg.parallelize at {where}: ep={ep} with tp={mesh.tensor_size}, pp="
-            f"{mesh.pipeline_size} is not supported yet: expert parallelism runs over the data"
-            " ranks with tp=1, pp=1 (tp inside the experts: tp_plan='hf' without ep)"
+            f"mg.parallelize at {where}: ep={ep} with pp={mesh.pipeline_size} is not supported"
+            " yet: expert parallelism runs with pp=1"
         )
     if mesh.data_size % ep:
         raise ValueError(
@@ -140,23 +146,32 @@ def apply_expert_parallel(
             f"mg.parallelize at {where}: ep={ep} with dp={dp!r} is not supported yet: expert"
             ' parallelism runs with dp="replicate" or "fsdp"'
         )
+    if mesh.tensor_size > 1:  # tp inside the experts (expert_tensor)
+        problem = tensor_problem(found, lists, dp)
+        if problem is not None:
+            raise ValueError(
+                f"mg.parallelize at {where}: ep={ep} with tp={mesh.tensor_size}: {problem}"
+            )
     if lists and dp == "fsdp":
         raise ValueError(
             f"mg.parallelize at {where}: ep={ep}: {lists[0][0]}: ep over an nn.ModuleList of"
             ' experts runs with dp="replicate" (stack the experts into one experts module for'
             ' dp="fsdp")'
         )
-    state = _groups(ep, mesh.data_size)
+    state = _groups(ep, mesh)
     state.experts = found
     state.fully_sharded = dp == "fsdp"
     for _, module in found:
         _shard_experts(module, state)
     state.experts += deal_expert_lists(lists, state, ExpertParameters)
     if not state.fully_sharded:  # (FSDP makes the rest DTensors over the data ranks)
-        replicate_the_rest(model, state.device_mesh)
         expert_ids = {id(sub) for _, m in state.experts for sub in m.modules()}
         scope = [m for m in model.modules() if id(m) not in expert_ids]
-        attach(model, scope, None)  # the rest of the model runs on local tensors
+        if mesh.tensor_size > 1:  # tensor parallel's DTensors onto the grid, its swap rescoped
+            rest_onto_grid(model, scope, state.device_mesh)
+        else:
+            replicate_the_rest(model, state.device_mesh)
+            attach(model, scope, None)  # the rest of the model runs on local tensors
     model.__dict__[EXPERT_PARALLEL] = state
     _tell_transformers(model, ep)
     return model
@@ -232,8 +247,8 @@ def weighted_output_problem(module: nn.Module) -> str | None:
     weights = torch.rand(5, k, generator=generator, dtype=torch.float64).to(device)
     n = module.__dict__["num_experts"]
     object.__setattr__(module, "num_experts", k)  # the copy's experts
-    try:
-        with torch.no_grad():
+    try:  # (tp > 1: without the plan's collectives, on whole experts)
+        with torch.no_grad(), unstyled(module):
             whole = functional_call(module, params, (x, index, weights))
             parts = [functional_call(module, params, (x, index[:, j : j + 1], weights[:, :1] * 0 + 1))
                      * weights[:, j : j + 1] for j in range(k)]  # fmt: skip
@@ -256,7 +271,17 @@ def weighted_output_problem(module: nn.Module) -> str | None:
 
 
 def _probe_value(p: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
-    """The first ``k`` experts of ``p`` in float64; random ones of its shape when it has no values."""
+    """The first ``k`` experts of ``p`` in float64; random ones of its shape when it has no values.
+    A tensor-parallel cut of them (a DTensor, cut on another dim) is gathered (every rank
+    probes alike)."""
+    if isinstance(p, DTensor):
+        if p.to_local().is_meta:
+            return _probe_value(torch.empty(p.shape, device="meta"), k, generator)
+        shape = torch.Size((k, *p.shape[1:]))
+        first = DTensor.from_local(p.to_local().detach()[:k], p.device_mesh, p.placements,
+                                   run_check=False, shape=shape,
+                                   stride=torch.empty(shape, device="meta").stride())  # fmt: skip
+        return first.full_tensor().to(torch.float64)
     if not p.is_meta:
         return p.detach()[:k].to(torch.float64)
     scale = 1.0 / math.sqrt(max(p.shape[-1], 1))
@@ -272,28 +297,34 @@ def _hidden_size(module: nn.Module) -> int | None:
     return None
 
 
-def _groups(ep: int, data_size: int) -> ExpertParallel:
-    """The (replica x expert) grid's groups, made in the same order on every rank."""
+def _groups(ep: int, mesh: Mesh) -> ExpertParallel:
+    """The (replica x expert [x tensor]) grid's groups, made in the same order on every rank:
+    a data rank's tensor ranks are consecutive (``mesh``), so rank = data rank x T + tensor
+    rank, and each tensor rank has its own expert and replica groups."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    rank = dist.get_rank()
-    grid = torch.arange(data_size).view(data_size // ep, ep)
+    rank, data_size, tp = dist.get_rank(), mesh.data_size, mesh.tensor_size
+    grid = torch.arange(data_size * tp).view(data_size // ep, ep, tp)
     expert_group = replica_group = None
-    for line in grid.tolist():
+    for line in grid.transpose(1, 2).reshape(-1, ep).tolist():
         g = dist.new_group(line, timeout=groups.timeout())
         if rank in line:
             expert_group = g
-    for line in grid.t().tolist():
+    for line in grid.permute(1, 2, 0).reshape(-1, data_size // ep).tolist():
         g = dist.new_group(line, timeout=groups.timeout())
         if rank in line:
             replica_group = g
     assert expert_group is not None and replica_group is not None
     device_type = torch.device(groups.placement().device).type
+    dims: list[Any] = [replica_group, expert_group]
+    names: tuple[str, ...] = ("ep_replicate", "ep")
+    if tp > 1:
+        dims, names = [*dims, mesh.tensor_group], (*names, "tensor")
     device_mesh = DeviceMesh.from_group(
-        [replica_group, expert_group], device_type, mesh=grid,
-        mesh_dim_names=("ep_replicate", "ep"),
-    )  # fmt: skip
-    return ExpertParallel(ep, data_size // ep, rank % ep, expert_group, replica_group, device_mesh)
+        dims, device_type, mesh=grid if tp > 1 else grid[:, :, 0], mesh_dim_names=names
+    )
+    return ExpertParallel(ep, data_size // ep, (rank // tp) % ep, expert_group, replica_group,
+                          device_mesh)  # fmt: skip
 
 
 def _shard_experts(module: nn.Module, state: ExpertParallel) -> None:
@@ -301,22 +332,25 @@ def _shard_experts(module: nn.Module, state: ExpertParallel) -> None:
     its forward routes tokens to them."""
     for key, p in list(module._parameters.items()):
         assert p is not None
+        # tp > 1: this tensor rank's cut of every expert (expert_tensor), then its experts
+        source, inner = tensor_cut(p, state.device_mesh)
         # a copy, not a view of the serial tensor: the rank keeps its experts' bytes only, and
         # a DTensor over a view at an offset has a nonzero data_ptr() without storage, which
         # DCP's async staging takes for a plain tensor's (resumable's save failed on rank 1)
-        chunk = p.detach().chunk(state.size, dim=0)[state.rank]
+        chunk = source.chunk(state.size, dim=0)[state.rank]
         local = chunk.clone(memory_format=torch.contiguous_format)
         if state.fully_sharded:  # FSDP adds the replica dim
             param = dtensor_parameter(p, local, [Shard(0)], state.device_mesh["ep"])
         else:
-            param = dtensor_parameter(p, local, [Replicate(), Shard(0)], state.device_mesh)
+            param = dtensor_parameter(p, local, [Replicate(), Shard(0), *inner], state.device_mesh)
         setattr(param, AVERAGED_HERE, True)
         module._parameters[key] = param
     local_experts = module.__dict__["num_experts"] // state.size
     object.__setattr__(module, "num_experts", local_experts)  # its own forward: local ids
     router = ExpertRouter(state.group, state.rank, state.size, local_experts, state.traffic)
-    forward = type(module).forward
-    module.forward = weakly_bound(_routed_forward, module, router, forward)
+    # tensor parallel's experts wrapper (moe_experts) keeps its collectives around the routing
+    if not wrap_inside(module, functools.partial(Routed, router)):
+        module.forward = weakly_bound(_routed_forward, module, router, type(module).forward)
     module.register_forward_pre_hook(functools.partial(_to_local, state))
     module.register_forward_hook(_restore, always_call=True)
 
@@ -338,6 +372,17 @@ def _routed_forward(
         row = routes.recv_experts.new_zeros((1, 1))
         out = forward(me, recv.sum(dim=0, keepdim=True), row, ones.new_ones((1, 1)))[:0]
     return router.combine(out, routes, top_k_index, top_k_weights, hidden)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """``own``, the experts' forward, called on the tokens routed to this rank's experts."""
+
+    router: ExpertRouter
+    own: Any  # own(module, hidden, top_k_index, top_k_weights)
+
+    def __call__(self, me: nn.Module, *args: Any) -> torch.Tensor:
+        return _routed_forward(me, self.router, self.own, *args)
 
 
 class ExpertParameters(torch.autograd.Function):

@@ -28,9 +28,10 @@ untouched.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -87,6 +88,41 @@ def install(wrap: Wrap, group: dist.ProcessGroup) -> None:
                    width, wrap.name)  # fmt: skip
     forward = FORWARDS[style.kind]
     module.__dict__["forward"] = weakly_bound(forward, module, spec)
+
+
+def _style_of(module: nn.Module) -> tuple[Any, Wrapped | None]:
+    """The module's style wrapper (its instance forward) and what it wraps; None: no style."""
+    bound: Any = module.__dict__.get("forward")
+    spec = next(iter(getattr(bound, "args", ())), None)
+    return bound, spec if isinstance(spec, Wrapped) else None
+
+
+def wrap_inside(
+    module: nn.Module, inner: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> bool:
+    """``module``'s style wrapper calls ``inner(own)`` where it called the module's own forward
+    ``own``, its collectives staying around it (expert parallelism routes inside a
+    tensor-parallel experts module). False: no style wraps ``module``."""
+    bound, spec = _style_of(module)
+    if spec is None:
+        return False
+    module.__dict__["forward"] = weakly_bound(bound.fn, module, replace(spec, own=inner(spec.own)))
+    return True
+
+
+@contextlib.contextmanager
+def unstyled(module: nn.Module) -> Iterator[None]:
+    """``module`` called runs its own forward, without its style's collectives (a serial probe
+    of the layer on whole tensors); as it is when no style wraps it."""
+    bound, spec = _style_of(module)
+    if spec is None:
+        yield
+        return
+    module.__dict__["forward"] = functools.partial(spec.own, module)
+    try:
+        yield
+    finally:
+        module.__dict__["forward"] = bound
 
 
 def _own(module: nn.Module) -> Callable[..., Any]:
