@@ -207,6 +207,7 @@ def _cases(rank, world, tmp):
             "norms": max(
                 abs(a - b) / max(abs(b), 1.0) for a, b in zip(got[1], want[1])
             ),  # relative
+            "norm pairs": list(zip(got[1], want[1])),
             "gradients": _gap(got[2], want[2]),
             "parameters": _gap(got[3], want[3]),
             "numel": sum(p.numel() for p in model.parameters())
@@ -431,7 +432,7 @@ def _check(results):
     for name, gaps in [(n, g) for r in results for n, g in r.items() if "gap" not in g]:
         # (transformers computes its loss in float32, on purpose: its rounding, in another order)
         assert gaps["losses"] < (1e-5 if gaps["float32 loss"] else 1e-10), (name, gaps)
-        assert gaps["norms"] < 1e-10, (name, gaps)
+        assert gaps["norms"] < 1e-10, (name, gaps["norm pairs"])
         assert gaps["gradients"] < 1e-10, (name, gaps)
         assert gaps["parameters"] < 1e-10, (name, gaps)
         assert gaps["evaluation"] < (1e-5 if gaps["float32 loss"] else 1e-10), (name, gaps)
