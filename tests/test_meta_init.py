@@ -135,3 +135,15 @@ def test_init_with_servers_or_verify_is_refused_at_its_argument(given):
             model = mg.parallelize(model, {given}, init="model")
             """
         )
+
+
+def test_a_meta_model_is_checked_before_the_cut_on_fake_tensors():
+    """A meta Llama's stages run on shapes (no values); a mixture's routing reads values."""
+    pytest.importorskip("transformers")
+    from macrogen.runtime.pipeline_transformers import transformers_cut
+    from tests import meta_models
+
+    cut = transformers_cut(meta_models.meta_model("llama"), 2, where="train.py:3")
+    assert cut.describe().startswith("stage 0: model.embed_tokens, model.layers.0 | stage 1")
+    with pytest.raises(ValueError, match=r"meta device, and its forward can't run on shapes alo"):
+        transformers_cut(meta_models.meta_model("qwen2_moe"), 2, where="train.py:3")
