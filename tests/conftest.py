@@ -61,7 +61,10 @@ EXTENDED = {
     "test_meta_pipelines_in_every_combination_equal_the_serial_program",
     # peak RSS of a 306 MB model built on meta and loaded on 4 ranks: bench/meta_memory.py
     # measures it (docs/parallelize.md's table); test_meta_load_dist loads the same way
-    "tests/test_meta_memory_dist.py::test_meta_build_and_load_peaks_at_the_share_plus_one_layer",
+    "tests/test_meta_memory_dist.py::"
+    "test_meta_build_and_load_peaks_at_the_share_plus_one_layer[meta]",
+    "tests/test_meta_memory_dist.py::"
+    "test_meta_build_and_load_peaks_at_the_share_plus_one_layer[meta_pp]",
 }
 
 

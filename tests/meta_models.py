@@ -312,11 +312,14 @@ def measure_memory(
 ) -> dict[str, int]:
     """Peak RSS over the build and load of the memory model, beyond this rank's RSS before it
     (the imports done, the high-water mark reset): ``how`` is "meta" (built on meta,
-    ``init=mg.load``, FSDP) or "built" (built with values on every rank, then FSDP: today)."""
+    ``init=mg.load``, FSDP), "meta_pp" (the same cut into 2 pipeline stages first, FSDP over
+    the rest) or "built" (built with values on every rank, then FSDP: today)."""
     import gc
 
     import safetensors.torch  # noqa: F401  (everything the build imports, imported before)
+    import torch._subclasses.fake_tensor  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.pipelining  # noqa: F401
     import transformers.conversion_mapping  # noqa: F401
     import transformers.initialization  # noqa: F401
     from transformers import LlamaForCausalLM
@@ -324,22 +327,27 @@ def measure_memory(
 
     import macrogen.runtime.fully_sharded  # noqa: F401
     import macrogen.runtime.materialize  # noqa: F401
+    import macrogen.runtime.parallelize_pipeline  # noqa: F401
 
     layouts = _module(code)
     config = memory_config(scale)
+    with torch.device("meta"):  # the serial model's sizes
+        serial = LlamaForCausalLM(config)
+    sizes = [sum(p.numel() * 4 for p in m.parameters()) for m in serial.model.layers]
+    largest = max([*sizes, config.vocab_size * config.hidden_size * 4])
+    total = sum(p.numel() * 4 for p in serial.parameters())
+    del serial
     gc.collect()
     baseline = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again here
-    if how == "meta":
+    if how.startswith("meta"):
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
-        model = layouts.fsdp(model, mg.load(folder))
+        layout = layouts.pp2_fsdp if how == "meta_pp" else layouts.fsdp
+        model = layout(model, mg.load(folder))
     else:
         torch.manual_seed(0)
         model = layouts.fsdp_built(LlamaForCausalLM(config))
     gc.collect()
     peak = _status("VmHWM") - baseline
-    sizes = [sum(p.numel() * 4 for p in m.parameters()) for m in model.model.layers]
-    largest = max([*sizes, config.vocab_size * config.hidden_size * 4])
-    total = sum(p.numel() * 4 for p in model.parameters())
     return {"peak": peak, "share": total // world, "largest": largest, "total": total}
