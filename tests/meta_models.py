@@ -5,7 +5,9 @@ A case is (family, layout, init): the model is built under ``torch.device("meta"
 ``mg.parallelize(..., init=...)``, and compared with the serial program: ``from_pretrained`` of
 the same folder for ``mg.load``, the unexpanded ``mg.parallelize(model, init="model")`` (the
 marker initializes the whole model serially) for ``"model"``. Then 3 AdamW steps, the same
-batch on every rank, compared with the serial model's 3 steps.
+batch on every rank, compared with the serial model's 3 steps: a pipelined layout (``pp2...``)
+trains through ``mg.pipeline_step`` with a float64 loss, its parameters gathered from every
+stage (``full_state_dict``), and reports what its rank allocated (``stage_share``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ unexpanded program's initializer) and train 3 AdamW steps within 1e-10 of the se
 float64: tp=2, FSDP and replicated data parallel on 2 ranks, tp=2 x FSDP 2 on 4; and the
 Qwen2-MoE under expert parallelism: ep=2 on 2 ranks, ep=2 x data parallel 2, ep=4 and ep=2 x
 FSDP over 4 on 4, each rank holding its experts' share only and reading only their keys from
-the folder (counted). One spawn per rank count.
+the folder (counted). Pipelines: Llama and Qwen2 (its embedding and head tied, on the first and
+the last stage) under pp=2 on 2 ranks, pp=2 x tp=2 and pp=2 x FSDP 2 on 4, each rank's
+parameter storage its stage's only (at most 0.6 of the model's bytes at pp=2); every layout x
+init x folder kind, pp=2 x 2 replicas too, in the extended tier. One spawn per rank count.
 """
 
 from __future__ import annotations

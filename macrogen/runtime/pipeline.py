@@ -4,7 +4,8 @@ rank running its own, and the step that trains it.
 A model is pipelined once it is whole (built and initialized exactly as in the serial run):
 a ``@pipeline`` class at the end of its ``__init__``, ``mg.parallelize(model, pp=N)`` on a
 built model, or on one built on the meta device, whose stage ``init=`` materializes after
-the cut (``materialize.py``: each rank allocates its own stage's parts only). What each stage holds and runs is a *cut* of the model:
+the cut (``materialize.py``: each rank allocates its own stage's parts only). What each
+stage holds and runs is a *cut* of the model:
 
 - ``pipeline_plan.ForwardCut``: forward's statements, as the ``@pipeline`` expansion (or
   ``mg.parallelize`` on a model of the user's own) generated them, shared out at the
