@@ -4,7 +4,8 @@
 
 A Llama (``--scale 4``: 36 M fp32 parameters, 144 MB; its AdamW state twice that again) is
 saved with ``save_pretrained``, then, on 4 gloo ranks, either built on the meta device and
-given its shards with ``mg.parallelize(model, dp="fsdp", init=mg.load(folder))``, or built with
+given its shards with ``mg.parallelize(model, dp="fsdp", init=mg.load(folder))`` (or cut into
+2 pipeline stages first, ``pp=2, dp="fsdp"``: each rank a half of its stage), or built with
 its values on every rank and sharded (``mg.parallelize(model, dp="fsdp")``, the way without
 ``init=``). Each rank's peak RSS over the build and load (``/proc/self/status`` VmHWM, reset
 before, minus the RSS before) is printed beside its share of the parameters and the largest
@@ -38,14 +39,15 @@ def main(argv: list[str] | None = None) -> int:
         print("| build | ranks | model MB | share MB | largest layer MB | peak RSS MB (max over"
               " ranks) | peak / (share + layer) |")  # fmt: skip
         print("|---|---|---|---|---|---|---|")
-        for how in ("meta", "built"):
+        names = {"meta": "meta + init=mg.load", "meta_pp": "meta + init=mg.load, pp=2",
+                 "built": "built on every rank"}  # fmt: skip
+        for how in names:
             rows = run_ranks(meta_models.measure_memory, args.ranks,
                              args=(code, folder, args.scale, how), timeout=600)  # fmt: skip
             peak = max(r["peak"] for r in rows)
             r = rows[0]
             bound = r["share"] + r["largest"]
-            name = "meta + init=mg.load" if how == "meta" else "built on every rank"
-            print(f"| {name} | {args.ranks} | {r['total'] / MB:.0f} | {r['share'] / MB:.0f} |"
+            print(f"| {names[how]} | {args.ranks} | {r['total'] / MB:.0f} | {r['share'] / MB:.0f} |"
                   f" {r['largest'] / MB:.0f} | {peak / MB:.0f} | {peak / bound:.2f} |")  # fmt: skip
     return 0
 

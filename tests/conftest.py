@@ -54,9 +54,17 @@ EXTENDED = {
     # the script, tests/macros/test_tile_parity.py the attention kernels (run it before a
     # GPU session: `pytest --extended tests/test_bench_gpu.py`)
     "tests/test_bench_gpu.py::test_the_gpu_sessions_attention_step_runs_the_sdpa_comparison",
+    # pipelines of meta-built models in every combination of layout, init and folder kind:
+    # the default run's pp=2 (Llama, Qwen2's tied weight, both inits), pp=2 x tp=2 and
+    # pp=2 x FSDP 2 cases of the same program cover each step
+    "tests/test_meta_load_dist.py::"
+    "test_meta_pipelines_in_every_combination_equal_the_serial_program",
     # peak RSS of a 306 MB model built on meta and loaded on 4 ranks: bench/meta_memory.py
     # measures it (docs/parallelize.md's table); test_meta_load_dist loads the same way
-    "tests/test_meta_memory_dist.py::test_meta_build_and_load_peaks_at_the_share_plus_one_layer",
+    "tests/test_meta_memory_dist.py::"
+    "test_meta_build_and_load_peaks_at_the_share_plus_one_layer[meta]",
+    "tests/test_meta_memory_dist.py::"
+    "test_meta_build_and_load_peaks_at_the_share_plus_one_layer[meta_pp]",
 }
 
 

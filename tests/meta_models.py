@@ -5,11 +5,14 @@ A case is (family, layout, init): the model is built under ``torch.device("meta"
 ``mg.parallelize(..., init=...)``, and compared with the serial program: ``from_pretrained`` of
 the same folder for ``mg.load``, the unexpanded ``mg.parallelize(model, init="model")`` (the
 marker initializes the whole model serially) for ``"model"``. Then 3 AdamW steps, the same
-batch on every rank, compared with the serial model's 3 steps.
+batch on every rank, compared with the serial model's 3 steps: a pipelined layout (``pp2...``)
+trains through ``mg.pipeline_step`` with a float64 loss, its parameters gathered from every
+stage (``full_state_dict``), and reports what its rank allocated (``stage_share``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import textwrap
 import warnings
@@ -55,19 +58,36 @@ LAYOUTS = textwrap.dedent(
         return mg.parallelize(model, ep=4, init=init)
 
 
+    def pp2(model, init):
+        return mg.parallelize(model, pp=2, microbatches=2, init=init)
+
+
+    def pp2_tp2(model, init):
+        return mg.parallelize(model, pp=2, tp=2, tp_plan="hf", microbatches=2, init=init)
+
+
+    def pp2_fsdp(model, init):
+        return mg.parallelize(model, pp=2, dp="fsdp", microbatches=2, init=init)
+
+
     def fsdp_built(model):
         return mg.parallelize(model, dp="fsdp")
     """
 )
 
 
+FAMILIES = ("llama", "qwen2", "qwen2_moe")
+
+
 def config(family: str) -> Any:
-    from transformers import LlamaConfig, Qwen2MoeConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
     if family == "llama":
         return LlamaConfig(intermediate_size=32, **common)
+    if family == "qwen2":  # the embedding and the head tied: under pp, on the first and last stage
+        return Qwen2Config(intermediate_size=32, tie_word_embeddings=True, **common)
     return Qwen2MoeConfig(
         intermediate_size=32, moe_intermediate_size=8, shared_expert_intermediate_size=16,
         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, **common,
@@ -76,16 +96,17 @@ def config(family: str) -> Any:
 
 
 def model_class(family: str) -> Any:
-    from transformers import LlamaForCausalLM, Qwen2MoeForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM
 
-    return LlamaForCausalLM if family == "llama" else Qwen2MoeForCausalLM
+    classes = dict(llama=LlamaForCausalLM, qwen2=Qwen2ForCausalLM, qwen2_moe=Qwen2MoeForCausalLM)
+    return classes[family]
 
 
 def save_folders(directory: Path) -> dict[str, str]:
     """Each family's serial model (float64, seed 0) saved with ``save_pretrained``, in shards of
     a few KB: the index file's path is the one read."""
     folders = {}
-    for family in ("llama", "qwen2_moe"):
+    for family in FAMILIES:
         torch.manual_seed(0)
         model = model_class(family)(config(family)).double()
         folder = directory / family
@@ -149,6 +170,42 @@ def train(model: torch.nn.Module) -> list[float]:
     return losses
 
 
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """float64 cross entropy (HF's own loss is float32): a pipeline's micro-batch means add up
+    to the serial batch's mean within float64 rounding."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def train_pipeline(model: torch.nn.Module, serial: bool) -> list[float]:
+    """``train`` through ``mg.pipeline_step`` (the serial model: the same loss on the whole
+    batch), the same batch on every rank."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        if serial:
+            loss = _loss(model(input_ids=ids, use_cache=False).logits, ids)
+            loss.backward()
+        else:
+            loss = mg.pipeline_step(model, ids, ids, _loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def stage_share(model: torch.nn.Module, serial: torch.nn.Module) -> tuple[float, bool]:
+    """What this rank of a pipelined model allocated, as a fraction of the serial parameters'
+    bytes (its storages, each once), and whether every parameter it holds has storage."""
+    from torch.distributed.tensor import DTensor
+
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}
+    total = sum(p.numel() * p.element_size() for p in serial.parameters())
+    return sum(storages.values()) / total, all(not t.is_meta for t in local)
+
+
 def serial_reference(family: str, init: str, folder: str) -> torch.nn.Module:
     if init in ("load", "dcp"):
         return model_class(family).from_pretrained(folder, config=config(family),
@@ -184,6 +241,10 @@ def experts_read(model: torch.nn.Module) -> tuple[float, float]:
     return held / total, read / total
 
 
+def _parameters(model: torch.nn.Module, pipelined: bool) -> dict[str, torch.Tensor]:
+    return model.full_state_dict() if pipelined else whole(model)  # (every stage's)
+
+
 def run_cases(
     rank: int, world: int, code: str, folders: dict[str, str], cases: list[tuple[str, str, str]]
 ) -> list[tuple[str, float, float, float]]:
@@ -201,13 +262,19 @@ def run_cases(
         folder = folders[family] if init == "load" else folders[f"{family}_dcp"]
         given = "model" if init == "model" else mg.load(folder)
         model = getattr(layouts, layout)(meta_model(family), given)
-        initial, _ = gap(whole(model), start)
+        pipelined = layout.startswith("pp")
+        params = functools.partial(_parameters, model, pipelined)
+        initial, _ = gap(params(), start)
         name = f"{family} {layout} {init}"
         if layout.startswith("ep"):
             name += " held {:.3f} read {:.3f}".format(*experts_read(model))
-        ours, theirs = train(model), train(reference)
+        if pipelined:  # this rank's stage only, each parameter on its device
+            name += " stage {:.3f} real {}".format(*stage_share(model, reference))
+            ours, theirs = train_pipeline(model, False), train_pipeline(reference, True)
+        else:
+            ours, theirs = train(model), train(reference)
         losses = max(abs(a - b) for a, b in zip(ours, theirs))
-        final, _ = gap(whole(model), whole(reference))
+        final, _ = gap(params(), whole(reference))
         results.append((name, initial, losses, final))
     return results
 
@@ -247,11 +314,14 @@ def measure_memory(
 ) -> dict[str, int]:
     """Peak RSS over the build and load of the memory model, beyond this rank's RSS before it
     (the imports done, the high-water mark reset): ``how`` is "meta" (built on meta,
-    ``init=mg.load``, FSDP) or "built" (built with values on every rank, then FSDP: today)."""
+    ``init=mg.load``, FSDP), "meta_pp" (the same cut into 2 pipeline stages first, FSDP over
+    the rest) or "built" (built with values on every rank, then FSDP: today)."""
     import gc
 
     import safetensors.torch  # noqa: F401  (everything the build imports, imported before)
+    import torch._subclasses.fake_tensor  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.pipelining  # noqa: F401
     import transformers.conversion_mapping  # noqa: F401
     import transformers.initialization  # noqa: F401
     from transformers import LlamaForCausalLM
@@ -259,22 +329,27 @@ def measure_memory(
 
     import macrogen.runtime.fully_sharded  # noqa: F401
     import macrogen.runtime.materialize  # noqa: F401
+    import macrogen.runtime.parallelize_pipeline  # noqa: F401
 
     layouts = _module(code)
     config = memory_config(scale)
+    with torch.device("meta"):  # the serial model's sizes
+        serial = LlamaForCausalLM(config)
+    sizes = [sum(p.numel() * 4 for p in m.parameters()) for m in serial.model.layers]
+    largest = max([*sizes, config.vocab_size * config.hidden_size * 4])
+    total = sum(p.numel() * 4 for p in serial.parameters())
+    del serial
     gc.collect()
     baseline = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again here
-    if how == "meta":
+    if how.startswith("meta"):
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
-        model = layouts.fsdp(model, mg.load(folder))
+        layout = layouts.pp2_fsdp if how == "meta_pp" else layouts.fsdp
+        model = layout(model, mg.load(folder))
     else:
         torch.manual_seed(0)
         model = layouts.fsdp_built(LlamaForCausalLM(config))
     gc.collect()
     peak = _status("VmHWM") - baseline
-    sizes = [sum(p.numel() * 4 for p in m.parameters()) for m in model.model.layers]
-    largest = max([*sizes, config.vocab_size * config.hidden_size * 4])
-    total = sum(p.numel() * 4 for p in model.parameters())
     return {"peak": peak, "share": total // world, "largest": largest, "total": total}

@@ -111,11 +111,39 @@ def test_init_before_data_parallel_when_it_is_replicated():
     assert code.index("apply_init(model, init") < code.index("apply_data_parallel(model")
 
 
-def test_init_with_a_pipeline_is_refused_at_its_argument():
-    with pytest.raises(ExpansionError, match="not yet with pp="):
-        expand(
-            """
+def test_init_with_a_pipeline_materializes_after_the_cut():
+    """Each stage allocates its own parts only: the cut first (on the meta model), then init."""
+    for dp in ("none", "fsdp"):
+        code = expand(
+            f"""
             import macrogen as mg
-            model = mg.parallelize(model, pp=2, microbatches=2, init="model")
+            model = mg.parallelize(model, pp=2, microbatches=2, dp="{dp}", init="model")
             """
         )
+        assert code.index("apply_pipeline(model") < code.index("apply_init(model, init"), dp
+
+
+@pytest.mark.parametrize(
+    "given", ['tp_plan={"wte": "server"}, servers=1, dp="none"', "verify=True"]
+)
+def test_init_with_servers_or_verify_is_refused_at_its_argument(given):
+    name = "servers" if "servers" in given else "verify"
+    with pytest.raises(ExpansionError, match=f"not yet with {name}="):
+        expand(
+            f"""
+            import macrogen as mg
+            model = mg.parallelize(model, {given}, init="model")
+            """
+        )
+
+
+def test_a_meta_model_is_checked_before_the_cut_on_fake_tensors():
+    """A meta Llama's stages run on shapes (no values); a mixture's routing reads values."""
+    pytest.importorskip("transformers")
+    from macrogen.runtime.pipeline_transformers import transformers_cut
+    from tests import meta_models
+
+    cut = transformers_cut(meta_models.meta_model("llama"), 2, where="train.py:3")
+    assert cut.describe().startswith("stage 0: model.embed_tokens, model.layers.0 | stage 1")
+    with pytest.raises(ValueError, match=r"meta device, and its forward can't run on shapes alo"):
+        transformers_cut(meta_models.meta_model("qwen2_moe"), 2, where="train.py:3")

@@ -5,8 +5,10 @@ serially, then cut at run time by ``mg.parallelize``, and trained 3 AdamW steps
 through ``mg.pipeline_step``. Losses, every gradient and every parameter (float64,
 within 1e-10) equal the unexpanded file's, run serially in this process. One spawn
 per world size: 2 ranks (1F1B with the default dp="replicate" over one replica,
-GPipe, interleaved, the blocks recomputed, and ``pipeline_step(torch.compile(model), ...)``:
-the schedule runs, and one warning says the stages run eagerly), 4 ranks (pipeline 2 x data 2: replicate,
+GPipe, interleaved, the blocks recomputed, ``pipeline_step(torch.compile(model), ...)``:
+the schedule runs, and one warning says the stages run eagerly; and the GPT built on the meta
+device with ``init="model"``, against the unexpanded file's whole meta model initialized
+serially: each rank initializes its own stage, the tied weight on both), 4 ranks (pipeline 2 x data 2: replicate,
 FSDP with and without recompute, and ZeRO-1 with ``mg.shard_optimizer``, whose
 ``.grad`` stays each replica's own: losses and parameters). Replicate all-reduces a
 step's gradients once, not once per micro-batch.
@@ -92,7 +94,16 @@ SOURCE = textwrap.dedent(
             return mg.parallelize(model, pp=2, microbatches=4, dp="fsdp", recompute="blocks")
         if variant == "compiled":
             return mg.parallelize(model, pp=2, microbatches=4)
+        if variant == "meta":  # unexpanded: the whole meta model initialized serially
+            return mg.parallelize(model, pp=2, microbatches=4, init="model")
         return model
+
+
+    def build(variant):
+        if variant == "meta":  # each rank allocates and initializes its own stage only
+            with torch.device("meta"):
+                return GPT()
+        return GPT()
 
 
     def stepped(model, variant):  # what the loop hands pipeline_step (nanoGPT compiles it)
@@ -116,7 +127,7 @@ def _train(module, variant, told=None):
     told = [] if told is None else told
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
-    model = module.parallel(module.GPT(), variant)
+    model = module.parallel(module.build(variant), variant)
     optimizer = module.optimizer(model, variant)
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, module.VOCAB, (BATCH, module.BLOCK + 1), generator=g)
@@ -192,10 +203,14 @@ def _counting(launch, launches):
 
 def _check(tmp_path, world, variants):
     serial = load_module(SOURCE, "pp_serial", tmp_path)
-    want_losses, want_grads, want_state, _ = _train(serial, "serial")
+    references = {v: _train(serial, v) for v in {"meta" if v == "meta" else "serial"
+                                                  for v in variants}}  # fmt: skip
     code = expand(SOURCE)
     results = run_ranks(_worker, world, args=(variants, code, str(tmp_path)), timeout=120)
     for variant in variants:
+        want_losses, want_grads, want_state, _ = references[
+            variant if variant == "meta" else "serial"
+        ]
         seen: list[dict] = [{} for _ in range(STEPS)]
         for rank_result in results:
             losses, grads, state, _, recomputed, _, told = rank_result[variant]
@@ -221,7 +236,7 @@ def _check(tmp_path, world, variants):
 
 
 def test_pp2_on_two_ranks_equals_the_serial_program(tmp_path):
-    results = _check(tmp_path, 2, ["1f1b", "gpipe", "interleaved", "recompute", "compiled"])
+    results = _check(tmp_path, 2, ["1f1b", "gpipe", "interleaved", "recompute", "compiled", "meta"])
     assert results[0]["1f1b"][3] == (
         "stage 0: wte, wpe, blocks.0-1 | stage 1: blocks.2-3, lm_head, ln_f"
     )

@@ -431,17 +431,17 @@ def _check_experts(args: dict[str, Arg], values: dict[str, Any]) -> None:
 
 
 def _check_init(args: dict[str, Arg], values: dict[str, Any]) -> None:
-    """``init=`` materializes a meta-device model after tensor parallel and FSDP (not yet
-    with a pipeline's cut, parameter servers, verify's serial copy or experts cut by tp)."""
-    blocked = [(n, w) for n, w in (("pp=", values["pp"] > 1), ("servers=", values["servers"] > 0),
+    """``init=`` materializes a meta-device model after tensor parallel, the pipeline's cut and
+    FSDP (not yet with parameter servers, verify's serial copy or experts cut by tp)."""
+    blocked = [(n, w) for n, w in (("servers=", values["servers"] > 0),
                                    ("verify=", values["verify"]),
                                    ("ep= and tp > 1", values["ep"] > 1 and values["tp"] > 1))
                if w]  # fmt: skip
     if blocked:
         name = blocked[0][0]
         raise MacroError(
-            f"init= (a meta-device model's values) goes with tp, dp and recompute; not yet with"
-            f" {name}: build the model with its values for {name}",
+            f"init= (a meta-device model's values) goes with tp, pp, dp, ep and recompute; not"
+            f" yet with {name}: build the model with its values for {name}",
             args["init"].node,
         )
 

@@ -107,7 +107,8 @@ def _tensors(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
             seen.setdefault(id(b), []).append(_plain(name))
             values[id(b)] = b
     for key, names in seen.items():
-        yield names, values[key]
+        if not values[key].is_meta:  # (another pipeline stage's, there for its names)
+            yield names, values[key]
 
 
 def _plain(name: str) -> str:
@@ -312,12 +313,12 @@ def _load_dcp(model: nn.Module, path: str) -> None:
     DCP's own resharding into two nested strided shards permutes the rows (torch 2.13)."""
     import torch.distributed.checkpoint as dcp
 
-    state = {_plain(k): v for k, v in model.state_dict().items()}
+    state = {_plain(k): v for k, v in model.state_dict().items() if not v.is_meta}
     strided = {k: v for k, v in state.items() if isinstance(v, DTensor) and _is_strided(v)}
     dcp.load({k: v for k, v in state.items() if k not in strided}, checkpoint_id=path)
-    for key, value in strided.items():  # the same keys in the same order on every rank
+    for key, value in strided.items():  # each rank its own (pipeline stages hold other keys)
         whole = torch.empty(value.shape, dtype=value.dtype, device=value.device)
-        dcp.load({key: whole}, checkpoint_id=path)
+        dcp.load({key: whole}, checkpoint_id=path, no_dist=True)
         with torch.no_grad():
             _copy_whole(whole, value)
 

@@ -24,6 +24,9 @@ by their module's initializer in both cases; a checkpoint's saved buffers are th
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -82,27 +85,23 @@ def apply_init(model: nn.Module, init: Any, *, where: str) -> nn.Module:
         return model
     device = torch.device(groups.placement().device)
     empty = {id(m) for m in model.modules() if any(b.is_meta for b in m.buffers(recurse=False))}
-    ties = _ties(model)
     marks = _marks(model)
-    model.to_empty(device=device)
-    for holders in ties:  # to_empty makes each module's parameter anew: a tie is kept by hand
-        first = holders[0][0]._parameters[holders[0][1]]
-        for owner, key in holders[1:]:
-            owner._parameters[key] = first
-    for (owner, key), attributes in marks:  # (and so are the steps' marks on parameters)
+    _to_empty(model, device)
+    for (owner, key), attributes in marks:  # (swapped contents lose the steps' marks)
         for name, value in attributes.items():
             setattr(owner._parameters[key], name, value)
     model.__dict__.pop(PENDING, None)
-    init_fn = _initializer(model, where)
     with _init_context(model):
         if init == MODEL:
-            for module, fn in init_fn:
-                _whole_for(module, fn)
+            with _other_stages(model):  # a pipeline's: drawn as the serial model draws, dropped
+                for module, fn in _initializer(model, where):
+                    _whole_for(module, fn, device)
         else:
-            for module, fn in init_fn:
+            for module, fn in _initializer(model, where):
                 if id(module) in empty:
-                    _whole_for(module, fn)
-            model.__dict__[LOADED] = load_into(model, init, where)
+                    _whole_for(module, fn, device)
+            with _other_stages(model):  # for their names: a weight tied to another stage's part
+                model.__dict__[LOADED] = load_into(model, init, where)  # saved under its name
     return model
 
 
@@ -116,8 +115,8 @@ def serial(model: nn.Module, init: Any) -> nn.Module:
 
 
 def _marks(model: nn.Module) -> list[tuple[tuple[nn.Module, str], dict[str, Any]]]:
-    """macrogen's attributes on parameters (``_mg_...``: expert parallelism's): ``to_empty``
-    makes a plain parameter anew and swaps a DTensor one's contents, its ``__dict__`` too."""
+    """macrogen's attributes on parameters (``_mg_...``: expert parallelism's): ``_to_empty``
+    swaps each parameter's contents, its ``__dict__`` too."""
     found = []
     for owner in model.modules():
         for key, p in owner._parameters.items():
@@ -129,14 +128,29 @@ def _marks(model: nn.Module) -> list[tuple[tuple[nn.Module, str], dict[str, Any]
     return found
 
 
-def _ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """The (module, name) places of each parameter held in more than one (tied weights)."""
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    for owner in model.modules():
-        for key, p in owner._parameters.items():
-            if p is not None:
-                places.setdefault(id(p), []).append((owner, key))
-    return [held for held in places.values() if len(held) > 1]
+def _to_empty(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)`` keeping each parameter object (its contents swapped, as torch
+    does for DTensors): tied weights stay tied, and what holds a parameter (a pipeline's tied
+    weights, its stages' bare parameters) holds the materialized one."""
+    if any(weakref.getweakrefcount(p) for p in model.parameters()):
+        gc.collect()  # a swapped tensor has no weak references: a dead cycle may hold some (the
+        # pipeline check's fake tensor mode, which ran the meta model)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+def _other_stages(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """A pipelined meta model's other stages' parts back in their places while ``init=`` runs
+    (``pipeline_parts.MetaParts``): its initializer walks the serial model's modules, and a
+    checkpoint's keys name the serial model's tensors (``load_into`` reads no meta tensor)."""
+    from macrogen.runtime.pipeline import pipeline_of
+
+    pipe = pipeline_of(model)
+    return contextlib.nullcontext() if pipe is None else pipe.elsewhere.back()
 
 
 def _initializer(
@@ -180,8 +194,6 @@ def _hf_order(
 
 def _init_context(model: nn.Module) -> Any:
     """``torch.no_grad``, and transformers' guard of torch's init functions for its models."""
-    import contextlib
-
     stack = contextlib.ExitStack()
     stack.enter_context(torch.no_grad())
     if hasattr(model, "_initialize_weights"):
@@ -191,10 +203,12 @@ def _init_context(model: nn.Module) -> Any:
     return stack
 
 
-def _whole_for(module: nn.Module, fn: Callable[[nn.Module], Any]) -> None:
-    """``fn(module)`` on whole parameters; this rank keeps its shard of each."""
+def _whole_for(module: nn.Module, fn: Callable[[nn.Module], Any], device: torch.device) -> None:
+    """``fn(module)`` on whole parameters on ``device``; this rank keeps its shard of each (of
+    another pipeline stage's, still meta, nothing: it was drawn to draw as the serial model)."""
     held = {k: p for k, p in module._parameters.items() if p is not None}
-    whole = {k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device),
+    whole = {k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype,
+                                         device=device if p.is_meta else p.device),
                              requires_grad=p.requires_grad) for k, p in held.items()}  # fmt: skip
     module._parameters.update(whole)
     try:
@@ -202,7 +216,8 @@ def _whole_for(module: nn.Module, fn: Callable[[nn.Module], Any]) -> None:
     finally:
         module._parameters.update(held)
     for k, p in held.items():
-        _keep_shard(whole[k].detach(), p)
+        if not p.is_meta:
+            _keep_shard(whole[k].detach(), p)
 
 
 def _keep_shard(whole: torch.Tensor, param: torch.Tensor) -> None:

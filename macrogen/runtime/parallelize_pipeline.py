@@ -45,7 +45,7 @@ from torch import nn
 from macrogen.pipelining.analysis import parse
 from macrogen.pipelining.code import unit_function
 from macrogen.pipelining.units import Forward, SplitError
-from macrogen.runtime import parallelize, pipeline
+from macrogen.runtime import groups, parallelize, pipeline
 from macrogen.runtime.mesh import Mesh
 from macrogen.runtime.pipeline_parts import part_at
 from macrogen.runtime.pipeline_plan import forward_cut
@@ -138,6 +138,8 @@ def apply_pipeline(
     if pp_split is not None and per_rank != 1:
         raise ValueError(f"{at}: pp_split takes one stage per rank, not schedule={schedule!r}")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "meta":  # built on meta (init=): the device its stage will be on
+        device = torch.device(groups.placement().device)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     speeds, limits = stage_devices(
         pp_split, pp, mesh.pipeline_rank, model_bytes, device, where=where

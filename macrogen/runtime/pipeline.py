@@ -3,7 +3,9 @@ rank running its own, and the step that trains it.
 
 A model is pipelined once it is whole (built and initialized exactly as in the serial run):
 a ``@pipeline`` class at the end of its ``__init__``, ``mg.parallelize(model, pp=N)`` on a
-built model. What each stage holds and runs is a *cut* of the model:
+built model, or on one built on the meta device, whose stage ``init=`` materializes after
+the cut (``materialize.py``: each rank allocates its own stage's parts only). What each
+stage holds and runs is a *cut* of the model:
 
 - ``pipeline_plan.ForwardCut``: forward's statements, as the ``@pipeline`` expansion (or
   ``mg.parallelize`` on a model of the user's own) generated them, shared out at the
@@ -57,7 +59,7 @@ from macrogen.pipelining.units import Statement as Statement
 from macrogen.pipelining.units import interleaving_problem
 from macrogen.runtime import groups, pipeline_state
 from macrogen.runtime.mesh import Mesh
-from macrogen.runtime.pipeline_parts import part_at
+from macrogen.runtime.pipeline_parts import MetaParts, part_at
 from macrogen.runtime.pipeline_plan import StepInputs
 from macrogen.vocabulary import SCHEDULES
 
@@ -192,6 +194,7 @@ class Pipeline:
         self.code: dict[int, Callable[..., Any]] = {}
         self.fully_sharded = False
         self.warned_compiled = False  # pipeline_step was given torch.compile(model) (said once)
+        self.elsewhere = MetaParts()  # a meta model's (init=) parts other stages hold
         if self.layout is not None:
             self._cut(self.stages)
 
@@ -222,6 +225,7 @@ class Pipeline:
             owner = min(users)
             head, _, name = part.rpartition(".")
             parent = part_at(model, head) if head else model
+            self.elsewhere.keep(parent, name)
             if name in parent._modules:
                 parent._modules[name] = self.cut.placeholder(part, owner)
             else:
@@ -229,6 +233,7 @@ class Pipeline:
                 parent._buffers.pop(name, None)
         self.parts = kept
         self.code = {s: self.cut.code(model, s) for s in stages}
+        self.elsewhere.find_shared(model)
 
     def _tie_groups(self, stages: list[int]) -> list[tuple[nn.Parameter, Any]]:
         """The shared parameters this rank holds, each with the group of ranks holding it.

@@ -17,6 +17,11 @@ Values are compared exactly. Where the whole model run twice differs from itself
 nondeterministic kernel), a stage may differ from it by as much as the two runs differ.
 Every rank runs the same check on the same whole model and merges its verdicts with the
 others' (a tensor-parallel model's collectives run in the same order on every rank).
+
+A model built on the meta device (``mg.parallelize(..., init=...)``) has no values yet: it
+runs on fake tensors (torch's ``FakeTensorMode``, which transformers' masks take as tracing),
+so the check finds the stages that fail alone, send on another shape, or read the embedding
+(autograd's graph), but compares no values.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from macrogen.pipelining.units import runs
+from macrogen.runtime import groups
 from macrogen.runtime.pipeline_parts import part_at
 from macrogen.runtime.pipeline_standins import EmbeddingElsewhere
 
@@ -51,21 +57,36 @@ class Whole:
 
 def check_stages(model: nn.Module, cut: TransformersCut, at: str) -> None:
     """Hold the embedding where a stage reads it; refuse a stage that differs from the whole."""
-    ids = _ids(model)
     everyone = range(cut.stages)
+    values = _values(model)
     with _checking(model):
-        whole = _whole(model, cut, ids, at)
-        again = _whole(model, cut, ids, at)  # (a nondeterministic kernel differs from itself)
+        with values:
+            ids = _ids(model)
+            whole = _whole(model, cut, ids, at)
+            again = _whole(model, cut, ids, at)  # (a nondeterministic kernel differs from itself)
+            if cut.embedding_dims:
+                with torch.enable_grad():  # (the graph, not values: a zero weight hides no edge)
+                    reads = [_reads_embedding(model, cut, s, ids, whole) for s in everyone]
         if cut.embedding_dims:
-            with torch.enable_grad():  # (the graph, not values: a zero weight hides no edge)
-                reads = _agree([_reads_embedding(model, cut, s, ids, whole) for s in everyone], ids)
+            reads = _agree(reads)
             for s in (s for s in everyone if reads[s]):
                 for part in cut.embedding_dims:
                     cut.owners[part].add(s)
-        problems = _agree([_differs(model, cut, s, ids, whole, again) for s in everyone], ids)
+        with values:
+            problems = [_differs(model, cut, s, ids, whole, again) for s in everyone]
+        problems = _agree(problems)
     for s, problem in enumerate(problems):
         if problem:
             raise ValueError(f"{at}, and stage {s} ({runs(cut.held(s))}) {problem}")
+
+
+def _values(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """A meta model runs on fake tensors (shapes, graphs, no values); any other as it is."""
+    if not any(p.is_meta for p in model.parameters()):
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def _ids(model: nn.Module) -> torch.Tensor:
@@ -117,6 +138,12 @@ def _whole(model: nn.Module, cut: TransformersCut, ids: torch.Tensor, at: str) -
     try:
         out = model.forward(input_ids=ids, **_labels(model, ids), **cut.call)
     except Exception as e:
+        if ids.is_meta:  # a meta model's fake tensors: no values for control flow to read
+            raise ValueError(
+                f"{at}, built on the meta device, and its forward can't run on shapes alone"
+                f" to check the cut ({type(e).__name__}: {e}: a forward that reads values, as a"
+                " mixture of experts' routing does): build the model with its values for pp > 1"
+            ) from None
         raise ValueError(f"{at}, and its forward on {TOKENS} tokens failed ({e})") from None
     finally:
         for h in hooks:
@@ -249,6 +276,8 @@ def _same(found: Any, want: Any, again: Any) -> bool:
         return found is None and want is None
     if not isinstance(found, torch.Tensor) or found.shape != want.shape:
         return False
+    if found.is_meta:  # a meta model's fake tensors: the shape is all there is to compare
+        return bool(found.dtype == want.dtype)
     if torch.equal(found, want):
         return True
     if not found.is_floating_point() or torch.equal(want, again):
@@ -257,10 +286,11 @@ def _same(found: Any, want: Any, again: Any) -> bool:
     return bool((found - want).abs().max() <= 4 * noise)
 
 
-def _agree(problems: list[str], like: torch.Tensor) -> list[str]:
+def _agree(problems: list[str]) -> list[str]:
     """Every rank's verdicts, merged (a stage that differs on one rank differs for all)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return problems
-    flags = torch.tensor([bool(p) for p in problems], dtype=torch.int32, device=like.device)
+    device = groups.placement().device  # (the process group's device: a meta model has none)
+    flags = torch.tensor([bool(p) for p in problems], dtype=torch.int32, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [p or ("differs on another rank" if f else "") for p, f in zip(problems, flags.tolist())]

@@ -7,12 +7,19 @@ statements; ``pipeline_transformers``: a transformers model's ``pp_plan``) say w
 stages hold each part (``owners``); from that, this module finds the parameters that
 parts on several stages share (a tied embedding and head), whose gradients the
 pipeline sums over the stages holding them.
+
+A model built on the meta device (``mg.parallelize(..., init=...)``) is cut before it has
+storage; the parts other stages hold are kept aside, meta (``MetaParts``), for ``init=``
+to walk the serial model's modules and names.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.Sequential)
@@ -131,3 +138,57 @@ class Elsewhere(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.part!r} on stage {self.stage}"
+
+
+class MetaParts:
+    """A meta model's parts other stages hold (no storage: kept costs nothing), and their
+    parameters this rank holds too (a weight tied to one of this stage's parts)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[nn.Module, str, str, Any]] = []  # (parent, table, name, part)
+        # (module of a part kept aside, its key, this stage's module holding it, its key)
+        self.shared: list[tuple[nn.Module, str, nn.Module, str]] = []
+
+    def keep(self, parent: nn.Module, name: str) -> None:
+        """``parent``'s ``name`` is about to leave this rank: kept aside if it is meta."""
+        for table in ("_modules", "_parameters", "_buffers"):
+            held = getattr(parent, table)
+            if name in held and _is_meta(held[name]):
+                self.parts.append((parent, table, name, held[name]))
+
+    def find_shared(self, model: nn.Module) -> None:
+        """After the cut: where this stage holds each parameter of the parts kept aside."""
+        places = {id(p): (module, key) for module in model.modules()
+                  for key, p in module._parameters.items() if p is not None}  # fmt: skip
+        for _, _, _, part in self.parts:
+            for module in part.modules() if isinstance(part, nn.Module) else ():
+                for key, p in module._parameters.items():
+                    if p is not None and id(p) in places:
+                        self.shared.append((module, key, *places[id(p)]))
+
+    @contextlib.contextmanager
+    def back(self) -> Iterator[None]:
+        """The parts back in their places, each shared weight as this stage holds it now (FSDP
+        made it anew); then the stand-ins again, and the parts dropped (``init=`` runs once)."""
+        standing = [(parent, table, name, getattr(parent, table).get(name))
+                    for parent, table, name, _ in self.parts]  # fmt: skip
+        for parent, table, name, part in self.parts:
+            getattr(parent, table)[name] = part
+        for module, key, holder, held in self.shared:
+            module._parameters[key] = holder._parameters[held]
+        try:
+            yield
+        finally:
+            for parent, table, name, stand_in in standing:
+                if stand_in is None:
+                    getattr(parent, table).pop(name, None)
+                else:
+                    getattr(parent, table)[name] = stand_in
+            self.parts.clear()
+            self.shared.clear()
+
+
+def _is_meta(part: Any) -> bool:
+    if isinstance(part, nn.Module):
+        return any(t.is_meta for t in [*part.parameters(), *part.buffers()])
+    return isinstance(part, torch.Tensor) and part.is_meta
