@@ -8,6 +8,7 @@
   documented in docs/macros.md;
 - a macro's imports come from one place: what it asked the context for;
 - a macro written from docs/macros.md alone expands.
+- no module of ``macrogen/`` over 600 lines (issue 40): split by concern past that.
 """
 
 from __future__ import annotations
@@ -195,6 +196,31 @@ def test_the_renaming_finder_finds_one(tmp_path, monkeypatch):
         "planted:1: from macrogen.runtime import mesh as meshes",
         "planted:2: import macrogen.hook as h",
     ]
+
+
+# -- module size --------------------------------------------------------------------------
+LONGEST = 600  # lines: past that a module mixes concerns; split it by concern
+
+
+def long_modules(limit: int = LONGEST) -> list[str]:
+    """The modules of macrogen/ longer than ``limit`` lines, with their length."""
+    found = []
+    for name, path in sorted(MODULES.items()):
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > limit:
+            found.append(f"{name}: {lines} lines")
+    return found
+
+
+def test_no_module_is_over_600_lines():
+    assert long_modules() == []
+
+
+def test_the_length_finder_finds_one(tmp_path, monkeypatch):
+    planted = tmp_path / "planted.py"
+    planted.write_text("x = 1\n" * (LONGEST + 1))
+    monkeypatch.setitem(MODULES, "planted", planted)
+    assert long_modules() == [f"planted: {LONGEST + 1} lines"]
 
 
 def test_the_sdk_exports_what_it_names():
