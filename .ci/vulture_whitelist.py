@@ -95,7 +95,6 @@ as_sharded_dtensor  # unused function (macrogen/runtime/collectives.py)
 _.restart  # unused method (macrogen/runtime/data_parallel.py)
 apply_fully_sharded  # unused function (macrogen/runtime/fully_sharded.py)
 FusedAllReduce  # unused class (macrogen/runtime/fused.py)
-tensor_parallel_group  # unused function (macrogen/runtime/mesh.py)
 data_rank  # unused variable (macrogen/runtime/mesh.py): users shard their data by mg.mesh().data_rank
 hf_plan  # unused function (macrogen/runtime/parallelize.py)
 apply_tensor_parallel  # unused function (macrogen/runtime/parallelize.py)

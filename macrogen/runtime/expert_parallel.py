@@ -50,7 +50,7 @@ from macrogen.runtime.expert_modules import (
     list_problem,
 )
 from macrogen.runtime.expert_routing import ExpertRouter, Traffic
-from macrogen.runtime.mesh import Mesh
+from macrogen.runtime.mesh import Mesh, carry
 from macrogen.runtime.parallelize.engine import dtensor_parameter, replicate_the_rest
 from macrogen.runtime.parallelize.local import attach, weakly_bound
 
@@ -122,6 +122,7 @@ def apply_expert_parallel(
         problem = weighted_output_problem(module)
         if problem is not None:
             raise ValueError(f"mg.parallelize at {where}: ep={ep}: {name}: {problem}")
+    carry(model, mesh)  # (mg.mesh(model))
     if ep == 1 or not groups.ensure_initialized() or dist.get_world_size() == 1:
         return model
     if mesh.tensor_size > 1 or mesh.pipeline_size > 1:
