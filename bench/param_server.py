@@ -69,7 +69,10 @@ def worker(
         except SystemExit:
             return
     else:
-        model.__dict__["_sync"] = GradientSync(model, DataParallelConfig(), where="bench")
+        from macrogen.runtime.mesh import mesh
+
+        sync = GradientSync(model, DataParallelConfig(), where="bench", mesh=mesh())
+        model.__dict__["_sync"] = sync
     optim = torch.optim.SGD(model.parameters(), lr=0.5)
     times = []
     g = torch.Generator().manual_seed(rank)

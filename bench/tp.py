@@ -331,8 +331,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     os.environ["MACROGEN_TP_SIZE"] = str(world)  # 2-way tensor parallelism
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    import macrogen.runtime.collectives as collectives
     from macrogen.expand import expand_source
+    from macrogen.runtime import collectives, collectives_linear, collectives_sequence
+
+    def transport(via) -> None:  # the torch.distributed every tensor-parallel collective calls
+        for module in (collectives, collectives_linear, collectives_sequence):
+            module.dist = via
 
     with tempfile.TemporaryDirectory() as tmp:
         serial_mod = _load(BLOCK, "tp_bench_serial", tmp)
@@ -363,9 +367,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         plain = _plain_shards(ours)  # its own weights, on plain parameters
         with torch.no_grad():
             torch.testing.assert_close(plain(x), ours(x), rtol=0, atol=0)
-        runs = {  # name: (model, optimizer, collectives.OVERLAP, input[, collectives.dist])
+        runs = {  # name: (model, optimizer, collectives_linear.OVERLAP, input[, transport])
             "macrogen": (ours, sgd, True, x),  # the default: collectives overlap compute
-            "no overlap": (ours, sgd, False, x),  # macrogen with collectives.OVERLAP = False
+            "no overlap": (ours, sgd, False, x),  # collectives_linear.OVERLAP = False
             "no collectives": (
                 floor,
                 torch.optim.SGD(floor.parameters(), lr=1e-3),
@@ -389,21 +393,22 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
             runs["no all-reduces"] = (ours, sgd, True, x, _NoReductions())
         times: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in runs}
         for i in range(args.warmup + args.steps):
-            for name, (model, opt, overlap, x, *transport) in runs.items():  # alternate: same load
-                collectives.OVERLAP = overlap
-                collectives.dist = transport[0] if transport else dist
+            for name, (model, opt, overlap, x, *via) in runs.items():  # alternate: same load
+                collectives_linear.OVERLAP = overlap
+                transport(via[0] if via else dist)
                 dist.barrier()
                 phases = _step(model, opt, x)
                 if i >= args.warmup:
                     times[name].append(phases)
-        collectives.OVERLAP, collectives.dist = True, dist
+        collectives_linear.OVERLAP = True
+        transport(dist)
         if args.profile:  # with the all-reduces skipped: compute and the engine, no waits
-            collectives.dist = _NoReductions()
+            transport(_NoReductions())
             for name in ("macrogen", "plain shards", "mg.parallelize"):
                 model, opt, _, x, *_ = runs[name]
                 table = _profile(model, opt, x)
                 profiles.append(f"{d_model}  {name}\n{table}")
-            collectives.dist = dist
+            transport(dist)
         results.append((d_model, times))
     logits = _logit_memory(serial_mod, ours_mod, args, world)
     if rank == 0:

@@ -41,7 +41,7 @@ def build():
         tp_plan={"layers.*.fc": "colwise", "layers.*.proj": "rowwise", "layers.*.n_head": "divide"},
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after the cut: this stage's
-    mesh = mg.mesh()
+    mesh = mg.mesh(model)  # the mesh it was parallelized on
     share = BATCH // mesh.data_size  # the global batch is fixed: each data rank trains its share
     data = torch.Generator().manual_seed(0)
     x, y = (

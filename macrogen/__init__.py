@@ -39,10 +39,10 @@ def __getattr__(name: str) -> Any:
         from macrogen.runtime.load import load
 
         return load
-    if name == "mesh":  # the program's one mesh: mg.mesh().data_rank / .data_size / .device_mesh
-        from macrogen.runtime.mesh import mesh
+    if name == "mesh":  # mg.mesh(model): the mesh it was parallelized on (.data_rank, ...)
+        from macrogen.runtime.mesh import mesh_of
 
-        return mesh
+        return mesh_of
     if name == "clip_grad_norm_":  # the serial norm: sharded optimizers, several meshes
         from macrogen.runtime.clip import clip_grad_norm_
 

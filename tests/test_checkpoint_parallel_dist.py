@@ -66,9 +66,11 @@ def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if kind in ("zero", "dptp", "dptpzero"):
         from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync
+        from macrogen.runtime.mesh import mesh
 
         # data parallel over the data group (as dp="zero1" and dp="replicate" do)
-        sync = GradientSync(model, DataParallelConfig(), where="test_checkpoint_parallel_dist.py")
+        where = "test_checkpoint_parallel_dist.py"
+        sync = GradientSync(model, DataParallelConfig(), where=where, mesh=mesh())
         model.__dict__["_mg_gradient_sync"] = sync
         if kind in ("zero", "dptpzero"):  # the sharded optimizer takes over: reduce-scatters
             from macrogen.runtime.zero import shard_optimizer

@@ -205,7 +205,7 @@ def _run(rank, world, tmp, kind, backend):
             step = torch.compile(model, backend=backend)
         torch._dynamo.reset()
         dynamo_utils.counters.clear()
-        data = torch.Generator().manual_seed(1 + mg.mesh().data_rank)
+        data = torch.Generator().manual_seed(1 + mg.mesh(model).data_rank)
         with GraphBreaks() as breaks, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for i in range(STEPS):

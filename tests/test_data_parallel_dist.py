@@ -314,13 +314,14 @@ def _averaged_once_worker(rank: int, world: int) -> list:
     steps per window: the buckets go once per window, holding the mean of every rank's sums."""
     from macrogen.runtime import buckets
     from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync
+    from macrogen.runtime.mesh import mesh
 
     launches = []
     launch = buckets.Bucket.launch
     buckets.Bucket.launch = lambda self, *a, **k: (launches.append(1), launch(self, *a, **k))[1]
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
-    sync = GradientSync(model, DataParallelConfig(accumulate=2), where="t.py:1")
+    sync = GradientSync(model, DataParallelConfig(accumulate=2), where="t.py:1", mesh=mesh())
     out = []
     for step in range(4):
         model(torch.zeros(1, 3))  # the first forward starts the averaging (buckets, broadcast)

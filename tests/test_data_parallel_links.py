@@ -19,11 +19,12 @@ from torch import nn
 
 from macrogen.runtime import data_parallel
 from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync, syncs_of
+from macrogen.runtime.mesh import SERIAL
 from macrogen.runtime.zero import shard_optimizer
 
 
 def averaged(model: nn.Module, where: str = "train.py:3") -> GradientSync:
-    sync = GradientSync(model, DataParallelConfig(), where=where)
+    sync = GradientSync(model, DataParallelConfig(), where=where, mesh=SERIAL)
     model.__dict__["_mg_gradient_sync"] = sync
     return sync
 

@@ -154,9 +154,10 @@ def test_replaced_parameters_clip_autocast_and_inference(tmp_path):
 
 def test_the_parameter_check_names_what_changed():
     from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync
+    from macrogen.runtime.mesh import SERIAL
 
     net = nn.Sequential(nn.Linear(2, 2))
-    sync = GradientSync(net, DataParallelConfig(), where="t.py:1")
+    sync = GradientSync(net, DataParallelConfig(), where="t.py:1", mesh=SERIAL)
     assert sync.params_changed() is None
     net[0].weight = nn.Parameter(torch.zeros(2, 2))
     assert sync.params_changed() == "'0.weight' was replaced, removed or frozen"

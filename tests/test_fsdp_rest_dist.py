@@ -101,14 +101,14 @@ def _parity(rank, world, tmp, build):
     module = load_module(expand(SOURCE), f"fsdp_rest_{build}_{rank}", Path(tmp))
     torch.manual_seed(0)
     ref = _train(module.Net(), slice(None))
-    data = mg.mesh()
-    share = BATCH // data.data_size
-    rows = slice(data.data_rank * share, (data.data_rank + 1) * share)
     torch.manual_seed(0)
     if build in ("Full", "Offloaded"):
         model = getattr(module, build)()
     else:
         model = getattr(module, build)(module.Net())
+    data = mg.mesh(model)  # the mesh it was sharded on
+    share = BATCH // data.data_size
+    rows = slice(data.data_rank * share, (data.data_rank + 1) * share)
     sharded = [type(p).__name__ for p in model.parameters()]
     assert set(sharded) == {"DTensor"}, sharded
     offloaded = {p.device.type for p in model.parameters()}

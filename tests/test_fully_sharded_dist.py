@@ -160,7 +160,7 @@ def _parity(rank, world, tmp, kind, wrap, micro):
 
     torch.manual_seed(0)
     model = getattr(module, wrap)(getattr(module, kind)())
-    data = mg.mesh()
+    data = mg.mesh(model)  # the mesh it was parallelized on
     share = BATCH // data.data_size
     rows = slice(data.data_rank * share, (data.data_rank + 1) * share)
     ours, norms = _train(model, module.VOCAB, rows, micro)

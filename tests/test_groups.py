@@ -152,14 +152,20 @@ def test_tp_size_set_on_one_rank_only_is_the_same_clear_error_on_every_rank():
 
 
 def _mesh_layout(rank: int, world: int):
+    import torch
     import torch.distributed as dist
 
     from macrogen.runtime import mesh
 
     os.environ["MACROGEN_TP_SIZE"] = "2"
     m = mesh.mesh()
-    assert mesh.data_parallel_group() is m.data_group  # data-parallel modules read the mesh
-    assert mesh.mesh(2) is m and mesh.mesh() is m
+    assert mesh.mesh(2) is m and mesh.mesh() is m  # the program's one mesh, made once
+    # mg.mesh(model): the mesh a model carries, never the program's in place of a missing one
+    with pytest.raises(ValueError, match=r"this Linear carries no mesh: it was not parallelized"):
+        mesh.mesh_of(torch.nn.Linear(1, 1))
+    model = torch.nn.Linear(1, 1)
+    mesh.carry(model, m)
+    assert mesh.mesh_of(model) is m and mesh.mesh_of() is m
     dm = m.device_mesh
     return (
         m.shape,

@@ -8,6 +8,8 @@
   documented in docs/macros.md;
 - a macro's imports come from one place: what it asked the context for;
 - a macro written from docs/macros.md alone expands.
+- no module of ``macrogen/`` over 600 lines (issue 40): split by concern past that.
+- the program's mesh is made by the apply steps and handed on: no runtime object looks it up.
 """
 
 from __future__ import annotations
@@ -195,6 +197,64 @@ def test_the_renaming_finder_finds_one(tmp_path, monkeypatch):
         "planted:1: from macrogen.runtime import mesh as meshes",
         "planted:2: import macrogen.hook as h",
     ]
+
+
+# -- module size --------------------------------------------------------------------------
+LONGEST = 600  # lines: past that a module mixes concerns; split it by concern
+
+
+def long_modules(limit: int = LONGEST) -> list[str]:
+    """The modules of macrogen/ longer than ``limit`` lines, with their length."""
+    found = []
+    for name, path in sorted(MODULES.items()):
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > limit:
+            found.append(f"{name}: {lines} lines")
+    return found
+
+
+def test_no_module_is_over_600_lines():
+    assert long_modules() == []
+
+
+def test_the_length_finder_finds_one(tmp_path, monkeypatch):
+    planted = tmp_path / "planted.py"
+    planted.write_text("x = 1\n" * (LONGEST + 1))
+    monkeypatch.setitem(MODULES, "planted", planted)
+    assert long_modules() == [f"planted: {LONGEST + 1} lines"]
+
+
+# -- the mesh: made by the apply steps, handed on (issue 40) -------------------------------
+# The modules that may call the program's mesh registry (macrogen.runtime.mesh's ``mesh``), and
+# why; every other object that needs a mesh receives it (from its apply step, the model it
+# holds or its caller), never finds another's through the registry.
+MESH_MAKERS = {
+    "macrogen.runtime.parallelize.steps": "mg.parallelize's mesh step, device_mesh",
+    "macrogen.runtime.class_plans": "the class decorators' mesh, where construction ends",
+    "macrogen.runtime.param_server": "made while the server ranks are still there",
+    "macrogen": "the user's mg.mesh()",
+    "macrogen.autotune.worker": "forgotten between layout candidates (each a program)",
+}
+
+
+def mesh_registry_users() -> set[str]:
+    """Modules of macrogen/ that import the registry: ``mesh`` or ``mesh_of`` from
+    ``macrogen.runtime.mesh``, or the module ``macrogen.runtime.mesh`` itself."""
+    found = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            names = {a.name for a in node.names}
+            if (node.module == "macrogen.runtime.mesh" and names & {"mesh", "mesh_of"}) or (
+                node.module == "macrogen.runtime" and "mesh" in names
+            ):
+                found.add(name)
+    return found
+
+
+def test_only_the_apply_steps_use_the_mesh_registry():
+    assert mesh_registry_users() == set(MESH_MAKERS)
 
 
 def test_the_sdk_exports_what_it_names():

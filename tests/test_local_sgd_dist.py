@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync, gradient_sync
 from macrogen.runtime.local_sgd import LocalSGD
+from macrogen.runtime.mesh import SERIAL
 from tests.distributed import run_ranks
 from tests.test_data_parallel_dist import (
     GLOBAL_BATCH,
@@ -103,7 +104,7 @@ def test_periodic_averaging_matches_serial_and_torch(tmp_path):
 
 def test_serial_run_installs_no_averaging():
     model = torch.nn.Linear(2, 2)
-    sync = GradientSync(model, DataParallelConfig(sync_every=4), where="t.py:1")
+    sync = GradientSync(model, DataParallelConfig(sync_every=4), where="t.py:1", mesh=SERIAL)
     assert sync.world_size == 1 and sync.local_sgd is not None
     opt = sgd(model)
     model(torch.ones(1, 2)).sum().backward()

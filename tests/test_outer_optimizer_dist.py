@@ -29,6 +29,7 @@ import torch.distributed as dist
 from macrogen.expand import expand_source
 from macrogen.runtime import local_sgd
 from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync, flush, gradient_sync
+from macrogen.runtime.mesh import SERIAL
 from tests.dist_checks import each_rank, run_check
 from tests.distributed import run_ranks
 from tests.helpers import load_module
@@ -394,7 +395,7 @@ def _resume(rank: int, world: int, out_dir: str) -> dict:
 def test_delay_beyond_sync_every_is_refused():
     model = torch.nn.Linear(2, 2)
     config = DataParallelConfig(sync_every=2, overlap=True, delay=3)
-    sync = GradientSync(model, DataParallelConfig(), where="t.py:1")
+    sync = GradientSync(model, DataParallelConfig(), where="t.py:1", mesh=SERIAL)
     sync.config = config
     with pytest.raises(ValueError, match="delay=3 must be between 0 and sync_every=2"):
         local_sgd.LocalSGD(sync)

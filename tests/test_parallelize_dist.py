@@ -200,7 +200,8 @@ def _parity(rank, world, tmp, kind, dp):
     state = {k: _full(v) for k, v in model.state_dict().items()}
     for key, value in initial.items():  # the serial initialization, exactly
         assert torch.equal(state[key], value), key
-    mesh = mg.mesh()
+    mesh = mg.mesh(model)  # the mesh it was parallelized on: the program's
+    assert mesh is mg.mesh()
     assert mesh.tensor_size == 2 and mesh.data_size == world // 2
     share = BATCH // mesh.data_size
     rows = slice(mesh.data_rank * share, (mesh.data_rank + 1) * share)

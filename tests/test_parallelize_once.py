@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch.nn as nn
 
+import macrogen as mg
 from macrogen.runtime import mesh as meshes
 from macrogen.runtime.parallelize import no_data_parallel, parallelize_once
 from tests.helpers import expand, load_module
@@ -62,6 +63,7 @@ def test_a_second_parallelize_is_an_error_naming_the_first(tmp_path, mode):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = module.first(module.Net())
+    assert mg.mesh(model) is meshes.SERIAL  # every step hands the model its mesh (no ranks here)
     with pytest.raises(RuntimeError, match=r"test.py:24: this model was parallelized already, at"
                        r" test.py:20: apply mg.parallelize once"):  # fmt: skip
         module.second(model)
@@ -78,8 +80,24 @@ def test_a_module_of_the_model_parallelized_before_is_named():
 
 def test_no_data_parallel_on_several_data_ranks_warns_that_replicas_diverge():
     several = meshes.Mesh(data_size=2, tensor_size=1, tensor_group=None, data_group=None)
+    model = nn.Linear(1, 1)
     with pytest.warns(UserWarning, match=r"t.py:3: dp='none' on 2 data ranks: .* diverge"):
-        no_data_parallel(several, where="t.py:3")
+        no_data_parallel(model, several, where="t.py:3")
+    assert mg.mesh(model) is several  # the model carries its mesh all the same
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        no_data_parallel(meshes.SERIAL, where="t.py:4")  # one replica: nothing to say
+        no_data_parallel(
+            nn.Linear(1, 1), meshes.SERIAL, where="t.py:4"
+        )  # one replica: nothing to say
+
+
+def test_mg_mesh_of_a_model_is_the_mesh_it_was_parallelized_on():
+    """``mg.mesh(model)`` reads the mesh the model carries (every mode above checks that its
+    model carries one); on ranks, a model no plan was applied to carries none: an error saying
+    so, never the program's mesh in its place. Serially (the unexpanded program) it is the
+    serial mesh."""
+    assert mg.mesh(nn.Linear(1, 1)) is meshes.SERIAL
+    several = meshes.Mesh(data_size=2, tensor_size=1, tensor_group=None, data_group=None)
+    model = nn.Linear(1, 1)
+    meshes.carry(model, several)
+    assert mg.mesh(model) is several

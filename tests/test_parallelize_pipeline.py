@@ -198,7 +198,8 @@ def test_without_ranks_the_expanded_program_is_the_serial_one(tmp_path, dp):
 
 
 def test_the_tuner_prunes_what_the_expansion_refuses():
-    from macrogen.macros.parallelize import DEFAULTS, pipeline_problem
+    from macrogen.autotune.layouts import pipeline_problem
+    from macrogen.macros.parallelize_arguments import DEFAULTS
 
     def problem(**values):
         return pipeline_problem({**DEFAULTS, **values})

@@ -126,7 +126,7 @@ def _parity(rank, world, tmp, kind):
     serial = getattr(unexpanded, kind)()
     torch.manual_seed(0)
     model = getattr(module, f"parallel_{kind}")(getattr(module, kind)())
-    mesh = mg.mesh()
+    mesh = mg.mesh(model)  # the mesh it was parallelized on
     share = BATCH // mesh.data_size
     rows = slice(mesh.data_rank * share, (mesh.data_rank + 1) * share)
     if kind == "gpt":  # dropout draws per row: the data ranks' shares differ from serial's

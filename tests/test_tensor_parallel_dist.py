@@ -194,13 +194,13 @@ class _CountCollectives:
     """Counts all_reduce / all_gather calls made by the tensor-parallel collectives."""
 
     def __init__(self):
-        import macrogen.runtime.collectives as collectives
+        from macrogen.runtime import collectives, collectives_linear, collectives_sequence
 
-        self.module = collectives
+        self.modules = (collectives, collectives_linear, collectives_sequence)
         self.counts = {"all_reduce": 0, "all_gather": 0}
 
     def __enter__(self):
-        real = self.module.dist
+        import torch.distributed as real
 
         class _Counting:
             def __getattr__(_, name):
@@ -214,13 +214,15 @@ class _CountCollectives:
                     return counted
                 return attr
 
-        self.module.dist = _Counting()
+        for module in self.modules:
+            module.dist = _Counting()
         return self
 
     def __exit__(self, *exc):
         import torch.distributed as dist
 
-        self.module.dist = dist
+        for module in self.modules:
+            module.dist = dist
 
     def take(self):
         out, self.counts = dict(self.counts), {k: 0 for k in self.counts}
@@ -317,7 +319,7 @@ BLOCKS = {
     "MLP without overlap": ("MLP", ("d",), "x", False),
     "PackedAttention without overlap": ("PackedAttention", ("d", "heads"), "x", False),
 }
-# collectives.CHUNK_ELEMENTS / OVERLAP while the block runs
+# collectives_linear.CHUNK_ELEMENTS / OVERLAP while the block runs
 SETTINGS = {
     "MLP chunked": (1, True),
     "MLP without overlap": (1, False),
@@ -331,12 +333,12 @@ TORCH_PLANS = {
 
 
 def _block(S, P, name, x, ids, rank, world):
-    import macrogen.runtime.collectives as collectives
+    from macrogen.runtime import collectives_linear
 
     cls, arg_names, input_name, gather_output = BLOCKS[name]
     args = tuple({"d": D_MODEL, "heads": N_HEAD, "vocab": VOCAB}[a] for a in arg_names)
-    saved = collectives.CHUNK_ELEMENTS, collectives.OVERLAP
-    collectives.CHUNK_ELEMENTS, collectives.OVERLAP = SETTINGS.get(name, saved)
+    saved = collectives_linear.CHUNK_ELEMENTS, collectives_linear.OVERLAP
+    collectives_linear.CHUNK_ELEMENTS, collectives_linear.OVERLAP = SETTINGS.get(name, saved)
     try:
         report, serial, out = _check_block(
             lambda: getattr(S, cls)(*args),
@@ -347,7 +349,7 @@ def _block(S, P, name, x, ids, rank, world):
             gather_output=gather_output,
         )
     finally:
-        collectives.CHUNK_ELEMENTS, collectives.OVERLAP = saved
+        collectives_linear.CHUNK_ELEMENTS, collectives_linear.OVERLAP = saved
     if name in TORCH_PLANS:
         ref = _torch_tp(serial, TORCH_PLANS[name], world)
         if name == "Attention":

@@ -162,7 +162,7 @@ def _collectives_of_a_pass(ours, x, w, grads):
     backends'). Each layer norm's weight and bias gradients are summed in one all-reduce."""
     import torch.distributed as dist
 
-    from macrogen.runtime import collectives
+    from macrogen.runtime import collectives_sequence
     from macrogen.runtime.tensor_parallel import full_gradients
 
     calls = {"all_reduce": 0, "reduce_scatter_single": 0}
@@ -178,7 +178,7 @@ def _collectives_of_a_pass(ours, x, w, grads):
     results = {}
     try:
         for backends in ({"gloo"}, set()):
-            collectives.REDUCE_SCATTER_BY_ALL_REDUCE = backends
+            collectives_sequence.REDUCE_SCATTER_BY_ALL_REDUCE = backends
             for name in calls:
                 calls[name] = 0
                 setattr(dist, name, counting(name))
@@ -188,7 +188,7 @@ def _collectives_of_a_pass(ours, x, w, grads):
             (out * w).sum().backward()
             results[bool(backends)] = (out, leaf.grad, full_gradients(ours), dict(calls))
     finally:
-        collectives.REDUCE_SCATTER_BY_ALL_REDUCE = {"gloo"}
+        collectives_sequence.REDUCE_SCATTER_BY_ALL_REDUCE = {"gloo"}
         for name, call in originals.items():
             setattr(dist, name, call)
     (out, grad_x, grads_ar, by_ar), (out_rs, grad_x_rs, grads_rs, by_rs) = (

@@ -18,6 +18,7 @@ from torch import nn
 
 from macrogen.runtime import zero_runs
 from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync
+from macrogen.runtime.mesh import mesh
 from macrogen.runtime.zero import ShardedOptimizer
 from tests.distributed import run_ranks
 
@@ -63,7 +64,7 @@ ROUNDING = dict(rtol=1e-5, atol=1e-6)
 
 def data_parallel(model: nn.Module) -> nn.Module:
     """``model`` averaged over the ranks, as mg.parallelize(dp="zero1") leaves it."""
-    sync = GradientSync(model, DataParallelConfig(), where="test_zero_runs_dist.py")
+    sync = GradientSync(model, DataParallelConfig(), where="test_zero_runs_dist.py", mesh=mesh())
     model.__dict__["_mg_gradient_sync"] = sync
     return model
 

@@ -62,7 +62,7 @@ from macrogen.macro import (
     Site,
     TuningEnv,
 )
-from macrogen.macros import parallelize, redundant, uneven
+from macrogen.macros import parallelize_arguments, redundant, uneven
 from macrogen.macros.class_decorator import decorated, rendered_decorator
 from macrogen.macros.outer_sgd import Outer
 
@@ -105,7 +105,7 @@ DEFAULTS: dict[str, Any] = {
 }
 SHARE_ARGS = ("dp_shares", "dp_rebalance_every", "dp_max_rows")  # as mg.parallelize's
 SHARD_MODES = (None, "full")
-FSDP_ONLY = parallelize.FSDP_ONLY  # reshard_after_forward, ..., dp_replicate
+FSDP_ONLY = parallelize_arguments.FSDP_ONLY  # reshard_after_forward, ..., dp_replicate
 REPLICATED_ONLY = (
     "bucket_mb",
     "first_bucket_mb",
@@ -205,7 +205,7 @@ def _server_optimizer(v: Any) -> str | None:
 
 CHECKS: dict[str, Callable[[Any], str | None]] = {
     "shard": _shard,
-    **{name: parallelize.CHECKS[name] for name in FSDP_ONLY},
+    **{name: parallelize_arguments.CHECKS[name] for name in FSDP_ONLY},
     "bucket_mb": _positive_number,
     "first_bucket_mb": _positive_number,
     "compress": _compress,

@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import functools
 import operator
-import re
-import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -57,14 +55,21 @@ from macrogen.macro import (
     MacroError,
     Site,
     TuningEnv,
-    Visitor,
     did_you_mean,
     dotted,
     evaluated,
     find,
-    walk,
 )
 from macrogen.macros.class_decorator import decorated, rendered_decorator
+from macrogen.macros.class_init import (
+    callee_leaf,
+    callee_name,
+    constructed_class,
+    describe,
+    init_assignments,
+    may_be_int,
+    module_classes,
+)
 from macrogen.macros.tensor_parallel_builders import builders
 from macrogen.macros.tensor_parallel_width import feeding, rewrite_forward
 
@@ -91,15 +96,15 @@ class Style:
     comment = ""
 
     def check(self, value: cst.BaseExpression, attr: str, key_node: cst.CSTNode) -> None:
-        what = _describe(value)
+        what = describe(value)
         if self.needs == "int":
-            if not _may_be_int(value):
+            if not may_be_int(value):
                 raise MacroError(
                     f"divide needs an int attribute (like n_head), but self.{attr} is {what}"
                     f" (supported: {SUPPORTED})",
                     key_node,
                 )
-        elif self.needs is not None and _callee_leaf(value) not in ACCEPTS.get(
+        elif self.needs is not None and callee_leaf(value) not in ACCEPTS.get(
             self.needs, (self.needs,)
         ):
             raise MacroError(
@@ -187,12 +192,12 @@ class Sequence(Style):
     comment = "runs on this rank's slice of the sequence; parameter gradients summed over ranks"
 
     def check(self, value: cst.BaseExpression, attr: str, key_node: cst.CSTNode) -> None:
-        leaf, callee = _callee_leaf(value), _callee(value)
+        leaf, callee = callee_leaf(value), callee_name(value)
         torch_layer = callee is not None and callee.split(".")[0] in ("nn", "torch")
         if leaf is None or not leaf[:1].isupper() or (torch_layer and leaf not in PER_TOKEN):
             raise MacroError(
                 f"sequence runs a layer norm or dropout on this rank's slice of the sequence, but"
-                f" self.{attr} is {_describe(value)} (supported: nn.LayerNorm, nn.RMSNorm,"
+                f" self.{attr} is {describe(value)} (supported: nn.LayerNorm, nn.RMSNorm,"
                 " nn.Dropout or a per-token module class of yours; tensor-parallel layers take"
                 " 'colwise from sequence' / 'rowwise to sequence')",
                 key_node,
@@ -206,7 +211,7 @@ class FromSequence(Style):
     comment = "its input arrives as a sequence slice: gathered whole on entry"
 
     def check(self, value: cst.BaseExpression, attr: str, key_node: cst.CSTNode) -> None:
-        leaf = _callee_leaf(value)
+        leaf = callee_leaf(value)
         if leaf == "Linear":
             raise MacroError(
                 f"'from sequence' gathers a module's input; self.{attr} is an nn.Linear:"
@@ -216,7 +221,7 @@ class FromSequence(Style):
         if leaf is None or not leaf[:1].isupper():
             raise MacroError(
                 f"'from sequence' needs a module (self.{attr} = Attention(...)), but self.{attr}"
-                f" is {_describe(value)}",
+                f" is {describe(value)}",
                 key_node,
             )
 
@@ -275,7 +280,7 @@ def validate(site: Site, ctx: Context) -> Spec:
             " {'fc': 'colwise', 'proj': 'rowwise'}",
             node,
         )
-    classes = _module_classes(ctx)
+    classes = module_classes(ctx)
     entries = []
     for key, value in plan.items():
         key_node, style_node = _element(node, key)
@@ -368,7 +373,7 @@ def expand(site: Site, ctx: Context) -> Expanded:
     outer = tuple(
         (name, f"# macrogen: {name} builds tensor-parallel classes and re-initializes them:"
                f" their plans apply where its construction ends\n@{decorator}({name!r}, None, {{}})")
-        for name in builders(spec.name, _module_classes(ctx))
+        for name in builders(spec.name, module_classes(ctx))
     )  # fmt: skip
     return Expanded([cls], decorates=outer)
 
@@ -390,7 +395,7 @@ def _check_fits(
     """
     value: cst.BaseExpression | None = None
     for i, attr in enumerate(path):
-        assigned = _init_assignments(cls, classes)
+        assigned = init_assignments(cls, classes)
         if assigned is None:
             raise MacroError(
                 f"{cls.name.value} defines no __init__ (nor does a base class in this file):"
@@ -416,168 +421,12 @@ def _check_fits(
                     f" ({'.'.join(path[: i + 1])!r}), or paths through submodules of your classes",
                     key_node,
                 )
-            inner = _constructed_class(value, classes)
+            inner = constructed_class(value, classes)
             if inner is None:  # built by code we can't see: checked at construction instead
                 return
             cls = inner
     assert value is not None
     style.check(value, path[-1], key_node)
-
-
-def _init_assignments(
-    cls: cst.ClassDef, classes: Mapping[str, cst.ClassDef], seen: frozenset[str] = frozenset()
-) -> dict[str, cst.BaseExpression] | None:
-    """``self.<attr> = value`` in ``__init__``: attr -> last value (bases of this file first).
-
-    None when neither the class nor a base of this file defines ``__init__``.
-    """
-    found: dict[str, cst.BaseExpression] | None = None
-    for base in cls.bases:  # super().__init__() runs theirs; a missing __init__ inherits it
-        name = dotted(base.value)
-        if name is not None and name in classes and name not in seen:
-            inherited = _init_assignments(classes[name], classes, seen | {cls.name.value})
-            if inherited is not None:
-                found = {**(found or {}), **inherited}
-    own = _own_init_assignments(cls)
-    if own is None:
-        return found
-    return {**(found or {}), **own}
-
-
-@functools.lru_cache(maxsize=16)  # by the node itself: asked once per plan entry of a site
-def _own_init_assignments(cls: cst.ClassDef) -> dict[str, cst.BaseExpression] | None:
-    """``self.<attr> = value`` anywhere in the class's own ``__init__``: attr -> last value
-    (not to be changed: it is shared)."""
-    init = next(
-        (s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"),
-        None,
-    )
-    if init is None:
-        return None
-    params = init.params.params or init.params.posonly_params
-    me = params[0].name.value if params else "self"
-    found: dict[str, cst.BaseExpression] = {}
-
-    class _Assignments(Visitor):
-        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-            return node is init  # nested functions assign their own locals
-
-        def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-            return False
-
-        def visit_Assign(self, node: cst.Assign) -> None:
-            for target in node.targets:
-                self._target(target.target, node.value)
-
-        def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-            if node.value is not None:
-                self._target(node.target, node.value)
-
-        def _target(self, target: cst.BaseExpression, value: cst.BaseExpression) -> None:
-            if (
-                isinstance(target, cst.Attribute)
-                and isinstance(target.value, cst.Name)
-                and target.value.value == me
-            ):
-                found[target.attr.value] = value
-
-    walk(init, _Assignments())
-    return found
-
-
-def _callee(value: cst.BaseExpression) -> str | None:
-    """``nn.LayerNorm`` for ``nn.LayerNorm(...)``."""
-    return dotted(value.func) if isinstance(value, cst.Call) else None
-
-
-def _callee_leaf(value: cst.BaseExpression) -> str | None:
-    """``Linear`` for ``nn.Linear(...)``, ``torch.nn.Linear(...)`` or ``Linear(...)``."""
-    if isinstance(value, cst.Call):
-        name = dotted(value.func)
-        if name is not None:
-            return name.rsplit(".", 1)[-1]
-    return None
-
-
-def _describe(value: cst.BaseExpression) -> str:
-    if isinstance(value, cst.Call):
-        name = dotted(value.func)
-        return f"{name}(...)" if name else "a call"
-    text = cst.Module([]).code_for_node(value).strip()
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _may_be_int(value: cst.BaseExpression) -> bool:
-    """Whether the value could be an int: not a layer, not another literal kind."""
-    if isinstance(value, cst.Integer):
-        return True
-    if isinstance(
-        value,
-        (cst.Float, cst.Imaginary, cst.SimpleString, cst.ConcatenatedString, cst.FormattedString),
-    ):
-        return False
-    if isinstance(value, (cst.List, cst.Tuple, cst.Dict, cst.Set, cst.Lambda)):
-        return False
-    if isinstance(value, cst.Name) and value.value in ("True", "False", "None"):
-        return False
-    leaf = _callee_leaf(value)
-    return leaf is None or not leaf[:1].isupper()  # a class call builds an object, not an int
-
-
-def _constructed_class(
-    value: cst.BaseExpression, classes: Mapping[str, cst.ClassDef]
-) -> cst.ClassDef | None:
-    """The class of this file that ``value`` constructs (``MLP(...)``), if any."""
-    if isinstance(value, cst.Call) and isinstance(value.func, cst.Name):
-        return classes.get(value.func.value)
-    return None
-
-
-_CLASSES: weakref.WeakKeyDictionary[Context, _ModuleClasses] = weakref.WeakKeyDictionary()
-
-
-def _module_classes(ctx: Context) -> _ModuleClasses:
-    """Top-level classes of the file, for dotted plan paths into submodules and base classes."""
-    if ctx not in _CLASSES:
-        _CLASSES[ctx] = _ModuleClasses("\n".join(ctx.lines))
-    return _CLASSES[ctx]
-
-
-class _ModuleClasses(Mapping[str, cst.ClassDef]):
-    """The file's top-level classes by name. libcst parses the whole file only when a plan
-    path or a base class names one of them: most plans name their own class's layers."""
-
-    _CLASS = re.compile(r"^class\b(?:[ \t]+(\w+))?", re.M)
-
-    def __init__(self, source: str):
-        self.source = source
-        found = [m.group(1) for m in self._CLASS.finditer(source)]
-        # the names on lines that start with ``class`` (None: one is written another way)
-        self.candidates: set[str] | None = None if None in found else set(found)
-        self._classes: dict[str, cst.ClassDef] | None = None
-
-    def _all(self) -> dict[str, cst.ClassDef]:
-        if self._classes is None:
-            module = cst.parse_module(self.source)
-            self._classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
-        return self._classes
-
-    def _may_have(self, name: object) -> bool:
-        return self.candidates is None or name in self.candidates
-
-    def __getitem__(self, name: str) -> cst.ClassDef:
-        if not self._may_have(name):
-            raise KeyError(name)
-        return self._all()[name]
-
-    def __contains__(self, name: object) -> bool:
-        return self._may_have(name) and name in self._all()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._all())
-
-    def __len__(self) -> int:
-        return len(self._all())
 
 
 def _element(plan: cst.BaseExpression, key: object) -> tuple[cst.CSTNode, cst.CSTNode]:

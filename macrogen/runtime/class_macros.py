@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from macrogen.runtime.class_plans import construction, materialize, mesh_for
+from macrogen.runtime.mesh import carry
 
 
 def data_parallel_class(
@@ -35,13 +36,15 @@ def data_parallel_class(
         def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
             with construction(self):
                 init(self, *args, **kwargs)
-            # every parameter exists and tensor-parallel layers are cut: the mesh has chosen
-            # the data-parallel group
+            # every parameter exists and tensor-parallel layers are cut: the mesh they were cut
+            # on (else the program's, made now) gives the data-parallel group
+            mesh = mesh_for(self)
+            carry(self, mesh)
             if fully_sharded is not None:
                 from macrogen.runtime.fully_sharded import apply_fully_sharded
 
                 apply_fully_sharded(
-                    self, mesh_for(self), fully_sharded, where=where, macro="@mg.data_parallel"
+                    self, mesh, fully_sharded, where=where, macro="@mg.data_parallel"
                 )
             elif servers is not None:  # (a server rank does not return from here)
                 from macrogen.runtime.param_server import apply_server_tables
@@ -52,7 +55,7 @@ def data_parallel_class(
                 )
                 self.__dict__[_SYNC] = self.__dict__.get("_mg_gradient_sync")
             else:
-                self.__dict__[_SYNC] = GradientSync(self, config, where=where)
+                self.__dict__[_SYNC] = GradientSync(self, config, where=where, mesh=mesh)
 
         @functools.wraps(apply)
         def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -100,7 +103,8 @@ def pipeline_class(config: Any, forward: Any, *, ranks: int, where: str) -> Call
                     raise ValueError(f"pipeline at {where}: {e}") from None
                 # the stage cut must see the tensor-parallel shards, cut now (every rank still
                 # holds every layer: their rank-agreement check runs on the same modules)
-                materialize(self)
+                materialize(self, mesh)
+                carry(self, mesh)
                 pipe = pipeline.attach(self, config, cut, mesh, where=where)
                 if is_tensor_parallel(self) and pipe.layout is not None:
                     # the schedule runs this rank's stage modules, never the model's forward:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from macrogen.runtime import environment
 from macrogen.runtime.eager import eager
-from macrogen.runtime.mesh import SIZE_ENV, Mesh, mesh, tensor_parallel_group
+from macrogen.runtime.mesh import SIZE_ENV, Mesh, carried, mesh
 from macrogen.runtime.parallelize.engine import apply_tensor_parallel
 from macrogen.runtime.tensor_parallel import (
     load_serial_state_dict,
@@ -149,26 +149,44 @@ def construction(module: nn.Module) -> Iterator[None]:
             guard = functools.partial(_never_applied, type(record.root).__name__)
             module.__dict__[_GUARD] = module.register_forward_pre_hook(guard)
     if token is not None:
-        apply_class_plans(module, record.under(module))
+        waiting = record.under(module)
+        if waiting:  # the class path's mesh step: made (or the program's) with their size=
+            apply_class_plans(module, waiting, mesh(plans_size(module, waiting)))
 
 
-def materialize(module: nn.Module) -> None:
-    """Apply now the plans waiting under ``module`` (``@data_parallel`` and ``@pipeline`` call
-    it before they collect or cut the parameters, inside an outer decorated construction)."""
+def materialize(module: nn.Module, program: Mesh) -> None:
+    """Apply now, on ``program`` (the caller's mesh), the plans waiting under ``module``
+    (``@data_parallel`` and ``@pipeline`` call it before they collect or cut the parameters,
+    inside an outer decorated construction)."""
     record = _building.get()
     if record is not None:
-        apply_class_plans(module, record.under(module))
+        waiting = record.under(module)
+        if waiting:
+            apply_class_plans(module, waiting, program)
 
 
 def mesh_for(module: nn.Module, *, pipeline: int | None = None) -> Mesh:
-    """The program's mesh, made now with the size= of the plans waiting under ``module`` (and
-    ``pipeline`` stages)."""
+    """A decorated model's mesh: the one its plans were applied on (it carries it), else the
+    program's, made now with the size= of the plans waiting under ``module`` (and ``pipeline``
+    stages). What ``@data_parallel`` and ``@pipeline`` hand on to what they set up."""
+    found = carried(module)
+    if found is not None and pipeline in (None, found.pipeline_size):
+        return found
     record = _building.get()
-    for waiting in record.under(module) if record is not None else ():
-        plan = class_plan(type(waiting))
-        assert plan is not None
-        tensor_parallel_group(plan.size, pipeline=pipeline)
-    return mesh(pipeline=pipeline)
+    waiting = record.under(module) if record is not None else []
+    return mesh(plans_size(module, waiting), pipeline=pipeline)
+
+
+def plans_size(root: nn.Module, modules: list[nn.Module]) -> int | None:
+    """The one size= of the plans of ``modules`` (None: none gives one)."""
+    plans = [class_plan(type(m)) for m in modules]
+    sizes = sorted({p.size for p in plans if p is not None and p.size is not None})
+    if len(sizes) > 1:
+        raise ValueError(
+            f"tensor_parallel: the plans under {type(root).__name__} ask for sizes"
+            f" {', '.join(map(str, sizes))}: one tensor-parallel size per model"
+        )
+    return sizes[0] if sizes else None
 
 
 def _waiting(module: nn.Module) -> bool:
@@ -185,22 +203,19 @@ def _never_applied(root: str, module: nn.Module, args: Any) -> None:
     )
 
 
-def apply_class_plans(root: nn.Module, modules: list[nn.Module]) -> None:
+def apply_class_plans(root: nn.Module, modules: list[nn.Module], program: Mesh) -> None:
     """Tensor parallel for the decorated ``modules`` under ``root`` (children first): their
     plans, under their paths in ``root``, applied at once by the engine
-    (``macrogen.runtime.parallelize.apply_tensor_parallel``) on the program's mesh, so the
-    parameters are DTensors as under ``mg.parallelize``; every problem reported together."""
+    (``macrogen.runtime.parallelize.apply_tensor_parallel``) on ``program``, the mesh made for
+    them, so the parameters are DTensors as under ``mg.parallelize``; every problem reported
+    together."""
     plans = [(m, class_plan(type(m))) for m in modules]
-    sizes = sorted({p.size for _, p in plans if p is not None and p.size is not None})
-    if len(sizes) > 1:
+    size = plans_size(root, modules)
+    if size is not None and size != program.tensor_size and program.device_mesh is not None:
         raise ValueError(
-            f"tensor_parallel: the plans under {type(root).__name__} ask for sizes"
-            f" {', '.join(map(str, sizes))}: one tensor-parallel size per model"
+            f"this program already uses tensor-parallel size {program.tensor_size}; the plans"
+            f" under {type(root).__name__} ask for {size}: one mesh per program"
         )
-    if not plans:
-        return
-    size = sizes[0] if sizes else None
-    program = mesh(size)
     paths = {id(m): n for n, m in root.named_modules()}
     plan: dict[str, Any] = {}
     for module, p in plans:

@@ -47,7 +47,7 @@ from macrogen.runtime.agreement import Fingerprint, check_agreement, fingerprint
 from macrogen.runtime.buckets import Bucket, local, plan_buckets
 from macrogen.runtime.eager import eager
 from macrogen.runtime.local_sgd import LocalSGD, OuterSGD
-from macrogen.runtime.mesh import Mesh, carried, data_parallel_group
+from macrogen.runtime.mesh import Mesh
 from macrogen.runtime.shares import ShareConfig, Shares
 
 MB = 2**20
@@ -102,7 +102,7 @@ class GradientSync:
         config: DataParallelConfig,
         *,
         where: str,
-        mesh: Mesh | None = None,
+        mesh: Mesh,
     ):
         if not isinstance(module, nn.Module):
             raise TypeError(f"@data_parallel at {where} needs an nn.Module subclass")
@@ -116,14 +116,12 @@ class GradientSync:
         self.config = config
         self.where = where
         # Tensor-parallel shards wait for the outermost decorated model's construction to end;
-        # this one's may still be running, so cut them now, before the parameters are collected.
-        class_plans.materialize(module)
-        # The data dim of the mesh the model is parallelized on: given (mg.parallelize's apply
-        # step), or carried by the model (its tensor-parallel plan, applied just now); else, a
-        # data-parallel model alone, the program's (data-only) mesh.
-        if mesh is None:
-            mesh = carried(module)
-        self.group = mesh.data_group if mesh is not None else data_parallel_group()
+        # this one's may still be running, so cut them now, on the same mesh, before the
+        # parameters are collected.
+        class_plans.materialize(module, mesh)
+        # the data dim of the mesh the model is parallelized on, handed over by its apply step
+        # (mg.parallelize's, @data_parallel's, the parameter servers' workers)
+        self.group = mesh.data_group
         self.world_size = groups.world_size(self.group)
         self.scale = 1.0 / self.world_size  # gradients are averaged: scaled, then summed
         self.names: list[str] = []

@@ -56,7 +56,7 @@ from macrogen.runtime.expert_modules import (
 )
 from macrogen.runtime.expert_routing import ExpertRouter, Traffic
 from macrogen.runtime.expert_tensor import rest_onto_grid, tensor_cut, tensor_problem
-from macrogen.runtime.mesh import Mesh
+from macrogen.runtime.mesh import Mesh, carry
 from macrogen.runtime.parallelize.engine import dtensor_parameter, replicate_the_rest
 from macrogen.runtime.parallelize.local import attach, weakly_bound
 from macrogen.runtime.parallelize.styles import unstyled, wrap_inside
@@ -129,6 +129,7 @@ def apply_expert_parallel(
         problem = weighted_output_problem(module)
         if problem is not None:
             raise ValueError(f"mg.parallelize at {where}: ep={ep}: {name}: {problem}")
+    carry(model, mesh)  # (mg.mesh(model))
     if ep == 1 or not groups.ensure_initialized() or dist.get_world_size() == 1:
         return model
     if mesh.pipeline_size > 1:

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from macrogen.runtime import groups
 from macrogen.runtime.eager import eager
-from macrogen.runtime.mesh import Mesh
+from macrogen.runtime.mesh import Mesh, carry
 from macrogen.runtime.parallelize import is_tensor_parallel, local_forward_per_unit, path_pattern
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -146,6 +146,7 @@ def apply_fully_sharded(
     """
     where = f"{macro} at {where}"
     name = type(model).__name__  # (fully_shard makes it FSDP<name>)
+    carry(model, mesh)  # (mg.mesh(model))
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,

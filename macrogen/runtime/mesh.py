@@ -20,12 +20,14 @@ groups are [0, 1] and [2, 3] (one per stage), pipeline groups [0, 2] and
 [1, 3] (the peers that send each other activations). The pipeline receives
 that mesh; nothing declares stages ahead of it.
 
-The mesh is made once per program, on first use, and kept for whoever makes a
-model's layout (``mg.parallelize``'s ``device_mesh``, the class plans) and for the
-user's ``mg.mesh()``; a second model asking for another shape is an error. What
-runs a model does not look it up: the apply step hands the mesh on, and the model
-carries it (``carry``, set where its plan is applied), so its data-parallel
-averaging and sharded optimizer read their groups from the model they hold. Before any group is
+The mesh is made once per program, by the first apply step that asks for it
+(``mesh``: ``mg.parallelize``'s ``device_mesh``, the class decorators' construction
+end, the parameter servers' split), and the same one is given to the next model; a
+model asking for another shape is an error. Only those apply steps and the user's
+``mg.mesh()`` call ``mesh``: nothing finds a mesh through it. Each step hands the mesh
+on to what it sets up (a ``GradientSync``, the pipeline, FSDP's mesh), and the model
+carries it (``carry``, set where its plan is applied; ``mg.mesh(model)`` reads it), so
+what runs a model reads its groups from the model it holds. Before any group is
 made, every rank shows the others what it asks for (``size=``,
 ``$MACROGEN_TP_SIZE`` and the pipeline stages): ranks that disagree get the
 same clear error, instead of some waiting in ``new_group`` while others wait in
@@ -91,6 +93,25 @@ def carried(model: Any) -> Mesh | None:
     return found if isinstance(found, Mesh) else None
 
 
+def mesh_of(model: Any = None) -> Mesh:
+    """``mg.mesh(model)``: the mesh ``model`` was parallelized on (its ``data_rank`` of
+    ``data_size`` is the share of the data this rank trains on); in a serial run, where the
+    markers apply nothing (the unexpanded program), ``SERIAL``. ``mg.mesh()``: the program's
+    mesh, made now if no model made it yet (every rank must call it then)."""
+    if model is None:
+        return mesh()
+    found = carried(model)
+    if found is not None:
+        return found
+    if not groups.ensure_initialized() or dist.get_world_size() == 1:
+        return SERIAL
+    raise ValueError(
+        f"mg.mesh(model): this {type(model).__name__} carries no mesh: it was not parallelized"
+        " (mg.parallelize(model, ...), or a class decorator's plan applied when it was built);"
+        " mg.mesh() is the program's mesh"
+    )
+
+
 _mesh: Mesh | None = None  # the program's mesh, once made (like torch's own mesh registry)
 
 
@@ -119,7 +140,7 @@ def tensor_parallel_size(requested: int | None, world: int, pipeline_size: int =
 
 def mesh(size: int | None = None, *, pipeline: int | None = None) -> Mesh:
     """The program's mesh, made on first use; a later ``size`` (or ``pipeline``) must be the
-    mesh's.
+    mesh's. For apply steps, which hand it on, and ``mg.mesh()``; never to look a mesh up.
 
     ``size=None`` takes the mesh as it is, or, when none exists yet, makes it with
     $MACROGEN_TP_SIZE (else 1); ``pipeline`` is its pipeline stages (None: as it is, else 1).
@@ -243,19 +264,6 @@ def _device_mesh(
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(dim_groups, device_type, mesh=grid, mesh_dim_names=names)
-
-
-def tensor_parallel_group(
-    size: int | None = None, *, pipeline: int | None = None
-) -> dist.ProcessGroup | None:
-    """This rank's tensor-parallel group (None when serial or when the degree is 1)."""
-    m = mesh(size, pipeline=pipeline)
-    return m.tensor_group if m.tensor_size > 1 else None
-
-
-def data_parallel_group() -> dist.ProcessGroup | None:
-    """This rank's data-parallel group (None: the default group, or serial)."""
-    return mesh().data_group
 
 
 def reset() -> None:

@@ -46,7 +46,7 @@ from macrogen.pipelining.analysis import parse
 from macrogen.pipelining.code import unit_function
 from macrogen.pipelining.units import Forward, SplitError
 from macrogen.runtime import groups, parallelize, pipeline
-from macrogen.runtime.mesh import Mesh
+from macrogen.runtime.mesh import Mesh, carry
 from macrogen.runtime.pipeline_parts import part_at
 from macrogen.runtime.pipeline_plan import forward_cut
 from macrogen.runtime.pipeline_speeds import stage_devices
@@ -127,6 +127,7 @@ def apply_pipeline(
     if pipeline.pipeline_of(model) is not None:
         raise ValueError(f"{at}: this model is pipelined already (@mg.pipeline or mg.parallelize)")
     assert mesh.device_mesh is None or mesh.pipeline_size == pp  # (device_mesh made it so)
+    carry(model, mesh)  # (mg.mesh(model))
     per_rank = 2 if schedule == "interleaved" else 1
     config = pipeline.PipelineConfig(
         stages=pp * per_rank,

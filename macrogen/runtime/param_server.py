@@ -59,6 +59,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from macrogen.runtime import environment
+from macrogen.runtime.mesh import SERIAL, Mesh, carry, mesh
 from macrogen.runtime.param_server_table import ServerConfig, ServerTable
 from macrogen.runtime.param_server_wire import ProtocolError, Server, Shape, Wire, share_of
 
@@ -247,6 +248,7 @@ def apply_param_server(
         raise ValueError(f"mg.parallelize at {where}: transport={config.transport!r}: expected"
                          f" one of {', '.join(TRANSPORTS)}")  # fmt: skip
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        carry(model, SERIAL)  # (mg.mesh(model))
         return model  # serial: the table stays in the model
     world = dist.get_world_size()
     W = world - S
@@ -269,9 +271,7 @@ def apply_param_server(
         )
     _started = True
     transport = _agreed_transport(config, where)
-    from macrogen.runtime.mesh import mesh
-
-    mesh()  # made by every rank now: the workers' data parallelism reads it later
+    mesh()  # the program's, made now while every rank is here (a later mg.mesh() needs them all)
     rank = dist.get_rank()
     workers = dist.new_group(list(range(W)))  # every rank takes part in making a group
     # resumable's checkpoints run on a worker group of their own (its save thread's collectives
@@ -320,8 +320,11 @@ def apply_param_server(
     model.__dict__["_mg_param_server"] = _Job(clients, workers, W, S, config, wire, checkpoints)
     _OPEN.append(wire)
     atexit.register(_close_quietly, wire)
+    # the model's data ranks are the workers: its mesh, which its data parallelism is handed
+    workers_mesh = Mesh(W, 1, None, workers, data_rank=rank)
+    carry(model, workers_mesh)
     if data_parallel is not None and W > 1:
-        _worker_data_parallel(model, data_parallel, workers, W, where)
+        _worker_data_parallel(model, data_parallel, workers_mesh, where)
     return model
 
 
@@ -383,14 +386,11 @@ class _Job:
     checkpoints: Any = None  # the workers' group for resumable's DCP saves and loads
 
 
-def _worker_data_parallel(model: nn.Module, config: Any, group: Any, W: int, where: str) -> None:
+def _worker_data_parallel(model: nn.Module, config: Any, workers: Mesh, where: str) -> None:
     """GradientSync over the workers only (the default group holds the servers too)."""
-    from macrogen.runtime.data_parallel import BufferBroadcast, GradientSync
+    from macrogen.runtime.data_parallel import GradientSync
 
-    sync = GradientSync(model, config, where=where)
-    sync.group, sync.world_size, sync.scale = group, W, 1.0 / W
-    sync.buffers = BufferBroadcast(group)
-    model.__dict__["_mg_gradient_sync"] = sync
+    model.__dict__["_mg_gradient_sync"] = GradientSync(model, config, where=where, mesh=workers)
 
 
 def job_of(model: nn.Module) -> _Job | None:

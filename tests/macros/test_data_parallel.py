@@ -11,6 +11,7 @@ import torch.nn as nn
 from macrogen.runtime.agreement import fingerprint, first_difference
 from macrogen.runtime.buckets import plan_buckets
 from macrogen.runtime.data_parallel import DataParallelConfig, GradientSync, gradient_sync
+from macrogen.runtime.mesh import SERIAL
 from tests.helpers import expand, expansion_errors, load_module
 
 NET = """\
@@ -161,7 +162,7 @@ def test_without_torchrun_it_is_the_serial_model(tmp_path):
 
 def test_gradient_sync_needs_a_module():
     with pytest.raises(TypeError, match="needs an nn.Module subclass"):
-        GradientSync(object(), DataParallelConfig(), where="x.py:1")  # type: ignore[arg-type]
+        GradientSync(object(), DataParallelConfig(), where="x.py:1", mesh=SERIAL)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="is not a @data_parallel model"):
         gradient_sync(nn.Linear(2, 2))
 
@@ -211,7 +212,7 @@ def test_fingerprints_name_the_first_differing_parameter():
 
 def test_nested_data_parallel_models_are_refused():
     inner = nn.Linear(2, 2)
-    inner.sync = GradientSync(inner, DataParallelConfig(), where="x.py:1")
+    inner.sync = GradientSync(inner, DataParallelConfig(), where="x.py:1", mesh=SERIAL)
     outer = nn.Sequential(inner)
     with pytest.raises(TypeError, match="its submodule '0' is @data_parallel too"):
-        GradientSync(outer, DataParallelConfig(), where="x.py:2")
+        GradientSync(outer, DataParallelConfig(), where="x.py:2", mesh=SERIAL)

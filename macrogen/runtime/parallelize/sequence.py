@@ -12,7 +12,7 @@ activations of the per-token modules in between (layer norms, dropout, residual 
     sequence_slice         -                                        -  (its parameters' gradients
                                                                        summed: ``layout.SUMS``)
 
-The two linear styles compute with the fused layers of ``macrogen.runtime.collectives``; the
+The two linear styles compute with the fused layers of ``macrogen.runtime.collectives_sequence``; the
 layout takes them only for a layer whose forward is ``nn.Linear``'s or HF ``Conv1D``'s. Each
 forward is ``forward(module, spec, x, ...)`` with ``spec`` a ``styles.Wrapped``.
 """
@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from macrogen.runtime.collectives import (
+from macrogen.runtime.collectives import scatter_last_dim
+from macrogen.runtime.collectives_sequence import (
     colwise_from_sequence,
     gather_sequence,
     rowwise_to_sequence,
-    scatter_last_dim,
 )
 from macrogen.runtime.parallelize.local import local_parameters
 

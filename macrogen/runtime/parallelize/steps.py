@@ -34,7 +34,8 @@ def parallelize_once(model: nn.Module, *, where: str) -> None:
 
 
 def device_mesh(*, tp: int = 1, pp: int = 1, planned: bool = False, where: str) -> Mesh:
-    """The program's (pipeline x) data x tensor mesh, agreed by every rank before any group.
+    """The program's (pipeline x) data x tensor mesh, agreed by every rank before any group:
+    the generated function's mesh step, which hands the mesh to every step after it.
 
     A product of degrees that does not divide the world size is an error on every rank
     before any group is made; ``tp=1`` with a plan in a job of several ranks is a warning
@@ -60,15 +61,17 @@ def device_mesh(*, tp: int = 1, pp: int = 1, planned: bool = False, where: str) 
             " ranks leaves every layer whole; pass tp=N to shard it",
             stacklevel=3,
         )
-    try:  # (pp=1 takes the program's mesh as it is)
-        return mesh(tp, pipeline=pp if pp > 1 else None)
+    try:  # the program's mesh when it has these degrees (made now if none is), else an error
+        return mesh(tp, pipeline=pp)
     except ValueError as e:
         raise ValueError(f"mg.parallelize at {where}: {e}") from None
 
 
-def no_data_parallel(mesh: Mesh, *, where: str) -> None:
+def no_data_parallel(model: nn.Module, mesh: Mesh, *, where: str) -> None:
     """``dp="none"``: nothing keeps the data ranks' replicas equal, so on several they diverge
-    (each trains on its own data): a warning naming the site, once per program."""
+    (each trains on its own data): a warning naming the site, once per program. The model
+    carries its mesh all the same (``mg.mesh(model)``)."""
+    carry(model, mesh)
     if mesh.data_size > 1:
         warnings.warn(
             f"mg.parallelize at {where}: dp='none' on {mesh.data_size} data ranks: each trains"
@@ -90,7 +93,7 @@ def apply_data_parallel(
         modes = tuple(m for m in DP_MODES if m != "fsdp")
         raise ValueError(f"mg.parallelize at {where}: dp={mode!r}: expected one of {modes}")
     if mode == "none":
-        no_data_parallel(mesh, where=where)
+        no_data_parallel(model, mesh, where=where)
         return model
     carry(model, mesh)
     sync = GradientSync(model, config or DataParallelConfig(), where=where, mesh=mesh)

@@ -19,7 +19,7 @@ its local shards, with its style's collectives around it, as torch's ``ParallelS
 
 A layer whose class's forward is ``nn.Linear``'s, HF ``Conv1D``'s or ``nn.Embedding``'s
 (``F.linear`` / ``F.embedding`` of its parameters) takes the fused layer of
-``macrogen.runtime.collectives``, which computes the same thing with its collective
+``macrogen.runtime.collectives_linear``, which computes the same thing with its collective
 overlapped; any other forward runs as written (and is checked against the serial layer when
 the plan is applied: ``checks.probe``). The wrapper is an instance attribute: the class is
 untouched.
@@ -41,16 +41,14 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from macrogen.runtime.collectives import (
-    colwise_linear,
     copy_to_tensor_parallel,
     counted_once,
     gather_last_dim,
-    gather_sequence,
     reduce_from_tensor_parallel,
-    rowwise_linear,
     scatter_last_dim,
-    scatter_sequence,
 )
+from macrogen.runtime.collectives_linear import colwise_linear, rowwise_linear
+from macrogen.runtime.collectives_sequence import gather_sequence, scatter_sequence
 from macrogen.runtime.parallelize.layout import Wrap
 from macrogen.runtime.parallelize.local import local_parameters, weakly_bound
 from macrogen.runtime.parallelize.plan import Style
