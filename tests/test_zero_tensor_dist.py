@@ -170,9 +170,12 @@ def _mg_clip(model, opt):
 
 
 # each front end, each with one clip: torch's where DDP users put it, and macrogen's
-CASES = {  # (builder, clip, through a GradScaler)
-    "llama, torch's clip": ("llama", _torch_clip, False),
-    "class path, mg.clip_grad_norm_, GradScaler": ("GPT", _mg_clip, True),
+CASES = {  # (builder, clip, through a GradScaler, under torch.compile)
+    "llama, torch's clip": ("llama", _torch_clip, False, False),
+    "class path, mg.clip_grad_norm_, GradScaler": ("GPT", _mg_clip, True, False),
+    # AOTAutograd traces the forward over the local shards and the backward the sharded
+    # optimizer's reduce-scatter hooks hang on (aot_eager: inductor's C++ build is minutes)
+    "llama compiled, torch's clip": ("llama", _torch_clip, False, True),
 }
 
 
@@ -182,7 +185,7 @@ def _whole(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _cases(rank, world, tmp, expanded):
+def _cases(rank, world, tmp, expanded, compiled_only):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -195,7 +198,9 @@ def _cases(rank, world, tmp, expanded):
     serial_module = load_module(SOURCE, f"zero_tensor_serial_{rank}", Path(tmp))
     module = load_module(expanded, f"zero_tensor_{rank}", Path(tmp))
     report = {}
-    for case, (build, clip, amp) in CASES.items():
+    for case, (build, clip, amp, compiled) in CASES.items():
+        if compiled != compiled_only:
+            continue
         torch.manual_seed(0)
         serial = getattr(serial_module, build)()
         serial_opt = serial_module.optimizer(serial)
@@ -210,7 +215,8 @@ def _cases(rank, world, tmp, expanded):
         m = mesh()
         assert m.shape == (1, DATA, 2), case
         rows = slice(m.data_rank * BATCH // DATA, (m.data_rank + 1) * BATCH // DATA)
-        losses, norms = _train(module, model, opt, rows, clip=clip, amp=amp)
+        stepped = torch.compile(model, backend="aot_eager") if compiled else model
+        losses, norms = _train(module, stepped, opt, rows, clip=clip, amp=amp)
         want = [step[m.data_rank] for step in want_losses]
         torch.testing.assert_close(losses, want, rtol=0, atol=1e-10, msg=case)
         torch.testing.assert_close(norms, want_norms, rtol=1e-10, atol=0, msg=case)
@@ -244,6 +250,8 @@ def _cases(rank, world, tmp, expanded):
         # optimizer takes over) read the data dim from it
         assert carried(model) is m and opt.sync.group is m.data_group, case
         report[case] = {"state": opt.state_bytes(), "shard": shard}
+    if compiled_only:
+        return report
     # a second model asking for another tensor size: one line, on every rank, before any group
     with pytest.raises(ValueError, match=r"test\.py:\d+: this program already uses tensor-parallel"
                        r" size 2; a module asks for 4: one mesh per program"):  # fmt: skip
@@ -252,9 +260,10 @@ def _cases(rank, world, tmp, expanded):
 
 
 @pytest.mark.timeout(400)
-def test_zero1_over_tensor_parallel_shards_equals_serial(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_zero1_over_tensor_parallel_shards_equals_serial(tmp_path, compiled):
     expanded = expand(SOURCE)  # (once, here: not on 4 ranks sharing 2 cores)
-    results = run_ranks(_cases, 4, args=(str(tmp_path), expanded), timeout=360)
+    results = run_ranks(_cases, 4, args=(str(tmp_path), expanded, compiled), timeout=360)
     for rank, report in enumerate(results):
         for case, r in report.items():
             moments = 2 * 8 * r["shard"] / DATA  # 1/dp of the tensor shard's AdamW moments
