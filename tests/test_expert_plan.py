@@ -208,3 +208,24 @@ def test_the_probe_finds_the_experts_and_counts_the_routed_bytes_as_the_routing_
         assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
         for h in hooks:
             h.remove()
+
+
+def test_a_tunable_ep_is_a_layout_the_search_prunes_and_orders():
+    from macrogen.autotune import layout_search, space
+    from macrogen.expand import expand_source
+
+    source = (
+        "import macrogen as mg\n"
+        "def build(m):\n"
+        "    return mg.parallelize(m, ep=mg.tunable(1, choices=[1, 2, 4]))\n"
+    )
+    params = space.parameters(expand_source(source, path="m.py"))
+    site = layout_search.site_of(params)
+    assert site is not None  # ep alone is a layout's degree
+    built = space.build(params, space.TuningEnv("cpu", 2, "cpu"))
+    moe = ModelShape(blocks=2, rows=8, experts=4)
+    ordered, predictions = layout_search.prepare(built, site, PROBED, moe, 2, MACHINE)
+    assert sorted(c["build.parallelize.ep"] for c in ordered.candidates) == [1, 2]
+    why = {c["build.parallelize.ep"]: reason for c, reason in ordered.excluded}
+    assert why[4].endswith("ep=4 does not divide the 2 data ranks"), why
+    assert {p.layout.ep for p in predictions.values()} == {1, 2}

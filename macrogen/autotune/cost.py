@@ -221,7 +221,9 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
         # the D - 1 data peers (a rank may be descheduled), and under tp FSDP2 over DTensor
         # parameters, tp - 1 more: chosen from five 4-rank runs (every layout held out: 242
         # of 255 within 25%, against 237 for D - 1 alone, which left tp x fsdp -3% to -31%)
-        fsdp_units = units * collectives / 3 * (d + tp - 1)
+        fsdp_units = (units - moe_layers) * collectives / 3 * (d + tp - 1)
+        # ep: each experts module is a unit over its d / ep replicas (its waits: their ring's)
+        fsdp_units += moe_layers * collectives / 3 * (replicas + tp - 1)
     else:
         data = all_reduce_s(others, d, dp_link) + all_reduce_s(experts, replicas, dp_link)
         calls += 1 if d > 1 else 0.0
