@@ -209,7 +209,10 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     call_s, again_s = (
         _block_call_s(blocks[0][1], *inputs[-1], torch, cuda) if inputs else (0.0, None)
     )
-    experts_call_s = experts.call_s(torch, cuda) if experts.layers else 0.0
+    experts_call_s = 0.0
+    if experts.layers:
+        _say("timing the experts alone, on their tokens and on fewer")
+        experts_call_s = experts.call_s(torch, cuda)
     optimizer_s = min(step_s, stepping.seconds() / len(times))
     # the blocks' backward is not hooked (full backward hooks change the graph): the step's
     # time outside the forward and the optimizer is backward's, shared as the forward's is
