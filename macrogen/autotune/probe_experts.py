@@ -62,14 +62,18 @@ class ExpertsProbe:
         first = {id(m) for m in (self.stacked[:1] or (self.lists[0] if self.lists else []))}
         handles = []
         for m in [*self.stacked, *(e for experts in self.lists for e in experts)]:
-            handles.append(m.register_forward_pre_hook(self._before))
+            handles.append(m.register_forward_pre_hook(self._before, with_kwargs=True))
             handles.append(m.register_forward_hook(self.clock.stop))
         self.first = first
         return handles
 
-    def _before(self, module: Any, args: Any) -> None:
+    def _before(self, module: Any, args: Any, kwargs: Any) -> None:
         self.clock.start()
-        hidden = args[0]  # stacked: (hidden, top_k_index, top_k_weights); a list's expert: (x,)
+        # stacked: (hidden, top_k_index, top_k_weights); a list's expert: (x,); by name or not
+        args = (*args, *kwargs.values())
+        if not args or not all(hasattr(a, "detach") for a in args):
+            return  # a call the routing would not take: not counted
+        hidden = args[0]
         pairs = args[1].numel() if len(args) > 2 else hidden.shape[:-1].numel()
         self.routed += routed_bytes(pairs, hidden.shape[-1], hidden.element_size())
         recorded = {id(m) for m, _ in self.calls}
