@@ -118,6 +118,7 @@ def _the_search(outcome, text: str, feasible: list, world: int) -> None:
 MOE = Path(__file__).resolve().parents[1] / "examples" / "layout_auto_moe.py"
 # per rank, below what data parallel alone needs (the probe predicts 1.0 MB replicated, 821 KB
 # under FSDP, 676 KB for ep=2): the experts dealt over ep=2 fit, as do the pipeline's stages
+# and FSDP with recompute (712 and 720 KB); ep=2 is the predicted fastest of those
 MOE_MEMORY = 760e3
 
 
