@@ -118,7 +118,7 @@ def _the_search(outcome, text: str, feasible: list, world: int) -> None:
 MOE = Path(__file__).resolve().parents[1] / "examples" / "layout_auto_moe.py"
 # per rank, below what data parallel alone needs (the probe predicts 1.0 MB replicated, 821 KB
 # under FSDP, 676 KB for ep=2): the experts dealt over ep=2 fit, as do the pipeline's stages
-# and FSDP with recompute (712 and 720 KB); ep=2 is the predicted fastest of those
+# and FSDP with recompute (712 and 720 KB)
 MOE_MEMORY = 760e3
 
 
@@ -141,7 +141,9 @@ def test_layout_auto_searches_ep_for_a_mixture_of_experts(tmp_path: Path, monkey
     )
     feasible = [c[KEY] for c in outcome.space.candidates]
     reasons = {c[KEY]: why for c, why in outcome.space.excluded}
-    assert feasible[0] == "tp1 pp1 replicate mb1 ep2", feasible  # predicted best of what fits
+    # of what fits, predicted the fastest two (with the pipeline's 2 stages, within ~10%; the
+    # next ~2x slower): the search measures both before it may stop
+    assert "tp1 pp1 replicate mb1 ep2" in feasible[:2], feasible
     assert "tp1 pp1 fsdp mb1 ep2" in feasible
     assert "over" in reasons["tp1 pp1 replicate mb1"]  # data parallel alone: over the memory
     assert reasons["tp2 pp1 replicate mb1 ep2"].endswith("ep=2 does not divide the 1 data rank")
