@@ -175,7 +175,8 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
         added = profile.recompute_call_s * threads * profile.blocks * recomputed
         blocks_s = per_row * again + (fixed + added) * m
     # ep: a rank runs E / ep experts a layer, so their fixed cost per call shrinks by ep
-    experts_fixed = min(profile.expert_call_s * threads, serial * block)
+    # (at most the experts' own share of the step, as the probe timed them in it)
+    experts_fixed = min(profile.expert_call_s, profile.expert_s) * threads
     blocks_s = max(0.0, blocks_s - experts_fixed * (1 - 1 / layout.ep) * m)
     # the optimizer step updates the rank's parameters: all of a replica's, unless sharded
     optimizer = min(profile.optimizer_s * threads, serial * (1 - block))
