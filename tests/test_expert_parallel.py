@@ -31,6 +31,16 @@ def test_ep_with_tp_deals_the_experts_after_tensor_parallel_cut_them():
     assert tp < ep < code.index("apply_data_parallel(model, mesh, 'replicate'")
 
 
+def test_layout_auto_builds_an_ep_winner_with_its_degrees():
+    source = "import macrogen as mg\nm = mg.parallelize(m, layout='auto')\n"
+    code = expand(source, tuning={"parallelize.layout": "tp1 pp1 fsdp mb1 ep2"})
+    assert "apply_expert_parallel(model, mesh, ep=2, where='test.py:2', dp=\"fsdp\")" in code
+    (error,) = expansion_errors(
+        "import macrogen as mg\nm = mg.parallelize(m, layout='auto', ep=2)\n"
+    )
+    assert "chooses tp, pp, dp, microbatches, recompute and ep; leave out ep" in error, error
+
+
 @pytest.mark.parametrize(
     "arguments, named",
     [

@@ -113,3 +113,44 @@ def _the_search(outcome, text: str, feasible: list, world: int) -> None:
         assert c["tokens_s"] > 0
     assert record["layout_probe"]["shape"]["blocks"] == 8
     assert record["layout_probe"]["shape"]["rows"] == 16  # the batch: every layout splits it
+
+
+MOE = Path(__file__).resolve().parents[1] / "examples" / "layout_auto_moe.py"
+# per rank, below what data parallel alone needs (the probe predicts 1.0 MB replicated, 821 KB
+# under FSDP, 676 KB for ep=2): the experts dealt over ep=2 fit, as do the pipeline's stages
+# and FSDP with recompute (712 and 720 KB)
+MOE_MEMORY = 760e3
+
+
+def test_layout_auto_searches_ep_for_a_mixture_of_experts(tmp_path: Path, monkeypatch) -> None:
+    """examples/layout_auto_moe.py (4 stacked experts, top-2) on 2 ranks: ep=2 is a candidate
+    where mg.parallelize runs it, the worker builds it with ep=2, and it is measured."""
+    monkeypatch.setattr(finals, "MIN_RUNS", 1)  # (CI's time: one run per finalist)
+    monkeypatch.setattr(finals, "MAX_RUNS", 1)
+    src = tmp_path / "layout_auto_moe.py"
+    shutil.copy(MOE, src)
+    out = io.StringIO()
+    outcome = autotune(
+        src,
+        entry=":build",
+        world_size=2,
+        target="cpu",
+        timing=Timing(warmup=1, steps=1, rounds=1, timeout=60),
+        memory_per_rank=MOE_MEMORY,
+        reporter=Reporter(Console(file=out, width=240), Console(file=io.StringIO())),
+    )
+    feasible = [c[KEY] for c in outcome.space.candidates]
+    reasons = {c[KEY]: why for c, why in outcome.space.excluded}
+    # of what fits, predicted the fastest two (with the pipeline's 2 stages, within ~10%; the
+    # next ~2x slower): the search measures both before it may stop
+    assert "tp1 pp1 replicate mb1 ep2" in feasible[:2], feasible
+    assert "tp1 pp1 fsdp mb1 ep2" in feasible
+    assert "over" in reasons["tp1 pp1 replicate mb1"]  # data parallel alone: over the memory
+    assert reasons["tp2 pp1 replicate mb1 ep2"].endswith("ep=2 does not divide the 1 data rank")
+    assert reasons["tp1 pp1 replicate mb1 ep4"].endswith("ep=4 does not divide the 2 data ranks")
+    record = outcome.record
+    assert record["layout_probe"]["shape"]["experts"] == 4
+    assert record["layout_probe"]["profile"]["routed_bytes"] == 2 * 8 * 16 * 2 * 32 * 4
+    (ep2,) = [c for c in record["candidates"] if c["values"][KEY] == "tp1 pp1 replicate mb1 ep2"]
+    assert ep2["time_s"] > 0 and len(ep2["peak_bytes"]) == 2, ep2
+    print(f"\n{out.getvalue()}")

@@ -320,8 +320,14 @@ def test_layout_auto_is_one_tunable_over_layout_names():
         "tp2 pp2 replicate mb8",
         "tp4 pp1 replicate mb1",
     ]
-    assert names == plain + [f"{n} recompute" for n in plain] + [f"{n} recompute/2" for n in plain]
+    # expert parallelism where mg.parallelize runs it (the probe prunes it for a model without
+    # experts): ep dividing the data ranks, dp replicate or fsdp (tp=1), replicate (tp > 1)
+    experts = ["tp1 pp1 replicate mb1 ep2", "tp1 pp1 fsdp mb1 ep2", "tp2 pp1 replicate mb1 ep2"]
+    experts += ["tp1 pp1 replicate mb1 ep4", "tp1 pp1 fsdp mb1 ep4"]
+    every = [f"{n} recompute" for n in plain] + [f"{n} recompute/2" for n in plain]
+    assert names == plain + every + experts
     why = {c[param.key]: reason for c, reason in built.excluded}
+    assert why["tp2 pp1 replicate mb1 ep4"].endswith("ep=4 does not divide the 2 data ranks")
     assert "does not divide the world size 4" in why["tp8 pp1 replicate mb1"]
     assert "one data-parallel rank" in why["tp2 pp2 fsdp mb4"]
     assert "zero1" in why["tp2 pp1 zero1 mb1"]
@@ -354,7 +360,7 @@ def test_layout_auto_errors():
     (error,) = expansion_errors(
         "import macrogen as mg\nm = mg.parallelize(m, layout='auto', tp=2, tp_plan='hf')\n"
     )
-    assert 'layout="auto" chooses tp, pp, dp, microbatches and recompute; leave out tp' in error
+    assert 'layout="auto" chooses tp, pp, dp, microbatches, recompute and ep; leave out tp' in error
     (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, layout='best')\n")
     assert 'layout must be "auto"' in error
     (error,) = expansion_errors("import macrogen as mg\nm = mg.parallelize(m, microbatches=0)\n")

@@ -59,6 +59,8 @@ def _tuned(tmp_path: Path, winner: str, *, world: int = 4, probe: bool = True) -
         ("tp1 pp1 zero1 mb1", 4, True, 'dp="zero1" under layout="auto"'),
         ("tp1 pp2 replicate mb1", 2, True, "needs at least as many micro-batches as stages"),
         ("tp9 pp1 nonsense", 4, False, "not a layout"),
+        # the probe found no experts: expert parallelism has nothing to deal
+        ("tp1 pp1 replicate mb1 ep2", 4, True, "ep=2 needs experts: the model is no mixture"),
         # a record without its probe: the rules above could not be checked (zero1 expanded)
         ("tp1 pp1 zero1 mb1", 4, False, 'comes without its "layout_probe"'),
         ("tp1 pp1 replicate mb1", 2, False, 'comes without its "layout_probe"'),

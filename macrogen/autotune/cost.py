@@ -22,7 +22,14 @@ Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
   (a ring moves 2x the parameter bytes); fsdp all-gathers them twice and
   reduce-scatters once (3x), one collective per unit (each block, and the root);
   under a pipeline it gathers twice per micro-batch (2m + 1);
-- pipeline: each micro-batch's activations forward and gradient back across a cut.
+- pipeline: each micro-batch's activations forward and gradient back across a cut;
+- expert parallelism (ep): each MoE layer's 4 all-to-alls (tokens to their experts and back,
+  forward and backward) of the rank's routed bytes (its (token, slot) pairs x hidden x element
+  size: ``probe_experts.routed_bytes``, what ``expert_routing.Traffic`` counts), over its
+  expert group of ep ranks; the experts' gradients all-reduced (fsdp: gathered and reduced)
+  over their d / ep replicas, the rest's over all d; the experts' fixed cost per call
+  (``Profile.expert_call_s``) / ep: a rank runs E / ep experts a layer, not all E (their
+  rows' work is / d as without ep: each rank's experts get the group's pairs for them).
 
 A collective over n ranks costs ring steps x (alpha + bytes per step / beta)
 on the slowest link its group crosses: tensor groups are contiguous ranks
@@ -109,6 +116,13 @@ def all_gather_s(nbytes: float, n: int, link: Link) -> float:
     return (n - 1) * (link.latency + nbytes / n / link.bandwidth)
 
 
+def all_to_all_s(nbytes: float, n: int, link: Link) -> float:
+    """Each of n ranks sending ``nbytes`` of its own, an n-th to each peer (n - 1 messages)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * (link.latency + nbytes / n / link.bandwidth)
+
+
 def send_s(nbytes: float, link: Link) -> float:
     return link.latency + nbytes / link.bandwidth
 
@@ -126,10 +140,11 @@ class Step:
     # the links' fixed costs per call and per unit, until measurements fit them (``Fit``)
     call_s: float = 0.0
     unit_s: float = 0.0
+    experts: float = 0.0  # expert parallelism's routing all-to-alls
 
     @property
     def communication(self) -> float:
-        return self.tensor + self.data + self.pipeline
+        return self.tensor + self.data + self.pipeline + self.experts
 
     @property
     def fixed(self) -> float:
@@ -159,6 +174,10 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     else:  # the rows' forward again, and what a checkpointed call adds, per micro-batch
         added = profile.recompute_call_s * threads * profile.blocks * recomputed
         blocks_s = per_row * again + (fixed + added) * m
+    # ep: a rank runs E / ep experts a layer, so their fixed cost per call shrinks by ep
+    # (at most the experts' own share of the step, as the probe timed them in it)
+    experts_fixed = min(profile.expert_call_s, profile.expert_s) * threads
+    blocks_s = max(0.0, blocks_s - experts_fixed * (1 - 1 / layout.ep) * m)
     # the optimizer step updates the rank's parameters: all of a replica's, unless sharded
     optimizer = min(profile.optimizer_s * threads, serial * (1 - block))
     rest = serial * (1 - block) - optimizer
@@ -180,32 +199,59 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     per_block = 4 + 2 * recomputed  # a recomputed forward all-reduces twice again
     tensor = per_block * blocks * m * all_reduce_s(message, tp, tp_link)
     grads = profile.param_bytes * tp_share(profile, tp) * pp_share(profile, pp)
+    # ep: the rank's experts (1/ep of them) are reduced over their d / ep replicas, the rest
+    # over all d ranks
+    ep, moe_layers = layout.ep, profile.expert_layers if layout.ep > 1 else 0
+    experts = profile.expert_bytes / ep if ep > 1 else 0.0
+    others = grads - (profile.expert_bytes if ep > 1 else 0.0)
+    replicas = d // ep if ep > 1 else 1  # (without ep, no collective of their own)
     fsdp_units = 0.0
     calls = per_block * blocks * m if tp > 1 else 0.0
     if layout.dp == "fsdp":  # per unit (each block, then the root): 2 all-gathers, 1 reduce-scatter
-        units = (profile.blocks / pp if profile.blocks else 0.0) + 1
+        # (each experts module is a unit of its own under ep, over its replicas)
+        units = (profile.blocks / pp if profile.blocks else 0.0) + 1 + moe_layers
         # under a pipeline schedule every micro-batch gathers each unit again in its forward
         # (resharded after it) and in its backward; the gradients are reduced once, at the end
         collectives = 2 * m + 1
         data = collectives * (
-            all_gather_s(grads, d, dp_link) + (units - 1) * (d - 1) * dp_link.latency
+            all_gather_s(others, d, dp_link)
+            + all_gather_s(experts, replicas, dp_link)
+            + (units - 1) * (d - 1) * dp_link.latency
         )
         # per unit and collective: its own hooks and copies (1), a wait per ring step over
         # the D - 1 data peers (a rank may be descheduled), and under tp FSDP2 over DTensor
         # parameters, tp - 1 more: chosen from five 4-rank runs (every layout held out: 242
         # of 255 within 25%, against 237 for D - 1 alone, which left tp x fsdp -3% to -31%)
-        fsdp_units = units * collectives / 3 * (d + tp - 1)
+        fsdp_units = (units - moe_layers) * collectives / 3 * (d + tp - 1)
+        # ep: each experts module is a unit over its d / ep replicas (its waits: their ring's)
+        fsdp_units += moe_layers * collectives / 3 * (replicas + tp - 1)
     else:
-        data = all_reduce_s(grads, d, dp_link)
+        data = all_reduce_s(others, d, dp_link) + all_reduce_s(experts, replicas, dp_link)
         calls += 1 if d > 1 else 0.0
+        calls += moe_layers if replicas > 1 else 0  # one all-reduce per experts module
     pipeline = 2 * m * send_s(message / tp, pp_link) if pp > 1 else 0.0
     calls += 2 * m if pp > 1 else 0.0
+    # ep: each MoE layer's 4 all-to-alls of this rank's routed pairs over its expert group
+    # (an expert group is ep of the data ranks), and the per-expert counts' exchange first
+    routing = 0.0
+    if moe_layers:
+        pairs = profile.routed_bytes / moe_layers / d  # one way, one layer, this rank's rows
+        routing = 4 * moe_layers * all_to_all_s(pairs, ep, dp_link)
+        calls += 5 * moe_layers
     # fixed costs are CPU work and waits on descheduled ranks: ranks sharing cores pay more
     s = machine.slowdown
     # the priors of the links the calls cross: tp's all-reduces, else replicate's, else the sends
     call_link = tp_link if tp > 1 else dp_link if d > 1 else pp_link
     return Step(
-        compute, tensor, data, pipeline, calls * s, fsdp_units * s, call_link.call_s, dp_link.unit_s
+        compute,
+        tensor,
+        data,
+        pipeline,
+        calls * s,
+        fsdp_units * s,
+        call_link.call_s,
+        dp_link.unit_s,
+        routing,
     )
 
 

@@ -22,7 +22,7 @@ from macrogen.autotune.memory import Profile
 from macrogen.autotune.space import Parameter, Space
 from macrogen.expand.context import SiteArguments
 
-ARGUMENTS = ("tp", "pp", "dp", "microbatches", "layout")
+ARGUMENTS = ("tp", "pp", "dp", "microbatches", "ep", "layout")
 # the most the finals' measured spread widens the search by: a layout predicted up to this
 # much slower than the winner is still measured
 MAX_REACH = 0.2

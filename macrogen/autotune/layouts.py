@@ -32,6 +32,8 @@ AUTO_TP = (1, 2, 4, 8)
 AUTO_PP = (1, 2, 4)
 # Every how many blocks layout="auto" recomputes (Layout.recompute): none, all, every 2nd.
 AUTO_RECOMPUTE = (0, 1, 2)
+# The expert-parallel ways layout="auto" offers (a mixture of experts' probe prunes the rest)
+AUTO_EP = (2, 4, 8)
 
 
 @dataclass(frozen=True, order=True)
@@ -97,12 +99,16 @@ def microbatch_choices(pp: int) -> tuple[int, ...]:
 
 def auto_choices() -> tuple[str, ...]:
     """Every layout ``layout="auto"`` stands for, by name; the default (all data parallel) first,
-    each without recomputation, then each recomputing all blocks, then every 2nd."""
+    each without recomputation, then each recomputing all blocks, then every 2nd; then the
+    expert-parallel ones mg.parallelize runs (a model without experts prunes them)."""
     out = []
     for recompute in AUTO_RECOMPUTE:
         for tp, pp, dp in itertools.product(AUTO_TP, AUTO_PP, LAYOUT_DP_MODES):
             for mb in microbatch_choices(pp):
                 out.append(Layout(tp, pp, dp, mb, recompute).name())
+    for ep, tp, dp in itertools.product(AUTO_EP, AUTO_TP, LAYOUT_DP_MODES):
+        if unsupported(Layout(tp, dp=dp, ep=ep)) is None:
+            out.append(Layout(tp, dp=dp, ep=ep).name())
     return tuple(out)
 
 
@@ -115,6 +121,9 @@ class ModelShape:
     divisible: Mapping[str, int] = field(default_factory=dict)
     rows: int = 0  # the global batch's rows (the model's input's first dim); 0: not known
     experts: int = 0  # experts per mixture-of-experts layer (ep must divide it); 0: none
+    # the experts are modules in an nn.ModuleList (looped over in their block's forward), not
+    # stacked (experts, ...) parameters: ep over them runs with tp=1 and dp="replicate"
+    experts_listed: bool = False
 
 
 def infeasible(layout: Layout, world: int, shape: ModelShape | None = None) -> str | None:
@@ -126,11 +135,11 @@ def infeasible(layout: Layout, world: int, shape: ModelShape | None = None) -> s
         return "micro-batches without a pipeline (pp=1) are the same layout as mb1"
     if layout.dp != "replicate" and layout.dp_size(world) == 1:
         return f"one data-parallel rank: {layout.dp} is the same layout as replicate"
-    shape = shape or ModelShape()
     if layout.ep > 1:
-        reason = _experts_problem(layout, world, shape.experts)
+        reason = _experts_problem(layout, world, shape)
         if reason is not None:
             return reason
+    shape = shape or ModelShape()
     for what, size in shape.divisible.items():
         if size % layout.tp:
             return f"{what} = {size} is not divisible by tp={layout.tp}"
@@ -145,13 +154,21 @@ def infeasible(layout: Layout, world: int, shape: ModelShape | None = None) -> s
     return None
 
 
-def _experts_problem(layout: Layout, world: int, experts: int) -> str | None:
-    if not experts:
+def _experts_problem(layout: Layout, world: int, shape: ModelShape | None) -> str | None:
+    d = layout.dp_size(world)
+    if d % layout.ep:
+        return f"ep={layout.ep} does not divide the {d} data rank{'s' * (d > 1)}"
+    if shape is None:  # the model is not known yet (the macro's constraint, at expansion)
+        return None
+    if not shape.experts:
         return f"ep={layout.ep} needs experts: the model is no mixture of experts"
-    if experts % layout.ep:
-        return f"ep={layout.ep} does not divide the {experts} experts"
-    if layout.dp_size(world) % layout.ep:
-        return f"ep={layout.ep} does not divide the {layout.dp_size(world)} data ranks"
+    if shape.experts % layout.ep:
+        return f"ep={layout.ep} does not divide the {shape.experts} experts"
+    if shape.experts_listed and (layout.tp > 1 or layout.dp != "replicate"):
+        return (
+            f"ep={layout.ep} over experts in an nn.ModuleList runs with tp=1 and"
+            ' dp="replicate" (stack them into one experts module for tp or fsdp)'
+        )
     return None
 
 
@@ -177,7 +194,22 @@ def problem(
     if reason is None and layout.pp > 1:  # what the expansion would refuse
         values = {**arguments, "pp": layout.pp, "microbatches": layout.microbatches}
         reason = pipeline_problem(values)[0]
+    if reason is None and layout.ep > 1:  # the site's other arguments ep does not go with
+        values = {**arguments, **degrees(layout)}
+        reason = experts_problem(values)[0]
     return reason
+
+
+def degrees(layout: Layout) -> dict[str, Any]:
+    """``layout`` as ``mg.parallelize``'s arguments (what ``layout="auto"``'s choice sets)."""
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "microbatches": layout.microbatches,
+        "recompute": recompute_argument(layout.recompute),
+        "ep": layout.ep,
+    }
 
 
 def site_problem(arguments: Mapping[str, object], world: int) -> str | None:
@@ -213,10 +245,40 @@ def pipeline_problem(values: Mapping[str, Any]) -> tuple[str | None, tuple[str, 
     return problem, ("microbatches", "schedule")
 
 
+def experts_problem(values: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """Why ``ep > 1`` can't go with these ``mg.parallelize`` arguments (and the argument to
+    blame), or None: the expansion refuses it, the searches prune it."""
+    ep, tp = values.get("ep", 1), values.get("tp", 1)
+    if ep == 1:
+        return None, None
+    modes = ("replicate",) if tp != 1 else ("replicate", "fsdp")
+    clashes = {
+        "pp": values.get("pp", 1) != 1,
+        "dp": values.get("dp", "replicate") not in modes,
+        "dp_replicate": values.get("dp_replicate", 1) != 1,  # (HSDP: the experts' mesh has no room)
+        "servers": values.get("servers", 0) != 0,
+        "recompute": values.get("recompute") not in (None, "none"),
+        "verify": bool(values.get("verify", False)),
+        # the experts' gradients are divided by the data ranks: even shares only
+        "dp_shares": values.get("dp_shares") is not None,
+    }
+    clash = next((name for name, found in clashes.items() if found), None)
+    if clash is None:
+        return None, None
+    with_tp = f" (tp={tp})" if tp != 1 else ""
+    return (
+        f"ep={ep} with {clash}={values.get(clash)!r}{with_tp} is not supported yet: expert"
+        ' parallelism runs with pp=1 and dp="replicate", "fsdp" (tp=1) or "replicate" (tp > 1,'
+        " the experts cut inside by the tp_plan)"
+    ), clash
+
+
 def unsupported(layout: Layout) -> str | None:
     """Why ``mg.parallelize`` cannot run a feasible layout yet (it is predicted, not measured)."""
     if layout.ep > 1 and (layout.pp > 1 or layout.dp not in ("replicate", "fsdp")):
         return 'ep > 1 with pp or dp "zero1" is not supported by mg.parallelize yet'
+    if layout.ep > 1 and layout.recompute:
+        return "ep > 1 with recompute is not supported by mg.parallelize yet"
     if layout.ep > 1 and layout.tp > 1 and layout.dp != "replicate":
         return 'ep > 1 with tp > 1 runs with dp="replicate": fsdp is not supported by mg.parallelize yet'
     return None

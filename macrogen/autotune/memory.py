@@ -20,6 +20,11 @@ measures on each rank:
     optimizer    T, the optimizer step's temporaries, x the parameters' shares (zero1, fsdp: / D)
     data         the entry's own tensors between steps (its batch): whole on every rank
 
+With ``ep``, a rank holds 1/ep of the experts' parameters, gradients and optimizer state (an
+expert group of ep ranks deals them out); zero1 and fsdp shard those over the d/ep ranks that
+hold the same experts, 1/d of them per rank as without ep, and an FSDP unit gathers 1/ep of its
+experts.
+
 The peak is the larger of a step's and the build's: ``mg.parallelize`` takes a
 built model, so every rank holds the whole serial model while it cuts its
 shards (P, plus the shards made before the whole is freed). A model built on the
@@ -69,6 +74,15 @@ class Profile:
     activation_sharded: float | None = None  # activations' share tp shards (None: as parameters)
     # activations' share made in the blocks (None: as parameters)
     block_activations: float | None = None
+    # a mixture of experts (probe_experts): the experts' parameters (in the blocks' bytes), its
+    # MoE layers, the experts' forward + backward in the step and of it their fixed cost per
+    # step (E experts a layer, E / ep under ep), the bytes routed one way per step (the batch's
+    # (token, slot) pairs x hidden x element size)
+    expert_bytes: int = 0
+    expert_layers: int = 0
+    expert_s: float = 0.0
+    expert_call_s: float = 0.0
+    routed_bytes: int = 0
 
     @property
     def sharded_fraction(self) -> float:
@@ -100,10 +114,18 @@ def with_batch(profile: Profile, factor: float) -> Profile:
         transient_bytes=profile.param_bytes + round(profile.activation_bytes * factor),
         data_bytes=round(profile.data_bytes * factor),
         message_bytes=round(profile.message_bytes * factor),
+        routed_bytes=round(profile.routed_bytes * factor),
+        expert_s=grow(profile.expert_s, profile.expert_call_s),
         step_s=step_s,
         step_one_thread_s=profile.step_one_thread_s * ratio,  # its fixed parts: as the step's
         block_s=grow(profile.block_s, fixed),
     )
+
+
+def dealt_bytes(profile: Profile, ep: int) -> float:
+    """The experts' bytes a rank does not hold under ``ep``: an expert group of ep ranks deals
+    them out (the tp plan's cut inside them is not counted: the probe's plan sizes are 2-D)."""
+    return profile.expert_bytes * (1 - 1 / ep)
 
 
 def tp_share(profile: Profile, tp: int) -> float:
@@ -147,18 +169,23 @@ def predict(profile: Profile, layout: Layout, world: int, *, meta: bool = False)
     is built on the meta device and each rank materializes its shards (no build term)."""
     d = layout.dp_size(world)
     share = tp_share(profile, layout.tp) * pp_share(profile, layout.pp)
-    params = profile.param_bytes * share
-    state = profile.state_bytes * share
-    temporaries = profile.optimizer_bytes * share  # the optimizer step's foreach buffers
+    # ep: the experts the other ranks of the expert group hold (a share of every parameter's
+    # bytes, state and temporaries alike); zero1 and fsdp shard the rank's experts over their
+    # d / ep replicas, so that what they shard per rank is the whole's over d, as without ep
+    dealt = dealt_bytes(profile, layout.ep) / profile.param_bytes if profile.param_bytes else 0.0
+    params = profile.param_bytes * (share - dealt)
+    state = profile.state_bytes * (share - dealt)
+    temporaries = profile.optimizer_bytes * (share - dealt)  # the optimizer step's foreach buffers
+    dealt *= profile.param_bytes
     one_block = (
-        profile.block_bytes / profile.blocks * tp_share(profile, layout.tp)
+        (profile.block_bytes - dealt) / profile.blocks * tp_share(profile, layout.tp)
         if profile.blocks
         else 0.0
     )
     grads = params
     if layout.dp in ("zero1", "fsdp"):
-        state /= d
-        temporaries /= d
+        state = profile.state_bytes * share / d
+        temporaries = profile.optimizer_bytes * share / d
     if layout.dp == "fsdp" and layout.pp > 1:
         # torch's pipeline schedule keeps an FSDP stage gathered through each backward and
         # reduces its gradients once, after the last micro-batch: the stage holds both whole
@@ -170,8 +197,8 @@ def predict(profile: Profile, layout: Layout, world: int, *, meta: bool = False)
         # prefetched, the unit's full gradients and the reduce-scatter's input. Four units:
         # the measured layouts held 0.2 to 5.8 above the rest over four runs, median 3.1
         # (seven, every buffer at once, was 3% to 29% over; docs/autotune.md)
-        params = params / d + 2 * one_block
-        grads = grads / d + 2 * one_block
+        params = (params + dealt) / d + 2 * one_block
+        grads = (grads + dealt) / d + 2 * one_block
     in_flight = min(layout.pp, layout.microbatches) / layout.microbatches
     kept, inputs = float(profile.activation_bytes), 0.0
     if layout.recompute and profile.blocks:
@@ -190,7 +217,7 @@ def predict(profile: Profile, layout: Layout, world: int, *, meta: bool = False)
     activations = (kept * share + inputs) / d / layout.pp * in_flight
     if layout.dp in ("replicate", "zero1") and d > 1:
         activations += grads  # a bucket's gradients, scaled into a fresh buffer as it is reduced
-    sharded = layout.tp > 1 or layout.pp > 1 or layout.dp == "fsdp"
+    sharded = layout.tp > 1 or layout.pp > 1 or layout.dp == "fsdp" or layout.ep > 1
     build = 0.0 if meta else profile.param_bytes + (params if sharded else 0.0)
     # torch's pipeline stage allocates a receive buffer for every micro-batch up front and
     # keeps them: the first stage's for the gradients (the last's for the activations)

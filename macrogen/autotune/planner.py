@@ -122,7 +122,11 @@ def rank(
     and what mg.parallelize can't run yet is ranked, marked "predicted only")."""
     rows = []
     every = layouts.enumerate_layouts(
-        world, max_tp=machine.per_node, max_pp=shape.blocks or None, rows=shape.rows
+        world,
+        max_tp=machine.per_node,
+        max_pp=shape.blocks or None,
+        rows=shape.rows,
+        experts=shape.experts,
     )
     for layout in every:
         mem = memory.predict(profile, layout, world, meta=meta)

@@ -26,13 +26,14 @@ from typing import Any
 
 from macrogen.autotune.layouts import ModelShape
 from macrogen.autotune.memory import Profile
+from macrogen.autotune.probe_experts import ExpertsProbe
 from macrogen.autotune.process_memory import TensorPeak, warm_process
 from macrogen.autotune.saved_tensors import SavedActivations
 
 # what a stored probe measured: a probe of other measures is not reused (memory was the
 # resident set before, and carried no optimizer or activation shares; a CUDA probe's times
 # were the host's before 9)
-MEASURES = "tensor-bytes-10"
+MEASURES = "tensor-bytes-11"  # 11: a mixture of experts' experts (probe_experts)
 
 
 class ProbeError(Exception):
@@ -145,6 +146,8 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             inputs.append((args, kwargs))
 
     hooks = [blocks[0][1].register_forward_pre_hook(keep, with_kwargs=True)] if blocks else []
+    experts = ExpertsProbe(model, _Clock(event))  # a mixture's experts: what ep deals out
+    hooks += experts.hooks()
     for _, b in blocks:
         hooks.append(b.register_forward_pre_hook(in_blocks.start))
         hooks.append(b.register_forward_hook(after))
@@ -160,6 +163,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     with TensorPeak(cuda=cuda) as one_step, saved.hooks():
         step()
     in_blocks.reset()  # from the timed steps on
+    experts.reset()
     timing[0] = True
     stepping = _Clock(event)  # the optimizer steps' time: replicate repeats it on every rank
     for opt in optimizers:
@@ -205,6 +209,10 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     call_s, again_s = (
         _block_call_s(blocks[0][1], *inputs[-1], torch, cuda) if inputs else (0.0, None)
     )
+    experts_call_s = 0.0
+    if experts.layers:
+        _say("timing the experts alone, on their tokens and on fewer")
+        experts_call_s = experts.call_s(torch, cuda)
     optimizer_s = min(step_s, stepping.seconds() / len(times))
     # the blocks' backward is not hooked (full backward hooks change the graph): the step's
     # time outside the forward and the optimizer is backward's, shared as the forward's is
@@ -239,8 +247,21 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             "recompute_call_s": again_s,
             "optimizer_s": optimizer_s,
             "message_bytes": message[0] if message else 0,
+            # a mixture of experts: the experts' parameters, their share of the step, their
+            # fixed cost per step (what ep divides), the bytes routed one way per step
+            "expert_bytes": experts.param_bytes,
+            "expert_layers": experts.layers,
+            "expert_s": min(step_s, (1 + backward) * experts.clock.seconds() / len(times)),
+            "expert_call_s": experts_call_s,
+            "routed_bytes": round(experts.routed / len(times)),
         },
-        "shape": {"blocks": len(blocks), "divisible": divisible, "rows": rows[0] if rows else 0},
+        "shape": {
+            "blocks": len(blocks),
+            "divisible": divisible,
+            "rows": rows[0] if rows else 0,
+            "experts": experts.experts,
+            "experts_listed": bool(experts.lists),
+        },
     }
 
 

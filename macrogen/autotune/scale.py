@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from macrogen.autotune.devices import COLLECTIVE_S, DeviceKind, DeviceSet
 from macrogen.autotune.layouts import Layout
 from macrogen.autotune.model_spec import ModelSpec
+from macrogen.autotune.probe_experts import routed_bytes
 
 # ZeRO's mixed-precision Adam: bytes per parameter of bf16 weights, bf16 gradients, and the
 # optimizer's fp32 master weights, momentum and variance (K = 12)
@@ -326,7 +327,7 @@ def _all_to_all_s(
         return 0.0
     cross = layout.tp * ep > devices.per_node
     link, step = (kind.inter, kind.inter_step_s) if cross else (kind.intra, kind.intra_step_s)
-    out = tokens * max(spec.top_k, 1) * spec.hidden * 2 * (ep - 1) / ep
+    out = routed_bytes(tokens * max(spec.top_k, 1), spec.hidden, 2) * (ep - 1) / ep  # bf16
     return 4 * (COLLECTIVE_S + (ep - 1) * step + out / link)
 
 

@@ -350,7 +350,7 @@ def _probe(
         ) from None
     return {
         "profile": profile.__dict__,
-        "shape": {"blocks": shape.blocks, "divisible": dict(shape.divisible), "rows": shape.rows},
+        "shape": {**shape.__dict__, "divisible": dict(shape.divisible)},
         "source_hash": wanted,
         "measures": probe.MEASURES,
     }

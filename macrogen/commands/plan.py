@@ -308,6 +308,8 @@ def _print_probed(rows: list[Row], args: argparse.Namespace) -> None:
     header = f"{'#':>3}  {'layout':<{width}} {'step':>10} {'compute':>10} {'tp':>10} {'dp':>10} {'pp':>10} {'memory/rank':>12}"
     # what each rank holds at the step's peak: parameters, gradients, optimizer state, activations
     header += f" {'params':>10} {'grads':>10} {'state':>10} {'activ.':>10}"
+    routed = any(r.layout.ep > 1 for r in shown)  # a mixture of experts: the all-to-alls' time
+    header += f" {'ep':>10}" if routed else ""
     if getattr(args, "meta", False):  # (--meta; a caller's own namespace may not have it)
         print("memory: the model built on the meta device, each rank materializing its shards")
     print(header)
@@ -321,7 +323,9 @@ def _print_probed(rows: list[Row], args: argparse.Namespace) -> None:
             f" {format_time(s.data):>10} {format_time(s.pipeline):>10}"
             f" {format_bytes(r.memory.total):>12} {format_bytes(r.memory.params):>10}"
             f" {format_bytes(r.memory.grads):>10} {format_bytes(r.memory.state):>10}"
-            f" {format_bytes(r.memory.activations):>10}{note}"
+            f" {format_bytes(r.memory.activations):>10}"
+            + (f" {format_time(s.experts):>10}" if routed else "")
+            + note
         )
     _reasons(r.reason for r in rows)
 

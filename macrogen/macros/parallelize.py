@@ -48,7 +48,7 @@ would cut its class (``macrogen.runtime.parallelize_pipeline``): the training st
 ``mg.pipeline_step(model, x, y, loss_fn)``. It goes with every dp mode, and with tp > 1:
 the layers are sharded first, and each stage runs its parts on their local shards.
 
-``layout="auto"`` stands for every layout (tp, pp, dp mode, micro-batches, recompute) that
+``layout="auto"`` stands for every layout (tp, pp, dp mode, micro-batches, recompute, ep) that
 ``macrogen autotune`` finds feasible for its world size: one tunable, keyed
 ``<site>.layout``, whose choices are layout names (``"tp2 pp1 fsdp mb1"``).
 """

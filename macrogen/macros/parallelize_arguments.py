@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from macrogen.autotune import layouts
-from macrogen.autotune.layouts import pipeline_problem
+from macrogen.autotune.layouts import experts_problem, pipeline_problem
 from macrogen.macro import Arg, Context, MacroError, Site
 from macrogen.macros import redundant, uneven
 from macrogen.vocabulary import (
@@ -62,7 +62,7 @@ DEFAULTS: dict[str, Any] = {
     "dp_max_rows": None,
     "pp_split": None,
 }
-LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches", "recompute")
+LAYOUT_ARGUMENTS = ("tp", "pp", "dp", "microbatches", "recompute", "ep")
 FSDP_ONLY = (
     "reshard_after_forward",
     "mixed_precision",
@@ -275,7 +275,7 @@ def _auto_layout(site: Site, args: dict[str, Arg], ctx: Context) -> dict[str, An
     given = [name for name in LAYOUT_ARGUMENTS if name in args]
     if given:
         raise MacroError(
-            f'layout="auto" chooses tp, pp, dp, microbatches and recompute; leave out'
+            f'layout="auto" chooses tp, pp, dp, microbatches, recompute and ep; leave out'
             f" {', '.join(given)}",
             args[given[0]].node,
         )
@@ -284,14 +284,7 @@ def _auto_layout(site: Site, args: dict[str, Arg], ctx: Context) -> dict[str, An
     name = ctx.tunable(key, choices[0], choices, arg.node, site.line)
     # the site's arguments, as autotune's constraint sees them, hold the tunable's key
     cast("dict[str, Arg]", site.args.keywords)["layout"] = replace(arg, value=name, tunable=key)
-    chosen = layouts.parse(name)
-    return {
-        "tp": chosen.tp,
-        "pp": chosen.pp,
-        "dp": chosen.dp,
-        "microbatches": chosen.microbatches,
-        "recompute": layouts.recompute_argument(chosen.recompute),
-    }
+    return layouts.degrees(layouts.parse(name))
 
 
 def _check_pipeline(args: dict[str, Arg], values: dict[str, Any]) -> None:
@@ -344,30 +337,12 @@ def _check_servers(
 
 def _check_experts(args: dict[str, Arg], values: dict[str, Any]) -> None:
     """``ep=E > 1``: expert parallelism over the data ranks, averaged data parallel (or FSDP)
-    for the rest; with tp > 1 (the experts cut inside, ``runtime.expert_tensor``) averaged."""
-    if values["ep"] == 1:
-        return
-    tensor = values["tp"] != 1
-    others = {
-        "pp": values["pp"] != 1,
-        "dp": values["dp"] not in (("replicate",) if tensor else ("replicate", "fsdp")),
-        "dp_replicate": values["dp_replicate"] != 1,  # (HSDP: the experts' mesh has no room)
-        "servers": values["servers"] != 0,
-        "recompute": values["recompute"] not in (None, "none"),
-        "verify": values["verify"],
-        "layout": "layout" in args,
-        # the experts' gradients are divided by the data ranks: even shares only
-        "dp_shares": values["dp_shares"] is not None,
-    }
-    clash = next((name for name, set_ in others.items() if set_), None)
-    if clash is not None:
-        with_tp = f" (tp={values['tp']})" if tensor else ""
-        raise MacroError(
-            f"ep={values['ep']} with {clash}={values.get(clash, 'auto')!r}{with_tp} is not"
-            ' supported yet: expert parallelism runs with pp=1 and dp="replicate", "fsdp" (tp=1)'
-            ' or "replicate" (tp > 1, the experts cut inside by the tp_plan)',
-            (args.get(clash) or args["ep"]).node,
-        )
+    for the rest; with tp > 1 (the experts cut inside, ``runtime.expert_tensor``) averaged.
+    The rule is ``layouts.experts_problem``, which the layout searches prune with."""
+    problem, clash = experts_problem(values)
+    if problem is not None:
+        at = args.get(clash or "ep") or args.get("layout") or args.get("ep") or args["model"]
+        raise MacroError(problem, at.node)
 
 
 def _check_init(args: dict[str, Arg], values: dict[str, Any]) -> None:
