@@ -59,6 +59,11 @@ EXTENDED = {
     # pp=2 x FSDP 2 cases of the same program cover each step
     "tests/test_meta_load_dist.py::"
     "test_meta_pipelines_in_every_combination_equal_the_serial_program",
+    # pipelined checkpoints under tp, FSDP, pp=1 on 2 ranks, and the Llama's own checkpoints
+    # resumed again: the default run's stop-and-resume (Llama and GPT on 2 ranks) and its
+    # resumes as pp=2 x 2 replicas and serially (the GPT's own checkpoints again) cover each step
+    "tests/test_meta_checkpoint_dist.py::"
+    "test_pipelines_resume_under_tensor_parallel_fsdp_and_without_stages",
     # peak RSS of a 306 MB model built on meta and loaded on 4 ranks: bench/meta_memory.py
     # measures it (docs/parallelize.md's table); test_meta_load_dist loads the same way
     "tests/test_meta_memory_dist.py::"
