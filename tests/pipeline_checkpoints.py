@@ -197,11 +197,11 @@ def resumed_as(
     save)."""
     here = root / kind / layout
     first, second = here / "first", here / "second"
-    _copy(root / kind / "whole" / _step(EVERY), first / _step(EVERY))
+    copy(root / kind / "whole" / _step(EVERY), first / _step(EVERY))
     resumed = train(kind, layout, src, first, seed=3)
     if not again:
         return resumed, None
-    _copy(first / _step(2 * EVERY), second / _step(2 * EVERY))
+    copy(first / _step(2 * EVERY), second / _step(2 * EVERY))
     return resumed, train(kind, layout, src, second, seed=4)
 
 
@@ -209,7 +209,7 @@ def _step(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _copy(source: Path, target: Path) -> None:
+def copy(source: Path, target: Path) -> None:
     """A checkpoint copied by rank 0 (the others wait)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         shutil.copytree(source, target)

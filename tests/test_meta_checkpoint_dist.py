@@ -22,7 +22,8 @@ runs there save again, and their step-4 checkpoints resume exactly. The checkpoi
 serial model's keys (each stage its own parameters; the tied weight's optimizer state once),
 and the GPT started on the Llama's checkpoints stops on every rank with the same error. The
 extended tier resumes the Llama's as pp=2 x tp=2 and pp=2 x FSDP 2 on 4 ranks and as pp=1 on
-2 (and the Llama's own checkpoints in every layout again).
+2 (and the Llama's own checkpoints in every layout again), and a serial run's checkpoint as
+pp=2 on 2 ranks.
 """
 
 from __future__ import annotations
@@ -277,7 +278,8 @@ def test_pipelines_resume_under_tensor_parallel_fsdp_and_without_stages(
 ) -> None:
     """The extended tier's layouts: the Llama's pp=2 checkpoint resumed as pp=2 x 2 data
     replicas, pp=2 x tp=2 and pp=2 x FSDP 2 on 4 ranks, as pp=1 on 2 and serially, and each
-    of those layouts' own checkpoint resumed again."""
+    of those layouts' own checkpoint resumed again; and a checkpoint of the serial run resumed
+    as pp=2 on 2 ranks."""
     src = {**pipeline_sources, "dir": str(tmp_path)}
     results = run_ranks(uninterrupted_and_pp1, 2, args=(src,), timeout=300)
     wholes, pp1 = results[0]
@@ -285,6 +287,20 @@ def test_pipelines_resume_under_tensor_parallel_fsdp_and_without_stages(
     on_four = run_ranks(resume_pipelines, 4, args=(src, four), timeout=300)[0]
     serially = resume_pipelines(0, 1, src, [("llama", "serial", True)])
     check_pipelines(wholes, {**pp1, **on_four, **serially})
+    # and the other way: the serial run's step-4 checkpoint resumed as pp=2 on 2 ranks
+    losses, state = run_ranks(from_serial, 2, args=(src,), timeout=300)[0]
+    want_losses, want_state = wholes["llama"]
+    assert sorted(losses) == [4, 5]
+    assert pipelines.gap(losses, {s: want_losses[s] for s in losses}) <= 1e-12
+    assert pipelines.gap(state, want_state) <= 1e-12
+
+
+def from_serial(rank: int, world: int, src: dict) -> pipelines.Run:
+    here = Path(src["dir"]) / "pp" / "llama"
+    pipelines.copy(
+        here / "serial" / "first" / "step_00000004", here / "from_serial" / "step_00000004"
+    )
+    return pipelines.train("llama", "pp2", src, here / "from_serial", seed=5)
 
 
 def uninterrupted_and_pp1(rank: int, world: int, src: dict) -> tuple[dict, dict]:

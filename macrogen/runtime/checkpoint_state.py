@@ -1,8 +1,9 @@
 """What a ``resumable`` checkpoint holds for each of macrogen's parallel kinds.
 
 The model and optimizers go to DCP as ``get_state_dict`` gives them (keys: the
-serial parameter names), with two changes, because DCP takes plain tensors that
-have the same key on every rank for copies of one tensor and stores one of them:
+serial parameter names), the optimizer state flattened per parameter (below), with two
+changes, because DCP takes plain tensors that have the same key on every rank for
+copies of one tensor and stores one of them:
 
 - Tensor-parallel parameters (``mg.parallelize``'s and ``@tensor_parallel``'s) are
   DTensors, and DCP
