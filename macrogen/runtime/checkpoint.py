@@ -35,6 +35,11 @@ ranks have left the default group's collectives): worker 0 pulls the tables and
 their optimizer state over RPC into the checkpoint (``servers.*``), and a load
 sends them back to the servers before the first step.
 
+A pipelined model's ranks each save their stage's entries under the serial names
+(``checkpoint_state``: the optimizer state flattened per parameter), so a checkpoint
+holds the serial model's keys and loads into any stage count; a load compares the
+checkpoint's keys with the union of the stages' keys.
+
 (``checkpoint_dir``: the folders, markers and pruning; ``checkpoint_state``: what
 a checkpoint holds of the model and optimizers; ``checkpoint_files``: reading
 files that are data, safely; ``checkpoint_convert``: one ``torch.save`` file.)
