@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -183,6 +185,23 @@ def test_the_optimizer_state_is_flattened_per_parameter(tmp_path: Path) -> None:
     keys = read_metadata(tmp_path / "ckpt" / "step_00000003").state_dict_metadata
     assert {"optim.state.0.weight.exp_avg", "optim.param_groups.2.bias.lr"} <= keys.keys()
     assert not any(k.startswith("optim.param_groups.0.") and k.count(".") == 3 for k in keys)
+
+
+def test_parameter_groups_split_otherwise_than_saved_are_an_error(tmp_path: Path) -> None:
+    """Each parameter's settings go back to its group: a group whose parameters were saved
+    with different settings is named, not averaged or guessed."""
+    from macrogen.runtime.checkpoint_state import UnsupportedModel
+
+    def run(groups: Callable[[torch.nn.Module], Any]) -> None:
+        model = _model()
+        opt = torch.optim.AdamW(groups(model), lr=1e-2)
+        for _ in resumable(range(2), model=model, optimizer=opt, dir=tmp_path / "ckpt", every=1):
+            model(torch.randn(5, 4)).pow(2).mean().backward()
+            opt.step()
+
+    run(lambda m: [{"params": m[0].parameters(), "lr": 0.1}, {"params": m[2].parameters()}])
+    with pytest.raises(UnsupportedModel, match=r"lr=0\.1 for 0\.weight and lr=0\.01 for 2\.weight"):
+        run(lambda m: m.parameters())
 
 
 def test_a_checkpoint_in_the_older_optimizer_layout_resumes(
