@@ -11,6 +11,8 @@ Two models, in float64, ``STEPS`` AdamW steps with a checkpoint every ``EVERY``:
 - ``gpt``: the tests' own GPT with ``@mg.pipeline`` (``tests/golden/pipeline_tied_cut``: the
   embedding on stage 0 tied to the head on stage 1; forward computes its loss). Expanded it is
   cut into 2 stages (on 4 ranks: 2 data replicas of them); ``"serial"``: the file unexpanded.
+  ``gpt_interleaved``: the same cut into 4 stages, 2 a rank (``schedule="interleaved"``: the
+  tied weight on stages 0 and 3).
 
 Each step's global batch is drawn from the step alone (a rank the saving job did not have
 has no saved RNG state to draw it with); a rank trains its data rank's rows. A run gives its
@@ -36,6 +38,8 @@ STEPS, EVERY, STOP = 6, 2, 2  # checkpoints at 2, 4, 6; a run stopped in step 2 
 ROWS, SEQ = 8, 8  # each step's global batch: 4 micro-batches of 2 data replicas get a row each
 VOCAB = 64
 GOLDEN = Path(__file__).parent / "golden" / "pipeline_tied_cut" / "input.py"
+CUT = '@mg.pipeline(stages=2, microbatches=4, schedule="1f1b", split=["transformer.h.2"])'
+INTERLEAVED = '@mg.pipeline(stages=4, microbatches=4, schedule="interleaved")'
 Run = tuple[dict[int, float], dict[str, torch.Tensor]]  # (each step's loss, the whole state)
 
 
@@ -44,22 +48,25 @@ def sources(directory: Path) -> dict[str, str]:
     torch.manual_seed(0)
     llama = meta_models.model_class("llama")(meta_models.config("llama")).double()
     llama.save_pretrained(directory / "llama")
-    gpt = mg.expand_source(GOLDEN.read_text(), path=str(GOLDEN)).code
+    source = GOLDEN.read_text()
+    assert CUT in source
     return {
         "layouts": meta_models.expanded(directory),
         "folder": str(directory / "llama"),
-        "gpt": gpt,
+        "gpt": mg.expand_source(source, path=str(GOLDEN)).code,
+        "gpt_interleaved": mg.expand_source(
+            source.replace(CUT, INTERLEAVED), path=str(GOLDEN)
+        ).code,
         "dir": str(directory),
     }
 
 
 @functools.cache
-def _gpt(code: str, directory: str) -> Any:
+def _gpt(kind: str, code: str, directory: str) -> Any:
     """The GPT module (``code``: expanded, or the file as it is), loaded once per process."""
     from tests.helpers import load_module
 
-    name = f"gpt_checkpoints_{os.getpid()}_{'serial' if code == GOLDEN.read_text() else 'expanded'}"
-    return load_module(code, name, Path(directory))
+    return load_module(code, f"{kind}_checkpoints_{os.getpid()}", Path(directory))
 
 
 def build(kind: str, layout: str, src: dict[str, str]) -> torch.nn.Module:
@@ -67,8 +74,11 @@ def build(kind: str, layout: str, src: dict[str, str]) -> torch.nn.Module:
 
     mesh.reset()  # (one mesh per program: each run is a program of its own)
     torch.manual_seed(7)
-    if kind == "gpt":
-        module = _gpt(GOLDEN.read_text() if layout == "serial" else src["gpt"], src["dir"])
+    if kind.startswith("gpt"):
+        if layout == "serial":
+            module = _gpt("gpt_serial", GOLDEN.read_text(), src["dir"])
+        else:
+            module = _gpt(kind, src[kind], src["dir"])
         return module.GPT(module.GPTConfig())
     model = meta_models.meta_model("llama")
     if layout == "serial":
@@ -100,7 +110,7 @@ def train(
         for step in loop:
             ids = _batch(step)
             x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()  # (as nanoGPT's get_batch)
-            loss_fn = None if kind == "gpt" else _loss  # the GPT's forward computes its loss
+            loss_fn = None if kind.startswith("gpt") else _loss  # (the GPT's forward: its own)
             loss = mg.pipeline_step(model, x, y, loss_fn)
             opt.step()
             opt.zero_grad()
@@ -177,16 +187,20 @@ def stop_and_resume(root: Path, src: dict[str, str]) -> tuple[dict[str, tuple[Ru
     the GPT started on the Llama's checkpoints raises (on every rank: no stage waits)."""
     from macrogen.runtime.checkpoint import CheckpointError
 
-    out = {}
-    for kind in ("llama", "gpt"):
-        whole = train(kind, "pp2", src, root / kind / "whole")
-        train(kind, "pp2", src, root / kind / "stopped", stop=STOP)
-        out[kind] = whole, train(kind, "pp2", src, root / kind / "stopped", seed=2)
+    out = {kind: stopped_and_resumed(root, kind, src) for kind in ("llama", "gpt")}
     try:
         train("gpt", "pp2", src, root / "llama" / "whole")
     except CheckpointError as e:
         return out, str(e)
     raise AssertionError("the GPT resumed from the Llama's checkpoints")
+
+
+def stopped_and_resumed(root: Path, kind: str, src: dict[str, str]) -> tuple[Run, Run]:
+    """The uninterrupted run of ``kind`` as cut for the spawn's ranks, and a run stopped in step
+    ``STOP`` and resumed in fresh objects with another seed (the saved state must win)."""
+    whole = train(kind, "pp2", src, root / kind / "whole")
+    train(kind, "pp2", src, root / kind / "stopped", stop=STOP)
+    return whole, train(kind, "pp2", src, root / kind / "stopped", seed=2)
 
 
 def resumed_as(
