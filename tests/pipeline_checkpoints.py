@@ -5,7 +5,8 @@ Two models, in float64, ``STEPS`` AdamW steps with a checkpoint every ``EVERY``:
 - ``llama``: a transformers Llama (``tests/meta_models.py``'s shrunk config) built on the meta
   device and given its values by ``init=mg.load(folder)`` (a ``save_pretrained`` folder),
   through ``mg.parallelize(pp=2, ...)`` and the other layouts of ``meta_models.LAYOUTS``
-  (``replicate``: pp=1), trained through ``mg.pipeline_step`` with a float64 loss;
+  (``replicate``: pp=1; ``pp2_zero1``: with ``shard_optimizer``, as the expanded
+  ``mg.shard_optimizer`` call makes it), trained through ``mg.pipeline_step`` with a float64 loss;
   ``"serial"``: the unexpanded marker in one process. A resumed run's values come from the
   checkpoint (``init=`` fills the model first).
 - ``gpt``: the tests' own GPT with ``@mg.pipeline`` (``tests/golden/pipeline_tied_cut``: the
@@ -102,6 +103,10 @@ def train(
     try:
         model = build(kind, layout, src)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        if layout.endswith("zero1"):  # (what the expanded mg.shard_optimizer(...) calls)
+            from macrogen.runtime.zero import shard_optimizer
+
+            opt = shard_optimizer(opt)
         torch.manual_seed(seed)  # (the batches do not draw from it)
         loop = resumable(
             range(STEPS), model=model, optimizer=opt, dir=ckpt, every=EVERY, keep=STEPS
@@ -158,13 +163,19 @@ def whole_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
     def whole(t: torch.Tensor) -> torch.Tensor:
         return (full_tensor(t) if hasattr(t, "device_mesh") else t).detach().clone()
 
+    from macrogen.runtime.zero import ShardedOptimizer
+
     names: dict[int, list[str]] = {}
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         name = name.replace("_checkpoint_wrapped_module.", "")
         names.setdefault(id(p), []).append(name)
         out[name] = whole(p)
-    for p, state in opt.state.items():
+    states: Any = opt.state
+    if isinstance(opt, ShardedOptimizer):  # its state_dict: the serial optimizer's (gathered)
+        params = [p for group in opt.param_groups for p in group["params"]]
+        states = {params[i]: state for i, state in opt.state_dict()["state"].items()}
+    for p, state in states.items():
         for name in names[id(p)]:
             out.update({f"{name}:{k}": whole(v) for k, v in state.items()})
     if not dist.is_initialized():

@@ -22,9 +22,9 @@ run; the GPT's runs there save again, and their step-4 checkpoints resume exactl
 checkpoints hold the serial model's keys (each stage its own parameters; the tied weight's
 optimizer state once), and the GPT started on the Llama's checkpoints stops on every rank
 with the same error. The extended tier resumes the Llama's as pp=2 x 2 data replicas, pp=2 x
-tp=2 and pp=2 x FSDP 2 on 4 ranks, as pp=1 on 2 and serially, each layout's own checkpoint
-again, and a serial run's checkpoint as pp=2 on 2 ranks; and it stops and resumes the GPT cut
-into 4 interleaved stages on 2 ranks, exactly.
+tp=2, pp=2 x FSDP 2 and pp=2 x ZeRO-1 on 4 ranks, as pp=1 on 2 and serially, each layout's
+own checkpoint again, and a serial run's checkpoint as pp=2 on 2 ranks; and it stops and
+resumes the GPT cut into 4 interleaved stages on 2 ranks, exactly.
 """
 
 from __future__ import annotations
@@ -282,16 +282,16 @@ def test_pipelines_resume_under_tensor_parallel_fsdp_and_without_stages(
     tmp_path: Path, pipeline_sources: dict
 ) -> None:
     """The extended tier's layouts: the Llama's pp=2 checkpoint resumed as pp=2 x 2 data
-    replicas, pp=2 x tp=2 and pp=2 x FSDP 2 on 4 ranks, as pp=1 on 2 and serially, and each
-    of those layouts' own checkpoint resumed again; a checkpoint of the serial run resumed
-    as pp=2 on 2 ranks; and the GPT cut into 4 interleaved stages (2 a rank) stopped and
-    resumed exactly."""
+    replicas, pp=2 x tp=2, pp=2 x FSDP 2 and pp=2 x ZeRO-1 on 4 ranks, as pp=1 on 2 and
+    serially, and each of those layouts' own checkpoint resumed again; a checkpoint of the
+    serial run resumed as pp=2 on 2 ranks; and the GPT cut into 4 interleaved stages (2 a
+    rank) stopped and resumed exactly."""
     src = {**pipeline_sources, "dir": str(tmp_path)}
     results = run_ranks(uninterrupted_and_pp1, 2, args=(src,), timeout=300)
     wholes, pp1, ((whole_losses, whole_state), (losses, state)) = results[0]
     assert losses == {s: whole_losses[s] for s in losses} and sorted(losses) == [2, 3, 4, 5]
     assert pipelines.gap(state, whole_state) == 0.0, "interleaved: state after stop and resume"
-    four = [("llama", layout, True) for layout in ("pp2", "pp2_tp2", "pp2_fsdp")]
+    four = [("llama", layout, True) for layout in ("pp2", "pp2_tp2", "pp2_fsdp", "pp2_zero1")]
     on_four = run_ranks(resume_pipelines, 4, args=(src, four), timeout=300)[0]
     serially = resume_pipelines(0, 1, src, [("llama", "serial", True)])
     check_pipelines(wholes, {**pp1, **on_four, **serially})
