@@ -63,6 +63,13 @@ EXTENDED = {
     # pp=2 x FSDP 2 cases of the same program cover each step
     "tests/test_meta_load_dist.py::"
     "test_meta_pipelines_in_every_combination_equal_the_serial_program",
+    # the Llama's pipelined checkpoints resumed on 4 ranks (pp=2 x 2 replicas, x tp=2, x FSDP 2,
+    # x ZeRO-1) and as pp=1 on 2, its own checkpoints again, a serial one as pp=2, the GPT
+    # interleaved (4 stages on 2 ranks) stopped and resumed: the default run's stop-and-resume
+    # (Llama and GPT on 2 ranks), the GPT's resumes on 4 ranks and serially (and its own
+    # checkpoints again) and the Llama's serially cover each step
+    "tests/test_meta_checkpoint_dist.py::"
+    "test_pipelines_resume_under_tensor_parallel_fsdp_and_without_stages",
     # peak RSS of a 306 MB model built on meta and loaded on 4 ranks: bench/meta_memory.py
     # measures it (docs/parallelize.md's table); test_meta_load_dist loads the same way
     "tests/test_meta_memory_dist.py::"

@@ -70,6 +70,10 @@ LAYOUTS = textwrap.dedent(
         return mg.parallelize(model, pp=2, dp="fsdp", microbatches=2, init=init)
 
 
+    def pp2_zero1(model, init):
+        return mg.parallelize(model, pp=2, dp="zero1", microbatches=2, init=init)
+
+
     def fsdp_built(model):
         return mg.parallelize(model, dp="fsdp")
     """

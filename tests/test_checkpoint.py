@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -175,15 +177,48 @@ def test_cli_converts_the_newest_complete_checkpoint(tmp_path: Path, capsys) -> 
     assert "is not complete" in capsys.readouterr().err
 
 
-def test_pipelined_model_is_refused_at_start_up(tmp_path: Path) -> None:
-    """A model cut into stages would lose data in DCP: a clear error before anything is written."""
-    from macrogen.runtime.checkpoint_state import UnsupportedModel
-    from macrogen.runtime.pipeline import ATTR, Pipeline, PipelineConfig
+def test_the_optimizer_state_is_flattened_per_parameter(tmp_path: Path) -> None:
+    """Under the serial names, torch's flattened layout: what loads across pipeline stages."""
+    from macrogen.runtime.checkpoint_files import read_metadata
 
-    model = _model()
-    pipe = Pipeline.__new__(Pipeline)  # as on a rank that holds one of 2 stages
-    pipe.config, pipe.layout = PipelineConfig(stages=2), object()
-    model.__dict__[ATTR] = pipe
-    with pytest.raises(UnsupportedModel, match="@pipeline model cut into 2 stages"):
-        resumable(range(3), model=model, dir=tmp_path / "ckpt", every=1)
-    assert not (tmp_path / "ckpt").exists()
+    train(tmp_path / "ckpt", stop=3)
+    keys = read_metadata(tmp_path / "ckpt" / "step_00000003").state_dict_metadata
+    assert {"optim.state.0.weight.exp_avg", "optim.param_groups.2.bias.lr"} <= keys.keys()
+    assert not any(k.startswith("optim.param_groups.0.") and k.count(".") == 3 for k in keys)
+
+
+def test_parameter_groups_split_otherwise_than_saved_are_an_error(tmp_path: Path) -> None:
+    """Each parameter's settings go back to its group: a group whose parameters were saved
+    with different settings is named, not averaged or guessed."""
+    from macrogen.runtime.checkpoint_state import UnsupportedModel
+
+    def run(groups: Callable[[torch.nn.Module], Any]) -> None:
+        model = _model()
+        opt = torch.optim.AdamW(groups(model), lr=1e-2)
+        for _ in resumable(range(2), model=model, optimizer=opt, dir=tmp_path / "ckpt", every=1):
+            model(torch.randn(5, 4)).pow(2).mean().backward()
+            opt.step()
+
+    run(lambda m: [{"params": m[0].parameters(), "lr": 0.1}, {"params": m[2].parameters()}])
+    with pytest.raises(UnsupportedModel, match=r"lr=0\.1 for 0\.weight and lr=0\.01 for 2\.weight"):
+        run(lambda m: m.parameters())
+
+
+def test_a_checkpoint_in_the_older_optimizer_layout_resumes(
+    tmp_path: Path, reference: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint written before the optimizer state was flattened (its param_groups a
+    list) resumes as it did."""
+    from macrogen.runtime import checkpoint_state
+    from macrogen.runtime.checkpoint_files import read_metadata
+
+    ckpt = tmp_path / "ckpt"
+    get_state = checkpoint_state.get_state
+    with monkeypatch.context() as m:
+        m.setattr(
+            checkpoint_state, "get_state", lambda *a, **k: get_state(*a, **{**k, "flat": False})
+        )
+        train(ckpt, stop=7)
+    keys = read_metadata(ckpt / "step_00000006").state_dict_metadata
+    assert checkpoint_state.NESTED_KEY in keys
+    assert same(train(ckpt), reference)

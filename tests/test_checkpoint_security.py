@@ -70,8 +70,8 @@ def _plant(folder: Path, where: str, mark: Path) -> None:
         )
         if where == "loop.step":
             state["loop"]["step"] = Payload(mark)
-        else:  # a value resumable() loads into the optimizer
-            state["optim"]["param_groups"][0]["lr"] = Payload(mark)
+        else:  # a value resumable() loads into the optimizer (its state flattened per parameter)
+            state["optim"]["param_groups.0.weight.lr"] = Payload(mark)
         for p in folder.iterdir():
             p.unlink()
         dcp.save(state, checkpoint_id=folder, no_dist=True)

@@ -35,6 +35,11 @@ ranks have left the default group's collectives): worker 0 pulls the tables and
 their optimizer state over RPC into the checkpoint (``servers.*``), and a load
 sends them back to the servers before the first step.
 
+A pipelined model's ranks each save their stage's entries under the serial names
+(``checkpoint_state``: the optimizer state flattened per parameter), so a checkpoint
+holds the serial model's keys and loads into any stage count; a load compares the
+checkpoint's keys with the union of the stages' keys.
+
 (``checkpoint_dir``: the folders, markers and pruning; ``checkpoint_state``: what
 a checkpoint holds of the model and optimizers; ``checkpoint_files``: reading
 files that are data, safely; ``checkpoint_convert``: one ``torch.save`` file.)
@@ -214,7 +219,6 @@ class _Checkpointer:
         self.config = config
         self.model = model
         self.optimizers = optimizers
-        checkpoint_state.check_supported(model)
         distributed = groups.ensure_initialized()
         self.servers = param_server.job_of(model)
         if self.servers is not None:
@@ -293,8 +297,10 @@ class _Checkpointer:
                 f" items): it is from a longer run (move it away, or pass fresh=True)"
             )
         state = self._state(0, metadata=metadata)
-        _check_same_model(path, state, metadata)
-        globalized = state.pop("globalized")
+        loading = state.pop("loading")
+        prefixes = _prefixes(state)
+        asked = self._every_stage({k for k in _keys(state) if k.startswith(prefixes)})
+        self._agree(_mismatch(path, state, metadata, asked))  # (stages may see it differently)
         try:
             dcp.load(
                 state,
@@ -309,7 +315,7 @@ class _Checkpointer:
         if isinstance(saved, bool) or not isinstance(saved, int) or saved != step:
             raise _Unreadable(f"its loop.step is {saved!r}, not {step}")
         checkpoint_state.set_state(
-            self.model, self.optimizers, state["model"], state.get("optim", {}), globalized
+            self.model, self.optimizers, state["model"], state.get("optim", {}), loading
         )
         if self.servers is not None:  # before the first fetch: the servers resume too
             param_server.load_state_dict(self.model, state["servers"])
@@ -392,11 +398,13 @@ class _Checkpointer:
     # ---- state --------------------------------------------------------------------
 
     def _state(self, step: int, metadata: Metadata | None = None) -> dict[str, Any]:
-        """What a checkpoint holds; for a load (``metadata``), RNG slots shaped as saved,
-        and under ``"globalized"`` the tensors ``checkpoint_state.set_state`` makes local again."""
+        """What a checkpoint holds; for a load (``metadata``), RNG slots shaped as saved, the
+        optimizer state in the layout the checkpoint has, and under ``"loading"`` what
+        ``checkpoint_state.set_state`` needs to put the values in place."""
         load = metadata is not None
-        model, optim, globalized = checkpoint_state.get_state(
-            self.model, self.optimizers, load=load
+        flat = metadata is None or checkpoint_state.NESTED_KEY not in metadata.state_dict_metadata
+        model, optim, loading = checkpoint_state.get_state(
+            self.model, self.optimizers, load=load, flat=flat
         )
         rng: dict[str, torch.Tensor] = {}
         if metadata is None:
@@ -428,8 +436,23 @@ class _Checkpointer:
         if self.servers is not None:
             state["servers"] = param_server.checkpoint_state(self.model, load=load)
         if load:
-            state["globalized"] = globalized
+            state["loading"] = loading
         return state
+
+    def _every_stage(self, keys: set[str]) -> set[str]:
+        """The keys every rank asks for: a pipeline stage asks for its own parameters' only,
+        so the first rank of each stage shows its keys to all (other ranks of a stage ask
+        for the same)."""
+        from macrogen.runtime.pipeline import pipeline_of
+
+        pipe = pipeline_of(self.model)
+        if pipe is None or pipe.layout is None or self.group is None:
+            return keys
+        lay = pipe.layout
+        first = dist.get_rank() % (lay.data_size * lay.tensor_size) == 0
+        shown: list[Any] = [None] * self.world_size
+        dist.all_gather_object(shown, keys if first else None, group=self.group)
+        return set().union(*(k for k in shown if k is not None))
 
     # ---- agreement between ranks ------------------------------------------------------
 
@@ -458,14 +481,16 @@ class _Checkpointer:
 # ---- model mismatch ----------------------------------------------------------------------
 
 
-def _check_same_model(path: Path, state: dict[str, Any], metadata: Metadata) -> None:
-    """A clear error naming the first key where this model and the checkpoint differ."""
-    # (server tables: worker 0 alone loads the rows, so only what this rank asks for is checked)
-    flat, _ = flatten_state_dict({k: state[k] for k in ("model", "optim", "servers") if k in state})
+def _mismatch(path: Path, state: dict[str, Any], metadata: Metadata, asked: set[str]) -> str | None:
+    """A clear error naming the first key where this model and the checkpoint differ, or None.
+
+    ``asked``: the model and optimizer keys of every rank's state (a pipeline's stages hold
+    different parameters: the checkpoint holds their union)."""
+    flat = _keys(state)
     saved = metadata.state_dict_metadata
     for key, value in flat.items():
         if key not in saved:
-            raise CheckpointError(
+            return (
                 f"checkpoint {path} is from a different model: it has no {key!r}{_near(key, saved)}"
             )
         entry = saved[key]
@@ -474,17 +499,27 @@ def _check_same_model(path: Path, state: dict[str, Any], metadata: Metadata) -> 
             if hasattr(value, "device_mesh"):  # a DTensor: compare the global shape
                 shape = tuple(value.size())
             if tuple(entry.size) != shape:
-                raise CheckpointError(
+                return (
                     f"checkpoint {path} is from a different model: {key!r} has shape"
                     f" {tuple(entry.size)} there and {shape} here"
                 )
-    prefixes = ("model.", "optim.") if "optim" in state else ("model.",)
+    prefixes = _prefixes(state)
     for key in saved:
-        if key.startswith(prefixes) and key not in flat:
-            raise CheckpointError(
-                f"checkpoint {path} is from a different model: it has {key!r}, which this"
-                " model does not"
-            )
+        if key.startswith(prefixes) and key not in asked:
+            return f"checkpoint {path} is from a different model: it has {key!r}, which this model does not"
+    return None
+
+
+def _keys(state: dict[str, Any]) -> dict[str, Any]:
+    """The state's entries as DCP keys them."""
+    # (server tables: worker 0 alone loads the rows, so only what this rank asks for is checked)
+    flat, _ = flatten_state_dict({k: state[k] for k in ("model", "optim", "servers") if k in state})
+    return flat
+
+
+def _prefixes(state: dict[str, Any]) -> tuple[str, ...]:
+    """The keys a checkpoint must not hold more of than the model asks for."""
+    return ("model.", "optim.") if "optim" in state else ("model.",)
 
 
 def _near(key: str, saved: Any) -> str:

@@ -32,8 +32,9 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], *, model_o
     """Write a DCP checkpoint as one ``torch.save`` file, for loading without torch.distributed.
 
     ``src`` is a checkpoint folder (``ckpt/step_00000050``) or a directory of them (its
-    newest complete one). The file holds ``{"model", "optim", "loop", "rng"}`` as
-    ``get_state_dict`` gave them, or with ``model_only`` the model's state_dict alone
+    newest complete one). The file holds ``{"model", "optim", "loop", "rng"}`` as the
+    checkpoint has them (``optim``: flattened per parameter, torch's layout that
+    ``set_optimizer_state_dict`` loads), or with ``model_only`` the model's state_dict alone
     (``model.load_state_dict(torch.load(out))``). ``out`` is replaced whole or not at
     all (written beside it, then renamed). Returns the folder converted.
     """

@@ -1,8 +1,9 @@
 """What a ``resumable`` checkpoint holds for each of macrogen's parallel kinds.
 
 The model and optimizers go to DCP as ``get_state_dict`` gives them (keys: the
-serial parameter names), with two changes, because DCP takes plain tensors that
-have the same key on every rank for copies of one tensor and stores one of them:
+serial parameter names), the optimizer state flattened per parameter (below), with two
+changes, because DCP takes plain tensors that have the same key on every rank for
+copies of one tensor and stores one of them:
 
 - Tensor-parallel parameters (``mg.parallelize``'s and ``@tensor_parallel``'s) are
   DTensors, and DCP
@@ -27,14 +28,23 @@ state outside ``optimizer.state``: it rides along in the optimizer state under
 ``_mg_local_sgd`` (``LocalSGD.state_dict``), so a checkpoint of such a model is
 resumed by such a model.
 
-``@pipeline`` models (each rank holds one stage) are refused at start-up: the
-ranks of different stages would save different optimizer ``param_groups`` under
-one key, and DCP would keep one of them.
+The optimizer state is stored flattened per parameter, the layout torch's
+``StateDictOptions(flatten_optimizer_state_dict=True)`` gives (torch's way for MPMD
+resharding, torchtitan's for pipeline stages): ``state.{name}.{key}`` and
+``param_groups.{name}.{setting}``, every name the serial model's. A rank of a pipelined
+model (``@pipeline``, ``mg.parallelize(pp=N)``) holds its stage's parameters only, under
+their serial names, so each stage saves its own entries and the checkpoint holds the
+union, which loads into any stage count, and serially. A weight tied across stages (a
+tied embedding and head) is the same tensor on each stage that holds it: its optimizer
+state goes under the serial model's first name for it on every stage, so DCP stores it
+once. Checkpoints in the older layout (the optimizers' ``param_groups`` as a list) are
+read as they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,31 +67,34 @@ Optimizers = Sequence[torch.optim.Optimizer]
 Globalized = list[tuple[dict[str, Any], str, int, int, Any]]
 
 
+# the key an older checkpoint (optimizer state not flattened) has and a flattened one can't
+NESTED_KEY = "optim.param_groups.0.params"
+
+
 class UnsupportedModel(RuntimeError):
     """A model whose state a checkpoint can't hold correctly (refused, never saved partially)."""
 
 
-def check_supported(model: nn.Module, where: str = "resumable()") -> None:
-    """Refuse what would lose data, at start-up."""
-    from macrogen.runtime.pipeline import pipeline_of
+@dataclass
+class Loading:
+    """What ``set_state`` needs, beyond what DCP read, to put a load's values in place."""
 
-    pipe = pipeline_of(model)
-    if pipe is not None and pipe.layout is not None:
-        raise UnsupportedModel(
-            f"{where}: the model is a @pipeline model cut into {pipe.config.stages} stages;"
-            " checkpoints of pipelined models are not supported yet (each rank holds one stage,"
-            " and DCP would keep one stage's optimizer parameter groups). Save"
-            " full_state_dict() yourself, or train without @pipeline under resumable"
-        )
+    globalized: Globalized  # entries handed to DCP in serial form (of ``nested``, ``model``)
+    # the optimizers' state as get_optimizer_state_dict keys it (this rank's names), which
+    # the flattened entries DCP filled are put back into
+    nested: dict[str, Any] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # this rank's name -> serial name
 
 
 def get_state(
-    model: nn.Module, optimizers: Optimizers, *, load: bool
-) -> tuple[dict[str, Any], dict[str, Any], Globalized]:
-    """The model's and optimizers' state as DCP should see it, and what was made serial-shaped.
+    model: nn.Module, optimizers: Optimizers, *, load: bool, flat: bool = True
+) -> tuple[dict[str, Any], dict[str, Any], Loading]:
+    """The model's and optimizers' state as DCP should see it, and what ``set_state`` needs.
 
     ``load``: the state is a buffer to load into (nothing is gathered, and a ZeRO
     optimizer without state is given some, so that its keys are there to load).
+    ``flat``: the optimizer state flattened per parameter (False: as a checkpoint in the
+    older layout holds it, to load one).
     """
     model_sd = get_model_state_dict(model)
     optim_sd: dict[str, Any] = {"state": {}, "param_groups": []}
@@ -92,24 +105,30 @@ def get_state(
             osd = get_optimizer_state_dict(model, opt)
         optim_sd["state"].update(osd["state"])
         optim_sd["param_groups"].extend(osd["param_groups"])
-    globalized = _unstride(model_sd, optim_sd, load)
+    loading = Loading(_unstride(model_sd, optim_sd, load), optim_sd, serial_names(model))
+    if flat:
+        optim_sd = _flatten(optim_sd, loading.aliases)
     for i, local in enumerate(outer_states(model)):
         optim_sd[f"_mg_local_sgd.{i}"] = local.state_dict(load=load)
-    return model_sd, optim_sd, globalized
+    return model_sd, optim_sd, loading
 
 
 def set_state(
     model: nn.Module,
     optimizers: Optimizers,
     model_sd: dict[str, Any],
-    optim_sd: dict[str, Any],
-    globalized: Globalized,
+    loaded: dict[str, Any],
+    loading: Loading,
 ) -> None:
-    """Load what DCP read into the model's shards and the optimizers."""
-    for box, key, _, _, template in globalized:  # strided DTensors, loaded whole
+    """Load what DCP read (``loaded``: the optimizer state as DCP filled it) into the model's
+    shards and the optimizers."""
+    optim_sd = loading.nested
+    if loaded is not optim_sd:  # flattened: the values DCP read put back in their places
+        _unflatten(loaded, optim_sd, loading.aliases)
+    for box, key, _, _, template in loading.globalized:  # strided DTensors, loaded whole
         box[key] = restride(box[key], template)
     for i, local in enumerate(outer_states(model)):
-        outer = optim_sd.pop(f"_mg_local_sgd.{i}", None)  # (None: saved without an optimizer)
+        outer = loaded.pop(f"_mg_local_sgd.{i}", None)  # (None: saved without an optimizer)
         if outer is not None:
             local.load_state_dict(outer)
     set_model_state_dict(model, model_sd)
@@ -119,6 +138,62 @@ def set_state(
     for opt in optimizers:
         if isinstance(opt, ShardedOptimizer):
             opt.load_state_dict(_zero_from(model, opt, optim_sd))
+
+
+# ---- the optimizer state flattened per parameter, under serial names -----------------------
+
+
+def serial_names(model: nn.Module) -> dict[str, str]:
+    """This rank's name for each parameter that the serial model knows by another first name
+    (a pipeline stage that holds a tied weight under its second name); empty for a whole model."""
+    from macrogen.runtime.pipeline import pipeline_of
+
+    pipe = pipeline_of(model)
+    return {} if pipe is None or pipe.layout is None else pipe.aliases
+
+
+def _flatten(nested: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """``{"state.{name}.{key}": value, "param_groups.{name}.{setting}": value}`` (torch's
+    flattened layout), each name the serial one."""
+    flat: dict[str, Any] = {}
+    for name, entry in nested["state"].items():
+        for key, value in entry.items():
+            flat[f"state.{aliases.get(name, name)}.{key}"] = value
+    for group in nested["param_groups"]:
+        for name in group["params"]:
+            for setting, value in group.items():
+                if setting != "params":
+                    flat[f"param_groups.{aliases.get(name, name)}.{setting}"] = value
+    return flat
+
+
+def _unflatten(flat: dict[str, Any], nested: dict[str, Any], aliases: dict[str, str]) -> None:
+    """Put the flattened values DCP read back into ``nested`` (the state they were made from:
+    its tensors DCP filled in place). A parameter group's setting is its first parameter's;
+    the others' must agree (a group split differently when saved is refused)."""
+    for name, entry in nested["state"].items():
+        for key in entry:
+            entry[key] = flat[f"state.{aliases.get(name, name)}.{key}"]
+    for group in nested["param_groups"]:
+        names = [aliases.get(name, name) for name in group["params"]]
+        for setting in group:
+            if setting == "params" or not names:
+                continue
+            values = [flat[f"param_groups.{name}.{setting}"] for name in names]
+            differs = next((n for n, v in zip(names, values) if not _same(v, values[0])), None)
+            if differs is not None:
+                raise UnsupportedModel(
+                    f"resumable(): the checkpoint has {setting}={values[0]!r} for {names[0]}"
+                    f" and {setting}={values[names.index(differs)]!r} for {differs}, which"
+                    " this run's optimizer holds in one parameter group"
+                )
+            group[setting] = values[0]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return bool(a == b)
 
 
 # ---- mg.parallelize's packed colwise layers (_StridedShard DTensors) ----------------------

@@ -59,7 +59,7 @@ from macrogen.pipelining.units import Statement as Statement
 from macrogen.pipelining.units import interleaving_problem
 from macrogen.runtime import groups, pipeline_state
 from macrogen.runtime.mesh import Mesh
-from macrogen.runtime.pipeline_parts import MetaParts, part_at
+from macrogen.runtime.pipeline_parts import MetaParts, aliases, part_at
 from macrogen.runtime.pipeline_plan import StepInputs
 from macrogen.vocabulary import SCHEDULES
 
@@ -182,6 +182,8 @@ class Pipeline:
         # the program's (pipeline x data x tensor) mesh; None when serial (no group, world 1)
         self.layout = _pipelined(mesh, config, where)
         self.keys = list(model.state_dict().keys())  # the serial model's, in its order
+        # a tied weight's further names -> its first (a stage may hold it under either)
+        self.aliases = aliases(model)
         self.tied: list[tuple[nn.Parameter, Any]] = []  # shared parameters and their groups
         self._schedule: Any = None
         self._shape: Any = None

@@ -98,6 +98,17 @@ def tied(model: nn.Module, owners: dict[str, set[int]]) -> list[tuple[str, froze
     return [(names[i], frozenset(users[i])) for i in names if len(users[i]) > 1]
 
 
+def aliases(model: nn.Module) -> dict[str, str]:
+    """Each further name of a parameter the model knows by several (a tied head's weight) ->
+    its first name, ``named_parameters``' own; read on the whole model, before the cut."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            out[name] = first[id(param)]
+    return out
+
+
 def unplaced(model: nn.Module, owners: dict[str, set[int]]) -> list[str]:
     """The parts no entry of ``owners`` covers: the largest subtrees next to placed ones."""
     found: list[str] = []
