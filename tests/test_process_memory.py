@@ -110,11 +110,3 @@ def test_a_tensor_freed_on_another_thread_does_not_stay_in_the_window():
     # not 16 MiB: the frees are put back as their addresses come again (the allocator
     # need not hand the same address back every time: 2 to 8 MiB stay, run to run)
     assert window.peak <= 12 * (1 << 20), window.peak
-
-
-def test_a_free_of_an_address_not_allocated_in_the_window_is_left_out():
-    """A free the profiler recorded for a tensor made before the window (seen once in a full
-    test run, normally left out by torch) is not counted below the window's start."""
-    stale = [(1, -8 * MB, 0xA0), (2, MB, 0xB0)]
-    assert process_memory.seen_frees(stale) == [(2, MB)]
-    assert running_peak(process_memory.seen_frees(stale)) == MB

@@ -122,8 +122,7 @@ def seen_frees(allocations: list[tuple[int, int, int]]) -> list[tuple[int, int]]
     main thread and dropped on gloo's or FSDP's (an async collective's buffers) is
     never freed in its record (3 MB a step of an FSDP pipeline stage). An address
     allocated again while its last allocation is still live was freed unseen: that
-    free is counted just before the new allocation. A free of an address not allocated in
-    the window (a tensor made before it) is left out."""
+    free is counted just before the new allocation."""
     live: dict[int, int] = {}
     out = []
     for t, nbytes, ptr in sorted(allocations, key=lambda a: a[0]):
@@ -132,12 +131,8 @@ def seen_frees(allocations: list[tuple[int, int, int]]) -> list[tuple[int, int]]
             if unseen:
                 out.append((t, -unseen))
             live[ptr] = nbytes
-        elif live.pop(ptr, None) is None:
-            # a tensor made before the window, freed in it: torch leaves such frees out ("Memory
-            # block of unknown size was allocated before the profiling started"), but a full
-            # test run once recorded one (8 MB, which turned a 1 MB peak into 0; torch's size
-            # table may still hold the address from an earlier window). Never counted.
-            continue
+        else:
+            live.pop(ptr, None)
         out.append((t, nbytes))
     return out
 
