@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from macrogen.runtime.parallelize.engine import dtensor_parameter
+from macrogen.runtime.parallelize.engine import onto_mesh
 from macrogen.runtime.parallelize.local import attach, detach
 
 
@@ -85,16 +85,12 @@ def rest_onto_grid(model: nn.Module, scope: list[nn.Module], grid: Any) -> None:
     its tensor-parallel placement (replicated over the data dims; tied parameters stay tied,
     the local tensors are the same), and the model's swap to local tensors over ``scope``
     alone: the experts swap their own (``expert_parallel``: their gradients' reduction)."""
-    made: dict[int, nn.Parameter] = {}
-    for owner in scope:
-        for key, p in list(owner._parameters.items()):
-            if p is None:
-                continue
-            if id(p) not in made:
-                local, cut = tensor_cut(p, grid)
-                placements = [Replicate(), Replicate(), *cut]
-                made[id(p)] = dtensor_parameter(p, local, placements, grid)
-            owner._parameters[key] = made[id(p)]
+
+    def place(p: nn.Parameter) -> tuple[torch.Tensor, list[Any]]:
+        local, cut = tensor_cut(p, grid)
+        return local, [Replicate(), Replicate(), *cut]
+
+    onto_mesh(scope, grid, place)
     before = detach(model)  # tensor parallel's swap, its first-backward checks kept
     if before is None:
         attach(model, scope, None)

@@ -20,7 +20,7 @@ decorators' plans next). In order:
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -167,14 +167,32 @@ def replicate_the_rest(model: nn.Module, device_mesh: Any) -> None:
     """Every parameter not sharded becomes a DTensor replicated on every dim of ``device_mesh``
     (one kind for whole-model tools; tied parameters stay tied). Tensor parallelism's mesh,
     and expert parallelism's (replica x expert) grid."""
-    made: dict[int, nn.Parameter] = {}
     replicated = [Replicate()] * device_mesh.ndim
-    for owner in model.modules():
+    onto_mesh(
+        model.modules(),
+        device_mesh,
+        lambda p: None if isinstance(p, DTensor) else (p.detach(), replicated),
+    )
+
+
+def onto_mesh(
+    owners: Iterable[nn.Module],
+    device_mesh: Any,
+    place: Callable[[nn.Parameter], tuple[torch.Tensor, list[Any]] | None],
+) -> None:
+    """Each parameter of ``owners`` for which ``place`` gives (its local tensor, placements)
+    becomes that DTensor on ``device_mesh``; None leaves it. A tied parameter is placed once,
+    and every owner holds the one DTensor."""
+    made: dict[int, nn.Parameter] = {}
+    for owner in owners:
         for key, p in list(owner._parameters.items()):
-            if p is None or isinstance(p, DTensor):
+            if p is None:
                 continue
             if id(p) not in made:
-                made[id(p)] = dtensor_parameter(p, p.detach(), replicated, device_mesh)
+                placed = place(p)
+                if placed is None:
+                    continue
+                made[id(p)] = dtensor_parameter(p, *placed, device_mesh)
             owner._parameters[key] = made[id(p)]
 
 
