@@ -49,6 +49,17 @@ def autocast_backward(backward: _Fn) -> _Fn:
     return cast(_Fn, run)
 
 
+def weight_bias_grads(
+    ctx: Any, grad: torch.Tensor, x: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of ``F.linear(x, W, b)``'s weight and bias from its output's gradient
+    (None where autograd needs none): one per fused linear's backward."""
+    grad2d = grad.reshape(-1, grad.shape[-1])  # (N, out)
+    grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+    grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_w, grad_b
+
+
 class _ColwiseLinear(torch.autograd.Function):
     """F.linear(f(x), W, b): backward all-reduces grad x (overlapping grad W and grad b)."""
 
@@ -77,9 +88,7 @@ class _ColwiseLinear(torch.autograd.Function):
             # traced (AOTAutograd traces this backward too): synchronous, or dynamo breaks the graph
             overlap = OVERLAP and not torch.compiler.is_compiling()
             work = dist.all_reduce(grad_x, group=ctx.group, async_op=overlap)
-        grad2d = grad.reshape(-1, grad.shape[-1])  # (N, out / T)
-        grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_w, grad_b = weight_bias_grads(ctx, grad, x)  # (grad: (..., out / T))
         if work is not None:  # None: it ran synchronously
             work.wait()
         return grad_x, grad_w, grad_b, None
@@ -127,10 +136,8 @@ class _RowwiseLinear(torch.autograd.Function):
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
-        grad2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_w, grad_b = weight_bias_grads(ctx, grad, x)
         return grad_x, grad_w, grad_b, None, None
 
 

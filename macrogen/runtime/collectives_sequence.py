@@ -22,7 +22,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from macrogen.runtime.collectives import group_size
-from macrogen.runtime.collectives_linear import autocast_backward, autocast_forward
+from macrogen.runtime.collectives_linear import (
+    autocast_backward,
+    autocast_forward,
+    weight_bias_grads,
+)
 
 SEQUENCE_DIM = 1
 
@@ -144,11 +148,7 @@ class _ColwiseFromSequence(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:  # partial sums over my output features, for every token
             grad_x = _reduce_scatter_sequence(grad.matmul(weight), ctx.group, "colwise")
-        grad2d = grad.reshape(-1, grad.shape[-1])
-        grad_w = (
-            grad2d.t().mm(full.reshape(-1, full.shape[-1])) if ctx.needs_input_grad[1] else None
-        )
-        grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_w, grad_b = weight_bias_grads(ctx, grad, full)
         return grad_x, grad_w, grad_b, None
 
 
@@ -178,10 +178,8 @@ class _RowwiseToSequence(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
         grad = _all_gather_sequence(grad, ctx.group)  # (B, T, out)
-        grad2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_w, grad_b = weight_bias_grads(ctx, grad, x)
         return grad_x, grad_w, grad_b, None, None
 
 
