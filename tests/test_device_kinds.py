@@ -220,6 +220,10 @@ def test_each_rank_expands_with_its_own_kinds_per_device_winners(tmp_path, monke
     # each kind has a cache entry of its own: the H100 rank's second import is a hit
     assert [cache for cache, _ in seen["H100"]] == ["missing", "hit"]
     assert seen["H100"][0][1] != seen["A100"][0][1]
+    from macrogen import cache
+
+    written = sorted(p.name for p in cache.cache_files([tmp_path]))  # what `cache clear` removes
+    assert len(written) == 4 and all(name.startswith("mg_mixed.macrogen-any-") for name in written)
     err = capsys.readouterr().err
     assert (
         "tuning entry 'SCALE' differs by device kind (A100: 1, H100: 3); every rank uses 1" in err

@@ -43,8 +43,16 @@ class RankTuning:
     notes: tuple[str, ...] = ()  # what the lookup could not do, for a warning
 
     def key(self) -> dict[str, Any]:
-        """What the expansion depends on (the import cache's key), known before expanding."""
-        return self.shared if self.device is None else {"shared": self.shared, "own": self.own}
+        """What the expansion and its warnings depend on (the import cache's key), known
+        before expanding."""
+        if self.device is None:
+            return self.shared
+        return {
+            "shared": self.shared,
+            "own": self.own,
+            "differ": self.differ,
+            "chosen": self.chosen,
+        }
 
     def tag(self) -> str | None:
         """A short name for this rank's device kind (its own cache entry); None: no kind."""
