@@ -503,6 +503,16 @@ def kind_named(records: list[dict[str, Any]], name: str) -> dict[str, Any] | Non
     return next((k for k in kinds(records) if str(k.get("name", "")).lower() == name.lower()), None)
 
 
+def kind_names(records: list[dict[str, Any]]) -> str:
+    """The device names ``records`` are keyed by, for a message: "'A100', 'H100'"."""
+    return ", ".join(sorted({repr(str(k.get("name"))) for k in kinds(records)}))
+
+
+def per_kind_text(per_kind: list[tuple[dict[str, Any], Any]]) -> str:
+    """One entry of ``differing``, for a message: "A100: 16, H100: 32"."""
+    return ", ".join(f"{kind.get('name', '?')}: {value!r}" for kind, value in per_kind)
+
+
 def differing(
     records: list[dict[str, Any]], source: str
 ) -> dict[str, list[tuple[dict[str, Any], Any]]]:

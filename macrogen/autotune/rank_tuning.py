@@ -10,9 +10,9 @@ takes depends on what the tunable feeds:
   device=environment.rank_device(...))``).
 - **job-wide**: everything else (a bucket size, a layout, a tensor-parallel size, a
   module constant whose uses are unknown). Ranks that disagree on one all-reduce buffers
-  of different sizes or build different meshes, so every rank takes the same value, the
-  lookup without a device (the newest record's: what ``macrogen expand`` writes), and is
-  told so in a warning.
+  of different sizes or build different meshes, so every rank takes the same value: the
+  newest record's (what ``macrogen expand`` writes), and a warning says so; or the winner
+  of the kind ``MACROGEN_TUNING_DEVICE`` names (a job on one kind of several recorded).
 
 When the kinds agree (or the database names one kind), nothing here looks at the device.
 """
@@ -75,10 +75,10 @@ def lookup(
     notes = []
     job_kind = None if job_device is None else database.kind_named(records, job_device)
     if job_device is not None and job_kind is None and records:
-        names = ", ".join(sorted({repr(str(k.get("name"))) for k in database.kinds(records)}))
         notes.append(
             f"macrogen: warning: MACROGEN_TUNING_DEVICE={job_device!r}: no record of {file}"
-            f" names it (recorded: {names}); using the newest record's values"
+            f" names it (recorded: {database.kind_names(records)}); using the newest record's"
+            " values"
         )
     shared, stale = database.resolve(records, source, job_kind)
     differ = database.differing(records, source)
@@ -103,6 +103,8 @@ def choose(
 ) -> tuple[dict[str, Any], list[str]]:
     """The values to expand with, given which macro argument each tunable feeds; and one
     warning per job-wide key the kinds disagree on (unless the job's kind was named)."""
+    from macrogen.autotune import database
+
     feeds = {p.key: p for p in parameters}
     values = dict(tuning.shared)
     warnings = []
@@ -113,9 +115,9 @@ def choose(
             continue
         if key not in values or tuning.chosen:
             continue
-        kinds = ", ".join(f"{kind.get('name', '?')}: {value!r}" for kind, value in per_kind)
         warnings.append(
-            f"macrogen: warning: tuning entry {key!r} differs by device kind ({kinds}); every rank"
+            f"macrogen: warning: tuning entry {key!r} differs by device kind"
+            f" ({database.per_kind_text(per_kind)}); every rank"
             f" uses {values[key]!r}, the newest record's, as ranks that disagree on it would"
             " exchange mismatched data (MACROGEN_TUNING_DEVICE=NAME names the kind to use)"
         )

@@ -391,15 +391,15 @@ def _winners(
     records = database.file_records(db, file=file, target=target)
     kind = None if device is None else database.kind_named(records, device)
     if device is not None and kind is None and records:
-        names = ", ".join(sorted({repr(str(k.get("name"))) for k in database.kinds(records)}))
-        raise UsageError(f"--device {device!r}: no record of {file} names it (recorded: {names})")
+        raise UsageError(
+            f"--device {device!r}: no record of {file} names it"
+            f" (recorded: {database.kind_names(records)})"
+        )
     values, stale = database.resolve(records, source, kind)
     differ = {} if device is not None else database.differing(records, source)
     if differ:
         keys = "; ".join(
-            f"{key} = {values[key]!r} ("
-            + ", ".join(f"{kind.get('name', '?')}: {value!r}" for kind, value in per_kind)
-            + ")"
+            f"{key} = {values[key]!r} ({database.per_kind_text(per_kind)})"
             for key, per_kind in sorted(differ.items())
         )
         print(
