@@ -201,6 +201,8 @@ def test_each_rank_expands_with_its_own_kinds_per_device_winners(tmp_path, monke
 
     for var in (hook.DISABLE_ENV, hook.CACHE_DIR_ENV, hook.TUNING_ENV, hook.SHOW_ENV):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv(hook.TUNING_DEVICE_ENV, raising=False)
+    monkeypatch.setattr(hook, "_warned", set())  # each warning said afresh in this test
     (tmp_path / "mg_mixed.py").write_text(MIXED)
     _mixed_database(tmp_path / hook.TUNING_FILE, monkeypatch)
     options = hook.options()
@@ -238,6 +240,8 @@ def test_the_jobs_kind_may_be_named_and_a_rank_without_a_known_device_takes_the_
 
     for var in (hook.DISABLE_ENV, hook.CACHE_DIR_ENV, hook.TUNING_ENV, hook.SHOW_ENV):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv(hook.TUNING_DEVICE_ENV, raising=False)
+    monkeypatch.setattr(hook, "_warned", set())  # each warning said afresh in this test
     (tmp_path / "mg_mixed.py").write_text(MIXED)
     _mixed_database(tmp_path / hook.TUNING_FILE, monkeypatch)
 
