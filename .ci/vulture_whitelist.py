@@ -125,3 +125,4 @@ tensor_parallel_class  # what @tensor_parallel expands to (templates/tensor_para
 data_parallel_class  # what @data_parallel expands to (templates/data_parallel.py.j2)
 pipeline_class  # what @pipeline expands to (templates/pipeline_class.py.j2)
 _.tp_size  # read by forward's rewritten widths (macros/tensor_parallel_width.py)
+winners  # unused function (macrogen/autotune/database.py): the one-call lookup the tests and docs/autotune.md use

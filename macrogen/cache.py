@@ -59,14 +59,18 @@ class Location(NamedTuple):
     expanded: Path  # the readable expanded code beside it
 
 
-def locate(source: Path, *, target: str | None, cache_dir: Path | None) -> Location:
-    """Where the entry of ``source`` lives (``source`` is absolute)."""
+def locate(
+    source: Path, *, target: str | None, cache_dir: Path | None, device: str | None = None
+) -> Location:
+    """Where the entry of ``source`` lives (``source`` is absolute). ``device`` names the
+    rank's device kind when its tuning values are its kind's own (``rank_tuning``): ranks
+    of other kinds keep entries of their own rather than replacing each other's."""
     if cache_dir is None:
         folder = source.parent / "__pycache__"
     else:
         # mirror the source's directory, as sys.pycache_prefix does
         folder = Path(cache_dir) / source.parent.relative_to(source.parent.anchor)
-    stem = f"{source.stem}{MARKER}{target or 'any'}"
+    stem = f"{source.stem}{MARKER}{target or 'any'}" + (f"-{device}" if device else "")
     tag = sys.implementation.cache_tag or "python"
     return Location(folder / f"{stem}.{tag}{ENTRY_SUFFIX}", folder / f"{stem}.py")
 

@@ -36,9 +36,10 @@ import sys
 import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from macrogen import cache
+from macrogen.autotune.rank_tuning import RankTuning
 from macrogen.runtime import environment
 
 __all__ = [
@@ -58,6 +59,9 @@ DISABLE_ENV = "MACROGEN_DISABLE"  # "1": install() does nothing, `macrogen run` 
 CACHE_DIR_ENV = "MACROGEN_CACHE_DIR"
 TUNING_ENV = "MACROGEN_TUNING"
 SHOW_ENV = "MACROGEN_SHOW_EXPANDED"
+# the device kind whose tuning winners every rank takes where the kinds disagree on a value
+# ranks must share (autotune/rank_tuning.py); unset: the newest record's
+TUNING_DEVICE_ENV = "MACROGEN_TUNING_DEVICE"
 # autotune.database.DEFAULT_NAME, written out: importing the database imports libcst,
 # which a warm import must not pay for when no database exists.
 TUNING_FILE = "macrogen_tuning.json"
@@ -93,6 +97,7 @@ class Options(NamedTuple):
     tuning: Path | None = None  # None: macrogen_tuning.json beside each source, if it exists
     cache_dir: Path | None = None  # None: __pycache__ beside each source
     show: bool = False  # print each module macrogen loads, warm or cold, on stderr
+    device: str | None = None  # $MACROGEN_TUNING_DEVICE: the job's device name for tuning
 
 
 class Record(NamedTuple):
@@ -174,6 +179,7 @@ def options(
         Path(os.path.abspath(tuning)) if tuning else None,
         Path(os.path.abspath(cache_dir)) if cache_dir else None,
         bool(show),
+        environment.text(TUNING_DEVICE_ENV),
     )
 
 
@@ -257,9 +263,11 @@ class MacroLoader(importlib.machinery.SourceFileLoader):
 def load(path: Path, name: str, options: Options) -> types.CodeType:
     """The code of the module at ``path`` (absolute): from the cache, else expanded and cached."""
     source = path.read_bytes()
-    values, stale, db = _tuning(path, source, options)
-    entry_key = cache.key(source, path=path, target=options.target, tuning=values)
-    where = cache.locate(path, target=options.target, cache_dir=options.cache_dir)
+    tuning, db = _tuning(path, source, options)
+    entry_key = cache.key(source, path=path, target=options.target, tuning=tuning.key())
+    where = cache.locate(
+        path, target=options.target, cache_dir=options.cache_dir, device=tuning.tag()
+    )
     distrust = cache.trust(where, options.cache_dir)
     if distrust is None:
         entry, status = cache.read(where.entry, entry_key)
@@ -272,12 +280,12 @@ def load(path: Path, name: str, options: Options) -> types.CodeType:
             " expanding afresh (see docs/hook.md)"
         )
     if entry is None:
-        for key in stale:
+        for key in tuning.stale:
             print(
                 f"{path}: warning: tuning entry {key!r} is stale (the source changed); using its default",
                 file=sys.stderr,
             )
-        entry = _expand(path, name, source, options, values, where, db)
+        entry = _expand(path, name, source, options, tuning, where, db)
         try:  # (PYTHONDONTWRITEBYTECODE does not apply: this caches expansions)
             if distrust is None:  # never write into a folder that is not ours alone
                 cache.write(where, entry_key, entry, cache_dir=options.cache_dir)
@@ -314,42 +322,45 @@ def _describe(record: Record) -> str:
     return f"macrogen: {record.name} ({record.path}): {sites} -> {record.expanded} [{how}]"
 
 
-def _tuning(
-    path: Path, source: bytes, options: Options
-) -> tuple[dict[str, Any], list[str], Path | None]:
-    """The tuning database's winners for this file, its stale keys and the database's path.
+def _tuning(path: Path, source: bytes, options: Options) -> tuple[RankTuning, Path | None]:
+    """The tuning database's values for this file on this rank, and the database's path.
 
-    ({}, [], None) without a database. A bad database must not break every import
-    beside it: the defaults run (what `macrogen expand` reports as an error, the
-    hook warns about once).
+    Nothing without a database. A bad database must not break every import beside it: the
+    defaults run (what `macrogen expand` reports as an error, the hook warns about once).
+    The values are this rank's (``rank_tuning``): where the recorded device kinds
+    disagree, this rank's kind is looked up.
     """
     db = options.tuning or path.parent / TUNING_FILE
     try:
         mode = os.stat(db).st_mode
     except FileNotFoundError:
-        return {}, [], None
+        return _NO_TUNING, None
     except OSError as e:
         _warn_once(f"macrogen: warning: can't use the tuning database {db}, using defaults: {e}")
-        return {}, [], None
+        return _NO_TUNING, None
     if not stat.S_ISREG(mode):  # a FIFO would hang the import; say what it is instead
         what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
         _warn_once(
             f"macrogen: warning: can't use the tuning database {db} ({what}), using defaults"
         )
-        return {}, [], None
-    from macrogen.autotune import database
+        return _NO_TUNING, None
+    from macrogen.autotune import rank_tuning
     from macrogen.files import read_source
 
     try:
-        values, stale = database.winners(
-            db, read_source(source)[0], file=path.name, target=options.target
+        text = read_source(source)[0]
+        tuning = rank_tuning.lookup(
+            db, text, file=path.name, target=options.target, job_device=options.device
         )
     except (OSError, ValueError, SyntaxError) as e:
         _warn_once(f"macrogen: warning: can't use the tuning database, using defaults: {e}")
-        return {}, [], None
-    return values, stale, db
+        return _NO_TUNING, None
+    for note in tuning.notes:
+        _warn_once(note)
+    return tuning, db
 
 
+_NO_TUNING = RankTuning({}, [])  # no database: every tunable at its default
 _warned: set[str] = set()
 
 
@@ -364,7 +375,7 @@ def _expand(
     name: str,
     source: bytes,
     options: Options,
-    values: dict[str, Any],
+    tuning: RankTuning,
     where: cache.Location,
     db: Path | None,
 ) -> cache.Entry:
@@ -378,8 +389,16 @@ def _expand(
             f"{path}:1:1: error: can't decode the file: {e}", name=name, path=str(path)
         ) from None
     warnings: tuple[str, ...] = ()
+    values = tuning.shared
     try:
         result = expand_source(text, path=str(path), target=options.target, tuning=values)
+        if tuning.differ:  # which macro each tunable feeds says whose value it takes
+            from macrogen.autotune import rank_tuning, space
+
+            values, notes = rank_tuning.choose(tuning, space.parameters(result))
+            warnings = tuple(notes)
+            if values != tuning.shared:
+                result = expand_source(text, path=str(path), target=options.target, tuning=values)
     except ExpansionError as e:
         if not values:
             raise MacroExpansionError(e.report(), name=name, path=str(path)) from None

@@ -297,7 +297,15 @@ def test_every_macro_module_is_registered():
 
 
 # -- the optional members -----------------------------------------------------------------
-HOOKS = ("CODE_ARGUMENTS", "BUILT", "constant", "argument", "tuning_constraint", "tuning_no_effect")
+HOOKS = (
+    "CODE_ARGUMENTS",
+    "BUILT",
+    "constant",
+    "argument",
+    "tuning_constraint",
+    "tuning_no_effect",
+    "tuning_per_device",
+)
 
 
 def test_every_optional_member_is_declared_with_a_default_and_documented():
@@ -317,9 +325,11 @@ def test_every_optional_member_is_declared_with_a_default_and_documented():
         protocol.argument_hook,
         protocol.tuning_constraint,
         protocol.tuning_no_effect,
+        protocol.tuning_per_device,
     ):
         assert read(Bare) is None
     assert protocol.tuning_no_effect(macros.get("fused_allreduce")) is not None
+    assert protocol.tuning_per_device(macros.get("tile")) is not None
 
 
 def test_no_optional_member_is_read_by_name_outside_the_protocol():

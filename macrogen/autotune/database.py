@@ -451,20 +451,35 @@ def winners(
     tuned most recently wins. A record for another source text is stale. Given
     ``device`` (a rank's device kind, as ``environment.device_kinds`` names it), a
     rank of a mixed job resolves its own kind's records first: those keyed by that kind
-    (name, capability, memory, link), then those of a device of its name, then any.
+    (name, capability, memory, link), then those of a device of its name, then of its
+    kind of device (CUDA, CPU), then any.
     """
-    digest = source_hash(source)
-    values: dict[str, Any] = {}
-    stale: set[str] = set()
-    records = [
+    return resolve(file_records(path, file=file, target=target), source, device)
+
+
+def file_records(path: Path, *, file: str, target: str | None = None) -> list[dict[str, Any]]:
+    """The records of ``file`` (of ``target``, when given) that have a winner."""
+    return [
         r
         for r in load(path)["records"]
         if r["key"].get("file") == file
         and r.get("winner") is not None
         and (target is None or r["key"].get("target") in (None, target))
     ]
-    records.sort(key=lambda r: (_distance(r["key"].get("device"), device), -r.get("generation", 0)))
-    for record in records:
+
+
+def resolve(
+    records: list[dict[str, Any]], source: str, device: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """``winners`` over ``file_records``: each key's value from the record nearest to
+    ``device`` (newest first among equals); and the stale keys."""
+    digest = source_hash(source)
+    values: dict[str, Any] = {}
+    stale: set[str] = set()
+    ordered = sorted(
+        records, key=lambda r: (_distance(r["key"].get("device"), device), -r.get("generation", 0))
+    )
+    for record in ordered:
         if record.get("source_hash") != digest:
             stale.update(record["winner"])
             continue
@@ -473,11 +488,53 @@ def winners(
     return values, sorted(stale - set(values))
 
 
+def kinds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The device kinds ``records`` are keyed by, newest first."""
+    found: dict[str, dict[str, Any]] = {}
+    for record in sorted(records, key=lambda r: -r.get("generation", 0)):
+        recorded = record["key"].get("device")
+        if isinstance(recorded, dict):
+            found.setdefault(json.dumps(recorded, sort_keys=True, default=repr), recorded)
+    return list(found.values())
+
+
+def kind_named(records: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """The newest recorded kind whose device name is ``name`` (any case), else None."""
+    return next((k for k in kinds(records) if str(k.get("name", "")).lower() == name.lower()), None)
+
+
+def kind_names(records: list[dict[str, Any]]) -> str:
+    """The device names ``records`` are keyed by, for a message: "'A100', 'H100'"."""
+    return ", ".join(sorted({repr(str(k.get("name"))) for k in kinds(records)}))
+
+
+def per_kind_text(per_kind: list[tuple[dict[str, Any], Any]]) -> str:
+    """One entry of ``differing``, for a message: "A100: 16, H100: 32"."""
+    return ", ".join(f"{kind.get('name', '?')}: {value!r}" for kind, value in per_kind)
+
+
+def differing(
+    records: list[dict[str, Any]], source: str
+) -> dict[str, list[tuple[dict[str, Any], Any]]]:
+    """The tunable keys whose winner depends on the device kind: for each, every recorded
+    kind (newest first) with the value a rank of that kind resolves (``resolve(...,
+    device=kind)``). Empty when the records name one kind, or their kinds agree."""
+    resolved = [(kind, resolve(records, source, kind)[0]) for kind in kinds(records)]
+    out: dict[str, list[tuple[dict[str, Any], Any]]] = {}
+    for key in sorted({key for _, values in resolved for key in values}):
+        per_kind = [(kind, values[key]) for kind, values in resolved if key in values]
+        if len({canonical({key: value}) for _, value in per_kind}) > 1:
+            out[key] = per_kind
+    return out
+
+
 def _distance(recorded: Any, device: Mapping[str, Any] | None) -> int:
-    """How far a record's device is from the rank's: 0 its kind, 1 its name, 2 another."""
+    """How far a record's device is from the rank's: 0 its kind, 1 its name, 2 its kind of
+    device (a CUDA record for a GPU the database has no record of), 3 another."""
     if device is None or not isinstance(recorded, dict):
-        return 0 if device is None else 2
+        return 0 if device is None else 3
     if all(recorded.get(k) == v for k, v in device.items()) and set(recorded) == set(device):
         return 0
-    same = ("kind", "name")
-    return 1 if all(recorded.get(k) == device.get(k) for k in same) else 2
+    if all(recorded.get(k) == device.get(k) for k in ("kind", "name")):
+        return 1
+    return 2 if recorded.get("kind") == device.get("kind") else 3

@@ -43,16 +43,37 @@ def device_kinds(target: str) -> list[tuple[dict[str, Any], list[int]]]:
         raise RuntimeError("--target cuda needs a CUDA device, and this machine has none")
     found: dict[str, tuple[dict[str, Any], list[int]]] = {}
     for index in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(index)
-        kind = {
-            "kind": "cuda",
-            "name": props.name,
-            "capability": f"{props.major}.{props.minor}",
-            "memory": props.total_memory // 2**30,
-            "link": _link(index),
-        }
+        kind = cuda_kind(index)
         found.setdefault(repr(sorted(kind.items())), (kind, []))[1].append(index)
     return list(found.values())
+
+
+def cuda_kind(index: int) -> dict[str, Any]:
+    """The device kind of CUDA device ``index``, as the tuning key names it."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    return {
+        "kind": "cuda",
+        "name": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "memory": props.total_memory // 2**30,
+        "link": _link(index),
+    }
+
+
+def rank_device(target: str | None) -> dict[str, Any]:
+    """This rank's device kind: the GPU its ``LOCAL_RANK`` runs on (``groups.placement``, the
+    choice the program's own start-up makes), else the CPU; the CPU too for a ``cpu`` target.
+    A rank of a mixed job (H100 and A100 nodes) names its own kind, so it can look up its own
+    kind's tuning winners (``database.winners(..., device=)``)."""
+    if target != "cpu":
+        from macrogen.runtime import groups
+
+        ordinal = groups.placement().cuda_ordinal
+        if ordinal is not None:
+            return cuda_kind(ordinal)
+    return device_kinds("cpu")[0][0]
 
 
 def _link(index: int) -> str:

@@ -83,6 +83,13 @@ def add_parser(
         "--target", choices=("cpu", "cuda"), help="fix target() branches for this device"
     )
     p.add_argument(
+        "--device",
+        metavar="NAME",
+        help="with records for several device kinds (an H100's and an A100's), write this"
+        " kind's winners (its name as recorded: 'NVIDIA H100 80GB HBM3'); default: the newest"
+        " record's. The import hook resolves them on each rank for its own device",
+    )
+    p.add_argument(
         "--tuning",
         metavar="FILE",
         help="tuning database to read winners from; it must exist"
@@ -101,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         diff=args.diff,
         target=args.target,
         tuning=args.tuning,
+        device=args.device,
     )
 
 
@@ -114,6 +122,7 @@ def expand_files(
     diff: bool = False,
     target: str | None = None,
     tuning: str | None = None,
+    device: str | None = None,
     stdin: IO[bytes] | None = None,
     stdout: IO[bytes] | None = None,
     stderr: IO[str] | None = None,
@@ -140,7 +149,7 @@ def expand_files(
     outputs: list[tuple[Job, bytes]] = []
     for job in jobs:
         try:
-            code, new = _expand_one(job, check, diff, target, tuning, stdin, stdout, stderr)
+            code, new = _expand_one(job, check, diff, target, tuning, device, stdin, stdout, stderr)
         except InternalError as e:
             print(f"{job.src}: internal error (a macrogen bug, please report it): {e}", file=stderr)
             code, new = 3, None
@@ -300,6 +309,7 @@ def _expand_one(
     diff: bool,
     target: str | None,
     tuning: str | None,
+    device: str | None,
     stdin: IO[bytes],
     stdout: IO[bytes],
     stderr: IO[str],
@@ -321,12 +331,11 @@ def _expand_one(
         default = Path(job.src).parent / TUNING_FILE  # the file autotune writes by default
         tuning = str(default) if default.is_file() else None
     if tuning is not None:
-        from macrogen.autotune import database
-
         try:
-            values, stale = database.winners(
-                Path(tuning), source, file=Path(display).name, target=target
-            )
+            values, stale = _winners(Path(tuning), source, display, target, device, stderr)
+        except UsageError as e:
+            print(f"macrogen expand: error: {e}", file=stderr)
+            return 2, None
         except (OSError, ValueError) as e:
             print(f"macrogen expand: error: {e}", file=stderr)
             return 1, None
@@ -366,6 +375,40 @@ def _expand_one(
             return 1, None
         return 0, None
     return 0, new
+
+
+def _winners(
+    db: Path, source: str, display: str, target: str | None, device: str | None, stderr: IO[str]
+) -> tuple[dict[str, Any], list[str]]:
+    """The winners ``expand`` writes: of the kind named ``--device`` (UsageError if no record
+    of ``file`` names it), else each key's newest record's, saying so when they differ by
+    device kind: one expanded file carries one value to every rank (a tunable shapes the
+    code: a Triton constexpr, a bucket size, a layout), so the line names the keys, the value
+    used and where each rank gets its own."""
+    from macrogen.autotune import database
+
+    file = Path(display).name
+    records = database.file_records(db, file=file, target=target)
+    kind = None if device is None else database.kind_named(records, device)
+    if device is not None and kind is None and records:
+        raise UsageError(
+            f"--device {device!r}: no record of {file} names it"
+            f" (recorded: {database.kind_names(records)})"
+        )
+    values, stale = database.resolve(records, source, kind)
+    differ = {} if device is not None else database.differing(records, source)
+    if differ:
+        keys = "; ".join(
+            f"{key} = {values[key]!r} ({database.per_kind_text(per_kind)})"
+            for key, per_kind in sorted(differ.items())
+        )
+        print(
+            f"{display}: warning: tuning differs by device kind, and this file gives every rank one"
+            f" value: {keys}; --device NAME chooses the kind; the import hook (macrogen run)"
+            " resolves them on each rank for its own device",
+            file=stderr,
+        )
+    return values, stale
 
 
 def _stale_message(job: Job, old: bytes | None) -> str:

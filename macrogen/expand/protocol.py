@@ -143,6 +143,7 @@ class TuningEnv:
 Constraint = Callable[[Mapping[str, object], TuningEnv], "str | None"]
 ConstantHook = Callable[[str, cst.Call, Evaluator], object]
 NoEffect = Callable[[str, TuningEnv], "str | None"]
+PerDevice = Callable[[str], bool]
 
 
 class Hooks(Protocol):
@@ -172,6 +173,10 @@ class Hooks(Protocol):
     # Why tuning one argument on env would measure only noise (autotune leaves it
     # at its default): ``tuning_no_effect(argument, env) -> reason | None``.
     tuning_no_effect: NoEffect | None = None
+    # Whether a rank of a job on several device kinds may take its own kind's winner for
+    # this argument (the import hook's lookup): it shapes only this rank's own computation,
+    # never what ranks exchange: ``tuning_per_device(argument) -> bool``.
+    tuning_per_device: PerDevice | None = None
 
 
 class Macro(Hooks, Protocol):
@@ -215,6 +220,10 @@ def tuning_no_effect(macro: object) -> NoEffect | None:
     return cast("NoEffect | None", _callable(macro, "tuning_no_effect"))
 
 
+def tuning_per_device(macro: object) -> PerDevice | None:
+    return cast("PerDevice | None", _callable(macro, "tuning_per_device"))
+
+
 def _hook(macro: object, name: str) -> object:
     """The macro's optional member ``name``, else its default in ``Hooks``."""
     found = getattr(macro, name, None)
@@ -236,6 +245,7 @@ __all__ = [
     "Import",
     "Macro",
     "NoEffect",
+    "PerDevice",
     "Site",
     "argument_hook",
     "built",
@@ -243,4 +253,5 @@ __all__ = [
     "constant_hook",
     "tuning_constraint",
     "tuning_no_effect",
+    "tuning_per_device",
 ]

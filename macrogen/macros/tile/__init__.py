@@ -50,6 +50,9 @@ from macrogen.macros.tile.constraints import block_shape, too_big
 from macrogen.macros.tile.constraints import (
     tuning_constraint as tuning_constraint,  # autotune's hook
 )
+from macrogen.macros.tile.constraints import (
+    tuning_per_device as tuning_per_device,  # the import hook's per-rank lookup
+)
 from macrogen.macros.tile.flash_output import FlashOutput
 from macrogen.macros.tile.flash_output import Options as FlashOptions
 from macrogen.macros.tile.ir import InnerLoop, Load, Nest

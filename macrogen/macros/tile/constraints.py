@@ -53,6 +53,13 @@ OPTIONS = frozenset(
 )
 
 
+def tuning_per_device(argument: str) -> bool:
+    """Every argument but ``dot_precision`` sizes only this rank's kernel (its blocks, warps,
+    stages: Triton constexprs): a rank of a mixed job takes its own device's winner.
+    ``dot_precision`` changes the numbers, so every rank keeps one."""
+    return argument != "dot_precision"
+
+
 def tuning_constraint(arguments: Mapping[str, object], env: TuningEnv) -> str | None:
     """On CUDA, a candidate whose tiles no kernel can hold (the CPU path is torch).
 
