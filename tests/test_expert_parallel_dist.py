@@ -49,6 +49,22 @@ SOURCE = textwrap.dedent(
         return mg.parallelize(model, ep=2, dp="fsdp")
 
 
+    def ep2_recompute(model):
+        return mg.parallelize(model, ep=2, recompute="blocks")
+
+
+    def ep2_recompute2(model):  # every 2nd block: the first of the two
+        return mg.parallelize(model, ep=2, recompute=2)
+
+
+    def ep2_fsdp_recompute(model):
+        return mg.parallelize(model, ep=2, dp="fsdp", recompute="blocks")
+
+
+    def tp2_ep2_recompute(model):
+        return mg.parallelize(model, tp=2, ep=2, tp_plan="hf", recompute="blocks")
+
+
     def tp2_ep2(model):
         return mg.parallelize(model, tp=2, ep=2, tp_plan="hf")
 
@@ -93,9 +109,25 @@ CASES = {  # name: (model, router bias, parallelize function, ranks)
     "mixtral tp2": ("mixtral exact", None, "tp2_ep2", (4,)),
     "plain tp2": ("plain", None, "tp2_ep2_plain", (4,)),  # a hand plan
     "plain tp2 whole experts": ("plain", None, "tp2_ep2_whole", (4,)),
+    # the blocks recomputed in backward: their routing and its all-to-alls run again there
+    "qwen2_moe recompute": ("qwen2_moe", None, "ep2_recompute", (2, 4)),
+    "qwen2_moe recompute one rank": ("qwen2_moe", ONE_RANK, "ep2_recompute", (2,)),
+    "mixtral recompute/2": ("mixtral", None, "ep2_recompute2", (2,)),
+    "plain recompute": ("plain", None, "ep2_recompute", (2, 4)),
+    "module list recompute": ("list", None, "ep2_recompute", (2,)),
+    "qwen2_moe fsdp recompute": ("qwen2_moe", None, "ep2_fsdp_recompute", (4,)),
+    "qwen2_moe tp2 recompute": ("qwen2_moe", SKEWED, "tp2_ep2_recompute", (4,)),
+}
+# the share of the MoE layers whose forward (and routing) runs again in backward
+RECOMPUTED = {
+    "ep2_recompute": 1.0,
+    "ep2_recompute2": 0.5,
+    "ep2_fsdp_recompute": 1.0,
+    "tp2_ep2_recompute": 1.0,
 }
 TENSOR = {
     "tp2_ep2": 2,
+    "tp2_ep2_recompute": 2,
     "tp2_ep2_plain": 2,
     "tp2_ep2_whole": 2,
 }  # the tensor-parallel ways of a parallelize function
@@ -220,6 +252,7 @@ def _cases(rank, world, tmp):
             "local experts": sorted({m.num_experts for _, m in state.experts}),
             "own storage": _own_storage(state),
             "bytes": _bytes(model, state, mine, kind),
+            "recomputed": RECOMPUTED.get(how, 0.0),
             "evaluation": _evaluation(model, reference, mine),
         }
         if tp > 1:
@@ -416,14 +449,18 @@ def _bytes(model, state, rows, kind):
 
     ids = batches(1, ROWS)[0][rows]
     state.traffic.reset()
-    _loss(model, ids).backward()
+    loss = _loss(model, ids)
+    t = state.traffic
+    forward = {"dispatched": t.dispatched, "combined": t.combined, "pairs": t.pairs}
+    loss.backward()
     model.zero_grad()
     k = 2
     hidden = 16 if kind == "plain" or kind.startswith("list") else 32
     routed = len(state.experts) * ids.numel() * k * hidden * 8
-    t = state.traffic
-    return {"routed": routed, "dispatched": t.dispatched, "combined": t.combined,
-            "backward": t.backward, "pairs": t.pairs}  # fmt: skip
+    # a recomputed block's forward in backward routes its tokens again
+    again = {"dispatched again": t.dispatched - forward["dispatched"],
+             "combined again": t.combined - forward["combined"]}  # fmt: skip
+    return {"routed": routed, **forward, "backward": t.backward, **again}
 
 
 def _check(results):
@@ -442,19 +479,23 @@ def _check(results):
         b = gaps["bytes"]  # this rank: its pairs out, the rows its experts ran back
         assert b["dispatched"] == b["routed"], (name, b)
         assert b["backward"] == b["dispatched"] + b["combined"], (name, b)
+        # the recomputed blocks route their pairs again in backward (every MoE layer as many)
+        assert b["dispatched again"] == b["routed"] * gaps["recomputed"], (name, b)
     for name in [
         n for n, g in results[0].items() if "gap" not in g
     ]:  # over the ranks, each way: every routed pair once
         routed = sum(r[name]["bytes"]["routed"] for r in results)
         assert sum(r[name]["bytes"]["combined"] for r in results) == routed, name
+        again = sum(r[name]["bytes"]["dispatched again"] for r in results)
+        assert sum(r[name]["bytes"]["combined again"] for r in results) == again, name
 
 
 @pytest.mark.timeout(300)
 def test_expert_parallel_equals_serial_on_2_ranks(tmp_path):
     results = run_ranks(_cases, 2, args=(str(tmp_path),), timeout=280)
     print({name: round(r.get("seconds", 0), 2) for name, r in results[0].items()})
-    print(results[0]["transformers' own ep"])
     _check(results)
+    print(results[0]["transformers' own ep"])
     assert results[0]["qwen2_moe"]["local experts"] == [2]
     assert results[1]["qwen2_moe one rank"]["bytes"]["combined"] == 0  # its experts got nothing
     for rank_results in results:

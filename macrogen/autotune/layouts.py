@@ -257,7 +257,6 @@ def experts_problem(values: Mapping[str, Any]) -> tuple[str | None, str | None]:
         "dp": values.get("dp", "replicate") not in modes,
         "dp_replicate": values.get("dp_replicate", 1) != 1,  # (HSDP: the experts' mesh has no room)
         "servers": values.get("servers", 0) != 0,
-        "recompute": values.get("recompute") not in (None, "none"),
         "verify": bool(values.get("verify", False)),
         # the experts' gradients are divided by the data ranks: even shares only
         "dp_shares": values.get("dp_shares") is not None,
@@ -277,8 +276,6 @@ def unsupported(layout: Layout) -> str | None:
     """Why ``mg.parallelize`` cannot run a feasible layout yet (it is predicted, not measured)."""
     if layout.ep > 1 and (layout.pp > 1 or layout.dp not in ("replicate", "fsdp")):
         return 'ep > 1 with pp or dp "zero1" is not supported by mg.parallelize yet'
-    if layout.ep > 1 and layout.recompute:
-        return "ep > 1 with recompute is not supported by mg.parallelize yet"
     if layout.ep > 1 and layout.tp > 1 and layout.dp != "replicate":
         return 'ep > 1 with tp > 1 runs with dp="replicate": fsdp is not supported by mg.parallelize yet'
     return None

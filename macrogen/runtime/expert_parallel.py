@@ -58,7 +58,7 @@ from macrogen.runtime.expert_routing import ExpertRouter, Traffic
 from macrogen.runtime.expert_tensor import rest_onto_grid, tensor_cut, tensor_problem
 from macrogen.runtime.mesh import Mesh, carry
 from macrogen.runtime.parallelize.engine import dtensor_parameter, replicate_the_rest
-from macrogen.runtime.parallelize.local import attach, weakly_bound
+from macrogen.runtime.parallelize.local import OWN_SWAP, attach, weakly_bound
 from macrogen.runtime.parallelize.styles import unstyled, wrap_inside
 
 EXPERT_PARALLEL = "_mg_expert_parallel"  # on the model: its ExpertParallel
@@ -353,6 +353,7 @@ def _shard_experts(module: nn.Module, state: ExpertParallel) -> None:
     if not wrap_inside(module, functools.partial(Routed, router)):
         module.forward = weakly_bound(_routed_forward, module, router, type(module).forward)
     module.register_forward_pre_hook(functools.partial(_to_local, state))
+    module.__dict__[OWN_SWAP] = True  # (a recomputed block's swap leaves the experts to it)
     module.register_forward_hook(_restore, always_call=True)
 
 
