@@ -511,6 +511,7 @@ def test_expert_parallel_equals_serial_on_2_ranks(tmp_path):
 @pytest.mark.timeout(300)
 def test_expert_parallel_with_data_parallel_equals_serial_on_4_ranks(tmp_path):
     results = run_ranks(_cases, 4, args=(str(tmp_path),), timeout=280)
+    print({name: round(r.get("seconds", 0), 2) for name, r in results[0].items()})
     _check(results)
     assert results[0]["plain ep4"]["local experts"] == [1]
     grid = {("ep_replicate", "ep", "tensor")}

@@ -100,15 +100,18 @@ def microbatch_choices(pp: int) -> tuple[int, ...]:
 def auto_choices() -> tuple[str, ...]:
     """Every layout ``layout="auto"`` stands for, by name; the default (all data parallel) first,
     each without recomputation, then each recomputing all blocks, then every 2nd; then the
-    expert-parallel ones mg.parallelize runs (a model without experts prunes them)."""
+    expert-parallel ones mg.parallelize runs, in the same order (a model without experts prunes
+    them)."""
     out = []
     for recompute in AUTO_RECOMPUTE:
         for tp, pp, dp in itertools.product(AUTO_TP, AUTO_PP, LAYOUT_DP_MODES):
             for mb in microbatch_choices(pp):
                 out.append(Layout(tp, pp, dp, mb, recompute).name())
-    for ep, tp, dp in itertools.product(AUTO_EP, AUTO_TP, LAYOUT_DP_MODES):
-        if unsupported(Layout(tp, dp=dp, ep=ep)) is None:
-            out.append(Layout(tp, dp=dp, ep=ep).name())
+    for recompute in AUTO_RECOMPUTE:
+        for ep, tp, dp in itertools.product(AUTO_EP, AUTO_TP, LAYOUT_DP_MODES):
+            layout = Layout(tp, dp=dp, recompute=recompute, ep=ep)
+            if unsupported(layout) is None:
+                out.append(layout.name())
     return tuple(out)
 
 
