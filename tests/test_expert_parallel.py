@@ -39,6 +39,12 @@ def test_ep_with_recompute_deals_the_experts_before_the_blocks_are_checkpointed(
     assert ep < recompute < code.index("apply_data_parallel(model, mesh, 'replicate'")
 
 
+def test_ep_with_zero1_deals_the_experts_before_data_parallel_takes_the_rest():
+    code = expand("import macrogen as mg\nm = mg.parallelize(m, ep=2, dp='zero1')\n")
+    ep = code.index("apply_expert_parallel(model, mesh, ep=2, where='test.py:2')")
+    assert ep < code.index("apply_data_parallel(model, mesh, 'zero1'")
+
+
 def test_layout_auto_builds_an_ep_winner_with_its_degrees():
     source = "import macrogen as mg\nm = mg.parallelize(m, layout='auto')\n"
     code = expand(source, tuning={"parallelize.layout": "tp1 pp1 fsdp mb1 ep2"})
@@ -55,7 +61,6 @@ def test_layout_auto_builds_an_ep_winner_with_its_degrees():
         ("tp=2, tp_plan='hf', dp='fsdp'", "dp"),
         ("tp=2, tp_plan='hf', dp='zero1'", "dp"),
         ("pp=2, microbatches=2", "pp"),
-        ("dp='zero1'", "dp"),
         ("dp='fsdp', dp_replicate=2", "dp_replicate"),
     ],
 )

@@ -34,7 +34,17 @@ pytest.importorskip("transformers")
 
 SOURCE = textwrap.dedent(
     """
+    import torch
+
     import macrogen as mg
+
+
+    def ep2_zero1(model):
+        return mg.parallelize(model, ep=2, dp="zero1")
+
+
+    def sharded(model):  # ZeRO-1: AdamW's state sharded (the experts' over their replicas)
+        return mg.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
 
 
     def ep2(model):
@@ -109,6 +119,9 @@ CASES = {  # name: (model, router bias, parallelize function, ranks)
     "mixtral tp2": ("mixtral exact", None, "tp2_ep2", (4,)),
     "plain tp2": ("plain", None, "tp2_ep2_plain", (4,)),  # a hand plan
     "plain tp2 whole experts": ("plain", None, "tp2_ep2_whole", (4,)),
+    # ZeRO-1 (mg.shard_optimizer): the experts' state sharded over their replica group
+    "qwen2_moe zero1": ("qwen2_moe", None, "ep2_zero1", (2, 4)),
+    "plain zero1": ("plain", SKEWED, "ep2_zero1", (2, 4)),
     # the blocks recomputed in backward: their routing and its all-to-alls run again there
     "qwen2_moe recompute": ("qwen2_moe", None, "ep2_recompute", (2, 4)),
     "qwen2_moe recompute one rank": ("qwen2_moe", ONE_RANK, "ep2_recompute", (2,)),
@@ -160,25 +173,39 @@ def _loss(model, ids):
 ORDERS = (1.0, float("inf"), 2.0)  # norm orders clipped by (the largest max_norm: no scaling)
 
 
-def _train(model, rows):
-    """3 AdamW steps on ``rows`` of each global batch: losses, norms, first gradients, params."""
+def _train(model, rows, sharded=None, torch_clip=False):
+    """3 AdamW steps on ``rows`` of each global batch: losses, norms, first gradients, params.
+    ``sharded``: the ZeRO-1 optimizer's maker; each rank's ``.grad`` is then its own, and the
+    first gradients are each parameter's averaged-gradient norm (torch's, on the shares);
+    ``torch_clip``: torch's ``clip_grad_norm_`` of the parameters first (its norm too)."""
     from tests.expert_models import batches
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if sharded is not None:
+        opt = sharded(model)
     losses, norms, first = [], [], None
     for ids in batches(STEPS, ROWS):
         loss = _loss(model, ids[rows])
         loss.backward()
         # the serial norm; under ep x FSDP from gradients on two meshes (torch's one stack raises)
-        norms += [float(mg.clip_grad_norm_(model.parameters(), 1e9, order)) for order in ORDERS]
-        if first is None:
+        if torch_clip:  # (under ZeRO-1 on the averaged gradients' shares: zero_grads)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+        clipped = list(model.parameters()) if sharded is None else opt
+        norms += [float(mg.clip_grad_norm_(clipped, 1e9, order)) for order in ORDERS]
+        if first is None and sharded is None:
             first = _serial(model, {n: _full(p.grad).clone() for n, p in model.named_parameters()
                                     if p.grad is not None})  # fmt: skip
+        elif first is None:
+            named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+            norms_ = torch._foreach_norm([g for _, g in named])
+            first = {n: _full(v).reshape(()) for (n, _), v in zip(named, norms_)}
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
+    if sharded is not None:
+        opt.finish_gather()
     params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
-    return losses, norms, first, _serial(model, params)
+    return losses, norms, first, _serial(model, params), opt
 
 
 def _serial(model, named):
@@ -226,8 +253,11 @@ def _cases(rank, world, tmp):
         serial = _build(kind, bias)
         reference = copy.deepcopy(serial)
         model = getattr(module, how)(serial)
-        want = _train(reference, slice(None))
-        got = _train(model, mine)
+        zero1 = how.endswith("zero1")
+        want = _train(reference, slice(None), torch_clip=zero1)
+        got = _train(model, mine, module.sharded if zero1 else None, torch_clip=zero1)
+        if zero1:  # (each parameter's averaged gradient's norm: ZeRO-1 holds shares of it)
+            want[2].update({n: g.norm() for n, g in want[2].items()})
         losses = [loss.clone() for loss in got[0]]
         for loss in losses:
             dist.all_reduce(loss)
@@ -255,6 +285,9 @@ def _cases(rank, world, tmp):
             "recomputed": RECOMPUTED.get(how, 0.0),
             "evaluation": _evaluation(model, reference, mine),
         }
+        got[4].zero_grad()  # (ZeRO-1: the reduce-scatters of _bytes's backward, never stepped)
+        if zero1:  # the rest's buckets cut over the data ranks, the experts' over their replicas
+            out[name]["buckets over"] = sorted({b.world for b in got[4].buckets})
         if tp > 1:
             out[name].update(_on_the_grid(model, reference))
     per_rank = ROWS // world
@@ -270,41 +303,52 @@ def _cases(rank, world, tmp):
         mesh.reset()
         out["save_pretrained tp2"] = _saved(module, Path(tmp), rank, "tp2_ep2")
         mesh.reset()
-        out["checkpoint tp2"] = _checkpointed(module, Path(tmp), rank)
+        out["checkpoint tp2"] = _checkpointed(module, Path(tmp), rank, world)
+    if not only or "checkpoint zero1" in only:
+        mesh.reset()
+        out["checkpoint zero1"] = _checkpointed(module, Path(tmp), rank, world, "ep2_zero1")
     return out
 
 
-def _checkpointed(module, tmp, rank):
-    """tp x ep through ``resumable``'s DCP state (``checkpoint_state``: the packed experts saved
-    whole, cut again on load): saved after a step, loaded into another model's and AdamW's,
-    the parameters and the optimizer state come back exactly."""
+def _checkpointed(module, tmp, rank, world, how="tp2_ep2"):
+    """tp x ep (and ep under ZeRO-1) through ``resumable``'s DCP state (``checkpoint_state``:
+    the packed experts saved whole, cut again on load; the sharded optimizer's state in the
+    serial optimizer's format, the experts' as DTensors): saved after a step, loaded into another
+    model's and optimizer's, the parameters and the optimizer state come back exactly."""
     import torch.distributed.checkpoint as dcp
 
     from macrogen.runtime import mesh
     from macrogen.runtime.checkpoint_state import get_state, set_state
     from tests.expert_models import batches
 
-    ids = batches(1, ROWS)[0][rank // 2 * 2 : rank // 2 * 2 + 2]  # (its data rank's rows)
+    tp = TENSOR.get(how, 1)
+    per_rank = ROWS // (world // tp)
+    ids = batches(1, ROWS)[0][rank // tp * per_rank : (rank // tp + 1) * per_rank]
     trained = []
     for seed in (0, 3):  # the saved model, and one to load into
         mesh.reset()
-        model = module.tp2_ep2(_build("qwen2_moe", None) if seed == 0 else _shuffled(seed))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model = getattr(module, how)(_build("qwen2_moe", None) if seed == 0 else _shuffled(seed))
+        if how.endswith("zero1"):
+            opt = module.sharded(model)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         _loss(model, ids).backward()
         opt.step()
         opt.zero_grad()
         trained.append((model, opt))
     (model, opt), (other, other_opt) = trained
     model_sd, optim_sd, _ = get_state(model, [opt], load=False)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "tp2_ep2_dcp"))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / f"{how}_dcp"))
     into = get_state(other, [other_opt], load=True)
-    dcp.load({"model": into[0], "optim": into[1]}, checkpoint_id=str(tmp / "tp2_ep2_dcp"))
+    dcp.load({"model": into[0], "optim": into[1]}, checkpoint_id=str(tmp / f"{how}_dcp"))
     set_state(other, [other_opt], *into)
 
     def whole(m, o):
         params = {n: _full(p.detach()) for n, p in m.named_parameters()}
-        states = {f"{n} {k}": _full(v) for n, p in m.named_parameters()
-                  for k, v in o.state[p].items() if k != "step"}  # fmt: skip
+        names = {id(p): n for n, p in m.named_parameters()}
+        order = [names[id(p)] for g in o.param_groups for p in g["params"]]
+        states = {f"{order[i]} {k}": _full(v) for i, state in o.state_dict()["state"].items()
+                  for k, v in state.items() if k != "step"}  # fmt: skip
         return {**params, **states}
 
     return {"gap": _gap(whole(other, other_opt), whole(model, opt))}
@@ -497,6 +541,9 @@ def test_expert_parallel_equals_serial_on_2_ranks(tmp_path):
     _check(results)
     print(results[0]["transformers' own ep"])
     assert results[0]["qwen2_moe"]["local experts"] == [2]
+    for rank_results in results:  # ZeRO-1: the experts' state over their replica group (of 1)
+        assert rank_results["qwen2_moe zero1"]["buckets over"] == [1, 2]
+        assert rank_results["checkpoint zero1"]["gap"] == 0, rank_results["checkpoint zero1"]
     assert results[1]["qwen2_moe one rank"]["bytes"]["combined"] == 0  # its experts got nothing
     for rank_results in results:
         assert rank_results["save_pretrained"]["gap"] == 0, rank_results["save_pretrained"]
@@ -518,6 +565,8 @@ def test_expert_parallel_with_data_parallel_equals_serial_on_4_ranks(tmp_path):
     for rank, rank_results in enumerate(results):
         assert rank_results["save_pretrained tp2"]["gap"] == 0, rank_results["save_pretrained tp2"]
         assert rank_results["checkpoint tp2"]["gap"] == 0, rank_results["checkpoint tp2"]
+        assert rank_results["checkpoint zero1"]["gap"] == 0, rank_results["checkpoint zero1"]
+        assert rank_results["qwen2_moe zero1"]["buckets over"] == [2, 4]
         for name in ("qwen2_moe tp2", "plain tp2", "plain tp2 whole experts"):
             assert rank_results[name]["meshes"] == grid, rank_results[name]["meshes"]
             assert rank_results[name]["full state dict"] < 1e-10, rank_results[name]

@@ -54,7 +54,8 @@ def test_ep_that_cannot_run_is_infeasible_with_its_reason():
     assert "not supported" in (layouts.unsupported(Layout(pp=2, ep=2, microbatches=4)) or "")
     assert layouts.unsupported(Layout(ep=2)) is None
     assert layouts.unsupported(Layout(ep=2, dp="fsdp")) is None  # (mg.parallelize runs it)
-    assert "not supported" in (layouts.unsupported(Layout(ep=2, dp="zero1")) or "")
+    assert layouts.unsupported(Layout(ep=2, dp="zero1")) is None  # (the experts' over replicas)
+    assert "zero1 is not supported" in (layouts.unsupported(Layout(tp=2, ep=2, dp="zero1")) or "")
 
 
 def test_the_experts_memory_is_divided_by_ep_and_their_routing_costs_time():
@@ -168,7 +169,7 @@ def test_a_programs_plan_lists_ep_where_mg_parallelize_runs_it():
     named = {row.layout.name(): row for row in rows}
     for runs in ("tp1 pp1 replicate mb1 ep2", "tp1 pp1 fsdp mb1 ep2", "tp1 pp1 replicate mb1 ep4"):
         assert named[runs].reason is None and named[runs].step is not None, runs
-    assert named["tp1 pp1 zero1 mb1 ep2"].reason is not None  # (mg.parallelize: not yet)
+    assert named["tp1 pp1 zero1 mb1 ep2"].reason is None  # (with mg.shard_optimizer)
     recomputed = named["tp1 pp1 replicate mb1 recompute ep2"]  # the routing runs again
     assert recomputed.reason is None and recomputed.step is not None
     assert named["tp2 pp1 replicate mb1 ep2"].reason == "tp=2 needs a tp_plan"

@@ -254,7 +254,7 @@ def experts_problem(values: Mapping[str, Any]) -> tuple[str | None, str | None]:
     ep, tp = values.get("ep", 1), values.get("tp", 1)
     if ep == 1:
         return None, None
-    modes = ("replicate",) if tp != 1 else ("replicate", "fsdp")
+    modes = ("replicate",) if tp != 1 else ("replicate", "zero1", "fsdp")
     clashes = {
         "pp": values.get("pp", 1) != 1,
         "dp": values.get("dp", "replicate") not in modes,
@@ -270,17 +270,20 @@ def experts_problem(values: Mapping[str, Any]) -> tuple[str | None, str | None]:
     with_tp = f" (tp={tp})" if tp != 1 else ""
     return (
         f"ep={ep} with {clash}={values.get(clash)!r}{with_tp} is not supported yet: expert"
-        ' parallelism runs with pp=1 and dp="replicate", "fsdp" (tp=1) or "replicate" (tp > 1,'
-        " the experts cut inside by the tp_plan)"
+        ' parallelism runs with pp=1 and dp="replicate", "zero1", "fsdp" (tp=1) or "replicate"'
+        " (tp > 1, the experts cut inside by the tp_plan)"
     ), clash
 
 
 def unsupported(layout: Layout) -> str | None:
     """Why ``mg.parallelize`` cannot run a feasible layout yet (it is predicted, not measured)."""
-    if layout.ep > 1 and (layout.pp > 1 or layout.dp not in ("replicate", "fsdp")):
-        return 'ep > 1 with pp or dp "zero1" is not supported by mg.parallelize yet'
+    if layout.ep > 1 and layout.pp > 1:
+        return "ep > 1 with pp > 1 is not supported by mg.parallelize yet"
     if layout.ep > 1 and layout.tp > 1 and layout.dp != "replicate":
-        return 'ep > 1 with tp > 1 runs with dp="replicate": fsdp is not supported by mg.parallelize yet'
+        return (
+            f'ep > 1 with tp > 1 runs with dp="replicate": {layout.dp} is not supported by'
+            " mg.parallelize yet"
+        )
     return None
 
 

@@ -78,6 +78,9 @@ class ExpertParallel:
     experts: list[tuple[str, nn.Module]] = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)
     fully_sharded: bool = False  # dp="fsdp": each experts module FSDP over its replica group
+    # dp="zero1": a sharded optimizer averages the experts' gradients over the replica group
+    # (its reduce-scatter), and ExpertParameters divides by E alone (zero_experts)
+    reduced_by_optimizer: bool = False
 
     def fully_shard_experts(self, options: dict[str, Any]) -> None:
         """``dp="fsdp"``: each experts module sharded by FSDP over the replica group (before the
@@ -142,10 +145,10 @@ def apply_expert_parallel(
             f"mg.parallelize at {where}: ep={ep} does not divide the {mesh.data_size} data ranks:"
             f" launch a multiple of {ep} processes"
         )
-    if dp not in ("replicate", "fsdp"):
+    if dp not in ("replicate", "fsdp", "zero1"):
         raise ValueError(
             f"mg.parallelize at {where}: ep={ep} with dp={dp!r} is not supported yet: expert"
-            ' parallelism runs with dp="replicate" or "fsdp"'
+            ' parallelism runs with dp="replicate", "zero1" or "fsdp"'
         )
     if mesh.tensor_size > 1:  # tp inside the experts (expert_tensor)
         problem = tensor_problem(found, lists, dp)
@@ -403,12 +406,15 @@ class ExpertParameters(torch.autograd.Function):
         state: ExpertParallel = ctx.state
         out: list[Any] = [None]
         present = [g for g in grads if g is not None]
-        if present and state.replicas > 1:
+        if state.reduced_by_optimizer:  # ZeRO-1's reduce-scatter averages over the replicas
+            scale = 1.0 / state.size
+        elif present and state.replicas > 1:
             flat = torch.cat([g.reshape(-1) for g in present])
             dist.all_reduce(flat, group=state.replica_group)
             present = [p.view_as(g) for p, g in zip(flat.split([g.numel() for g in present]),
                                                     present)]  # fmt: skip
-        scale = 1.0 / (state.size * state.replicas)
+        if not state.reduced_by_optimizer:
+            scale = 1.0 / (state.size * state.replicas)
         summed = iter(present)
         for g, spec in zip(grads, ctx.specs):
             out.append(None if g is None else DTensor(next(summed) * scale, spec,
