@@ -121,7 +121,7 @@ CASES = {  # name: (model, router bias, parallelize function, ranks)
     "plain tp2 whole experts": ("plain", None, "tp2_ep2_whole", (4,)),
     # ZeRO-1 (mg.shard_optimizer): the experts' state sharded over their replica group
     "qwen2_moe zero1": ("qwen2_moe", None, "ep2_zero1", (2, 4)),
-    "plain zero1": ("plain", SKEWED, "ep2_zero1", (2, 4)),
+    "plain zero1": ("plain", None, "ep2_zero1", (2, 4)),
     # the blocks recomputed in backward: their routing and its all-to-alls run again there
     "qwen2_moe recompute": ("qwen2_moe", None, "ep2_recompute", (2, 4)),
     "qwen2_moe recompute one rank": ("qwen2_moe", ONE_RANK, "ep2_recompute", (2,)),

@@ -29,7 +29,9 @@ on the meta device is dealt the same way, and ``init=`` then gives each rank's e
 Gradients: a rank's loss is the mean over its own tokens, the serial loss the mean over the D
 ranks' tokens. An expert's gradient on its rank is already the sum over its expert group's
 tokens (the reverse all-to-all brings every token's gradient to it), so it is summed over the
-replica group and divided by D: the serial model's gradient on the global batch.
+replica group and divided by D: the serial model's gradient on the global batch. With
+``dp="zero1"`` the sharded optimizer's reduce-scatter over the replica group does the sum
+(``zero_experts``), and the experts' backward divides by E alone.
 """
 
 from __future__ import annotations

@@ -74,6 +74,9 @@ into the buckets and out (never views), all gathered before the model's forward 
 reads the local tensors, out of the guard's sight), and a norm's parts of a parameter the
 tensor ranks split are summed over the tensor group too (``zero_tensor``).
 
+Over an expert-parallel model (``mg.parallelize(ep=E, dp="zero1")``) the experts' buckets are
+cut over their replica group instead, the ranks holding the same experts (``zero_experts``).
+
 The optimizer's parameters are those of one data-parallel model (``@data_parallel``,
 ``mg.parallelize(dp="zero1")``), whose averaging it takes over: the model's
 ``GradientSync`` stands down, the reduce-scatter here averages.
