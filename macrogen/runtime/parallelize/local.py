@@ -310,10 +310,14 @@ copy._deepcopy_dispatch[dist.ProcessGroup] = copy._deepcopy_atomic  # type: igno
 def _outside_own_swaps(module: nn.Module) -> list[nn.Module]:
     """``module`` and its submodules but those (below it) that swap their own (``OWN_SWAP``):
     a recomputed block's experts take their local tensors as they are called, again."""
-    found: dict[int, nn.Module] = {}  # (a module under two names, once)
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        found.setdefault(id(m), m)
-        stack += [c for c in m.children() if not c.__dict__.get(OWN_SWAP, False)]
+    found: dict[int, nn.Module] = {}  # in modules()'s order; a module under two names once
+
+    def visit(m: nn.Module) -> None:
+        if id(m) not in found:
+            found[id(m)] = m
+            for child in m.children():
+                if not child.__dict__.get(OWN_SWAP, False):
+                    visit(child)
+
+    visit(module)
     return list(found.values())
