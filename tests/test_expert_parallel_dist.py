@@ -127,6 +127,7 @@ CASES = {  # name: (model, router bias, parallelize function, ranks)
     "qwen2_moe zero1": ("qwen2_moe", None, "ep2_zero1", (2, 4)),
     "plain zero1": ("plain", None, "ep2_zero1", (2, 4)),
     "qwen2_moe zero1 recompute": ("qwen2_moe", None, "ep2_zero1_recompute", (4,)),
+    "module list zero1": ("list", None, "ep2_zero1", (2, 4)),
     # the blocks recomputed in backward: their routing and its all-to-alls run again there
     "qwen2_moe recompute": ("qwen2_moe", None, "ep2_recompute", (2, 4)),
     "qwen2_moe recompute one rank": ("qwen2_moe", ONE_RANK, "ep2_recompute", (2,)),
@@ -214,6 +215,20 @@ def _train(model, rows, sharded=None, torch_clip=False):
     return losses, norms, first, _serial(model, params), opt
 
 
+def _stacked_norms(model, grads):
+    """Each serial gradient's norm, under ``model``'s names: an ``ExpertList``'s experts'
+    (``experts.0.fc1.weight``, ...) as the norm of their stack (``experts.fc1.weight``)."""
+    from macrogen.runtime.expert_modules import ExpertList
+
+    norms = {n: g.norm() for n, g in grads.items()}
+    for prefix, module in model.named_modules():
+        if isinstance(module, ExpertList):
+            for name in module.names:
+                keys = [f"{prefix}.{i}.{name}" for i in range(module.serial_experts)]
+                norms[f"{prefix}.{name}"] = torch.stack([norms.pop(k) for k in keys]).norm()
+    return norms
+
+
 def _serial(model, named):
     """``named`` under the serial model's names: an ``ExpertList``'s stacked ``experts.fc1.weight``
     split into ``experts.0.fc1.weight``, ... (its ``state_dict``'s keys)."""
@@ -263,7 +278,9 @@ def _cases(rank, world, tmp):
         want = _train(reference, slice(None), torch_clip=zero1)
         got = _train(model, mine, module.sharded if zero1 else None, torch_clip=zero1)
         if zero1:  # (each parameter's averaged gradient's norm: ZeRO-1 holds shares of it)
-            want[2].update({n: g.norm() for n, g in want[2].items()})
+            norms = _stacked_norms(model, want[2])
+            want[2].clear()
+            want[2].update(norms)
         losses = [loss.clone() for loss in got[0]]
         for loss in losses:
             dist.all_reduce(loss)

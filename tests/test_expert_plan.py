@@ -180,6 +180,7 @@ def test_a_programs_plan_lists_ep_where_mg_parallelize_runs_it():
     reason = layouts.infeasible(Layout(dp="fsdp", ep=2), 4, listed) or ""
     assert reason.startswith("ep=2 over experts in an nn.ModuleList runs with tp=1"), reason
     assert layouts.infeasible(Layout(ep=2), 4, listed) is None
+    assert layouts.infeasible(Layout(ep=2, dp="zero1"), 4, listed) is None
 
 
 @pytest.mark.parametrize(

@@ -125,7 +125,7 @@ class ModelShape:
     rows: int = 0  # the global batch's rows (the model's input's first dim); 0: not known
     experts: int = 0  # experts per mixture-of-experts layer (ep must divide it); 0: none
     # the experts are modules in an nn.ModuleList (looped over in their block's forward), not
-    # stacked (experts, ...) parameters: ep over them runs with tp=1 and dp="replicate"
+    # stacked (experts, ...) parameters: ep over them runs with tp=1 and dp "replicate" or "zero1"
     experts_listed: bool = False
 
 
@@ -167,10 +167,10 @@ def _experts_problem(layout: Layout, world: int, shape: ModelShape | None) -> st
         return f"ep={layout.ep} needs experts: the model is no mixture of experts"
     if shape.experts % layout.ep:
         return f"ep={layout.ep} does not divide the {shape.experts} experts"
-    if shape.experts_listed and (layout.tp > 1 or layout.dp != "replicate"):
+    if shape.experts_listed and (layout.tp > 1 or layout.dp == "fsdp"):
         return (
             f"ep={layout.ep} over experts in an nn.ModuleList runs with tp=1 and"
-            ' dp="replicate" (stack them into one experts module for tp or fsdp)'
+            ' dp="replicate" or "zero1" (stack them into one experts module for tp or fsdp)'
         )
     return None
 

@@ -161,8 +161,8 @@ def apply_expert_parallel(
     if lists and dp == "fsdp":
         raise ValueError(
             f"mg.parallelize at {where}: ep={ep}: {lists[0][0]}: ep over an nn.ModuleList of"
-            ' experts runs with dp="replicate" (stack the experts into one experts module for'
-            ' dp="fsdp")'
+            ' experts runs with dp="replicate" or "zero1" (stack the experts into one experts'
+            ' module for dp="fsdp")'
         )
     state = _groups(ep, mesh)
     state.experts = found
