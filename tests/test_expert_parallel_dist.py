@@ -4,7 +4,10 @@ Float64, one spawn of 2 gloo ranks (ep=2) and one of 4 (ep=2 x data parallel 2, 
 each looping over its cases: transformers' Qwen2-MoE, Mixtral and OLMoE from shrunk configs, and a
 plain MoE of our own (``tests.expert_models.PlainMoE``), and one with its experts in
 ``nn.ModuleList``s in two forms of the loop (``ListMoE``, expert 3 never picked: its
-``state_dict`` values and a strict ``load_state_dict`` of the serial keys too). Each rank trains on its rows of the
+``state_dict`` values and a strict ``load_state_dict`` of the serial keys too); the same models with
+their blocks recomputed (``recompute=``: the routing runs again in backward) and under ZeRO-1
+(``dp="zero1"`` with ``mg.shard_optimizer``: the experts' state sharded over their replicas,
+its DCP state round-tripped). Each rank trains on its rows of the
 global batch, the serial copy on all of them, 3 AdamW steps: the losses (averaged over the
 ranks), ``mg.clip_grad_norm_``'s norm (torch's where one mesh), the gradients of the first step and the parameters after
 the last (gathered whole) equal the serial model's within 1e-10. Uneven loads: a router
