@@ -31,6 +31,20 @@ def test_ep_with_tp_deals_the_experts_after_tensor_parallel_cut_them():
     assert tp < ep < code.index("apply_data_parallel(model, mesh, 'replicate'")
 
 
+def test_ep_with_recompute_deals_the_experts_before_the_blocks_are_checkpointed():
+    # the recomputed forward is the routed one: its all-to-alls run again in backward
+    code = expand("import macrogen as mg\nm = mg.parallelize(m, ep=2, recompute='blocks')\n")
+    ep = code.index("apply_expert_parallel(model, mesh, ep=2, where='test.py:2')")
+    recompute = code.index("apply_recompute(model, 'blocks', where='test.py:2')")
+    assert ep < recompute < code.index("apply_data_parallel(model, mesh, 'replicate'")
+
+
+def test_ep_with_zero1_deals_the_experts_before_data_parallel_takes_the_rest():
+    code = expand("import macrogen as mg\nm = mg.parallelize(m, ep=2, dp='zero1')\n")
+    ep = code.index("apply_expert_parallel(model, mesh, ep=2, where='test.py:2')")
+    assert ep < code.index("apply_data_parallel(model, mesh, 'zero1'")
+
+
 def test_layout_auto_builds_an_ep_winner_with_its_degrees():
     source = "import macrogen as mg\nm = mg.parallelize(m, layout='auto')\n"
     code = expand(source, tuning={"parallelize.layout": "tp1 pp1 fsdp mb1 ep2"})
@@ -47,9 +61,7 @@ def test_layout_auto_builds_an_ep_winner_with_its_degrees():
         ("tp=2, tp_plan='hf', dp='fsdp'", "dp"),
         ("tp=2, tp_plan='hf', dp='zero1'", "dp"),
         ("pp=2, microbatches=2", "pp"),
-        ("dp='zero1'", "dp"),
         ("dp='fsdp', dp_replicate=2", "dp_replicate"),
-        ("recompute='blocks'", "recompute"),
     ],
 )
 def test_what_ep_does_not_compose_with_yet_is_an_expansion_error(arguments, named):

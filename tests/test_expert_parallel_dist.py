@@ -4,7 +4,10 @@ Float64, one spawn of 2 gloo ranks (ep=2) and one of 4 (ep=2 x data parallel 2, 
 each looping over its cases: transformers' Qwen2-MoE, Mixtral and OLMoE from shrunk configs, and a
 plain MoE of our own (``tests.expert_models.PlainMoE``), and one with its experts in
 ``nn.ModuleList``s in two forms of the loop (``ListMoE``, expert 3 never picked: its
-``state_dict`` values and a strict ``load_state_dict`` of the serial keys too). Each rank trains on its rows of the
+``state_dict`` values and a strict ``load_state_dict`` of the serial keys too); the same models with
+their blocks recomputed (``recompute=``: the routing runs again in backward) and under ZeRO-1
+(``dp="zero1"`` with ``mg.shard_optimizer``: the experts' state sharded over their replicas,
+its DCP state round-tripped). Each rank trains on its rows of the
 global batch, the serial copy on all of them, 3 AdamW steps: the losses (averaged over the
 ranks), ``mg.clip_grad_norm_``'s norm (torch's where one mesh), the gradients of the first step and the parameters after
 the last (gathered whole) equal the serial model's within 1e-10. Uneven loads: a router
@@ -34,7 +37,21 @@ pytest.importorskip("transformers")
 
 SOURCE = textwrap.dedent(
     """
+    import torch
+
     import macrogen as mg
+
+
+    def ep2_zero1(model):
+        return mg.parallelize(model, ep=2, dp="zero1")
+
+
+    def ep2_zero1_recompute(model):
+        return mg.parallelize(model, ep=2, dp="zero1", recompute="blocks")
+
+
+    def sharded(model):  # ZeRO-1: AdamW's state sharded (the experts' over their replicas)
+        return mg.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
 
 
     def ep2(model):
@@ -47,6 +64,22 @@ SOURCE = textwrap.dedent(
 
     def ep2_fsdp(model):
         return mg.parallelize(model, ep=2, dp="fsdp")
+
+
+    def ep2_recompute(model):
+        return mg.parallelize(model, ep=2, recompute="blocks")
+
+
+    def ep2_recompute2(model):  # every 2nd block: the first of the two
+        return mg.parallelize(model, ep=2, recompute=2)
+
+
+    def ep2_fsdp_recompute(model):
+        return mg.parallelize(model, ep=2, dp="fsdp", recompute="blocks")
+
+
+    def tp2_ep2_recompute(model):
+        return mg.parallelize(model, tp=2, ep=2, tp_plan="hf", recompute="blocks")
 
 
     def tp2_ep2(model):
@@ -93,9 +126,31 @@ CASES = {  # name: (model, router bias, parallelize function, ranks)
     "mixtral tp2": ("mixtral exact", None, "tp2_ep2", (4,)),
     "plain tp2": ("plain", None, "tp2_ep2_plain", (4,)),  # a hand plan
     "plain tp2 whole experts": ("plain", None, "tp2_ep2_whole", (4,)),
+    # ZeRO-1 (mg.shard_optimizer): the experts' state sharded over their replica group
+    "qwen2_moe zero1": ("qwen2_moe", None, "ep2_zero1", (2, 4)),
+    "plain zero1": ("plain", None, "ep2_zero1", (2, 4)),
+    "qwen2_moe zero1 recompute": ("qwen2_moe", None, "ep2_zero1_recompute", (4,)),
+    "module list zero1": ("list", None, "ep2_zero1", (2, 4)),
+    # the blocks recomputed in backward: their routing and its all-to-alls run again there
+    "qwen2_moe recompute": ("qwen2_moe", None, "ep2_recompute", (2, 4)),
+    "qwen2_moe recompute one rank": ("qwen2_moe", ONE_RANK, "ep2_recompute", (2,)),
+    "mixtral recompute/2": ("mixtral", None, "ep2_recompute2", (2,)),
+    "plain recompute": ("plain", None, "ep2_recompute", (2, 4)),
+    "module list recompute": ("list", None, "ep2_recompute", (2,)),
+    "qwen2_moe fsdp recompute": ("qwen2_moe", None, "ep2_fsdp_recompute", (4,)),
+    "qwen2_moe tp2 recompute": ("qwen2_moe", SKEWED, "tp2_ep2_recompute", (4,)),
+}
+# the share of the MoE layers whose forward (and routing) runs again in backward
+RECOMPUTED = {
+    "ep2_recompute": 1.0,
+    "ep2_recompute2": 0.5,
+    "ep2_fsdp_recompute": 1.0,
+    "tp2_ep2_recompute": 1.0,
+    "ep2_zero1_recompute": 1.0,
 }
 TENSOR = {
     "tp2_ep2": 2,
+    "tp2_ep2_recompute": 2,
     "tp2_ep2_plain": 2,
     "tp2_ep2_whole": 2,
 }  # the tensor-parallel ways of a parallelize function
@@ -128,25 +183,53 @@ def _loss(model, ids):
 ORDERS = (1.0, float("inf"), 2.0)  # norm orders clipped by (the largest max_norm: no scaling)
 
 
-def _train(model, rows):
-    """3 AdamW steps on ``rows`` of each global batch: losses, norms, first gradients, params."""
+def _train(model, rows, sharded=None, torch_clip=False):
+    """3 AdamW steps on ``rows`` of each global batch: losses, norms, first gradients, params.
+    ``sharded``: the ZeRO-1 optimizer's maker; each rank's ``.grad`` is then its own, and the
+    first gradients are each parameter's averaged-gradient norm (torch's, on the shares);
+    ``torch_clip``: torch's ``clip_grad_norm_`` of the parameters first (its norm too)."""
     from tests.expert_models import batches
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if sharded is not None:
+        opt = sharded(model)
     losses, norms, first = [], [], None
     for ids in batches(STEPS, ROWS):
         loss = _loss(model, ids[rows])
         loss.backward()
         # the serial norm; under ep x FSDP from gradients on two meshes (torch's one stack raises)
-        norms += [float(mg.clip_grad_norm_(model.parameters(), 1e9, order)) for order in ORDERS]
-        if first is None:
+        if torch_clip:  # (under ZeRO-1 on the averaged gradients' shares: zero_grads)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+        clipped = list(model.parameters()) if sharded is None else opt
+        norms += [float(mg.clip_grad_norm_(clipped, 1e9, order)) for order in ORDERS]
+        if first is None and sharded is None:
             first = _serial(model, {n: _full(p.grad).clone() for n, p in model.named_parameters()
                                     if p.grad is not None})  # fmt: skip
+        elif first is None:
+            named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+            norms_ = torch._foreach_norm([g for _, g in named])
+            first = {n: _full(v).reshape(()) for (n, _), v in zip(named, norms_)}
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
+    if sharded is not None:
+        opt.finish_gather()
     params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
-    return losses, norms, first, _serial(model, params)
+    return losses, norms, first, _serial(model, params), opt
+
+
+def _stacked_norms(model, grads):
+    """Each serial gradient's norm, under ``model``'s names: an ``ExpertList``'s experts'
+    (``experts.0.fc1.weight``, ...) as the norm of their stack (``experts.fc1.weight``)."""
+    from macrogen.runtime.expert_modules import ExpertList
+
+    norms = {n: g.norm() for n, g in grads.items()}
+    for prefix, module in model.named_modules():
+        if isinstance(module, ExpertList):
+            for name in module.names:
+                keys = [f"{prefix}.{i}.{name}" for i in range(module.serial_experts)]
+                norms[f"{prefix}.{name}"] = torch.stack([norms.pop(k) for k in keys]).norm()
+    return norms
 
 
 def _serial(model, named):
@@ -194,8 +277,13 @@ def _cases(rank, world, tmp):
         serial = _build(kind, bias)
         reference = copy.deepcopy(serial)
         model = getattr(module, how)(serial)
-        want = _train(reference, slice(None))
-        got = _train(model, mine)
+        zero1 = "zero1" in how
+        want = _train(reference, slice(None), torch_clip=zero1)
+        got = _train(model, mine, module.sharded if zero1 else None, torch_clip=zero1)
+        if zero1:  # (each parameter's averaged gradient's norm: ZeRO-1 holds shares of it)
+            norms = _stacked_norms(model, want[2])
+            want[2].clear()
+            want[2].update(norms)
         losses = [loss.clone() for loss in got[0]]
         for loss in losses:
             dist.all_reduce(loss)
@@ -220,8 +308,12 @@ def _cases(rank, world, tmp):
             "local experts": sorted({m.num_experts for _, m in state.experts}),
             "own storage": _own_storage(state),
             "bytes": _bytes(model, state, mine, kind),
+            "recomputed": RECOMPUTED.get(how, 0.0),
             "evaluation": _evaluation(model, reference, mine),
         }
+        got[4].zero_grad()  # (ZeRO-1: the reduce-scatters of _bytes's backward, never stepped)
+        if zero1:  # the rest's buckets cut over the data ranks, the experts' over their replicas
+            out[name]["buckets over"] = sorted({b.world for b in got[4].buckets})
         if tp > 1:
             out[name].update(_on_the_grid(model, reference))
     per_rank = ROWS // world
@@ -237,41 +329,52 @@ def _cases(rank, world, tmp):
         mesh.reset()
         out["save_pretrained tp2"] = _saved(module, Path(tmp), rank, "tp2_ep2")
         mesh.reset()
-        out["checkpoint tp2"] = _checkpointed(module, Path(tmp), rank)
+        out["checkpoint tp2"] = _checkpointed(module, Path(tmp), rank, world)
+    if not only or "checkpoint zero1" in only:
+        mesh.reset()
+        out["checkpoint zero1"] = _checkpointed(module, Path(tmp), rank, world, "ep2_zero1")
     return out
 
 
-def _checkpointed(module, tmp, rank):
-    """tp x ep through ``resumable``'s DCP state (``checkpoint_state``: the packed experts saved
-    whole, cut again on load): saved after a step, loaded into another model's and AdamW's,
-    the parameters and the optimizer state come back exactly."""
+def _checkpointed(module, tmp, rank, world, how="tp2_ep2"):
+    """tp x ep (and ep under ZeRO-1) through ``resumable``'s DCP state (``checkpoint_state``:
+    the packed experts saved whole, cut again on load; the sharded optimizer's state in the
+    serial optimizer's format, the experts' as DTensors): saved after a step, loaded into another
+    model's and optimizer's, the parameters and the optimizer state come back exactly."""
     import torch.distributed.checkpoint as dcp
 
     from macrogen.runtime import mesh
     from macrogen.runtime.checkpoint_state import get_state, set_state
     from tests.expert_models import batches
 
-    ids = batches(1, ROWS)[0][rank // 2 * 2 : rank // 2 * 2 + 2]  # (its data rank's rows)
+    tp = TENSOR.get(how, 1)
+    per_rank = ROWS // (world // tp)
+    ids = batches(1, ROWS)[0][rank // tp * per_rank : (rank // tp + 1) * per_rank]
     trained = []
     for seed in (0, 3):  # the saved model, and one to load into
         mesh.reset()
-        model = module.tp2_ep2(_build("qwen2_moe", None) if seed == 0 else _shuffled(seed))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model = getattr(module, how)(_build("qwen2_moe", None) if seed == 0 else _shuffled(seed))
+        if "zero1" in how:
+            opt = module.sharded(model)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         _loss(model, ids).backward()
         opt.step()
         opt.zero_grad()
         trained.append((model, opt))
     (model, opt), (other, other_opt) = trained
     model_sd, optim_sd, _ = get_state(model, [opt], load=False)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "tp2_ep2_dcp"))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / f"{how}_dcp"))
     into = get_state(other, [other_opt], load=True)
-    dcp.load({"model": into[0], "optim": into[1]}, checkpoint_id=str(tmp / "tp2_ep2_dcp"))
+    dcp.load({"model": into[0], "optim": into[1]}, checkpoint_id=str(tmp / f"{how}_dcp"))
     set_state(other, [other_opt], *into)
 
     def whole(m, o):
         params = {n: _full(p.detach()) for n, p in m.named_parameters()}
-        states = {f"{n} {k}": _full(v) for n, p in m.named_parameters()
-                  for k, v in o.state[p].items() if k != "step"}  # fmt: skip
+        names = {id(p): n for n, p in m.named_parameters()}
+        order = [names[id(p)] for g in o.param_groups for p in g["params"]]
+        states = {f"{order[i]} {k}": _full(v) for i, state in o.state_dict()["state"].items()
+                  for k, v in state.items() if k != "step"}  # fmt: skip
         return {**params, **states}
 
     return {"gap": _gap(whole(other, other_opt), whole(model, opt))}
@@ -416,14 +519,18 @@ def _bytes(model, state, rows, kind):
 
     ids = batches(1, ROWS)[0][rows]
     state.traffic.reset()
-    _loss(model, ids).backward()
+    loss = _loss(model, ids)
+    t = state.traffic
+    forward = {"dispatched": t.dispatched, "combined": t.combined, "pairs": t.pairs}
+    loss.backward()
     model.zero_grad()
     k = 2
     hidden = 16 if kind == "plain" or kind.startswith("list") else 32
     routed = len(state.experts) * ids.numel() * k * hidden * 8
-    t = state.traffic
-    return {"routed": routed, "dispatched": t.dispatched, "combined": t.combined,
-            "backward": t.backward, "pairs": t.pairs}  # fmt: skip
+    # a recomputed block's forward in backward routes its tokens again
+    again = {"dispatched again": t.dispatched - forward["dispatched"],
+             "combined again": t.combined - forward["combined"]}  # fmt: skip
+    return {"routed": routed, **forward, "backward": t.backward, **again}
 
 
 def _check(results):
@@ -442,20 +549,27 @@ def _check(results):
         b = gaps["bytes"]  # this rank: its pairs out, the rows its experts ran back
         assert b["dispatched"] == b["routed"], (name, b)
         assert b["backward"] == b["dispatched"] + b["combined"], (name, b)
+        # the recomputed blocks route their pairs again in backward (every MoE layer as many)
+        assert b["dispatched again"] == b["routed"] * gaps["recomputed"], (name, b)
     for name in [
         n for n, g in results[0].items() if "gap" not in g
     ]:  # over the ranks, each way: every routed pair once
         routed = sum(r[name]["bytes"]["routed"] for r in results)
         assert sum(r[name]["bytes"]["combined"] for r in results) == routed, name
+        again = sum(r[name]["bytes"]["dispatched again"] for r in results)
+        assert sum(r[name]["bytes"]["combined again"] for r in results) == again, name
 
 
 @pytest.mark.timeout(300)
 def test_expert_parallel_equals_serial_on_2_ranks(tmp_path):
     results = run_ranks(_cases, 2, args=(str(tmp_path),), timeout=280)
     print({name: round(r.get("seconds", 0), 2) for name, r in results[0].items()})
-    print(results[0]["transformers' own ep"])
     _check(results)
+    print(results[0]["transformers' own ep"])
     assert results[0]["qwen2_moe"]["local experts"] == [2]
+    for rank_results in results:  # ZeRO-1: the experts' state over their replica group (of 1)
+        assert rank_results["qwen2_moe zero1"]["buckets over"] == [1, 2]
+        assert rank_results["checkpoint zero1"]["gap"] == 0, rank_results["checkpoint zero1"]
     assert results[1]["qwen2_moe one rank"]["bytes"]["combined"] == 0  # its experts got nothing
     for rank_results in results:
         assert rank_results["save_pretrained"]["gap"] == 0, rank_results["save_pretrained"]
@@ -470,12 +584,15 @@ def test_expert_parallel_equals_serial_on_2_ranks(tmp_path):
 @pytest.mark.timeout(300)
 def test_expert_parallel_with_data_parallel_equals_serial_on_4_ranks(tmp_path):
     results = run_ranks(_cases, 4, args=(str(tmp_path),), timeout=280)
+    print({name: round(r.get("seconds", 0), 2) for name, r in results[0].items()})
     _check(results)
     assert results[0]["plain ep4"]["local experts"] == [1]
     grid = {("ep_replicate", "ep", "tensor")}
     for rank, rank_results in enumerate(results):
         assert rank_results["save_pretrained tp2"]["gap"] == 0, rank_results["save_pretrained tp2"]
         assert rank_results["checkpoint tp2"]["gap"] == 0, rank_results["checkpoint tp2"]
+        assert rank_results["checkpoint zero1"]["gap"] == 0, rank_results["checkpoint zero1"]
+        assert rank_results["qwen2_moe zero1"]["buckets over"] == [2, 4]
         for name in ("qwen2_moe tp2", "plain tp2", "plain tp2 whole experts"):
             assert rank_results[name]["meshes"] == grid, rank_results[name]["meshes"]
             assert rank_results[name]["full state dict"] < 1e-10, rank_results[name]

@@ -54,7 +54,8 @@ def test_ep_that_cannot_run_is_infeasible_with_its_reason():
     assert "not supported" in (layouts.unsupported(Layout(pp=2, ep=2, microbatches=4)) or "")
     assert layouts.unsupported(Layout(ep=2)) is None
     assert layouts.unsupported(Layout(ep=2, dp="fsdp")) is None  # (mg.parallelize runs it)
-    assert "not supported" in (layouts.unsupported(Layout(ep=2, dp="zero1")) or "")
+    assert layouts.unsupported(Layout(ep=2, dp="zero1")) is None  # (the experts' over replicas)
+    assert "zero1 is not supported" in (layouts.unsupported(Layout(tp=2, ep=2, dp="zero1")) or "")
 
 
 def test_the_experts_memory_is_divided_by_ep_and_their_routing_costs_time():
@@ -126,6 +127,16 @@ def test_the_routing_moves_each_ranks_pairs_four_times_per_layer_over_its_expert
     assert dense.compute - ep2.compute == pytest.approx(0.01 / 2)
 
 
+def test_a_recomputed_block_routes_its_pairs_again_in_backward():
+    ep2 = cost.predict(PROBED, Layout(ep=2), 4, MACHINE)
+    every = cost.predict(PROBED, Layout(ep=2, recompute=1), 4, MACHINE)
+    half = cost.predict(PROBED, Layout(ep=2, recompute=2), 4, MACHINE)  # the first of 2 blocks
+    one = ep2.experts / 2 / 4  # one all-to-all of one layer
+    assert every.experts == pytest.approx(ep2.experts + 2 * 2 * one)  # 2 layers, 2 again
+    assert half.experts == pytest.approx(ep2.experts + 2 * one)
+    assert every.calls - ep2.calls == 2 * 3  # per layer: the counts and 2 all-to-alls again
+
+
 def test_the_experts_gradients_are_averaged_over_their_replicas_the_rest_over_all():
     ep2 = cost.predict(PROBED, Layout(ep=2), 4, MACHINE)
     rest, experts = 200_000, 800_000 / 2
@@ -158,8 +169,9 @@ def test_a_programs_plan_lists_ep_where_mg_parallelize_runs_it():
     named = {row.layout.name(): row for row in rows}
     for runs in ("tp1 pp1 replicate mb1 ep2", "tp1 pp1 fsdp mb1 ep2", "tp1 pp1 replicate mb1 ep4"):
         assert named[runs].reason is None and named[runs].step is not None, runs
-    assert named["tp1 pp1 zero1 mb1 ep2"].reason is not None  # (mg.parallelize: not yet)
-    assert "recompute" in (named["tp1 pp1 replicate mb1 recompute ep2"].reason or "")
+    assert named["tp1 pp1 zero1 mb1 ep2"].reason is None  # (with mg.shard_optimizer)
+    recomputed = named["tp1 pp1 replicate mb1 recompute ep2"]  # the routing runs again
+    assert recomputed.reason is None and recomputed.step is not None
     assert named["tp2 pp1 replicate mb1 ep2"].reason == "tp=2 needs a tp_plan"
     dense = planner.rank(PROBED, ModelShape(blocks=2, rows=8), 4, MACHINE, arguments={})
     assert all(row.layout.ep == 1 for row in dense)
@@ -168,6 +180,7 @@ def test_a_programs_plan_lists_ep_where_mg_parallelize_runs_it():
     reason = layouts.infeasible(Layout(dp="fsdp", ep=2), 4, listed) or ""
     assert reason.startswith("ep=2 over experts in an nn.ModuleList runs with tp=1"), reason
     assert layouts.infeasible(Layout(ep=2), 4, listed) is None
+    assert layouts.infeasible(Layout(ep=2, dp="zero1"), 4, listed) is None
 
 
 @pytest.mark.parametrize(

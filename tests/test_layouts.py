@@ -325,6 +325,8 @@ def test_layout_auto_is_one_tunable_over_layout_names():
     experts = ["tp1 pp1 replicate mb1 ep2", "tp1 pp1 fsdp mb1 ep2", "tp2 pp1 replicate mb1 ep2"]
     experts += ["tp1 pp1 replicate mb1 ep4", "tp1 pp1 fsdp mb1 ep4"]
     every = [f"{n} recompute" for n in plain] + [f"{n} recompute/2" for n in plain]
+    # and with the blocks recomputed (their routing runs again in backward)
+    experts += [n.replace(" ep", f" {r} ep") for r in ("recompute", "recompute/2") for n in experts]
     assert names == plain + every + experts
     why = {c[param.key]: reason for c, reason in built.excluded}
     assert why["tp2 pp1 replicate mb1 ep4"].endswith("ep=4 does not divide the 2 data ranks")

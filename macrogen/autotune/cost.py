@@ -24,9 +24,10 @@ Pure functions. Per step, on one rank (D = data ways, m = micro-batches):
   under a pipeline it gathers twice per micro-batch (2m + 1);
 - pipeline: each micro-batch's activations forward and gradient back across a cut;
 - expert parallelism (ep): each MoE layer's 4 all-to-alls (tokens to their experts and back,
-  forward and backward) of the rank's routed bytes (its (token, slot) pairs x hidden x element
-  size: ``probe_experts.routed_bytes``, what ``expert_routing.Traffic`` counts), over its
-  expert group of ep ranks; the experts' gradients all-reduced (fsdp: gathered and reduced)
+  forward and backward; 2 more, and the counts' exchange, where its block is recomputed) of
+  the rank's routed bytes (its (token, slot) pairs x hidden x element size:
+  ``probe_experts.routed_bytes``, what ``expert_routing.Traffic`` counts), over its expert
+  group of ep ranks; the experts' gradients all-reduced (fsdp: gathered and reduced)
   over their d / ep replicas, the rest's over all d; the experts' fixed cost per call
   (``Profile.expert_call_s``) / ep: a rank runs E / ep experts a layer, not all E (their
   rows' work is / d as without ep: each rank's experts get the group's pairs for them).
@@ -232,12 +233,13 @@ def predict(profile: Profile, layout: Layout, world: int, machine: Machine) -> S
     pipeline = 2 * m * send_s(message / tp, pp_link) if pp > 1 else 0.0
     calls += 2 * m if pp > 1 else 0.0
     # ep: each MoE layer's 4 all-to-alls of this rank's routed pairs over its expert group
-    # (an expert group is ep of the data ranks), and the per-expert counts' exchange first
+    # (an expert group is ep of the data ranks), and the per-expert counts' exchange first;
+    # a recomputed layer's forward routes again in backward (its counts and 2 all-to-alls)
     routing = 0.0
     if moe_layers:
         pairs = profile.routed_bytes / moe_layers / d  # one way, one layer, this rank's rows
-        routing = 4 * moe_layers * all_to_all_s(pairs, ep, dp_link)
-        calls += 5 * moe_layers
+        routing = (4 + 2 * recomputed) * moe_layers * all_to_all_s(pairs, ep, dp_link)
+        calls += (5 + 3 * recomputed) * moe_layers
     # fixed costs are CPU work and waits on descheduled ranks: ranks sharing cores pay more
     s = machine.slowdown
     # the priors of the links the calls cross: tp's all-reduces, else replicate's, else the sends

@@ -100,15 +100,18 @@ def microbatch_choices(pp: int) -> tuple[int, ...]:
 def auto_choices() -> tuple[str, ...]:
     """Every layout ``layout="auto"`` stands for, by name; the default (all data parallel) first,
     each without recomputation, then each recomputing all blocks, then every 2nd; then the
-    expert-parallel ones mg.parallelize runs (a model without experts prunes them)."""
+    expert-parallel ones mg.parallelize runs, in the same order (a model without experts prunes
+    them)."""
     out = []
     for recompute in AUTO_RECOMPUTE:
         for tp, pp, dp in itertools.product(AUTO_TP, AUTO_PP, LAYOUT_DP_MODES):
             for mb in microbatch_choices(pp):
                 out.append(Layout(tp, pp, dp, mb, recompute).name())
-    for ep, tp, dp in itertools.product(AUTO_EP, AUTO_TP, LAYOUT_DP_MODES):
-        if unsupported(Layout(tp, dp=dp, ep=ep)) is None:
-            out.append(Layout(tp, dp=dp, ep=ep).name())
+    for recompute in AUTO_RECOMPUTE:
+        for ep, tp, dp in itertools.product(AUTO_EP, AUTO_TP, LAYOUT_DP_MODES):
+            layout = Layout(tp, dp=dp, recompute=recompute, ep=ep)
+            if unsupported(layout) is None:
+                out.append(layout.name())
     return tuple(out)
 
 
@@ -122,7 +125,7 @@ class ModelShape:
     rows: int = 0  # the global batch's rows (the model's input's first dim); 0: not known
     experts: int = 0  # experts per mixture-of-experts layer (ep must divide it); 0: none
     # the experts are modules in an nn.ModuleList (looped over in their block's forward), not
-    # stacked (experts, ...) parameters: ep over them runs with tp=1 and dp="replicate"
+    # stacked (experts, ...) parameters: ep over them runs with tp=1 and dp "replicate" or "zero1"
     experts_listed: bool = False
 
 
@@ -164,10 +167,10 @@ def _experts_problem(layout: Layout, world: int, shape: ModelShape | None) -> st
         return f"ep={layout.ep} needs experts: the model is no mixture of experts"
     if shape.experts % layout.ep:
         return f"ep={layout.ep} does not divide the {shape.experts} experts"
-    if shape.experts_listed and (layout.tp > 1 or layout.dp != "replicate"):
+    if shape.experts_listed and (layout.tp > 1 or layout.dp == "fsdp"):
         return (
             f"ep={layout.ep} over experts in an nn.ModuleList runs with tp=1 and"
-            ' dp="replicate" (stack them into one experts module for tp or fsdp)'
+            ' dp="replicate" or "zero1" (stack them into one experts module for tp or fsdp)'
         )
     return None
 
@@ -251,13 +254,12 @@ def experts_problem(values: Mapping[str, Any]) -> tuple[str | None, str | None]:
     ep, tp = values.get("ep", 1), values.get("tp", 1)
     if ep == 1:
         return None, None
-    modes = ("replicate",) if tp != 1 else ("replicate", "fsdp")
+    modes = ("replicate",) if tp != 1 else ("replicate", "zero1", "fsdp")
     clashes = {
         "pp": values.get("pp", 1) != 1,
         "dp": values.get("dp", "replicate") not in modes,
         "dp_replicate": values.get("dp_replicate", 1) != 1,  # (HSDP: the experts' mesh has no room)
         "servers": values.get("servers", 0) != 0,
-        "recompute": values.get("recompute") not in (None, "none"),
         "verify": bool(values.get("verify", False)),
         # the experts' gradients are divided by the data ranks: even shares only
         "dp_shares": values.get("dp_shares") is not None,
@@ -268,19 +270,20 @@ def experts_problem(values: Mapping[str, Any]) -> tuple[str | None, str | None]:
     with_tp = f" (tp={tp})" if tp != 1 else ""
     return (
         f"ep={ep} with {clash}={values.get(clash)!r}{with_tp} is not supported yet: expert"
-        ' parallelism runs with pp=1 and dp="replicate", "fsdp" (tp=1) or "replicate" (tp > 1,'
-        " the experts cut inside by the tp_plan)"
+        ' parallelism runs with pp=1 and dp="replicate", "zero1", "fsdp" (tp=1) or "replicate"'
+        " (tp > 1, the experts cut inside by the tp_plan)"
     ), clash
 
 
 def unsupported(layout: Layout) -> str | None:
     """Why ``mg.parallelize`` cannot run a feasible layout yet (it is predicted, not measured)."""
-    if layout.ep > 1 and (layout.pp > 1 or layout.dp not in ("replicate", "fsdp")):
-        return 'ep > 1 with pp or dp "zero1" is not supported by mg.parallelize yet'
-    if layout.ep > 1 and layout.recompute:
-        return "ep > 1 with recompute is not supported by mg.parallelize yet"
+    if layout.ep > 1 and layout.pp > 1:
+        return "ep > 1 with pp > 1 is not supported by mg.parallelize yet"
     if layout.ep > 1 and layout.tp > 1 and layout.dp != "replicate":
-        return 'ep > 1 with tp > 1 runs with dp="replicate": fsdp is not supported by mg.parallelize yet'
+        return (
+            f'ep > 1 with tp > 1 runs with dp="replicate": {layout.dp} is not supported by'
+            " mg.parallelize yet"
+        )
     return None
 
 

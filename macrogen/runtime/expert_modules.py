@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_leaves
 
 from macrogen.runtime.expert_routing import ExpertRouter
 from macrogen.runtime.parallelize.engine import dtensor_parameter
-from macrogen.runtime.parallelize.local import weakly_bound
+from macrogen.runtime.parallelize.local import OWN_SWAP, weakly_bound
 
 if TYPE_CHECKING:
     from macrogen.runtime.expert_parallel import ExpertParallel
@@ -305,6 +305,7 @@ def deal_expert_lists(
         out_size = _output_size(experts[0], router.in_features, like)
         held = ExpertList(experts, (router.in_features, out_size), state)
         block._modules["experts"] = held
+        held.__dict__[OWN_SWAP] = True  # its stacks' local tensors: _run_experts, per call
         routes = ExpertRouter(state.group, state.rank, state.size, held.num_experts, state.traffic)
         passes = (held, routes, state, parameters, type(block).forward)
         block.forward = weakly_bound(_two_passes, block, *passes)

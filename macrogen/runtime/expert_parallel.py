@@ -29,7 +29,9 @@ on the meta device is dealt the same way, and ``init=`` then gives each rank's e
 Gradients: a rank's loss is the mean over its own tokens, the serial loss the mean over the D
 ranks' tokens. An expert's gradient on its rank is already the sum over its expert group's
 tokens (the reverse all-to-all brings every token's gradient to it), so it is summed over the
-replica group and divided by D: the serial model's gradient on the global batch.
+replica group and divided by D: the serial model's gradient on the global batch. With
+``dp="zero1"`` the sharded optimizer's reduce-scatter over the replica group does the sum
+(``zero_experts``), and the experts' backward divides by E alone.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from macrogen.runtime.expert_routing import ExpertRouter, Traffic
 from macrogen.runtime.expert_tensor import rest_onto_grid, tensor_cut, tensor_problem
 from macrogen.runtime.mesh import Mesh, carry
 from macrogen.runtime.parallelize.engine import dtensor_parameter, replicate_the_rest
-from macrogen.runtime.parallelize.local import attach, weakly_bound
+from macrogen.runtime.parallelize.local import OWN_SWAP, attach, weakly_bound
 from macrogen.runtime.parallelize.styles import unstyled, wrap_inside
 
 EXPERT_PARALLEL = "_mg_expert_parallel"  # on the model: its ExpertParallel
@@ -78,6 +80,9 @@ class ExpertParallel:
     experts: list[tuple[str, nn.Module]] = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)
     fully_sharded: bool = False  # dp="fsdp": each experts module FSDP over its replica group
+    # dp="zero1": a sharded optimizer averages the experts' gradients over the replica group
+    # (its reduce-scatter), and ExpertParameters divides by E alone (zero_experts)
+    reduced_by_optimizer: bool = False
 
     def fully_shard_experts(self, options: dict[str, Any]) -> None:
         """``dp="fsdp"``: each experts module sharded by FSDP over the replica group (before the
@@ -142,10 +147,10 @@ def apply_expert_parallel(
             f"mg.parallelize at {where}: ep={ep} does not divide the {mesh.data_size} data ranks:"
             f" launch a multiple of {ep} processes"
         )
-    if dp not in ("replicate", "fsdp"):
+    if dp not in ("replicate", "fsdp", "zero1"):
         raise ValueError(
             f"mg.parallelize at {where}: ep={ep} with dp={dp!r} is not supported yet: expert"
-            ' parallelism runs with dp="replicate" or "fsdp"'
+            ' parallelism runs with dp="replicate", "zero1" or "fsdp"'
         )
     if mesh.tensor_size > 1:  # tp inside the experts (expert_tensor)
         problem = tensor_problem(found, lists, dp)
@@ -156,8 +161,8 @@ def apply_expert_parallel(
     if lists and dp == "fsdp":
         raise ValueError(
             f"mg.parallelize at {where}: ep={ep}: {lists[0][0]}: ep over an nn.ModuleList of"
-            ' experts runs with dp="replicate" (stack the experts into one experts module for'
-            ' dp="fsdp")'
+            ' experts runs with dp="replicate" or "zero1" (stack the experts into one experts'
+            ' module for dp="fsdp")'
         )
     state = _groups(ep, mesh)
     state.experts = found
@@ -353,6 +358,7 @@ def _shard_experts(module: nn.Module, state: ExpertParallel) -> None:
     if not wrap_inside(module, functools.partial(Routed, router)):
         module.forward = weakly_bound(_routed_forward, module, router, type(module).forward)
     module.register_forward_pre_hook(functools.partial(_to_local, state))
+    module.__dict__[OWN_SWAP] = True  # (a recomputed block's swap leaves the experts to it)
     module.register_forward_hook(_restore, always_call=True)
 
 
@@ -402,12 +408,15 @@ class ExpertParameters(torch.autograd.Function):
         state: ExpertParallel = ctx.state
         out: list[Any] = [None]
         present = [g for g in grads if g is not None]
-        if present and state.replicas > 1:
+        if state.reduced_by_optimizer:  # ZeRO-1's reduce-scatter averages over the replicas
+            scale = 1.0 / state.size
+        elif present and state.replicas > 1:
             flat = torch.cat([g.reshape(-1) for g in present])
             dist.all_reduce(flat, group=state.replica_group)
             present = [p.view_as(g) for p, g in zip(flat.split([g.numel() for g in present]),
                                                     present)]  # fmt: skip
-        scale = 1.0 / (state.size * state.replicas)
+        if not state.reduced_by_optimizer:
+            scale = 1.0 / (state.size * state.replicas)
         summed = iter(present)
         for g, spec in zip(grads, ctx.specs):
             out.append(None if g is None else DTensor(next(summed) * scale, spec,

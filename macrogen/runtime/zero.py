@@ -74,6 +74,9 @@ into the buckets and out (never views), all gathered before the model's forward 
 reads the local tensors, out of the guard's sight), and a norm's parts of a parameter the
 tensor ranks split are summed over the tensor group too (``zero_tensor``).
 
+Over an expert-parallel model (``mg.parallelize(ep=E, dp="zero1")``) the experts' buckets are
+cut over their replica group instead, the ranks holding the same experts (``zero_experts``).
+
 The optimizer's parameters are those of one data-parallel model (``@data_parallel``,
 ``mg.parallelize(dp="zero1")``), whose averaging it takes over: the model's
 ``GradientSync`` stands down, the reduce-scatter here averages.
@@ -94,6 +97,7 @@ from macrogen.runtime import groups, zero_runs, zero_state
 from macrogen.runtime.buckets import plan_buckets
 from macrogen.runtime.eager import eager
 from macrogen.runtime.zero_buckets import ShardBucket, point_to_point
+from macrogen.runtime.zero_experts import Cut, expert_cut
 from macrogen.runtime.zero_grads import (
     SentGradients,
     ShardedGradientError,
@@ -199,24 +203,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
         config = self.sync.config
         mb = bucket_mb if bucket_mb is not None else config.bucket_mb
         first = first_bucket_mb if first_bucket_mb is not None else config.first_bucket_mb
-        plan = plan_buckets(
-            [order[i] for i in ranked],
-            bucket_bytes=int(mb * MB),
-            first_bucket_bytes=int(first * MB),
-        )
+        # ep: the experts' buckets are cut over their replica group, after the rest's
+        self.experts = expert_cut(self.sync.module, order, where)
+        experts = self.experts.experts if self.experts is not None else frozenset()
+        cuts = [(Cut(group, self.world_size, self.rank), [i for i in ranked if i not in experts])]
+        if self.experts is not None:
+            cuts.append((self.experts.cut, [i for i in ranked if i in experts]))
         self.buckets: list[ShardBucket] = []
         self._slot: list[tuple[int, int]] = [(0, 0)] * len(order)  # param -> (bucket, position)
         self._members: list[list[int]] = []  # each bucket's parameters, by their order index
-        for b, layout in enumerate(plan):
-            members = [ranked[k] for k in layout.indices]
-            self._members.append(members)
-            p2p = point_to_point(group, layout.device)
-            bucket = ShardBucket(
-                [(i, group_of[i], order[i]) for i in members], self.world_size, self.rank, p2p
+        for cut, part in cuts:
+            plan = plan_buckets(
+                [order[i] for i in part],
+                bucket_bytes=int(mb * MB),
+                first_bucket_bytes=int(first * MB),
             )
-            self.buckets.append(bucket)
-            for j, i in enumerate(members):
-                self._slot[i] = (b, j)
+            for layout in plan:
+                members = [part[k] for k in layout.indices]
+                self._members.append(members)
+                p2p = point_to_point(cut.group, layout.device)
+                bucket = ShardBucket([(i, group_of[i], order[i]) for i in members], cut.world,
+                                     cut.rank, p2p, cut.group)  # fmt: skip
+                for j, i in enumerate(members):
+                    self._slot[i] = (len(self.buckets), j)
+                self.buckets.append(bucket)
         self.pieces = [pc for bucket in self.buckets for pc in bucket.pieces]
         # the share as flat runs (consecutive pieces of one group), for torch's element-wise
         # optimizers; one piece per parameter for any other class (zero_runs.py)
@@ -339,7 +349,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _launch_reduce(self, b: int) -> None:
         self.buckets[b].weight = None if self.sync.shares is None else self.sync.shares.weight
         with UNWATCHED():  # (runs in backward, under the guard: its checks are not needed)
-            self.buckets[b].launch_reduce(self.group, tag=2 * b)
+            self.buckets[b].launch_reduce(tag=2 * b)
         self._launched = b + 1
 
     # -- the step -------------------------------------------------------------------------
@@ -372,7 +382,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _launch_gather(self, b: int) -> None:
-        self.buckets[b].launch_gather(self.group, tag=2 * b + 1)
+        self.buckets[b].launch_gather(tag=2 * b + 1)
 
     def _reduce(self) -> None:
         """Leave this rank's share of the averaged gradients in the pieces' ``.grad``."""
@@ -395,7 +405,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.resends += 1
             for b, bucket in enumerate(self.buckets):
                 bucket.weight = None if self.sync.shares is None else self.sync.shares.weight
-                bucket.launch_reduce(self.group, tag=2 * b)
+                bucket.launch_reduce(tag=2 * b)
         self._launched, self._stale = 0, False
         unused: set[int] = set()
         counts = [0] * len(self._order)  # each parameter: the ranks that had a gradient for it
@@ -418,7 +428,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for pc in run.pieces:
                 grad = run.bucket.grad[pc.at : pc.at + pc.tensor.numel()]
                 pc.tensor.grad = None if id(pc.param) in unused else grad
-        self.sent.reduced(self._order, counts, self.world_size)
+        self.sent.reduced(self._order, counts, [self.buckets[b].world for b, _ in self._slot])
         self._reduced = True
 
     def _ensure_reduced(self) -> None:
@@ -487,7 +497,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The serial optimizer's state_dict (every rank gathers every piece: call it on all)."""
         self.finish_gather()
         return zero_state.consolidated(
-            self.runs, self.local, self.param_groups, self.world_size, self.group
+            self.runs, self.local, self.param_groups, self.world_size, self.group, self.experts
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -535,9 +545,9 @@ def shard_optimizer(
     from macrogen.runtime.data_parallel import syncs_of
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    for p in params:
+    for p in params:  # (split over "tensor", or ep's experts over "ep": held by local tensors)
         if isinstance(p, DTensor) and any(
-            not placement.is_replicate() and name != "tensor"
+            not placement.is_replicate() and name not in ("tensor", "ep")
             for placement, name in zip(p.placements, p.device_mesh.mesh_dim_names or ())
         ):
             raise ValueError(

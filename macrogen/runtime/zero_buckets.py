@@ -73,7 +73,9 @@ class ShardBucket:
         world: int,
         rank: int,
         p2p: tuple[bool, bool],
+        ranks: dist.ProcessGroup | None = None,
     ):
+        self.group = ranks  # the ranks its chunks are cut over (the data group; ep: the experts')
         self.params = [p for _, _, p in params]
         # a DTensor parameter (tensor parallel) is its local shard here: the bucket holds,
         # reduce-scatters and gathers the elements this tensor rank has, over the data ranks
@@ -126,8 +128,9 @@ class ShardBucket:
         self.weight: float | None = None  # this rank's gradient weight (dp_shares); None: 1/world
 
     # -- reduce-scatter ------------------------------------------------------------------------
-    def launch_reduce(self, group: dist.ProcessGroup | None, tag: int) -> None:
+    def launch_reduce(self, tag: int) -> None:
         """Send the parameters' current gradients (asynchronously); remember which they were."""
+        group = self.group
         grads = [p.grad for p in self.params]
         self.taken = [(g, version_of(g)) for g in grads]
         mine = [None if g is None else elements(g).reshape(-1) for g in grads]
@@ -175,7 +178,10 @@ class ShardBucket:
         if self.p2p:  # the sum in rank order, as one reduce-scatter would take it
             assert self.recv is not None
             rows = [self.send[r] if r == self.rank else self.recv[r] for r in range(self.world)]
-            torch.add(rows[0], rows[1], out=self.grad)
+            if len(rows) == 1:  # a group of one (ep's experts without replicas)
+                self.grad.copy_(rows[0])
+            else:
+                torch.add(rows[0], rows[1], out=self.grad)
             for row in rows[2:]:
                 self.grad.add_(row)
         if self.weight is None:  # (weighted: the sum is the average already)
@@ -226,8 +232,9 @@ class ShardBucket:
                 [elements(pc.param).reshape(-1)[pc.start : pc.stop] for pc in pieces],
             )
 
-    def launch_gather(self, group: dist.ProcessGroup | None, tag: int) -> None:
+    def launch_gather(self, tag: int) -> None:
         """Start sending every rank's updated share to every rank (asynchronously)."""
+        group = self.group
         if not self.p2p_gather:
             work = dist.all_gather_single(self.full, self.mine, group=group, async_op=True)
             self.gathering = [work]

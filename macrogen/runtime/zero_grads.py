@@ -145,11 +145,12 @@ class SentGradients:
                 return True
         return False
 
-    def reduced(self, params: list[torch.Tensor], used: list[int], world: int) -> None:
+    def reduced(self, params: list[torch.Tensor], used: list[int], worlds: list[int]) -> None:
         """The shares now hold the averaged gradients: note each .grad's version (a write to one
-        after this is not in them) and the parameters some ranks had no gradient for."""
+        after this is not in them) and the parameters some ranks (of the ``worlds[i]`` its
+        bucket is cut over) had no gradient for."""
         self._after_reduce = [(p.grad, version_of(p.grad)) for p in params]
-        self.partial = [self.names[i] for i, n in enumerate(used) if 0 < n < world]
+        self.partial = [self.names[i] for i, n in enumerate(used) if 0 < n < worlds[i]]
         self._parts = {}
 
     def written_after_reduce(self, params: list[torch.Tensor]) -> str | None:

@@ -31,6 +31,7 @@ from macrogen.runtime.zero_buckets import elements
 
 if TYPE_CHECKING:
     from macrogen.runtime.zero_buckets import Piece
+    from macrogen.runtime.zero_experts import ExpertCut
     from macrogen.runtime.zero_runs import Run
 
 
@@ -45,22 +46,27 @@ def consolidated(
     param_groups: list[dict[str, Any]],
     world_size: int,
     group: dist.ProcessGroup | None,
+    experts: ExpertCut | None = None,
 ) -> dict[str, Any]:
     """The serial optimizer's state_dict of the user's ``param_groups``, from every rank's
-    ``local`` optimizer over its ``runs`` (None: this rank's chunks hold only padding)."""
-    mine: list[tuple[int, int, int, int, dict[str, Any]]] = []
+    ``local`` optimizer over its ``runs`` (None: this rank's chunks hold only padding). With
+    ``experts`` (ep), an expert's pieces come from the ranks holding this rank's experts."""
+    position = experts.position if experts is not None else 0
+    mine: list[tuple[int, int, int, int, dict[str, Any], int]] = []
     if local is not None:
         for pc, piece in _piece_states(runs, local):
             if piece:
                 numel = elements(pc.param).numel()
-                mine.append((pc.index, pc.start, pc.stop, numel, _to_cpu(piece)))
+                mine.append((pc.index, pc.start, pc.stop, numel, _to_cpu(piece), position))
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine, group=group)
     params = [p for g in param_groups for p in g["params"]]
     state: dict[int, dict[str, Any]] = {}
     flat_keys: dict[int, set[str]] = defaultdict(set)
     for pieces in everyone:
-        for index, start, stop, numel, piece_state in pieces:
+        for index, start, stop, numel, piece_state, held_at in pieces:
+            if experts is not None and index in experts.experts and held_at != position:
+                continue  # another expert group position's experts
             full = state.setdefault(index, {})
             for key, value in piece_state.items():
                 if _is_elementwise(value, stop - start):

@@ -31,7 +31,12 @@ class TensorShards:
         for i, p in enumerate(params):
             if not isinstance(p, DTensor):
                 continue  # a plain tensor is whole on every tensor rank
+            names = p.device_mesh.mesh_dim_names or ()
             for dim, placement in enumerate(p.placements):
+                # ep's experts: their buckets are cut over their replicas, so the data group's
+                # sum counts each element once (zero_experts); not summed again over "ep"
+                if dim < len(names) and names[dim] == "ep":
+                    continue
                 # split (Shard, or the _StridedShard of a packed colwise layer): not whole
                 if not placement.is_replicate():
                     by_group.setdefault(p.device_mesh.get_group(dim), []).append(i)

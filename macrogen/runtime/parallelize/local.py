@@ -42,6 +42,9 @@ WATCHING = "_mg_watching"  # the first training forward's context while it runs
 SUMMED = "_mg_summed_gradients"  # on a module: {parameter name: tensor group} summed in backward
 TENSOR_PARALLEL = "_mg_tensor_parallel"  # on the model: apply_tensor_parallel sharded it
 COLWISE = "_mg_colwise_layers"  # on the model: (name, layer) of each colwise layer (a slice out)
+# on a module that swaps its own DTensor parameters as it is called (ep's experts: their
+# gradients' reduction is theirs): a swap of the modules around it leaves it out
+OWN_SWAP = "_mg_own_swap"
 
 
 @dataclass
@@ -243,13 +246,14 @@ def local_parameters(module: nn.Module) -> Iterator[None]:
     """``module``'s tensor-parallel parameters as local tensors while it runs on its own,
     outside its model's forward (a block's forward recomputed in backward, a planned layer
     called by hand). Inside the model's forward they are local already, and nothing changes."""
-    if not any(isinstance(p, DTensor) for m in module.modules() for p in m._parameters.values()):
+    scope = _outside_own_swaps(module)
+    if not any(isinstance(p, DTensor) for m in scope for p in m._parameters.values()):
         yield
         return
     if LOCAL in module.__dict__:
         _to_local(module, ())
     else:
-        module.__dict__[LOCAL] = LocalForward(list(module.modules()), None)
+        module.__dict__[LOCAL] = LocalForward(scope, None)
         try:
             _to_local(module, ())
         finally:
@@ -301,3 +305,19 @@ def stands_for(bound: Callable[..., Any], module: nn.Module) -> None:
 # A process group can't be copied: a deep copy of a model (its planned layers' specs, its
 # tensor group) shares its groups, as copies of torch's DDP and TP modules do.
 copy._deepcopy_dispatch[dist.ProcessGroup] = copy._deepcopy_atomic  # type: ignore[attr-defined]
+
+
+def _outside_own_swaps(module: nn.Module) -> list[nn.Module]:
+    """``module`` and its submodules but those (below it) that swap their own (``OWN_SWAP``):
+    a recomputed block's experts take their local tensors as they are called, again."""
+    found: dict[int, nn.Module] = {}  # in modules()'s order; a module under two names once
+
+    def visit(m: nn.Module) -> None:
+        if id(m) not in found:
+            found[id(m)] = m
+            for child in m.children():
+                if not child.__dict__.get(OWN_SWAP, False):
+                    visit(child)
+
+    visit(module)
+    return list(found.values())
