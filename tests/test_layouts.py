@@ -126,10 +126,18 @@ def test_memory_per_data_parallel_mode():
     assert (serial.params, serial.state, serial.grads, serial.activations) == (100, 200, 100, 400)
     replicate = memory.predict(PROFILE, Layout(), 4)
     assert (replicate.params, replicate.state, replicate.grads) == (100, 200, 100)
-    # 400 over 4 data ranks, and a bucket's copy of the gradients while they are reduced
-    assert replicate.activations == 100 + 100
+    # 400 over 4 data ranks; the buckets take each gradient as autograd makes it: no copy
+    assert replicate.activations == 100
+    # a replicated stage's micro-batches accumulate into autograd's own gradients, which the
+    # buckets take after the last: the stage's gradients (60) twice
+    staged = memory.predict(PROFILE, Layout(pp=2, microbatches=4), 4)
+    assert staged.activations == pytest.approx(400 / 2 / 2 * 2 / 4 + 60)
+    assert memory.predict(PROFILE, Layout(pp=2, microbatches=4), 2).activations == (
+        pytest.approx(400 / 2 * 2 / 4)  # one data rank: nothing reduced, nothing copied
+    )
     zero1 = memory.predict(PROFILE, Layout(dp="zero1"), 4)
     assert zero1.state == 50 and zero1.params == 100
+    assert zero1.activations == 100 + 100  # the local gradients beside the shards
     fsdp = memory.predict(PROFILE, Layout(dp="fsdp"), 4)
     assert fsdp.params == pytest.approx(25 + 2 * 10)  # a quarter, plus two blocks' buffers
     assert fsdp.state == 50 and fsdp.grads == pytest.approx(25 + 2 * 10)
