@@ -135,6 +135,8 @@ def test_memory_per_data_parallel_mode():
     assert memory.predict(PROFILE, Layout(pp=2, microbatches=4), 2).activations == (
         pytest.approx(400 / 2 * 2 / 4)  # one data rank: nothing reduced, nothing copied
     )
+    # ep flattens its experts' gradients for their replicas' all-reduce (counted whole)
+    assert memory.predict(PROFILE, Layout(ep=2), 4).activations == 100 + 100
     zero1 = memory.predict(PROFILE, Layout(dp="zero1"), 4)
     assert zero1.state == 50 and zero1.params == 100
     assert zero1.activations == 100 + 100  # the local gradients beside the shards
