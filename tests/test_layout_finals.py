@@ -47,11 +47,13 @@ def _turns(book: tuner._Book, runs: dict[int, list[float]], start: int = 1) -> N
 
 def test_the_leaders_are_the_closest_and_the_runner_up(tmp_path: Path) -> None:
     book = _book(tmp_path)
-    for x, t in ((1, 1.05), (2, 1.0), (3, 1.3), (4, 1.09)):
+    for x, t in ((1, 1.05), (2, 1.0), (3, 1.6), (4, 1.09)):
         book.record(Measurement({"X": x}, time_s=t, samples=3))
     order = [{"X": x} for x in (1, 2, 3, 4)]
     leaders = finals.leaders(order, book)
-    assert leaders == [{"X": 2}, {"X": 1}, {"X": 4}]  # within 10% of 1.0; 1.3 is not
+    assert leaders == [{"X": 2}, {"X": 1}, {"X": 4}]  # within 50% of 1.0; 1.6 is not
+    # the one the fitted model predicts fastest is timed again too: its one run may be a spike
+    assert finals.leaders(order, book, {"X": 3}) == [*leaders, {"X": 3}]
     # MIN_RUNS - 1 turns first, in one launch; each turn times every leader once, back to back
     # (load that changes hits them alike), starting one further along (none always first)
     again = finals.next_round(leaders, book)

@@ -403,6 +403,33 @@ def test_the_search_stops_when_nothing_left_is_predicted_faster():
     assert exhaustive.done and exhaustive.stop_reason == "complete"
 
 
+def test_the_search_measures_a_layout_with_stages_and_one_without():
+    """The loaded run: the probe's fixed cost per block call came out 0, so pipelines looked
+    free of their micro-batches' calls and came first; a fit to them alone then ruled out
+    replicate's layout (the fastest) unmeasured. The fitted best of the kind not measured yet
+    is measured next, and the search does not stop before it is."""
+    from macrogen.autotune import database
+    from macrogen.autotune.layout_search import LayoutSearch, Prediction
+
+    names = {"p1": Layout(pp=2, microbatches=4), "p2": Layout(pp=4, microbatches=8)}
+    names |= {"d1": Layout(), "d2": Layout(recompute=1)}
+    order = [{"k": name} for name in ("p1", "p2", "d2", "d1")]
+    raw = {"p1": 1.0, "p2": 1.05, "d1": 2.0, "d2": 1.9}
+    predictions = {
+        database.canonical(c): Prediction(
+            names[c["k"]], cost.Step(raw[c["k"]], 0, 0, 0), memory.Breakdown(0, 0, 0, 0)
+        )
+        for c in order
+    }
+    search = LayoutSearch(order, predictions, noise=0.05)
+    search.observe(0.1)
+    search.observe(0.105)
+    assert not search.done and search.order[2] == {"k": "d2"}  # the fitted best without stages
+    assert search.favourite() == {"k": "p1"}  # of the measured, the model's fastest
+    search.observe(0.09)  # faster than the model said
+    assert search.done and search.stop_reason == "early stop"
+
+
 def test_the_winners_measured_spread_widens_the_search():
     """The finals found the winner's runs 15% apart: a layout predicted 10% slower than it
     can't be ruled out by the model, so it is measured before the search stops."""

@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 # is decided: on a loaded machine (one job beside 2 ranks on 2 cores) runs of one layout land
 # 50-130% apart, and 5 runs each left an 18% lead a tie; the search goes on while a layout
 # not measured is predicted within the winner's spread of it
-FINALISTS, CLOSE, MIN_RUNS, MAX_RUNS = 3, 0.10, 4, 9
+# (CLOSE is wide: under that load a layout's first run may land 50% above its median, and
+# with two others close to each other a spiked best was left out at 10%)
+FINALISTS, CLOSE, MIN_RUNS, MAX_RUNS = 3, 0.5, 4, 9
 ALPHA = 0.125  # a lead is taken when a coin per turn would give it at most this often
 
 
@@ -69,9 +71,13 @@ def needed(turns: int) -> int | None:
     return None
 
 
-def leaders(order: list[dict[str, Any]], book: _Book) -> list[dict[str, Any]]:
+def leaders(
+    order: list[dict[str, Any]], book: _Book, favourite: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """The measured layouts within CLOSE of the best median, and the runner-up whatever its
-    distance, best first (FINALISTS at most); none when fewer than two were measured."""
+    distance, best first (FINALISTS at most), and the measured layout the fitted model
+    predicts fastest (``favourite``) beside them: a model and a single run that disagree
+    are settled by more runs; none when fewer than two were measured."""
     timed = sorted(
         (
             (statistics.median(r), i, c)
@@ -84,7 +90,11 @@ def leaders(order: list[dict[str, Any]], book: _Book) -> list[dict[str, Any]]:
         return []
     best = timed[0][0]
     close = [c for t, _, c in timed if t <= best * (1 + CLOSE)]
-    return (close if len(close) > 1 else [timed[0][2], timed[1][2]])[:FINALISTS]
+    chosen = (close if len(close) > 1 else [timed[0][2], timed[1][2]])[:FINALISTS]
+    measured = [c for _, _, c in timed]
+    if favourite is not None and favourite in measured and favourite not in chosen:
+        chosen.append(favourite)
+    return chosen
 
 
 def _wins(a: dict[int, float], b: dict[int, float]) -> tuple[int, int]:

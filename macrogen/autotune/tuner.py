@@ -268,7 +268,7 @@ def _autotune_on(
                     break
             if layout_site is None:
                 break
-            finalists = finals.leaders(searcher.order, book)
+            finalists = finals.leaders(searcher.order, book, searcher.favourite())
             again = finals.next_round(finalists, book)
             book.chosen = finals.winner(finalists, book)
             if again:
