@@ -424,7 +424,7 @@ def test_the_search_measures_a_layout_with_stages_and_one_without():
     search = LayoutSearch(order, predictions, noise=0.05)
     search.observe(0.1)
     search.observe(0.105)
-    assert not search.done and search.order[2] == {"k": "d2"}  # the fitted best without stages
+    assert not search.done and search.order[2] == {"k": "d2"}  # the raw best without stages
     assert search.favourite() == {"k": "p1"}  # of the measured, the model's fastest
     search.observe(0.09)  # faster than the model said
     assert search.done and search.stop_reason == "early stop"

@@ -148,9 +148,14 @@ class LayoutSearch:
         if len(points) >= 2:  # the fit ranks what is left (one point only scales the raw model)
             rest = sorted(self.order[len(self.seen) :], key=self.predicted)
             missing = self._unmeasured_kinds()
-            # the fitted best of a kind not measured yet goes first (see ``done``)
-            first = [next(c for c in rest if self._kind(c) == k) for k in missing]
+            # the best of a kind not measured yet goes first (see ``done``), by the raw model:
+            # a fit to the other kind alone is what can't be trusted for it (fitted to two
+            # pipelines, tensor parallel's collectives came out nearly free)
+            first = [min((c for c in rest if self._kind(c) == k), key=self._raw) for k in missing]
             self.order[len(self.seen) :] = first + [c for c in rest if c not in first]
+
+    def _raw(self, candidate: Mapping[str, Any]) -> float:
+        return self.predictions[database.canonical(candidate)].step.total
 
     def _kind(self, candidate: Mapping[str, Any]) -> bool:
         """Whether the layout has pipeline stages: the two kinds the search measures both of."""
