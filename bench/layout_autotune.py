@@ -1,17 +1,17 @@
 """Layout autotuning against an exhaustive sweep, and the models' honesty, on gloo ranks.
 
     python bench/layout_autotune.py [--world-sizes 2,4] [--runs 3] [--model unseen|example]
-                                    [--dim 128] [--plot FILE] [--json FILE]
+                                    [--dim 128] [--busy N] [--plot FILE] [--json FILE]
 
 The model (default ``unseen``: 8 blocks of causal attention and a SwiGLU MLP with RMS
 norms, written here and in none of the project's tests or examples; ``example``:
 examples/layout_auto.py's MLP blocks), with ``layout="auto"``, is tuned on gloo ranks
 (CPU; NCCL when CUDA is present) once exhaustively (every feasible layout measured;
-its five fastest then timed four times more in turns, each keeping the median of its
-five runs, so that the measured order is not one run's) and ``--runs`` times as
+its five fastest then timed in four turns side by side, each keeping the median of its
+five runs, the best the one faster than each other in most turns) and ``--runs`` times as
 ``macrogen autotune`` searches (the cost model's best first, early stopping, the
-leaders timed at least three times in turns until the winner's lead exceeds their
-spread), each search from an empty database. It prints, per layout, the measured
+leaders timed side by side in turns until one is faster than each other in more turns
+than chance gives), each search from an empty database. It prints, per layout, the measured
 step time and peak memory per rank beside the predictions:
 
 - raw: the cost model as the probe and bench/collectives.py's link make it;
@@ -26,20 +26,29 @@ then, per world size, whether the fitted model orders the three fastest as
 measured, and for each search run its winner against the sweep's best and how many
 layouts it measured, with the load average while it ran (the machine is shared); then
 the sweep's best and each search's winner timed again side by side, ``--paired`` turns
-each in one launch (on a loaded machine one run of a layout lands 20-400% from another:
-the sweep's single runs are no yardstick for 5%, medians of runs taken in turns are).
-``--plot`` draws measured and predicted step time per layout (matplotlib, if installed).
+each in one launch, compared turn by turn (on a loaded machine one run of a layout lands
+20-400% from another: the sweep's single runs are no yardstick for 5%, runs taken back to
+back in the same turns are).
+``--busy N`` runs N other jobs beside the searches and the side-by-side timing (each a
+process of torch matmuls on one thread, unpinned, as another training job on the machine):
+the sweep, the reference, runs without them, and the winners are compared with its best side
+by side under the same load. ``--plot`` draws measured and predicted step time per layout
+(matplotlib, if installed).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import io
 import math
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -152,6 +161,32 @@ def build():
 """
 
 
+# another training job on the machine: matmuls of a 512-wide layer on one thread, unpinned
+OTHER_JOB = """\
+import torch
+torch.set_num_threads(1)
+w, x = torch.randn(512, 512), torch.randn(256, 512)
+while True:
+    x = torch.tanh(x @ w)
+"""
+
+
+@contextlib.contextmanager
+def busy(jobs: int) -> Iterator[None]:
+    """``jobs`` other jobs running while the block runs (none: nothing started)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", OTHER_JOB], env=env, stdin=subprocess.DEVNULL)
+        for _ in range(jobs)
+    ]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def source(model: str, dim: int) -> str:
     if model == "unseen":
         return UNSEEN.format(dim=dim, hidden=8 * dim // 3 // 16 * 16)  # SwiGLU's 8/3, by 16
@@ -192,6 +227,9 @@ def main() -> None:
     p.add_argument(
         "--paired", type=int, default=5, help="turns of the sweep's best beside each winner"
     )
+    p.add_argument(
+        "--busy", type=int, default=0, help="other jobs beside the searches and side-by-side"
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--plot")
@@ -219,37 +257,31 @@ def main() -> None:
             for ident, pred in preds.items():
                 if ident in measured:
                     rows.append((world, pred, measured[ident]))
-            best = min(c["time_s"] for c in measured.values())
+            # the sweep's best: its finals' winner (its five fastest, four turns side by side)
+            top = measured[database.canonical(full.winner or {})]
+            best = top["time_s"]
             print(f"{world} rank(s): sweep measured {len(measured)} layouts", flush=True)
-            for run in range(args.runs):
-                found = tune(src, world, Path(tmp) / f"s{world}-{run}.json", False, timing)
-                load = os.getloadavg()[0]
-                winner = measured.get(database.canonical(found.winner or {}))
-                n_found = sum(1 for c in found.record["candidates"] if "time_s" in c)
-                searches.append(
-                    (world, run, found.winner, winner, best, n_found, len(measured), load)
-                )
-                leaders.append(
-                    (world, run, [c for c in found.record["candidates"] if "times" in c])
-                )
-                ratio = winner["time_s"] / best if winner else float("nan")
-                print(
-                    f"{world} rank(s), search {run + 1}: winner x{ratio:.3f} of the sweep's best,"
-                    f" {n_found} of {len(measured)} measured, load {load:.1f}",
-                    flush=True,
-                )
-            # the sweep's best and each search's winner timed again side by side, in turns:
-            # one run of a layout here is 20-400% from another, so the sweep's single runs
-            # (all but its five fastest) are no yardstick for 5%
-            top = min(measured.values(), key=lambda c: c["time_s"])
-            chosen = [database.decode_values(top["values"])]
-            for _, _, found_winner, *_ in [x for x in searches if x[0] == world]:
-                if found_winner and found_winner not in chosen:
-                    chosen.append(found_winner)
-            if len(chosen) > 1:
-                paired.append(
-                    (world, chosen, side_by_side(src, world, chosen, timing, args.paired))
-                )
+            with busy(args.busy):  # the searches and the side-by-side timing, loaded alike
+                searched = search_runs(src, world, args.runs, timing, measured, best, args.busy)
+                for run, (found, found_winner, n_found, load) in enumerate(searched):
+                    in_sweep = measured.get(database.canonical(found_winner or {}))
+                    searches.append(
+                        (world, run, found_winner, in_sweep, best, n_found, len(measured), load)
+                    )
+                    leaders.append(
+                        (world, run, [c for c in found.record["candidates"] if "times" in c])
+                    )
+                # the sweep's best and each search's winner timed again side by side, in turns:
+                # one run of a layout here is 20-400% from another, so the sweep's single runs
+                # (all but its five fastest) are no yardstick for 5%
+                chosen = [database.decode_values(top["values"])]
+                for _, _, found_winner, *_ in [x for x in searches if x[0] == world]:
+                    if found_winner and found_winner not in chosen:
+                        chosen.append(found_winner)
+                if len(chosen) > 1:
+                    before = os.getloadavg()[0]
+                    runs = side_by_side(src, world, chosen, timing, args.paired)
+                    paired.append((world, chosen, runs, (before, os.getloadavg()[0])))
             # reported as soon as the world size is done: a run stopped later keeps it
             plot_rows += report(
                 *[[x for x in xs if x[0] == world] for xs in (rows, searches, paired, leaders)]
@@ -276,6 +308,29 @@ def main() -> None:
         )
     if args.plot:
         plot(plot_rows, args.plot)
+
+
+def search_runs(
+    src: Path, world: int, runs: int, timing: Timing, measured: dict, best: float, jobs: int
+) -> list:
+    """``runs`` searches, each from an empty database: (outcome, winner, layouts measured, the
+    load average at its start and end)."""
+    out = []
+    for run in range(runs):
+        start = os.getloadavg()[0]
+        found = tune(src, world, src.parent / f"s{world}-{run}.json", False, timing)
+        load = (start, os.getloadavg()[0])
+        winner = measured.get(database.canonical(found.winner or {}))
+        n_found = sum(1 for c in found.record["candidates"] if "time_s" in c)
+        out.append((found, found.winner, n_found, load))
+        ratio = winner["time_s"] / best if winner else float("nan")
+        print(
+            f"{world} rank(s), search {run + 1}: winner x{ratio:.3f} of the sweep's best,"
+            f" {n_found} of {len(measured)} measured, {jobs} other job(s), load average"
+            f" {load[0]:.1f}-{load[1]:.1f}",
+            flush=True,
+        )
+    return out
 
 
 def report(rows: list, searches: list, paired: list, leaders: list) -> list:
@@ -314,18 +369,38 @@ def report(rows: list, searches: list, paired: list, leaders: list) -> list:
         shown = layout_search.layouts.parse(choice[KEY]).describe(world) if choice else "-"
         print(
             f"{world} rank(s), search {run + 1}: measured {n_found} of {n_all}; winner {shown}:"
-            f" x{ratio:.3f} of the sweep's best (measured in the sweep); load average {load:.1f}"
+            f" x{ratio:.3f} of the sweep's best (measured in the sweep); load average"
+            f" {load[0]:.1f}-{load[1]:.1f}"
         )
-    for world, chosen, runs in paired:
-        medians = [statistics.median(r) if r else float("nan") for r in runs]
+    versus = {}  # (world, winner) -> x of the sweep's best, side by side
+    for world, chosen, runs, load in paired:
         names = [layout_search.layouts.parse(c[KEY]).describe(world) for c in chosen]
-        for name, r, m in zip(names[1:], runs[1:], medians[1:]):
+        for c, name, r in zip(chosen[1:], names[1:], runs[1:]):
+            # turn by turn (the k-th run of each was timed in turn k): the median of the ratios
+            ratios = [a / b for a, b in zip(r, runs[0])]
+            versus[world, database.canonical(c)] = x = statistics.median(ratios or [math.inf])
             print(
-                f"{world} rank(s), side by side ({len(r)} turns): winner {name} median"
-                f" {m * 1e3:.1f} ms = x{m / medians[0]:.3f} of the sweep's best {names[0]}"
-                f" ({medians[0] * 1e3:.1f} ms); runs {' '.join(f'{t * 1e3:.0f}' for t in r)}"
-                f" vs {' '.join(f'{t * 1e3:.0f}' for t in runs[0])} ms"
+                f"{world} rank(s), side by side ({len(ratios)} turns, load average"
+                f" {load[0]:.1f}-{load[1]:.1f}): winner {name} x{x:.3f} of the sweep's best"
+                f" {names[0]} (the median of the turns' ratios; faster in"
+                f" {sum(q < 1 for q in ratios)} of {len(ratios)}); runs"
+                f" {' '.join(f'{t * 1e3:.0f}' for t in r)} vs"
+                f" {' '.join(f'{t * 1e3:.0f}' for t in runs[0])} ms"
             )
+    for world in sorted({x[0] for x in searches}):
+        # a winner that is the sweep's best is x1.000; another is judged side by side
+        mine = [x for x in searches if x[0] == world]
+        near = [
+            versus.get(
+                (world, database.canonical(choice or {})),
+                1.0 if won is not None and won["time_s"] == best else math.inf,
+            )
+            <= 1.05
+            for _, _, choice, won, best, *_ in mine
+        ]
+        print(
+            f"{world} rank(s): winner within 5% of the sweep's best in {sum(near)} of {len(near)}"
+        )
     for world, run, timed in leaders:
         shown = "; ".join(
             f"{layout_search.layouts.parse(database.decode_values(c['values'])[KEY]).describe(world)}"
@@ -337,7 +412,8 @@ def report(rows: list, searches: list, paired: list, leaders: list) -> list:
 
 
 def side_by_side(src: Path, world: int, chosen: list, timing: Timing, turns: int) -> list:
-    """Each layout of ``chosen`` timed ``turns`` times, in turns (A B C A B C), in one launch."""
+    """Each layout of ``chosen`` timed ``turns`` times, in turns (A B C, B C A, ...: none
+    always first), in one launch."""
     timing = dataclasses.replace(timing, group=1)  # a layout at a time: each its own mesh
     program = Program(src, src.read_text(), ":build", True, world, "cpu", timing, layout=True)
     if torch.cuda.is_available():
@@ -349,7 +425,8 @@ def side_by_side(src: Path, world: int, chosen: list, timing: Timing, turns: int
             runs[database.canonical(m.values)].append(m.time_s)
         return True
 
-    measure(program, chosen * turns, on_result)
+    n = len(chosen)
+    measure(program, [chosen[(k + i) % n] for k in range(turns) for i in range(n)], on_result)
     return [runs[database.canonical(c)] for c in chosen]
 
 

@@ -81,6 +81,20 @@ def test_torch_path_packs_and_unpacks_non_contiguous_tensors():
     assert ts[1].tolist() == [0, 4, 8] and ts[2].item() == 14
 
 
+def test_a_one_off_flat_buffer_is_freed_here_and_a_lone_member_kept():
+    """A broadcast's flat buffer is freed on the caller's thread: the process group's worker
+    may hold the last reference, and a profiler records no free made on its thread."""
+    ts = [torch.ones(3), torch.ones(5)]
+    flat = fused.plan(ts)[0]
+    buf = fused.pack_torch(ts, flat)
+    fused.release(buf, flat)
+    assert buf.untyped_storage().nbytes() == 0 and ts[0].sum() == 3  # the members are kept
+    lone = [torch.arange(4.0)]
+    alone = fused.plan(lone)[0]
+    fused.release(fused.pack_torch(lone, alone), alone)  # that member itself: kept
+    assert lone[0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_tensors_sharing_memory_are_refused():
     t = torch.ones(4)
     with pytest.raises(ValueError, match="share memory"):

@@ -126,10 +126,20 @@ def test_memory_per_data_parallel_mode():
     assert (serial.params, serial.state, serial.grads, serial.activations) == (100, 200, 100, 400)
     replicate = memory.predict(PROFILE, Layout(), 4)
     assert (replicate.params, replicate.state, replicate.grads) == (100, 200, 100)
-    # 400 over 4 data ranks, and a bucket's copy of the gradients while they are reduced
-    assert replicate.activations == 100 + 100
+    # 400 over 4 data ranks; the buckets take each gradient as autograd makes it: no copy
+    assert replicate.activations == 100
+    # a replicated stage's micro-batches accumulate into autograd's own gradients, which the
+    # buckets take after the last: the stage's gradients (60) twice
+    staged = memory.predict(PROFILE, Layout(pp=2, microbatches=4), 4)
+    assert staged.activations == pytest.approx(400 / 2 / 2 * 2 / 4 + 60)
+    assert memory.predict(PROFILE, Layout(pp=2, microbatches=4), 2).activations == (
+        pytest.approx(400 / 2 * 2 / 4)  # one data rank: nothing reduced, nothing copied
+    )
+    # ep flattens its experts' gradients for their replicas' all-reduce (counted whole)
+    assert memory.predict(PROFILE, Layout(ep=2), 4).activations == 100 + 100
     zero1 = memory.predict(PROFILE, Layout(dp="zero1"), 4)
     assert zero1.state == 50 and zero1.params == 100
+    assert zero1.activations == 100 + 100  # the local gradients beside the shards
     fsdp = memory.predict(PROFILE, Layout(dp="fsdp"), 4)
     assert fsdp.params == pytest.approx(25 + 2 * 10)  # a quarter, plus two blocks' buffers
     assert fsdp.state == 50 and fsdp.grads == pytest.approx(25 + 2 * 10)
@@ -393,6 +403,33 @@ def test_the_search_stops_when_nothing_left_is_predicted_faster():
         assert not exhaustive.done
     exhaustive.observe(0.3)
     assert exhaustive.done and exhaustive.stop_reason == "complete"
+
+
+def test_the_search_measures_a_layout_with_stages_and_one_without():
+    """The loaded run: the probe's fixed cost per block call came out 0, so pipelines looked
+    free of their micro-batches' calls and came first; a fit to them alone then ruled out
+    replicate's layout (the fastest) unmeasured. The fitted best of the kind not measured yet
+    is measured next, and the search does not stop before it is."""
+    from macrogen.autotune import database
+    from macrogen.autotune.layout_search import LayoutSearch, Prediction
+
+    names = {"p1": Layout(pp=2, microbatches=4), "p2": Layout(pp=4, microbatches=8)}
+    names |= {"d1": Layout(), "d2": Layout(recompute=1)}
+    order = [{"k": name} for name in ("p1", "p2", "d2", "d1")]
+    raw = {"p1": 1.0, "p2": 1.05, "d1": 2.0, "d2": 1.9}
+    predictions = {
+        database.canonical(c): Prediction(
+            names[c["k"]], cost.Step(raw[c["k"]], 0, 0, 0), memory.Breakdown(0, 0, 0, 0)
+        )
+        for c in order
+    }
+    search = LayoutSearch(order, predictions, noise=0.05)
+    search.observe(0.1)
+    search.observe(0.105)
+    assert not search.done and search.order[2] == {"k": "d2"}  # the raw best without stages
+    assert search.favourite() == {"k": "p1"}  # of the measured, the model's fastest
+    search.observe(0.09)  # faster than the model said
+    assert search.done and search.stop_reason == "early stop"
 
 
 def test_the_winners_measured_spread_widens_the_search():

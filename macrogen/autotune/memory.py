@@ -16,7 +16,9 @@ measures on each rank:
                  (recompute every N-th block, a share r of the blocks: their share of A
                  x (1 - r), plus one block's, live again while it is recomputed, plus each
                  recomputed block's input, the residual stream, whole under tp)
-                 (replicate, zero1 with D > 1: + a copy of the gradients while buckets reduce)
+                 (zero1 with D > 1, and replicate with D > 1 under pp or ep: + a copy of
+                 the gradients; replicate without either takes each gradient into its
+                 bucket as autograd makes it, and frees it)
     optimizer    T, the optimizer step's temporaries, x the parameters' shares (zero1, fsdp: / D)
     data         the entry's own tensors between steps (its batch): whole on every rank
 
@@ -215,8 +217,14 @@ def predict(profile: Profile, layout: Layout, world: int, *, meta: bool = False)
         inputs = float(profile.message_bytes * profile.blocks) * r
     share = activation_tp_share(profile, layout.tp)
     activations = (kept * share + inputs) / d / layout.pp * in_flight
-    if layout.dp in ("replicate", "zero1") and d > 1:
-        activations += grads  # a bucket's gradients, scaled into a fresh buffer as it is reduced
+    staged = layout.pp > 1 or layout.ep > 1
+    if d > 1 and (layout.dp == "zero1" or (layout.dp == "replicate" and staged)):
+        # the gradients twice: zero1 keeps the local ones beside the reduce-scattered shares; a
+        # replicated stage's micro-batches accumulate into autograd's own tensors, which the
+        # buckets take only after the last (ep: its experts' are flattened for their replicas'
+        # all-reduce; not measured apart). Without either the buckets take each gradient as
+        # autograd makes it and free it: no copy (measured on 2 and 4 ranks, docs/autotune.md)
+        activations += grads
     sharded = layout.tp > 1 or layout.pp > 1 or layout.dp == "fsdp" or layout.ep > 1
     build = 0.0 if meta else profile.param_bytes + (params if sharded else 0.0)
     # torch's pipeline stage allocates a receive buffer for every micro-batch up front and

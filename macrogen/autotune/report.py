@@ -125,8 +125,8 @@ class Reporter:
                 ]
                 self.console.print(
                     escape(
-                        f"the {len(names)} leading layouts timed side by side, each the median"
-                        f" of its runs: {', '.join(names)}; the winner {outcome.verdict}"
+                        f"the {len(names)} leading layouts timed side by side, in turns:"
+                        f" {', '.join(names)}; the winner {outcome.verdict}"
                     )
                 )
         else:

@@ -243,8 +243,12 @@ def _autotune_on(
             observe_known()
             return not searcher.done
 
+        turn_of: list[tuple[str, int]] = []  # (candidate, turn) of the repeats in flight
+
         def on_repeat(m: Measurement) -> bool:
-            book.record(m, again=True)
+            ident = database.canonical(m.values)
+            at = next(i for i, (c, _) in enumerate(turn_of) if c == ident)
+            book.record(m, again=True, turn=turn_of.pop(at)[1])
             return True
 
         stopped = "complete"
@@ -264,8 +268,9 @@ def _autotune_on(
                     break
             if layout_site is None:
                 break
-            finalists = finals.leaders(searcher.order, book)
+            finalists = finals.leaders(searcher.order, book, searcher.favourite())
             again = finals.next_round(finalists, book)
+            book.chosen = finals.winner(finalists, book)
             if again:
                 assert predictions is not None  # a layout's search
                 names = ", ".join(f"{predictions[database.canonical(c)].layout.name()}"
@@ -273,7 +278,9 @@ def _autotune_on(
                 reporter.note(
                     f"timing the {len(finalists)} leading layouts again, in turns: {names}"
                 )
-                if measure(program, again, on_repeat, deadline=deadline) == "budget":
+                turn_of[:] = [(database.canonical(c), turn) for turn, c in again]
+                todo = [c for _, c in again]
+                if measure(program, todo, on_repeat, deadline=deadline) == "budget":
                     stopped = "budget"
                     break
                 continue  # the leaders may change with their medians
@@ -466,6 +473,8 @@ class _Book:
         self.measured_now: set[str] = set()
         self.bumped = False  # the record's generation is raised once per run that changes it
         self.probe: dict[str, Any] | None = None  # layouts: the serial probe, kept in the record
+        # layouts: the finals' winner (decided turn by turn, not by the lowest median)
+        self.chosen: dict[str, Any] | None = None
 
     def known(self, values: Mapping[str, Any]) -> dict[str, Any] | None:
         if self.record_ is None:
@@ -479,9 +488,10 @@ class _Book:
                 return candidate
         return None
 
-    def record(self, m: Measurement, *, again: bool = False) -> None:
+    def record(self, m: Measurement, *, again: bool = False, turn: int | None = None) -> None:
         """Save ``m``; ``again``: a repeat of a measured candidate, kept beside its earlier
-        times (``times``), the median of which is its ``time_s``."""
+        times (``times``, and the finals' ``turn`` of each in ``turns``), the median of which is
+        its ``time_s``."""
         if again and m.error is not None:
             return  # a failed repeat: the candidate keeps the times it has
         record = self._record_for(m.signature if m.error is None else None)
@@ -489,6 +499,7 @@ class _Book:
         before = self.known(m.values) if again else None
         if before is not None and "time_s" in before:
             times = [*before.get("times", [before["time_s"]]), float(f"{m.time_s:.6g}")]
+            turns = [*before.get("turns", [None] * (len(times) - 1)), turn]
             m = replace(
                 m,
                 time_s=statistics.median(times),
@@ -496,6 +507,8 @@ class _Book:
                 peak_bytes=tuple(map(max, m.peak_bytes, before.get("peak_bytes", m.peak_bytes))),
             )
             entry["times"] = times
+            if any(t is not None for t in turns):
+                entry["turns"] = turns
         if m.error is None:
             entry.update(time_s=float(f"{m.time_s:.6g}"), samples=m.samples)
             if m.signature != record["key"]["signature"]:
@@ -547,6 +560,8 @@ class _Book:
         ]
         if not timed:
             return None
+        if self.chosen is not None and database.canonical(self.chosen) in allowed:
+            return self.chosen
         best = min(timed, key=lambda c: (c["time_s"], database.canonical(c["values"])))
         return database.decode_values(best["values"])
 

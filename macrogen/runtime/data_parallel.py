@@ -404,6 +404,7 @@ def broadcast(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) 
             buf = fused.pack_torch(members, flat)
             dist.broadcast(buf, src=src, group=group)
             fused.unpack_torch(buf, members, flat)
+            fused.release(buf, flat)
 
 
 class BufferBroadcast:

@@ -90,6 +90,16 @@ def unpack_torch(buf: torch.Tensor, tensors: Sequence[torch.Tensor], flat: FlatB
     torch._foreach_copy_(members, torch._C._nn.unflatten_dense_tensors(buf, members))
 
 
+def release(buf: torch.Tensor, flat: FlatBuffer) -> None:
+    """Free a one-off flat buffer (``pack_torch``'s) now, on this thread, once its collective
+    is done. The process group's worker may hold the last reference to it and free it on its
+    own thread, where a memory profiler never sees the free (autotune's tensor peak counted a
+    start-up broadcast's buffer live through the whole step, on some runs of rank 0 only).
+    One member's buffer is that member itself: it is kept."""
+    if len(flat.members) > 1:
+        buf.untyped_storage().resize_(0)
+
+
 _signature = operator.attrgetter("dtype", "shape", "device")  # what a plan depends on
 
 

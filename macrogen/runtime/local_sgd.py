@@ -317,3 +317,4 @@ def average(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None, w
             dist.all_reduce(buf, group=group)
             buf.div_(world)
             fused.unpack_torch(buf, members, flat)
+            fused.release(buf, flat)
