@@ -19,6 +19,13 @@ must be refused check the one-line message instead.
 - dropout in training: refused (each rank would draw its own shard's mask);
 - a parameter cut by its own entry while its module is not planned: refused;
 - a module whose code reads a whole width: its first forward's failure names it.
+
+The same spawn checks the per-forward swap of DTensor parameters for their local tensors
+(``parallelize/local.py``, ``SWAPS``): a parameter replaced between steps (``load_state_dict``
+with ``assign=True``, a reassigned weight, ``to_empty`` then a load, ``float()`` and back) is
+the one the next step trains; what autograd gives the parameters (``autograd.grad``,
+``backward(inputs=...)``, a tensor hook, a post-accumulate-grad hook) is serial's; and the
+private DTensor fields the swap reads mean what it takes them to.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import copy
 import math
 import re
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -280,27 +288,181 @@ def _cases(rank, world):
         except PlanError as e:
             out[name] = ("refused", str(e))
             continue
-        want = _train(serial)
-        gaps = [max(abs(a - b) for a, b in zip(got[0], want[0]))]
-        for ours, theirs in zip(got[1], want[1]):
-            for key, g in theirs.items():
-                if g is None or ours[key] is None:
-                    assert g is None and ours[key] is None, (name, key)  # no gradient: as serially
-                else:
-                    gaps.append(float((ours[key] - g).abs().max()))
-        gaps += [float((got[2][k] - v).abs().max()) for k, v in want[2].items()]
-        out[name] = ("trained", max(gaps))
+        out[name] = ("trained", _gap(got, _train(serial), name))
     return out
 
 
-def test_layers_run_their_own_forward_and_every_check_names_its_cause():
-    results = run_ranks(_cases, 2, timeout=240)
+def _gap(got, want, name: str) -> float:
+    """The largest difference of two ``_train`` results (losses, gradients, parameters)."""
+    gaps = [max(abs(a - b) for a, b in zip(got[0], want[0]))]
+    for ours, theirs in zip(got[1], want[1]):
+        for key, g in theirs.items():
+            if g is None or ours[key] is None:
+                assert g is None and ours[key] is None, (name, key)  # no gradient: as serially
+            else:
+                gaps.append(float((ours[key] - g).abs().max()))
+    return max(gaps + [float((got[2][k] - v).abs().max()) for k, v in want[2].items()])
+
+
+# -- the swap of DTensor parameters for their local tensors -------------------------------------
+
+
+def _swap_model() -> tuple[nn.Module, dict]:
+    return Model(nn.Embedding(VOCAB, DIM), NormedMixer()), {
+        "mixer.up": "colwise",
+        "mixer.down": "rowwise",
+    }
+
+
+def _assign(m: nn.Module) -> None:
+    m.load_state_dict({k: v.detach() * 0.5 for k, v in m.state_dict().items()}, assign=True)
+
+
+def _reassign(m: nn.Module) -> None:
+    m.mixer.up.weight = nn.Parameter(m.mixer.up.weight.detach() * 0.5)
+
+
+def _to_empty_and_load(m: nn.Module) -> None:
+    state = {k: v.detach().clone() * 0.5 for k, v in m.state_dict().items()}
+    m.to_empty(device="cpu")
+    m.load_state_dict(state)
+
+
+def _float_and_back(m: nn.Module) -> None:
+    m.float().double()  # the parameters rounded to float32 (elementwise: the shards alike)
+
+
+# each applied to the serial model and the parallel one after a step, before the next
+REPLACEMENTS = {
+    "load_state_dict(assign=True)": _assign,
+    "a weight reassigned": _reassign,
+    "to_empty, then loaded": _to_empty_and_load,
+    "float() and back": _float_and_back,
+}
+
+
+def _autograd_views(m: nn.Module, ids: torch.Tensor) -> tuple[dict, list[str]]:
+    """What autograd's entry points give the parameters: values gathered whole, and counts."""
+    named = dict(m.named_parameters())
+    out: dict = {}
+    grads = torch.autograd.grad(m(ids), list(named.values()))
+    out["autograd.grad"] = {k: _full(g) for k, g in zip(named, grads)}
+    out["autograd.grad leaves .grad"] = all(p.grad is None for p in named.values())
+    m(ids).backward(inputs=[named["mixer.up.weight"], named["head.weight"]])
+    out["backward(inputs=...)"] = {k: None if p.grad is None else _full(p.grad).clone()
+                                   for k, p in named.items()}  # fmt: skip
+    m.zero_grad(set_to_none=True)
+    calls: list[str] = []
+
+    def doubled(g: torch.Tensor) -> torch.Tensor:
+        calls.append(type(g).__name__)
+        return g * 2
+
+    handle = named["mixer.down.weight"].register_hook(doubled)
+    accumulated: dict = {}
+    handles = [p.register_post_accumulate_grad_hook(
+        lambda p, k=k: accumulated.setdefault(k, []).append(_full(p.grad).clone()))
+        for k, p in named.items()]  # fmt: skip
+    m(ids).backward()
+    out["hooked gradient"] = _full(named["mixer.down.weight"].grad)
+    out["post-accumulate-grad hooks"] = accumulated
+    out["tensor hook calls"] = len(calls)
+    for h in [handle, *handles]:
+        h.remove()
+    m.zero_grad(set_to_none=True)
+    return out, calls
+
+
+def _private_fields(m: nn.Module) -> dict:
+    """``_spec`` and ``_local_tensor`` of a DTensor parameter and ``DTensor.__new__`` without
+    ``__init__``, as the swap uses them (a torch release that changes them fails here)."""
+    from torch.distributed.tensor import DTensor
+
+    p = m.mixer.up.weight
+    with torch.no_grad():
+        local = p.to_local()
+    g = torch.randn(local.shape, dtype=local.dtype)
+    built = DTensor.__new__(DTensor, g, p._spec, requires_grad=False)
+    with torch.no_grad():
+        its_local = built.to_local()
+    return {
+        "_local_tensor is to_local()'s storage": (p._local_tensor.data_ptr(),
+                                                  p._local_tensor.shape, p._local_tensor.stride())
+        == (local.data_ptr(), local.shape, local.stride()),  # fmt: skip
+        "_spec is the placements' spec": p._spec.placements == p.placements
+        and p._spec.mesh is p.device_mesh,
+        "DTensor.__new__ builds the DTensor": type(built) is DTensor
+        and its_local is g and built._spec is p._spec and built.placements == p.placements
+        and built.shape == p.shape and not built.requires_grad,
+    }  # fmt: skip
+
+
+def _swaps(rank: int, world: int) -> dict:
+    from macrogen.runtime.parallelize import apply_tensor_parallel, device_mesh
+
+    mesh = device_mesh(tp=2, planned=True, where="t.py:1")
+    out: dict = {}
+    for name, replace in REPLACEMENTS.items():
+        torch.manual_seed(0)
+        serial, plan = _swap_model()
+        model = apply_tensor_parallel(copy.deepcopy(serial), mesh, plan, where="t.py:1")
+        for m in (serial, model):
+            _train(m, steps=1)
+            replace(m)
+        out[name] = _gap(_train(model), _train(serial), name)
+    torch.manual_seed(0)
+    serial, plan = _swap_model()
+    model = apply_tensor_parallel(copy.deepcopy(serial), mesh, plan, where="t.py:1")
+    _train(model, steps=1)  # its first-backward checks passed
+    _train(serial, steps=1)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
+    (got, calls), (want, _) = _autograd_views(model, ids), _autograd_views(serial, ids)
+    out["tensor hook sees DTensors"] = set(calls) == {"DTensor"}
+    for key, value in want.items():
+        out[key] = _same(got[key], value)
+    out.update(_private_fields(model))
+    return out
+
+
+def _same(got, want) -> bool:
+    """Equal structure, tensors within 1e-10."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(
+            _same(got[k], v) for k, v in want.items())  # fmt: skip
+    if isinstance(want, list):
+        return len(got) == len(want) and all(_same(a, b) for a, b in zip(got, want))
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and float((got - want).abs().max()) < 1e-10
+    return got == want
+
+
+def _program(rank: int, world: int) -> dict:
+    return {"cases": _cases(rank, world), "swaps": _swaps(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_program, 2, timeout=240)
+
+
+def test_layers_run_their_own_forward_and_every_check_names_its_cause(results):
+    cases = [r["cases"] for r in results]
     for name, (_, refusal) in CASES.items():
-        kind, detail = results[0][name]
+        kind, detail = cases[0][name]
         if refusal is None:
             assert kind == "trained", (name, detail)
             assert detail < 1e-10, (name, detail)
         else:
             assert kind == "refused", (name, detail)
             assert re.search(refusal, detail), (name, detail)
-    assert results[0] == results[1]
+    assert cases[0] == cases[1]
+
+
+def test_the_swap_trains_a_replaced_parameter_and_autograd_sees_the_serial_parameters(results):
+    swaps = results[0]["swaps"]
+    for name in REPLACEMENTS:  # a stale swap would train the old tensor (and leave .grad None)
+        assert swaps[name] < 1e-10, (name, swaps[name])
+    checks = {k: v for k, v in swaps.items() if k not in REPLACEMENTS}
+    assert checks == dict.fromkeys(checks, True), checks
+    assert len(checks) == 10
+    assert results[1]["swaps"] == swaps

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -78,26 +79,27 @@ class LocalParameters(torch.autograd.Function):
         # gradient would make the optimizer step it (weight decay, momentum)
         ctx.set_materialize_grads(False)
         job.specs = [p._spec for p in params]
-        # views: the DTensor's own local tensor must not take this node as its grad_fn
-        return tuple(_view(p.to_local()) for p in params)
+        # views: the DTensor's own local tensor must not take this node as its grad_fn.
+        # ``_local_tensor`` (private, as ``_spec``: tests/test_parallelize_styles_dist.py checks
+        # both) is what ``to_local()`` returns with grad off, without its per-call bookkeeping
+        return tuple([t.view_as(t) for t in [p._local_tensor for p in params]])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         job: _Backward = ctx.job
-        out = list(grads)
-        if job.check is not None and job.check.pending:
-            job.check.run(job.slots, job.specs, job.summed, out, lambda: _sum(out, job.summed))
-        else:
-            _sum(out, job.summed)
-        return (
-            None,
-            *(None if g is None else DTensor(g, spec, requires_grad=False)
-              for g, spec in zip(out, job.specs)),
-        )  # fmt: skip
-
-
-def _view(t: torch.Tensor) -> torch.Tensor:
-    return t.view_as(t)
+        if job.check is not None or job.summed:
+            out = list(grads)
+            if job.check is not None and job.check.pending:
+                job.check.run(job.slots, job.specs, job.summed, out,
+                              lambda: _sum(out, job.summed))  # fmt: skip
+            else:
+                _sum(out, job.summed)
+            grads = tuple(out)
+        # ``DTensor.__new__``: DTensor(...) without its __init__, which does nothing but go
+        # through a dynamo-disable wrapper (~1.4 us a parameter; checked by the same test)
+        new = DTensor.__new__
+        return (None, *[None if g is None else new(DTensor, g, spec, requires_grad=False)
+                        for g, spec in zip(grads, job.specs)])  # fmt: skip
 
 
 def _sum(grads: list[torch.Tensor | None], summed: Mapping[int, dist.ProcessGroup]) -> None:
@@ -114,53 +116,78 @@ def _sum(grads: list[torch.Tensor | None], summed: Mapping[int, dist.ProcessGrou
             grads[i] = piece.view_as(g)
 
 
-@eager  # swaps entries of the modules' parameter tables: eager, outside a graph
-def _to_local(owner: nn.Module, args: Any) -> None:
-    _restore(owner)  # a forward that raised may have left local tensors in place
-    local: LocalForward = owner.__dict__[LOCAL]
-    slots: list[tuple[nn.Module, str, Any]] = []
-    index: dict[int, int] = {}  # a parameter under two names (tied) gets one local tensor
+Slot = tuple[dict[str, Any], str, int]  # (a module's parameter table, key, index of the parameter)
+
+
+def _find(
+    scope: list[nn.Module],
+) -> tuple[list[Any], list[Slot], list[tuple[nn.Module, str]], dict[int, dist.ProcessGroup]]:
+    """The scope's DTensor parameters (a parameter under two names, tied, once), the table
+    entries holding them, the (module, name) of each and the indices whose gradients are
+    summed."""
     params: list[Any] = []
-    summed: dict[int, dist.ProcessGroup] = {}
+    slots: list[Slot] = []
     names: list[tuple[nn.Module, str]] = []
-    for module in local.scope:
+    summed: dict[int, dist.ProcessGroup] = {}
+    index: dict[int, int] = {}
+    for module in scope:
+        table = module._parameters
         marked = module.__dict__.get(SUMMED)
-        for key, p in module._parameters.items():
+        for key, p in table.items():
             if isinstance(p, DTensor):
-                if id(p) not in index:
-                    index[id(p)] = len(params)
+                i = index.get(id(p))
+                if i is None:
+                    i = index[id(p)] = len(params)
                     params.append(p)
                     names.append((module, key))
                     if marked is not None and key in marked:
-                        summed[index[id(p)]] = marked[key]
-                slots.append((module, key, p))
+                        summed[i] = marked[key]
+                slots.append((table, key, i))
+    return params, slots, names, summed
+
+
+@eager  # swaps entries of the modules' parameter tables: eager, outside a graph
+def _to_local(owner: nn.Module, args: Any) -> None:
+    _put_back(owner)  # a forward that raised may have left local tensors in place
+    local: LocalForward = owner.__dict__[LOCAL]
+    params, slots, names, summed = _find(local.scope)
     if not params:
         return
-    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+    if torch.is_grad_enabled() and any(map(_requires_grad, params)):
         check = local.check if local.check is not None and local.check.pending else None
-        job = _Backward(summed, names, check)
-        tensors = LocalParameters.apply(job, *params)  # type: ignore[no-untyped-call]
+        tensors = LocalParameters.apply(_Backward(summed, names, check), *params)  # type: ignore[no-untyped-call]
     else:
         tensors = [p.to_local() for p in params]
-    for module, key, p in slots:
-        module._parameters[key] = tensors[index[id(p)]]
-    owner.__dict__[SWAPPED] = slots
+    for table, key, i in slots:
+        table[key] = tensors[i]
+    owner.__dict__[SWAPPED] = (slots, params)
     if local.watch is not None and owner.training:
         watching = local.watch()
         watching.__enter__()
         owner.__dict__[WATCHING] = watching
 
 
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def _put_back(owner: nn.Module) -> None:
+    """The DTensor parameters back in their places (the swap's own, not a compiler boundary)."""
+    swapped = owner.__dict__.pop(SWAPPED, None)
+    if swapped is not None:
+        slots, params = swapped
+        for table, key, i in slots:
+            table[key] = params[i]
+
+
 @eager
 def _restore(owner: nn.Module, *_: Any) -> None:
-    for module, key, p in owner.__dict__.pop(SWAPPED, ()):
-        module._parameters[key] = p
+    _put_back(owner)
 
 
 @eager
 def _after(owner: nn.Module, args: Any, output: Any) -> None:
     """The forward's end (``output`` None: it raised): parameters back, the watch ended."""
-    _restore(owner)
+    _put_back(owner)
     watching = owner.__dict__.pop(WATCHING, None)
     if watching is not None:
         watching.__exit__(None, None, None)
