@@ -8,6 +8,7 @@ import os
 import textwrap
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from macrogen.autotune import database, environment, tuner
@@ -196,15 +197,23 @@ def test_database_says_which_winners_differ_by_kind(tmp_path, monkeypatch):
     assert database.winners(one, MIXED, file="mg_mixed.py", device=l40s)[0]["SCALE"] == 3
 
 
-def test_each_rank_expands_with_its_own_kinds_per_device_winners(tmp_path, monkeypatch, capsys):
+def _mixed_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook with none of its variables set, no warning said yet, and MIXED beside a
+    database of two kinds' winners."""
     from macrogen import hook
 
     for var in (hook.DISABLE_ENV, hook.CACHE_DIR_ENV, hook.TUNING_ENV, hook.SHOW_ENV):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.delenv(hook.TUNING_DEVICE_ENV, raising=False)
-    monkeypatch.setattr(hook, "_warned", set())  # each warning said afresh in this test
+    monkeypatch.setattr(hook, "_warned", set())  # each warning said afresh in the test
     (tmp_path / "mg_mixed.py").write_text(MIXED)
     _mixed_database(tmp_path / hook.TUNING_FILE, monkeypatch)
+
+
+def test_each_rank_expands_with_its_own_kinds_per_device_winners(tmp_path, monkeypatch, capsys):
+    from macrogen import hook
+
+    _mixed_hook(tmp_path, monkeypatch)
     options = hook.options()
     seen = {}
     for local_rank, name, tile in ((0, "H100", 32), (1, "A100", 16), (0, "H100", 32)):
@@ -238,12 +247,7 @@ def test_the_jobs_kind_may_be_named_and_a_rank_without_a_known_device_takes_the_
 ):
     from macrogen import hook
 
-    for var in (hook.DISABLE_ENV, hook.CACHE_DIR_ENV, hook.TUNING_ENV, hook.SHOW_ENV):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.delenv(hook.TUNING_DEVICE_ENV, raising=False)
-    monkeypatch.setattr(hook, "_warned", set())  # each warning said afresh in this test
-    (tmp_path / "mg_mixed.py").write_text(MIXED)
-    _mixed_database(tmp_path / hook.TUNING_FILE, monkeypatch)
+    _mixed_hook(tmp_path, monkeypatch)
 
     def load(local_rank: int, local_world_size: int = 2, backend: str | None = None) -> str:
         _two_gpu_node(monkeypatch, local_rank, local_world_size, backend)
