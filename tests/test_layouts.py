@@ -114,7 +114,7 @@ PROFILE = memory.Profile(
     block_bytes=80,
     blocks=8,
     state_bytes=200,
-    transient_bytes=500,  # 100 of gradients, 400 of activations
+    transient_bytes=500,  # 100 of gradients, 400 of activations (above the kept gradients)
     step_s=1.0,
     block_s=0.8,
     message_bytes=1000,
@@ -123,10 +123,16 @@ PROFILE = memory.Profile(
 
 def test_memory_per_data_parallel_mode():
     serial = memory.predict(PROFILE, Layout(), 1)
-    assert (serial.params, serial.state, serial.grads, serial.activations) == (100, 200, 100, 400)
+    # the activations peak at the forward's end, before backward makes the gradients that
+    # zero_grad freed: the step's peak is the parameters, the state and the activations
+    assert (serial.params, serial.state, serial.grads, serial.activations) == (100, 200, 100, 300)
+    assert serial.total == 100 + 200 + 400
+    kept = dataclasses.replace(PROFILE, grads_kept=True)  # zero_grad(set_to_none=False)
+    assert memory.predict(kept, Layout(), 1).activations == 400
     replicate = memory.predict(PROFILE, Layout(), 4)
     assert (replicate.params, replicate.state, replicate.grads) == (100, 200, 100)
-    # 400 over 4 data ranks; the buckets take each gradient as autograd makes it: no copy
+    # 400 over 4 data ranks, beside the gradients the buckets hold between steps; the buckets
+    # take each gradient as autograd makes it: no copy
     assert replicate.activations == 100
     # a replicated stage's micro-batches accumulate into autograd's own gradients, which the
     # buckets take after the last: the stage's gradients (60) twice
@@ -143,7 +149,8 @@ def test_memory_per_data_parallel_mode():
     fsdp = memory.predict(PROFILE, Layout(dp="fsdp"), 4)
     assert fsdp.params == pytest.approx(25 + 2 * 10)  # a quarter, plus two blocks' buffers
     assert fsdp.state == 50 and fsdp.grads == pytest.approx(25 + 2 * 10)
-    assert fsdp.activations == pytest.approx(100)  # no buckets: reduce-scattered per unit
+    # no buckets: the gradient shards (25) are freed at the step's start, made in backward
+    assert fsdp.activations == pytest.approx(100 - 25)
     # a pipeline stage under FSDP stays gathered through its backward, its gradients whole
     # until the last micro-batch, reduce-scattered one unit (a block: 10) at a time
     staged = memory.predict(PROFILE, Layout(pp=2, dp="fsdp", microbatches=4), 4)
@@ -153,7 +160,12 @@ def test_memory_per_data_parallel_mode():
 def test_memory_under_tensor_and_pipeline_parallelism():
     tp2 = memory.predict(PROFILE, Layout(tp=2), 2)
     assert tp2.params == pytest.approx(60)  # 80 / 2 + 20
-    assert tp2.activations == pytest.approx(400 * 0.6)  # the parameters' share stands in
+    # the parameters' share stands in; the gradients (60) are made after the forward's peak
+    assert tp2.activations == pytest.approx(400 * 0.6 - 60)
+    # recomputed, the peak moves into backward, where most gradients are made
+    kept = dataclasses.replace(PROFILE, grads_kept=True)
+    recomputed = memory.predict(PROFILE, Layout(tp=2, recompute=1), 2)
+    assert recomputed.activations == memory.predict(kept, Layout(tp=2, recompute=1), 2).activations
     pp2 = memory.predict(PROFILE, Layout(pp=2, microbatches=4), 2)
     assert pp2.params == pytest.approx(60)  # half the blocks, all the rest
     # 1F1B: the first stage holds 2 of 4 micro-batches of half the blocks
@@ -161,9 +173,10 @@ def test_memory_under_tensor_and_pipeline_parallelism():
 
 
 def test_activations_shard_by_what_autograd_saves_and_the_optimizer_step_can_peak():
-    # half the saved bytes are on the MLP's hidden side: tp=2 keeps 3/4 of them
+    # half the saved bytes are on the MLP's hidden side: tp=2 keeps 3/4 of them (less the
+    # gradients, 60, made after the forward's peak)
     measured = dataclasses.replace(PROFILE, activation_sharded=0.5)
-    assert memory.predict(measured, Layout(tp=2), 2).activations == pytest.approx(300)
+    assert memory.predict(measured, Layout(tp=2), 2).activations == pytest.approx(300 - 60)
     # an optimizer step whose temporaries outgrow the activations sets the peak
     heavy = dataclasses.replace(PROFILE, optimizer_bytes=1000)
     step = memory.predict(heavy, Layout(), 1)

@@ -85,6 +85,8 @@ class Profile:
     expert_s: float = 0.0
     expert_call_s: float = 0.0
     routed_bytes: int = 0
+    # the entry's step keeps its gradients through the forward (zero_grad(set_to_none=False))
+    grads_kept: bool = False
 
     @property
     def sharded_fraction(self) -> float:
@@ -171,6 +173,7 @@ def predict(profile: Profile, layout: Layout, world: int, *, meta: bool = False)
     is built on the meta device and each rank materializes its shards (no build term)."""
     d = layout.dp_size(world)
     share = tp_share(profile, layout.tp) * pp_share(profile, layout.pp)
+    whole = profile.param_bytes * share  # this rank's parameters before dp and ep deal them
     # ep: the experts the other ranks of the expert group hold (a share of every parameter's
     # bytes, state and temporaries alike); zero1 and fsdp shard the rank's experts over their
     # d / ep replicas, so that what they shard per rank is the whole's over d, as without ep
@@ -217,6 +220,11 @@ def predict(profile: Profile, layout: Layout, world: int, *, meta: bool = False)
         inputs = float(profile.message_bytes * profile.blocks) * r
     share = activation_tp_share(profile, layout.tp)
     activations = (kept * share + inputs) / d / layout.pp * in_flight
+    if not _gradients_at_peak(profile, layout, d):
+        # the activations peak at the forward's end: the gradients freed at the step's start
+        # are not made yet (the data-parallel buckets and FSDP's gathers are counted apart)
+        freed = whole / d if layout.dp == "fsdp" else whole - dealt
+        activations = max(0.0, activations - freed)
     staged = layout.pp > 1 or layout.ep > 1
     if d > 1 and (layout.dp == "zero1" or (layout.dp == "replicate" and staged)):
         # the gradients twice: zero1 keeps the local ones beside the reduce-scattered shares; a
@@ -232,6 +240,15 @@ def predict(profile: Profile, layout: Layout, world: int, *, meta: bool = False)
     buffers = profile.message_bytes / d if layout.pp > 1 else 0.0
     activations = max(activations, temporaries)
     return Breakdown(params, state, grads, activations, build, profile.data_bytes, buffers)
+
+
+def _gradients_at_peak(profile: Profile, layout: Layout, d: int) -> bool:
+    """The layout's gradients are live when its activations peak: the step keeps them
+    (``zero_grad(set_to_none=False)``), the data-parallel buckets hold them between steps,
+    a pipeline's micro-batches accumulate into them, or recompute moves the peak into
+    backward, where most of them are made."""
+    buckets = d > 1 and layout.dp in ("replicate", "zero1")
+    return profile.grads_kept or buckets or layout.pp > 1 or layout.recompute > 0
 
 
 def format_bytes(n: float) -> str:

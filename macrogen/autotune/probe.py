@@ -159,9 +159,19 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     state = _optimizer_bytes(optimizers, torch)  # None: no optimizer found over the model
     hooks += _mark_steps(optimizers, torch)
     saved = SavedActivations(model, divisible, [b for _, b in blocks], planned)
-    # one step: the gradients it frees first were made before the window (they don't count)
+    # one step. The gradients it frees first (zero_grad's set_to_none) were made before the
+    # window: its peak above the start is the activations less them, so they are added back
+    before, at_forward = _grad_bytes(params.values()), []
+
+    def forward_starts(*_: Any) -> None:
+        if not at_forward:
+            at_forward.append(_grad_bytes(params.values()))
+
+    first_forward = model.register_forward_pre_hook(forward_starts)
     with TensorPeak(cuda=cuda) as one_step, saved.hooks():
         step()
+    first_forward.remove()
+    freed = max(0, before - at_forward[0]) if at_forward else 0
     in_blocks.reset()  # from the timed steps on
     experts.reset()
     timing[0] = True
@@ -232,10 +242,13 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             # what the entry holds beside the model between steps (its batch): every rank
             # builds it whole, whatever the layout
             "data_bytes": max(0, built.end - 2 * param_bytes - (state or 0)),
-            # gradients and activations: a step's tensors at its peak outside the optimizer
-            # above the parameters and the state (the gradients it frees first were made
-            # before the window), plus the gradients, which the model counts on their own
-            "transient_bytes": one_step.unmarked + param_bytes,
+            # gradients and activations: the activations are the most a step's tensors rise
+            # outside the optimizer above the parameters, the state and the gradients it keeps
+            # (its peak above the window's start, plus the gradients it freed before its
+            # forward); the gradients, which the model counts on their own, are the parameters
+            "transient_bytes": one_step.unmarked + freed + param_bytes,
+            # the step keeps its gradients through the forward (zero_grad(set_to_none=False))
+            "grads_kept": bool(at_forward) and freed < before / 2,
             # the optimizer step's own temporaries (foreach buffers), above the gradients
             "optimizer_bytes": one_step.marked,
             "activation_sharded": saved.sharded_fraction(),
@@ -369,6 +382,10 @@ def _block_call_s(
             p.grad = g
     again = statistics.median(agains) if len(agains) == len(plains) else None
     return statistics.median(plains), again
+
+
+def _grad_bytes(params: Any) -> int:
+    return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
 
 
 def _optimizers(model: Any, torch: Any) -> list[Any]:

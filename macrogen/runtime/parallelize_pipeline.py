@@ -168,7 +168,11 @@ def _stages_on_local_shards(model: nn.Module, pipe: pipeline.Pipeline, *, where:
     """Tensor parallel first (its DTensors swapped for their local shards by a pre-hook on the
     model's forward): the schedule runs this rank's stage modules, never ``model.forward``, so
     each stage swaps the parameters of its own parts while it runs (per micro-batch)."""
-    local_forward_per_stage(model, pipe)
+    # each stage's repeated blocks swap their own: a block's gradients leave autograd when its
+    # backward ends (a stage's single swap would hold every fresh gradient to the end of each
+    # micro-batch's backward, beside the ones accumulated from the micro-batches before)
+    blocks = [part_at(model, name) for s in pipe.stages for name in pipe.cut.blocks(s)]
+    local_forward_per_stage(model, pipe, blocks)
     last = pipe.config.stages - 1
     if last in pipe.stages:  # a colwise layer's output sent to the loss: a slice of it
         parallelize.check_outputs(model, pipe.stage_module(last), where=where)
