@@ -193,7 +193,10 @@ def _parity(rank, world, tmp, kind, dp):
     initial = {k: v.clone() for k, v in serial.state_dict().items()}
     ref_losses, ref_grads, ref_norms = _train(unexpanded, serial, slice(None))
 
-    torch.manual_seed(0)
+    # the second rank of each tensor group builds from another seed: its group's first rank's
+    # model is the one cut (as torch's distribute_tensor takes rank 0's), not a shard of each
+    # rank's own (data parallel then broadcasts rank 0's over the data ranks, as DDP does)
+    torch.manual_seed(0 if rank % 2 == 0 else 1 + rank)
     model = getattr(module, BUILDERS[kind])(build(), dp)
     assert type(model).__module__ == module.__name__ or kind != "tiny"  # the user's class, kept
     count = sum(p.numel() for p in model.parameters())
@@ -222,8 +225,33 @@ def _parity(rank, world, tmp, kind, dp):
         for key, value in loaded.state_dict().items():
             torch.testing.assert_close(value, final[key], rtol=0, atol=0, msg=key)
         assert model.num_parameters() == serial.num_parameters()
+    if mesh.data_size > 1:
+        _gradients_leave_each_block_as_its_backward_ends(model, module)
     sharded = [n for n, p in model.named_parameters() if "Shard" in type(p.placements[0]).__name__]
     return count, serial_count, len(sharded), type(model).__name__
+
+
+def _gradients_leave_each_block_as_its_backward_ends(model, module):
+    """Under data parallel the last block's gradients reach the buckets before the first block's
+    backward ends (one swap for the whole model handed every gradient over at the very end)."""
+    from macrogen.runtime.fully_sharded import repeated_layers
+
+    blocks = [b for _, b in repeated_layers(model)]
+    order = []
+    last = next(p for p in blocks[-1].parameters() if p.requires_grad)
+    handles = [last.register_post_accumulate_grad_hook(lambda _: order.append("last block"))]
+
+    def first_input(_, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        if x.requires_grad:
+            x.register_hook(lambda _: order.append("first block's input"))
+
+    handles.append(blocks[0].register_forward_pre_hook(first_input, with_kwargs=True))
+    ids = torch.randint(0, module.VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()
+    for handle in handles:
+        handle.remove()
+    assert order == ["last block", "first block's input"], order
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "tiny"])

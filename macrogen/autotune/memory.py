@@ -19,6 +19,8 @@ measures on each rank:
                  (zero1 with D > 1, and replicate with D > 1 under pp or ep: + a copy of
                  the gradients; replicate without either takes each gradient into its
                  bucket as autograd makes it, and frees it)
+                 (- the gradients, when the layout does not hold them at the activations'
+                 peak: see below)
     optimizer    T, the optimizer step's temporaries, x the parameters' shares (zero1, fsdp: / D)
     data         the entry's own tensors between steps (its batch): whole on every rank
 
@@ -34,8 +36,15 @@ meta device (``init=``) has no build term: each rank allocates only its shards
 and holds one layer whole beside them, less than a step's peak.
 
 S is the optimizer's state (the probe counts the tensors of the optimizer over
-the model); A is a step's peak outside the optimizer step, above the parameters
-and the state; T the optimizer step's own peak above its start. The
+the model); A is the most a step's tensors rise outside the optimizer step above
+the parameters, the state and the gradients it keeps (the probe adds back the
+gradients ``zero_grad`` freed before the forward); T the optimizer step's own
+peak above its start. The activations peak at the forward's end, where the
+gradients exist only if the layout holds them: the data-parallel buckets (replicate,
+zero1 with D > 1) keep them between steps, a pipeline's micro-batches accumulate
+into them, recompute moves the peak into backward where most are made, and a step
+that zeroes without freeing keeps them; otherwise (one data rank, FSDP's shards)
+the freed gradients are taken off the activations. The
 tensor-parallel share of the parameters is f/tp + (1 - f), f the fraction of
 them in planned (sharded) layers; of the activations the same with f the share
 of the bytes autograd saves that the plan cuts (the MLP's hidden side, the

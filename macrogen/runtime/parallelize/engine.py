@@ -20,6 +20,7 @@ decorators' plans next). In order:
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -81,6 +82,8 @@ def apply_tensor_parallel(
     assert group is not None  # tp > 1
     # a model built on the meta device has no values to probe with (docs/parallelize.md, init=)
     meta = any(p.is_meta for p in model.parameters())
+    if not meta:
+        same_on_every_rank(model, group, tensor_mesh.device_type)
     probed = [w for w in layout.wraps if needs_probe(w) and not meta]
     generator = torch.Generator().manual_seed(0)
     with quietly([w.module for w in probed]):
@@ -101,6 +104,25 @@ def apply_tensor_parallel(
         model.register_forward_hook(functools.partial(no_sharded_outputs, colwise, where))
     _tell_transformers(model, tp)
     return model
+
+
+def same_on_every_rank(model: nn.Module, group: dist.ProcessGroup, device_type: str) -> None:
+    """Group rank 0's parameters and buffers on every rank of ``group``, before anything is cut
+    (torch's ``distribute_tensor`` scatters from rank 0 the same way, DDP broadcasts): ranks that
+    built the model from different seeds would otherwise each keep a shard of a different model.
+    In place, one broadcast per tensor: no flat copy of the whole model beside it at the build."""
+    src, seen = dist.get_global_rank(group, 0), set()
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if id(t) in seen or t.device.type != device_type:  # (another device: refused below)
+                continue
+            seen.add(id(t))
+            data = t.detach()
+            data = data.view(torch.uint8) if data.dtype == torch.bool else data
+            sent = data if data.is_contiguous() else data.contiguous()
+            dist.broadcast(sent, src=src, group=group)
+            if sent is not data:
+                data.copy_(sent)
 
 
 def _shard(model: nn.Module, layout: Layout, group: dist.ProcessGroup, tensor_mesh: Any) -> None:
