@@ -110,10 +110,9 @@ def _local_forward_per_block(model: nn.Module) -> None:
     it, and the gradients lived twice (autograd's and the buckets') at backward's peak.
     A pipeline's stages do the same already (``parallelize_pipeline``); FSDP per unit."""
     from macrogen.runtime import pipeline
+    from macrogen.runtime.expert_parallel import expert_parallel_of
     from macrogen.runtime.fully_sharded import repeated_layers
     from macrogen.runtime.parallelize.local import LOCAL, local_forward_per_unit
-
-    from macrogen.runtime.expert_parallel import expert_parallel_of
 
     if LOCAL not in model.__dict__ or pipeline.pipeline_of(model) is not None:
         return  # not tensor-parallel, or swapped per stage (and per block) already
