@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from macrogen.runtime.parallelize.local import LOCAL
 from tests.dist_checks import assert_within, dict_closeness, each_rank, run_check, tensor_closeness
 from tests.distributed import run_ranks
 from tests.helpers import expand, load_module
@@ -644,6 +645,9 @@ def _dp_tp_training(rank, world, source, tmp):
     report = {
         "mesh": (m.data_size, m.tensor_size, m.data_rank),
         "qkv shard shape": tuple(model.blocks[0].attn.qkv.weight.to_local().shape),
+        # under data parallel each block swaps its own shards: its gradients reach the buckets
+        # as its backward ends (the whole model's swap would hand them over at the very end)
+        "blocks swap their own": all(LOCAL in b.__dict__ for b in model.blocks),
         # shards cut from the serial initialization
         "initial": dict_closeness(full_state_dict(model), initial, rtol=0, atol=0),
     }
@@ -693,6 +697,10 @@ def test_gpt_data_x_tensor_mesh_and_shard_shapes(four_ranks):
     for rank, r in enumerate(four_ranks):
         assert r["mesh"] == (2, 2, rank // 2), (rank, r["mesh"])
         assert r["qkv shard shape"] == (3 * 32 // 2, 32), (rank, r["qkv shard shape"])
+
+
+def test_gpt_data_x_tensor_blocks_swap_their_own_shards(four_ranks):
+    assert all(r["blocks swap their own"] for r in four_ranks)
 
 
 def test_gpt_data_x_tensor_initial_shards_are_the_serial_initialization(four_ranks):

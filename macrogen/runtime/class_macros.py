@@ -56,6 +56,10 @@ def data_parallel_class(
                 self.__dict__[_SYNC] = self.__dict__.get("_mg_gradient_sync")
             else:
                 self.__dict__[_SYNC] = GradientSync(self, config, where=where, mesh=mesh)
+                if mesh.data_size > 1:  # a tensor-parallel model's blocks swap their own
+                    from macrogen.runtime.parallelize.steps import local_forward_per_block
+
+                    local_forward_per_block(self)
 
         @functools.wraps(apply)
         def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

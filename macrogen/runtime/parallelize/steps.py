@@ -99,11 +99,11 @@ def apply_data_parallel(
     sync = GradientSync(model, config or DataParallelConfig(), where=where, mesh=mesh)
     model.__dict__["_mg_gradient_sync"] = sync
     if mesh.data_size > 1:
-        _local_forward_per_block(model)
+        local_forward_per_block(model)
     return model
 
 
-def _local_forward_per_block(model: nn.Module) -> None:
+def local_forward_per_block(model: nn.Module) -> None:
     """Tensor parallel under data parallel: each repeated block swaps its own parameters, so
     that its gradients leave autograd when its backward ends. One swap for the whole model hands
     every gradient over at the end of backward: the buckets' all-reduces could not start before
