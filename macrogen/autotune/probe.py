@@ -161,7 +161,7 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     saved = SavedActivations(model, divisible, [b for _, b in blocks], planned)
     # one step. The gradients it frees first (zero_grad's set_to_none) were made before the
     # window: its peak above the start is the activations less them, so they are added back
-    before, at_forward = _grad_bytes(params.values()), []
+    before, at_forward = _grad_bytes(params.values()), list[int]()
 
     def forward_starts(*_: Any) -> None:
         if not at_forward:
