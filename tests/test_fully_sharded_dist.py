@@ -180,7 +180,7 @@ def _parity(rank, world, tmp, kind, wrap, micro):
     if wrap == "fsdp":  # hand-written FSDP2 on the same weights: the same bits
         from torch.distributed.fsdp import fully_shard
 
-        from macrogen.runtime.fully_sharded import repeated_layers
+        from macrogen.runtime.blocks import repeated_layers
         from macrogen.runtime.mesh import mesh
 
         torch.manual_seed(0)

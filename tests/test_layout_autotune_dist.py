@@ -103,7 +103,10 @@ def _the_search(outcome, text: str, feasible: list, world: int) -> None:
     assert f"measured {len(measured)} of {n} feasible layouts (exhaustive: {n})" in text
     assert outcome.winner is not None and outcome.stopped == "early stop"
     finalists = [c for c in measured if "times" in c]
-    assert len(finalists) == min(finals.FINALISTS, len(measured)) == len(outcome.finalists)
+    # the leaders (FINALISTS at most) and the fitted model's favourite when it is not one; the
+    # leaders are chosen again as their medians change: one displaced keeps the runs it had
+    assert set(outcome.finalists) <= {database.canonical(c["values"]) for c in finalists}
+    assert min(finals.FINALISTS, len(measured)) <= len(outcome.finalists) <= finals.FINALISTS + 1
     assert all(len(c["times"]) == finals.MIN_RUNS for c in finalists)
     assert outcome.new_measurements == len(measured) + (finals.MIN_RUNS - 1) * len(finalists)
     assert "timed side by side, in turns" in text
@@ -118,11 +121,11 @@ def _the_search(outcome, text: str, feasible: list, world: int) -> None:
 
 
 MOE = Path(__file__).resolve().parents[1] / "examples" / "layout_auto_moe.py"
-# per rank, below what data parallel alone needs (the probe predicts 855 KB replicated, 746
-# and 754 KB with every 2nd block or all recomputed, 821 KB under FSDP, 676 KB for ep=2): the
-# experts dealt over ep=2 fit, as do the pipeline's stages and FSDP with recompute (712 and
-# 720 KB)
-MOE_MEMORY = 730e3
+# per rank, below what data parallel alone needs (the probe predicts 929 KB replicated, 786
+# and 794 KB with every 2nd block or all recomputed, 821 KB under FSDP, 751 KB for ep=2): the
+# experts dealt over ep=2 fit, as do the pipeline's stages and FSDP with recompute (753 and
+# 761 KB)
+MOE_MEMORY = 770e3
 
 
 def test_layout_auto_searches_ep_for_a_mixture_of_experts(tmp_path: Path, monkeypatch) -> None:

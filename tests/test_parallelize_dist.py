@@ -234,7 +234,7 @@ def _parity(rank, world, tmp, kind, dp):
 def _gradients_leave_each_block_as_its_backward_ends(model, module):
     """Under data parallel the last block's gradients reach the buckets before the first block's
     backward ends (one swap for the whole model handed every gradient over at the very end)."""
-    from macrogen.runtime.fully_sharded import repeated_layers
+    from macrogen.runtime.blocks import repeated_layers
 
     blocks = [b for _, b in repeated_layers(model)]
     order = []

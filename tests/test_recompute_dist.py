@@ -146,7 +146,7 @@ def _parity(rank, world, tmp, kind):
 
 
 def _blocks(model):
-    from macrogen.runtime.fully_sharded import repeated_layers
+    from macrogen.runtime.blocks import repeated_layers
 
     return [b for _, b in repeated_layers(model)]
 

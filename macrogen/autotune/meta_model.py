@@ -94,7 +94,7 @@ def load_config(path: Path) -> Any:
 def _one_block(model: Any, seq: int, layers: int | None, source: str) -> ModelSpec:
     """Measure the model with its repeated blocks cut to the first (``layers`` of them, None:
     as many as it has), the others being copies of it."""
-    from macrogen.runtime.fully_sharded import repeated_layers
+    from macrogen.runtime.blocks import repeated_layers
 
     blocks = repeated_layers(model)
     if not blocks:

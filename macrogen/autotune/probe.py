@@ -73,7 +73,7 @@ def main(job_path: str, out_path: str) -> int:
 
 
 def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
-    from macrogen.runtime.fully_sharded import repeated_layers
+    from macrogen.runtime.blocks import repeated_layers
 
     factory = worker._entry_factory(job)
     if isinstance(factory, str):

@@ -57,7 +57,7 @@ def data_parallel_class(
             else:
                 self.__dict__[_SYNC] = GradientSync(self, config, where=where, mesh=mesh)
                 if mesh.data_size > 1:  # a tensor-parallel model's blocks swap their own
-                    from macrogen.runtime.parallelize.steps import local_forward_per_block
+                    from macrogen.runtime.parallelize.local import local_forward_per_block
 
                     local_forward_per_block(self)
 

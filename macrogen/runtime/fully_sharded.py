@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from macrogen.runtime import groups
+from macrogen.runtime.blocks import repeated_layers
 from macrogen.runtime.eager import eager
 from macrogen.runtime.mesh import Mesh, carry
 from macrogen.runtime.parallelize import is_tensor_parallel, local_forward_per_unit, path_pattern
@@ -48,23 +49,6 @@ class FullyShardedConfig:
     shard_units: tuple[str, ...] | None = None  # the modules to shard one by one (None: found)
     dp_replicate: int = 1  # > 1: HSDP, that many replicas of a sharded group
     accumulate: int = 1  # reduce gradients on every k-th forward only
-
-
-def repeated_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The blocks of the model's repeated layer list: the ModuleList of one class (2 or more
-    entries) holding the most parameters; [] when there is none."""
-    best: list[tuple[str, nn.Module]] = []
-    best_size = 0
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
-            continue
-        if len({type(child) for child in module}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if size > best_size:
-            prefix = f"{name}." if name else ""
-            best, best_size = [(f"{prefix}{i}", child) for i, child in enumerate(module)], size
-    return best
 
 
 def _units(

@@ -1,6 +1,6 @@
 """Activation recomputation of a built model's repeated blocks: ``mg.parallelize(recompute="blocks")``.
 
-Each block of the model's repeated layer list (``fully_sharded.repeated_layers``:
+Each block of the model's repeated layer list (``blocks.repeated_layers``:
 the ModuleList of one class that holds the most parameters) keeps only its
 input for backward and runs its forward again there, under torch's
 non-reentrant ``torch.utils.checkpoint`` (random ops replay the same numbers:
@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from macrogen.runtime.fully_sharded import repeated_layers
+from macrogen.runtime.blocks import repeated_layers
 from macrogen.runtime.parallelize.local import local_parameters, weakly_bound
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from macrogen.runtime.blocks import repeated_layers
 from macrogen.runtime.eager import eager
 
 if TYPE_CHECKING:
@@ -266,6 +267,20 @@ def local_forward_per_unit(
     for unit in units:  # each its own check: one small collective per unit, once
         fresh = check.fresh() if check is not None else None
         attach(unit, scope(unit) + list((owners or {}).get(unit, ())), fresh, watch)
+
+
+def local_forward_per_block(model: nn.Module) -> None:
+    """Tensor parallel under data parallel: each repeated block swaps its own parameters, so
+    that its gradients leave autograd when its backward ends. One swap for the whole model hands
+    every gradient over at the end of backward: the buckets' all-reduces could not start before
+    it, and the gradients lived twice (autograd's and the buckets') at backward's peak.
+    A pipeline's stages swap per block already (``parallelize_pipeline``: the model itself then
+    has no swap), FSDP per unit; ep keeps one swap for the rest (its experts swap their own)."""
+    if LOCAL not in model.__dict__ or any(OWN_SWAP in m.__dict__ for m in model.modules()):
+        return
+    blocks = [block for _, block in repeated_layers(model)]
+    if blocks:
+        local_forward_per_unit(model, [*blocks, model])
 
 
 @contextlib.contextmanager

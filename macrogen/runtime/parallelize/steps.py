@@ -99,25 +99,7 @@ def apply_data_parallel(
     sync = GradientSync(model, config or DataParallelConfig(), where=where, mesh=mesh)
     model.__dict__["_mg_gradient_sync"] = sync
     if mesh.data_size > 1:
+        from macrogen.runtime.parallelize.local import local_forward_per_block
+
         local_forward_per_block(model)
     return model
-
-
-def local_forward_per_block(model: nn.Module) -> None:
-    """Tensor parallel under data parallel: each repeated block swaps its own parameters, so
-    that its gradients leave autograd when its backward ends. One swap for the whole model hands
-    every gradient over at the end of backward: the buckets' all-reduces could not start before
-    it, and the gradients lived twice (autograd's and the buckets') at backward's peak.
-    A pipeline's stages do the same already (``parallelize_pipeline``); FSDP per unit."""
-    from macrogen.runtime import pipeline
-    from macrogen.runtime.expert_parallel import expert_parallel_of
-    from macrogen.runtime.fully_sharded import repeated_layers
-    from macrogen.runtime.parallelize.local import LOCAL, local_forward_per_unit
-
-    if LOCAL not in model.__dict__ or pipeline.pipeline_of(model) is not None:
-        return  # not tensor-parallel, or swapped per stage (and per block) already
-    if expert_parallel_of(model) is not None:
-        return  # ep: the experts swap their own, inside the blocks (one swap for the rest)
-    blocks = [block for _, block in repeated_layers(model)]
-    if blocks:
-        local_forward_per_unit(model, [*blocks, model])
