@@ -287,9 +287,7 @@ class GradientCheck:
             f" {self._listed(slots, indices)}, which the plan keeps whole, differ between the"
             " tensor-parallel ranks: each rank's copy saw only its shard of the activations"
             " (its heads, its tokens) and holds part of the gradient. Sum them: plan"
-            f" {{{plan}}} (transformers: 'replicated_with_grad_allreduce'). If they see the whole"
-            " activations, the ranks of a tensor group were fed different rows: give them the"
-            " same, by mg.mesh(model).data_rank"
+            f" {{{plan}}} (transformers: 'replicated_with_grad_allreduce')"
         )
 
     def _over(self, slots: list[tuple[nn.Module, str]], indices: list[int]) -> str:
