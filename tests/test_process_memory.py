@@ -115,3 +115,36 @@ def test_a_tensor_freed_on_another_thread_does_not_stay_in_the_window():
     # not 16 MiB: the frees are put back as their addresses come again (the allocator
     # need not hand the same address back every time: 2 to 8 MiB stay, run to run)
     assert window.peak <= 12 * (1 << 20), window.peak
+
+
+class _Grow(torch.nn.Module):
+    def forward(self, x):
+        self.kept = torch.empty(3 * MB, dtype=torch.uint8)  # what the forward leaves live
+        return x
+
+
+def test_the_forward_rise_is_what_the_model_forward_adds_apart_from_the_step():
+    model = _Grow()
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad = torch.ones(4)
+    rise = process_memory.ForwardRise([param], cuda=False)
+    hooks = rise.hooks(model)
+    with TensorPeak() as window:
+        before = torch.empty(5 * MB, dtype=torch.uint8)  # the step's, outside the forward
+        model(torch.ones(1))
+        model(torch.ones(1))  # only the first forward is the range
+    for h in hooks:
+        h.remove()
+    assert window.forward == 3 * MB and window.peak >= 8 * MB
+    assert rise.grads == 16  # the gradient bytes as the forward started
+    del before
+
+
+def test_on_cuda_the_forward_rise_reads_the_allocator_at_its_ends(monkeypatch):
+    allocated = iter([100, 100 + 7 * MB])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *_: next(allocated))
+    rise = process_memory.ForwardRise([], cuda=True)
+    model = torch.nn.Identity()
+    rise.hooks(model)
+    model(torch.ones(1))
+    assert rise.cuda_rise == 7 * MB and rise.grads == 0

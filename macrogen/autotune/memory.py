@@ -36,9 +36,9 @@ meta device (``init=``) has no build term: each rank allocates only its shards
 and holds one layer whole beside them, less than a step's peak.
 
 S is the optimizer's state (the probe counts the tensors of the optimizer over
-the model); A is the most a step's tensors rise outside the optimizer step above
-the parameters, the state and the gradients it keeps (the probe adds back the
-gradients ``zero_grad`` freed before the forward); T the optimizer step's own
+the model); A the activations: the larger of what the model's forward adds and
+what the step adds outside the optimizer step above the parameters, the state and
+the gradients it keeps (``probe.py``); T the optimizer step's own
 peak above its start. The activations peak at the forward's end, where the
 gradients exist only if the layout holds them: the data-parallel buckets (replicate,
 zero1 with D > 1) keep them between steps, a pipeline's micro-batches accumulate

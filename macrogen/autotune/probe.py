@@ -27,13 +27,14 @@ from typing import Any
 from macrogen.autotune.layouts import ModelShape
 from macrogen.autotune.memory import Profile
 from macrogen.autotune.probe_experts import ExpertsProbe
-from macrogen.autotune.process_memory import TensorPeak, warm_process
+from macrogen.autotune.process_memory import ForwardRise, TensorPeak, grad_bytes, warm_process
 from macrogen.autotune.saved_tensors import SavedActivations
 
 # what a stored probe measured: a probe of other measures is not reused (memory was the
 # resident set before, and carried no optimizer or activation shares; a CUDA probe's times
 # were the host's before 9)
-MEASURES = "tensor-bytes-11"  # 11: a mixture of experts' experts (probe_experts)
+# 12: the activations above the gradients, the forward's rise measured apart
+MEASURES = "tensor-bytes-12"
 
 
 class ProbeError(Exception):
@@ -159,19 +160,22 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
     state = _optimizer_bytes(optimizers, torch)  # None: no optimizer found over the model
     hooks += _mark_steps(optimizers, torch)
     saved = SavedActivations(model, divisible, [b for _, b in blocks], planned)
-    # one step. The gradients it frees first (zero_grad's set_to_none) were made before the
-    # window: its peak above the start is the activations less them, so they are added back
-    before, at_forward = _grad_bytes(params.values()), list[int]()
-
-    def forward_starts(*_: Any) -> None:
-        if not at_forward:
-            at_forward.append(_grad_bytes(params.values()))
-
-    first_forward = model.register_forward_pre_hook(forward_starts)
+    # one step, its forward a range of its own: the activations are what the forward adds
+    # (the step's peak above the window's start is the activations less the gradients that
+    # zero_grad freed, or, where the gradients outweigh them, backward's regrown gradients)
+    before = grad_bytes(params.values())
+    first_forward = ForwardRise(params.values(), cuda)
+    forward_hooks = first_forward.hooks(model)
     with TensorPeak(cuda=cuda) as one_step, saved.hooks():
         step()
-    first_forward.remove()
-    freed = max(0, before - at_forward[0]) if at_forward else 0
+    for h in forward_hooks:
+        h.remove()
+    freed = max(0, before - first_forward.grads) if first_forward.grads is not None else 0
+    grads_kept = first_forward.grads is not None and freed < before / 2
+    # what the step rises above what it keeps: kept gradients stay below the start; freed ones
+    # come back in backward, the peak's gradients at most
+    rise = one_step.unmarked if grads_kept else one_step.unmarked + freed - param_bytes
+    activations = max(0, rise, one_step.forward if not cuda else first_forward.cuda_rise)
     in_blocks.reset()  # from the timed steps on
     experts.reset()
     timing[0] = True
@@ -243,12 +247,12 @@ def _probe(job: dict[str, Any], torch: Any, worker: Any) -> dict[str, Any]:
             # builds it whole, whatever the layout
             "data_bytes": max(0, built.end - 2 * param_bytes - (state or 0)),
             # gradients and activations: the activations are the most a step's tensors rise
-            # outside the optimizer above the parameters, the state and the gradients it keeps
-            # (its peak above the window's start, plus the gradients it freed before its
-            # forward); the gradients, which the model counts on their own, are the parameters
-            "transient_bytes": one_step.unmarked + freed + param_bytes,
+            # outside the optimizer above the parameters, the state and the gradients (the
+            # larger of its forward's rise and the step's); the gradients, which the model
+            # counts on their own, are the parameters
+            "transient_bytes": activations + param_bytes,
             # the step keeps its gradients through the forward (zero_grad(set_to_none=False))
-            "grads_kept": bool(at_forward) and freed < before / 2,
+            "grads_kept": grads_kept,
             # the optimizer step's own temporaries (foreach buffers), above the gradients
             "optimizer_bytes": one_step.marked,
             "activation_sharded": saved.sharded_fraction(),
@@ -382,10 +386,6 @@ def _block_call_s(
             p.grad = g
     again = statistics.median(agains) if len(agains) == len(plains) else None
     return statistics.median(plains), again
-
-
-def _grad_bytes(params: Any) -> int:
-    return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
 
 
 def _optimizers(model: Any, torch: Any) -> list[Any]:

@@ -61,6 +61,7 @@ class TensorPeak:
         self.end = 0  # tensor bytes live at the end, above the start
         self.marked = 0  # on CPU: the most bytes above a marked range's start, within it
         self.unmarked = 0  # the peak outside the marked ranges (CUDA: the whole peak)
+        self.forward = 0  # on CPU: the most a FORWARD range adds above its start
         self._profiler: Any = None
         self._start = 0
 
@@ -100,6 +101,8 @@ class TensorPeak:
         self.peak = running_peak(events)
         self.end = sum(nbytes for _, nbytes in events)
         self.unmarked, self.marked = phase_peaks(events, ranges)
+        forwards = [(e.start_ns(), e.end_ns()) for e in recorded if e.name() == FORWARD]
+        self.forward = ranges_peak(events, forwards)
 
 
 def _allocations(results: Any) -> list[tuple[int, int, int]]:
@@ -138,6 +141,7 @@ def seen_frees(allocations: list[tuple[int, int, int]]) -> list[tuple[int, int]]
 
 
 MARK = "macrogen.memory_mark"  # a record_function range whose own peak TensorPeak reports
+FORWARD = "macrogen.memory_forward"  # a model's forward: its rise is reported apart (CPU only)
 
 
 def phase_peaks(events: list[tuple[int, int]], ranges: list[tuple[int, int]]) -> tuple[int, int]:
@@ -151,11 +155,15 @@ def phase_peaks(events: list[tuple[int, int]], ranges: list[tuple[int, int]]) ->
         live += nbytes
         if not inside(t):
             outside = max(outside, live)
-    marked = max(
+    return outside, ranges_peak(events, ranges)
+
+
+def ranges_peak(events: list[tuple[int, int]], ranges: list[tuple[int, int]]) -> int:
+    """The most any of ``ranges`` adds above its own start."""
+    return max(
         (running_peak([(t, n) for t, n in events if start <= t <= end]) for start, end in ranges),
         default=0,
     )
-    return outside, marked
 
 
 def running_peak(events: list[tuple[int, int]]) -> int:
@@ -165,3 +173,46 @@ def running_peak(events: list[tuple[int, int]]) -> int:
         live += nbytes
         top = max(top, live)
     return top
+
+
+class ForwardRise:
+    """The model's first forward in a step: the gradient bytes live as it starts, and the
+    forward as a profiler range (``TensorPeak.forward`` on CPU; on CUDA, the bytes allocated at
+    its end above its start)."""
+
+    def __init__(self, params: Any, cuda: bool):
+        import torch
+
+        self.params, self.torch, self.cuda = list(params), torch, cuda
+        self.grads: int | None = None  # None: the forward never ran as the model's
+        self.cuda_rise = 0
+        self._range: Any = None
+        self._start = 0
+
+    def hooks(self, model: Any) -> list[Any]:
+        return [
+            model.register_forward_pre_hook(self._enter),
+            model.register_forward_hook(self._leave, always_call=True),
+        ]
+
+    def _enter(self, *_: Any) -> None:
+        if self.grads is not None:
+            return
+        self.grads = grad_bytes(self.params)
+        if self.cuda:
+            self._start = int(self.torch.cuda.memory_allocated())
+        self._range = self.torch.autograd.profiler.record_function(FORWARD)
+        self._range.__enter__()
+
+    def _leave(self, *_: Any) -> None:
+        if self._range is None:
+            return
+        self._range.__exit__(None, None, None)
+        self._range = None
+        if self.cuda:
+            self.cuda_rise = max(0, int(self.torch.cuda.memory_allocated()) - self._start)
+
+
+def grad_bytes(params: Any) -> int:
+    """The bytes of the gradients ``params`` hold."""
+    return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from macrogen.runtime import groups
 from macrogen.runtime.mesh import SERIAL, Mesh, carry, mesh
+from macrogen.runtime.parallelize.local import local_forward_per_block
 from macrogen.vocabulary import DP_MODES
 
 APPLIED_AT = "_mg_parallelized_at"  # on a model mg.parallelize took: the site that took it
@@ -99,7 +100,5 @@ def apply_data_parallel(
     sync = GradientSync(model, config or DataParallelConfig(), where=where, mesh=mesh)
     model.__dict__["_mg_gradient_sync"] = sync
     if mesh.data_size > 1:
-        from macrogen.runtime.parallelize.local import local_forward_per_block
-
         local_forward_per_block(model)
     return model
